@@ -1,0 +1,37 @@
+//! `GET key`
+//!
+//! Answers the value as a bulk string (`$len\r\n<value>\r\n`) with the key's
+//! version in `__ts`, or `$-1\r\n` if there is no such key.
+
+use super::{Answer, Parse};
+use crate::error::Error;
+use crate::resp3::Frame;
+use crate::store::{Ctx, Store};
+
+/// A parsed GET.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Get<'a> {
+    /// The key.
+    pub key: &'a [u8],
+}
+
+impl<'a> Get<'a> {
+    pub(crate) fn parse(parse: &mut Parse<'a, '_>) -> Result<Get<'a>, Error> {
+        let key = parse.key()?;
+        parse.finish()?;
+        Ok(Get { key })
+    }
+
+    pub(crate) fn apply(self, store: &mut Store, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+        Ok(match store.db.get(self.key) {
+            Some(entry) => Answer {
+                frame: Frame::Bulk(entry.value().to_vec()),
+                version: entry.version(),
+            },
+            None => Answer {
+                frame: Frame::Null,
+                version: store.clock.now(ctx.now),
+            },
+        })
+    }
+}

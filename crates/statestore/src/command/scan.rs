@@ -1,0 +1,108 @@
+//! `SCAN pattern [token]`
+//!
+//! Lists the keys matching a glob `pattern` (see [`crate::glob`]) one page at
+//! a time. The first request has no token; each page that is not the last
+//! carries an opaque continuation token to send back for the next one:
+//!
+//! ```text
+//! *2\r\n*K\r\n$len\r\nkey…(K keys)…$len\r\ntoken\r\n    a page, more to come
+//! *1\r\n*K\r\n$len\r\nkey…(K keys)                       the last page
+//! ```
+//!
+//! A page holds at most the configured page size of keys. It may hold fewer,
+//! even none, and still not be the last: each request visits at most 16
+//! slots per key of page size, so that a pattern matching nothing cannot make
+//! one request walk a million keys.
+//! A scan always ends; it never returns a key twice while the store is
+//! unchanged; a key deleted before its page is served does not appear; the
+//! server keeps no state between pages (the token is a position in the
+//! store's slots, see [`crate::db::Db::scan`]). A token the store did not
+//! make is a `syntax error`.
+
+use super::{Answer, Parse};
+use crate::error::Error;
+use crate::glob::Pattern;
+use crate::resp3::Frame;
+use crate::store::{Ctx, Store};
+
+/// How many slots one page may visit per key of page size: bounds the work
+/// of one request when the pattern matches few keys.
+const SLOTS_PER_KEY: usize = 16;
+
+/// A parsed SCAN.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scan<'a> {
+    /// The glob pattern.
+    pub pattern: &'a [u8],
+    /// Where to continue; `None` for the first page.
+    pub token: Option<&'a [u8]>,
+}
+
+impl<'a> Scan<'a> {
+    pub(crate) fn parse(parse: &mut Parse<'a, '_>) -> Result<Scan<'a>, Error> {
+        let pattern = parse.required()?;
+        let token = parse.optional();
+        parse.finish()?;
+        Ok(Scan { pattern, token })
+    }
+
+    pub(crate) fn apply(self, store: &mut Store, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+        let start = match self.token {
+            None => 0,
+            Some(token) => decode_token(token)?,
+        };
+        let pattern = Pattern::new(self.pattern);
+        let page_size = store.config.scan_page_size;
+        let (keys, resume) = store.db.scan(
+            start,
+            page_size,
+            page_size.saturating_mul(SLOTS_PER_KEY),
+            &pattern,
+        );
+        let mut page = vec![Frame::Array(keys.into_iter().map(Frame::Bulk).collect())];
+        if let Some(next) = resume {
+            page.push(Frame::Bulk(encode_token(next)));
+        }
+        Ok(Answer {
+            frame: Frame::Array(page),
+            version: store.clock.now(ctx.now),
+        })
+    }
+}
+
+/// Tokens are `s` followed by the decimal slot number.
+fn encode_token(slot: usize) -> Vec<u8> {
+    format!("s{slot}").into_bytes()
+}
+
+fn decode_token(token: &[u8]) -> Result<usize, Error> {
+    let digits = token.strip_prefix(b"s").ok_or(Error::Syntax)?;
+    if digits.is_empty() || digits.len() > 12 || !digits.iter().all(u8::is_ascii_digit) {
+        return Err(Error::Syntax);
+    }
+    std::str::from_utf8(digits)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(Error::Syntax)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip_and_foreign_ones_are_refused() {
+        assert_eq!(decode_token(&encode_token(12345)), Ok(12345));
+        for bad in [
+            &b""[..],
+            b"s",
+            b"12",
+            b"sx",
+            b"s-1",
+            b"s9999999999999",
+            b"\x00\xff",
+        ] {
+            assert_eq!(decode_token(bad), Err(Error::Syntax), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! `VDEL key value`
+//!
+//! Deletes the key only if it holds exactly `value`: `:1` if deleted (with
+//! the version the key had in `__ts`), `:-1` if it holds another value, `:0`
+//! if there is no such key. This is how a lease holder releases a lock
+//! without releasing someone else's. Fencing tokens apply as for DEL.
+
+use super::{Answer, Parse};
+use crate::db::Entry;
+use crate::error::Error;
+use crate::fencing;
+use crate::notify::Notice;
+use crate::resp3::Frame;
+use crate::store::{Ctx, Store};
+
+/// A parsed VDEL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VDel<'a> {
+    /// The key.
+    pub key: &'a [u8],
+    /// The value the key must hold.
+    pub value: &'a [u8],
+}
+
+impl<'a> VDel<'a> {
+    pub(crate) fn parse(parse: &mut Parse<'a, '_>) -> Result<VDel<'a>, Error> {
+        let key = parse.key()?;
+        let value = parse.required()?;
+        parse.finish()?;
+        Ok(VDel { key, value })
+    }
+
+    pub(crate) fn apply(
+        self,
+        store: &mut Store,
+        ctx: &Ctx<'_>,
+        notices: &mut Vec<Notice>,
+    ) -> Result<Answer, Error> {
+        let Some(entry) = store.db.get(self.key) else {
+            return Ok(Answer {
+                frame: Frame::Integer(0),
+                version: store.clock.now(ctx.now),
+            });
+        };
+        fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
+        if entry.value() != self.value {
+            return Ok(Answer {
+                frame: Frame::Integer(-1),
+                version: entry.version(),
+            });
+        }
+        let version = store.delete(self.key, notices);
+        Ok(Answer {
+            frame: Frame::Integer(1),
+            version,
+        })
+    }
+}

@@ -1,0 +1,301 @@
+//! Versions as hybrid logical clocks (HLC).
+//!
+//! Every key carries a version: the HLC timestamp of the SET that wrote it.
+//! On the wire an HLC is `{wallClockMs}:{counter}:{nodeId}`; the official
+//! clients write it zero-padded (`{ms:015}:{counter:05}:{nodeId}`) and parse
+//! plain integers, so both forms are accepted here and the padded one is
+//! written.
+//!
+//! The clock follows the HLC update rules: a new version takes the largest of
+//! the store's last version, the wall clock, and the timestamp the request
+//! carries (`__ts`), and bumps the counter on a tie. So a version is always
+//! strictly greater than the request's `__ts` and than anything the store
+//! handed out before, even if the wall clock steps back.
+//!
+//! Timestamps that come from clients ([`Hlc`]: `__ts`, fencing tokens `__ft`)
+//! keep their own node id and a 64-bit counter. Versions minted here
+//! ([`Version`]) always carry the store's node id, so they are stored as just
+//! wall time and a 32-bit counter; when a counter would pass `u32::MAX` the
+//! clock moves its wall time one millisecond ahead instead, which keeps every
+//! ordering promise.
+
+use std::cmp::Ordering;
+use std::fmt;
+use std::str::FromStr;
+
+/// A timestamp as a client sends it (`__ts`, `__ft`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Hlc {
+    /// Milliseconds since the Unix epoch.
+    pub wall_ms: u64,
+    /// Logical counter for events within the same millisecond.
+    pub counter: u64,
+    /// The id of the node that made the timestamp.
+    pub node: String,
+}
+
+/// An `__ts` or `__ft` that is not `{integer}:{integer}:{nodeId}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MalformedTimestamp;
+
+impl FromStr for Hlc {
+    type Err = MalformedTimestamp;
+
+    /// ```
+    /// use statestore::hlc::Hlc;
+    /// let t: Hlc = "000001700000000000:00003:node-a".parse().unwrap();
+    /// assert_eq!((t.wall_ms, t.counter, t.node.as_str()), (1_700_000_000_000, 3, "node-a"));
+    /// assert!("1700000000000:3".parse::<Hlc>().is_err());
+    /// assert!("1700000000000:+3:n".parse::<Hlc>().is_err());
+    /// ```
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut parts = s.splitn(3, ':');
+        let wall_ms = parse_digits(parts.next())?;
+        let counter = parse_digits(parts.next())?;
+        let node = parts.next().ok_or(MalformedTimestamp)?;
+        if node.contains(':') {
+            return Err(MalformedTimestamp);
+        }
+        Ok(Hlc {
+            wall_ms,
+            counter,
+            node: node.to_owned(),
+        })
+    }
+}
+
+/// Plain decimal digits only: `u64::from_str` would also take a leading `+`.
+fn parse_digits(part: Option<&str>) -> Result<u64, MalformedTimestamp> {
+    let part = part.ok_or(MalformedTimestamp)?;
+    if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(MalformedTimestamp);
+    }
+    part.parse().map_err(|_| MalformedTimestamp)
+}
+
+impl fmt::Display for Hlc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:015}:{:05}:{}", self.wall_ms, self.counter, self.node)
+    }
+}
+
+impl Hlc {
+    /// Orders two timestamps by time (wall clock, then counter); node ids
+    /// only break exact ties, so that equal times from different nodes do not
+    /// compare equal by accident.
+    pub fn cmp_time(&self, other: &Hlc) -> Ordering {
+        (self.wall_ms, self.counter).cmp(&(other.wall_ms, other.counter))
+    }
+
+    /// Whether this timestamp is more than `max_skew_ms` ahead of `now_ms`.
+    pub fn is_ahead_of(&self, now_ms: u64, max_skew_ms: u64) -> bool {
+        self.wall_ms > now_ms.saturating_add(max_skew_ms)
+    }
+}
+
+/// A version minted by this store (the node id is the store's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Version {
+    /// Milliseconds since the Unix epoch.
+    pub wall_ms: u64,
+    /// Logical counter within `wall_ms`.
+    pub counter: u32,
+}
+
+impl Version {
+    /// This version as an [`Hlc`] of node `node`.
+    pub fn to_hlc(self, node: &str) -> Hlc {
+        Hlc {
+            wall_ms: self.wall_ms,
+            counter: u64::from(self.counter),
+            node: node.to_owned(),
+        }
+    }
+
+    /// The wire form, `{ms:015}:{counter:05}:{node}`.
+    pub fn format(self, node: &str) -> String {
+        format!("{:015}:{:05}:{}", self.wall_ms, self.counter, node)
+    }
+
+    fn time(self) -> (u64, u64) {
+        (self.wall_ms, u64::from(self.counter))
+    }
+}
+
+/// The store's clock: hands out strictly increasing [`Version`]s.
+#[derive(Debug, Clone)]
+pub struct HybridClock {
+    last: Version,
+}
+
+impl HybridClock {
+    /// A clock whose versions are all greater than `floor` (for a restart,
+    /// pass the highest version handed out before it).
+    pub fn starting_after(floor: Version) -> Self {
+        HybridClock { last: floor }
+    }
+
+    /// The last version handed out.
+    pub fn last(&self) -> Version {
+        self.last
+    }
+
+    /// The clock's reading at `wall_ms` without handing out a version: what
+    /// responses that change nothing report in `__ts`.
+    pub fn now(&self, wall_ms: u64) -> Version {
+        if wall_ms > self.last.wall_ms {
+            Version {
+                wall_ms,
+                counter: 0,
+            }
+        } else {
+            self.last
+        }
+    }
+
+    /// Hands out a new version: greater than every earlier one, than
+    /// `received` (the request's `__ts`), and not behind the wall clock.
+    ///
+    /// ```
+    /// use statestore::hlc::{HybridClock, Hlc, Version};
+    /// let mut clock = HybridClock::starting_after(Version::default());
+    /// let a = clock.next(1_000, None);
+    /// let b = clock.next(999, None); // the wall clock stepped back
+    /// assert!(b > a);
+    /// let ahead: Hlc = "5000:7:other".parse().unwrap();
+    /// let c = clock.next(1_000, Some(&ahead));
+    /// assert_eq!((c.wall_ms, c.counter), (5_000, 8));
+    /// ```
+    pub fn next(&mut self, wall_ms: u64, received: Option<&Hlc>) -> Version {
+        let last = self.last.time();
+        let recv = received.map_or((0, 0), |h| (h.wall_ms, h.counter));
+        let wall = wall_ms.max(last.0).max(recv.0);
+        // The counter must beat every candidate that shares the winning wall time.
+        let floor = [last, recv]
+            .iter()
+            .filter(|(w, _)| *w == wall)
+            .map(|(_, c)| c.checked_add(1))
+            .max();
+        let next = match floor {
+            None => Some((wall, 0)),
+            Some(Some(c)) => u32::try_from(c).ok().map(|c| (wall, u64::from(c))),
+            Some(None) => None,
+        };
+        // A counter past u32::MAX: move to the next millisecond instead.
+        let (wall, counter) = next.unwrap_or((wall.saturating_add(1), 0));
+        self.last = Version {
+            wall_ms: wall,
+            counter: counter as u32,
+        };
+        self.last
+    }
+}
+
+/// Compares a store version with a client timestamp by time.
+pub fn cmp_version_hlc(v: Version, h: &Hlc) -> Ordering {
+    v.time().cmp(&(h.wall_ms, h.counter))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hlc(s: &str) -> Hlc {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn parses_padded_and_plain_forms() {
+        assert_eq!(hlc("000000000000010:00002:n"), hlc("10:2:n"));
+        assert_eq!(hlc("10:2:").node, "");
+    }
+
+    #[test]
+    fn rejects_malformed() {
+        for s in [
+            "",
+            "1",
+            "1:2",
+            "a:2:n",
+            "1:b:n",
+            "-1:2:n",
+            "1:2:n:extra",
+            " 1:2:n",
+            "99999999999999999999:2:n",
+            "1:99999999999999999999:n",
+        ] {
+            assert!(s.parse::<Hlc>().is_err(), "{s}");
+        }
+    }
+
+    #[test]
+    fn formats_like_the_clients() {
+        let v = Version {
+            wall_ms: 1_700_000_000_123,
+            counter: 7,
+        };
+        assert_eq!(v.format("sb"), "001700000000123:00007:sb");
+        assert_eq!(hlc(&v.format("sb")), v.to_hlc("sb"));
+    }
+
+    #[test]
+    fn next_beats_received_on_the_same_millisecond() {
+        let mut clock = HybridClock::starting_after(Version::default());
+        let v = clock.next(100, Some(&hlc("100:41:x")));
+        assert_eq!(
+            v,
+            Version {
+                wall_ms: 100,
+                counter: 42
+            }
+        );
+        let v = clock.next(100, Some(&hlc("100:3:x")));
+        assert_eq!(
+            v,
+            Version {
+                wall_ms: 100,
+                counter: 43
+            }
+        );
+        let v = clock.next(101, None);
+        assert_eq!(
+            v,
+            Version {
+                wall_ms: 101,
+                counter: 0
+            }
+        );
+    }
+
+    #[test]
+    fn counter_overflow_moves_to_the_next_millisecond() {
+        let mut clock = HybridClock::starting_after(Version::default());
+        let v = clock.next(100, Some(&hlc(&format!("100:{}:x", u64::MAX))));
+        assert_eq!(
+            v,
+            Version {
+                wall_ms: 101,
+                counter: 0
+            }
+        );
+        let v = clock.next(100, Some(&hlc(&format!("200:{}:x", u32::MAX))));
+        assert_eq!(
+            v,
+            Version {
+                wall_ms: 201,
+                counter: 0
+            }
+        );
+        assert_eq!(
+            cmp_version_hlc(v, &hlc(&format!("200:{}:x", u32::MAX))),
+            Ordering::Greater
+        );
+    }
+
+    #[test]
+    fn skew_check() {
+        assert!(!hlc("160000:0:n").is_ahead_of(100_000, 60_000));
+        assert!(hlc("160001:0:n").is_ahead_of(100_000, 60_000));
+        assert!(!hlc(&format!("{}:0:n", u64::MAX)).is_ahead_of(u64::MAX, 1));
+    }
+}

@@ -1,0 +1,273 @@
+//! RESP3, the framing of every state store payload.
+//!
+//! A **request** is always an array of bulk strings: `*N\r\n`, then for each
+//! argument `$len\r\n` followed by exactly `len` bytes and `\r\n`. The bytes are
+//! arbitrary (CR and LF included), which is why lengths, not delimiters, frame
+//! them:
+//!
+//! ```text
+//! *3\r\n$3\r\nSET\r\n$4\r\nkey1\r\n$6\r\nvalue1\r\n     SET key1 value1
+//! ```
+//!
+//! A **response** is one frame: `+OK\r\n` (simple string), `-ERR text\r\n`
+//! (error), `:1\r\n` (integer), `$6\r\nvalue1\r\n` (bulk string), `$-1\r\n`
+//! (null bulk: "no such key"), or an array of frames (SCAN pages).
+//!
+//! [`parse_request`] is strict: anything that is not exactly one array of bulk
+//! strings (other frame types inside, null bulks, lengths that overflow or point
+//! past the end, a missing `\r\n`, bytes after the array) is a
+//! [`SyntaxError`], which the store answers with `-ERR syntax error`.
+
+use std::fmt;
+
+/// A payload that is not a well-formed RESP3 request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SyntaxError;
+
+impl fmt::Display for SyntaxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("syntax error")
+    }
+}
+
+impl std::error::Error for SyntaxError {}
+
+/// Parses a request payload into its arguments, borrowing from `payload`.
+///
+/// ```
+/// use statestore::resp3::parse_request;
+/// let args = parse_request(b"*2\r\n$3\r\nGET\r\n$2\r\n\r\n\r\n").unwrap();
+/// assert_eq!(args, vec![&b"GET"[..], &b"\r\n"[..]]);
+/// assert!(parse_request(b"*1\r\n$3\r\nGET\r\nextra").is_err());
+/// ```
+pub fn parse_request(payload: &[u8]) -> Result<Vec<&[u8]>, SyntaxError> {
+    let mut cursor = Cursor::new(payload);
+    let count = cursor.length_line(b'*')?;
+    // Every element takes at least 6 bytes (`$0\r\n\r\n`): never trust the
+    // count for an allocation before the bytes are there to back it.
+    if count > cursor.remaining() / 6 {
+        return Err(SyntaxError);
+    }
+    let mut args = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = cursor.length_line(b'$')?;
+        args.push(cursor.take(len)?);
+        cursor.crlf()?;
+    }
+    if cursor.remaining() != 0 {
+        return Err(SyntaxError);
+    }
+    Ok(args)
+}
+
+/// A parse position in a payload: the "parse cursor" of the request codec.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Cursor { buf, pos: 0 }
+    }
+
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    /// Reads `<prefix><digits>\r\n` and returns the number. Only plain decimal
+    /// digits are accepted: no sign, no spaces, no null (`-1`) lengths.
+    fn length_line(&mut self, prefix: u8) -> Result<usize, SyntaxError> {
+        if self.buf.get(self.pos) != Some(&prefix) {
+            return Err(SyntaxError);
+        }
+        self.pos += 1;
+        let start = self.pos;
+        let mut value: usize = 0;
+        while let Some(&b) = self.buf.get(self.pos) {
+            if !b.is_ascii_digit() {
+                break;
+            }
+            value = value
+                .checked_mul(10)
+                .and_then(|v| v.checked_add(usize::from(b - b'0')))
+                .ok_or(SyntaxError)?;
+            self.pos += 1;
+        }
+        if self.pos == start {
+            return Err(SyntaxError);
+        }
+        self.crlf()?;
+        Ok(value)
+    }
+
+    fn take(&mut self, len: usize) -> Result<&'a [u8], SyntaxError> {
+        if len > self.remaining() {
+            return Err(SyntaxError);
+        }
+        let bytes = &self.buf[self.pos..self.pos + len];
+        self.pos += len;
+        Ok(bytes)
+    }
+
+    fn crlf(&mut self) -> Result<(), SyntaxError> {
+        if self.buf.get(self.pos..self.pos + 2) == Some(b"\r\n") {
+            self.pos += 2;
+            Ok(())
+        } else {
+            Err(SyntaxError)
+        }
+    }
+}
+
+/// A response frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// `+OK\r\n`
+    Simple(&'static str),
+    /// `-ERR <text>\r\n`; the text is one of [`crate::Error`]'s.
+    Error(&'static str),
+    /// `:<n>\r\n`
+    Integer(i64),
+    /// `$<len>\r\n<bytes>\r\n`
+    Bulk(Vec<u8>),
+    /// `$-1\r\n`
+    Null,
+    /// `*<n>\r\n` followed by n frames.
+    Array(Vec<Frame>),
+}
+
+impl Frame {
+    /// Appends the wire form of this frame to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Frame::Simple(s) => {
+                out.push(b'+');
+                out.extend_from_slice(s.as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            Frame::Error(text) => {
+                out.extend_from_slice(b"-ERR ");
+                out.extend_from_slice(text.as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            Frame::Integer(n) => {
+                out.push(b':');
+                out.extend_from_slice(n.to_string().as_bytes());
+                out.extend_from_slice(b"\r\n");
+            }
+            Frame::Bulk(bytes) => encode_bulk(bytes, out),
+            Frame::Null => out.extend_from_slice(b"$-1\r\n"),
+            Frame::Array(items) => {
+                out.push(b'*');
+                out.extend_from_slice(items.len().to_string().as_bytes());
+                out.extend_from_slice(b"\r\n");
+                for item in items {
+                    item.encode(out);
+                }
+            }
+        }
+    }
+
+    /// The wire form of this frame.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.encode(&mut out);
+        out
+    }
+}
+
+/// Appends `$<len>\r\n<bytes>\r\n` to `out`.
+pub fn encode_bulk(bytes: &[u8], out: &mut Vec<u8>) {
+    out.push(b'$');
+    out.extend_from_slice(bytes.len().to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Encodes a request the way the official clients do; for tests and tools.
+///
+/// ```
+/// use statestore::resp3::{encode_request, parse_request};
+/// let wire = encode_request(&["GET", "k"]);
+/// assert_eq!(wire, b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n");
+/// assert_eq!(parse_request(&wire).unwrap(), vec![&b"GET"[..], &b"k"[..]]);
+/// ```
+pub fn encode_request<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + args.iter().map(|a| a.as_ref().len() + 8).sum::<usize>());
+    out.push(b'*');
+    out.extend_from_slice(args.len().to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for arg in args {
+        encode_bulk(arg.as_ref(), &mut out);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_binary_arguments() {
+        let args = parse_request(b"*3\r\n$3\r\nSET\r\n$1\r\n\n\r\n$0\r\n\r\n").unwrap();
+        assert_eq!(args, vec![&b"SET"[..], &b"\n"[..], &b""[..]]);
+    }
+
+    #[test]
+    fn rejects_malformed_payloads() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"GET key\r\n",
+            b"*",
+            b"*1",
+            b"*1\r\n",
+            b"*1\r\n$3\r\nGE",
+            b"*1\r\n$3\r\nGET",
+            b"*1\r\n$3\r\nGETX\r\n",
+            b"*1\r\n$3\r\nGET\r\n\r\n",
+            b"*2\r\n$3\r\nGET\r\n",
+            b"*1\r\n$-1\r\n",
+            b"*-1\r\n",
+            b"*1\r\n:1\r\n",
+            b"*1\r\n+OK\r\n",
+            b"*1\r\n*1\r\n$1\r\na\r\n",
+            b"*1\r\n$+3\r\nGET\r\n",
+            b"*1\r\n$ 3\r\nGET\r\n",
+            b"*1\r\n$3\nGET\r\n",
+            b"*99999999999999999999999\r\n",
+            b"*1\r\n$99999999999999999999999\r\nx\r\n",
+            b"*1\r\n$18446744073709551615\r\nx\r\n",
+            b"*4294967295\r\n$1\r\na\r\n",
+            b"$3\r\nGET\r\n",
+        ];
+        for payload in bad {
+            assert_eq!(parse_request(payload), Err(SyntaxError), "{payload:?}");
+        }
+    }
+
+    #[test]
+    fn empty_array_parses_to_no_arguments() {
+        assert_eq!(parse_request(b"*0\r\n").unwrap(), Vec::<&[u8]>::new());
+    }
+
+    #[test]
+    fn encodes_every_frame_type() {
+        assert_eq!(Frame::Simple("OK").to_vec(), b"+OK\r\n");
+        assert_eq!(
+            Frame::Error("syntax error").to_vec(),
+            b"-ERR syntax error\r\n"
+        );
+        assert_eq!(Frame::Integer(-1).to_vec(), b":-1\r\n");
+        assert_eq!(
+            Frame::Bulk(b"a\r\nb".to_vec()).to_vec(),
+            b"$4\r\na\r\nb\r\n"
+        );
+        assert_eq!(Frame::Null.to_vec(), b"$-1\r\n");
+        assert_eq!(
+            Frame::Array(vec![Frame::Array(vec![Frame::Bulk(b"k".to_vec())])]).to_vec(),
+            b"*1\r\n*1\r\n$1\r\nk\r\n"
+        );
+    }
+}
