@@ -1,1 +1,106 @@
-fn main() {}
+//! `statebroker`: an MQTT 5 / 3.1.1 broker with the Azure IoT Operations
+//! state store inside.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use broker::{Broker, Settings};
+use clap::Parser;
+
+/// An MQTT 5 and 3.1.1 broker (rumqttd's router) with the Azure IoT
+/// Operations state store built in: key/value requests over MQTT with RESP3
+/// payloads, HLC versions, fencing tokens, expiry, KEYNOTIFY and SCAN.
+///
+/// Without arguments it listens on 0.0.0.0:1883 with the embedded default
+/// configuration (the repository's rumqttd.toml). Log level: RUST_LOG
+/// (default "info,rumqttd=warn"), e.g. RUST_LOG=debug or RUST_LOG=broker=debug.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about)]
+struct Cli {
+    /// Configuration file in rumqttd.toml format, layered over the defaults.
+    /// Environment variables STATEBROKER__<SECTION>__<KEY> override it.
+    #[arg(short, long, value_name = "FILE", env = "STATEBROKER_CONFIG")]
+    config: Option<PathBuf>,
+
+    /// Listen on this address instead of the configured listeners.
+    #[arg(short, long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+
+    /// Print the embedded default configuration and exit.
+    #[arg(long)]
+    print_default_config: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if cli.print_default_config {
+        print!("{}", broker::config::DEFAULT_CONFIG);
+        return ExitCode::SUCCESS;
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rumqttd=warn")),
+        )
+        .init();
+    let settings = match Settings::load(cli.config.as_deref(), cli.listen) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("statebroker: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("statebroker: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(settings))
+}
+
+async fn run(settings: Settings) -> ExitCode {
+    let running = match Broker::start(settings).await {
+        Ok(running) => running,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("statebroker: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let signal = wait_for_signal().await;
+    tracing::info!(signal, "stopping");
+    running.shutdown(Duration::from_secs(5)).await;
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
+}
+
+/// Waits for Ctrl-C or SIGTERM.
+async fn wait_for_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return "SIGINT";
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
+}

@@ -1,1 +1,141 @@
-pub fn placeholder() {}
+//! statebroker's MQTT side.
+//!
+//! ```text
+//!  TCP accept (listener.rs, TCP_NODELAY on every socket)
+//!         │  MQTT 3.1.1 / 5 codecs from rumqttd (codec.rs)
+//!         ▼
+//!  connection task, one per client (connection.rs)
+//!    CONNECT checks, keep-alive, wills (will.rs), topic rules (topics.rs);
+//!    state store requests go straight to ──────────────┐
+//!         │  rumqttd::local link                        ▼
+//!         ▼                                  state store service (service.rs)
+//!  rumqttd router (router.rs): routing,       runs statestore::Store, publishes
+//!  QoS, sessions, retained, shared subs  ◄─── responses and notifications
+//! ```
+//!
+//! [`Broker::start`] runs it all inside the current tokio runtime; the
+//! `statebroker` binary and the end-to-end tests both use it.
+
+#![warn(missing_docs)]
+
+pub mod codec;
+pub mod config;
+mod connection;
+mod listener;
+pub mod router;
+pub mod service;
+pub mod topics;
+pub mod will;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+
+pub use config::Settings;
+pub use service::StateStoreService;
+
+/// What every connection task shares.
+pub(crate) struct Shared {
+    settings: Settings,
+    router: router::Router,
+    store: Arc<StateStoreService>,
+    wills: Arc<will::WillRegistry>,
+    permits: Arc<Semaphore>,
+    next_connection: AtomicU64,
+    started_nanos: u128,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// A broker ready to start.
+pub struct Broker;
+
+/// A running broker.
+pub struct RunningBroker {
+    addrs: Vec<SocketAddr>,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+}
+
+impl Broker {
+    /// Binds every listener, starts the router and the state store service,
+    /// and starts accepting clients. Returns once the broker is serving.
+    pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
+        let router = router::Router::spawn(settings.router_id, settings.router.clone());
+        let store = StateStoreService::start(&router, settings.store_config()).await?;
+        let wills = will::WillRegistry::new(&store);
+        let (stop, shutdown) = watch::channel(false);
+        let mut sockets = Vec::new();
+        for listener in &settings.listeners {
+            let socket = TcpListener::bind(listener.addr).await.map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!(
+                        "cannot listen on {} ({}): {e}",
+                        listener.addr, listener.name
+                    ),
+                )
+            })?;
+            sockets.push((socket, Arc::new(listener.clone())));
+        }
+        let shared = Arc::new(Shared {
+            permits: Arc::new(Semaphore::new(settings.router.max_connections)),
+            settings,
+            router,
+            store,
+            wills,
+            next_connection: AtomicU64::new(1),
+            started_nanos: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+            shutdown,
+        });
+        let mut addrs = Vec::new();
+        for (socket, listener) in sockets {
+            let addr = socket.local_addr()?;
+            tracing::info!(%addr, listener = listener.name, "listening (MQTT 3.1.1 and 5)");
+            addrs.push(addr);
+            tokio::spawn(listener::accept_loop(socket, listener, Arc::clone(&shared)));
+        }
+        Ok(RunningBroker {
+            addrs,
+            shared,
+            stop,
+        })
+    }
+}
+
+impl RunningBroker {
+    /// The address of the first listener (with the real port if 0 was configured).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addrs[0]
+    }
+
+    /// The addresses of all listeners.
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// The state store service (for tests and tools).
+    pub fn store(&self) -> &Arc<StateStoreService> {
+        &self.shared.store
+    }
+
+    /// Connections open right now.
+    pub fn connection_count(&self) -> usize {
+        self.shared.settings.router.max_connections - self.shared.permits.available_permits()
+    }
+
+    /// Stops accepting, disconnects every client (MQTT 5 clients hear
+    /// "server shutting down"), and waits up to `grace` for them to go.
+    pub async fn shutdown(self, grace: Duration) {
+        let _ = self.stop.send(true);
+        let deadline = tokio::time::Instant::now() + grace;
+        while self.connection_count() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}

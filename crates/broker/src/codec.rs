@@ -1,0 +1,287 @@
+//! MQTT framing on one socket: which protocol a client speaks, and safe use
+//! of rumqttd's codecs.
+//!
+//! One port serves MQTT 3.1.1 and MQTT 5: the protocol level in the CONNECT
+//! packet (4 or 5) picks the codec, as mosquitto does.
+//!
+//! rumqttd's decoders are used as they are, with guards around the inputs
+//! that would make them panic: packet types a client never sends (CONNACK,
+//! SUBACK, UNSUBACK, PINGRESP) are refused before decoding (the v5 decoder
+//! hits `unreachable!()` on some of them), and packets with MQTT 5 properties
+//! are stripped before the 3.1.1 encoder sees them (it panics on properties).
+//! A decoder panic that fuzzing has not found yet is still caught and turned
+//! into a malformed-packet disconnect, never a crash of the broker.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use bytes::BytesMut;
+use rumqttd::protocol::{Packet, Protocol as _, v4::V4, v5::V5};
+
+/// The MQTT version a connection speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// MQTT 3.1.1 (protocol level 4).
+    V4,
+    /// MQTT 5 (protocol level 5).
+    V5,
+}
+
+/// Why bytes from a client could not be turned into a packet.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// The packet is larger than the configured maximum.
+    #[error("packet of {0} bytes is larger than the maximum")]
+    TooLarge(usize),
+    /// The bytes do not form a valid packet.
+    #[error("malformed packet: {0}")]
+    Malformed(String),
+    /// A packet a client may not send.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// The first packet is a CONNECT of a protocol level we do not serve.
+    #[error("unsupported protocol level {0}")]
+    UnsupportedLevel(u8),
+}
+
+/// A decoded packet and what rumqttd keeps private about it.
+#[derive(Debug)]
+pub struct Incoming {
+    /// The packet.
+    pub packet: Packet,
+    /// For PUBLISH: the QoS from the fixed header.
+    pub qos: u8,
+    /// For PUBLISH at QoS 1 or 2: the packet identifier.
+    pub pkid: u16,
+}
+
+/// The size of the next frame in `buf`: `Ok(None)` if more bytes are needed.
+fn frame(buf: &[u8], max_packet_size: usize) -> Result<Option<(usize, usize)>, CodecError> {
+    let mut remaining: usize = 0;
+    for i in 0..4 {
+        let Some(&byte) = buf.get(1 + i) else {
+            return Ok(None);
+        };
+        remaining |= usize::from(byte & 0x7F) << (7 * i);
+        if byte & 0x80 == 0 {
+            if remaining > max_packet_size {
+                return Err(CodecError::TooLarge(remaining));
+            }
+            let header_len = 2 + i;
+            let total = header_len + remaining;
+            return Ok((buf.len() >= total).then_some((header_len, total)));
+        }
+    }
+    Err(CodecError::Malformed(
+        "remaining length longer than 4 bytes".into(),
+    ))
+}
+
+/// Tells the protocol from the first bytes of a connection (a CONNECT).
+/// `Ok(None)`: not enough bytes yet.
+pub fn detect(buf: &[u8], max_packet_size: usize) -> Result<Option<Protocol>, CodecError> {
+    let Some((header_len, _)) = frame(buf, max_packet_size)? else {
+        return Ok(None);
+    };
+    if buf[0] != 0x10 {
+        return Err(CodecError::Protocol(
+            "the first packet must be CONNECT".into(),
+        ));
+    }
+    let body = &buf[header_len..];
+    let name_len = match body.get(..2) {
+        Some(b) => usize::from(u16::from_be_bytes([b[0], b[1]])),
+        None => return Err(CodecError::Malformed("CONNECT too short".into())),
+    };
+    let name = body.get(2..2 + name_len);
+    let level = body.get(2 + name_len).copied();
+    match (name, level) {
+        (Some(b"MQTT"), Some(4)) => Ok(Some(Protocol::V4)),
+        (Some(b"MQTT"), Some(5)) => Ok(Some(Protocol::V5)),
+        (Some(_), Some(level)) => Err(CodecError::UnsupportedLevel(level)),
+        _ => Err(CodecError::Malformed(
+            "CONNECT without protocol level".into(),
+        )),
+    }
+}
+
+impl Protocol {
+    /// Decodes the next packet from `buf`, consuming its bytes.
+    /// `Ok(None)`: not enough bytes yet.
+    pub fn read(
+        self,
+        buf: &mut BytesMut,
+        max_packet_size: usize,
+    ) -> Result<Option<Incoming>, CodecError> {
+        let Some((header_len, total)) = frame(buf, max_packet_size)? else {
+            return Ok(None);
+        };
+        let byte0 = buf[0];
+        let (mut qos, mut pkid) = (0, 0);
+        match byte0 >> 4 {
+            3 => {
+                qos = (byte0 >> 1) & 3;
+                if qos == 3 {
+                    return Err(CodecError::Malformed("PUBLISH with QoS 3".into()));
+                }
+                if qos > 0 {
+                    let body = &buf[header_len..total];
+                    let topic_len = body
+                        .get(..2)
+                        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])));
+                    let id = topic_len.and_then(|t| body.get(2 + t..4 + t));
+                    pkid = match id {
+                        Some(b) => u16::from_be_bytes([b[0], b[1]]),
+                        None => {
+                            return Err(CodecError::Malformed("PUBLISH without packet id".into()));
+                        }
+                    };
+                    if pkid == 0 {
+                        return Err(CodecError::Malformed("PUBLISH with packet id 0".into()));
+                    }
+                }
+            }
+            1 | 4 | 5 | 6 | 7 | 8 | 10 | 12 | 14 => {}
+            15 => return Err(CodecError::Protocol("AUTH is not supported".into())),
+            other => {
+                return Err(CodecError::Protocol(format!(
+                    "a client may not send packet type {other}"
+                )));
+            }
+        }
+        let decoded = catch_unwind(AssertUnwindSafe(|| match self {
+            Protocol::V4 => V4.read_mut(buf, max_packet_size),
+            Protocol::V5 => V5.read_mut(buf, max_packet_size),
+        }));
+        match decoded {
+            Ok(Ok(packet)) => Ok(Some(Incoming { packet, qos, pkid })),
+            Ok(Err(e)) => Err(CodecError::Malformed(format!("{e:?}"))),
+            Err(_) => Err(CodecError::Malformed("decoder failure".into())),
+        }
+    }
+
+    /// Encodes `packet` for this protocol. Packets 3.1.1 has no form for
+    /// (DISCONNECT from a server) are skipped; MQTT 5 properties are dropped
+    /// for 3.1.1 clients.
+    pub fn write(self, packet: Packet, out: &mut BytesMut) -> Result<(), CodecError> {
+        let result = match self {
+            Protocol::V5 => V5.write(packet, out),
+            Protocol::V4 => match strip_properties(packet) {
+                Some(packet) => V4.write(packet, out),
+                None => return Ok(()),
+            },
+        };
+        result
+            .map(|_| ())
+            .map_err(|e| CodecError::Malformed(format!("cannot encode: {e:?}")))
+    }
+}
+
+/// The 3.1.1 form of a packet: no properties; `None` if it has none.
+fn strip_properties(packet: Packet) -> Option<Packet> {
+    Some(match packet {
+        Packet::Publish(p, _) => Packet::Publish(p, None),
+        Packet::PubAck(p, _) => Packet::PubAck(p, None),
+        Packet::PubRec(p, _) => Packet::PubRec(p, None),
+        Packet::PubRel(p, _) => Packet::PubRel(p, None),
+        Packet::PubComp(p, _) => Packet::PubComp(p, None),
+        Packet::SubAck(p, _) => Packet::SubAck(p, None),
+        Packet::UnsubAck(p, _) => Packet::UnsubAck(p, None),
+        Packet::ConnAck(p, _) => Packet::ConnAck(p, None),
+        Packet::Subscribe(p, _) => Packet::Subscribe(p, None),
+        Packet::Unsubscribe(p, _) => Packet::Unsubscribe(p, None),
+        Packet::Connect(c, _, will, _, login) => Packet::Connect(c, None, will, None, login),
+        Packet::Disconnect(..) => return None,
+        p @ (Packet::PingReq(_) | Packet::PingResp(_)) => p,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect(level: u8) -> Vec<u8> {
+        // CONNECT, "MQTT", level, flags (clean), keep alive 60, [props], client id "a"
+        let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', level, 0x02, 0, 60];
+        if level == 5 {
+            body.push(0);
+        }
+        body.extend_from_slice(&[0, 1, b'a']);
+        let mut packet = vec![0x10, body.len() as u8];
+        packet.extend(body);
+        packet
+    }
+
+    #[test]
+    fn detects_protocol_level() {
+        assert_eq!(detect(&connect(4), 1024), Ok(Some(Protocol::V4)));
+        assert_eq!(detect(&connect(5), 1024), Ok(Some(Protocol::V5)));
+        assert_eq!(
+            detect(&connect(3), 1024),
+            Err(CodecError::UnsupportedLevel(3))
+        );
+        assert_eq!(detect(&connect(5)[..5], 1024), Ok(None));
+        assert!(detect(&[0x30, 0x00], 1024).is_err());
+        assert!(matches!(
+            detect(&[0x10, 0xFF, 0xFF, 0xFF, 0x7F], 1024),
+            Err(CodecError::TooLarge(_))
+        ));
+        assert!(matches!(
+            detect(&[0x10, 0xFF, 0xFF, 0xFF, 0xFF, 0x01], usize::MAX),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn reads_connect() {
+        for (level, protocol) in [(4, Protocol::V4), (5, Protocol::V5)] {
+            let mut buf = BytesMut::from(&connect(level)[..]);
+            let incoming = protocol.read(&mut buf, 1024).unwrap().unwrap();
+            assert!(matches!(incoming.packet, Packet::Connect(..)));
+            assert!(buf.is_empty());
+        }
+    }
+
+    #[test]
+    fn refuses_server_only_packets_without_decoding() {
+        // CONNACK, SUBACK, UNSUBACK, PINGRESP from a client; the v5 decoder
+        // would reach `unreachable!()` on some of these.
+        for bytes in [
+            &[0x20u8, 0x03, 0, 0, 0][..],
+            &[0x90, 3, 0, 1, 0],
+            &[0xB0, 3, 0, 1, 0],
+            &[0xD0, 0],
+        ] {
+            for protocol in [Protocol::V4, Protocol::V5] {
+                let mut buf = BytesMut::from(bytes);
+                assert!(
+                    matches!(protocol.read(&mut buf, 1024), Err(CodecError::Protocol(_))),
+                    "{bytes:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn publish_qos_and_packet_id_from_the_raw_header() {
+        // QoS 1 PUBLISH "t" pkid 7, v5 with empty properties, payload "x"
+        let mut buf = BytesMut::from(&[0x32, 7, 0, 1, b't', 0, 7, 0, b'x'][..]);
+        let incoming = Protocol::V5.read(&mut buf, 1024).unwrap().unwrap();
+        assert_eq!((incoming.qos, incoming.pkid), (1, 7));
+        let mut buf = BytesMut::from(&[0x36, 7, 0, 1, b't', 0, 7, 0, b'x'][..]);
+        assert!(Protocol::V5.read(&mut buf, 1024).is_err(), "QoS 3");
+        let mut buf = BytesMut::from(&[0x32, 3, 0, 1, b't'][..]);
+        assert!(Protocol::V5.read(&mut buf, 1024).is_err(), "no packet id");
+    }
+
+    #[test]
+    fn too_large_and_partial() {
+        let mut buf = BytesMut::from(&[0x30, 0x80, 0x01][..]);
+        assert_eq!(
+            Protocol::V4.read(&mut buf, 100),
+            Err(CodecError::TooLarge(128)).map(|_: ()| None)
+        );
+        let mut buf = BytesMut::from(&[0x30, 0x05, 0, 1][..]);
+        assert!(Protocol::V4.read(&mut buf, 100).unwrap().is_none());
+        assert_eq!(buf.len(), 4, "partial frames are left in the buffer");
+    }
+}

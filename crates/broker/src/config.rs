@@ -1,0 +1,411 @@
+//! Configuration: rumqttd's own `rumqttd.toml` format plus statebroker's
+//! sections (`[broker]`, `[statestore]`), layered with the `config` crate.
+//!
+//! Layers, lowest first:
+//! 1. the embedded default (the repository's `rumqttd.toml`);
+//! 2. the `--config` file, if any: it only needs what it changes, and if it
+//!    defines any listener (`[v4.*]`, `[v5.*]`) those replace the default one;
+//! 3. environment variables `STATEBROKER__<SECTION>__<KEY>`;
+//! 4. `--listen ADDR`, which replaces every listener's address with one.
+//!
+//! Every problem is reported at start, naming the field.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The embedded default configuration.
+pub const DEFAULT_CONFIG: &str = include_str!("../../../rumqttd.toml");
+
+/// Environment variable prefix for overrides.
+pub const ENV_PREFIX: &str = "STATEBROKER";
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read or is not TOML.
+    #[error("cannot read config file {path}: {message}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A field is missing, has the wrong type, or is unknown.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+fn invalid(message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid(message.into())
+}
+
+/// `[broker]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerSection {
+    /// Upper bound on client keep-alive, seconds; 0 for none.
+    pub max_keep_alive_secs: u16,
+    /// Topic aliases a client may use towards the broker.
+    pub topic_alias_max: u16,
+    /// Serve the 2023 request topic.
+    pub legacy_2023_topic: bool,
+}
+
+/// `[statestore]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// Node id of versions.
+    pub node_id: String,
+    /// Allowed clock skew of `__ts` / `__ft`, milliseconds.
+    pub max_clock_skew_ms: u64,
+    /// Keys per SCAN page.
+    pub scan_page_size: usize,
+    /// KEYNOTIFY registrations per client.
+    pub max_watches_per_client: usize,
+    /// `[statestore.quota]`
+    pub quota: QuotaSection,
+}
+
+/// `[statestore.quota]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Number of keys.
+    pub max_keys: u64,
+    /// Bytes of keys and values.
+    pub max_bytes: u64,
+    /// Bytes of one key.
+    pub max_key_size: usize,
+    /// Bytes of one value.
+    pub max_value_size: usize,
+}
+
+/// One address the broker listens on.
+#[derive(Debug, Clone)]
+pub struct Listener {
+    /// The section name (`v5.1`).
+    pub name: String,
+    /// The address.
+    pub addr: SocketAddr,
+    /// Time a new socket has to send CONNECT, milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Largest packet accepted, bytes.
+    pub max_packet_size: usize,
+    /// Receive Maximum announced to MQTT 5 clients.
+    pub receive_maximum: u16,
+    /// username -> password; `None` for no authentication.
+    pub auth: Option<HashMap<String, String>>,
+}
+
+/// Everything the broker needs, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// rumqttd's router id.
+    pub router_id: usize,
+    /// `[router]`
+    pub router: rumqttd::RouterConfig,
+    /// The listeners, at least one.
+    pub listeners: Vec<Listener>,
+    /// `[broker]`
+    pub broker: BrokerSection,
+    /// `[statestore]`
+    pub statestore: StoreSection,
+}
+
+impl Settings {
+    /// The embedded default.
+    pub fn default_config() -> Settings {
+        Settings::load(None, None).expect("the embedded default configuration is valid")
+    }
+
+    /// The embedded default, listening on `addr` only (tests use port 0).
+    pub fn listening_on(addr: SocketAddr) -> Settings {
+        Settings::load(None, Some(addr)).expect("the embedded default configuration is valid")
+    }
+
+    /// Loads the layers described in the module docs.
+    pub fn load(file: Option<&Path>, listen: Option<SocketAddr>) -> Result<Settings, ConfigError> {
+        Settings::load_with_env(file, listen, std::env::vars())
+    }
+
+    /// [`Settings::load`] with the environment given explicitly.
+    pub fn load_with_env(
+        file: Option<&Path>,
+        listen: Option<SocketAddr>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings, ConfigError> {
+        let mut base: toml::Table = DEFAULT_CONFIG.parse().expect("embedded default is TOML");
+        let mut builder = config::Config::builder();
+        if let Some(path) = file {
+            let file_error = |message: String| ConfigError::File {
+                path: path.to_owned(),
+                message,
+            };
+            let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+            let user: toml::Table = text
+                .parse()
+                .map_err(|e: toml::de::Error| file_error(e.to_string()))?;
+            if ["v4", "v5", "ws"].iter().any(|k| user.contains_key(*k)) {
+                for key in ["v4", "v5", "ws"] {
+                    base.remove(key);
+                }
+            }
+            builder = builder
+                .add_source(config::File::from_str(
+                    &base.to_string(),
+                    config::FileFormat::Toml,
+                ))
+                .add_source(config::File::from_str(&text, config::FileFormat::Toml));
+        } else {
+            builder = builder.add_source(config::File::from_str(
+                DEFAULT_CONFIG,
+                config::FileFormat::Toml,
+            ));
+        }
+        let env: HashMap<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(&format!("{ENV_PREFIX}__")))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(env)),
+        );
+        let layered = builder.build().map_err(|e| invalid(e.to_string()))?;
+        Settings::resolve(layered, listen)
+    }
+
+    fn resolve(
+        layered: config::Config,
+        listen: Option<SocketAddr>,
+    ) -> Result<Settings, ConfigError> {
+        let rumqttd: rumqttd::Config = layered
+            .clone()
+            .try_deserialize()
+            .map_err(|e| invalid(e.to_string()))?;
+        let broker: BrokerSection = layered.get("broker").map_err(|e| invalid(e.to_string()))?;
+        let statestore: StoreSection = layered
+            .get("statestore")
+            .map_err(|e| invalid(e.to_string()))?;
+
+        let router = rumqttd.router.clone();
+        if router.max_connections == 0 {
+            return Err(invalid("router.max_connections must be at least 1"));
+        }
+        if router.max_segment_size < 1024 {
+            return Err(invalid(
+                "router.max_segment_size must be at least 1024 (bytes)",
+            ));
+        }
+        if router.max_segment_count < 1 {
+            return Err(invalid("router.max_segment_count must be at least 1"));
+        }
+        if router.max_outgoing_packet_count == 0 {
+            return Err(invalid(
+                "router.max_outgoing_packet_count must be at least 1",
+            ));
+        }
+        if statestore.scan_page_size == 0 {
+            return Err(invalid("statestore.scan_page_size must be at least 1"));
+        }
+        if statestore.node_id.is_empty() || statestore.node_id.contains(':') {
+            return Err(invalid(
+                "statestore.node_id must be non-empty and without ':'",
+            ));
+        }
+        if rumqttd.ws.as_ref().is_some_and(|ws| !ws.is_empty()) {
+            return Err(invalid("[ws.*] listeners are not supported; use [v5.*]"));
+        }
+        for (section, name) in [
+            ("bridge", rumqttd.bridge.is_some()),
+            ("cluster", rumqttd.cluster.is_some()),
+        ] {
+            if name {
+                return Err(invalid(format!(
+                    "[{section}] is not supported by statebroker"
+                )));
+            }
+        }
+
+        let mut listeners = Vec::new();
+        for (version, servers) in [("v4", &rumqttd.v4), ("v5", &rumqttd.v5)] {
+            let sorted: BTreeMap<_, _> = servers.iter().flatten().collect();
+            for (key, server) in sorted {
+                let name = format!("{version}.{key}");
+                if server.tls.is_some() {
+                    return Err(invalid(format!(
+                        "{name}.tls: TLS listeners are not supported yet"
+                    )));
+                }
+                let c = &server.connections;
+                if c.max_payload_size == 0 {
+                    return Err(invalid(format!(
+                        "{name}.connections.max_payload_size must be at least 1"
+                    )));
+                }
+                if c.connection_timeout_ms == 0 {
+                    return Err(invalid(format!(
+                        "{name}.connections.connection_timeout_ms must be at least 1"
+                    )));
+                }
+                listeners.push(Listener {
+                    name,
+                    addr: server.listen,
+                    connect_timeout_ms: u64::from(c.connection_timeout_ms),
+                    max_packet_size: c.max_payload_size,
+                    receive_maximum: u16::try_from(c.max_inflight_count.clamp(1, 65535))
+                        .unwrap_or(u16::MAX),
+                    auth: c.auth.clone(),
+                });
+            }
+        }
+        if let Some(addr) = listen {
+            listeners.truncate(1);
+            match listeners.first_mut() {
+                Some(first) => first.addr = addr,
+                None => return Err(invalid("no listener to apply --listen to")),
+            }
+        }
+        // One socket per address: v4 and v5 sections on one port are one listener.
+        let mut seen = std::collections::HashSet::new();
+        listeners.retain(|l| seen.insert(l.addr));
+        if listeners.is_empty() {
+            return Err(invalid(
+                "no listener configured: add a [v5.1] section with `listen`",
+            ));
+        }
+        Ok(Settings {
+            router_id: rumqttd.id,
+            router,
+            listeners,
+            broker,
+            statestore,
+        })
+    }
+
+    /// The store's configuration.
+    pub fn store_config(&self) -> statestore::Config {
+        let s = &self.statestore;
+        statestore::Config {
+            node_id: s.node_id.clone(),
+            max_clock_skew_ms: s.max_clock_skew_ms,
+            scan_page_size: s.scan_page_size,
+            max_watches_per_client: s.max_watches_per_client,
+            quota: statestore::Quota {
+                max_keys: s.quota.max_keys,
+                max_bytes: s.quota.max_bytes,
+                max_key_size: s.quota.max_key_size,
+                max_value_size: s.quota.max_value_size,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn no_env() -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    fn file(text: &str) -> tempfile::TempPath {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f.into_temp_path()
+    }
+
+    #[test]
+    fn embedded_default() {
+        let s = Settings::load_with_env(None, None, no_env()).unwrap();
+        assert_eq!(s.listeners.len(), 1);
+        assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
+        assert_eq!(s.statestore.node_id, "statebroker");
+        assert!(s.broker.legacy_2023_topic);
+        assert_eq!(s.store_config().scan_page_size, 100);
+    }
+
+    #[test]
+    fn listen_override() {
+        let addr = "127.0.0.1:0".parse().unwrap();
+        let s = Settings::load_with_env(None, Some(addr), no_env()).unwrap();
+        assert_eq!(s.listeners[0].addr, addr);
+    }
+
+    #[test]
+    fn a_file_changes_only_what_it_names() {
+        let f = file("[statestore]\nnode_id = \"edge-7\"\n");
+        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        assert_eq!(s.statestore.node_id, "edge-7");
+        assert_eq!(s.statestore.max_clock_skew_ms, 60_000);
+        assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
+    }
+
+    #[test]
+    fn file_listeners_replace_the_default() {
+        let f = file(
+            "[v4.1]\nname = \"a\"\nlisten = \"127.0.0.1:2883\"\nnext_connection_delay_ms = 0\n\
+             [v4.1.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n",
+        );
+        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        assert_eq!(s.listeners.len(), 1);
+        assert_eq!(s.listeners[0].addr, "127.0.0.1:2883".parse().unwrap());
+        assert_eq!(s.listeners[0].max_packet_size, 5000);
+    }
+
+    #[test]
+    fn environment_overrides() {
+        let env = vec![
+            (
+                "STATEBROKER__STATESTORE__NODE_ID".to_owned(),
+                "from-env".to_owned(),
+            ),
+            (
+                "STATEBROKER__ROUTER__MAX_CONNECTIONS".to_owned(),
+                "7".to_owned(),
+            ),
+            ("UNRELATED".to_owned(), "x".to_owned()),
+        ];
+        let s = Settings::load_with_env(None, None, env).unwrap();
+        assert_eq!(s.statestore.node_id, "from-env");
+        assert_eq!(s.router.max_connections, 7);
+    }
+
+    fn error_of(text: &str) -> String {
+        let f = file(text);
+        Settings::load_with_env(Some(&f), None, no_env())
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = error_of("[statestore]\nnode_id = 5\nmax_clock_skew_ms = \"soon\"\n");
+        assert!(e.contains("max_clock_skew_ms"), "{e}");
+        let e = error_of("[statestore]\nnode_idd = \"x\"\n");
+        assert!(e.contains("node_idd"), "{e}");
+        let e = error_of("[router]\nmax_segment_size = 10\n");
+        assert!(e.contains("router.max_segment_size"), "{e}");
+        let e = error_of("[v5.1]\nlisten = \"not an address\"\n");
+        assert!(e.contains("listen") || e.contains("v5"), "{e}");
+        let e = error_of("[broker]\ntopic_alias_max = -1\n");
+        assert!(e.contains("topic_alias_max"), "{e}");
+        let e = error_of("this is = not toml [");
+        assert!(e.contains("cannot read config file"), "{e}");
+        let missing =
+            Settings::load_with_env(Some(Path::new("/nonexistent/x.toml")), None, no_env());
+        assert!(
+            missing
+                .unwrap_err()
+                .to_string()
+                .contains("/nonexistent/x.toml")
+        );
+    }
+}

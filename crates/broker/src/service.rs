@@ -1,0 +1,295 @@
+//! The state store service: the store inside the broker.
+//!
+//! Connection tasks hand it requests directly (no network hop, and no trip
+//! through the router, so a request can never be lost between router and
+//! store). It runs them against the [`statestore::Store`] and publishes the
+//! response to the caller's Response Topic, and notifications to watchers,
+//! into the router through its own in-process link, at QoS 1, so that they
+//! travel like any other message: to whoever subscribes, at the subscriber's
+//! QoS, kept for persistent sessions.
+//!
+//! It also owns the expiry timer: a task that sleeps until the store's next
+//! expiry and publishes the DELETE notifications of what expired.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use parking_lot::Mutex;
+use rumqttd::Notification;
+use rumqttd::local::{LinkRx, LinkTx};
+use rumqttd::protocol::{LastWill, LastWillProperties, Packet, Publish, PublishProperties, QoS};
+use statestore::{Caller, Outcome, Request, Store};
+use tokio::sync::Notify;
+
+use crate::router::{INTERNAL_PREFIX, Router, poll_once};
+use crate::topics;
+
+/// Content type of every state store payload.
+pub const CONTENT_TYPE: &str = "application/octet-stream";
+
+/// The broker's wall clock, milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Where a response goes.
+#[derive(Debug, Clone)]
+pub struct ReplyTo {
+    /// The request's Response Topic.
+    pub topic: String,
+    /// The request's Correlation Data.
+    pub correlation: Option<Bytes>,
+}
+
+/// Publishes into the router as the broker itself.
+struct Publisher {
+    tx: LinkTx,
+    next_pkid: u16,
+}
+
+impl Publisher {
+    /// A QoS 1 publish (`Publish`'s QoS field is private to rumqttd; its
+    /// documented byte form is not).
+    fn qos1(&mut self, topic: &str, payload: &[u8], retain: bool) -> Publish {
+        self.next_pkid = self.next_pkid.checked_add(1).unwrap_or(1);
+        let mut raw = BytesMut::with_capacity(5 + topic.len() + payload.len());
+        raw.put_u8(0b0011_0010 | u8::from(retain));
+        raw.put_u16(self.next_pkid);
+        raw.put_u16(topic.len() as u16);
+        raw.put_slice(topic.as_bytes());
+        raw.put_slice(payload);
+        Publish::deserialize(raw.freeze())
+    }
+
+    /// Hands `packets` to the router with one wake-up.
+    fn send(&mut self, mut packets: Vec<Packet>) {
+        let Some(last) = packets.pop() else { return };
+        self.tx.buffer().extend(packets);
+        // `LinkTx::send` is an async fn that never awaits: it completes on its first poll.
+        match poll_once(self.tx.send(last)) {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => tracing::error!(error = %e, "router link failed: cannot publish"),
+            None => tracing::error!("router link did not accept a publish"),
+        }
+    }
+}
+
+/// The state store, served in process.
+pub struct StateStoreService {
+    store: Mutex<Store>,
+    publisher: Mutex<Publisher>,
+    node_id: String,
+    /// Wakes the expiry task when an earlier expiry appears.
+    expiry_changed: Notify,
+    /// The expiry time the expiry task sleeps until (u64::MAX: none).
+    expiry_armed: AtomicU64,
+}
+
+impl StateStoreService {
+    /// Starts the service on `router`.
+    pub async fn start(
+        router: &Router,
+        config: statestore::Config,
+    ) -> std::io::Result<Arc<StateStoreService>> {
+        let (tx, rx, _connack) = router
+            .link_async(format!("{INTERNAL_PREFIX}store"), true)
+            .await
+            .map_err(|e| {
+                std::io::Error::other(format!("cannot link the state store to the router: {e}"))
+            })?;
+        let service = Arc::new(StateStoreService {
+            node_id: config.node_id.clone(),
+            store: Mutex::new(Store::new(config)),
+            publisher: Mutex::new(Publisher { tx, next_pkid: 0 }),
+            expiry_changed: Notify::new(),
+            expiry_armed: AtomicU64::new(u64::MAX),
+        });
+        tokio::spawn(drain_acks(rx));
+        tokio::spawn(expiry_task(Arc::downgrade(&service)));
+        Ok(service)
+    }
+
+    /// Serves one request from `caller` and publishes the answer to `reply_to`.
+    pub fn serve(&self, request: &Request<'_>, caller: Caller<'_>, reply_to: &ReplyTo) {
+        let outcome = {
+            let mut store = self.store.lock();
+            let outcome = store.execute(request, caller, now_ms());
+            self.rearm_expiry(store.next_expiry());
+            outcome
+        };
+        if let Some(error) = outcome.error {
+            tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
+        }
+        self.publish_outcome(Some(reply_to), &outcome);
+    }
+
+    /// Answers a request the broker refused before it reached the store.
+    pub fn refuse(&self, reply_to: &ReplyTo, text: &str) {
+        let payload = format!("-ERR {text}\r\n").into_bytes();
+        let timestamp = statestore::hlc::Version {
+            wall_ms: now_ms(),
+            counter: 0,
+        }
+        .format(&self.node_id);
+        let mut publisher = self.publisher.lock();
+        let response = response_packet(&mut publisher, reply_to, &payload, &timestamp);
+        publisher.send(vec![response]);
+    }
+
+    fn publish_outcome(&self, reply_to: Option<&ReplyTo>, outcome: &Outcome) {
+        let mut publisher = self.publisher.lock();
+        let mut packets = Vec::with_capacity(1 + outcome.notices.len());
+        if let Some(reply_to) = reply_to {
+            packets.push(response_packet(
+                &mut publisher,
+                reply_to,
+                &outcome.payload,
+                &outcome.timestamp,
+            ));
+        }
+        for notice in &outcome.notices {
+            let payload = notice.payload();
+            for watcher in &notice.watchers {
+                let topic = topics::notification_topic(watcher, &notice.key);
+                let publish = publisher.qos1(&topic, &payload, false);
+                let properties = PublishProperties {
+                    content_type: Some(CONTENT_TYPE.to_owned()),
+                    user_properties: vec![
+                        ("__ts".to_owned(), notice.version.clone()),
+                        ("__protVer".to_owned(), "1.0".to_owned()),
+                    ],
+                    ..PublishProperties::default()
+                };
+                packets.push(Packet::Publish(publish, Some(properties)));
+            }
+        }
+        publisher.send(packets);
+    }
+
+    /// Drops the KEYNOTIFY registrations of a connection that ended.
+    pub fn connection_closed(&self, client_id: &str, connection: u64) {
+        let dropped = self.store.lock().connection_closed(client_id, connection);
+        if dropped > 0 {
+            tracing::debug!(
+                client_id,
+                connection,
+                dropped,
+                "KEYNOTIFY registrations removed"
+            );
+        }
+    }
+
+    /// Publishes a client's Last Will. QoS 2 wills are delivered at QoS 1
+    /// at most.
+    pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
+        let topic = String::from_utf8_lossy(&will.topic).into_owned();
+        let mut publisher = self.publisher.lock();
+        let publish = match will.qos {
+            QoS::AtMostOnce => Publish::new(will.topic.clone(), will.message.clone(), will.retain),
+            _ => publisher.qos1(&topic, &will.message, will.retain),
+        };
+        let properties = properties.map(|p| PublishProperties {
+            payload_format_indicator: p.payload_format_indicator,
+            message_expiry_interval: p.message_expiry_interval,
+            content_type: p.content_type,
+            response_topic: p.response_topic,
+            correlation_data: p.correlation_data,
+            user_properties: p.user_properties,
+            ..PublishProperties::default()
+        });
+        publisher.send(vec![Packet::Publish(publish, properties)]);
+    }
+
+    /// Runs `f` on the store (for tests and tools).
+    pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
+        f(&mut self.store.lock())
+    }
+
+    fn rearm_expiry(&self, next: Option<u64>) {
+        let next = next.unwrap_or(u64::MAX);
+        if next < self.expiry_armed.load(Ordering::Relaxed) {
+            self.expiry_changed.notify_one();
+        }
+    }
+
+    /// Expires what is due and publishes the notifications; returns the next expiry.
+    fn expire_now(&self) -> Option<u64> {
+        let (notices, next) = {
+            let mut store = self.store.lock();
+            let notices = store.expire(now_ms());
+            (notices, store.next_expiry())
+        };
+        if !notices.is_empty() {
+            let outcome = Outcome {
+                payload: Vec::new(),
+                timestamp: String::new(),
+                notices,
+                command: None,
+                error: None,
+            };
+            self.publish_outcome(None, &outcome);
+        }
+        next
+    }
+}
+
+fn response_packet(
+    publisher: &mut Publisher,
+    reply_to: &ReplyTo,
+    payload: &[u8],
+    timestamp: &str,
+) -> Packet {
+    let publish = publisher.qos1(&reply_to.topic, payload, false);
+    let properties = PublishProperties {
+        correlation_data: reply_to.correlation.clone(),
+        content_type: Some(CONTENT_TYPE.to_owned()),
+        user_properties: vec![
+            ("__stat".to_owned(), "200".to_owned()),
+            ("__ts".to_owned(), timestamp.to_owned()),
+            ("__protVer".to_owned(), "1.0".to_owned()),
+        ],
+        ..PublishProperties::default()
+    };
+    Packet::Publish(publish, Some(properties))
+}
+
+/// The router acknowledges the service's QoS 1 publishes; nothing to do with them.
+async fn drain_acks(mut rx: LinkRx) {
+    loop {
+        match rx.next().await {
+            Ok(Some(Notification::Unschedule)) => {
+                if rx.wake().await.is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    tracing::debug!("state store link closed");
+}
+
+/// Sleeps until the next expiry, expires, repeats; woken early by
+/// [`StateStoreService::rearm_expiry`].
+async fn expiry_task(service: std::sync::Weak<StateStoreService>) {
+    let mut next = None;
+    loop {
+        let Some(svc) = service.upgrade() else { return };
+        svc.expiry_armed
+            .store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
+        // Sleep at most a second at a time, so a stopped broker's service is
+        // dropped promptly.
+        let wait = next.map_or(Duration::from_secs(1), |at: u64| {
+            Duration::from_millis(at.saturating_sub(now_ms())).min(Duration::from_secs(1))
+        });
+        tokio::select! {
+            () = svc.expiry_changed.notified() => {}
+            () = tokio::time::sleep(wait) => {}
+        }
+        next = svc.expire_now();
+    }
+}

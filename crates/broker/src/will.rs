@@ -1,0 +1,156 @@
+//! Last Will messages.
+//!
+//! The broker keeps wills itself instead of handing them to the router,
+//! because only the connection task knows how a connection ended, and
+//! rumqttd's own will trigger is not reachable from outside the crate.
+//!
+//! A will is published when a connection ends without a normal DISCONNECT
+//! (or with MQTT 5's "disconnect with will message"), after the Will Delay
+//! Interval (bounded by the Session Expiry Interval). A new connection with
+//! the same client id before then cancels it; if that new connection starts
+//! a clean session, the old session has ended and the will goes out at once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rumqttd::protocol::{LastWill, LastWillProperties};
+
+use crate::service::StateStoreService;
+
+/// A will waiting to be published.
+#[derive(Debug, Clone)]
+pub struct Will {
+    /// The message.
+    pub will: LastWill,
+    /// Its MQTT 5 properties.
+    pub properties: Option<LastWillProperties>,
+    /// min(Will Delay Interval, Session Expiry Interval).
+    pub delay: Duration,
+}
+
+#[derive(Default)]
+struct ClientWills {
+    /// The newest connection of this client id, and whether it started clean.
+    latest: Option<(u64, bool)>,
+    /// A will waiting for its delay: (connection it belongs to, the will).
+    pending: Option<(u64, Will)>,
+}
+
+/// Wills of all clients.
+pub struct WillRegistry {
+    clients: Mutex<HashMap<String, ClientWills>>,
+    publisher: Weak<StateStoreService>,
+}
+
+impl WillRegistry {
+    /// A registry that publishes through `publisher`.
+    pub fn new(publisher: &Arc<StateStoreService>) -> Arc<WillRegistry> {
+        Arc::new(WillRegistry {
+            clients: Mutex::new(HashMap::new()),
+            publisher: Arc::downgrade(publisher),
+        })
+    }
+
+    fn publish(&self, will: Will) {
+        if let Some(publisher) = self.publisher.upgrade() {
+            publisher.publish_will(will.will, will.properties);
+        }
+    }
+
+    /// A connection of `client_id` was accepted.
+    pub fn connected(&self, client_id: &str, connection: u64, clean_start: bool) {
+        let pending = {
+            let mut clients = self.clients.lock();
+            let state = clients.entry(client_id.to_owned()).or_default();
+            state.latest = Some((connection, clean_start));
+            state.pending.take()
+        };
+        if let Some((_, will)) = pending
+            && clean_start
+        {
+            tracing::debug!(
+                client_id,
+                "session ended by a clean start: publishing the pending will"
+            );
+            self.publish(will);
+        }
+    }
+
+    /// A connection of `client_id` ended; `will` is its will if it is to be
+    /// published (the connection did not end with a normal DISCONNECT).
+    pub fn disconnected(self: &Arc<Self>, client_id: &str, connection: u64, will: Option<Will>) {
+        let mut clients = self.clients.lock();
+        let Some(state) = clients.get_mut(client_id) else {
+            drop(clients);
+            if let Some(will) = will {
+                self.publish(will);
+            }
+            return;
+        };
+        let superseded = state.latest.filter(|&(conn, _)| conn != connection);
+        if superseded.is_none() {
+            state.latest = None;
+        }
+        let Some(will) = will else {
+            if state.latest.is_none() && state.pending.is_none() {
+                clients.remove(client_id);
+            }
+            return;
+        };
+        let publish_now = match superseded {
+            // Taken over: the will goes out only if the session ended.
+            Some((_, new_clean)) => {
+                if !(new_clean || will.delay.is_zero()) {
+                    return;
+                }
+                true
+            }
+            None => will.delay.is_zero(),
+        };
+        if publish_now {
+            if state.latest.is_none() && state.pending.is_none() {
+                clients.remove(client_id);
+            }
+            drop(clients);
+            self.publish(will);
+            return;
+        }
+        let delay = will.delay;
+        state.pending = Some((connection, will));
+        drop(clients);
+        let registry = Arc::clone(self);
+        let client_id = client_id.to_owned();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let due = {
+                let mut clients = registry.clients.lock();
+                match clients.get_mut(&client_id) {
+                    Some(state)
+                        if state
+                            .pending
+                            .as_ref()
+                            .is_some_and(|(c, _)| *c == connection) =>
+                    {
+                        let will = state.pending.take().map(|(_, w)| w);
+                        if state.latest.is_none() {
+                            clients.remove(&client_id);
+                        }
+                        will
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(will) = due {
+                tracing::debug!(client_id, "will delay passed: publishing the will");
+                registry.publish(will);
+            }
+        });
+    }
+
+    /// Number of client ids with state (for tests).
+    pub fn tracked(&self) -> usize {
+        self.clients.lock().len()
+    }
+}
