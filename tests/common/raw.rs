@@ -23,6 +23,7 @@ pub const NOTIFY_NAMESPACE: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BF
 
 /// What a raw client saw when it waited for a packet.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Recv {
     Packet(Packet),
     Closed,
@@ -37,6 +38,8 @@ pub struct Raw {
     pub client_id: String,
     pub response_topic: String,
     subscribed: bool,
+    /// Publishes received (and acknowledged) while waiting for something else.
+    pending: std::collections::VecDeque<Publish>,
 }
 
 impl Raw {
@@ -62,6 +65,7 @@ impl Raw {
             client_id: client_id.to_owned(),
             response_topic: format!("clients/{client_id}/services/statestore/response"),
             subscribed: false,
+            pending: Default::default(),
         };
         let mut connect = (
             Connect {
@@ -121,12 +125,18 @@ impl Raw {
 
     /// The next PUBLISH (acknowledging it), skipping acks.
     pub async fn next_publish(&mut self) -> Publish {
+        match self.pending.pop_front() {
+            Some(p) => p,
+            None => self.publish_from_socket().await,
+        }
+    }
+
+    /// The next PUBLISH from the socket (acknowledged), skipping acks.
+    async fn publish_from_socket(&mut self) -> Publish {
         loop {
             match self.recv().await {
                 Recv::Packet(Packet::Publish(p)) => {
-                    if p.qos != QoS::AtMostOnce {
-                        self.send(Packet::PubAck(PubAck::new(p.pkid, None))).await;
-                    }
+                    self.ack(&p).await;
                     return p;
                 }
                 Recv::Packet(_) => continue,
@@ -135,8 +145,31 @@ impl Raw {
         }
     }
 
+    async fn ack(&mut self, p: &Publish) {
+        if p.qos != QoS::AtMostOnce {
+            self.send(Packet::PubAck(PubAck::new(p.pkid, None))).await;
+        }
+    }
+
+    /// Waits for a packet other than PUBLISH; publishes that arrive
+    /// meanwhile are acknowledged and kept for [`Raw::next_publish`].
+    async fn next_control(&mut self) -> Recv {
+        loop {
+            match self.recv().await {
+                Recv::Packet(Packet::Publish(p)) => {
+                    self.ack(&p).await;
+                    self.pending.push_back(p);
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Asserts that no PUBLISH arrives within `wait`.
     pub async fn no_publish_within(&mut self, wait: Duration) {
+        if let Some(p) = self.pending.front() {
+            panic!("unexpected PUBLISH on {:?}", p.topic);
+        }
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -177,7 +210,7 @@ impl Raw {
         subscribe.pkid = pkid;
         self.send(Packet::Subscribe(subscribe)).await;
         loop {
-            match self.recv().await {
+            match self.next_control().await {
                 Recv::Packet(Packet::SubAck(ack)) => {
                     assert_eq!(ack.pkid, pkid);
                     return ack.return_codes;
@@ -206,11 +239,8 @@ impl Raw {
             return None;
         }
         loop {
-            match self.recv().await {
+            match self.next_control().await {
                 Recv::Packet(Packet::PubAck(ack)) if ack.pkid == pkid => return Some(ack.reason),
-                Recv::Packet(Packet::Publish(p)) if p.qos != QoS::AtMostOnce => {
-                    self.send(Packet::PubAck(PubAck::new(p.pkid, None))).await;
-                }
                 Recv::Packet(_) => continue,
                 other => panic!("expected PUBACK, got {other:?}"),
             }
@@ -255,12 +285,22 @@ impl Raw {
             )
             .await;
         assert_eq!(ack, Some(v5::PubAckReason::Success));
+        let is_response = |p: &Publish| {
+            p.properties
+                .as_ref()
+                .and_then(|props| props.correlation_data.as_deref())
+                == Some(&correlation[..])
+        };
+        if let Some(at) = self.pending.iter().position(&is_response) {
+            return self.pending.remove(at).unwrap();
+        }
         loop {
-            let response = self.next_publish().await;
-            let props = response.properties.as_ref().expect("response properties");
-            if props.correlation_data.as_deref() == Some(&correlation[..]) {
+            let response = self.publish_from_socket().await;
+            if is_response(&response) {
                 return response;
             }
+            // Someone else's message: keep it for the test.
+            self.pending.push_back(response);
         }
     }
 

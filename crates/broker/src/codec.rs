@@ -76,6 +76,36 @@ fn frame(buf: &[u8], max_packet_size: usize) -> Result<Option<(usize, usize)>, C
     ))
 }
 
+/// QoS and packet id of an encoded PUBLISH frame (`header_len`: the length
+/// of its fixed header). rumqttd keeps both private in its `Publish`.
+fn publish_qos_and_id(frame: &[u8], header_len: usize) -> Result<(u8, u16), CodecError> {
+    let qos = (frame[0] >> 1) & 3;
+    if qos == 3 {
+        return Err(CodecError::Malformed("PUBLISH with QoS 3".into()));
+    }
+    if qos == 0 {
+        return Ok((0, 0));
+    }
+    let body = &frame[header_len..];
+    let topic_len = body
+        .get(..2)
+        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])));
+    let pkid = match topic_len.and_then(|t| body.get(2 + t..4 + t)) {
+        Some(b) => u16::from_be_bytes([b[0], b[1]]),
+        None => return Err(CodecError::Malformed("PUBLISH without packet id".into())),
+    };
+    if pkid == 0 {
+        return Err(CodecError::Malformed("PUBLISH with packet id 0".into()));
+    }
+    Ok((qos, pkid))
+}
+
+/// QoS and packet id of the PUBLISH encoded at the start of `encoded`.
+pub fn encoded_publish_id(encoded: &[u8]) -> Option<(u8, u16)> {
+    let (header_len, total) = frame(encoded, usize::MAX).ok()??;
+    publish_qos_and_id(&encoded[..total], header_len).ok()
+}
+
 /// Tells the protocol from the first bytes of a connection (a CONNECT).
 /// `Ok(None)`: not enough bytes yet.
 pub fn detect(buf: &[u8], max_packet_size: usize) -> Result<Option<Protocol>, CodecError> {
@@ -119,26 +149,7 @@ impl Protocol {
         let (mut qos, mut pkid) = (0, 0);
         match byte0 >> 4 {
             3 => {
-                qos = (byte0 >> 1) & 3;
-                if qos == 3 {
-                    return Err(CodecError::Malformed("PUBLISH with QoS 3".into()));
-                }
-                if qos > 0 {
-                    let body = &buf[header_len..total];
-                    let topic_len = body
-                        .get(..2)
-                        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])));
-                    let id = topic_len.and_then(|t| body.get(2 + t..4 + t));
-                    pkid = match id {
-                        Some(b) => u16::from_be_bytes([b[0], b[1]]),
-                        None => {
-                            return Err(CodecError::Malformed("PUBLISH without packet id".into()));
-                        }
-                    };
-                    if pkid == 0 {
-                        return Err(CodecError::Malformed("PUBLISH with packet id 0".into()));
-                    }
-                }
+                (qos, pkid) = publish_qos_and_id(&buf[..total], header_len)?;
             }
             1 | 4 | 5 | 6 | 7 | 8 | 10 | 12 | 14 => {}
             15 => return Err(CodecError::Protocol("AUTH is not supported".into())),
@@ -276,10 +287,10 @@ mod tests {
     #[test]
     fn too_large_and_partial() {
         let mut buf = BytesMut::from(&[0x30, 0x80, 0x01][..]);
-        assert_eq!(
+        assert!(matches!(
             Protocol::V4.read(&mut buf, 100),
-            Err(CodecError::TooLarge(128)).map(|_: ()| None)
-        );
+            Err(CodecError::TooLarge(128))
+        ));
         let mut buf = BytesMut::from(&[0x30, 0x05, 0, 1][..]);
         assert!(Protocol::V4.read(&mut buf, 100).unwrap().is_none());
         assert_eq!(buf.len(), 4, "partial frames are left in the buffer");

@@ -42,6 +42,42 @@ fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(message.into())
 }
 
+/// Top-level keys a configuration may have.
+const KNOWN_SECTIONS: &[&str] = &[
+    "id",
+    "router",
+    "v4",
+    "v5",
+    "ws",
+    "cluster",
+    "console",
+    "bridge",
+    "prometheus",
+    "metrics",
+    "broker",
+    "statestore",
+];
+
+/// statebroker's own sections.
+#[derive(Deserialize)]
+struct Sections {
+    broker: BrokerSection,
+    statestore: StoreSection,
+}
+
+/// Deserializes the layered configuration, naming the full path of a bad field.
+fn deserialize<T: serde::de::DeserializeOwned>(layered: &config::Config) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(layered.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        if path == "." || inner.contains(&format!("`{path}`")) {
+            invalid(inner)
+        } else {
+            invalid(format!("{path}: {inner}"))
+        }
+    })
+}
+
 /// `[broker]`
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -185,14 +221,23 @@ impl Settings {
         layered: config::Config,
         listen: Option<SocketAddr>,
     ) -> Result<Settings, ConfigError> {
-        let rumqttd: rumqttd::Config = layered
+        let root: HashMap<String, config::Value> = layered
             .clone()
             .try_deserialize()
             .map_err(|e| invalid(e.to_string()))?;
-        let broker: BrokerSection = layered.get("broker").map_err(|e| invalid(e.to_string()))?;
-        let statestore: StoreSection = layered
-            .get("statestore")
-            .map_err(|e| invalid(e.to_string()))?;
+        let mut unknown: Vec<&String> = root
+            .keys()
+            .filter(|k| !KNOWN_SECTIONS.contains(&k.as_str()))
+            .collect();
+        unknown.sort();
+        if let Some(key) = unknown.first() {
+            return Err(invalid(format!(
+                "unknown section or key `{key}` (known: {})",
+                KNOWN_SECTIONS.join(", ")
+            )));
+        }
+        let rumqttd: rumqttd::Config = deserialize(&layered)?;
+        let Sections { broker, statestore } = deserialize(&layered)?;
 
         let router = rumqttd.router.clone();
         if router.max_connections == 0 {
@@ -391,6 +436,10 @@ mod tests {
         assert!(e.contains("max_clock_skew_ms"), "{e}");
         let e = error_of("[statestore]\nnode_idd = \"x\"\n");
         assert!(e.contains("node_idd"), "{e}");
+        let e = error_of("[statstore]\nnode_id = \"x\"\n");
+        assert!(e.contains("unknown section or key `statstore`"), "{e}");
+        let e = error_of("[statestore.quota]\nmax_keys = \"many\"\n");
+        assert!(e.contains("statestore.quota.max_keys"), "{e}");
         let e = error_of("[router]\nmax_segment_size = 10\n");
         assert!(e.contains("router.max_segment_size"), "{e}");
         let e = error_of("[v5.1]\nlisten = \"not an address\"\n");

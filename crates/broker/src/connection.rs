@@ -25,7 +25,7 @@
 //! client's KEYNOTIFY registrations of this connection are dropped, and its
 //! will is scheduled unless it said a normal goodbye.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -242,6 +242,7 @@ pub(crate) async fn serve(
         aliases: HashMap::new(),
         refused_filters: HashMap::new(),
         awaiting_pubrel: HashSet::new(),
+        inflight: VecDeque::new(),
         unscheduled: false,
         store: Arc::clone(&shared.store),
         legacy_2023: shared.settings.broker.legacy_2023_topic,
@@ -372,6 +373,10 @@ struct Connection {
     refused_filters: HashMap<u16, Vec<(usize, SubscribeReasonCode)>>,
     /// QoS 2 publishes answered here, waiting for PUBREL.
     awaiting_pubrel: HashSet<u16>,
+    /// QoS 1/2 publishes from the router not yet acknowledged, in order;
+    /// `true` for those dropped here (acknowledged to the router in their
+    /// turn, since rumqttd, like MQTT, wants acknowledgements in order).
+    inflight: VecDeque<(u16, bool)>,
     unscheduled: bool,
     store: Arc<StateStoreService>,
     legacy_2023: bool,
@@ -399,15 +404,17 @@ impl Connection {
                 notification = self.link_rx.next() => {
                     match notification {
                         Ok(Some(n)) => {
-                            if let Err(end) = self.from_router(n) {
+                            if let Err(end) = self.on_router_notification(n) {
                                 return end;
                             }
                             // Take everything else the router has ready before writing.
                             while let Some(Ok(Some(n))) = poll_once(self.link_rx.next()) {
-                                if let Err(end) = self.from_router(n) {
+                                if let Err(end) = self.on_router_notification(n) {
                                     return end;
                                 }
                             }
+                            // Acknowledgements of dropped publishes.
+                            self.send_to_router();
                         }
                         Ok(None) => {}
                         Err(_) => return End::RouterClosed,
@@ -491,7 +498,19 @@ impl Connection {
                 DisconnectReasonCode::ProtocolError,
                 "second CONNECT".into(),
             )),
-            ack @ (Packet::PubAck(..) | Packet::PubRec(..) | Packet::PubComp(..)) => {
+            Packet::PubAck(ack, properties) => {
+                let pkid = ack.pkid;
+                self.to_router.push(Packet::PubAck(ack, properties));
+                self.acknowledged(pkid);
+                Ok(())
+            }
+            Packet::PubRec(rec, properties) => {
+                let pkid = rec.pkid;
+                self.to_router.push(Packet::PubRec(rec, properties));
+                self.acknowledged(pkid);
+                Ok(())
+            }
+            ack @ Packet::PubComp(..) => {
                 self.to_router.push(ack);
                 Ok(())
             }
@@ -742,15 +761,24 @@ impl Connection {
     }
 
     /// Handles one notification from the router.
-    fn from_router(&mut self, notification: Notification) -> Result<(), End> {
+    fn on_router_notification(&mut self, notification: Notification) -> Result<(), End> {
         match notification {
             Notification::Forward(forward) => {
                 let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
-                if topics::may_receive(topic, &self.own_hex) {
-                    self.socket
-                        .queue(Packet::Publish(forward.publish, forward.properties));
-                } else {
-                    self.drop_forward(&forward.publish);
+                let deliver = topics::may_receive(topic, &self.own_hex);
+                let packet = Packet::Publish(forward.publish, forward.properties);
+                let start = self.socket.wbuf.len();
+                self.socket.queue(packet);
+                let id = codec::encoded_publish_id(&self.socket.wbuf[start..]);
+                if !deliver {
+                    // Another client's notification, reached through a wildcard.
+                    self.socket.wbuf.truncate(start);
+                }
+                if let Some((qos, pkid)) = id
+                    && qos > 0
+                {
+                    self.inflight.push_back((pkid, !deliver));
+                    self.acknowledge_dropped();
                 }
             }
             Notification::Unschedule => self.unscheduled = true,
@@ -779,13 +807,22 @@ impl Connection {
         Ok(())
     }
 
-    /// Another client's notification reached us through a wildcard: drop it,
-    /// and acknowledge it to the router as if delivered.
-    fn drop_forward(&mut self, publish: &Publish) {
-        let raw = publish.serialize();
-        let qos = (raw[0] >> 1) & 3;
-        if qos > 0 {
-            let pkid = u16::from_be_bytes([raw[1], raw[2]]);
+    /// The client acknowledged `pkid` (PUBACK, or PUBREC at QoS 2).
+    fn acknowledged(&mut self, pkid: u16) {
+        if let Some(at) = self
+            .inflight
+            .iter()
+            .position(|&(id, dropped)| id == pkid && !dropped)
+        {
+            self.inflight.remove(at);
+        }
+        self.acknowledge_dropped();
+    }
+
+    /// Acknowledges to the router, in their turn, the publishes dropped here.
+    fn acknowledge_dropped(&mut self) {
+        while let Some(&(pkid, true)) = self.inflight.front() {
+            self.inflight.pop_front();
             self.to_router.push(Packet::PubAck(
                 PubAck {
                     pkid,
@@ -793,7 +830,6 @@ impl Connection {
                 },
                 None,
             ));
-            self.send_to_router();
         }
     }
 

@@ -11,7 +11,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use rumqttd::local::{LinkBuilder, LinkError, LinkRx, LinkTx};
+use rumqttd::local::{LinkBuilder, LinkRx, LinkTx};
 use rumqttd::{Notification, RouterConfig};
 
 /// Client ids with this prefix belong to the broker itself; clients may not use them.
@@ -20,8 +20,15 @@ pub const INTERNAL_PREFIX: &str = "statebroker:";
 /// Links the broker needs besides client connections.
 pub const INTERNAL_LINKS: usize = 4;
 
-type Factory =
-    dyn Fn(&str, bool) -> Result<(LinkTx, LinkRx, Notification), LinkError> + Send + Sync;
+/// The router did not register a link (it is full, or it refused the client id).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("router refused the link: {0}")]
+pub struct LinkRefused(String);
+
+/// A registered link: what to send, what to receive, and the router's CONNACK.
+pub type Link = (LinkTx, LinkRx, Notification);
+
+type Factory = dyn Fn(&str, bool) -> Result<Link, LinkRefused> + Send + Sync;
 
 /// A handle to a running router.
 #[derive(Clone)]
@@ -44,6 +51,7 @@ impl Router {
                 // No broker-side topic aliases: delivery checks need topics.
                 .topic_alias_max(0)
                 .build()
+                .map_err(|e| LinkRefused(e.to_string()))
         };
         Router {
             factory: Arc::new(factory),
@@ -53,11 +61,7 @@ impl Router {
     /// Registers a connection with the router and returns its link and the
     /// router's CONNACK. Blocks until the router answers (it runs on its own
     /// thread), so async callers use [`Router::link_async`].
-    pub fn link(
-        &self,
-        client_id: &str,
-        clean_session: bool,
-    ) -> Result<(LinkTx, LinkRx, Notification), LinkError> {
+    pub fn link(&self, client_id: &str, clean_session: bool) -> Result<Link, LinkRefused> {
         (self.factory)(client_id, clean_session)
     }
 
@@ -66,11 +70,11 @@ impl Router {
         &self,
         client_id: String,
         clean_session: bool,
-    ) -> Result<(LinkTx, LinkRx, Notification), LinkError> {
+    ) -> Result<Link, LinkRefused> {
         let router = self.clone();
         match tokio::task::spawn_blocking(move || router.link(&client_id, clean_session)).await {
             Ok(result) => result,
-            Err(_) => Err(LinkError::NotConnectionAck),
+            Err(e) => Err(LinkRefused(e.to_string())),
         }
     }
 }
