@@ -1,1 +1,156 @@
-fn main() {}
+//! `statebroker-bench`: request/response load in the state store protocol.
+//!
+//! ```text
+//! statebroker-bench --target 127.0.0.1:1883 --connections 64 --duration 10 [--responder external] [--json]
+//! statebroker-bench responder --target 127.0.0.1:1883        # the external responder on its own
+//! statebroker-bench fill --target 127.0.0.1:1883 --keys 1000000
+//! statebroker-bench idle --target 127.0.0.1:1883 --connections 10000 --hold 30
+//! ```
+//!
+//! Each connection issues sequential requests at QoS 1 (50/50 GET/SET over a
+//! key space) and waits for each response; a request without a response
+//! within `--timeout-ms` counts as lost. With `--responder external`, the
+//! requests go to a topic that any MQTT 5 broker routes, and a separate
+//! process (this binary's `responder` mode, one plain MQTT client with a hash
+//! map) answers them: the same workload on any broker.
+
+mod idle;
+mod load;
+mod responder;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Request/response load in the Azure IoT Operations state store protocol.
+#[derive(Parser, Debug)]
+#[command(version, about, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    mode: Option<Mode>,
+    #[command(flatten)]
+    load: LoadArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Mode {
+    /// Run only the external responder (answers requests from a hash map).
+    Responder(ResponderArgs),
+    /// SET keys 0..N (16-byte keys, 32-byte values) as fast as possible.
+    Fill(FillArgs),
+    /// Open N MQTT connections and hold them idle.
+    Idle(IdleArgs),
+}
+
+/// Who answers the requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Responder {
+    /// The broker's in-process state store (statebroker only).
+    Inprocess,
+    /// A separate responder process: works with any MQTT 5 broker.
+    External,
+}
+
+/// Options of the load run (the default mode).
+#[derive(Args, Debug, Clone)]
+pub struct LoadArgs {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    pub target: SocketAddr,
+    /// Concurrent connections, each with one request in flight.
+    #[arg(short, long, default_value_t = 16)]
+    pub connections: usize,
+    /// Measured seconds (after the warm-up).
+    #[arg(short, long, default_value_t = 10.0)]
+    pub duration: f64,
+    /// Warm-up seconds (not measured).
+    #[arg(long, default_value_t = 2.0)]
+    pub warmup: f64,
+    /// Number of distinct keys.
+    #[arg(long, default_value_t = 10_000)]
+    pub keys: u64,
+    /// Key size in bytes (at least 8).
+    #[arg(long, default_value_t = 16)]
+    pub key_size: usize,
+    /// Value size in bytes.
+    #[arg(long, default_value_t = 32)]
+    pub value_size: usize,
+    /// A request without a response after this long is lost.
+    #[arg(long, default_value_t = 5_000)]
+    pub timeout_ms: u64,
+    /// Who answers: the broker's in-process store, or an external responder process.
+    #[arg(long, value_enum, default_value_t = Responder::Inprocess)]
+    pub responder: Responder,
+    /// Request topic for `--responder external`.
+    #[arg(long, default_value = responder::EXTERNAL_TOPIC)]
+    pub external_topic: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of the responder.
+#[derive(Args, Debug, Clone)]
+pub struct ResponderArgs {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    pub target: SocketAddr,
+    /// Request topic to serve.
+    #[arg(long, default_value = responder::EXTERNAL_TOPIC)]
+    pub topic: String,
+}
+
+/// Options of `fill`.
+#[derive(Args, Debug, Clone)]
+pub struct FillArgs {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    pub target: SocketAddr,
+    /// Keys to write.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub keys: u64,
+    /// Connections to write with.
+    #[arg(short, long, default_value_t = 32)]
+    pub connections: usize,
+    /// Requests in flight per connection.
+    #[arg(long, default_value_t = 16)]
+    pub pipeline: usize,
+}
+
+/// Options of `idle`.
+#[derive(Args, Debug, Clone)]
+pub struct IdleArgs {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    pub target: SocketAddr,
+    /// Connections to open.
+    #[arg(short, long, default_value_t = 10_000)]
+    pub connections: usize,
+    /// Seconds to hold them after all are connected.
+    #[arg(long, default_value_t = 10)]
+    pub hold: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = runtime.block_on(async move {
+        match cli.mode {
+            Some(Mode::Responder(args)) => responder::run(args).await,
+            Some(Mode::Fill(args)) => load::fill(args).await,
+            Some(Mode::Idle(args)) => idle::run(args).await,
+            None => load::run(cli.load).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("statebroker-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

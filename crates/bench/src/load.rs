@@ -1,0 +1,426 @@
+//! The load run: C connections, each with one request in flight.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use serde::Serialize;
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::{FillArgs, LoadArgs, Responder};
+
+/// The state store request topic (served in process by statebroker).
+pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
+
+/// What a connection's event loop reports.
+enum Msg {
+    Response { correlation: u64, payload: Bytes },
+    SubAck,
+    Failed(String),
+}
+
+/// One benchmark connection.
+struct Conn {
+    client: AsyncClient,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    response_topic: String,
+    client_id: String,
+}
+
+/// Connects, subscribes to the response topic, and waits for the SUBACK.
+async fn connect(target: SocketAddr, client_id: String) -> Result<Conn, String> {
+    let mut options = MqttOptions::new(client_id.clone(), target.ip().to_string(), target.port());
+    options.set_keep_alive(Duration::from_secs(60));
+    options.set_clean_start(true);
+    options.set_connection_timeout(30);
+    let mut network = rumqttc::NetworkOptions::new();
+    network.set_tcp_nodelay(true);
+    options.set_network_options(network);
+    let (client, mut eventloop) = AsyncClient::new(options, 256);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match eventloop.poll().await {
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    let correlation = p
+                        .properties
+                        .as_ref()
+                        .and_then(|props| props.correlation_data.as_deref())
+                        .and_then(|c| <[u8; 8]>::try_from(c).ok())
+                        .map_or(0, u64::from_be_bytes);
+                    if tx
+                        .send(Msg::Response {
+                            correlation,
+                            payload: p.payload,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                Ok(Event::Incoming(Packet::SubAck(_))) => {
+                    let _ = tx.send(Msg::SubAck);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    let _ = tx.send(Msg::Failed(e.to_string()));
+                    return;
+                }
+            }
+        }
+    });
+    let response_topic = format!("bench/{client_id}/response");
+    client
+        .subscribe(response_topic.clone(), QoS::AtLeastOnce)
+        .await
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
+        Ok(Some(Msg::SubAck)) => {}
+        Ok(Some(Msg::Failed(e))) => return Err(format!("{client_id}: {e}")),
+        _ => return Err(format!("{client_id}: no SUBACK")),
+    }
+    Ok(Conn {
+        client,
+        rx,
+        response_topic,
+        client_id,
+    })
+}
+
+/// Connects `n` clients, at most 64 handshakes at a time.
+async fn connect_all(target: SocketAddr, n: usize, prefix: &str) -> Result<Vec<Conn>, String> {
+    let mut conns = Vec::with_capacity(n);
+    let mut pending = tokio::task::JoinSet::new();
+    let mut next = 0;
+    while conns.len() < n {
+        while next < n && pending.len() < 64 {
+            pending.spawn(connect(target, format!("{prefix}-{next}")));
+            next += 1;
+        }
+        match pending.join_next().await {
+            Some(Ok(Ok(conn))) => conns.push(conn),
+            Some(Ok(Err(e))) => return Err(e),
+            Some(Err(e)) => return Err(e.to_string()),
+            None => break,
+        }
+    }
+    Ok(conns)
+}
+
+/// `__ts` as the SDK writes it.
+fn timestamp(node: &str) -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{ms:015}:00000:{node}")
+}
+
+fn key(i: u64, size: usize) -> Vec<u8> {
+    let mut key = format!("{i:0size$}").into_bytes();
+    key.truncate(size);
+    key
+}
+
+impl Conn {
+    fn properties(&self, correlation: u64) -> PublishProperties {
+        PublishProperties {
+            response_topic: Some(self.response_topic.clone()),
+            correlation_data: Some(Bytes::copy_from_slice(&correlation.to_be_bytes())),
+            content_type: Some("application/octet-stream".into()),
+            user_properties: vec![
+                ("__ts".into(), timestamp(&self.client_id)),
+                ("__protVer".into(), "1.0".into()),
+            ],
+            ..PublishProperties::default()
+        }
+    }
+
+    async fn send(&self, topic: &str, payload: Vec<u8>, correlation: u64) -> Result<(), String> {
+        self.client
+            .publish_with_properties(
+                topic,
+                QoS::AtLeastOnce,
+                false,
+                payload,
+                self.properties(correlation),
+            )
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// What one connection measured.
+struct ConnStats {
+    histogram: Histogram<u64>,
+    ok: u64,
+    errors: u64,
+    lost: u64,
+    failure: Option<String>,
+}
+
+async fn drive(
+    mut conn: Conn,
+    args: LoadArgs,
+    topic: String,
+    warm_end: Instant,
+    end: Instant,
+) -> ConnStats {
+    let mut stats = ConnStats {
+        histogram: Histogram::new_with_bounds(1, 600_000_000, 3).expect("histogram bounds"),
+        ok: 0,
+        errors: 0,
+        lost: 0,
+        failure: None,
+    };
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let value = vec![b'v'; args.value_size];
+    let mut correlation = 0u64;
+    while Instant::now() < end {
+        correlation += 1;
+        let k = key(fastrand::u64(..args.keys), args.key_size);
+        let is_set = fastrand::bool();
+        let payload = if is_set {
+            statestore::resp3::encode_request(&[&b"SET"[..], &k, &value])
+        } else {
+            statestore::resp3::encode_request(&[&b"GET"[..], &k])
+        };
+        let started = Instant::now();
+        let measured = started >= warm_end;
+        if let Err(e) = conn.send(&topic, payload, correlation).await {
+            stats.failure = Some(e);
+            stats.lost += u64::from(measured);
+            return stats;
+        }
+        let deadline = started + timeout;
+        loop {
+            match tokio::time::timeout_at(deadline, conn.rx.recv()).await {
+                Ok(Some(Msg::Response {
+                    correlation: c,
+                    payload,
+                })) if c == correlation => {
+                    if measured {
+                        let good = if is_set {
+                            &payload[..] == b"+OK\r\n"
+                        } else {
+                            payload.first() == Some(&b'$')
+                        };
+                        if good {
+                            stats.ok += 1;
+                            let us = started.elapsed().as_micros().max(1) as u64;
+                            let _ = stats.histogram.record(us);
+                        } else {
+                            stats.errors += 1;
+                        }
+                    }
+                    break;
+                }
+                Ok(Some(Msg::Response { .. } | Msg::SubAck)) => continue, // a late answer to a lost request
+                Ok(Some(Msg::Failed(e))) => {
+                    stats.failure = Some(e);
+                    stats.lost += u64::from(measured);
+                    return stats;
+                }
+                Ok(None) => {
+                    stats.failure = Some("event loop ended".into());
+                    stats.lost += u64::from(measured);
+                    return stats;
+                }
+                Err(_) => {
+                    stats.lost += u64::from(measured);
+                    break;
+                }
+            }
+        }
+    }
+    let _ = conn.client.disconnect().await;
+    stats
+}
+
+/// The result of a run, as printed with `--json`.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub target: String,
+    pub responder: String,
+    pub connections: usize,
+    pub duration_s: f64,
+    pub requests: u64,
+    pub requests_per_sec: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+    pub errors: u64,
+    pub lost: u64,
+    pub failed_connections: usize,
+}
+
+/// Starts `statebroker-bench responder` as a child process and waits until it serves.
+async fn spawn_responder(target: SocketAddr, topic: &str) -> Result<tokio::process::Child, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = tokio::process::Command::new(exe)
+        .args([
+            "responder",
+            "--target",
+            &target.to_string(),
+            "--topic",
+            topic,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start the responder: {e}"))?;
+    let stdout = child.stdout.take().ok_or("responder without stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    match tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await {
+        Ok(Ok(Some(line))) if line.starts_with("ready") => Ok(child),
+        other => Err(format!("responder did not start: {other:?}")),
+    }
+}
+
+/// The default mode.
+pub async fn run(args: LoadArgs) -> Result<(), String> {
+    if args.key_size < 8 {
+        return Err("--key-size must be at least 8".into());
+    }
+    if args.connections == 0 || args.keys == 0 {
+        return Err("--connections and --keys must be at least 1".into());
+    }
+    let (_responder, topic) = match args.responder {
+        Responder::Inprocess => (None, REQUEST_TOPIC.to_owned()),
+        Responder::External => (
+            Some(spawn_responder(args.target, &args.external_topic).await?),
+            args.external_topic.clone(),
+        ),
+    };
+    let prefix = format!("bench-{}", std::process::id());
+    let conns = connect_all(args.target, args.connections, &prefix).await?;
+    let warm_end = Instant::now() + Duration::from_secs_f64(args.warmup);
+    let end = warm_end + Duration::from_secs_f64(args.duration);
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .map(|conn| tokio::spawn(drive(conn, args.clone(), topic.clone(), warm_end, end)))
+        .collect();
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
+    let (mut ok, mut errors, mut lost, mut failed) = (0, 0, 0, 0);
+    let mut failures = HashSet::new();
+    for task in tasks {
+        let stats = task.await.map_err(|e| e.to_string())?;
+        histogram.add(&stats.histogram).map_err(|e| e.to_string())?;
+        ok += stats.ok;
+        errors += stats.errors;
+        lost += stats.lost;
+        if let Some(f) = stats.failure {
+            failed += 1;
+            failures.insert(f);
+        }
+    }
+    let duration = args.duration;
+    let report = Report {
+        target: args.target.to_string(),
+        responder: format!("{:?}", args.responder).to_lowercase(),
+        connections: args.connections,
+        duration_s: duration,
+        requests: ok,
+        requests_per_sec: ok as f64 / duration,
+        p50_us: histogram.value_at_quantile(0.50),
+        p90_us: histogram.value_at_quantile(0.90),
+        p99_us: histogram.value_at_quantile(0.99),
+        max_us: histogram.max(),
+        errors,
+        lost,
+        failed_connections: failed,
+    };
+    for f in &failures {
+        eprintln!("connection failure: {f}");
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!(
+            "target {}  responder {}  connections {}  measured {:.1} s\n\
+             requests {}  requests/s {:.0}  errors {}  lost {}  failed connections {}\n\
+             latency µs: p50 {}  p90 {}  p99 {}  max {}",
+            report.target,
+            report.responder,
+            report.connections,
+            report.duration_s,
+            report.requests,
+            report.requests_per_sec,
+            report.errors,
+            report.lost,
+            report.failed_connections,
+            report.p50_us,
+            report.p90_us,
+            report.p99_us,
+            report.max_us
+        );
+    }
+    Ok(())
+}
+
+/// `fill`: writes keys 0..N with pipelined SETs and reports the rate.
+pub async fn fill(args: FillArgs) -> Result<(), String> {
+    let prefix = format!("fill-{}", std::process::id());
+    let conns = connect_all(args.target, args.connections.max(1), &prefix).await?;
+    let started = Instant::now();
+    let per = args.keys.div_ceil(conns.len() as u64);
+    let mut tasks = Vec::new();
+    for (i, mut conn) in conns.into_iter().enumerate() {
+        let range = (i as u64 * per)..((i as u64 + 1) * per).min(args.keys);
+        let pipeline = args.pipeline.max(1) as u64;
+        tasks.push(tokio::spawn(async move {
+            let value = vec![b'v'; 32];
+            let mut next = range.start;
+            let mut outstanding = 0u64;
+            let mut errors = 0u64;
+            while next < range.end || outstanding > 0 {
+                while next < range.end && outstanding < pipeline {
+                    let payload =
+                        statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
+                    conn.send(REQUEST_TOPIC, payload, next + 1).await?;
+                    next += 1;
+                    outstanding += 1;
+                }
+                match tokio::time::timeout(Duration::from_secs(30), conn.rx.recv()).await {
+                    Ok(Some(Msg::Response { payload, .. })) => {
+                        outstanding -= 1;
+                        errors += u64::from(&payload[..] != b"+OK\r\n");
+                    }
+                    Ok(Some(Msg::SubAck)) => {}
+                    Ok(Some(Msg::Failed(e))) => return Err(e),
+                    Ok(None) | Err(_) => return Err("fill: no response".to_owned()),
+                }
+            }
+            let _ = conn.client.disconnect().await;
+            Ok::<u64, String>(errors)
+        }));
+    }
+    let mut errors = 0;
+    for task in tasks {
+        errors += task.await.map_err(|e| e.to_string())??;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    println!(
+        "filled {} keys in {:.1} s ({:.0} SET/s), {} errors",
+        args.keys,
+        elapsed,
+        args.keys as f64 / elapsed,
+        errors
+    );
+    if errors > 0 {
+        return Err(format!("{errors} SETs failed"));
+    }
+    Ok(())
+}

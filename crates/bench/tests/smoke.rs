@@ -1,0 +1,47 @@
+//! A short run of the benchmark binary against an in-process broker: the
+//! numbers are not checked here (benchmarks print them), only that every
+//! request got its answer.
+
+use std::time::Duration;
+
+async fn run_bench(extra: &[&str]) -> serde_json::Value {
+    let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    let running = broker::Broker::start(settings).await.unwrap();
+    let target = running.local_addr().to_string();
+    let mut args = vec!["--target", &target, "-c", "3", "-d", "1", "--warmup", "0.2", "--json"];
+    args.extend_from_slice(extra);
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
+            .args(&args)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("bench finishes")
+    .expect("bench runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+fn check(report: &serde_json::Value) {
+    assert_eq!(report["lost"], 0, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    assert_eq!(report["failed_connections"], 0, "{report}");
+    assert!(report["requests"].as_u64().unwrap() > 0, "{report}");
+    for field in ["requests_per_sec", "p50_us", "p99_us"] {
+        assert!(report[field].as_f64().unwrap() > 0.0, "{field}: {report}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_process_store_smoke_run() {
+    check(&run_bench(&[]).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_responder_smoke_run() {
+    let report = run_bench(&["--responder", "external"]).await;
+    assert_eq!(report["responder"], "external");
+    check(&report);
+}
