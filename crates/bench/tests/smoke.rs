@@ -8,7 +8,9 @@ async fn run_bench(extra: &[&str]) -> serde_json::Value {
     let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
     let running = broker::Broker::start(settings).await.unwrap();
     let target = running.local_addr().to_string();
-    let mut args = vec!["--target", &target, "-c", "3", "-d", "1", "--warmup", "0.2", "--json"];
+    let mut args = vec![
+        "--target", &target, "-c", "3", "-d", "1", "--warmup", "0.2", "--json",
+    ];
     args.extend_from_slice(extra);
     let output = tokio::time::timeout(
         Duration::from_secs(60),
@@ -20,7 +22,11 @@ async fn run_bench(extra: &[&str]) -> serde_json::Value {
     .await
     .expect("bench finishes")
     .expect("bench runs");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     serde_json::from_slice(&output.stdout).expect("one JSON object")
 }
 
