@@ -1,6 +1,7 @@
 //! `statebroker`: an MQTT 5 / 3.1.1 broker with the Azure IoT Operations
 //! state store inside.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +41,8 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rumqttd=warn")),
