@@ -134,39 +134,63 @@ pub fn detect(buf: &[u8], max_packet_size: usize) -> Result<Option<Protocol>, Co
     }
 }
 
+/// What the broker checks in the raw bytes of a frame before decoding it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameInfo {
+    /// Length of the whole frame.
+    pub len: usize,
+    /// For PUBLISH: the QoS from the fixed header.
+    pub qos: u8,
+    /// For PUBLISH at QoS 1 or 2: the packet identifier.
+    pub pkid: u16,
+}
+
+/// Checks the next frame in `buf` before decoding: its size, that a client
+/// may send its packet type, and for PUBLISH the QoS and packet id (which
+/// rumqttd keeps private). `Ok(None)`: more bytes are needed.
+pub fn inspect(buf: &[u8], max_packet_size: usize) -> Result<Option<FrameInfo>, CodecError> {
+    let Some((header_len, total)) = frame(buf, max_packet_size)? else {
+        return Ok(None);
+    };
+    let (mut qos, mut pkid) = (0, 0);
+    match buf[0] >> 4 {
+        3 => (qos, pkid) = publish_qos_and_id(&buf[..total], header_len)?,
+        1 | 4 | 5 | 6 | 7 | 8 | 10 | 12 | 14 => {}
+        15 => return Err(CodecError::Protocol("AUTH is not supported".into())),
+        other => {
+            return Err(CodecError::Protocol(format!(
+                "a client may not send packet type {other}"
+            )));
+        }
+    }
+    Ok(Some(FrameInfo { len: total, qos, pkid }))
+}
+
 impl Protocol {
     /// Decodes the next packet from `buf`, consuming its bytes.
     /// `Ok(None)`: not enough bytes yet.
-    pub fn read(
-        self,
-        buf: &mut BytesMut,
-        max_packet_size: usize,
-    ) -> Result<Option<Incoming>, CodecError> {
-        let Some((header_len, total)) = frame(buf, max_packet_size)? else {
+    pub fn read(self, buf: &mut BytesMut, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
+        let Some(info) = inspect(buf, max_packet_size)? else {
             return Ok(None);
         };
-        let byte0 = buf[0];
-        let (mut qos, mut pkid) = (0, 0);
-        match byte0 >> 4 {
-            3 => {
-                (qos, pkid) = publish_qos_and_id(&buf[..total], header_len)?;
-            }
-            1 | 4 | 5 | 6 | 7 | 8 | 10 | 12 | 14 => {}
-            15 => return Err(CodecError::Protocol("AUTH is not supported".into())),
-            other => {
-                return Err(CodecError::Protocol(format!(
-                    "a client may not send packet type {other}"
-                )));
-            }
-        }
-        let decoded = catch_unwind(AssertUnwindSafe(|| match self {
-            Protocol::V4 => V4.read_mut(buf, max_packet_size),
-            Protocol::V5 => V5.read_mut(buf, max_packet_size),
-        }));
+        let decoded = catch_unwind(AssertUnwindSafe(|| self.decode(buf, max_packet_size)));
         match decoded {
-            Ok(Ok(packet)) => Ok(Some(Incoming { packet, qos, pkid })),
+            Ok(Ok(packet)) => Ok(Some(Incoming {
+                packet,
+                qos: info.qos,
+                pkid: info.pkid,
+            })),
             Ok(Err(e)) => Err(CodecError::Malformed(format!("{e:?}"))),
             Err(_) => Err(CodecError::Malformed("decoder failure".into())),
+        }
+    }
+
+    /// rumqttd's decoder, unguarded: call [`inspect`] first. Public for the
+    /// fuzz target, which must see a decoder panic rather than its catch.
+    pub fn decode(self, buf: &mut BytesMut, max_packet_size: usize) -> Result<Packet, rumqttd::protocol::Error> {
+        match self {
+            Protocol::V4 => V4.read_mut(buf, max_packet_size),
+            Protocol::V5 => V5.read_mut(buf, max_packet_size),
         }
     }
 

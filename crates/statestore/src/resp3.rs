@@ -75,8 +75,9 @@ impl<'a> Cursor<'a> {
         self.buf.len() - self.pos
     }
 
-    /// Reads `<prefix><digits>\r\n` and returns the number. Only plain decimal
-    /// digits are accepted: no sign, no spaces, no null (`-1`) lengths.
+    /// Reads `<prefix><digits>\r\n` and returns the number. Only canonical
+    /// decimal is accepted: no sign, no spaces, no leading zeros, no null
+    /// (`-1`) lengths; so an accepted request re-encodes to the same bytes.
     fn length_line(&mut self, prefix: u8) -> Result<usize, SyntaxError> {
         if self.buf.get(self.pos) != Some(&prefix) {
             return Err(SyntaxError);
@@ -94,7 +95,8 @@ impl<'a> Cursor<'a> {
                 .ok_or(SyntaxError)?;
             self.pos += 1;
         }
-        if self.pos == start {
+        let digits = self.pos - start;
+        if digits == 0 || (digits > 1 && self.buf[start] == b'0') {
             return Err(SyntaxError);
         }
         self.crlf()?;
@@ -241,6 +243,9 @@ mod tests {
             b"*1\r\n$18446744073709551615\r\nx\r\n",
             b"*4294967295\r\n$1\r\na\r\n",
             b"$3\r\nGET\r\n",
+            b"*00\r\n",
+            b"*01\r\n$3\r\nGET\r\n",
+            b"*1\r\n$03\r\nGET\r\n",
         ];
         for payload in bad {
             assert_eq!(parse_request(payload), Err(SyntaxError), "{payload:?}");
