@@ -163,13 +163,21 @@ pub fn inspect(buf: &[u8], max_packet_size: usize) -> Result<Option<FrameInfo>, 
             )));
         }
     }
-    Ok(Some(FrameInfo { len: total, qos, pkid }))
+    Ok(Some(FrameInfo {
+        len: total,
+        qos,
+        pkid,
+    }))
 }
 
 impl Protocol {
     /// Decodes the next packet from `buf`, consuming its bytes.
     /// `Ok(None)`: not enough bytes yet.
-    pub fn read(self, buf: &mut BytesMut, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
+    pub fn read(
+        self,
+        buf: &mut BytesMut,
+        max_packet_size: usize,
+    ) -> Result<Option<Incoming>, CodecError> {
         let Some(info) = inspect(buf, max_packet_size)? else {
             return Ok(None);
         };
@@ -187,7 +195,11 @@ impl Protocol {
 
     /// rumqttd's decoder, unguarded: call [`inspect`] first. Public for the
     /// fuzz target, which must see a decoder panic rather than its catch.
-    pub fn decode(self, buf: &mut BytesMut, max_packet_size: usize) -> Result<Packet, rumqttd::protocol::Error> {
+    pub fn decode(
+        self,
+        buf: &mut BytesMut,
+        max_packet_size: usize,
+    ) -> Result<Packet, rumqttd::protocol::Error> {
         match self {
             Protocol::V4 => V4.read_mut(buf, max_packet_size),
             Protocol::V5 => V5.read_mut(buf, max_packet_size),
