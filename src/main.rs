@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use broker::persistence::{Mode, PersistenceSettings};
 use broker::{Broker, Settings};
 use clap::Parser;
 
@@ -29,10 +30,20 @@ struct Cli {
     #[arg(short, long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
 
+    /// Keep persisted keys in this directory (default: `statebroker-data`
+    /// next to the config file, or in the working directory).
+    #[arg(short, long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
 }
+
+/// Default log filter: info, without rumqttd's per-connection lines, with
+/// the storage engine's journal recovery (it only logs when it repairs).
+const DEFAULT_LOG: &str =
+    "info,rumqttd=warn,fjall::journal::reader=debug,fjall::journal::batch_reader=debug";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -45,16 +56,26 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rumqttd=warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG)),
         )
         .init();
-    let settings = match Settings::load(cli.config.as_deref(), cli.listen) {
+    let mut settings = match Settings::load(cli.config.as_deref(), cli.listen) {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("statebroker: {e}");
             return ExitCode::from(2);
         }
     };
+    if let Some(dir) = cli.data_dir {
+        let mode = settings
+            .persistence
+            .as_ref()
+            .map_or(Mode::Fsync, |p| p.mode);
+        settings.persistence = Some(PersistenceSettings {
+            data_dir: dir,
+            mode,
+        });
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

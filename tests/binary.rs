@@ -2,43 +2,18 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::raw::{Raw, disconnect_reason, v5};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-
-/// Starts the binary on a free loopback port and returns it with its address.
-async fn start(extra: &[&str]) -> (Child, std::net::SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_statebroker"))
-        .args(["--listen", "127.0.0.1:0"])
-        .args(extra)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.split("addr=").nth(1) {
-                return rest.split_whitespace().next().unwrap().parse().unwrap();
-            }
-        }
-        panic!("the broker exited before listening");
-    })
-    .await
-    .expect("the broker logs its address");
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, addr)
-}
+use common::spawn_broker as start;
+use tokio::process::Command;
 
 #[tokio::test]
 async fn serves_and_stops_cleanly_on_sigterm() {
-    let (mut child, addr) = start(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let common::BrokerProcess {
+        mut child, addr, ..
+    } = start(dir.path(), &[]).await;
     let mut client = Raw::connect(addr, "before-shutdown").await;
     assert_eq!(
         &client.request(&[b"SET", b"k", b"v"]).await.payload[..],

@@ -95,6 +95,53 @@ impl SdkClient {
     }
 }
 
+/// A `statebroker` process started by a test.
+pub struct BrokerProcess {
+    pub child: tokio::process::Child,
+    pub addr: SocketAddr,
+    /// Its log lines so far.
+    pub log: Arc<parking_lot::Mutex<Vec<String>>>,
+}
+
+/// Starts the `statebroker` binary on a free loopback port with its data in
+/// `data_dir` (its address read from its log).
+pub async fn spawn_broker(data_dir: &std::path::Path, extra: &[&str]) -> BrokerProcess {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .args(["--listen", "127.0.0.1:0"])
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(extra)
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let log = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let addr = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            log.lock().push(line.clone());
+            if line.contains("listening")
+                && let Some(rest) = line.split("addr=").nth(1)
+            {
+                return rest.split_whitespace().next().unwrap().parse().unwrap();
+            }
+        }
+        panic!("the broker exited before listening: {:?}", log.lock());
+    })
+    .await
+    .expect("the broker logs its address");
+    let sink = Arc::clone(&log);
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            sink.lock().push(line);
+        }
+    });
+    BrokerProcess { child, addr, log }
+}
+
 /// Waits for `cond` to hold, polling.
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + TIMEOUT;

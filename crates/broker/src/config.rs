@@ -15,6 +15,14 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use statestore::persist::PersistPolicy;
+use std::time::Duration;
+
+use crate::persistence::{Mode, PersistenceSettings};
+
+/// How far ahead of the clock the persisted clock mark runs (see
+/// `statestore::persist`): at most one mark write per half of it.
+const CLOCK_LEASE_MS: u64 = 10_000;
 
 /// The embedded default configuration.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../rumqttd.toml");
@@ -56,6 +64,7 @@ const KNOWN_SECTIONS: &[&str] = &[
     "metrics",
     "broker",
     "statestore",
+    "persistence",
 ];
 
 /// statebroker's own sections.
@@ -63,6 +72,21 @@ const KNOWN_SECTIONS: &[&str] = &[
 struct Sections {
     broker: BrokerSection,
     statestore: StoreSection,
+    persistence: PersistenceSection,
+}
+
+/// `[persistence]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PersistenceSection {
+    /// Data directory; empty for memory only.
+    pub data_dir: String,
+    /// `fsync` or `interval`.
+    pub mode: String,
+    /// fsync period in `interval` mode.
+    pub interval_ms: u64,
+    /// Keys persisted by configuration.
+    pub keys: Vec<String>,
 }
 
 /// Deserializes the layered configuration, naming the full path of a bad field.
@@ -150,6 +174,10 @@ pub struct Settings {
     pub broker: BrokerSection,
     /// `[statestore]`
     pub statestore: StoreSection,
+    /// Where and how to persist; `None`: memory only.
+    pub persistence: Option<PersistenceSettings>,
+    /// Keys persisted by configuration.
+    pub persist_policy: PersistPolicy,
 }
 
 impl Settings {
@@ -158,9 +186,13 @@ impl Settings {
         Settings::load(None, None).expect("the embedded default configuration is valid")
     }
 
-    /// The embedded default, listening on `addr` only (tests use port 0).
+    /// The embedded default, listening on `addr` only and keeping
+    /// everything in memory (no data directory): for tests and tools.
     pub fn listening_on(addr: SocketAddr) -> Settings {
-        Settings::load(None, Some(addr)).expect("the embedded default configuration is valid")
+        let mut settings = Settings::load_with_env(None, Some(addr), std::iter::empty())
+            .expect("the embedded default configuration is valid");
+        settings.persistence = None;
+        settings
     }
 
     /// Loads the layers described in the module docs.
@@ -174,6 +206,10 @@ impl Settings {
         listen: Option<SocketAddr>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, ConfigError> {
+        let base_dir = match file.and_then(Path::parent) {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+            _ => PathBuf::from("."),
+        };
         let mut base: toml::Table = DEFAULT_CONFIG.parse().expect("embedded default is TOML");
         let mut builder = config::Config::builder();
         if let Some(path) = file {
@@ -211,15 +247,18 @@ impl Settings {
                 .prefix_separator("__")
                 .separator("__")
                 .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("persistence.keys")
                 .source(Some(env)),
         );
         let layered = builder.build().map_err(|e| invalid(e.to_string()))?;
-        Settings::resolve(layered, listen)
+        Settings::resolve(layered, listen, &base_dir)
     }
 
     fn resolve(
         layered: config::Config,
         listen: Option<SocketAddr>,
+        base_dir: &Path,
     ) -> Result<Settings, ConfigError> {
         let root: HashMap<String, config::Value> = layered
             .clone()
@@ -237,7 +276,29 @@ impl Settings {
             )));
         }
         let rumqttd: rumqttd::Config = deserialize(&layered)?;
-        let Sections { broker, statestore } = deserialize(&layered)?;
+        let Sections {
+            broker,
+            statestore,
+            persistence: persistence_section,
+        } = deserialize(&layered)?;
+        let persist_policy = PersistPolicy::parse(&persistence_section.keys)
+            .map_err(|e| invalid(format!("persistence.keys: {e}")))?;
+        let mode = match persistence_section.mode.as_str() {
+            "fsync" => Mode::Fsync,
+            "interval" if persistence_section.interval_ms > 0 => {
+                Mode::Interval(Duration::from_millis(persistence_section.interval_ms))
+            }
+            "interval" => return Err(invalid("persistence.interval_ms must be at least 1")),
+            other => {
+                return Err(invalid(format!(
+                    "persistence.mode: `{other}` is neither `fsync` nor `interval`"
+                )));
+            }
+        };
+        let persistence = (!persistence_section.data_dir.is_empty()).then(|| PersistenceSettings {
+            data_dir: base_dir.join(&persistence_section.data_dir),
+            mode,
+        });
 
         let router = rumqttd.router.clone();
         if router.max_connections == 0 {
@@ -331,6 +392,8 @@ impl Settings {
             listeners,
             broker,
             statestore,
+            persistence,
+            persist_policy,
         })
     }
 
@@ -348,6 +411,8 @@ impl Settings {
                 max_key_size: s.quota.max_key_size,
                 max_value_size: s.quota.max_value_size,
             },
+            persist_policy: self.persist_policy.clone(),
+            clock_lease_ms: self.persistence.as_ref().map(|_| CLOCK_LEASE_MS),
         }
     }
 }
@@ -375,6 +440,46 @@ mod tests {
         assert_eq!(s.statestore.node_id, "statebroker");
         assert!(s.broker.legacy_2023_topic);
         assert_eq!(s.store_config().scan_page_size, 100);
+        let p = s.persistence.unwrap();
+        assert_eq!(p.data_dir, Path::new("./statebroker-data"));
+        assert_eq!(p.mode, Mode::Fsync);
+    }
+
+    #[test]
+    fn persistence_settings() {
+        let f = file("[persistence]\nmode = \"interval\"\ninterval_ms = 50\nkeys = [\"all\"]\n");
+        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        let p = s.persistence.clone().unwrap();
+        assert_eq!(p.mode, Mode::Interval(Duration::from_millis(50)));
+        assert_eq!(
+            p.data_dir,
+            f.parent().unwrap().join("statebroker-data"),
+            "next to the config"
+        );
+        assert!(s.persist_policy.persists(b"anything"));
+        let env = vec![(
+            "STATEBROKER__PERSISTENCE__KEYS".to_owned(),
+            "exact:a,glob:b*".to_owned(),
+        )];
+        let s = Settings::load_with_env(None, None, env).unwrap();
+        assert!(s.persist_policy.persists(b"a") && s.persist_policy.persists(b"bee"));
+        assert!(!s.persist_policy.persists(b"c"));
+        let f = file("[persistence]\ndata_dir = \"\"\n");
+        assert!(
+            Settings::load_with_env(Some(&f), None, no_env())
+                .unwrap()
+                .persistence
+                .is_none()
+        );
+        assert!(
+            Settings::listening_on("127.0.0.1:0".parse().unwrap())
+                .persistence
+                .is_none()
+        );
+        let e = error_of("[persistence]\nmode = \"sometimes\"\n");
+        assert!(e.contains("persistence.mode"), "{e}");
+        let e = error_of("[persistence]\nkeys = [\"regex:x\"]\n");
+        assert!(e.contains("persistence.keys"), "{e}");
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod codec;
 pub mod config;
 mod connection;
 mod listener;
+pub mod persistence;
 pub mod router;
 pub mod service;
 pub mod topics;
@@ -64,8 +65,19 @@ impl Broker {
     /// Binds every listener, starts the router and the state store service,
     /// and starts accepting clients. Returns once the broker is serving.
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
+        let persistence = match &settings.persistence {
+            Some(p) => {
+                let opened = persistence::Persistence::open(p).map_err(std::io::Error::other)?;
+                tracing::info!(data_dir = %p.data_dir.display(), mode = ?p.mode, "persistence on");
+                Some(opened)
+            }
+            None => {
+                tracing::info!("persistence off: every key lives in memory only");
+                None
+            }
+        };
         let router = router::Router::spawn(settings.router_id, settings.router.clone());
-        let store = StateStoreService::start(&router, settings.store_config()).await?;
+        let store = StateStoreService::start(&router, settings.store_config(), persistence).await?;
         let wills = will::WillRegistry::new(&store);
         let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
@@ -130,12 +142,15 @@ impl RunningBroker {
     }
 
     /// Stops accepting, disconnects every client (MQTT 5 clients hear
-    /// "server shutting down"), and waits up to `grace` for them to go.
+    /// "server shutting down"), waits up to `grace` for them to go, then
+    /// syncs and closes the storage engine.
     pub async fn shutdown(self, grace: Duration) {
         let _ = self.stop.send(true);
         let deadline = tokio::time::Instant::now() + grace;
         while self.connection_count() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        let store = Arc::clone(&self.shared.store);
+        let _ = tokio::task::spawn_blocking(move || store.close()).await;
     }
 }

@@ -10,6 +10,11 @@
 //!
 //! It also owns the expiry timer: a task that sleeps until the store's next
 //! expiry and publishes the DELETE notifications of what expired.
+//!
+//! With persistence, the durable changes of a request are queued to the
+//! [`Persistence`] writer while the store is still locked (so they reach the
+//! disk in the order they happened), and the answer waits until everything
+//! queued before it is durable (see [`crate::persistence`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,9 +25,11 @@ use parking_lot::Mutex;
 use rumqttd::Notification;
 use rumqttd::local::{LinkRx, LinkTx};
 use rumqttd::protocol::{LastWill, LastWillProperties, Packet, Publish, PublishProperties, QoS};
+use statestore::persist::Write;
 use statestore::{Caller, Outcome, Request, Store};
 use tokio::sync::Notify;
 
+use crate::persistence::{Loaded, Persistence};
 use crate::router::{INTERNAL_PREFIX, Router, poll_once};
 use crate::topics;
 
@@ -87,13 +94,16 @@ pub struct StateStoreService {
     expiry_changed: Notify,
     /// The expiry time the expiry task sleeps until (u64::MAX: none).
     expiry_armed: AtomicU64,
+    persistence: Option<Persistence>,
 }
 
 impl StateStoreService {
-    /// Starts the service on `router`.
+    /// Starts the service on `router`; with `persistence`, the store starts
+    /// from what was on disk.
     pub async fn start(
         router: &Router,
         config: statestore::Config,
+        persistence: Option<(Persistence, Loaded)>,
     ) -> std::io::Result<Arc<StateStoreService>> {
         let (tx, rx, _connack) = router
             .link_async(format!("{INTERNAL_PREFIX}store"), true)
@@ -101,30 +111,93 @@ impl StateStoreService {
             .map_err(|e| {
                 std::io::Error::other(format!("cannot link the state store to the router: {e}"))
             })?;
+        let node_id = config.node_id.clone();
+        let (store, persistence) = match persistence {
+            None => (Store::new(config), None),
+            Some((persistence, loaded)) => {
+                let started = std::time::Instant::now();
+                let (store, restored) =
+                    Store::restore(config, loaded.records, loaded.clock_mark, now_ms());
+                tracing::info!(
+                    keys = restored.keys,
+                    expired_while_down = restored.expired.len(),
+                    unreadable = loaded.corrupt,
+                    read_ms = loaded.elapsed.as_millis() as u64,
+                    restore_ms = started.elapsed().as_millis() as u64,
+                    "restored persisted keys"
+                );
+                if !restored.expired.is_empty() {
+                    persistence.submit(restored.expired.into_iter().map(Write::Delete).collect());
+                }
+                (store, Some(persistence))
+            }
+        };
         let service = Arc::new(StateStoreService {
-            node_id: config.node_id.clone(),
-            store: Mutex::new(Store::new(config)),
+            node_id,
+            store: Mutex::new(store),
             publisher: Mutex::new(Publisher { tx, next_pkid: 0 }),
             expiry_changed: Notify::new(),
             expiry_armed: AtomicU64::new(u64::MAX),
+            persistence,
         });
         tokio::spawn(drain_acks(rx));
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
         Ok(service)
     }
 
-    /// Serves one request from `caller` and publishes the answer to `reply_to`.
-    pub fn serve(&self, request: &Request<'_>, caller: Caller<'_>, reply_to: &ReplyTo) {
-        let outcome = {
+    /// Serves one request from `caller` and publishes the answer to
+    /// `reply_to`, once what it could have observed is durable.
+    pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: &ReplyTo) {
+        let (outcome, wait) = {
             let mut store = self.store.lock();
-            let outcome = store.execute(request, caller, now_ms());
+            let mut outcome = store.execute(request, caller, now_ms());
             self.rearm_expiry(store.next_expiry());
-            outcome
+            let wait = self.persist(std::mem::take(&mut outcome.writes));
+            (outcome, wait)
         };
         if let Some(error) = outcome.error {
             tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
         }
-        self.publish_outcome(Some(reply_to), &outcome);
+        self.publish_when_durable(Some(reply_to.clone()), outcome, wait);
+    }
+
+    /// Queues durable writes (call with the store locked); returns the batch
+    /// an answer given now must wait for.
+    fn persist(&self, writes: Vec<Write>) -> u64 {
+        let Some(persistence) = &self.persistence else {
+            return 0;
+        };
+        if !writes.is_empty() {
+            persistence.submit(writes);
+        }
+        persistence.submitted()
+    }
+
+    fn publish_when_durable(
+        self: &Arc<Self>,
+        reply_to: Option<ReplyTo>,
+        outcome: Outcome,
+        wait: u64,
+    ) {
+        match &self.persistence {
+            Some(persistence) if !persistence.is_durable(wait) => {
+                let service = Arc::clone(self);
+                tokio::spawn(async move {
+                    if let Some(persistence) = &service.persistence {
+                        persistence.wait_durable(wait).await;
+                    }
+                    service.publish_outcome(reply_to.as_ref(), &outcome);
+                });
+            }
+            _ => self.publish_outcome(reply_to.as_ref(), &outcome),
+        }
+    }
+
+    /// Writes and syncs what is queued and closes the storage engine.
+    pub fn close(&self) {
+        if let Some(persistence) = &self.persistence {
+            persistence.close();
+        }
     }
 
     /// Answers a request the broker refused before it reached the store.
@@ -217,21 +290,23 @@ impl StateStoreService {
     }
 
     /// Expires what is due and publishes the notifications; returns the next expiry.
-    fn expire_now(&self) -> Option<u64> {
-        let (notices, next) = {
+    fn expire_now(self: &Arc<Self>) -> Option<u64> {
+        let (fx, next, wait) = {
             let mut store = self.store.lock();
-            let notices = store.expire(now_ms());
-            (notices, store.next_expiry())
+            let mut fx = store.expire(now_ms());
+            let wait = self.persist(std::mem::take(&mut fx.writes));
+            (fx, store.next_expiry(), wait)
         };
-        if !notices.is_empty() {
+        if !fx.notices.is_empty() {
             let outcome = Outcome {
                 payload: Vec::new(),
                 timestamp: String::new(),
-                notices,
+                notices: fx.notices,
+                writes: Vec::new(),
                 command: None,
                 error: None,
             };
-            self.publish_outcome(None, &outcome);
+            self.publish_when_durable(None, outcome, wait);
         }
         next
     }

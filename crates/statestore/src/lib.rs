@@ -84,10 +84,11 @@ pub mod fencing;
 pub mod glob;
 pub mod hlc;
 pub mod notify;
+pub mod persist;
 pub mod resp3;
 pub mod store;
 
 pub use command::Dialect;
 pub use error::Error;
 pub use notify::{Event, Notice};
-pub use store::{Caller, Config, Outcome, Quota, Request, Store};
+pub use store::{Caller, Config, Effects, Outcome, Quota, Request, Restored, Store};

@@ -20,10 +20,11 @@
 //!    quotas.
 
 use crate::command::{Command, Dialect};
-use crate::db::{Db, Entry};
+use crate::db::{Db, Entry, Extras};
 use crate::error::Error;
 use crate::hlc::{Hlc, HybridClock, Version};
 use crate::notify::{Event, Notice, Watchers};
+use crate::persist::{PersistPolicy, Record, Write};
 use crate::resp3;
 
 /// Limits on what the store holds. Beyond them: `the quota has been exceeded`.
@@ -51,7 +52,7 @@ impl Default for Quota {
 }
 
 /// How the store behaves.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Config {
     /// The node id in every version this store hands out.
     pub node_id: String,
@@ -63,6 +64,11 @@ pub struct Config {
     pub quota: Quota,
     /// KEYNOTIFY registrations one client may hold.
     pub max_watches_per_client: usize,
+    /// Keys persisted by configuration (besides `aio-persistence: true`).
+    pub persist_policy: PersistPolicy,
+    /// With persistence: how far ahead of the clock each clock mark is set
+    /// (see [`crate::persist`]). `None`: no marks (memory only).
+    pub clock_lease_ms: Option<u64>,
 }
 
 impl Default for Config {
@@ -73,6 +79,8 @@ impl Default for Config {
             scan_page_size: 100,
             quota: Quota::default(),
             max_watches_per_client: 10_000,
+            persist_policy: PersistPolicy::default(),
+            clock_lease_ms: None,
         }
     }
 }
@@ -111,10 +119,30 @@ pub struct Outcome {
     /// Notifications to publish (from this request, and from keys that
     /// expired just before it).
     pub notices: Vec<Notice>,
+    /// What must be durable before the answer and notifications go out.
+    pub writes: Vec<Write>,
     /// The verb, if the request got that far (for logs).
     pub command: Option<&'static str>,
     /// The error answered, if any (for logs).
     pub error: Option<Error>,
+}
+
+/// What serving a request causes besides its answer.
+#[derive(Debug, Default)]
+pub struct Effects {
+    /// Notifications to publish.
+    pub notices: Vec<Notice>,
+    /// Durable changes to make first.
+    pub writes: Vec<Write>,
+}
+
+/// What [`Store::restore`] found.
+#[derive(Debug, Default)]
+pub struct Restored {
+    /// Keys restored.
+    pub keys: usize,
+    /// Keys that expired while the broker was down (to delete from disk).
+    pub expired: Vec<Vec<u8>>,
 }
 
 /// What a command sees of its request besides its arguments.
@@ -132,6 +160,8 @@ pub struct Store {
     pub(crate) watchers: Watchers,
     pub(crate) clock: HybridClock,
     pub(crate) config: Config,
+    /// The last clock mark (see [`crate::persist`]).
+    clock_mark: u64,
 }
 
 impl Store {
@@ -142,7 +172,47 @@ impl Store {
             watchers: Watchers::default(),
             clock: HybridClock::starting_after(Version::default()),
             config,
+            clock_mark: 0,
         }
+    }
+
+    /// A store holding the persisted `records` of an earlier run, whose last
+    /// clock mark was `clock_mark`: versions start above both. Records that
+    /// expired by `now_ms` are left out (and reported, to delete them).
+    pub fn restore(
+        config: Config,
+        records: impl IntoIterator<Item = Record>,
+        clock_mark: Option<u64>,
+        now_ms: u64,
+    ) -> (Store, Restored) {
+        let mut store = Store::new(config);
+        let mut restored = Restored::default();
+        let mut floor = Version {
+            wall_ms: clock_mark.unwrap_or(0),
+            counter: 0,
+        };
+        for record in records {
+            floor = floor.max(record.version);
+            if record.expires_at.is_some_and(|at| at <= now_ms) {
+                restored.expired.push(record.key);
+                continue;
+            }
+            let extras = Extras {
+                expires_at: record.expires_at,
+                fencing_token: record.fencing_token,
+                persisted: true,
+            };
+            store.db.insert(Entry::new(
+                &record.key,
+                &record.value,
+                record.version,
+                extras,
+            ));
+            restored.keys += 1;
+        }
+        store.clock = HybridClock::starting_after(floor);
+        store.clock_mark = clock_mark.unwrap_or(0);
+        (store, restored)
     }
 
     /// Serves one request.
@@ -163,10 +233,10 @@ impl Store {
     /// assert_eq!(out.payload, b"$5\r\nhello\r\n");
     /// ```
     pub fn execute(&mut self, request: &Request<'_>, caller: Caller<'_>, now_ms: u64) -> Outcome {
-        let mut notices = Vec::new();
-        self.expire_into(now_ms, &mut notices);
+        let mut fx = Effects::default();
+        self.expire_into(now_ms, &mut fx);
         let mut command = None;
-        let result = self.run(request, caller, now_ms, &mut notices, &mut command);
+        let result = self.run(request, caller, now_ms, &mut fx, &mut command);
         let (frame, version, error) = match result {
             Ok(answer) => (answer.frame, answer.version, None),
             Err(e) => (e.frame(), self.clock.now(now_ms), Some(e)),
@@ -174,7 +244,8 @@ impl Store {
         Outcome {
             payload: frame.to_vec(),
             timestamp: version.format(&self.config.node_id),
-            notices,
+            notices: fx.notices,
+            writes: fx.writes,
             command,
             error,
         }
@@ -185,7 +256,7 @@ impl Store {
         request: &Request<'_>,
         caller: Caller<'_>,
         now: u64,
-        notices: &mut Vec<Notice>,
+        fx: &mut Effects,
         name: &mut Option<&'static str>,
     ) -> Result<crate::command::Answer, Error> {
         let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
@@ -201,22 +272,39 @@ impl Store {
             persist: request.persist,
             caller,
         };
-        command.apply(self, &ctx, notices)
+        command.apply(self, &ctx, fx)
     }
 
     /// Removes the keys that expired by `now_ms`, and returns the DELETE
-    /// notifications for their watchers. The broker calls it when
-    /// [`Store::next_expiry`] is due; [`Store::execute`] calls it first thing.
-    pub fn expire(&mut self, now_ms: u64) -> Vec<Notice> {
-        let mut notices = Vec::new();
-        self.expire_into(now_ms, &mut notices);
-        notices
+    /// notifications for their watchers and the deletes to persist. The
+    /// broker calls it when [`Store::next_expiry`] is due; [`Store::execute`]
+    /// calls it first thing.
+    pub fn expire(&mut self, now_ms: u64) -> Effects {
+        let mut fx = Effects::default();
+        self.expire_into(now_ms, &mut fx);
+        fx
     }
 
-    fn expire_into(&mut self, now_ms: u64, notices: &mut Vec<Notice>) {
+    fn expire_into(&mut self, now_ms: u64, fx: &mut Effects) {
         for entry in self.db.expire_due(now_ms) {
-            self.changed(entry.key(), Event::Delete, entry.version(), notices);
+            if entry.persisted() {
+                fx.writes.push(Write::Delete(entry.key().to_vec()));
+            }
+            self.changed(entry.key(), Event::Delete, entry.version(), fx);
         }
+    }
+
+    /// Hands out a new version for a change, raising the clock mark first
+    /// when the version comes near it.
+    pub(crate) fn new_version(&mut self, now: u64, received: &Hlc, fx: &mut Effects) -> Version {
+        let version = self.clock.next(now, Some(received));
+        if let Some(lease) = self.config.clock_lease_ms
+            && version.wall_ms.saturating_add(lease / 2) >= self.clock_mark
+        {
+            self.clock_mark = version.wall_ms.saturating_add(lease);
+            fx.writes.push(Write::ClockMark(self.clock_mark));
+        }
+        version
     }
 
     /// When the next key expires, if any does.
@@ -289,23 +377,20 @@ impl Store {
 
     /// Deletes `key` (which must exist), tells its watchers, and returns the
     /// version it had.
-    pub(crate) fn delete(&mut self, key: &[u8], notices: &mut Vec<Notice>) -> Version {
+    pub(crate) fn delete(&mut self, key: &[u8], fx: &mut Effects) -> Version {
         let entry = self.db.remove(key).expect("deleting a key that exists");
-        self.changed(key, Event::Delete, entry.version(), notices);
+        if entry.persisted() {
+            fx.writes.push(Write::Delete(key.to_vec()));
+        }
+        self.changed(key, Event::Delete, entry.version(), fx);
         entry.version()
     }
 
     /// Records a notification for the watchers of `key`, if there are any.
-    pub(crate) fn changed(
-        &self,
-        key: &[u8],
-        event: Event,
-        version: Version,
-        notices: &mut Vec<Notice>,
-    ) {
+    pub(crate) fn changed(&self, key: &[u8], event: Event, version: Version, fx: &mut Effects) {
         let watchers = self.watchers.of_key(key);
         if !watchers.is_empty() {
-            notices.push(Notice {
+            fx.notices.push(Notice {
                 key: key.to_vec(),
                 event,
                 version: version.format(&self.config.node_id),

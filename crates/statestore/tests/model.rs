@@ -420,6 +420,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             ..Quota::default()
         },
         max_watches_per_client: MAX_WATCHES,
+        ..Config::default()
     });
     let mut model = Model {
         now: T0,
@@ -449,7 +450,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 let out = statestore::Outcome {
                     payload: vec![],
                     timestamp: String::new(),
-                    notices: store.expire(model.now),
+                    notices: store.expire(model.now).notices,
+                    writes: vec![],
                     command: None,
                     error: None,
                 };

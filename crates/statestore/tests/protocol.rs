@@ -447,8 +447,8 @@ fn active_expiry_notifies_watchers() {
     let set = h.req(&["SET", "k", "v", "PX", "50"]).send();
     let version = set.timestamp;
     assert_eq!(h.store.next_expiry(), Some(T0 + 50));
-    assert!(h.store.expire(T0 + 49).is_empty());
-    let notices = h.store.expire(T0 + 50);
+    assert!(h.store.expire(T0 + 49).notices.is_empty());
+    let notices = h.store.expire(T0 + 50).notices;
     assert_eq!(notices.len(), 1);
     assert_eq!(notices[0].event, Event::Delete);
     assert_eq!(notices[0].version, version);

@@ -8,9 +8,8 @@ use super::{Answer, Parse};
 use crate::db::Entry;
 use crate::error::Error;
 use crate::fencing;
-use crate::notify::Notice;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::store::{Ctx, Effects, Store};
 
 /// A parsed DEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +29,7 @@ impl<'a> Del<'a> {
         self,
         store: &mut Store,
         ctx: &Ctx<'_>,
-        notices: &mut Vec<Notice>,
+        fx: &mut Effects,
     ) -> Result<Answer, Error> {
         let Some(entry) = store.db.get(self.key) else {
             return Ok(Answer {
@@ -39,7 +38,7 @@ impl<'a> Del<'a> {
             });
         };
         fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
-        let version = store.delete(self.key, notices);
+        let version = store.delete(self.key, fx);
         Ok(Answer {
             frame: Frame::Integer(1),
             version,

@@ -31,9 +31,8 @@ pub use vdel::VDel;
 
 use crate::error::Error;
 use crate::hlc::Version;
-use crate::notify::Notice;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::store::{Ctx, Effects, Store};
 
 /// Which generation of the protocol a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -126,13 +125,13 @@ impl<'a> Command<'a> {
         self,
         store: &mut Store,
         ctx: &Ctx<'_>,
-        notices: &mut Vec<Notice>,
+        fx: &mut Effects,
     ) -> Result<Answer, Error> {
         match self {
-            Command::Set(cmd) => cmd.apply(store, ctx, notices),
+            Command::Set(cmd) => cmd.apply(store, ctx, fx),
             Command::Get(cmd) => cmd.apply(store, ctx),
-            Command::Del(cmd) => cmd.apply(store, ctx, notices),
-            Command::VDel(cmd) => cmd.apply(store, ctx, notices),
+            Command::Del(cmd) => cmd.apply(store, ctx, fx),
+            Command::VDel(cmd) => cmd.apply(store, ctx, fx),
             Command::KeyNotify(cmd) => cmd.apply(store, ctx),
             Command::Scan(cmd) => cmd.apply(store, ctx),
         }

@@ -21,9 +21,10 @@ use super::{Answer, Parse};
 use crate::db::{Entry, Extras};
 use crate::error::Error;
 use crate::fencing;
-use crate::notify::{Event, Notice};
+use crate::notify::Event;
+use crate::persist::{Record, Write};
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::store::{Ctx, Effects, Store};
 
 /// When a SET applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -86,7 +87,7 @@ impl<'a> Set<'a> {
         self,
         store: &mut Store,
         ctx: &Ctx<'_>,
-        notices: &mut Vec<Notice>,
+        fx: &mut Effects,
     ) -> Result<Answer, Error> {
         let timestamp = ctx.timestamp.as_ref().ok_or(Error::TimestampMissing)?;
         let existing = store.db.get(self.key);
@@ -114,13 +115,24 @@ impl<'a> Set<'a> {
                 existing.and_then(Entry::fencing_token),
                 ctx.fencing_token.as_ref(),
             ),
-            persisted: ctx.persist || existing.is_some_and(Entry::persisted),
+            persisted: ctx.persist
+                || existing.is_some_and(Entry::persisted)
+                || store.config.persist_policy.persists(self.key),
         };
-        let version = store.clock.next(ctx.now, Some(timestamp));
+        let version = store.new_version(ctx.now, timestamp, fx);
+        if extras.persisted {
+            fx.writes.push(Write::Put(Record {
+                key: self.key.to_vec(),
+                value: self.value.to_vec(),
+                version,
+                fencing_token: extras.fencing_token.clone(),
+                expires_at: extras.expires_at,
+            }));
+        }
         store
             .db
             .insert(Entry::new(self.key, self.value, version, extras));
-        store.changed(self.key, Event::Set(self.value.to_vec()), version, notices);
+        store.changed(self.key, Event::Set(self.value.to_vec()), version, fx);
         Ok(Answer {
             frame: Frame::Simple("OK"),
             version,

@@ -9,9 +9,8 @@ use super::{Answer, Parse};
 use crate::db::Entry;
 use crate::error::Error;
 use crate::fencing;
-use crate::notify::Notice;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::store::{Ctx, Effects, Store};
 
 /// A parsed VDEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +33,7 @@ impl<'a> VDel<'a> {
         self,
         store: &mut Store,
         ctx: &Ctx<'_>,
-        notices: &mut Vec<Notice>,
+        fx: &mut Effects,
     ) -> Result<Answer, Error> {
         let Some(entry) = store.db.get(self.key) else {
             return Ok(Answer {
@@ -49,7 +48,7 @@ impl<'a> VDel<'a> {
                 version: entry.version(),
             });
         }
-        let version = store.delete(self.key, notices);
+        let version = store.delete(self.key, fx);
         Ok(Answer {
             frame: Frame::Integer(1),
             version,

@@ -1,0 +1,345 @@
+//! Crash test: a broker process takes persisted writes as fast as clients
+//! can send them and is killed with SIGKILL at a random moment, again and
+//! again. After every restart, every acknowledged write must be there with
+//! its version, and nothing that was never written may appear.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, user_property, v5};
+use common::spawn_broker;
+use parking_lot::Mutex;
+use rumqttc::v5::mqttbytes::QoS;
+use statestore::resp3::encode_request;
+
+/// key -> (value, version) of acknowledged writes.
+type Acked = Arc<Mutex<HashMap<String, (String, String)>>>;
+/// key -> value of every write ever sent.
+type Attempted = Arc<Mutex<HashMap<String, String>>>;
+
+/// Writes unique persisted keys until the broker goes away.
+async fn writer(
+    addr: std::net::SocketAddr,
+    name: String,
+    acked: Acked,
+    attempted: Attempted,
+) -> usize {
+    let (mut c, _) = Raw::connect_with(addr, &name, |_| {}).await;
+    let codes = c
+        .subscribe(&c.response_topic.clone(), QoS::AtLeastOnce)
+        .await;
+    assert!(matches!(codes[0], v5::SubscribeReasonCode::Success(_)));
+    let mut n = 0usize;
+    loop {
+        let key = format!("{name}-{n}");
+        let value = format!("value-of-{key}");
+        attempted.lock().insert(key.clone(), value.clone());
+        let correlation = (n as u64).to_be_bytes();
+        let ts = now_hlc(&name);
+        let props =
+            c.request_properties(&correlation, &[("__ts", &ts), ("aio-persistence", "true")]);
+        let mut publish = v5::Publish::new(
+            REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            Bytes::from(encode_request(&[
+                b"SET".as_slice(),
+                key.as_bytes(),
+                value.as_bytes(),
+            ])),
+            Some(props),
+        );
+        publish.pkid = c.pkid();
+        c.send(v5::Packet::Publish(publish)).await;
+        loop {
+            match c.recv_within(Duration::from_secs(5)).await {
+                Recv::Packet(v5::Packet::Publish(p)) => {
+                    c.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                        .await;
+                    let props = p.properties.as_ref().unwrap();
+                    if props.correlation_data.as_deref() != Some(&correlation[..]) {
+                        continue;
+                    }
+                    assert_eq!(&p.payload[..], b"+OK\r\n");
+                    let version = user_property(&p, "__ts").unwrap().to_owned();
+                    acked.lock().insert(key.clone(), (value.clone(), version));
+                    break;
+                }
+                Recv::Packet(_) => continue,
+                Recv::Closed | Recv::Timeout => return n,
+            }
+        }
+        n += 1;
+    }
+}
+
+/// Checks the restarted broker against what was acknowledged and attempted.
+async fn verify(addr: std::net::SocketAddr, acked: &Acked, attempted: &Attempted) -> usize {
+    let mut c = Raw::connect(addr, "verifier").await;
+    let acked = acked.lock().clone();
+    for (key, (value, version)) in &acked {
+        let r = c.request(&[b"GET", key.as_bytes()]).await;
+        let expected = format!("${}\r\n{value}\r\n", value.len());
+        assert_eq!(
+            String::from_utf8_lossy(&r.payload),
+            expected,
+            "acknowledged {key} lost"
+        );
+        assert_eq!(
+            user_property(&r, "__ts"),
+            Some(version.as_str()),
+            "version of {key}"
+        );
+    }
+    // Nothing appears that was never written.
+    let mut found = 0;
+    let mut token: Option<Vec<u8>> = None;
+    loop {
+        let mut args = vec![b"SCAN".to_vec(), b"*".to_vec()];
+        args.extend(token.take());
+        let page = c
+            .request(&args.iter().map(Vec::as_slice).collect::<Vec<_>>())
+            .await;
+        let (keys, next) = parse_scan(&page.payload);
+        for key in keys {
+            let key = String::from_utf8(key).unwrap();
+            let value = attempted.lock().get(&key).cloned();
+            let Some(value) = value else {
+                panic!("{key} was never written")
+            };
+            let r = c.request(&[b"GET", key.as_bytes()]).await;
+            assert_eq!(
+                String::from_utf8_lossy(&r.payload),
+                format!("${}\r\n{value}\r\n", value.len())
+            );
+            found += 1;
+        }
+        match next {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    assert!(found >= acked.len());
+    found
+}
+
+fn parse_scan(p: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
+    fn line(p: &[u8], at: &mut usize) -> usize {
+        let end = *at + p[*at..].windows(2).position(|w| w == b"\r\n").unwrap();
+        let n = std::str::from_utf8(&p[*at + 1..end])
+            .unwrap()
+            .parse()
+            .unwrap();
+        *at = end + 2;
+        n
+    }
+    fn bulk(p: &[u8], at: &mut usize) -> Vec<u8> {
+        let len = line(p, at);
+        let v = p[*at..*at + len].to_vec();
+        *at += len + 2;
+        v
+    }
+    let mut at = 0;
+    let parts = line(p, &mut at);
+    let count = line(p, &mut at);
+    let keys = (0..count).map(|_| bulk(p, &mut at)).collect();
+    let token = (parts == 2).then(|| bulk(p, &mut at));
+    (keys, token)
+}
+
+/// A random number from the clock (no test dependency for one number).
+fn random_below(n: u64) -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(Instant::now()) % n
+}
+
+async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let acked: Acked = Arc::default();
+    let attempted: Attempted = Arc::default();
+    let config = dir.path().join("statebroker.toml");
+    std::fs::write(
+        &config,
+        format!("[persistence]\nmode = \"{mode}\"\ninterval_ms = 200\n"),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap().to_owned();
+    let data = dir.path().join("data");
+    let started = Instant::now();
+    let mut rounds = 0;
+    let mut kill_points = Vec::new();
+    while rounds < max_rounds && started.elapsed() < budget {
+        let common::BrokerProcess {
+            mut child, addr, ..
+        } = spawn_broker(&data, &["--config", &config]).await;
+        verify(addr, &acked, &attempted).await;
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                tokio::spawn(writer(
+                    addr,
+                    format!("r{rounds}w{w}"),
+                    Arc::clone(&acked),
+                    Arc::clone(&attempted),
+                ))
+            })
+            .collect();
+        let kill_after = Duration::from_millis(100 + random_below(700));
+        tokio::time::sleep(kill_after).await;
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        let mut written = 0;
+        for w in writers {
+            written += w.await.unwrap();
+        }
+        kill_points.push((kill_after.as_millis(), written));
+        rounds += 1;
+    }
+    let common::BrokerProcess {
+        mut child, addr, ..
+    } = spawn_broker(&data, &["--config", &config]).await;
+    let found = verify(addr, &acked, &attempted).await;
+    child.start_kill().unwrap();
+    let acked = acked.lock().len();
+    println!(
+        "{mode}: {rounds} SIGKILLs (after ms, writes acked in the round): {kill_points:?}; {acked} acknowledged writes, {found} keys found"
+    );
+    assert!(rounds >= 3, "only {rounds} rounds");
+    assert!(acked > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_sigkill_fsync_mode() {
+    crash_loop("fsync", Duration::from_secs(20), 12).await;
+}
+
+/// In interval mode only a power loss may lose acknowledged writes; a killed
+/// process loses none (they are in the journal, in the OS's hands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_sigkill_interval_mode() {
+    crash_loop("interval", Duration::from_secs(15), 8).await;
+}
+
+/// Writes `n` persisted keys one at a time (each its own batch) and returns
+/// their versions.
+async fn write_sequentially(addr: std::net::SocketAddr, prefix: &str, n: usize) -> Vec<String> {
+    let mut c = Raw::connect(addr, "sequential").await;
+    let mut versions = Vec::new();
+    for i in 0..n {
+        let key = format!("{prefix}{i:03}");
+        let ts = now_hlc("sequential");
+        let r = c
+            .request_raw(
+                REQUEST_TOPIC,
+                &encode_request(&[b"SET".as_slice(), key.as_bytes(), b"v"]),
+                &[("__ts", &ts), ("aio-persistence", "true")],
+            )
+            .await;
+        assert_eq!(&r.payload[..], b"+OK\r\n");
+        versions.push(user_property(&r, "__ts").unwrap().to_owned());
+    }
+    versions
+}
+
+/// The journal files and the end of the data in the newest one.
+fn journal_tail(data: &std::path::Path) -> (std::path::PathBuf, usize) {
+    let mut journals: Vec<_> = std::fs::read_dir(data)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jnl"))
+        .collect();
+    journals.sort();
+    let newest = journals.pop().expect("a journal file");
+    let bytes = std::fs::read(&newest).unwrap();
+    let end = bytes
+        .iter()
+        .rposition(|&b| b != 0)
+        .expect("journal holds data")
+        + 1;
+    (newest, end)
+}
+
+async fn damage_and_restart(damage: impl Fn(&mut Vec<u8>, usize)) -> Vec<String> {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = spawn_broker(dir.path(), &[]).await;
+    write_sequentially(broker.addr, "k", 30).await;
+    broker.child.start_kill().unwrap();
+    broker.child.wait().await.unwrap();
+
+    let (journal, end) = journal_tail(dir.path());
+    let mut bytes = std::fs::read(&journal).unwrap();
+    damage(&mut bytes, end);
+    std::fs::write(&journal, &bytes).unwrap();
+
+    // Starts (no panic), keeps every batch before the damage, serves again.
+    for _ in 0..2 {
+        let mut broker = spawn_broker(dir.path(), &[]).await;
+        let mut c = Raw::connect(broker.addr, "checker").await;
+        for i in 0..29 {
+            let key = format!("k{i:03}");
+            assert_eq!(
+                &c.request(&[b"GET", key.as_bytes()]).await.payload[..],
+                b"$1\r\nv\r\n",
+                "{key}"
+            );
+        }
+        write_sequentially(broker.addr, "after", 3).await;
+        let log = broker.log.lock().clone();
+        broker.child.start_kill().unwrap();
+        broker.child.wait().await.unwrap();
+        if log
+            .iter()
+            .any(|l| l.contains("journal") || l.contains("Invalid batch"))
+        {
+            return log;
+        }
+    }
+    panic!("no log line about the damaged journal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_journal_tail_is_cut_off_with_a_log_line() {
+    // The last batch never fully reached the disk.
+    let log = damage_and_restart(|bytes, end| bytes[end - 6..end].fill(0)).await;
+    println!("{}", log.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_journal_tail_is_cut_off_with_a_log_line() {
+    // A bit flip inside the last batch: its checksum fails.
+    let log = damage_and_restart(|bytes, end| bytes[end - 12] ^= 0x5A).await;
+    println!("{}", log.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corruption_before_the_tail_stops_the_start_and_leaves_the_journal_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = spawn_broker(dir.path(), &[]).await;
+    write_sequentially(broker.addr, "k", 10).await;
+    broker.child.start_kill().unwrap();
+    broker.child.wait().await.unwrap();
+    let (journal, _) = journal_tail(dir.path());
+    let mut bytes = std::fs::read(&journal).unwrap();
+    // Inside the value of the first key's batch: not the tail.
+    let at = bytes.windows(4).position(|w| w == b"k000").unwrap() + 4;
+    bytes[at] ^= 0x5A;
+    std::fs::write(&journal, &bytes).unwrap();
+
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("not in the last batch"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::fs::read(&journal).unwrap(),
+        bytes,
+        "the journal is left as it was"
+    );
+}

@@ -1,0 +1,278 @@
+//! Restarts: what comes back, what does not, and versions that keep rising.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use azure_iot_operations_services::state_store::SetOptions;
+use broker::RunningBroker;
+use broker::persistence::{Mode, PersistenceSettings};
+use common::raw::{Raw, now_hlc, user_property};
+use common::{SdkClient, start_broker_with};
+
+async fn start(dir: &Path, keys: &[&str]) -> RunningBroker {
+    let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    start_broker_with(|s| {
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.to_owned(),
+            mode: Mode::Fsync,
+        });
+        s.persist_policy = statestore::persist::PersistPolicy::parse(&keys).unwrap();
+    })
+    .await
+}
+
+async fn restart(broker: RunningBroker, dir: &Path, keys: &[&str]) -> RunningBroker {
+    broker.shutdown(Duration::from_secs(2)).await;
+    start(dir, keys).await
+}
+
+/// SET with `aio-persistence: true` and optional `__ts` / `__ft`.
+async fn set(
+    c: &mut Raw,
+    args: &[&str],
+    persist: bool,
+    ts: Option<&str>,
+    ft: Option<&str>,
+) -> (Vec<u8>, String) {
+    let ts = ts.map_or_else(|| now_hlc(&c.client_id), str::to_owned);
+    let mut user = vec![("__ts", ts.as_str())];
+    if persist {
+        user.push(("aio-persistence", "true"));
+    }
+    if let Some(ft) = ft {
+        user.push(("__ft", ft));
+    }
+    let r = c
+        .request_raw(
+            common::raw::REQUEST_TOPIC,
+            &statestore::resp3::encode_request(args),
+            &user,
+        )
+        .await;
+    (
+        r.payload.to_vec(),
+        user_property(&r, "__ts").unwrap().to_owned(),
+    )
+}
+
+async fn get(c: &mut Raw, key: &str) -> (Vec<u8>, String) {
+    let r = c.request(&[b"GET", key.as_bytes()]).await;
+    (
+        r.payload.to_vec(),
+        user_property(&r, "__ts").unwrap().to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn persisted_keys_come_back_with_value_version_and_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "writer").await;
+    let (ok, v_kept) = set(&mut c, &["SET", "kept", "value"], true, None, None).await;
+    assert_eq!(ok, b"+OK\r\n");
+    let base = now_ms() - 1000;
+    let token = format!("{base}:3:lockd");
+    let (_, v_fenced) = set(&mut c, &["SET", "fenced", "f"], true, None, Some(&token)).await;
+    // Persisted once, persisted for good: this SET has no property.
+    let (_, v_sticky) = set(&mut c, &["SET", "kept-2", "a"], true, None, None).await;
+    let (_, v_sticky2) = set(&mut c, &["SET", "kept-2", "b"], false, None, None).await;
+    assert!(v_sticky2 > v_sticky);
+    set(&mut c, &["SET", "memory-only", "m"], false, None, None).await;
+    set(&mut c, &["SET", "deleted", "d"], true, None, None).await;
+    assert_eq!(
+        &c.request(&[b"DEL", b"deleted"]).await.payload[..],
+        b":1\r\n"
+    );
+    drop(c);
+
+    let broker = restart(broker, dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "reader").await;
+    assert_eq!(
+        get(&mut c, "kept").await,
+        (b"$5\r\nvalue\r\n".to_vec(), v_kept)
+    );
+    assert_eq!(
+        get(&mut c, "kept-2").await,
+        (b"$1\r\nb\r\n".to_vec(), v_sticky2)
+    );
+    assert_eq!(
+        get(&mut c, "fenced").await,
+        (b"$1\r\nf\r\n".to_vec(), v_fenced)
+    );
+    assert_eq!(get(&mut c, "memory-only").await.0, b"$-1\r\n");
+    assert_eq!(get(&mut c, "deleted").await.0, b"$-1\r\n");
+    // The fencing token came back with its key.
+    let older = format!("{base}:2:lockd");
+    let (answer, _) = set(&mut c, &["SET", "fenced", "x"], false, None, Some(&older)).await;
+    assert!(
+        answer.starts_with(b"-ERR the request fencing token is a lower version"),
+        "{answer:?}"
+    );
+    assert_eq!(
+        set(&mut c, &["SET", "fenced", "x"], false, None, Some(&token))
+            .await
+            .0,
+        b"+OK\r\n"
+    );
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn expiry_is_absolute_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "ttl").await;
+    set(
+        &mut c,
+        &["SET", "short", "v", "PX", "800"],
+        true,
+        None,
+        None,
+    )
+    .await;
+    set(
+        &mut c,
+        &["SET", "soon", "v", "PX", "2500"],
+        true,
+        None,
+        None,
+    )
+    .await;
+    set(
+        &mut c,
+        &["SET", "long", "v", "PX", "60000"],
+        true,
+        None,
+        None,
+    )
+    .await;
+    drop(c);
+    broker.shutdown(Duration::from_secs(2)).await;
+    // Down while "short" expires.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let broker = start(dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "ttl").await;
+    assert_eq!(
+        get(&mut c, "short").await.0,
+        b"$-1\r\n",
+        "expired while down"
+    );
+    assert_eq!(get(&mut c, "soon").await.0, b"$1\r\nv\r\n");
+    assert_eq!(get(&mut c, "long").await.0, b"$1\r\nv\r\n");
+    // "soon" keeps its original deadline (set ~1 s ago with 2.5 s to live).
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert_eq!(get(&mut c, "soon").await.0, b"$-1\r\n");
+    drop(c);
+    // What expired is gone from disk too.
+    let broker = restart(broker, dir.path(), &[]).await;
+    assert_eq!(broker.store().with_store(|s| s.len()), 1);
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn versions_keep_rising_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "clock").await;
+    // A client 50 s ahead pushes the clock far beyond the wall clock, on a
+    // key that is not even persisted.
+    let ahead = format!("{}:7:clock", now_ms() + 50_000);
+    let (_, high) = set(&mut c, &["SET", "volatile", "v"], false, Some(&ahead), None).await;
+    drop(c);
+    let broker = restart(broker, dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "clock").await;
+    let (_, after) = set(&mut c, &["SET", "k", "v"], false, None, None).await;
+    assert!(after > high, "{after} must be above {high}");
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn configured_keys_persist_without_asking() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = ["glob:cfg/*", "exact:lock", "hex:00FF"];
+    let broker = start(dir.path(), &rules).await;
+    let mut c = Raw::connect(broker.local_addr(), "cfg").await;
+    for key in ["cfg/a", "lock", "\u{0}\u{ff}", "other"] {
+        let r = c
+            .request_raw(
+                common::raw::REQUEST_TOPIC,
+                &statestore::resp3::encode_request(&[b"SET".as_slice(), key.as_bytes(), b"v"]),
+                &[("__ts", &now_hlc("cfg"))],
+            )
+            .await;
+        assert_eq!(&r.payload[..], b"+OK\r\n");
+    }
+    // The hex rule names the bytes 00 FF; "\u{0}\u{ff}" is not those bytes (UTF-8).
+    let binary = c
+        .request_raw(
+            common::raw::REQUEST_TOPIC,
+            &statestore::resp3::encode_request(&[&b"SET"[..], b"\x00\xff", b"v"]),
+            &[("__ts", &now_hlc("cfg"))],
+        )
+        .await;
+    assert_eq!(&binary.payload[..], b"+OK\r\n");
+    drop(c);
+    let broker = restart(broker, dir.path(), &rules).await;
+    let mut c = Raw::connect(broker.local_addr(), "cfg").await;
+    assert_eq!(get(&mut c, "cfg/a").await.0, b"$1\r\nv\r\n");
+    assert_eq!(get(&mut c, "lock").await.0, b"$1\r\nv\r\n");
+    assert_eq!(get(&mut c, "other").await.0, b"$-1\r\n");
+    assert_eq!(
+        &c.request(&[b"GET", b"\x00\xff"]).await.payload[..],
+        b"$1\r\nv\r\n"
+    );
+    assert_eq!(broker.store().with_store(|s| s.len()), 3);
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdk_persist_option_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let c = SdkClient::connect(broker.local_addr(), "sdk-persist").await;
+    let t = Duration::from_secs(5);
+    let options = SetOptions {
+        persist: true,
+        ..SetOptions::default()
+    };
+    let set = c
+        .client
+        .set(b"durable".to_vec(), b"yes".to_vec(), t, None, options)
+        .await
+        .unwrap();
+    c.client
+        .set(
+            b"volatile".to_vec(),
+            b"no".to_vec(),
+            t,
+            None,
+            SetOptions::default(),
+        )
+        .await
+        .unwrap();
+    c.close().await;
+    let broker = restart(broker, dir.path(), &[]).await;
+    let c = SdkClient::connect(broker.local_addr(), "sdk-persist").await;
+    let get = c.client.get(b"durable".to_vec(), t).await.unwrap();
+    assert_eq!(get.response, Some(b"yes".to_vec()));
+    assert_eq!(get.version, set.version);
+    assert_eq!(
+        c.client
+            .get(b"volatile".to_vec(), t)
+            .await
+            .unwrap()
+            .response,
+        None
+    );
+    c.close().await;
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
