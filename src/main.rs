@@ -32,8 +32,13 @@ struct Cli {
 
     /// Keep persisted keys in this directory (default: `statebroker-data`
     /// next to the config file, or in the working directory).
-    #[arg(short, long, value_name = "DIR")]
+    #[arg(short, long, value_name = "DIR", conflicts_with = "in_memory")]
     data_dir: Option<PathBuf>,
+
+    /// Keep every key in memory only (no data directory), whatever the
+    /// configuration says.
+    #[arg(long)]
+    in_memory: bool,
 
     /// Print the embedded default configuration and exit.
     #[arg(long)]
@@ -66,6 +71,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.in_memory {
+        settings.persistence = None;
+    }
     if let Some(dir) = cli.data_dir {
         let mode = settings
             .persistence

@@ -130,28 +130,33 @@ fn key(i: u64, size: usize) -> Vec<u8> {
 }
 
 impl Conn {
-    fn properties(&self, correlation: u64) -> PublishProperties {
+    fn properties(&self, correlation: u64, persist: bool) -> PublishProperties {
+        let mut user_properties = vec![
+            ("__ts".into(), timestamp(&self.client_id)),
+            ("__protVer".into(), "1.0".into()),
+        ];
+        if persist {
+            user_properties.push(("aio-persistence".into(), "true".into()));
+        }
         PublishProperties {
             response_topic: Some(self.response_topic.clone()),
             correlation_data: Some(Bytes::copy_from_slice(&correlation.to_be_bytes())),
             content_type: Some("application/octet-stream".into()),
-            user_properties: vec![
-                ("__ts".into(), timestamp(&self.client_id)),
-                ("__protVer".into(), "1.0".into()),
-            ],
+            user_properties,
             ..PublishProperties::default()
         }
     }
 
-    async fn send(&self, topic: &str, payload: Vec<u8>, correlation: u64) -> Result<(), String> {
+    async fn send(
+        &self,
+        topic: &str,
+        payload: Vec<u8>,
+        correlation: u64,
+        persist: bool,
+    ) -> Result<(), String> {
+        let properties = self.properties(correlation, persist);
         self.client
-            .publish_with_properties(
-                topic,
-                QoS::AtLeastOnce,
-                false,
-                payload,
-                self.properties(correlation),
-            )
+            .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, properties)
             .await
             .map_err(|e| e.to_string())
     }
@@ -186,7 +191,7 @@ async fn drive(
     while Instant::now() < end {
         correlation += 1;
         let k = key(fastrand::u64(..args.keys), args.key_size);
-        let is_set = fastrand::bool();
+        let is_set = fastrand::f64() < args.set_ratio;
         let payload = if is_set {
             statestore::resp3::encode_request(&[&b"SET"[..], &k, &value])
         } else {
@@ -194,7 +199,10 @@ async fn drive(
         };
         let started = Instant::now();
         let measured = started >= warm_end;
-        if let Err(e) = conn.send(&topic, payload, correlation).await {
+        if let Err(e) = conn
+            .send(&topic, payload, correlation, is_set && args.persist)
+            .await
+        {
             stats.failure = Some(e);
             stats.lost += u64::from(measured);
             return stats;
@@ -380,6 +388,7 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
     for (i, mut conn) in conns.into_iter().enumerate() {
         let range = (i as u64 * per)..((i as u64 + 1) * per).min(args.keys);
         let pipeline = args.pipeline.max(1) as u64;
+        let args = args.clone();
         tasks.push(tokio::spawn(async move {
             let value = vec![b'v'; 32];
             let mut next = range.start;
@@ -389,7 +398,8 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
                 while next < range.end && outstanding < pipeline {
                     let payload =
                         statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
-                    conn.send(REQUEST_TOPIC, payload, next + 1).await?;
+                    conn.send(REQUEST_TOPIC, payload, next + 1, args.persist)
+                        .await?;
                     next += 1;
                     outstanding += 1;
                 }

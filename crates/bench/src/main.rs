@@ -82,6 +82,12 @@ pub struct LoadArgs {
     /// Who answers: the broker's in-process store, or an external responder process.
     #[arg(long, value_enum, default_value_t = Responder::Inprocess)]
     pub responder: Responder,
+    /// Fraction of requests that are SETs (the rest are GETs).
+    #[arg(long, default_value_t = 0.5)]
+    pub set_ratio: f64,
+    /// Send SETs with `aio-persistence: true` (the key is kept on disk).
+    #[arg(long)]
+    pub persist: bool,
     /// Request topic for `--responder external`.
     #[arg(long, default_value = responder::EXTERNAL_TOPIC)]
     pub external_topic: String,
@@ -116,6 +122,9 @@ pub struct FillArgs {
     /// Requests in flight per connection.
     #[arg(long, default_value_t = 16)]
     pub pipeline: usize,
+    /// Send SETs with `aio-persistence: true`.
+    #[arg(long)]
+    pub persist: bool,
 }
 
 /// Options of `idle`.

@@ -223,6 +223,26 @@ impl Protocol {
     }
 }
 
+/// A PUBLISH with the given QoS and packet id. rumqttd keeps both fields of
+/// its `Publish` private; its documented byte form (`Publish::deserialize`)
+/// is the way to set them.
+pub fn publish(
+    topic: &[u8],
+    payload: &[u8],
+    qos: u8,
+    pkid: u16,
+    retain: bool,
+) -> rumqttd::protocol::Publish {
+    use bytes::BufMut;
+    let mut raw = BytesMut::with_capacity(5 + topic.len() + payload.len());
+    raw.put_u8(0b0011_0000 | ((qos & 3) << 1) | u8::from(retain));
+    raw.put_u16(pkid);
+    raw.put_u16(topic.len() as u16);
+    raw.put_slice(topic);
+    raw.put_slice(payload);
+    rumqttd::protocol::Publish::deserialize(raw.freeze())
+}
+
 /// The 3.1.1 form of a packet: no properties; `None` if it has none.
 fn strip_properties(packet: Packet) -> Option<Packet> {
     Some(match packet {
@@ -318,6 +338,24 @@ mod tests {
         assert!(Protocol::V5.read(&mut buf, 1024).is_err(), "QoS 3");
         let mut buf = BytesMut::from(&[0x32, 3, 0, 1, b't'][..]);
         assert!(Protocol::V5.read(&mut buf, 1024).is_err(), "no packet id");
+    }
+
+    #[test]
+    fn publish_with_qos_and_packet_id() {
+        let p = publish(b"topic", b"payload", 1, 4242, false);
+        let mut buf = BytesMut::new();
+        Protocol::V5
+            .write(Packet::Publish(p, None), &mut buf)
+            .unwrap();
+        assert_eq!(encoded_publish_id(&buf), Some((1, 4242)));
+        let incoming = Protocol::V5.read(&mut buf, 1024).unwrap().unwrap();
+        match incoming.packet {
+            Packet::Publish(p, _) => assert_eq!(
+                (&p.topic[..], &p.payload[..]),
+                (&b"topic"[..], &b"payload"[..])
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -37,13 +37,14 @@ use rumqttd::local::{LinkRx, LinkTx};
 use rumqttd::protocol::{
     self, ConnAck, ConnAckProperties, Connect, ConnectReturnCode, Disconnect, DisconnectProperties,
     DisconnectReasonCode, LastWill, Login, Packet, PingResp, PubAck, PubAckReason, PubComp,
-    PubCompReason, PubRec, PubRecReason, Publish, PublishProperties, SubAck, Subscribe,
+    PubCompReason, PubRec, PubRecReason, Publish, PublishProperties, QoS, SubAck, Subscribe,
     SubscribeProperties, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
 };
 use statestore::{Caller, Dialect, Request};
 use subtle::ConstantTimeEq;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::Shared;
@@ -51,6 +52,7 @@ use crate::codec::{self, CodecError, Incoming, Protocol};
 use crate::config::Listener;
 use crate::router::{INTERNAL_PREFIX, poll_once};
 use crate::service::{ReplyTo, StateStoreService};
+use crate::sessions::{Direct, Sessions, Sub};
 use crate::topics;
 use crate::will::Will;
 
@@ -190,6 +192,14 @@ pub(crate) async fn serve(
         }
     };
     shared.wills.connected(&client_id, id, clean_start);
+    let (direct_tx, direct_rx) = tokio::sync::mpsc::unbounded_channel();
+    shared
+        .sessions
+        .connected(&client_id, id, clean_start, direct_tx);
+    let receive_maximum = properties
+        .as_ref()
+        .and_then(|p| p.receive_maximum)
+        .unwrap_or(u16::MAX);
 
     let max_keep_alive = shared.settings.broker.max_keep_alive_secs;
     let mut keep_alive = connect.keep_alive;
@@ -243,8 +253,18 @@ pub(crate) async fn serve(
         refused_filters: HashMap::new(),
         awaiting_pubrel: HashSet::new(),
         inflight: VecDeque::new(),
+        direct_rx,
+        direct: DirectOut {
+            inflight: HashMap::new(),
+            pending: VecDeque::new(),
+            last_pkid: FIRST_DIRECT_PKID - 1,
+            // The router uses up to 100 of the client's Receive Maximum.
+            limit: usize::from(receive_maximum.saturating_sub(ROUTER_MAX_PKID).max(1)),
+        },
         unscheduled: false,
         store: Arc::clone(&shared.store),
+        sessions: Arc::clone(&shared.sessions),
+        clean_start,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
     };
     let end = conn.run(shared.shutdown.clone()).await;
@@ -377,9 +397,29 @@ struct Connection {
     /// `true` for those dropped here (acknowledged to the router in their
     /// turn, since rumqttd, like MQTT, wants acknowledgements in order).
     inflight: VecDeque<(u16, bool)>,
+    /// Messages the state store delivers directly (see [`crate::sessions`]).
+    direct_rx: mpsc::UnboundedReceiver<Direct>,
+    direct: DirectOut,
     unscheduled: bool,
     store: Arc<StateStoreService>,
+    sessions: Arc<Sessions>,
+    clean_start: bool,
     legacy_2023: bool,
+}
+
+/// rumqttd numbers the publishes it sends a client 1..=100 (its
+/// `MAX_INFLIGHT`); direct deliveries use the ids above.
+const ROUTER_MAX_PKID: u16 = 100;
+const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
+
+/// Direct deliveries in flight to this client.
+struct DirectOut {
+    /// Sent at QoS 1, not yet acknowledged, by packet id.
+    inflight: HashMap<u16, Direct>,
+    /// Waiting for room under the client's Receive Maximum.
+    pending: VecDeque<Direct>,
+    last_pkid: u16,
+    limit: usize,
 }
 
 impl Connection {
@@ -420,8 +460,14 @@ impl Connection {
                         Err(_) => return End::RouterClosed,
                     }
                 }
+                Some(message) = self.direct_rx.recv() => self.deliver_direct(message),
                 () = sleep_until(deadline) => return End::KeepAlive,
                 _ = shutdown.changed() => return End::Shutdown,
+            }
+            // Direct deliveries that are ready (the answers to what was just
+            // read among them) go out with the same write.
+            while let Ok(message) = self.direct_rx.try_recv() {
+                self.deliver_direct(message);
             }
             if let Err(e) = self.socket.flush().await {
                 return End::Io(e);
@@ -470,6 +516,9 @@ impl Connection {
                 Ok(())
             }
             Packet::Unsubscribe(unsubscribe, properties) => {
+                for filter in &unsubscribe.filters {
+                    self.sessions.unsubscribe(&self.client_id, filter);
+                }
                 let reasons = vec![UnsubAckReason::Success; unsubscribe.filters.len()];
                 self.socket.queue(Packet::UnsubAck(
                     UnsubAck {
@@ -498,6 +547,16 @@ impl Connection {
                 DisconnectReasonCode::ProtocolError,
                 "second CONNECT".into(),
             )),
+            Packet::PubAck(ack, _) if ack.pkid > ROUTER_MAX_PKID => {
+                if self.direct.inflight.remove(&ack.pkid).is_some() {
+                    while self.direct.inflight.len() < self.direct.limit
+                        && let Some(message) = self.direct.pending.pop_front()
+                    {
+                        self.deliver_direct(message);
+                    }
+                }
+                Ok(())
+            }
             Packet::PubAck(ack, properties) => {
                 let pkid = ack.pkid;
                 self.to_router.push(Packet::PubAck(ack, properties));
@@ -653,12 +712,20 @@ impl Connection {
         };
         let reply_to = ReplyTo {
             topic: response_topic,
-            correlation: properties.correlation_data.clone(),
+            // A copy: a slice would keep the whole read buffer alive for as
+            // long as the router keeps the response.
+            correlation: properties
+                .correlation_data
+                .as_deref()
+                .map(Bytes::copy_from_slice),
         };
         if qos == 0 {
             tracing::info!(client_id = self.client_id, "QoS 0 request not executed");
-            self.store
-                .refuse(&reply_to, "requests must be published with QoS 1");
+            self.store.refuse(
+                &reply_to,
+                &self.client_id,
+                "requests must be published with QoS 1",
+            );
             return Ok(());
         }
         if reply_to.correlation.is_none() {
@@ -666,8 +733,11 @@ impl Connection {
                 client_id = self.client_id,
                 "request without correlation data not executed"
             );
-            self.store
-                .refuse(&reply_to, "requests must carry correlation data");
+            self.store.refuse(
+                &reply_to,
+                &self.client_id,
+                "requests must carry correlation data",
+            );
             return Ok(());
         }
         let property = |name: &str| {
@@ -731,6 +801,16 @@ impl Connection {
         }
         if !refused.is_empty() {
             self.refused_filters.insert(pkid, refused);
+        }
+        let id = properties.as_ref().and_then(|p| p.id);
+        for filter in &allowed {
+            let qos = match filter.qos {
+                QoS::AtMostOnce => 0,
+                QoS::AtLeastOnce => 1,
+                QoS::ExactlyOnce => 2,
+            };
+            self.sessions
+                .subscribe(&self.client_id, &filter.path, Sub { qos, id });
         }
         self.to_router.push(Packet::Subscribe(
             Subscribe {
@@ -885,6 +965,55 @@ impl Connection {
             self.send_to_router();
         }
         self.store.connection_closed(&self.client_id, self.id);
+        // No more direct deliveries; what was not acknowledged goes to the
+        // router, which keeps it for a persistent session.
+        self.sessions
+            .disconnected(&self.client_id, self.id, self.clean_start);
+        let mut unacked: Vec<Direct> = self.direct.inflight.drain().map(|(_, m)| m).collect();
+        unacked.extend(self.direct.pending.drain(..));
+        while let Ok(message) = self.direct_rx.try_recv() {
+            unacked.push(message);
+        }
+        unacked.retain(|m| m.qos > 0);
+        if !self.clean_start && !unacked.is_empty() && !matches!(end, End::Shutdown) {
+            tracing::debug!(
+                client_id = self.client_id,
+                count = unacked.len(),
+                "unacknowledged deliveries kept for the session"
+            );
+            self.store.redeliver_later(unacked);
+        }
+    }
+
+    /// Sends a direct delivery, at QoS 1 with a packet id of our own range
+    /// unless the client has too many in flight already.
+    fn deliver_direct(&mut self, message: Direct) {
+        if message.qos == 0 {
+            let publish = codec::publish(&message.topic, &message.payload, 0, 0, false);
+            self.socket
+                .queue(Packet::Publish(publish, Some(message.properties)));
+            return;
+        }
+        if self.direct.inflight.len() >= self.direct.limit {
+            self.direct.pending.push_back(message);
+            return;
+        }
+        let mut pkid = self.direct.last_pkid;
+        loop {
+            pkid = if pkid == u16::MAX {
+                FIRST_DIRECT_PKID
+            } else {
+                pkid + 1
+            };
+            if !self.direct.inflight.contains_key(&pkid) {
+                break;
+            }
+        }
+        self.direct.last_pkid = pkid;
+        let publish = codec::publish(&message.topic, &message.payload, 1, pkid, false);
+        self.socket
+            .queue(Packet::Publish(publish, Some(message.properties.clone())));
+        self.direct.inflight.insert(pkid, message);
     }
 }
 

@@ -25,6 +25,7 @@ mod listener;
 pub mod persistence;
 pub mod router;
 pub mod service;
+pub mod sessions;
 pub mod topics;
 pub mod will;
 
@@ -44,6 +45,7 @@ pub(crate) struct Shared {
     settings: Settings,
     router: router::Router,
     store: Arc<StateStoreService>,
+    sessions: Arc<sessions::Sessions>,
     wills: Arc<will::WillRegistry>,
     permits: Arc<Semaphore>,
     next_connection: AtomicU64,
@@ -77,7 +79,14 @@ impl Broker {
             }
         };
         let router = router::Router::spawn(settings.router_id, settings.router.clone());
-        let store = StateStoreService::start(&router, settings.store_config(), persistence).await?;
+        let sessions = Arc::new(sessions::Sessions::default());
+        let store = StateStoreService::start(
+            &router,
+            settings.store_config(),
+            persistence,
+            Arc::clone(&sessions),
+        )
+        .await?;
         let wills = will::WillRegistry::new(&store);
         let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
@@ -98,6 +107,7 @@ impl Broker {
             settings,
             router,
             store,
+            sessions,
             wills,
             next_connection: AtomicU64::new(1),
             started_nanos: std::time::SystemTime::now()

@@ -2,11 +2,12 @@
 //!
 //! Connection tasks hand it requests directly (no network hop, and no trip
 //! through the router, so a request can never be lost between router and
-//! store). It runs them against the [`statestore::Store`] and publishes the
-//! response to the caller's Response Topic, and notifications to watchers,
-//! into the router through its own in-process link, at QoS 1, so that they
-//! travel like any other message: to whoever subscribes, at the subscriber's
-//! QoS, kept for persistent sessions.
+//! store). It runs them against the [`statestore::Store`] and delivers the
+//! response to the caller's Response Topic and notifications to watchers, at
+//! QoS 1: straight to the connection that is their only recipient (see
+//! [`crate::sessions`]), and otherwise into the router through the service's
+//! own in-process link, to travel like any other message: to whoever
+//! subscribes, at the subscriber's QoS, kept for persistent sessions.
 //!
 //! It also owns the expiry timer: a task that sleeps until the store's next
 //! expiry and publishes the DELETE notifications of what expired.
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use rumqttd::Notification;
 use rumqttd::local::{LinkRx, LinkTx};
@@ -29,8 +30,10 @@ use statestore::persist::Write;
 use statestore::{Caller, Outcome, Request, Store};
 use tokio::sync::Notify;
 
+use crate::codec;
 use crate::persistence::{Loaded, Persistence};
 use crate::router::{INTERNAL_PREFIX, Router, poll_once};
+use crate::sessions::{Direct, Sessions};
 use crate::topics;
 
 /// Content type of every state store payload.
@@ -59,17 +62,9 @@ struct Publisher {
 }
 
 impl Publisher {
-    /// A QoS 1 publish (`Publish`'s QoS field is private to rumqttd; its
-    /// documented byte form is not).
-    fn qos1(&mut self, topic: &str, payload: &[u8], retain: bool) -> Publish {
+    fn next_pkid(&mut self) -> u16 {
         self.next_pkid = self.next_pkid.checked_add(1).unwrap_or(1);
-        let mut raw = BytesMut::with_capacity(5 + topic.len() + payload.len());
-        raw.put_u8(0b0011_0010 | u8::from(retain));
-        raw.put_u16(self.next_pkid);
-        raw.put_u16(topic.len() as u16);
-        raw.put_slice(topic.as_bytes());
-        raw.put_slice(payload);
-        Publish::deserialize(raw.freeze())
+        self.next_pkid
     }
 
     /// Hands `packets` to the router with one wake-up.
@@ -95,6 +90,14 @@ pub struct StateStoreService {
     /// The expiry time the expiry task sleeps until (u64::MAX: none).
     expiry_armed: AtomicU64,
     persistence: Option<Persistence>,
+    sessions: Arc<Sessions>,
+}
+
+/// Where a response goes, and who asked.
+#[derive(Debug, Clone)]
+struct Reply {
+    to: ReplyTo,
+    requester: String,
 }
 
 impl StateStoreService {
@@ -104,6 +107,7 @@ impl StateStoreService {
         router: &Router,
         config: statestore::Config,
         persistence: Option<(Persistence, Loaded)>,
+        sessions: Arc<Sessions>,
     ) -> std::io::Result<Arc<StateStoreService>> {
         let (tx, rx, _connack) = router
             .link_async(format!("{INTERNAL_PREFIX}store"), true)
@@ -139,6 +143,7 @@ impl StateStoreService {
             expiry_changed: Notify::new(),
             expiry_armed: AtomicU64::new(u64::MAX),
             persistence,
+            sessions,
         });
         tokio::spawn(drain_acks(rx));
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
@@ -158,7 +163,11 @@ impl StateStoreService {
         if let Some(error) = outcome.error {
             tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
         }
-        self.publish_when_durable(Some(reply_to.clone()), outcome, wait);
+        let reply = Reply {
+            to: reply_to.clone(),
+            requester: caller.client_id.to_owned(),
+        };
+        self.publish_when_durable(Some(reply), outcome, wait);
     }
 
     /// Queues durable writes (call with the store locked); returns the batch
@@ -173,12 +182,7 @@ impl StateStoreService {
         persistence.submitted()
     }
 
-    fn publish_when_durable(
-        self: &Arc<Self>,
-        reply_to: Option<ReplyTo>,
-        outcome: Outcome,
-        wait: u64,
-    ) {
+    fn publish_when_durable(self: &Arc<Self>, reply: Option<Reply>, outcome: Outcome, wait: u64) {
         match &self.persistence {
             Some(persistence) if !persistence.is_durable(wait) => {
                 let service = Arc::clone(self);
@@ -186,10 +190,10 @@ impl StateStoreService {
                     if let Some(persistence) = &service.persistence {
                         persistence.wait_durable(wait).await;
                     }
-                    service.publish_outcome(reply_to.as_ref(), &outcome);
+                    service.publish_outcome(reply.as_ref(), &outcome);
                 });
             }
-            _ => self.publish_outcome(reply_to.as_ref(), &outcome),
+            _ => self.publish_outcome(reply.as_ref(), &outcome),
         }
     }
 
@@ -201,46 +205,111 @@ impl StateStoreService {
     }
 
     /// Answers a request the broker refused before it reached the store.
-    pub fn refuse(&self, reply_to: &ReplyTo, text: &str) {
-        let payload = format!("-ERR {text}\r\n").into_bytes();
+    pub fn refuse(&self, reply_to: &ReplyTo, requester: &str, text: &str) {
         let timestamp = statestore::hlc::Version {
             wall_ms: now_ms(),
             counter: 0,
         }
         .format(&self.node_id);
-        let mut publisher = self.publisher.lock();
-        let response = response_packet(&mut publisher, reply_to, &payload, &timestamp);
-        publisher.send(vec![response]);
+        let reply = Reply {
+            to: reply_to.clone(),
+            requester: requester.to_owned(),
+        };
+        self.deliver_response(&reply, format!("-ERR {text}\r\n").as_bytes(), &timestamp);
     }
 
-    fn publish_outcome(&self, reply_to: Option<&ReplyTo>, outcome: &Outcome) {
-        let mut publisher = self.publisher.lock();
-        let mut packets = Vec::with_capacity(1 + outcome.notices.len());
-        if let Some(reply_to) = reply_to {
-            packets.push(response_packet(
-                &mut publisher,
-                reply_to,
-                &outcome.payload,
-                &outcome.timestamp,
-            ));
+    /// Delivers the response and the notifications of an outcome.
+    fn publish_outcome(&self, reply: Option<&Reply>, outcome: &Outcome) {
+        if let Some(reply) = reply {
+            self.deliver_response(reply, &outcome.payload, &outcome.timestamp);
         }
         for notice in &outcome.notices {
-            let payload = notice.payload();
+            let payload = Bytes::from(notice.payload());
             for watcher in &notice.watchers {
                 let topic = topics::notification_topic(watcher, &notice.key);
-                let publish = publisher.qos1(&topic, &payload, false);
-                let properties = PublishProperties {
-                    content_type: Some(CONTENT_TYPE.to_owned()),
-                    user_properties: vec![
-                        ("__ts".to_owned(), notice.version.clone()),
-                        ("__protVer".to_owned(), "1.0".to_owned()),
-                    ],
-                    ..PublishProperties::default()
+                let message = Direct {
+                    topic: Bytes::from(topic.clone()),
+                    payload: payload.clone(),
+                    properties: PublishProperties {
+                        content_type: Some(CONTENT_TYPE.to_owned()),
+                        user_properties: vec![
+                            ("__ts".to_owned(), notice.version.clone()),
+                            ("__protVer".to_owned(), "1.0".to_owned()),
+                        ],
+                        ..PublishProperties::default()
+                    },
+                    qos: 1,
                 };
-                packets.push(Packet::Publish(publish, Some(properties)));
+                // A notification is private to its watcher: if the watcher's
+                // connection cannot take it, nobody gets it.
+                if self.sessions.deliver(watcher, &topic, message).is_err() {
+                    tracing::debug!(client_id = %watcher, topic, "notification dropped: watcher not connected or not subscribed");
+                }
             }
         }
+    }
+
+    /// Delivers a response straight to the requester when it is the only
+    /// subscriber of the Response Topic, through the router otherwise.
+    fn deliver_response(&self, reply: &Reply, payload: &[u8], timestamp: &str) {
+        let message = Direct {
+            topic: Bytes::from(reply.to.topic.clone()),
+            payload: Bytes::copy_from_slice(payload),
+            properties: PublishProperties {
+                correlation_data: reply.to.correlation.clone(),
+                content_type: Some(CONTENT_TYPE.to_owned()),
+                user_properties: vec![
+                    ("__stat".to_owned(), "200".to_owned()),
+                    ("__ts".to_owned(), timestamp.to_owned()),
+                    ("__protVer".to_owned(), "1.0".to_owned()),
+                ],
+                ..PublishProperties::default()
+            },
+            qos: 1,
+        };
+        let message = if self
+            .sessions
+            .only_subscriber(&reply.requester, &reply.to.topic)
+        {
+            match self
+                .sessions
+                .deliver(&reply.requester, &reply.to.topic, message)
+            {
+                Ok(()) => return,
+                Err(message) => message,
+            }
+        } else {
+            message
+        };
+        self.route(vec![message]);
+    }
+
+    /// Publishes through the router, as the broker, at QoS 1 (QoS 0 stays 0).
+    fn route(&self, messages: Vec<Direct>) {
+        if messages.is_empty() {
+            return;
+        }
+        let mut publisher = self.publisher.lock();
+        let packets = messages
+            .into_iter()
+            .map(|m| {
+                let pkid = if m.qos == 0 { 0 } else { publisher.next_pkid() };
+                let publish = codec::publish(&m.topic, &m.payload, m.qos.min(1), pkid, false);
+                Packet::Publish(publish, Some(m.properties))
+            })
+            .collect();
         publisher.send(packets);
+    }
+
+    /// Hands messages that a connection delivered directly, but that were
+    /// not acknowledged when it ended, to the router, which keeps them for
+    /// the client's persistent session.
+    pub fn redeliver_later(&self, mut messages: Vec<Direct>) {
+        for m in &mut messages {
+            m.properties.subscription_identifiers.clear();
+            m.qos = 1;
+        }
+        self.route(messages);
     }
 
     /// Drops the KEYNOTIFY registrations of a connection that ended.
@@ -259,11 +328,16 @@ impl StateStoreService {
     /// Publishes a client's Last Will. QoS 2 wills are delivered at QoS 1
     /// at most.
     pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
-        let topic = String::from_utf8_lossy(&will.topic).into_owned();
         let mut publisher = self.publisher.lock();
         let publish = match will.qos {
             QoS::AtMostOnce => Publish::new(will.topic.clone(), will.message.clone(), will.retain),
-            _ => publisher.qos1(&topic, &will.message, will.retain),
+            _ => codec::publish(
+                &will.topic,
+                &will.message,
+                1,
+                publisher.next_pkid(),
+                will.retain,
+            ),
         };
         let properties = properties.map(|p| PublishProperties {
             payload_format_indicator: p.payload_format_indicator,
@@ -310,26 +384,6 @@ impl StateStoreService {
         }
         next
     }
-}
-
-fn response_packet(
-    publisher: &mut Publisher,
-    reply_to: &ReplyTo,
-    payload: &[u8],
-    timestamp: &str,
-) -> Packet {
-    let publish = publisher.qos1(&reply_to.topic, payload, false);
-    let properties = PublishProperties {
-        correlation_data: reply_to.correlation.clone(),
-        content_type: Some(CONTENT_TYPE.to_owned()),
-        user_properties: vec![
-            ("__stat".to_owned(), "200".to_owned()),
-            ("__ts".to_owned(), timestamp.to_owned()),
-            ("__protVer".to_owned(), "1.0".to_owned()),
-        ],
-        ..PublishProperties::default()
-    };
-    Packet::Publish(publish, Some(properties))
 }
 
 /// The router acknowledges the service's QoS 1 publishes; nothing to do with them.

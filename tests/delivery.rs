@@ -1,0 +1,167 @@
+//! How responses and notifications reach clients: directly to the only
+//! recipient, through the router when others listen too, within the
+//! client's Receive Maximum, and kept for a persistent session.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, v5};
+use common::start_broker;
+use rumqttc::v5::mqttbytes::QoS;
+use statestore::resp3::encode_request;
+
+fn request(c: &mut Raw, correlation: u64, args: &[&str]) -> v5::Packet {
+    let props = c.request_properties(
+        &correlation.to_be_bytes(),
+        &[("__ts", &now_hlc(&c.client_id))],
+    );
+    let mut publish = v5::Publish::new(
+        REQUEST_TOPIC,
+        QoS::AtLeastOnce,
+        encode_request(args),
+        Some(props),
+    );
+    publish.pkid = c.pkid();
+    v5::Packet::Publish(publish)
+}
+
+/// Publishes received within `wait`, not acknowledged.
+async fn collect_publishes(c: &mut Raw, wait: Duration) -> Vec<v5::Publish> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match c.recv_within(left).await {
+            Recv::Packet(v5::Packet::Publish(p)) => got.push(p),
+            Recv::Packet(_) => {}
+            Recv::Timeout | Recv::Closed => return got,
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_only_subscriber_gets_its_response_directly() {
+    let broker = start_broker().await;
+    let mut c = Raw::connect(broker.local_addr(), "direct").await;
+    c.subscribe(&c.response_topic.clone(), QoS::AtLeastOnce)
+        .await;
+    let packet = request(&mut c, 1, &["SET", "k", "v"]);
+    c.send(packet).await;
+    let response = loop {
+        match c.recv().await {
+            Recv::Packet(v5::Packet::Publish(p)) => break p,
+            Recv::Packet(_) => continue,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(&response.payload[..], b"+OK\r\n");
+    assert!(
+        response.pkid > 100,
+        "not numbered by the router: {}",
+        response.pkid
+    );
+    c.send(v5::Packet::PubAck(v5::PubAck::new(response.pkid, None)))
+        .await;
+    // The connection is healthy afterwards: the ack did not confuse the router.
+    assert_eq!(
+        &c.request(&[b"GET", b"k"]).await.payload[..],
+        b"$1\r\nv\r\n"
+    );
+}
+
+#[tokio::test]
+async fn a_wildcard_listener_still_sees_responses() {
+    let broker = start_broker().await;
+    let mut spy = Raw::connect(broker.local_addr(), "spy").await;
+    spy.subscribe("clients/#", QoS::AtLeastOnce).await;
+    let mut c = Raw::connect(broker.local_addr(), "requester").await;
+    let response = c.request(&[b"SET", b"k", b"v"]).await;
+    assert_eq!(&response.payload[..], b"+OK\r\n");
+    let seen = spy.next_publish().await;
+    assert_eq!(seen.topic, c.response_topic.as_bytes());
+    assert_eq!(&seen.payload[..], b"+OK\r\n");
+}
+
+#[tokio::test]
+async fn direct_deliveries_respect_receive_maximum() {
+    let broker = start_broker().await;
+    // 100 of the client's window are the router's; 20 remain for direct ones.
+    let (mut c, _) = Raw::connect_with(broker.local_addr(), "slow", |c| {
+        c.0.properties.as_mut().unwrap().receive_maximum = Some(120);
+    })
+    .await;
+    c.subscribe(&c.response_topic.clone(), QoS::AtLeastOnce)
+        .await;
+    for i in 0..50 {
+        let packet = request(&mut c, i, &["GET", "k"]);
+        c.send(packet).await;
+    }
+    let first = collect_publishes(&mut c, Duration::from_millis(500)).await;
+    assert_eq!(
+        first.len(),
+        20,
+        "no more than the window before acknowledgements"
+    );
+    for p in &first {
+        c.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+            .await;
+    }
+    let mut total = first.len();
+    while total < 50 {
+        let more = collect_publishes(&mut c, Duration::from_millis(500)).await;
+        assert!(!more.is_empty() && more.len() <= 20, "{}", more.len());
+        for p in &more {
+            c.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                .await;
+        }
+        total += more.len();
+    }
+    assert_eq!(total, 50, "every response, once");
+}
+
+#[tokio::test]
+async fn a_persistent_session_gets_a_response_its_connection_missed() {
+    let broker = start_broker().await;
+    let persistent = |c: &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)| {
+        c.0.clean_start = false;
+        c.0.properties.as_mut().unwrap().session_expiry_interval = Some(3600);
+    };
+    {
+        let (mut c, _) = Raw::connect_with(broker.local_addr(), "flaky", persistent).await;
+        c.subscribe(&c.response_topic.clone(), QoS::AtLeastOnce)
+            .await;
+        let packet = request(&mut c, 77, &["SET", "k", "v"]);
+        c.send(packet).await;
+        // Gone without reading or acknowledging anything.
+    }
+    common::eventually("disconnected", || broker.connection_count() == 0).await;
+    let (mut c, connack) = Raw::connect_with(broker.local_addr(), "flaky", persistent).await;
+    assert!(connack.session_present);
+    let response = c.next_publish().await;
+    assert_eq!(&response.payload[..], b"+OK\r\n");
+    let correlation = response.properties.unwrap().correlation_data.unwrap();
+    assert_eq!(correlation, Bytes::copy_from_slice(&77u64.to_be_bytes()));
+}
+
+#[tokio::test]
+async fn notifications_reach_only_their_owner_directly() {
+    let broker = start_broker().await;
+    let mut w = Raw::connect(broker.local_addr(), "owner").await;
+    let own = format!(
+        "{}/{}/command/notify/+",
+        common::raw::NOTIFY_NAMESPACE,
+        hex::encode_upper("owner")
+    );
+    w.subscribe(&own, QoS::AtMostOnce).await;
+    w.request(&[b"KEYNOTIFY", b"k"]).await;
+    let mut other = Raw::connect(broker.local_addr(), "other").await;
+    other.request(&[b"SET", b"k", b"v"]).await;
+    let n = w.next_publish().await;
+    assert_eq!(n.qos, QoS::AtMostOnce, "at the subscription's QoS");
+    assert_eq!(
+        &n.payload[..],
+        b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n$1\r\nv\r\n"
+    );
+}
