@@ -248,7 +248,7 @@ impl Sessions {
         };
         message.qos = message.qos.min(granted).min(1);
         message.properties.subscription_identifiers = ids;
-        live.tx.send(message).map_err(|e| e.0)
+        live.tx.send(message).map_err(|e| Box::new(e.0))
     }
 
     /// Whether `client` is the only one whose subscriptions could match
