@@ -276,7 +276,7 @@ impl StateStoreService {
                 .deliver(&reply.requester, &reply.to.topic, message)
             {
                 Ok(()) => return,
-                Err(message) => message,
+                Err(message) => *message,
             }
         } else {
             message

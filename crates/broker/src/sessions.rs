@@ -223,13 +223,18 @@ impl Sessions {
     /// Delivers to `client` if it is connected and one of its subscriptions
     /// matches `topic`, at the smaller of `qos` and the subscription's QoS.
     /// Returns `Err` with the message when it could not be delivered.
-    pub fn deliver(&self, client: &str, topic: &str, mut message: Direct) -> Result<(), Direct> {
+    pub fn deliver(
+        &self,
+        client: &str,
+        topic: &str,
+        mut message: Direct,
+    ) -> Result<(), Box<Direct>> {
         let inner = self.inner.read();
         let Some(state) = inner.clients.get(client) else {
-            return Err(message);
+            return Err(Box::new(message));
         };
         let Some(live) = &state.live else {
-            return Err(message);
+            return Err(Box::new(message));
         };
         let mut granted = None;
         let mut ids = Vec::new();
@@ -244,7 +249,7 @@ impl Sessions {
             }
         }
         let Some(granted) = granted else {
-            return Err(message);
+            return Err(Box::new(message));
         };
         message.qos = message.qos.min(granted).min(1);
         message.properties.subscription_identifiers = ids;
