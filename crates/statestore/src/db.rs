@@ -9,11 +9,12 @@
 //! # Layout
 //!
 //! Keys live in a slab (`Vec<Option<Entry>>`) and a hash table maps a key to
-//! its slot (a `u32`), so the per-key cost is one 40-byte slot, about ten
-//! bytes of hash table, and one heap block holding key and value together.
-//! Slots of deleted keys are reused by later inserts; a key keeps its slot
-//! for as long as it exists, which is what makes SCAN's slot-order cursor
-//! sound (see [`Db::scan`]).
+//! its slot (a `u32`). A slot is 80 bytes; when key and value together fit
+//! in 48 bytes they live inside it (as Redis embeds short strings), larger
+//! ones in one heap block. So a small key costs 80 bytes of slot and about
+//! ten bytes of hash table, and nothing else. Slots of deleted keys are
+//! reused by later inserts; a key keeps its slot for as long as it exists,
+//! which is what makes SCAN's slot-order cursor sound (see [`Db::scan`]).
 
 use std::collections::BTreeSet;
 use std::hash::BuildHasher;
@@ -23,11 +24,47 @@ use hashbrown::{DefaultHashBuilder, HashTable};
 use crate::glob::Pattern;
 use crate::hlc::{Hlc, Version};
 
+/// Key and value bytes this long or shorter are stored inside the slot.
+pub const INLINE: usize = 48;
+
+/// The key's bytes followed by the value's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Data {
+    Inline { len: u8, bytes: [u8; INLINE] },
+    Heap(Box<[u8]>),
+}
+
+impl Data {
+    fn new(key: &[u8], value: &[u8]) -> Data {
+        let len = key.len() + value.len();
+        if len <= INLINE {
+            let mut bytes = [0; INLINE];
+            bytes[..key.len()].copy_from_slice(key);
+            bytes[key.len()..len].copy_from_slice(value);
+            Data::Inline {
+                len: len as u8,
+                bytes,
+            }
+        } else {
+            let mut data = Vec::with_capacity(len);
+            data.extend_from_slice(key);
+            data.extend_from_slice(value);
+            Data::Heap(data.into_boxed_slice())
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Data::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            Data::Heap(bytes) => bytes,
+        }
+    }
+}
+
 /// One key with its value and metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
-    /// The key's bytes followed by the value's bytes, in one allocation.
-    data: Box<[u8]>,
+    data: Data,
     key_len: u32,
     counter: u32,
     wall_ms: u64,
@@ -55,11 +92,8 @@ impl Entry {
     /// A new entry. Panics only if the key is longer than 4 GiB, which the
     /// broker's packet size limit rules out long before.
     pub fn new(key: &[u8], value: &[u8], version: Version, extras: Extras) -> Entry {
-        let mut data = Vec::with_capacity(key.len() + value.len());
-        data.extend_from_slice(key);
-        data.extend_from_slice(value);
         Entry {
-            data: data.into_boxed_slice(),
+            data: Data::new(key, value),
             key_len: u32::try_from(key.len()).expect("key longer than 4 GiB"),
             counter: version.counter,
             wall_ms: version.wall_ms,
@@ -69,12 +103,12 @@ impl Entry {
 
     /// The key.
     pub fn key(&self) -> &[u8] {
-        &self.data[..self.key_len as usize]
+        &self.data.bytes()[..self.key_len as usize]
     }
 
     /// The value.
     pub fn value(&self) -> &[u8] {
-        &self.data[self.key_len as usize..]
+        &self.data.bytes()[self.key_len as usize..]
     }
 
     /// The version of the SET that wrote this entry.
@@ -102,7 +136,7 @@ impl Entry {
 
     /// Bytes counted against the store's byte quota.
     pub fn size(&self) -> u64 {
-        self.data.len() as u64
+        self.data.bytes().len() as u64
     }
 }
 
@@ -303,7 +337,25 @@ mod tests {
 
     #[test]
     fn entry_is_compact() {
-        assert_eq!(std::mem::size_of::<Option<Entry>>(), 40);
+        assert_eq!(std::mem::size_of::<Option<Entry>>(), 80);
+    }
+
+    #[test]
+    fn inline_and_heap_data() {
+        for (key, value) in [
+            (&b"k"[..], &b""[..]),
+            (&[1; 16], &[2; 32]),
+            (&[1; 16], &[2; 33]),
+            (&[3; 100], &[4; 1000]),
+        ] {
+            let e = Entry::new(key, value, v(1), Extras::default());
+            assert_eq!((e.key(), e.value()), (key, value));
+            assert_eq!(e.size(), (key.len() + value.len()) as u64);
+            assert_eq!(
+                matches!(e.data, Data::Inline { .. }),
+                key.len() + value.len() <= INLINE
+            );
+        }
     }
 
     #[test]
