@@ -165,3 +165,37 @@ async fn notifications_reach_only_their_owner_directly() {
         b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET\r\n$5\r\nVALUE\r\n$1\r\nv\r\n"
     );
 }
+
+#[tokio::test]
+async fn a_clean_connection_takes_over_a_persistent_one_and_joins_the_router_when_it_subscribes() {
+    let broker = start_broker().await;
+    let (mut old, _) = Raw::connect_with(broker.local_addr(), "twin", |c| {
+        c.0.clean_start = false;
+        c.0.properties.as_mut().unwrap().session_expiry_interval = Some(3600);
+    })
+    .await;
+    old.subscribe("news", QoS::AtLeastOnce).await;
+    let mut new = Raw::connect(broker.local_addr(), "twin").await;
+    let d = old.expect_disconnect().await;
+    assert_eq!(
+        d.map(|d| d.reason_code),
+        Some(v5::DisconnectReasonCode::SessionTakenOver)
+    );
+    // The new, clean session has nothing of the old one...
+    let mut publisher = Raw::connect(broker.local_addr(), "publisher").await;
+    publisher
+        .publish("news", Bytes::from_static(b"one"), QoS::AtLeastOnce, None)
+        .await;
+    new.no_publish_within(Duration::from_millis(300)).await;
+    // ...and gets messages once it subscribes (joining the router then).
+    new.subscribe("news", QoS::AtLeastOnce).await;
+    publisher
+        .publish("news", Bytes::from_static(b"two"), QoS::AtLeastOnce, None)
+        .await;
+    assert_eq!(&new.next_publish().await.payload[..], b"two");
+    // Its store requests work throughout.
+    assert_eq!(
+        &new.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+}

@@ -50,9 +50,10 @@ use tokio::time::Instant;
 use crate::Shared;
 use crate::codec::{self, CodecError, Incoming, Protocol};
 use crate::config::Listener;
+use crate::router::Router;
 use crate::router::{INTERNAL_PREFIX, poll_once};
 use crate::service::{ReplyTo, StateStoreService};
-use crate::sessions::{Direct, Sessions, Sub};
+use crate::sessions::{Direct, Sessions, Sub, ToConnection};
 use crate::topics;
 use crate::will::Will;
 
@@ -70,6 +71,8 @@ enum End {
     /// The router dropped the link: another connection took the client id,
     /// or the router refused something.
     RouterClosed,
+    /// Another connection took the client id (the broker says so).
+    TakenOver,
     /// The broker is stopping.
     Shutdown,
     /// The client broke a rule; the reason goes out in DISCONNECT (MQTT 5).
@@ -178,17 +181,25 @@ pub(crate) async fn serve(
         connect.client_id.clone()
     };
     let clean_start = connect.clean_session;
-    let (link_tx, link_rx, connack) = match shared
-        .router
-        .link_async(client_id.clone(), clean_start)
-        .await
-    {
-        Ok(link) => link,
-        Err(e) => {
-            tracing::error!(%peer, client_id, error = %e, "router refused the connection");
-            return socket
-                .send_and_close(connack_refusal(protocol, Refusal::Busy))
-                .await;
+    // A persistent session joins the router now (the router knows whether
+    // the session exists); a clean one when it first needs the router.
+    let (link, session_present) = if clean_start {
+        (None, false)
+    } else {
+        match shared.router.link_async(client_id.clone(), false).await {
+            Ok((tx, rx, connack)) => {
+                let present = matches!(
+                    Option::<Packet>::from(connack),
+                    Some(Packet::ConnAck(ack, _)) if ack.session_present
+                );
+                (Some(Link { tx, rx }), present)
+            }
+            Err(e) => {
+                tracing::error!(%peer, client_id, error = %e, "router refused the connection");
+                return socket
+                    .send_and_close(connack_refusal(protocol, Refusal::Busy))
+                    .await;
+            }
         }
     };
     shared.wills.connected(&client_id, id, clean_start);
@@ -211,9 +222,9 @@ pub(crate) async fn serve(
         keep_alive = max_keep_alive;
         server_keep_alive = Some(max_keep_alive);
     }
-    let Some(Packet::ConnAck(ack, _)) = Option::<Packet>::from(connack) else {
-        tracing::error!(client_id, "router answered the link without CONNACK");
-        return;
+    let ack = ConnAck {
+        session_present,
+        code: ConnectReturnCode::Success,
     };
     let connack_properties = ConnAckProperties {
         assigned_client_identifier: assigned.then(|| client_id.clone()),
@@ -242,8 +253,8 @@ pub(crate) async fn serve(
         own_hex: hex::encode_upper(&client_id),
         client_id,
         socket,
-        link_tx,
-        link_rx,
+        link,
+        router: shared.router.clone(),
         to_router: Vec::new(),
         keep_alive: (keep_alive > 0).then(|| Duration::from_millis(u64::from(keep_alive) * 1500)),
         last_heard: Instant::now(),
@@ -380,8 +391,9 @@ struct Connection {
     client_id: String,
     own_hex: String,
     socket: Socket,
-    link_tx: LinkTx,
-    link_rx: LinkRx,
+    /// The connection's link to the router, once it has one.
+    link: Option<Link>,
+    router: Router,
     /// Packets for the router from the current read, sent in one batch.
     to_router: Vec<Packet>,
     keep_alive: Option<Duration>,
@@ -397,14 +409,30 @@ struct Connection {
     /// `true` for those dropped here (acknowledged to the router in their
     /// turn, since rumqttd, like MQTT, wants acknowledgements in order).
     inflight: VecDeque<(u16, bool)>,
-    /// Messages the state store delivers directly (see [`crate::sessions`]).
-    direct_rx: mpsc::UnboundedReceiver<Direct>,
+    /// Direct deliveries and takeover notices (see [`crate::sessions`]).
+    direct_rx: mpsc::UnboundedReceiver<ToConnection>,
     direct: DirectOut,
     unscheduled: bool,
     store: Arc<StateStoreService>,
     sessions: Arc<Sessions>,
     clean_start: bool,
     legacy_2023: bool,
+}
+
+/// A connection's link to the router.
+struct Link {
+    tx: LinkTx,
+    rx: LinkRx,
+}
+
+/// The next notification from the router; never, without a link.
+async fn next_notification(
+    link: &mut Option<Link>,
+) -> Result<Option<Notification>, rumqttd::local::LinkError> {
+    match link {
+        Some(link) => link.rx.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// rumqttd numbers the publishes it sends a client 1..=100 (its
@@ -423,59 +451,67 @@ struct DirectOut {
 }
 
 impl Connection {
-    async fn run(&mut self, mut shutdown: tokio::sync::watch::Receiver<bool>) -> End {
+    async fn run(&mut self, shutdown: tokio::sync::watch::Receiver<bool>) -> End {
+        match self.serve_packets(shutdown).await {
+            Err(end) => end,
+            Ok(never) => match never {},
+        }
+    }
+
+    async fn serve_packets(
+        &mut self,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<std::convert::Infallible, End> {
         loop {
             let deadline = self.keep_alive.map(|k| self.last_heard + k);
             tokio::select! {
                 read = self.socket.stream.read_buf(&mut self.socket.rbuf) => {
                     match read {
-                        Ok(0) => return End::Closed,
-                        Err(e) => return End::Io(e),
+                        Ok(0) => return Err(End::Closed),
+                        Err(e) => return Err(End::Io(e)),
                         Ok(_) => {
                             self.last_heard = Instant::now();
-                            if let Err(end) = self.read_packets() {
-                                self.send_to_router();
-                                return end;
-                            }
-                            self.send_to_router();
+                            let read = self.read_packets();
+                            self.forward().await?;
+                            read?;
                         }
                     }
                 }
-                notification = self.link_rx.next() => {
+                notification = next_notification(&mut self.link) => {
                     match notification {
                         Ok(Some(n)) => {
-                            if let Err(end) = self.on_router_notification(n) {
-                                return end;
-                            }
+                            self.on_router_notification(n)?;
                             // Take everything else the router has ready before writing.
-                            while let Some(Ok(Some(n))) = poll_once(self.link_rx.next()) {
-                                if let Err(end) = self.on_router_notification(n) {
-                                    return end;
-                                }
+                            while let Some(Ok(Some(n))) =
+                                self.link.as_mut().and_then(|l| poll_once(l.rx.next()))
+                            {
+                                self.on_router_notification(n)?;
                             }
                             // Acknowledgements of dropped publishes.
-                            self.send_to_router();
+                            self.forward().await?;
                         }
                         Ok(None) => {}
-                        Err(_) => return End::RouterClosed,
+                        Err(_) => return Err(End::RouterClosed),
                     }
                 }
-                Some(message) = self.direct_rx.recv() => self.deliver_direct(message),
-                () = sleep_until(deadline) => return End::KeepAlive,
-                _ = shutdown.changed() => return End::Shutdown,
+                Some(message) = self.direct_rx.recv() => self.on_broker_message(message)?,
+                () = sleep_until(deadline) => return Err(End::KeepAlive),
+                _ = shutdown.changed() => return Err(End::Shutdown),
             }
             // Direct deliveries that are ready (the answers to what was just
             // read among them) go out with the same write.
             while let Ok(message) = self.direct_rx.try_recv() {
-                self.deliver_direct(message);
+                self.on_broker_message(message)?;
             }
             if let Err(e) = self.socket.flush().await {
-                return End::Io(e);
+                return Err(End::Io(e));
             }
             if self.unscheduled {
                 self.unscheduled = false;
-                if self.link_rx.wake().await.is_err() {
-                    return End::RouterClosed;
+                if let Some(link) = &self.link
+                    && link.rx.wake().await.is_err()
+                {
+                    return Err(End::RouterClosed);
                 }
             }
         }
@@ -506,7 +542,7 @@ impl Connection {
                         },
                         None,
                     ));
-                } else {
+                } else if self.link.is_some() {
                     self.to_router.push(Packet::PubRel(pubrel, properties));
                 }
                 Ok(())
@@ -527,13 +563,16 @@ impl Connection {
                     },
                     None,
                 ));
-                self.to_router.push(Packet::Unsubscribe(
-                    Unsubscribe {
-                        pkid: unsubscribe.pkid,
-                        filters: unsubscribe.filters,
-                    },
-                    properties,
-                ));
+                // Without a link the router holds no subscription to remove.
+                if self.link.is_some() {
+                    self.to_router.push(Packet::Unsubscribe(
+                        Unsubscribe {
+                            pkid: unsubscribe.pkid,
+                            filters: unsubscribe.filters,
+                        },
+                        properties,
+                    ));
+                }
                 Ok(())
             }
             Packet::PingReq(_) => {
@@ -557,22 +596,24 @@ impl Connection {
                 }
                 Ok(())
             }
-            Packet::PubAck(ack, properties) => {
+            Packet::PubAck(ack, properties) if self.link.is_some() => {
                 let pkid = ack.pkid;
                 self.to_router.push(Packet::PubAck(ack, properties));
                 self.acknowledged(pkid);
                 Ok(())
             }
-            Packet::PubRec(rec, properties) => {
+            Packet::PubRec(rec, properties) if self.link.is_some() => {
                 let pkid = rec.pkid;
                 self.to_router.push(Packet::PubRec(rec, properties));
                 self.acknowledged(pkid);
                 Ok(())
             }
-            ack @ Packet::PubComp(..) => {
+            ack @ Packet::PubComp(..) if self.link.is_some() => {
                 self.to_router.push(ack);
                 Ok(())
             }
+            // Without a link the router sent nothing: nothing to acknowledge.
+            Packet::PubAck(..) | Packet::PubRec(..) | Packet::PubComp(..) => Ok(()),
             other => Err(End::Violation(
                 DisconnectReasonCode::ProtocolError,
                 format!("unexpected packet {other:?}"),
@@ -828,15 +869,46 @@ impl Connection {
         }
     }
 
-    /// Sends what this read produced for the router, with one wake-up.
-    fn send_to_router(&mut self) {
+    /// Sends what was gathered for the router, with one wake-up; joins the
+    /// router first if this connection has not yet.
+    async fn forward(&mut self) -> Result<(), End> {
         let Some(last) = self.to_router.pop() else {
-            return;
+            return Ok(());
         };
-        self.link_tx.buffer().extend(self.to_router.drain(..));
-        match poll_once(self.link_tx.send(last)) {
-            Some(Ok(_)) => {}
-            _ => tracing::debug!(client_id = self.client_id, "router link closed"),
+        if self.link.is_none() {
+            match self
+                .router
+                .link_async(self.client_id.clone(), self.clean_start)
+                .await
+            {
+                Ok((tx, rx, _connack)) => self.link = Some(Link { tx, rx }),
+                Err(e) => {
+                    tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
+                    return Err(End::Violation(
+                        DisconnectReasonCode::ServerBusy,
+                        e.to_string(),
+                    ));
+                }
+            }
+        }
+        if let Some(link) = &mut self.link {
+            link.tx.buffer().extend(self.to_router.drain(..));
+            match poll_once(link.tx.send(last)) {
+                Some(Ok(_)) => {}
+                _ => return Err(End::RouterClosed),
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles what the broker tells this connection.
+    fn on_broker_message(&mut self, message: ToConnection) -> Result<(), End> {
+        match message {
+            ToConnection::Deliver(direct) => {
+                self.deliver_direct(direct);
+                Ok(())
+            }
+            ToConnection::TakenOver => Err(End::TakenOver),
         }
     }
 
@@ -927,6 +999,10 @@ impl Connection {
                 Some(DisconnectReasonCode::SessionTakenOver),
                 "session taken over or closed by the router".to_owned(),
             ),
+            End::TakenOver => (
+                Some(DisconnectReasonCode::SessionTakenOver),
+                "session taken over by a new connection".to_owned(),
+            ),
             End::Shutdown => (
                 Some(DisconnectReasonCode::ServerShuttingDown),
                 "broker stopping".to_owned(),
@@ -954,7 +1030,7 @@ impl Connection {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.socket.flush()).await;
         let _ = self.socket.stream.shutdown().await;
-        if !matches!(end, End::RouterClosed) {
+        if self.link.is_some() && !matches!(end, End::RouterClosed) {
             // The router forgets the connection (and keeps a persistent session).
             self.to_router.push(Packet::Disconnect(
                 Disconnect {
@@ -962,7 +1038,7 @@ impl Connection {
                 },
                 None,
             ));
-            self.send_to_router();
+            let _ = self.forward().await;
         }
         self.store.connection_closed(&self.client_id, self.id);
         // No more direct deliveries; what was not acknowledged goes to the
@@ -972,7 +1048,9 @@ impl Connection {
         let mut unacked: Vec<Direct> = self.direct.inflight.drain().map(|(_, m)| m).collect();
         unacked.extend(self.direct.pending.drain(..));
         while let Ok(message) = self.direct_rx.try_recv() {
-            unacked.push(message);
+            if let ToConnection::Deliver(message) = message {
+                unacked.push(message);
+            }
         }
         unacked.retain(|m| m.qos > 0);
         if !self.clean_start && !unacked.is_empty() && !matches!(end, End::Shutdown) {

@@ -32,6 +32,17 @@ use tokio::sync::mpsc;
 
 use crate::topics;
 
+/// What the broker tells a connection task.
+#[derive(Debug)]
+// Nearly every message is a delivery: boxing it would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
+pub enum ToConnection {
+    /// Deliver this publish.
+    Deliver(Direct),
+    /// Another connection took the client id over: end with "session taken over".
+    TakenOver,
+}
+
 /// A publish for one client, delivered by its connection task.
 #[derive(Debug, Clone)]
 pub struct Direct {
@@ -57,7 +68,7 @@ pub struct Sub {
 struct Live {
     connection: u64,
     clean_start: bool,
-    tx: mpsc::UnboundedSender<Direct>,
+    tx: mpsc::UnboundedSender<ToConnection>,
 }
 
 #[derive(Default)]
@@ -149,7 +160,7 @@ impl Sessions {
         client: &str,
         connection: u64,
         clean_start: bool,
-        tx: mpsc::UnboundedSender<Direct>,
+        tx: mpsc::UnboundedSender<ToConnection>,
     ) {
         let mut inner = self.inner.write();
         let key = inner.key(client);
@@ -163,11 +174,14 @@ impl Sessions {
         if clean_start || takes_over_clean {
             inner.clear_filters(&key);
         }
-        inner.clients.entry(key).or_default().live = Some(Live {
+        let previous = inner.clients.entry(key).or_default().live.replace(Live {
             connection,
             clean_start,
             tx,
         });
+        if let Some(previous) = previous {
+            let _ = previous.tx.send(ToConnection::TakenOver);
+        }
     }
 
     /// A connection of `client` ended. A clean session ends with it.
@@ -253,7 +267,10 @@ impl Sessions {
         };
         message.qos = message.qos.min(granted).min(1);
         message.properties.subscription_identifiers = ids;
-        live.tx.send(message).map_err(|e| Box::new(e.0))
+        match live.tx.send(ToConnection::Deliver(message)) {
+            Err(mpsc::error::SendError(ToConnection::Deliver(message))) => Err(Box::new(message)),
+            _ => Ok(()),
+        }
     }
 
     /// Whether `client` is the only one whose subscriptions could match
@@ -305,6 +322,8 @@ mod tests {
         let s = Sessions::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
         assert!(s.deliver("a", "resp/a", msg()).is_err(), "unknown client");
+        let (old_tx, mut old_rx) = mpsc::unbounded_channel();
+        s.connected("a", 0, true, old_tx);
         s.connected("a", 1, true, tx);
         assert!(s.deliver("a", "resp/a", msg()).is_err(), "no subscription");
         s.subscribe(
@@ -315,8 +334,14 @@ mod tests {
                 id: Some(7),
             },
         );
+        assert!(
+            matches!(old_rx.try_recv(), Ok(ToConnection::TakenOver)),
+            "the older connection is told"
+        );
         s.deliver("a", "resp/a", msg()).unwrap();
-        let got = rx.try_recv().unwrap();
+        let Ok(ToConnection::Deliver(got)) = rx.try_recv() else {
+            panic!("not delivered")
+        };
         assert_eq!(
             (got.qos, got.properties.subscription_identifiers),
             (0, vec![7]),
