@@ -9,10 +9,9 @@ use bytes::Bytes;
 use hdrhistogram::Histogram;
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
-use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
 use serde::Serialize;
 use tokio::io::AsyncBufReadExt;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::{FillArgs, LoadArgs, Responder};
@@ -24,15 +23,40 @@ pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0
 enum Msg {
     Response { correlation: u64, payload: Bytes },
     SubAck,
-    Failed(String),
 }
 
-/// One benchmark connection.
+/// One benchmark connection. Its task polls the client's event loop itself:
+/// one task per connection, no channel between request loop and network.
 struct Conn {
     client: AsyncClient,
-    rx: mpsc::UnboundedReceiver<Msg>,
+    eventloop: EventLoop,
     response_topic: String,
     client_id: String,
+}
+
+impl Conn {
+    /// The next response or SUBACK; other events are handled by the loop.
+    async fn next(&mut self) -> Result<Msg, String> {
+        loop {
+            match self.eventloop.poll().await {
+                Ok(Event::Incoming(Packet::Publish(p))) => {
+                    let correlation = p
+                        .properties
+                        .as_ref()
+                        .and_then(|props| props.correlation_data.as_deref())
+                        .and_then(|c| <[u8; 8]>::try_from(c).ok())
+                        .map_or(0, u64::from_be_bytes);
+                    return Ok(Msg::Response {
+                        correlation,
+                        payload: p.payload,
+                    });
+                }
+                Ok(Event::Incoming(Packet::SubAck(_))) => return Ok(Msg::SubAck),
+                Ok(_) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
 }
 
 /// Connects, subscribes to the response topic, and waits for the SUBACK.
@@ -44,55 +68,25 @@ async fn connect(target: SocketAddr, client_id: String) -> Result<Conn, String> 
     let mut network = rumqttc::NetworkOptions::new();
     network.set_tcp_nodelay(true);
     options.set_network_options(network);
-    let (client, mut eventloop) = AsyncClient::new(options, 256);
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        loop {
-            match eventloop.poll().await {
-                Ok(Event::Incoming(Packet::Publish(p))) => {
-                    let correlation = p
-                        .properties
-                        .as_ref()
-                        .and_then(|props| props.correlation_data.as_deref())
-                        .and_then(|c| <[u8; 8]>::try_from(c).ok())
-                        .map_or(0, u64::from_be_bytes);
-                    if tx
-                        .send(Msg::Response {
-                            correlation,
-                            payload: p.payload,
-                        })
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                Ok(Event::Incoming(Packet::SubAck(_))) => {
-                    let _ = tx.send(Msg::SubAck);
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    let _ = tx.send(Msg::Failed(e.to_string()));
-                    return;
-                }
-            }
-        }
-    });
+    let (client, eventloop) = AsyncClient::new(options, 256);
     let response_topic = format!("bench/{client_id}/response");
-    client
-        .subscribe(response_topic.clone(), QoS::AtLeastOnce)
-        .await
-        .map_err(|e| e.to_string())?;
-    match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
-        Ok(Some(Msg::SubAck)) => {}
-        Ok(Some(Msg::Failed(e))) => return Err(format!("{client_id}: {e}")),
-        _ => return Err(format!("{client_id}: no SUBACK")),
-    }
-    Ok(Conn {
+    let mut conn = Conn {
         client,
-        rx,
+        eventloop,
         response_topic,
         client_id,
-    })
+    };
+    conn.client
+        .try_subscribe(conn.response_topic.clone(), QoS::AtLeastOnce)
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout(Duration::from_secs(30), conn.next()).await {
+        Ok(Ok(Msg::SubAck)) => Ok(conn),
+        Ok(Ok(Msg::Response { .. })) => {
+            Err(format!("{}: a publish before the SUBACK", conn.client_id))
+        }
+        Ok(Err(e)) => Err(format!("{}: {e}", conn.client_id)),
+        Err(_) => Err(format!("{}: no SUBACK", conn.client_id)),
+    }
 }
 
 /// Connects `n` clients, at most 64 handshakes at a time.
@@ -147,7 +141,8 @@ impl Conn {
         }
     }
 
-    async fn send(
+    /// Queues a request; the event loop sends it when next polled.
+    fn send(
         &self,
         topic: &str,
         payload: Vec<u8>,
@@ -156,8 +151,7 @@ impl Conn {
     ) -> Result<(), String> {
         let properties = self.properties(correlation, persist);
         self.client
-            .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, properties)
-            .await
+            .try_publish_with_properties(topic, QoS::AtLeastOnce, false, payload, properties)
             .map_err(|e| e.to_string())
     }
 }
@@ -199,18 +193,15 @@ async fn drive(
         };
         let started = Instant::now();
         let measured = started >= warm_end;
-        if let Err(e) = conn
-            .send(&topic, payload, correlation, is_set && args.persist)
-            .await
-        {
+        if let Err(e) = conn.send(&topic, payload, correlation, is_set && args.persist) {
             stats.failure = Some(e);
             stats.lost += u64::from(measured);
             return stats;
         }
         let deadline = started + timeout;
         loop {
-            match tokio::time::timeout_at(deadline, conn.rx.recv()).await {
-                Ok(Some(Msg::Response {
+            match tokio::time::timeout_at(deadline, conn.next()).await {
+                Ok(Ok(Msg::Response {
                     correlation: c,
                     payload,
                 })) if c == correlation => {
@@ -230,14 +221,9 @@ async fn drive(
                     }
                     break;
                 }
-                Ok(Some(Msg::Response { .. } | Msg::SubAck)) => continue, // a late answer to a lost request
-                Ok(Some(Msg::Failed(e))) => {
+                Ok(Ok(Msg::Response { .. } | Msg::SubAck)) => continue, // a late answer to a lost request
+                Ok(Err(e)) => {
                     stats.failure = Some(e);
-                    stats.lost += u64::from(measured);
-                    return stats;
-                }
-                Ok(None) => {
-                    stats.failure = Some("event loop ended".into());
                     stats.lost += u64::from(measured);
                     return stats;
                 }
@@ -248,7 +234,8 @@ async fn drive(
             }
         }
     }
-    let _ = conn.client.disconnect().await;
+    let _ = conn.client.try_disconnect();
+    let _ = tokio::time::timeout(Duration::from_millis(100), conn.next()).await;
     stats
 }
 
@@ -398,22 +385,22 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
                 while next < range.end && outstanding < pipeline {
                     let payload =
                         statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
-                    conn.send(REQUEST_TOPIC, payload, next + 1, args.persist)
-                        .await?;
+                    conn.send(REQUEST_TOPIC, payload, next + 1, args.persist)?;
                     next += 1;
                     outstanding += 1;
                 }
-                match tokio::time::timeout(Duration::from_secs(30), conn.rx.recv()).await {
-                    Ok(Some(Msg::Response { payload, .. })) => {
+                match tokio::time::timeout(Duration::from_secs(30), conn.next()).await {
+                    Ok(Ok(Msg::Response { payload, .. })) => {
                         outstanding -= 1;
                         errors += u64::from(&payload[..] != b"+OK\r\n");
                     }
-                    Ok(Some(Msg::SubAck)) => {}
-                    Ok(Some(Msg::Failed(e))) => return Err(e),
-                    Ok(None) | Err(_) => return Err("fill: no response".to_owned()),
+                    Ok(Ok(Msg::SubAck)) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => return Err("fill: no response".to_owned()),
                 }
             }
-            let _ = conn.client.disconnect().await;
+            let _ = conn.client.try_disconnect();
+            let _ = tokio::time::timeout(Duration::from_millis(100), conn.next()).await;
             Ok::<u64, String>(errors)
         }));
     }
