@@ -243,6 +243,120 @@ pub fn publish(
     rumqttd::protocol::Publish::deserialize(raw.freeze())
 }
 
+/// Encodes a PUBLISH straight from borrowed parts (no intermediate packet,
+/// no copies of the properties): the broker's own deliveries go this way.
+pub fn encode_publish(
+    protocol: Protocol,
+    topic: &[u8],
+    payload: &[u8],
+    qos: u8,
+    pkid: u16,
+    properties: &rumqttd::protocol::PublishProperties,
+    out: &mut BytesMut,
+) {
+    use bytes::BufMut;
+    let props_len = match protocol {
+        Protocol::V4 => 0,
+        Protocol::V5 => properties_len(properties),
+    };
+    let mut remaining = 2 + topic.len() + payload.len();
+    if qos > 0 {
+        remaining += 2;
+    }
+    if protocol == Protocol::V5 {
+        remaining += varint_len(props_len) + props_len;
+    }
+    out.reserve(5 + remaining);
+    out.put_u8(0b0011_0000 | ((qos & 3) << 1));
+    put_varint(out, remaining);
+    out.put_u16(topic.len() as u16);
+    out.put_slice(topic);
+    if qos > 0 {
+        out.put_u16(pkid);
+    }
+    if protocol == Protocol::V5 {
+        put_varint(out, props_len);
+        let p = properties;
+        if let Some(v) = p.payload_format_indicator {
+            out.put_u8(0x01);
+            out.put_u8(v);
+        }
+        if let Some(v) = p.message_expiry_interval {
+            out.put_u8(0x02);
+            out.put_u32(v);
+        }
+        if let Some(v) = &p.content_type {
+            out.put_u8(0x03);
+            put_string(out, v.as_bytes());
+        }
+        if let Some(v) = &p.response_topic {
+            out.put_u8(0x08);
+            put_string(out, v.as_bytes());
+        }
+        if let Some(v) = &p.correlation_data {
+            out.put_u8(0x09);
+            put_string(out, v);
+        }
+        for id in &p.subscription_identifiers {
+            out.put_u8(0x0B);
+            put_varint(out, *id);
+        }
+        for (k, v) in &p.user_properties {
+            out.put_u8(0x26);
+            put_string(out, k.as_bytes());
+            put_string(out, v.as_bytes());
+        }
+    }
+    out.put_slice(payload);
+}
+
+fn properties_len(p: &rumqttd::protocol::PublishProperties) -> usize {
+    let string = |s: usize| 1 + 2 + s;
+    p.payload_format_indicator.map_or(0, |_| 2)
+        + p.message_expiry_interval.map_or(0, |_| 5)
+        + p.content_type.as_ref().map_or(0, |s| string(s.len()))
+        + p.response_topic.as_ref().map_or(0, |s| string(s.len()))
+        + p.correlation_data.as_ref().map_or(0, |s| string(s.len()))
+        + p.subscription_identifiers
+            .iter()
+            .map(|id| 1 + varint_len(*id))
+            .sum::<usize>()
+        + p.user_properties
+            .iter()
+            .map(|(k, v)| 1 + 2 + k.len() + 2 + v.len())
+            .sum::<usize>()
+}
+
+fn varint_len(mut n: usize) -> usize {
+    let mut len = 1;
+    while n >= 128 {
+        n /= 128;
+        len += 1;
+    }
+    len
+}
+
+fn put_varint(out: &mut BytesMut, mut n: usize) {
+    use bytes::BufMut;
+    loop {
+        let mut byte = (n % 128) as u8;
+        n /= 128;
+        if n > 0 {
+            byte |= 0x80;
+        }
+        out.put_u8(byte);
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+fn put_string(out: &mut BytesMut, s: &[u8]) {
+    use bytes::BufMut;
+    out.put_u16(s.len() as u16);
+    out.put_slice(s);
+}
+
 /// The 3.1.1 form of a packet: no properties; `None` if it has none.
 fn strip_properties(packet: Packet) -> Option<Packet> {
     Some(match packet {
@@ -355,6 +469,75 @@ mod tests {
                 (&b"topic"[..], &b"payload"[..])
             ),
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn own_publish_encoding_matches_rumqttds_decoder() {
+        use bytes::Bytes;
+        use rumqttd::protocol::PublishProperties;
+        let properties = PublishProperties {
+            payload_format_indicator: Some(1),
+            message_expiry_interval: Some(60),
+            content_type: Some("application/octet-stream".into()),
+            response_topic: Some("reply/here".into()),
+            correlation_data: Some(Bytes::from_static(b"\x00\x01corr")),
+            subscription_identifiers: vec![7, 300, 70_000],
+            user_properties: vec![
+                ("__stat".into(), "200".into()),
+                ("__ts".into(), "1:2:n".into()),
+            ],
+            ..PublishProperties::default()
+        };
+        let big = vec![b'x'; 20_000];
+        for (qos, pkid, payload) in [
+            (0u8, 0u16, &b"p"[..]),
+            (1, 4242, &b""[..]),
+            (1, 65535, &big[..]),
+        ] {
+            let mut buf = BytesMut::new();
+            encode_publish(
+                Protocol::V5,
+                b"a/topic",
+                payload,
+                qos,
+                pkid,
+                &properties,
+                &mut buf,
+            );
+            assert_eq!(encoded_publish_id(&buf), Some((qos, pkid)));
+            match Protocol::V5
+                .read(&mut buf, 1 << 20)
+                .unwrap()
+                .unwrap()
+                .packet
+            {
+                Packet::Publish(p, Some(props)) => {
+                    assert_eq!((&p.topic[..], &p.payload[..]), (&b"a/topic"[..], payload));
+                    assert_eq!(props, properties);
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(buf.is_empty(), "exactly one packet");
+            let mut buf = BytesMut::new();
+            encode_publish(
+                Protocol::V4,
+                b"a/topic",
+                payload,
+                qos,
+                pkid,
+                &properties,
+                &mut buf,
+            );
+            match Protocol::V4
+                .read(&mut buf, 1 << 20)
+                .unwrap()
+                .unwrap()
+                .packet
+            {
+                Packet::Publish(p, None) => assert_eq!(&p.payload[..], payload),
+                other => panic!("{other:?}"),
+            }
         }
     }
 

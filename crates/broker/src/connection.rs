@@ -763,7 +763,7 @@ impl Connection {
         if qos == 0 {
             tracing::info!(client_id = self.client_id, "QoS 0 request not executed");
             self.store.refuse(
-                &reply_to,
+                reply_to,
                 &self.client_id,
                 "requests must be published with QoS 1",
             );
@@ -775,7 +775,7 @@ impl Connection {
                 "request without correlation data not executed"
             );
             self.store.refuse(
-                &reply_to,
+                reply_to,
                 &self.client_id,
                 "requests must carry correlation data",
             );
@@ -799,7 +799,7 @@ impl Connection {
             client_id: &self.client_id,
             connection: self.id,
         };
-        self.store.serve(&request, caller, &reply_to);
+        self.store.serve(&request, caller, reply_to);
         Ok(())
     }
 
@@ -1066,32 +1066,40 @@ impl Connection {
     /// Sends a direct delivery, at QoS 1 with a packet id of our own range
     /// unless the client has too many in flight already.
     fn deliver_direct(&mut self, message: Direct) {
-        if message.qos == 0 {
-            let publish = codec::publish(&message.topic, &message.payload, 0, 0, false);
-            self.socket
-                .queue(Packet::Publish(publish, Some(message.properties)));
-            return;
-        }
-        if self.direct.inflight.len() >= self.direct.limit {
-            self.direct.pending.push_back(message);
-            return;
-        }
-        let mut pkid = self.direct.last_pkid;
-        loop {
-            pkid = if pkid == u16::MAX {
-                FIRST_DIRECT_PKID
-            } else {
-                pkid + 1
-            };
-            if !self.direct.inflight.contains_key(&pkid) {
-                break;
+        let pkid = match message.qos {
+            0 => 0,
+            _ if self.direct.inflight.len() >= self.direct.limit => {
+                self.direct.pending.push_back(message);
+                return;
             }
+            _ => {
+                let mut pkid = self.direct.last_pkid;
+                loop {
+                    pkid = if pkid == u16::MAX {
+                        FIRST_DIRECT_PKID
+                    } else {
+                        pkid + 1
+                    };
+                    if !self.direct.inflight.contains_key(&pkid) {
+                        break;
+                    }
+                }
+                self.direct.last_pkid = pkid;
+                pkid
+            }
+        };
+        codec::encode_publish(
+            self.socket.protocol,
+            &message.topic,
+            &message.payload,
+            message.qos,
+            pkid,
+            &message.properties,
+            &mut self.socket.wbuf,
+        );
+        if pkid != 0 {
+            self.direct.inflight.insert(pkid, message);
         }
-        self.direct.last_pkid = pkid;
-        let publish = codec::publish(&message.topic, &message.payload, 1, pkid, false);
-        self.socket
-            .queue(Packet::Publish(publish, Some(message.properties.clone())));
-        self.direct.inflight.insert(pkid, message);
     }
 }
 

@@ -152,7 +152,7 @@ impl StateStoreService {
 
     /// Serves one request from `caller` and publishes the answer to
     /// `reply_to`, once what it could have observed is durable.
-    pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: &ReplyTo) {
+    pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: ReplyTo) {
         let (outcome, wait) = {
             let mut store = self.store.lock();
             let mut outcome = store.execute(request, caller, now_ms());
@@ -164,7 +164,7 @@ impl StateStoreService {
             tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
         }
         let reply = Reply {
-            to: reply_to.clone(),
+            to: reply_to,
             requester: caller.client_id.to_owned(),
         };
         self.publish_when_durable(Some(reply), outcome, wait);
@@ -190,10 +190,10 @@ impl StateStoreService {
                     if let Some(persistence) = &service.persistence {
                         persistence.wait_durable(wait).await;
                     }
-                    service.publish_outcome(reply.as_ref(), &outcome);
+                    service.publish_outcome(reply, outcome);
                 });
             }
-            _ => self.publish_outcome(reply.as_ref(), &outcome),
+            _ => self.publish_outcome(reply, outcome),
         }
     }
 
@@ -205,30 +205,29 @@ impl StateStoreService {
     }
 
     /// Answers a request the broker refused before it reached the store.
-    pub fn refuse(&self, reply_to: &ReplyTo, requester: &str, text: &str) {
+    pub fn refuse(&self, reply_to: ReplyTo, requester: &str, text: &str) {
         let timestamp = statestore::hlc::Version {
             wall_ms: now_ms(),
             counter: 0,
         }
         .format(&self.node_id);
         let reply = Reply {
-            to: reply_to.clone(),
+            to: reply_to,
             requester: requester.to_owned(),
         };
-        self.deliver_response(&reply, format!("-ERR {text}\r\n").as_bytes(), &timestamp);
+        self.deliver_response(reply, format!("-ERR {text}\r\n").into_bytes(), timestamp);
     }
 
     /// Delivers the response and the notifications of an outcome.
-    fn publish_outcome(&self, reply: Option<&Reply>, outcome: &Outcome) {
+    fn publish_outcome(&self, reply: Option<Reply>, outcome: Outcome) {
         if let Some(reply) = reply {
-            self.deliver_response(reply, &outcome.payload, &outcome.timestamp);
+            self.deliver_response(reply, outcome.payload, outcome.timestamp);
         }
         for notice in &outcome.notices {
             let payload = Bytes::from(notice.payload());
             for watcher in &notice.watchers {
-                let topic = topics::notification_topic(watcher, &notice.key);
                 let message = Direct {
-                    topic: Bytes::from(topic.clone()),
+                    topic: Bytes::from(topics::notification_topic(watcher, &notice.key)),
                     payload: payload.clone(),
                     properties: PublishProperties {
                         content_type: Some(CONTENT_TYPE.to_owned()),
@@ -242,8 +241,12 @@ impl StateStoreService {
                 };
                 // A notification is private to its watcher: if the watcher's
                 // connection cannot take it, nobody gets it.
-                if self.sessions.deliver(watcher, &topic, message).is_err() {
-                    tracing::debug!(client_id = %watcher, topic, "notification dropped: watcher not connected or not subscribed");
+                if let Err(message) = self.sessions.deliver(watcher, message) {
+                    tracing::debug!(
+                        client_id = %watcher,
+                        topic = %String::from_utf8_lossy(&message.topic),
+                        "notification dropped: watcher not connected or not subscribed"
+                    );
                 }
             }
         }
@@ -251,30 +254,27 @@ impl StateStoreService {
 
     /// Delivers a response straight to the requester when it is the only
     /// subscriber of the Response Topic, through the router otherwise.
-    fn deliver_response(&self, reply: &Reply, payload: &[u8], timestamp: &str) {
+    fn deliver_response(&self, reply: Reply, payload: Vec<u8>, timestamp: String) {
+        let direct = self
+            .sessions
+            .only_subscriber(&reply.requester, &reply.to.topic);
         let message = Direct {
-            topic: Bytes::from(reply.to.topic.clone()),
-            payload: Bytes::copy_from_slice(payload),
+            topic: Bytes::from(reply.to.topic),
+            payload: Bytes::from(payload),
             properties: PublishProperties {
-                correlation_data: reply.to.correlation.clone(),
+                correlation_data: reply.to.correlation,
                 content_type: Some(CONTENT_TYPE.to_owned()),
                 user_properties: vec![
                     ("__stat".to_owned(), "200".to_owned()),
-                    ("__ts".to_owned(), timestamp.to_owned()),
+                    ("__ts".to_owned(), timestamp),
                     ("__protVer".to_owned(), "1.0".to_owned()),
                 ],
                 ..PublishProperties::default()
             },
             qos: 1,
         };
-        let message = if self
-            .sessions
-            .only_subscriber(&reply.requester, &reply.to.topic)
-        {
-            match self
-                .sessions
-                .deliver(&reply.requester, &reply.to.topic, message)
-            {
+        let message = if direct {
+            match self.sessions.deliver(&reply.requester, message) {
                 Ok(()) => return,
                 Err(message) => *message,
             }

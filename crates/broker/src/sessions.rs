@@ -235,19 +235,18 @@ impl Sessions {
     }
 
     /// Delivers to `client` if it is connected and one of its subscriptions
-    /// matches `topic`, at the smaller of `qos` and the subscription's QoS.
-    /// Returns `Err` with the message when it could not be delivered.
-    pub fn deliver(
-        &self,
-        client: &str,
-        topic: &str,
-        mut message: Direct,
-    ) -> Result<(), Box<Direct>> {
+    /// matches the message's topic, at the smaller of the message's QoS and
+    /// the subscription's. Returns `Err` with the message when it could not
+    /// be delivered.
+    pub fn deliver(&self, client: &str, mut message: Direct) -> Result<(), Box<Direct>> {
         let inner = self.inner.read();
         let Some(state) = inner.clients.get(client) else {
             return Err(Box::new(message));
         };
         let Some(live) = &state.live else {
+            return Err(Box::new(message));
+        };
+        let Ok(topic) = std::str::from_utf8(&message.topic) else {
             return Err(Box::new(message));
         };
         let mut granted = None;
@@ -306,7 +305,7 @@ mod tests {
 
     fn msg() -> Direct {
         Direct {
-            topic: Bytes::from_static(b"t"),
+            topic: Bytes::from_static(b"resp/a"),
             payload: Bytes::new(),
             properties: PublishProperties::default(),
             qos: 1,
@@ -321,11 +320,11 @@ mod tests {
     fn delivers_only_to_live_matching_subscribers() {
         let s = Sessions::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        assert!(s.deliver("a", "resp/a", msg()).is_err(), "unknown client");
+        assert!(s.deliver("a", msg()).is_err(), "unknown client");
         let (old_tx, mut old_rx) = mpsc::unbounded_channel();
         s.connected("a", 0, true, old_tx);
         s.connected("a", 1, true, tx);
-        assert!(s.deliver("a", "resp/a", msg()).is_err(), "no subscription");
+        assert!(s.deliver("a", msg()).is_err(), "no subscription");
         s.subscribe(
             "a",
             "resp/+",
@@ -338,7 +337,7 @@ mod tests {
             matches!(old_rx.try_recv(), Ok(ToConnection::TakenOver)),
             "the older connection is told"
         );
-        s.deliver("a", "resp/a", msg()).unwrap();
+        s.deliver("a", msg()).unwrap();
         let Ok(ToConnection::Deliver(got)) = rx.try_recv() else {
             panic!("not delivered")
         };
@@ -348,7 +347,7 @@ mod tests {
             "QoS capped by the subscription"
         );
         s.unsubscribe("a", "resp/+");
-        assert!(s.deliver("a", "resp/a", msg()).is_err());
+        assert!(s.deliver("a", msg()).is_err());
     }
 
     #[test]
