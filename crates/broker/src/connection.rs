@@ -1,9 +1,12 @@
 //! One task per client connection.
 //!
 //! The task owns the socket. It reads CONNECT (within the configured time),
-//! tells MQTT 3.1.1 from MQTT 5, authenticates, registers the client with the
-//! router through a `rumqttd::local` link, and then moves packets both ways:
-//! client -> router and router -> client, with these exceptions:
+//! tells MQTT 3.1.1 from MQTT 5, authenticates, and then moves packets both
+//! ways between the client and rumqttd's router, through a `rumqttd::local`
+//! link. A persistent session joins the router at CONNECT (the router knows
+//! whether the session exists); a clean one when it first sends something
+//! for the router, so that a connection that only talks to the state store,
+//! or idles, costs the router nothing. The exceptions to "client <-> router":
 //!
 //! - **State store requests** (PUBLISH on the request topics) never reach the
 //!   router: the task checks them and hands them to the in-process
@@ -17,6 +20,10 @@
 //!   acknowledged and dropped), a SUBSCRIBE naming another client's part of it
 //!   is refused per filter (0x87 / 0x80), and other clients' notifications
 //!   that a wildcard subscription would deliver are dropped here.
+//! - Answers and notifications the state store delivers directly (see
+//!   [`crate::sessions`]) are written here, numbered above the packet ids
+//!   the router uses (1..=100), within the client's Receive Maximum; their
+//!   acknowledgements stay here.
 //! - PINGREQ and UNSUBSCRIBE are answered here (rumqttd sends no UNSUBACK
 //!   for a filter that was not subscribed). Topic aliases from the client
 //!   are resolved here, so the router and the checks above see full topics.

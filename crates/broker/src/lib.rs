@@ -2,15 +2,19 @@
 //!
 //! ```text
 //!  TCP accept (listener.rs, TCP_NODELAY on every socket)
-//!         │  MQTT 3.1.1 / 5 codecs from rumqttd (codec.rs)
+//!         │  MQTT 3.1.1 / 5 codecs from rumqttd, guarded (codec.rs)
 //!         ▼
 //!  connection task, one per client (connection.rs)
-//!    CONNECT checks, keep-alive, wills (will.rs), topic rules (topics.rs);
-//!    state store requests go straight to ──────────────┐
-//!         │  rumqttd::local link                        ▼
-//!         ▼                                  state store service (service.rs)
-//!  rumqttd router (router.rs): routing,       runs statestore::Store, publishes
-//!  QoS, sessions, retained, shared subs  ◄─── responses and notifications
+//!    CONNECT checks, keep-alive, wills (will.rs), topic rules (topics.rs)
+//!    │ state store requests ──────────────► state store service (service.rs)
+//!    │                                       runs statestore::Store; durable
+//!    │                                       writes first (persistence.rs)
+//!    │ ◄── answers and notifications ───────┘ delivered directly to the only
+//!    │     (subscription mirror: sessions.rs)    recipient's connection
+//!    │ other packets, on first need: a rumqttd::local link
+//!    ▼
+//!  rumqttd router (router.rs): routing, QoS, sessions, retained messages,
+//!  shared subscriptions; also carries answers that others subscribe to
 //! ```
 //!
 //! [`Broker::start`] runs it all inside the current tokio runtime; the

@@ -17,7 +17,7 @@
 //! tail (an incomplete last batch) off: a batch is all or nothing. fjall
 //! documents the same for a *corrupt* last batch, but fjall 3 refuses to
 //! open when a complete last batch fails its checksum; the broker then does
-//! what the documentation says (see [`discard_corrupt_tail`]): it keeps a
+//! what the documentation says (`discard_corrupt_tail`): it keeps a
 //! copy of the journal, cuts that one batch, and opens. Corruption before
 //! the tail is not a crash artifact: the broker refuses to start and says
 //! so. Every repair is logged; the broker logs what it restored. Keys that expired while the
