@@ -14,6 +14,7 @@ use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, user_property, v5};
 use common::spawn_broker;
 use parking_lot::Mutex;
 use rumqttc::v5::mqttbytes::QoS;
+use statestore::command::Page;
 use statestore::resp3::encode_request;
 
 /// key -> (value, version) of acknowledged writes.
@@ -103,7 +104,7 @@ async fn verify(addr: std::net::SocketAddr, acked: &Acked, attempted: &Attempted
         let page = c
             .request(&args.iter().map(Vec::as_slice).collect::<Vec<_>>())
             .await;
-        let (keys, next) = parse_scan(&page.payload);
+        let Page { keys, token: next } = Page::decode(&page.payload).unwrap();
         for key in keys {
             let key = String::from_utf8(key).unwrap();
             let value = attempted.lock().get(&key).cloned();
@@ -124,30 +125,6 @@ async fn verify(addr: std::net::SocketAddr, acked: &Acked, attempted: &Attempted
     }
     assert!(found >= acked.len());
     found
-}
-
-fn parse_scan(p: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
-    fn line(p: &[u8], at: &mut usize) -> usize {
-        let end = *at + p[*at..].windows(2).position(|w| w == b"\r\n").unwrap();
-        let n = std::str::from_utf8(&p[*at + 1..end])
-            .unwrap()
-            .parse()
-            .unwrap();
-        *at = end + 2;
-        n
-    }
-    fn bulk(p: &[u8], at: &mut usize) -> Vec<u8> {
-        let len = line(p, at);
-        let v = p[*at..*at + len].to_vec();
-        *at += len + 2;
-        v
-    }
-    let mut at = 0;
-    let parts = line(p, &mut at);
-    let count = line(p, &mut at);
-    let keys = (0..count).map(|_| bulk(p, &mut at)).collect();
-    let token = (parts == 2).then(|| bulk(p, &mut at));
-    (keys, token)
 }
 
 /// A random number from the clock (no test dependency for one number).

@@ -207,6 +207,103 @@ pub fn encode_request<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
     out
 }
 
+/// A response frame as a client reads it: what [`Frame`] encodes, owned.
+///
+/// Clients, tools and tests decode responses with [`parse_reply`]; the store
+/// itself never needs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// `+<text>\r\n`
+    Simple(String),
+    /// `-<text>\r\n`, the whole text (for the store: `ERR <reason>`).
+    Error(String),
+    /// `:<n>\r\n`
+    Integer(i64),
+    /// `$<len>\r\n<bytes>\r\n`
+    Bulk(Vec<u8>),
+    /// `$-1\r\n`
+    Null,
+    /// `*<n>\r\n` followed by n frames.
+    Array(Vec<Reply>),
+}
+
+/// Parses one complete response frame; bytes after it are a [`SyntaxError`].
+///
+/// ```
+/// use statestore::resp3::{parse_reply, Reply};
+/// assert_eq!(parse_reply(b":-1\r\n"), Ok(Reply::Integer(-1)));
+/// assert_eq!(
+///     parse_reply(b"*2\r\n$1\r\nk\r\n$-1\r\n"),
+///     Ok(Reply::Array(vec![Reply::Bulk(b"k".to_vec()), Reply::Null]))
+/// );
+/// assert!(parse_reply(b"+OK\r\n+OK\r\n").is_err());
+/// ```
+pub fn parse_reply(payload: &[u8]) -> Result<Reply, SyntaxError> {
+    let mut cursor = Cursor::new(payload);
+    let reply = cursor.reply(0)?;
+    if cursor.remaining() != 0 {
+        return Err(SyntaxError);
+    }
+    Ok(reply)
+}
+
+/// Arrays nested deeper than this are refused rather than recursed into.
+const MAX_REPLY_DEPTH: usize = 8;
+
+impl Cursor<'_> {
+    /// Reads the rest of a line (without its `\r\n`) as UTF-8 text.
+    fn text_line(&mut self) -> Result<&str, SyntaxError> {
+        let rest = &self.buf[self.pos..];
+        let end = rest
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or(SyntaxError)?;
+        let text = std::str::from_utf8(&rest[..end]).map_err(|_| SyntaxError)?;
+        self.pos += end + 2;
+        Ok(text)
+    }
+
+    fn reply(&mut self, depth: usize) -> Result<Reply, SyntaxError> {
+        match self.buf.get(self.pos) {
+            Some(b'+') => {
+                self.pos += 1;
+                Ok(Reply::Simple(self.text_line()?.to_owned()))
+            }
+            Some(b'-') => {
+                self.pos += 1;
+                Ok(Reply::Error(self.text_line()?.to_owned()))
+            }
+            Some(b':') => {
+                self.pos += 1;
+                let n = self.text_line()?.parse().map_err(|_| SyntaxError)?;
+                Ok(Reply::Integer(n))
+            }
+            Some(b'$') if self.buf[self.pos..].starts_with(b"$-1\r\n") => {
+                self.pos += 5;
+                Ok(Reply::Null)
+            }
+            Some(b'$') => {
+                let len = self.length_line(b'$')?;
+                let bytes = self.take(len)?.to_vec();
+                self.crlf()?;
+                Ok(Reply::Bulk(bytes))
+            }
+            Some(b'*') if depth < MAX_REPLY_DEPTH => {
+                let count = self.length_line(b'*')?;
+                // Every frame takes at least 3 bytes (`+\r\n`).
+                if count > self.remaining() / 3 {
+                    return Err(SyntaxError);
+                }
+                (0..count)
+                    .map(|_| self.reply(depth + 1))
+                    .collect::<Result<_, _>>()
+                    .map(Reply::Array)
+            }
+            _ => Err(SyntaxError),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +371,54 @@ mod tests {
             Frame::Array(vec![Frame::Array(vec![Frame::Bulk(b"k".to_vec())])]).to_vec(),
             b"*1\r\n*1\r\n$1\r\nk\r\n"
         );
+    }
+
+    #[test]
+    fn replies_round_trip_through_the_encoder() {
+        let frames = [
+            (Frame::Simple("OK"), Reply::Simple("OK".into())),
+            (
+                Frame::Error("syntax error"),
+                Reply::Error("ERR syntax error".into()),
+            ),
+            (Frame::Integer(-7), Reply::Integer(-7)),
+            (
+                Frame::Bulk(b"a\r\nb".to_vec()),
+                Reply::Bulk(b"a\r\nb".to_vec()),
+            ),
+            (Frame::Null, Reply::Null),
+            (
+                Frame::Array(vec![
+                    Frame::Array(vec![Frame::Bulk(b"k".to_vec())]),
+                    Frame::Null,
+                ]),
+                Reply::Array(vec![
+                    Reply::Array(vec![Reply::Bulk(b"k".to_vec())]),
+                    Reply::Null,
+                ]),
+            ),
+        ];
+        for (frame, reply) in frames {
+            assert_eq!(parse_reply(&frame.to_vec()), Ok(reply), "{frame:?}");
+        }
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"OK\r\n",
+            b"+OK",
+            b"+OK\r\nx",
+            b":x\r\n",
+            b"$3\r\nab\r\n",
+            b"$-2\r\n",
+            b"*2\r\n+OK\r\n",
+            b"*99999999\r\n",
+            b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n",
+        ];
+        for payload in bad {
+            assert_eq!(parse_reply(payload), Err(SyntaxError), "{payload:?}");
+        }
     }
 }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
+use statestore::command::Page;
 use statestore::resp3::encode_request;
 use statestore::{Caller, Config, Event, Quota, Request, Store};
 
@@ -487,7 +488,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         prop_assert_eq!(notes_of(&out), notes);
                     }
                     prop_assert_eq!(&out.timestamp, &fmt(model.clock()));
-                    let (keys, next) = parse_scan(&out.payload);
+                    let Page { keys, token: next } = Page::decode(&out.payload).unwrap();
                     for k in keys {
                         prop_assert!(listed.insert(k.clone()), "{:?} listed twice", k);
                     }
@@ -559,30 +560,6 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         );
     }
     Ok(())
-}
-
-fn parse_scan(p: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
-    fn line(p: &[u8], at: &mut usize) -> usize {
-        let end = *at + p[*at..].windows(2).position(|w| w == b"\r\n").unwrap();
-        let n = std::str::from_utf8(&p[*at + 1..end])
-            .unwrap()
-            .parse()
-            .unwrap();
-        *at = end + 2;
-        n
-    }
-    fn bulk(p: &[u8], at: &mut usize) -> Vec<u8> {
-        let len = line(p, at);
-        let v = p[*at..*at + len].to_vec();
-        *at += len + 2;
-        v
-    }
-    let mut at = 0;
-    let parts = line(p, &mut at);
-    let count = line(p, &mut at);
-    let keys = (0..count).map(|_| bulk(p, &mut at)).collect();
-    let token = (parts == 2).then(|| bulk(p, &mut at));
-    (keys, token)
 }
 
 proptest! {

@@ -1,6 +1,7 @@
 //! The state store protocol, request by request: each test is a row of the
 //! answers table (request -> response payload, `__ts`, notifications).
 
+use statestore::command::Page;
 use statestore::hlc::Hlc;
 use statestore::resp3::encode_request;
 use statestore::{Caller, Config, Dialect, Event, Outcome, Quota, Request, Store};
@@ -539,7 +540,10 @@ fn scan_all(h: &mut Harness, pattern: &str) -> (Vec<Vec<u8>>, usize) {
         args.extend(token.take());
         let out = h.req(&args).send();
         pages += 1;
-        let (page, next) = parse_scan(&out.payload);
+        let Page {
+            keys: page,
+            token: next,
+        } = Page::decode(&out.payload).unwrap();
         keys.extend(page);
         match next {
             Some(t) => token = Some(t),
@@ -547,33 +551,6 @@ fn scan_all(h: &mut Harness, pattern: &str) -> (Vec<Vec<u8>>, usize) {
         }
         assert!(pages < 10_000, "scan does not end");
     }
-}
-
-/// Parses `*1 *K keys` / `*2 *K keys token` (a test-side decoder).
-fn parse_scan(payload: &[u8]) -> (Vec<Vec<u8>>, Option<Vec<u8>>) {
-    fn line(p: &[u8], at: &mut usize, prefix: u8) -> usize {
-        assert_eq!(p[*at], prefix, "at {at} in {p:?}");
-        let end = *at + p[*at..].windows(2).position(|w| w == b"\r\n").unwrap();
-        let n = std::str::from_utf8(&p[*at + 1..end])
-            .unwrap()
-            .parse()
-            .unwrap();
-        *at = end + 2;
-        n
-    }
-    fn bulk(p: &[u8], at: &mut usize) -> Vec<u8> {
-        let len = line(p, at, b'$');
-        let v = p[*at..*at + len].to_vec();
-        *at += len + 2;
-        v
-    }
-    let mut at = 0;
-    let parts = line(payload, &mut at, b'*');
-    let count = line(payload, &mut at, b'*');
-    let keys = (0..count).map(|_| bulk(payload, &mut at)).collect();
-    let token = (parts == 2).then(|| bulk(payload, &mut at));
-    assert_eq!(at, payload.len());
-    (keys, token)
 }
 
 #[test]
@@ -625,7 +602,10 @@ fn scan_never_returns_a_key_deleted_before_its_page() {
     loop {
         let mut args = vec![b"SCAN".to_vec(), b"*".to_vec()];
         args.extend(token.take());
-        let (page, next) = parse_scan(&h.req(&args).send().payload);
+        let Page {
+            keys: page,
+            token: next,
+        } = Page::decode(&h.req(&args).send().payload).unwrap();
         for key in &page {
             assert!(
                 !deleted.contains(key),

@@ -31,17 +31,37 @@ impl<'a> Del<'a> {
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
-        let Some(entry) = store.db.get(self.key) else {
-            return Ok(Answer {
-                frame: Frame::Integer(0),
-                version: store.clock.now(ctx.now),
-            });
-        };
-        fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
-        let version = store.delete(self.key, fx);
-        Ok(Answer {
-            frame: Frame::Integer(1),
-            version,
-        })
+        delete(store, ctx, fx, self.key, None)
     }
+}
+
+/// Deletes `key` for DEL (`expected` is `None`) and VDEL (`expected` is the
+/// value the key must hold): `:0` if missing, the fencing check, `:-1` with
+/// the key's version if it holds another value, else `:1` with the version
+/// it had.
+pub(super) fn delete(
+    store: &mut Store,
+    ctx: &Ctx<'_>,
+    fx: &mut Effects,
+    key: &[u8],
+    expected: Option<&[u8]>,
+) -> Result<Answer, Error> {
+    let Some(entry) = store.db.get(key) else {
+        return Ok(Answer {
+            frame: Frame::Integer(0),
+            version: store.clock.now(ctx.now),
+        });
+    };
+    fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
+    if expected.is_some_and(|value| entry.value() != value) {
+        return Ok(Answer {
+            frame: Frame::Integer(-1),
+            version: entry.version(),
+        });
+    }
+    let version = store.delete(key, fx);
+    Ok(Answer {
+        frame: Frame::Integer(1),
+        version,
+    })
 }

@@ -25,7 +25,7 @@ mod vdel;
 pub use del::Del;
 pub use get::Get;
 pub use keynotify::KeyNotify;
-pub use scan::Scan;
+pub use scan::{Page, Scan};
 pub use set::{Condition, Set};
 pub use vdel::VDel;
 

@@ -22,7 +22,7 @@
 use super::{Answer, Parse};
 use crate::error::Error;
 use crate::glob::Pattern;
-use crate::resp3::Frame;
+use crate::resp3::{Frame, Reply, SyntaxError, parse_reply};
 use crate::store::{Ctx, Store};
 
 /// How many slots one page may visit per key of page size: bounds the work
@@ -67,6 +67,52 @@ impl<'a> Scan<'a> {
             frame: Frame::Array(page),
             version: store.clock.now(ctx.now),
         })
+    }
+}
+
+/// One SCAN answer as a client reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Page {
+    /// The keys on this page.
+    pub keys: Vec<Vec<u8>>,
+    /// The token for the next page; `None` on the last page.
+    pub token: Option<Vec<u8>>,
+}
+
+impl Page {
+    /// Decodes a SCAN response payload (the client side of the shape above).
+    ///
+    /// ```
+    /// use statestore::command::Page;
+    /// let page = Page::decode(b"*2\r\n*1\r\n$1\r\nk\r\n$2\r\ns7\r\n").unwrap();
+    /// assert_eq!(page.keys, vec![b"k".to_vec()]);
+    /// assert_eq!(page.token, Some(b"s7".to_vec()));
+    /// assert!(Page::decode(b"-ERR syntax error\r\n").is_err());
+    /// ```
+    pub fn decode(payload: &[u8]) -> Result<Page, SyntaxError> {
+        let Reply::Array(parts) = parse_reply(payload)? else {
+            return Err(SyntaxError);
+        };
+        let mut parts = parts.into_iter();
+        let Some(Reply::Array(keys)) = parts.next() else {
+            return Err(SyntaxError);
+        };
+        let keys = keys
+            .into_iter()
+            .map(|key| match key {
+                Reply::Bulk(key) => Ok(key),
+                _ => Err(SyntaxError),
+            })
+            .collect::<Result<_, _>>()?;
+        let token = match parts.next() {
+            None => None,
+            Some(Reply::Bulk(token)) => Some(token),
+            Some(_) => return Err(SyntaxError),
+        };
+        if parts.next().is_some() {
+            return Err(SyntaxError);
+        }
+        Ok(Page { keys, token })
     }
 }
 

@@ -6,10 +6,7 @@
 //! without releasing someone else's. Fencing tokens apply as for DEL.
 
 use super::{Answer, Parse};
-use crate::db::Entry;
 use crate::error::Error;
-use crate::fencing;
-use crate::resp3::Frame;
 use crate::store::{Ctx, Effects, Store};
 
 /// A parsed VDEL.
@@ -35,23 +32,6 @@ impl<'a> VDel<'a> {
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
-        let Some(entry) = store.db.get(self.key) else {
-            return Ok(Answer {
-                frame: Frame::Integer(0),
-                version: store.clock.now(ctx.now),
-            });
-        };
-        fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
-        if entry.value() != self.value {
-            return Ok(Answer {
-                frame: Frame::Integer(-1),
-                version: entry.version(),
-            });
-        }
-        let version = store.delete(self.key, fx);
-        Ok(Answer {
-            frame: Frame::Integer(1),
-            version,
-        })
+        super::del::delete(store, ctx, fx, self.key, Some(self.value))
     }
 }
