@@ -15,6 +15,16 @@ with zero lost requests. Writes bench/results/comparison.{md,json,png}.
 
 It installs what it needs (mosquitto, redis via apt; rumqttd via cargo
 install; matplotlib via pip) and builds statebroker in release mode.
+
+CPU placement: on a machine with two or more cores, every server (each
+broker, the Redis server) runs pinned to core 0 and every load generator
+(statebroker-bench with its external responder child, redis-benchmark) to
+core 1, with `taskset`. The same rule holds for every system, so none of them
+wins by stealing the load generator's core; multi-threaded servers (statebroker,
+rumqttd) size their thread pools from the one core they are given. Unpinned, a
+2-core machine runs 2 broker workers and 2 load-generator threads on 2 cores
+and the tail latency measures the scheduler more than the server. `--no-pin`
+turns placement off.
 """
 
 import argparse
@@ -46,6 +56,20 @@ def log(*args):
 def run(cmd, **kw):
     log("$", " ".join(cmd))
     return subprocess.run(cmd, check=True, **kw)
+
+
+# Filled in by main(): command prefixes that place servers and load generators.
+PIN_SERVER, PIN_CLIENT = [], []
+
+
+def placement(enabled):
+    """`taskset` prefixes for servers (core 0) and load generators (core 1)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not enabled or len(cores) < 2 or shutil.which("taskset") is None:
+        return [], [], "unpinned"
+    server, client = str(cores[0]), str(cores[1])
+    return (["taskset", "-c", server], ["taskset", "-c", client],
+            f"servers pinned to core {server}, load generators to core {client}")
 
 
 def free_port():
@@ -107,7 +131,7 @@ def install():
 class Server:
     def __init__(self, cmd, port, cwd=None):
         self.port = port
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(PIN_SERVER + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      cwd=cwd, start_new_session=True)
         wait_port(port)
 
@@ -167,7 +191,7 @@ def redis(tmp):
 # ------------------------------------------------------------------ measurements
 
 def bench(port, connections, duration, warmup, external=False):
-    cmd = [BENCH, "--target", f"127.0.0.1:{port}", "-c", str(connections), "-d", str(duration),
+    cmd = PIN_CLIENT + [BENCH, "--target", f"127.0.0.1:{port}", "-c", str(connections), "-d", str(duration),
            "--warmup", str(warmup), "--json"]
     if external:
         cmd += ["--responder", "external"]
@@ -178,7 +202,7 @@ def bench(port, connections, duration, warmup, external=False):
 def redis_benchmark(port, connections, duration):
     # Size the run to last about `duration` seconds at ~80k ops/s per test.
     n = max(20000, int(80000 * duration))
-    out = subprocess.run(["redis-benchmark", "-p", str(port), "-c", str(connections), "-n", str(n),
+    out = subprocess.run(PIN_CLIENT + ["redis-benchmark", "-p", str(port), "-c", str(connections), "-n", str(n),
                           "-t", "get,set", "-d", "32", "-r", "10000", "-P", "1", "--csv"],
                          check=True, capture_output=True, text=True)
     results = {}
@@ -195,7 +219,7 @@ def memory_per_key(tmp):
     sb = statebroker()
     try:
         before = rss_kb(sb.proc.pid)
-        subprocess.run([BENCH, "fill", "--target", f"127.0.0.1:{sb.port}", "--keys", str(keys)],
+        subprocess.run(PIN_CLIENT + [BENCH, "fill", "--target", f"127.0.0.1:{sb.port}", "--keys", str(keys)],
                        check=True, capture_output=True)
         after = rss_kb(sb.proc.pid)
     finally:
@@ -218,7 +242,7 @@ def idle_connections(count=10_000, hold=8):
     sb = statebroker()
     try:
         before = rss_kb(sb.proc.pid)
-        idle = subprocess.Popen([BENCH, "idle", "--target", f"127.0.0.1:{sb.port}", "-c", str(count),
+        idle = subprocess.Popen(PIN_CLIENT + [BENCH, "idle", "--target", f"127.0.0.1:{sb.port}", "-c", str(count),
                                  "--hold", str(hold)], stdout=subprocess.PIPE, text=True)
         line = idle.stdout.readline()
         if not line.startswith("connected"):
@@ -233,12 +257,13 @@ def idle_connections(count=10_000, hold=8):
 
 # ------------------------------------------------------------------ report
 
-def report(rows, extras, conns, machine):
+def report(rows, extras, conns, machine, pinning):
     now = datetime.date.today().isoformat()
     by = {(r["system"], r["connections"]): r for r in rows}
     systems = ["statebroker (in-process store)", "statebroker + external responder",
                "mosquitto + external responder", "rumqttd + external responder", "redis GET", "redis SET"]
-    md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine.", "",
+    md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine, "
+          f"{pinning}.", "",
           "| system | " + " | ".join(f"C={c} req/s (p50 / p99 µs)" for c in conns) + " |",
           "|---|" + "---|" * len(conns)]
     for s in systems:
@@ -276,7 +301,7 @@ def report(rows, extras, conns, machine):
     with open(os.path.join(RESULTS, "comparison.md"), "w") as f:
         f.write(text)
     with open(os.path.join(RESULTS, "comparison.json"), "w") as f:
-        json.dump({"date": now, "machine": machine, "rows": rows, "extras": extras}, f, indent=1)
+        json.dump({"date": now, "machine": machine, "placement": pinning, "rows": rows, "extras": extras}, f, indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -307,7 +332,11 @@ def main():
     ap.add_argument("--warmup", type=float, default=2)
     ap.add_argument("--connections", default="1,16,64,256")
     ap.add_argument("--quick", action="store_true", help="skip the memory and 1,024-connection checks")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin servers and load generators to cores")
     args = ap.parse_args()
+    global PIN_SERVER, PIN_CLIENT
+    PIN_SERVER, PIN_CLIENT, pinning = placement(not args.no_pin)
+    log("placement:", pinning)
     conns = [int(c) for c in args.connections.split(",")]
     raise_nofile()
     rumqttd_bin = install()
@@ -353,7 +382,7 @@ def main():
             extras["c1024"] = bench(sb.port, 1024, args.duration, args.warmup)
         finally:
             sb.stop()
-    report(rows, extras, conns, machine)
+    report(rows, extras, conns, machine, pinning)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
