@@ -38,7 +38,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 
 pub use config::Settings;
@@ -95,7 +94,7 @@ impl Broker {
         let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
         for listener in &settings.listeners {
-            let socket = TcpListener::bind(listener.addr).await.map_err(|e| {
+            let socket = listener::bind(listener.addr).map_err(|e| {
                 std::io::Error::new(
                     e.kind(),
                     format!(
