@@ -8,12 +8,14 @@
 //! p50/p90/p99/max of SET+GET round trips (one at a time), which must show no
 //! Nagle-style stall (tens of milliseconds).
 
+// The tests' in-process broker and SDK client (tests/common/sdk.rs).
+#[allow(dead_code)]
+#[path = "../tests/common/sdk.rs"]
+mod common;
+
 use std::time::{Duration, Instant};
 
-use azure_iot_operations_mqtt::aio::connection_settings::MqttConnectionSettingsBuilder;
-use azure_iot_operations_mqtt::session::{Session, SessionOptionsBuilder};
-use azure_iot_operations_protocol::application::ApplicationContextBuilder;
-use azure_iot_operations_services::state_store::{self, SetOptions};
+use azure_iot_operations_services::state_store::SetOptions;
 
 #[tokio::main]
 async fn main() {
@@ -24,43 +26,14 @@ async fn main() {
     let addr = match addr_arg {
         Some(addr) => addr.parse().expect("ADDR as host:port"),
         None => {
-            let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
-            let running = broker::Broker::start(settings)
-                .await
-                .expect("broker starts");
+            let running = common::start_broker().await;
             let addr = running.local_addr();
             _broker = running;
             addr
         }
     };
-    let connection_settings = MqttConnectionSettingsBuilder::default()
-        .client_id("sdk-latency")
-        .hostname(addr.ip().to_string())
-        .tcp_port(addr.port())
-        .use_tls(false)
-        .clean_start(true)
-        .build()
-        .unwrap();
-    let session = Session::new(
-        SessionOptionsBuilder::default()
-            .connection_settings(connection_settings)
-            .build()
-            .unwrap(),
-    )
-    .unwrap();
-    let client = state_store::Client::new(
-        ApplicationContextBuilder::default().build().unwrap(),
-        session.create_managed_client(),
-        session.create_session_monitor(),
-        state_store::ClientOptionsBuilder::default()
-            .build()
-            .unwrap(),
-    )
-    .unwrap();
-    let monitor = session.create_session_monitor();
-    let exit = session.create_exit_handle();
-    tokio::spawn(session.run());
-    monitor.connected().await;
+    let sdk = common::SdkClient::connect(addr, "sdk-latency").await;
+    let client = &sdk.client;
 
     let timeout = Duration::from_secs(10);
     let mut samples = Vec::with_capacity(requests);
@@ -89,6 +62,5 @@ async fn main() {
         q(0.99),
         samples[samples.len() - 1]
     );
-    let _ = client.shutdown().await;
-    let _ = exit.try_exit();
+    sdk.close().await;
 }

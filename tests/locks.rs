@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use azure_iot_operations_services::leased_lock::{ErrorKind, lease, lock};
 use azure_iot_operations_services::state_store::{self, SetOptions};
-use common::{SdkClient, TIMEOUT, start_broker};
-
-const T: Duration = Duration::from_secs(5);
+use common::{SdkClient, T, TIMEOUT, start_broker};
 
 fn lease_of(c: &SdkClient, holder: &str) -> lease::Client {
     lease::Client::new(

@@ -6,9 +6,7 @@ mod common;
 use std::time::Duration;
 
 use azure_iot_operations_services::state_store::{Operation, SetCondition, SetOptions};
-use common::{SdkClient, TIMEOUT, start_broker};
-
-const T: Duration = Duration::from_secs(5);
+use common::{SdkClient, T, next_notification, start_broker};
 
 fn opts(condition: SetCondition) -> SetOptions {
     SetOptions {
@@ -35,16 +33,7 @@ async fn set_get_del_vdel_on_new_existing_and_missing_keys() {
     );
 
     // new
-    let set = ss
-        .set(
-            b"k".to_vec(),
-            b"v1".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
+    let set = c.set(b"k", b"v1").await;
     assert!(set.response);
     let v1 = set.version.expect("SET returns a version");
     let get = ss.get(b"k".to_vec(), T).await.unwrap();
@@ -56,16 +45,7 @@ async fn set_get_del_vdel_on_new_existing_and_missing_keys() {
     );
 
     // existing
-    let set = ss
-        .set(
-            b"k".to_vec(),
-            b"v2".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
+    let set = c.set(b"k", b"v2").await;
     let v2 = set.version.unwrap();
     assert!(
         (v2.timestamp, v2.counter) > (v1.timestamp, v1.counter),
@@ -94,24 +74,14 @@ async fn set_get_del_vdel_on_new_existing_and_missing_keys() {
     );
     assert_eq!(ss.get(b"k".to_vec(), T).await.unwrap().response, None);
 
-    ss.set(
-        b"k".to_vec(),
-        b"v3".to_vec(),
-        T,
-        None,
-        SetOptions::default(),
-    )
-    .await
-    .unwrap();
+    c.set(b"k", b"v3").await;
     assert_eq!(ss.del(b"k".to_vec(), None, T).await.unwrap().response, 1);
     assert_eq!(ss.del(b"k".to_vec(), None, T).await.unwrap().response, 0);
 
     // binary keys and values
     let key = b"\x00\r\n\xff".to_vec();
     let value = b"\r\n\x00 \xfe".to_vec();
-    ss.set(key.clone(), value.clone(), T, None, SetOptions::default())
-        .await
-        .unwrap();
+    c.set(&key, &value).await;
     assert_eq!(ss.get(key, T).await.unwrap().response, Some(value));
     c.close().await;
 }
@@ -121,48 +91,36 @@ async fn nx_and_nex_outcomes() {
     let broker = start_broker().await;
     let c = SdkClient::connect(broker.local_addr(), "sdk-conditions").await;
     let ss = &c.client;
-    let nx = || opts(SetCondition::OnlyIfDoesNotExist);
-    let nex = || opts(SetCondition::OnlyIfEqualOrDoesNotExist);
-
-    assert!(
-        ss.set(b"nx".to_vec(), b"a".to_vec(), T, None, nx())
+    // Key "nx" is set with NX, key "nex" with NEX: (key, value, whether the
+    // SET is done), in order.
+    for (key, value, done) in [
+        ("nx", "a", true),
+        ("nx", "b", false),
+        ("nex", "a", true),
+        ("nex", "a", true),
+        ("nex", "b", false),
+    ] {
+        let condition = match key {
+            "nx" => SetCondition::OnlyIfDoesNotExist,
+            _ => SetCondition::OnlyIfEqualOrDoesNotExist,
+        };
+        let set = ss
+            .set(key.into(), value.into(), T, None, opts(condition))
             .await
-            .unwrap()
-            .response
-    );
-    assert!(
-        !ss.set(b"nx".to_vec(), b"b".to_vec(), T, None, nx())
-            .await
-            .unwrap()
-            .response
-    );
-    assert_eq!(
-        ss.get(b"nx".to_vec(), T).await.unwrap().response,
-        Some(b"a".to_vec())
-    );
-
-    assert!(
-        ss.set(b"nex".to_vec(), b"a".to_vec(), T, None, nex())
-            .await
-            .unwrap()
-            .response
-    );
-    assert!(
-        ss.set(b"nex".to_vec(), b"a".to_vec(), T, None, nex())
-            .await
-            .unwrap()
-            .response
-    );
-    assert!(
-        !ss.set(b"nex".to_vec(), b"b".to_vec(), T, None, nex())
-            .await
-            .unwrap()
-            .response
-    );
-    assert_eq!(
-        ss.get(b"nex".to_vec(), T).await.unwrap().response,
-        Some(b"a".to_vec())
-    );
+            .unwrap();
+        assert_eq!(
+            set.response,
+            done,
+            "SET {key} {value} {}",
+            key.to_uppercase()
+        );
+    }
+    for key in ["nx", "nex"] {
+        assert_eq!(
+            ss.get(key.into(), T).await.unwrap().response,
+            Some(b"a".to_vec())
+        );
+    }
     c.close().await;
 }
 
@@ -181,21 +139,8 @@ async fn observe_notify_unobserve_and_observe_again() {
         .response;
 
     // The watcher's own change notifies it.
-    let set = watcher
-        .client
-        .set(
-            key.clone(),
-            b"open".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    let set = watcher.set(&key, b"open").await;
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.key, key);
     assert_eq!(n.operation, Operation::Set(b"open".to_vec()));
     assert_eq!(
@@ -205,21 +150,8 @@ async fn observe_notify_unobserve_and_observe_again() {
     );
 
     // A second client's SET and DEL notify the first.
-    writer
-        .client
-        .set(
-            key.clone(),
-            b"closed".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    writer.set(&key, b"closed").await;
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Set(b"closed".to_vec()));
     assert_eq!(
         writer
@@ -230,31 +162,18 @@ async fn observe_notify_unobserve_and_observe_again() {
             .response,
         1
     );
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Del);
 
     // VDEL notifies too.
-    writer
-        .client
-        .set(key.clone(), b"x".to_vec(), T, None, SetOptions::default())
-        .await
-        .unwrap();
-    let _ = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    writer.set(&key, b"x").await;
+    next_notification(&mut observation).await;
     writer
         .client
         .vdel(key.clone(), b"x".to_vec(), None, T)
         .await
         .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Del);
 
     // Unobserve: true the first time, false the second.
@@ -274,17 +193,7 @@ async fn observe_notify_unobserve_and_observe_again() {
             .unwrap()
             .response
     );
-    writer
-        .client
-        .set(
-            key.clone(),
-            b"quiet".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
+    writer.set(&key, b"quiet").await;
 
     // Observe again: notifications resume (and none from the quiet period).
     let mut observation = watcher
@@ -293,21 +202,8 @@ async fn observe_notify_unobserve_and_observe_again() {
         .await
         .unwrap()
         .response;
-    writer
-        .client
-        .set(
-            key.clone(),
-            b"loud".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    writer.set(&key, b"loud").await;
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Set(b"loud".to_vec()));
 
     watcher.close().await;
@@ -331,20 +227,8 @@ async fn one_client_does_not_hear_another_clients_keys() {
         .await
         .unwrap()
         .response;
-    a.client
-        .set(
-            b"b-key".to_vec(),
-            b"1".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, b_obs.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    a.set(b"b-key", b"1").await;
+    let n = next_notification(&mut b_obs).await;
     assert_eq!(n.key, b"b-key");
     assert!(
         tokio::time::timeout(Duration::from_millis(300), a_obs.recv_notification())

@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use azure_iot_operations_protocol::common::hybrid_logical_clock::HybridLogicalClock;
 use azure_iot_operations_services::state_store::{ErrorKind, Operation, ServiceError, SetOptions};
-use common::{SdkClient, TIMEOUT, start_broker, start_broker_with};
-
-const T: Duration = Duration::from_secs(5);
+use common::{SdkClient, T, next_notification, start_broker, start_broker_with};
 
 fn hlc(s: &str) -> HybridLogicalClock {
     s.parse().unwrap()
@@ -37,19 +35,9 @@ async fn every_command_reports_the_right_version() {
     let broker = start_broker_with(|s| s.statestore.node_id = "edge-7".into()).await;
     let c = SdkClient::connect(broker.local_addr(), "sdk-versions").await;
     let ss = &c.client;
-    let v1 = ss
-        .set(b"k".to_vec(), b"1".to_vec(), T, None, SetOptions::default())
-        .await
-        .unwrap()
-        .version
-        .unwrap();
+    let v1 = c.set(b"k", b"1").await.version.unwrap();
     assert_eq!(v1.node_id, "edge-7");
-    let v2 = ss
-        .set(b"k".to_vec(), b"2".to_vec(), T, None, SetOptions::default())
-        .await
-        .unwrap()
-        .version
-        .unwrap();
+    let v2 = c.set(b"k", b"2").await.version.unwrap();
     assert!(later(&v2, &v1));
     assert_eq!(
         ss.get(b"k".to_vec(), T).await.unwrap().version,
@@ -64,12 +52,7 @@ async fn every_command_reports_the_right_version() {
     // Commands without a key version report the store's clock, which is not behind.
     let clock = ss.get(b"k".to_vec(), T).await.unwrap().version.unwrap();
     assert!(!later(&v2, &clock));
-    let v3 = ss
-        .set(b"k".to_vec(), b"3".to_vec(), T, None, SetOptions::default())
-        .await
-        .unwrap()
-        .version
-        .unwrap();
+    let v3 = c.set(b"k", b"3").await.version.unwrap();
     assert!(later(&v3, &v2));
     c.close().await;
 }
@@ -179,10 +162,7 @@ async fn expiry_deletes_and_notifies() {
         .set(b"ttl".to_vec(), b"v".to_vec(), T, None, options)
         .await
         .unwrap();
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Set(b"v".to_vec()));
     assert_eq!(
         ss.get(b"ttl".to_vec(), T).await.unwrap().response,
@@ -190,10 +170,7 @@ async fn expiry_deletes_and_notifies() {
     );
     let started = std::time::Instant::now();
     // Nobody touches the key: the broker's expiry timer removes it and tells the watcher.
-    let (n, _) = tokio::time::timeout(TIMEOUT, observation.recv_notification())
-        .await
-        .unwrap()
-        .unwrap();
+    let n = next_notification(&mut observation).await;
     assert_eq!(n.operation, Operation::Del);
     assert_eq!(
         Some(n.version),
@@ -220,24 +197,8 @@ async fn list_keys_pages_through_hundreds_of_keys_with_deletes_between_pages() {
     let c = SdkClient::connect(broker.local_addr(), "sdk-scan").await;
     let ss = &c.client;
     for i in 0..300 {
-        ss.set(
-            format!("sensor/{i:03}").into_bytes(),
-            b"v".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
-        ss.set(
-            format!("other/{i:03}").into_bytes(),
-            b"v".to_vec(),
-            T,
-            None,
-            SetOptions::default(),
-        )
-        .await
-        .unwrap();
+        c.set(format!("sensor/{i:03}").as_bytes(), b"v").await;
+        c.set(format!("other/{i:03}").as_bytes(), b"v").await;
     }
     let mut pager = ss.list_keys(b"sensor/*".to_vec(), T).unwrap();
     let mut seen = Vec::new();

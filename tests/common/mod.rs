@@ -8,92 +8,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use azure_iot_operations_mqtt::aio::connection_settings::MqttConnectionSettingsBuilder;
-use azure_iot_operations_mqtt::session::{Session, SessionExitHandle, SessionOptionsBuilder};
-use azure_iot_operations_protocol::application::ApplicationContextBuilder;
-use azure_iot_operations_services::state_store;
-use broker::{Broker, RunningBroker, Settings};
-
 pub mod raw;
+mod sdk;
 
-pub const TIMEOUT: Duration = Duration::from_secs(10);
-
-/// A broker on 127.0.0.1 with a free port, default configuration.
-pub async fn start_broker() -> RunningBroker {
-    start_broker_with(|_| {}).await
-}
-
-/// A broker on 127.0.0.1 with a free port; `tweak` adjusts the settings.
-pub async fn start_broker_with(tweak: impl FnOnce(&mut Settings)) -> RunningBroker {
-    init_logging();
-    let mut settings = Settings::listening_on("127.0.0.1:0".parse().unwrap());
-    tweak(&mut settings);
-    Broker::start(settings).await.expect("broker starts")
-}
-
-fn init_logging() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_test_writer()
-        .try_init();
-}
-
-/// An official SDK state store client, connected.
-pub struct SdkClient {
-    pub client: Arc<state_store::Client>,
-    pub exit: SessionExitHandle,
-    pub client_id: String,
-}
-
-impl SdkClient {
-    pub async fn connect(addr: SocketAddr, client_id: &str) -> SdkClient {
-        let connection_settings = MqttConnectionSettingsBuilder::default()
-            .client_id(client_id)
-            .hostname(addr.ip().to_string())
-            .tcp_port(addr.port())
-            .use_tls(false)
-            .keep_alive(Duration::from_secs(10))
-            .clean_start(true)
-            .build()
-            .unwrap();
-        let session = Session::new(
-            SessionOptionsBuilder::default()
-                .connection_settings(connection_settings)
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-        let app = ApplicationContextBuilder::default().build().unwrap();
-        let client = state_store::Client::new(
-            app,
-            session.create_managed_client(),
-            session.create_session_monitor(),
-            state_store::ClientOptionsBuilder::default()
-                .build()
-                .unwrap(),
-        )
-        .unwrap();
-        let monitor = session.create_session_monitor();
-        let exit = session.create_exit_handle();
-        tokio::spawn(session.run());
-        tokio::time::timeout(TIMEOUT, monitor.connected())
-            .await
-            .expect("SDK session connects");
-        SdkClient {
-            client: Arc::new(client),
-            exit,
-            client_id: client_id.to_owned(),
-        }
-    }
-
-    pub async fn close(self) {
-        let _ = self.client.shutdown().await;
-        let _ = self.exit.try_exit();
-    }
-}
+pub use sdk::*;
 
 /// A `statebroker` process started by a test.
 pub struct BrokerProcess {
