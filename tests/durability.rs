@@ -124,30 +124,9 @@ async fn expiry_is_absolute_across_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let broker = start(dir.path(), &[]).await;
     let mut c = Raw::connect(broker.local_addr(), "ttl").await;
-    set(
-        &mut c,
-        &["SET", "short", "v", "PX", "800"],
-        true,
-        None,
-        None,
-    )
-    .await;
-    set(
-        &mut c,
-        &["SET", "soon", "v", "PX", "2500"],
-        true,
-        None,
-        None,
-    )
-    .await;
-    set(
-        &mut c,
-        &["SET", "long", "v", "PX", "60000"],
-        true,
-        None,
-        None,
-    )
-    .await;
+    for (key, px) in [("short", "800"), ("soon", "2500"), ("long", "60000")] {
+        set(&mut c, &["SET", key, "v", "PX", px], true, None, None).await;
+    }
     drop(c);
     broker.shutdown(Duration::from_secs(2)).await;
     // Down while "short" expires.
