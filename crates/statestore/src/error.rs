@@ -34,9 +34,6 @@ pub enum Error {
     /// Not RESP3, or an option the command does not know, or a bad option value.
     #[error("syntax error")]
     Syntax,
-    /// The caller may not do this.
-    #[error("not authorized")]
-    NotAuthorized,
     /// The verb is not one the store serves (in this protocol generation).
     #[error("unknown command")]
     UnknownCommand,
@@ -70,7 +67,6 @@ impl Error {
             }
             Error::QuotaExceeded => "the quota has been exceeded",
             Error::Syntax => "syntax error",
-            Error::NotAuthorized => "not authorized",
             Error::UnknownCommand => "unknown command",
             Error::WrongNumberOfArguments => "wrong number of arguments",
             Error::TimestampMissing => "missing timestamp",
@@ -98,7 +94,6 @@ mod tests {
             Error::FencingTokenLowerVersion,
             Error::QuotaExceeded,
             Error::Syntax,
-            Error::NotAuthorized,
             Error::UnknownCommand,
             Error::WrongNumberOfArguments,
             Error::TimestampMissing,

@@ -78,6 +78,7 @@
 #![warn(missing_docs)]
 
 pub mod command;
+pub mod config;
 pub mod db;
 pub mod error;
 pub mod fencing;
@@ -86,9 +87,12 @@ pub mod hlc;
 pub mod notify;
 pub mod persist;
 pub mod resp3;
+pub mod state;
 pub mod store;
 
 pub use command::Dialect;
 pub use error::Error;
 pub use notify::{Event, Notice};
-pub use store::{Caller, Config, Effects, Outcome, Quota, Request, Restored, Store};
+pub use config::{Config, Quota};
+pub use state::{Caller, Effects, Restored};
+pub use store::{Outcome, Request, Store};

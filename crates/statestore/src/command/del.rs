@@ -9,7 +9,7 @@ use crate::db::Entry;
 use crate::error::Error;
 use crate::fencing;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Effects, Store};
+use crate::state::{Ctx, Effects, State};
 
 /// A parsed DEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,11 +27,11 @@ impl<'a> Del<'a> {
 
     pub(crate) fn apply(
         self,
-        store: &mut Store,
+        state: &mut State,
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
-        delete(store, ctx, fx, self.key, None)
+        delete(state, ctx, fx, self.key, None)
     }
 }
 
@@ -40,16 +40,16 @@ impl<'a> Del<'a> {
 /// the key's version if it holds another value, else `:1` with the version
 /// it had.
 pub(super) fn delete(
-    store: &mut Store,
+    state: &mut State,
     ctx: &Ctx<'_>,
     fx: &mut Effects,
     key: &[u8],
     expected: Option<&[u8]>,
 ) -> Result<Answer, Error> {
-    let Some(entry) = store.db.get(key) else {
+    let Some(entry) = state.get(key) else {
         return Ok(Answer {
             frame: Frame::Integer(0),
-            version: store.clock.now(ctx.now),
+            version: state.clock_now(ctx.now),
         });
     };
     fencing::check(Entry::fencing_token(entry), ctx.fencing_token.as_ref())?;
@@ -59,7 +59,7 @@ pub(super) fn delete(
             version: entry.version(),
         });
     }
-    let version = store.delete(key, fx);
+    let version = state.delete(key, fx);
     Ok(Answer {
         frame: Frame::Integer(1),
         version,

@@ -6,7 +6,7 @@
 use super::{Answer, Parse};
 use crate::error::Error;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::state::{Ctx, State};
 
 /// A parsed GET.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,15 +22,15 @@ impl<'a> Get<'a> {
         Ok(Get { key })
     }
 
-    pub(crate) fn apply(self, store: &mut Store, ctx: &Ctx<'_>) -> Result<Answer, Error> {
-        Ok(match store.db.get(self.key) {
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+        Ok(match state.get(self.key) {
             Some(entry) => Answer {
                 frame: Frame::Bulk(entry.value().to_vec()),
                 version: entry.version(),
             },
             None => Answer {
                 frame: Frame::Null,
-                version: store.clock.now(ctx.now),
+                version: state.clock_now(ctx.now),
             },
         })
     }

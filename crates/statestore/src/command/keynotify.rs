@@ -8,7 +8,7 @@
 use super::{Answer, Parse};
 use crate::error::Error;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Store};
+use crate::state::{Ctx, State};
 
 /// A parsed KEYNOTIFY.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,29 +31,20 @@ impl<'a> KeyNotify<'a> {
         Ok(KeyNotify { key, stop })
     }
 
-    pub(crate) fn apply(self, store: &mut Store, ctx: &Ctx<'_>) -> Result<Answer, Error> {
-        let caller = &ctx.caller;
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         let frame = if self.stop {
-            if store.watchers.unregister(caller.client_id, self.key) {
+            if state.unwatch(ctx.caller.client_id, self.key) {
                 Frame::Simple("OK")
             } else {
                 Frame::Integer(0)
             }
         } else {
-            store
-                .watchers
-                .register(
-                    caller.client_id,
-                    caller.connection,
-                    self.key,
-                    store.config.max_watches_per_client,
-                )
-                .map_err(|_| Error::QuotaExceeded)?;
+            state.watch(ctx.caller, self.key)?;
             Frame::Simple("OK")
         };
         Ok(Answer {
             frame,
-            version: store.clock.now(ctx.now),
+            version: state.clock_now(ctx.now),
         })
     }
 }

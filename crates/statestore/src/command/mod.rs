@@ -32,7 +32,7 @@ pub use vdel::VDel;
 use crate::error::Error;
 use crate::hlc::Version;
 use crate::resp3::Frame;
-use crate::store::{Ctx, Effects, Store};
+use crate::state::{Ctx, Effects, State};
 
 /// Which generation of the protocol a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -123,17 +123,17 @@ impl<'a> Command<'a> {
 
     pub(crate) fn apply(
         self,
-        store: &mut Store,
+        state: &mut State,
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
         match self {
-            Command::Set(cmd) => cmd.apply(store, ctx, fx),
-            Command::Get(cmd) => cmd.apply(store, ctx),
-            Command::Del(cmd) => cmd.apply(store, ctx, fx),
-            Command::VDel(cmd) => cmd.apply(store, ctx, fx),
-            Command::KeyNotify(cmd) => cmd.apply(store, ctx),
-            Command::Scan(cmd) => cmd.apply(store, ctx),
+            Command::Set(cmd) => cmd.apply(state, ctx, fx),
+            Command::Get(cmd) => cmd.apply(state, ctx),
+            Command::Del(cmd) => cmd.apply(state, ctx, fx),
+            Command::VDel(cmd) => cmd.apply(state, ctx, fx),
+            Command::KeyNotify(cmd) => cmd.apply(state, ctx),
+            Command::Scan(cmd) => cmd.apply(state, ctx),
         }
     }
 }

@@ -23,7 +23,7 @@ use super::{Answer, Parse};
 use crate::error::Error;
 use crate::glob::Pattern;
 use crate::resp3::{Frame, Reply, SyntaxError, parse_reply};
-use crate::store::{Ctx, Store};
+use crate::state::{Ctx, State};
 
 /// How many slots one page may visit per key of page size: bounds the work
 /// of one request when the pattern matches few keys.
@@ -46,14 +46,14 @@ impl<'a> Scan<'a> {
         Ok(Scan { pattern, token })
     }
 
-    pub(crate) fn apply(self, store: &mut Store, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         let start = match self.token {
             None => 0,
             Some(token) => decode_token(token)?,
         };
         let pattern = Pattern::new(self.pattern);
-        let page_size = store.config.scan_page_size;
-        let (keys, resume) = store.db.scan(
+        let page_size = state.config().scan_page_size;
+        let (keys, resume) = state.scan(
             start,
             page_size,
             page_size.saturating_mul(SLOTS_PER_KEY),
@@ -65,7 +65,7 @@ impl<'a> Scan<'a> {
         }
         Ok(Answer {
             frame: Frame::Array(page),
-            version: store.clock.now(ctx.now),
+            version: state.clock_now(ctx.now),
         })
     }
 }

@@ -24,7 +24,7 @@ use crate::fencing;
 use crate::notify::Event;
 use crate::persist::{Record, Write};
 use crate::resp3::Frame;
-use crate::store::{Ctx, Effects, Store};
+use crate::state::{Ctx, Effects, State};
 
 /// When a SET applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -85,12 +85,12 @@ impl<'a> Set<'a> {
 
     pub(crate) fn apply(
         self,
-        store: &mut Store,
+        state: &mut State,
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
         let timestamp = ctx.timestamp.as_ref().ok_or(Error::TimestampMissing)?;
-        let existing = store.db.get(self.key);
+        let existing = state.get(self.key);
         fencing::check(
             existing.and_then(Entry::fencing_token),
             ctx.fencing_token.as_ref(),
@@ -108,7 +108,7 @@ impl<'a> Set<'a> {
                 });
             }
         }
-        store.check_quota(self.key, self.value, existing)?;
+        state.check_quota(self.key, self.value, existing)?;
         let extras = Extras {
             expires_at: self.expires_in_ms.map(|ms| ctx.now.saturating_add(ms)),
             fencing_token: fencing::kept_after_set(
@@ -117,9 +117,9 @@ impl<'a> Set<'a> {
             ),
             persisted: ctx.persist
                 || existing.is_some_and(Entry::persisted)
-                || store.config.persist_policy.persists(self.key),
+                || state.config().persist_policy.persists(self.key),
         };
-        let version = store.new_version(ctx.now, timestamp, fx);
+        let version = state.new_version(ctx.now, timestamp, fx);
         if extras.persisted {
             fx.writes.push(Write::Put(Record {
                 key: self.key.to_vec(),
@@ -129,10 +129,8 @@ impl<'a> Set<'a> {
                 expires_at: extras.expires_at,
             }));
         }
-        store
-            .db
-            .insert(Entry::new(self.key, self.value, version, extras));
-        store.changed(self.key, Event::Set(self.value.to_vec()), version, fx);
+        state.put(Entry::new(self.key, self.value, version, extras));
+        state.changed(self.key, Event::Set(self.value.to_vec()), version, fx);
         Ok(Answer {
             frame: Frame::Simple("OK"),
             version,

@@ -7,7 +7,7 @@
 
 use super::{Answer, Parse};
 use crate::error::Error;
-use crate::store::{Ctx, Effects, Store};
+use crate::state::{Ctx, Effects, State};
 
 /// A parsed VDEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,10 +28,10 @@ impl<'a> VDel<'a> {
 
     pub(crate) fn apply(
         self,
-        store: &mut Store,
+        state: &mut State,
         ctx: &Ctx<'_>,
         fx: &mut Effects,
     ) -> Result<Answer, Error> {
-        super::del::delete(store, ctx, fx, self.key, Some(self.value))
+        super::del::delete(state, ctx, fx, self.key, Some(self.value))
     }
 }

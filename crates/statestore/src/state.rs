@@ -1,0 +1,261 @@
+//! What commands work on: the keys ([`Db`]), the KEYNOTIFY registrations
+//! ([`Watchers`]), the hybrid logical clock and the limits, behind a small
+//! API.
+//!
+//! As in mini-redis, where `Db` sits below the commands: the modules in
+//! [`crate::command`] use this API and nothing else, and [`crate::Store`]
+//! sits above both, turning a request into a command and the command's
+//! answer into a response. Nothing here parses requests.
+
+use crate::config::Config;
+use crate::db::{Db, Entry, Extras};
+use crate::error::Error;
+use crate::glob::Pattern;
+use crate::hlc::{Hlc, HybridClock, Version};
+use crate::notify::{Event, Notice, Watchers};
+use crate::persist::{Record, Write};
+
+/// Who sent a request: the connection it came in on.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    /// The MQTT client id of that connection.
+    pub client_id: &'a str,
+    /// A number the broker gives each network connection (never reused).
+    pub connection: u64,
+}
+
+/// What a command sees of its request besides its arguments.
+pub(crate) struct Ctx<'a> {
+    pub now: u64,
+    pub timestamp: Option<Hlc>,
+    pub fencing_token: Option<Hlc>,
+    pub persist: bool,
+    pub caller: Caller<'a>,
+}
+
+/// What serving a request causes besides its answer.
+#[derive(Debug, Default)]
+pub struct Effects {
+    /// Notifications to publish.
+    pub notices: Vec<Notice>,
+    /// Durable changes to make first.
+    pub writes: Vec<Write>,
+}
+
+/// What [`crate::Store::restore`] found.
+#[derive(Debug, Default)]
+pub struct Restored {
+    /// Keys restored.
+    pub keys: usize,
+    /// Keys that expired while the broker was down (to delete from disk).
+    pub expired: Vec<Vec<u8>>,
+}
+
+/// The store's data and clock.
+pub(crate) struct State {
+    db: Db,
+    watchers: Watchers,
+    clock: HybridClock,
+    config: Config,
+    /// The last clock mark (see [`crate::persist`]).
+    clock_mark: u64,
+}
+
+impl State {
+    pub(crate) fn new(config: Config) -> State {
+        State {
+            db: Db::new(),
+            watchers: Watchers::default(),
+            clock: HybridClock::starting_after(Version::default()),
+            config,
+            clock_mark: 0,
+        }
+    }
+
+    /// The state holding the persisted `records` of an earlier run whose last
+    /// clock mark was `clock_mark`: versions start above both. Records that
+    /// expired by `now_ms` are left out (and reported, to delete them).
+    pub(crate) fn restore(
+        config: Config,
+        records: impl IntoIterator<Item = Record>,
+        clock_mark: Option<u64>,
+        now_ms: u64,
+    ) -> (State, Restored) {
+        let mut state = State::new(config);
+        let mut restored = Restored::default();
+        let mut floor = Version {
+            wall_ms: clock_mark.unwrap_or(0),
+            counter: 0,
+        };
+        for record in records {
+            floor = floor.max(record.version);
+            if record.expires_at.is_some_and(|at| at <= now_ms) {
+                restored.expired.push(record.key);
+                continue;
+            }
+            let extras = Extras {
+                expires_at: record.expires_at,
+                fencing_token: record.fencing_token,
+                persisted: true,
+            };
+            state.db.insert(Entry::new(
+                &record.key,
+                &record.value,
+                record.version,
+                extras,
+            ));
+            restored.keys += 1;
+        }
+        state.clock = HybridClock::starting_after(floor);
+        state.clock_mark = clock_mark.unwrap_or(0);
+        (state, restored)
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The entry of `key`, if it exists (expired keys are removed before a
+    /// command runs, see [`State::expire_into`]).
+    pub(crate) fn get(&self, key: &[u8]) -> Option<&Entry> {
+        self.db.get(key)
+    }
+
+    /// The clock's reading at `now` without handing out a version: the
+    /// `__ts` of answers that change nothing.
+    pub(crate) fn clock_now(&self, now: u64) -> Version {
+        self.clock.now(now)
+    }
+
+    /// The highest version handed out so far.
+    pub(crate) fn last_version(&self) -> Version {
+        self.clock.last()
+    }
+
+    /// Hands out a new version for a change, raising the clock mark first
+    /// when the version comes near it.
+    pub(crate) fn new_version(&mut self, now: u64, received: &Hlc, fx: &mut Effects) -> Version {
+        let version = self.clock.next(now, Some(received));
+        if let Some(lease) = self.config.clock_lease_ms
+            && version.wall_ms.saturating_add(lease / 2) >= self.clock_mark
+        {
+            self.clock_mark = version.wall_ms.saturating_add(lease);
+            fx.writes.push(Write::ClockMark(self.clock_mark));
+        }
+        version
+    }
+
+    /// Whether writing `value` under `key` (replacing `existing`) stays
+    /// within the quota.
+    pub(crate) fn check_quota(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        existing: Option<&Entry>,
+    ) -> Result<(), Error> {
+        let quota = &self.config.quota;
+        if key.len() > quota.max_key_size || value.len() > quota.max_value_size {
+            return Err(Error::QuotaExceeded);
+        }
+        if existing.is_none() && self.db.len() as u64 >= quota.max_keys {
+            return Err(Error::QuotaExceeded);
+        }
+        let freed = existing.map_or(0, Entry::size);
+        let needed = (key.len() + value.len()) as u64;
+        if self.db.bytes() - freed + needed > quota.max_bytes {
+            return Err(Error::QuotaExceeded);
+        }
+        Ok(())
+    }
+
+    /// Writes `entry`, replacing the key's old one.
+    pub(crate) fn put(&mut self, entry: Entry) {
+        self.db.insert(entry);
+    }
+
+    /// Deletes `key` (which must exist), tells its watchers, and returns the
+    /// version it had.
+    pub(crate) fn delete(&mut self, key: &[u8], fx: &mut Effects) -> Version {
+        let entry = self.db.remove(key).expect("deleting a key that exists");
+        if entry.persisted() {
+            fx.writes.push(Write::Delete(key.to_vec()));
+        }
+        self.changed(key, Event::Delete, entry.version(), fx);
+        entry.version()
+    }
+
+    /// Records a notification for the watchers of `key`, if there are any.
+    pub(crate) fn changed(&self, key: &[u8], event: Event, version: Version, fx: &mut Effects) {
+        let watchers = self.watchers.of_key(key);
+        if !watchers.is_empty() {
+            fx.notices.push(Notice {
+                key: key.to_vec(),
+                event,
+                version: version.format(&self.config.node_id),
+                watchers: watchers.to_vec(),
+            });
+        }
+    }
+
+    /// Removes the keys that expired by `now_ms`, recording their DELETE
+    /// notifications and the deletes to persist.
+    pub(crate) fn expire_into(&mut self, now_ms: u64, fx: &mut Effects) {
+        for entry in self.db.expire_due(now_ms) {
+            if entry.persisted() {
+                fx.writes.push(Write::Delete(entry.key().to_vec()));
+            }
+            self.changed(entry.key(), Event::Delete, entry.version(), fx);
+        }
+    }
+
+    /// When the next key expires, if any does.
+    pub(crate) fn next_expiry(&self) -> Option<u64> {
+        self.db.next_expiry()
+    }
+
+    /// Registers `caller` for changes of `key`, within its watch quota.
+    pub(crate) fn watch(&mut self, caller: Caller<'_>, key: &[u8]) -> Result<(), Error> {
+        self.watchers
+            .register(
+                caller.client_id,
+                caller.connection,
+                key,
+                self.config.max_watches_per_client,
+            )
+            .map_err(|_| Error::QuotaExceeded)
+    }
+
+    /// Ends `client`'s registration for `key`; `false` if there was none.
+    pub(crate) fn unwatch(&mut self, client: &str, key: &[u8]) -> bool {
+        self.watchers.unregister(client, key)
+    }
+
+    /// Drops the KEYNOTIFY registrations made on `connection` of `client_id`.
+    pub(crate) fn connection_closed(&mut self, client_id: &str, connection: u64) -> usize {
+        self.watchers.connection_closed(client_id, connection)
+    }
+
+    /// One page of keys matching `pattern` from slot `start` (see
+    /// [`Db::scan`]).
+    pub(crate) fn scan(
+        &self,
+        start: usize,
+        page_size: usize,
+        budget: usize,
+        pattern: &Pattern,
+    ) -> (Vec<Vec<u8>>, Option<usize>) {
+        self.db.scan(start, page_size, budget, pattern)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.db.len()
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.db.bytes()
+    }
+
+    pub(crate) fn watch_count(&self) -> usize {
+        self.watchers.len()
+    }
+}
