@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use broker::persistence::{Mode, PersistenceSettings};
+use broker::config::{Mode, PersistenceSettings};
 use broker::{Broker, Settings};
 use clap::Parser;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use azure_iot_operations_services::state_store::SetOptions;
 use broker::RunningBroker;
-use broker::persistence::{Mode, PersistenceSettings};
+use broker::config::{Mode, PersistenceSettings};
 use common::raw::{Raw, now_hlc, user_property};
 use common::{SdkClient, start_broker_with};
 

@@ -18,8 +18,6 @@ use serde::Deserialize;
 use statestore::persist::PersistPolicy;
 use std::time::Duration;
 
-use crate::persistence::{Mode, PersistenceSettings};
-
 /// How far ahead of the clock the persisted clock mark runs (see
 /// `statestore::persist`): at most one mark write per half of it.
 const CLOCK_LEASE_MS: u64 = 10_000;
@@ -29,6 +27,24 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../../rumqttd.toml");
 
 /// Environment variable prefix for overrides.
 pub const ENV_PREFIX: &str = "STATEBROKER";
+
+/// When a write counts as durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// fsync before acknowledging (grouped).
+    Fsync,
+    /// fsync at this interval; acknowledge once written to the journal.
+    Interval(Duration),
+}
+
+/// Where and how to persist.
+#[derive(Debug, Clone)]
+pub struct PersistenceSettings {
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// The durability mode.
+    pub mode: Mode,
+}
 
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +81,29 @@ const KNOWN_SECTIONS: &[&str] = &[
     "broker",
     "statestore",
     "persistence",
+];
+
+/// Sections of rumqttd's format that statebroker does not implement: a
+/// configuration with one is refused at start rather than silently ignored.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("bridge", "bridges are not supported by statebroker"),
+    ("cluster", "clustering is not supported by statebroker"),
+    (
+        "console",
+        "rumqttd's console is not supported by statebroker; remove the section",
+    ),
+    (
+        "metrics",
+        "metrics are not implemented yet; remove the section",
+    ),
+    (
+        "prometheus",
+        "a Prometheus endpoint is not implemented yet; remove the section",
+    ),
+    (
+        "ws",
+        "WebSocket listeners are not implemented yet; use [v5.*] (MQTT over TCP)",
+    ),
 ];
 
 /// statebroker's own sections.
@@ -275,6 +314,14 @@ impl Settings {
                 KNOWN_SECTIONS.join(", ")
             )));
         }
+        let mut unsupported: Vec<_> = UNSUPPORTED
+            .iter()
+            .filter(|(section, _)| root.contains_key(*section))
+            .collect();
+        unsupported.sort();
+        if let Some((section, why)) = unsupported.first() {
+            return Err(invalid(format!("[{section}]: {why}")));
+        }
         let rumqttd: rumqttd::Config = deserialize(&layered)?;
         let Sections {
             broker,
@@ -325,20 +372,6 @@ impl Settings {
                 "statestore.node_id must be non-empty and without ':'",
             ));
         }
-        if rumqttd.ws.as_ref().is_some_and(|ws| !ws.is_empty()) {
-            return Err(invalid("[ws.*] listeners are not supported; use [v5.*]"));
-        }
-        for (section, name) in [
-            ("bridge", rumqttd.bridge.is_some()),
-            ("cluster", rumqttd.cluster.is_some()),
-        ] {
-            if name {
-                return Err(invalid(format!(
-                    "[{section}] is not supported by statebroker"
-                )));
-            }
-        }
-
         let mut listeners = Vec::new();
         for (version, servers) in [("v4", &rumqttd.v4), ("v5", &rumqttd.v5)] {
             let sorted: BTreeMap<_, _> = servers.iter().flatten().collect();
@@ -561,5 +594,23 @@ mod tests {
                 .to_string()
                 .contains("/nonexistent/x.toml")
         );
+    }
+
+    #[test]
+    fn unimplemented_sections_are_refused_not_ignored() {
+        for (text, section) in [
+            ("[prometheus]\nport = 9042\n", "[prometheus]"),
+            ("[metrics.alerts]\npush_interval = 1\n", "[metrics]"),
+            ("[console]\nlisten = \"127.0.0.1:3030\"\n", "[console]"),
+            (
+                "[ws.1]\nname = \"ws\"\nlisten = \"127.0.0.1:8083\"\n",
+                "[ws]",
+            ),
+            ("[bridge]\nname = \"b\"\n", "[bridge]"),
+        ] {
+            let e = error_of(text);
+            assert!(e.contains(section), "{text}: {e}");
+            assert!(e.contains("not"), "{text}: {e}");
+        }
     }
 }

@@ -1,35 +1,46 @@
 //! statebroker's MQTT side.
 //!
 //! ```text
-//!  TCP accept (listener.rs, TCP_NODELAY on every socket)
-//!         │  MQTT 3.1.1 / 5 codecs from rumqttd, guarded (codec.rs)
+//!  accept (listener.rs: TCP, TCP_NODELAY on every socket)
+//!         │  any AsyncRead + AsyncWrite (connection/socket.rs), MQTT 3.1.1 / 5
+//!         │  codecs from rumqttd, guarded (codec.rs)
 //!         ▼
-//!  connection task, one per client (connection.rs)
-//!    CONNECT checks, keep-alive, wills (will.rs), topic rules (topics.rs)
-//!    │ state store requests ──────────────► state store service (service.rs)
-//!    │                                       runs statestore::Store; durable
-//!    │                                       writes first (persistence.rs)
-//!    │ ◄── answers and notifications ───────┘ delivered directly to the only
-//!    │     (subscription mirror: sessions.rs)    recipient's connection
+//!  connection task, one per client (connection/)
+//!    handshake.rs: CONNECT checks, CONNACK      subscriptions.rs: SUBSCRIBE policy
+//!    outbound.rs: acks, in-flight windows       mod.rs: run loop, dispatch, teardown
+//!    │ state store requests ──────────────► store/: binding.rs (request rules,
+//!    │                                       response properties), service.rs
+//!    │                                       (statestore::Store, expiry,
+//!    │                                       persistence.rs first)
+//!    │                                            │ answers, notifications
+//!    │                                            ▼
+//!    │ ◄── direct deliveries ─────────────── publisher.rs: straight to the only
+//!    │     (subscription mirror: sessions.rs)    recipient, or into the router;
+//!    │                                           wills (will.rs) go out here too
 //!    │ other packets, on first need: a rumqttd::local link
 //!    ▼
 //!  rumqttd router (router.rs): routing, QoS, sessions, retained messages,
-//!  shared subscriptions; also carries answers that others subscribe to
+//!  shared subscriptions
 //! ```
+//!
+//! Data flows one way: a module only uses modules below it in this picture
+//! (and the leaves: `config`, `clock`, `codec`, `topics`).
 //!
 //! [`Broker::start`] runs it all inside the current tokio runtime; the
 //! `statebroker` binary and the end-to-end tests both use it.
 
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod codec;
 pub mod config;
 mod connection;
 mod listener;
-pub mod persistence;
+pub mod publisher;
 pub mod router;
-pub mod service;
 pub mod sessions;
+mod shared;
+pub mod store;
 pub mod topics;
 pub mod will;
 
@@ -41,20 +52,9 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, watch};
 
 pub use config::Settings;
-pub use service::StateStoreService;
-
-/// What every connection task shares.
-pub(crate) struct Shared {
-    settings: Settings,
-    router: router::Router,
-    store: Arc<StateStoreService>,
-    sessions: Arc<sessions::Sessions>,
-    wills: Arc<will::WillRegistry>,
-    permits: Arc<Semaphore>,
-    next_connection: AtomicU64,
-    started_nanos: u128,
-    shutdown: watch::Receiver<bool>,
-}
+use shared::Shared;
+pub use store::StateStoreService;
+use store::persistence;
 
 /// A broker ready to start.
 pub struct Broker;
@@ -83,14 +83,10 @@ impl Broker {
         };
         let router = router::Router::spawn(settings.router_id, settings.router.clone());
         let sessions = Arc::new(sessions::Sessions::default());
-        let store = StateStoreService::start(
-            &router,
-            settings.store_config(),
-            persistence,
-            Arc::clone(&sessions),
-        )
-        .await?;
-        let wills = will::WillRegistry::new(&store);
+        let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
+        let store =
+            StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));
+        let wills = will::WillRegistry::new(Arc::clone(&publisher));
         let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
         for listener in &settings.listeners {
@@ -110,12 +106,11 @@ impl Broker {
             settings,
             router,
             store,
+            publisher,
             sessions,
             wills,
             next_connection: AtomicU64::new(1),
-            started_nanos: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
+            started_nanos: clock::now_nanos(),
             shutdown,
         });
         let mut addrs = Vec::new();
@@ -137,11 +132,6 @@ impl RunningBroker {
     /// The address of the first listener (with the real port if 0 was configured).
     pub fn local_addr(&self) -> SocketAddr {
         self.addrs[0]
-    }
-
-    /// The addresses of all listeners.
-    pub fn local_addrs(&self) -> &[SocketAddr] {
-        &self.addrs
     }
 
     /// The state store service (for tests and tools).

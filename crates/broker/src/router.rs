@@ -17,8 +17,13 @@ use rumqttd::{Notification, RouterConfig};
 /// Client ids with this prefix belong to the broker itself; clients may not use them.
 pub const INTERNAL_PREFIX: &str = "statebroker:";
 
-/// Links the broker needs besides client connections.
-pub const INTERNAL_LINKS: usize = 4;
+/// Links the broker needs besides client connections: the publisher's.
+pub const INTERNAL_LINKS: usize = 1;
+
+/// rumqttd numbers the publishes it sends a client `1..=100` (its private
+/// `MAX_INFLIGHT`): the broker's direct deliveries use the ids above. A test
+/// below fails if a rumqttd release changes it.
+pub const ROUTER_MAX_PKID: u16 = 100;
 
 /// The router did not register a link (it is full, or it refused the client id).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -82,7 +87,8 @@ impl Router {
 /// Polls `future` once. rumqttd's `LinkTx::send` is an `async fn` that never
 /// awaits (it completes on its first poll), and `LinkRx::next` is ready at
 /// once while its batch lasts: this takes their result without a trip
-/// through the scheduler, and `None` where there is none yet.
+/// through the scheduler, and `None` where there is none yet. A test below
+/// fails if `LinkTx::send` ever returns `Pending`.
 pub(crate) fn poll_once<F: Future>(future: F) -> Option<F::Output> {
     let mut future = pin!(future);
     match future
@@ -91,5 +97,103 @@ pub(crate) fn poll_once<F: Future>(future: F) -> Option<F::Output> {
     {
         Poll::Ready(output) => Some(output),
         Poll::Pending => None,
+    }
+}
+
+/// Assumptions about rumqttd's private behaviour that the broker relies on;
+/// each fails loudly if a rumqttd release changes it.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec;
+    use rumqttd::protocol::{
+        Filter, Packet, PubAck, PubAckReason, QoS, RetainForwardRule, Subscribe,
+    };
+
+    fn router() -> Router {
+        let config = RouterConfig {
+            max_connections: 10,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 1 << 20,
+            max_segment_count: 4,
+            ..RouterConfig::default()
+        };
+        Router::spawn(0, config)
+    }
+
+    /// Collects forwarded publishes' packet ids until `count` arrived or
+    /// nothing more comes for a while.
+    async fn forwarded(rx: &mut LinkRx, count: usize) -> Vec<u16> {
+        let mut pkids = Vec::new();
+        while pkids.len() < count {
+            let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
+            match next.await {
+                Ok(Ok(Some(Notification::Forward(f)))) => {
+                    let mut buf = bytes::BytesMut::new();
+                    codec::Protocol::V5
+                        .write(Packet::Publish(f.publish, None), &mut buf)
+                        .unwrap();
+                    pkids.push(codec::encoded_publish_id(&buf).unwrap().1);
+                }
+                Ok(Ok(Some(Notification::Unschedule))) => rx.wake().await.unwrap(),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => panic!("{e}"),
+                Err(_) => break,
+            }
+        }
+        pkids
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_router_numbers_deliveries_within_its_range_and_send_never_waits() {
+        let router = router();
+        let (mut sub_tx, mut sub_rx, _) = router.link_async("sub".into(), true).await.unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::AtLeastOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        assert!(poll_once(sub_tx.send(Packet::Subscribe(subscribe, None))).is_some());
+        // The SUBACK.
+        loop {
+            if let Ok(Some(Notification::DeviceAck(_))) = sub_rx.next().await {
+                break;
+            }
+        }
+        let (mut pub_tx, _pub_rx, _) = router.link_async("pub".into(), true).await.unwrap();
+        let total = usize::from(ROUTER_MAX_PKID) + 50;
+        for n in 0..total {
+            let publish = codec::publish(b"t", b"x", 1, (n % 60000 + 1) as u16, false);
+            let sent = poll_once(pub_tx.send(Packet::Publish(publish, None)));
+            assert!(
+                matches!(sent, Some(Ok(_))),
+                "LinkTx::send did not complete on its first poll"
+            );
+        }
+        let first = forwarded(&mut sub_rx, total).await;
+        assert_eq!(
+            first,
+            (1..=ROUTER_MAX_PKID).collect::<Vec<_>>(),
+            "rumqttd sends 1..=ROUTER_MAX_PKID before it waits for acknowledgements"
+        );
+        // Acknowledge them all: the rest come, numbered from 1 again.
+        for pkid in first {
+            let ack = PubAck {
+                pkid,
+                reason: PubAckReason::Success,
+            };
+            assert!(poll_once(sub_tx.send(Packet::PubAck(ack, None))).is_some());
+        }
+        let rest = forwarded(&mut sub_rx, 50).await;
+        assert_eq!(rest.len(), 50);
+        assert!(
+            rest.iter().all(|&p| (1..=ROUTER_MAX_PKID).contains(&p)),
+            "{rest:?}"
+        );
     }
 }

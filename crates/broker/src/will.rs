@@ -11,13 +11,13 @@
 //! a clean session, the old session has ended and the will goes out at once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rumqttd::protocol::{LastWill, LastWillProperties};
 
-use crate::service::StateStoreService;
+use crate::publisher::Publisher;
 
 /// A will waiting to be published.
 #[derive(Debug, Clone)]
@@ -41,22 +41,20 @@ struct ClientWills {
 /// Wills of all clients.
 pub struct WillRegistry {
     clients: Mutex<HashMap<String, ClientWills>>,
-    publisher: Weak<StateStoreService>,
+    publisher: Arc<Publisher>,
 }
 
 impl WillRegistry {
     /// A registry that publishes through `publisher`.
-    pub fn new(publisher: &Arc<StateStoreService>) -> Arc<WillRegistry> {
+    pub fn new(publisher: Arc<Publisher>) -> Arc<WillRegistry> {
         Arc::new(WillRegistry {
             clients: Mutex::new(HashMap::new()),
-            publisher: Arc::downgrade(publisher),
+            publisher,
         })
     }
 
     fn publish(&self, will: Will) {
-        if let Some(publisher) = self.publisher.upgrade() {
-            publisher.publish_will(will.will, will.properties);
-        }
+        self.publisher.publish_will(will.will, will.properties);
     }
 
     /// A connection of `client_id` was accepted.
@@ -147,10 +145,5 @@ impl WillRegistry {
                 registry.publish(will);
             }
         });
-    }
-
-    /// Number of client ids with state (for tests).
-    pub fn tracked(&self) -> usize {
-        self.clients.lock().len()
     }
 }

@@ -91,8 +91,8 @@ pub mod state;
 pub mod store;
 
 pub use command::Dialect;
+pub use config::{Config, Quota};
 pub use error::Error;
 pub use notify::{Event, Notice};
-pub use config::{Config, Quota};
 pub use state::{Caller, Effects, Restored};
 pub use store::{Outcome, Request, Store};

@@ -24,8 +24,8 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::hlc::{Hlc, Version};
 use crate::notify::Notice;
-use crate::persist::Write;
 use crate::persist::Record;
+use crate::persist::Write;
 use crate::resp3::{self, Frame};
 use crate::state::{Caller, Ctx, Effects, Restored, State};
 

@@ -44,25 +44,9 @@ use parking_lot::Mutex;
 use statestore::persist::{Record, Write};
 use tokio::sync::watch;
 
+use crate::config::{Mode, PersistenceSettings};
+
 const CLOCK_MARK: &[u8] = b"clock_mark";
-
-/// When a write counts as durable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// fsync before acknowledging (grouped).
-    Fsync,
-    /// fsync at this interval; acknowledge once written to the journal.
-    Interval(Duration),
-}
-
-/// Where and how to persist.
-#[derive(Debug, Clone)]
-pub struct PersistenceSettings {
-    /// The data directory.
-    pub data_dir: PathBuf,
-    /// The durability mode.
-    pub mode: Mode,
-}
 
 /// A data directory that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -361,7 +345,7 @@ fn discard_corrupt_tail(dir: &Path) -> std::io::Result<Database> {
             journal.display()
         )));
     };
-    let backup = journal.with_extension(format!("jnl.corrupt-{}", crate::service::now_ms()));
+    let backup = journal.with_extension(format!("jnl.corrupt-{}", crate::clock::now_ms()));
     std::fs::copy(&journal, &backup)?;
     bytes[start..end].fill(0);
     std::fs::write(&journal, &bytes)?;

@@ -1,0 +1,437 @@
+//! CONNECT: reading it in time, the checks that refuse it, the terms the
+//! connection runs on, and CONNACK.
+//!
+//! The decisions ([`check_connect`], [`Terms::negotiate`], [`connack`],
+//! [`refusal`]) are plain functions of the packet and the settings, tested
+//! here without a socket; [`read_connect`] is the only part that waits.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rumqttd::protocol::{
+    self, ConnAck, ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, LastWill,
+    LastWillProperties, Login, Packet,
+};
+use subtle::ConstantTimeEq;
+
+use super::socket::{Socket, Stream};
+use crate::codec::{CodecError, Protocol};
+use crate::config::Listener;
+use crate::router::INTERNAL_PREFIX;
+use crate::topics;
+
+/// A CONNECT, in parts.
+pub(crate) struct Hello {
+    pub connect: Connect,
+    pub properties: Option<ConnectProperties>,
+    pub will: Option<LastWill>,
+    pub will_properties: Option<LastWillProperties>,
+    pub login: Option<Login>,
+}
+
+/// Reads CONNECT within the listener's connect timeout. `None`: the socket
+/// is done with (nothing in time, or not a CONNECT we serve; a CONNECT of an
+/// unsupported protocol level was answered "unacceptable protocol version").
+pub(crate) async fn read_connect<S: Stream>(
+    socket: &mut Socket<S>,
+    listener: &Listener,
+    peer: SocketAddr,
+) -> Option<Hello> {
+    let timeout = Duration::from_millis(listener.connect_timeout_ms);
+    match tokio::time::timeout(timeout, socket.read_connect(listener.max_packet_size)).await {
+        Err(_) => {
+            tracing::debug!(%peer, "no CONNECT in time: closing");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "bad CONNECT: closing");
+            if let CodecError::UnsupportedLevel(_) = e {
+                // "unacceptable protocol version", understood by every version.
+                let _ = socket.write_raw(&[0x20, 0x02, 0x00, 0x01]).await;
+            }
+            None
+        }
+        Ok(Ok(Packet::Connect(connect, properties, will, will_properties, login))) => Some(Hello {
+            connect,
+            properties,
+            will,
+            will_properties,
+            login,
+        }),
+        Ok(Ok(_)) => None,
+    }
+}
+
+/// Why a CONNECT is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    BadClientId,
+    BadCredentials,
+    Busy,
+    BadWill,
+}
+
+/// The CONNACK that refuses a connection, in the client's protocol.
+pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
+    let code = match (protocol, refusal) {
+        (_, Refusal::BadClientId) => ConnectReturnCode::ClientIdentifierNotValid,
+        (_, Refusal::BadCredentials) => ConnectReturnCode::BadUserNamePassword,
+        (Protocol::V4, Refusal::Busy) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V5, Refusal::Busy) => ConnectReturnCode::ServerBusy,
+        (Protocol::V4, Refusal::BadWill) => ConnectReturnCode::NotAuthorized,
+        (Protocol::V5, Refusal::BadWill) => ConnectReturnCode::TopicNameInvalid,
+    };
+    Packet::ConnAck(
+        ConnAck {
+            session_present: false,
+            code,
+        },
+        None,
+    )
+}
+
+/// Checks a CONNECT before the client is registered.
+pub(crate) fn check_connect(
+    connect: &Connect,
+    login: Option<&Login>,
+    will: Option<&LastWill>,
+    listener: &Listener,
+) -> Result<(), (Refusal, &'static str)> {
+    let id = &connect.client_id;
+    if id.is_empty() && !connect.clean_session {
+        return Err((
+            Refusal::BadClientId,
+            "an empty client id needs a clean session",
+        ));
+    }
+    // The router cannot route for ids with these characters; the prefix is ours.
+    if id.contains(['+', '#', '/', '$']) || id.starts_with(INTERNAL_PREFIX) {
+        return Err((Refusal::BadClientId, "client id not allowed"));
+    }
+    if let Some(users) = &listener.auth {
+        let ok = login.is_some_and(|login| {
+            users
+                .get(&login.username)
+                .is_some_and(|pw| bool::from(pw.as_bytes().ct_eq(login.password.as_bytes())))
+        });
+        if !ok {
+            return Err((Refusal::BadCredentials, "bad username or password"));
+        }
+    }
+    if let Some(will) = will {
+        let topic = std::str::from_utf8(&will.topic).unwrap_or("");
+        if topic.is_empty()
+            || !protocol::valid_topic(topic)
+            || topics::is_reserved_response_topic(topic)
+            || topics::in_notify_namespace(topic)
+        {
+            return Err((Refusal::BadWill, "will topic not allowed"));
+        }
+    }
+    Ok(())
+}
+
+/// What an accepted connection runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Terms {
+    pub client_id: String,
+    /// The broker chose the client id (the client sent an empty one).
+    pub assigned: bool,
+    pub clean_start: bool,
+    /// Keep-alive in seconds (0: none).
+    pub keep_alive: u16,
+    /// The keep-alive the broker imposes, told in CONNACK (MQTT 5).
+    pub server_keep_alive: Option<u16>,
+    /// The client's Receive Maximum.
+    pub receive_maximum: u16,
+    /// The client's Session Expiry Interval, seconds.
+    pub session_expiry: u32,
+}
+
+impl Terms {
+    /// The terms of a CONNECT that passed [`check_connect`]. `assign` makes
+    /// a client id for a client that sent none; `max_keep_alive` (seconds,
+    /// 0 for none) bounds what an MQTT 5 client may ask for.
+    pub fn negotiate(
+        hello: &Hello,
+        protocol: Protocol,
+        max_keep_alive: u16,
+        assign: impl FnOnce() -> String,
+    ) -> Terms {
+        let connect = &hello.connect;
+        let assigned = connect.client_id.is_empty();
+        let client_id = if assigned {
+            assign()
+        } else {
+            connect.client_id.clone()
+        };
+        let mut keep_alive = connect.keep_alive;
+        let mut server_keep_alive = None;
+        if protocol == Protocol::V5
+            && max_keep_alive > 0
+            && (keep_alive == 0 || keep_alive > max_keep_alive)
+        {
+            keep_alive = max_keep_alive;
+            server_keep_alive = Some(max_keep_alive);
+        }
+        let properties = hello.properties.as_ref();
+        Terms {
+            client_id,
+            assigned,
+            clean_start: connect.clean_session,
+            keep_alive,
+            server_keep_alive,
+            receive_maximum: properties
+                .and_then(|p| p.receive_maximum)
+                .unwrap_or(u16::MAX),
+            session_expiry: properties
+                .and_then(|p| p.session_expiry_interval)
+                .unwrap_or(0),
+        }
+    }
+
+    /// How long the broker waits for the next packet: 1.5 times the
+    /// keep-alive, or forever without one.
+    pub fn idle_limit(&self) -> Option<Duration> {
+        (self.keep_alive > 0).then(|| Duration::from_millis(u64::from(self.keep_alive) * 1500))
+    }
+}
+
+/// The CONNACK that accepts a connection, with what the broker announces.
+pub(crate) fn connack(
+    terms: &Terms,
+    session_present: bool,
+    listener: &Listener,
+    topic_alias_max: u16,
+) -> Packet {
+    let ack = ConnAck {
+        session_present,
+        code: ConnectReturnCode::Success,
+    };
+    let properties = ConnAckProperties {
+        assigned_client_identifier: terms.assigned.then(|| terms.client_id.clone()),
+        topic_alias_max: Some(topic_alias_max),
+        receive_max: Some(listener.receive_maximum),
+        max_packet_size: Some(u32::try_from(listener.max_packet_size).unwrap_or(u32::MAX)),
+        server_keep_alive: terms.server_keep_alive,
+        retain_available: Some(1),
+        wildcard_subscription_available: Some(1),
+        shared_subscription_available: Some(1),
+        subscription_identifiers_available: Some(1),
+        ..ConnAckProperties::default()
+    };
+    Packet::ConnAck(ack, Some(properties))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use rumqttd::protocol::QoS;
+    use std::collections::HashMap;
+
+    fn listener(auth: Option<&[(&str, &str)]>) -> Listener {
+        Listener {
+            name: "v5.1".into(),
+            addr: "127.0.0.1:0".parse().unwrap(),
+            connect_timeout_ms: 1000,
+            max_packet_size: 1 << 20,
+            receive_maximum: 1000,
+            auth: auth.map(|users| {
+                users
+                    .iter()
+                    .map(|(u, p)| ((*u).to_owned(), (*p).to_owned()))
+                    .collect::<HashMap<_, _>>()
+            }),
+        }
+    }
+
+    fn connect(client_id: &str, clean: bool, keep_alive: u16) -> Connect {
+        Connect {
+            keep_alive,
+            client_id: client_id.into(),
+            clean_session: clean,
+        }
+    }
+
+    fn hello(connect: Connect, properties: Option<ConnectProperties>) -> Hello {
+        Hello {
+            connect,
+            properties,
+            will: None,
+            will_properties: None,
+            login: None,
+        }
+    }
+
+    fn will(topic: &str) -> LastWill {
+        LastWill {
+            topic: Bytes::copy_from_slice(topic.as_bytes()),
+            message: Bytes::from_static(b"bye"),
+            qos: QoS::AtLeastOnce,
+            retain: false,
+        }
+    }
+
+    #[test]
+    fn client_ids() {
+        let l = listener(None);
+        let refused = |c: Connect| check_connect(&c, None, None, &l).err().map(|e| e.0);
+        assert_eq!(refused(connect("", true, 0)), None);
+        assert_eq!(refused(connect("", false, 0)), Some(Refusal::BadClientId));
+        for bad in ["a/b", "a+", "#", "$sys", "statebroker:publisher"] {
+            assert_eq!(
+                refused(connect(bad, true, 0)),
+                Some(Refusal::BadClientId),
+                "{bad}"
+            );
+        }
+        assert_eq!(refused(connect("sensor-1", false, 0)), None);
+    }
+
+    #[test]
+    fn credentials() {
+        let l = listener(Some(&[("alice", "secret")]));
+        let c = connect("c", true, 0);
+        let login = |u: &str, p: &str| Login {
+            username: u.into(),
+            password: p.into(),
+        };
+        let check = |login: Option<&Login>| check_connect(&c, login, None, &l).err().map(|e| e.0);
+        assert_eq!(check(Some(&login("alice", "secret"))), None);
+        assert_eq!(
+            check(Some(&login("alice", "wrong"))),
+            Some(Refusal::BadCredentials)
+        );
+        assert_eq!(
+            check(Some(&login("bob", "secret"))),
+            Some(Refusal::BadCredentials)
+        );
+        assert_eq!(check(None), Some(Refusal::BadCredentials));
+    }
+
+    #[test]
+    fn will_topics() {
+        let l = listener(None);
+        let c = connect("c", true, 0);
+        let check = |topic: &str| check_connect(&c, None, Some(&will(topic)), &l).is_ok();
+        assert!(check("devices/c/status"));
+        assert!(!check(""));
+        assert!(!check("a/+"));
+        assert!(!check(topics::REQUEST_TOPIC));
+        assert!(!check(&format!("{}/x", topics::NOTIFY_NAMESPACE)));
+    }
+
+    #[test]
+    fn refusal_codes_per_protocol() {
+        let code = |p, r| match refusal(p, r) {
+            Packet::ConnAck(ack, None) => {
+                assert!(!ack.session_present);
+                ack.code
+            }
+            other => panic!("{other:?}"),
+        };
+        use ConnectReturnCode as C;
+        assert_eq!(code(Protocol::V4, Refusal::Busy), C::ServiceUnavailable);
+        assert_eq!(code(Protocol::V5, Refusal::Busy), C::ServerBusy);
+        assert_eq!(code(Protocol::V4, Refusal::BadWill), C::NotAuthorized);
+        assert_eq!(code(Protocol::V5, Refusal::BadWill), C::TopicNameInvalid);
+        for p in [Protocol::V4, Protocol::V5] {
+            assert_eq!(code(p, Refusal::BadClientId), C::ClientIdentifierNotValid);
+            assert_eq!(code(p, Refusal::BadCredentials), C::BadUserNamePassword);
+        }
+    }
+
+    #[test]
+    fn keep_alive_and_limits() {
+        let props = ConnectProperties {
+            session_expiry_interval: Some(3600),
+            receive_maximum: Some(10),
+            max_packet_size: None,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: Vec::new(),
+            authentication_method: None,
+            authentication_data: None,
+        };
+        let h = hello(connect("c", false, 0), Some(props));
+        let t = Terms::negotiate(&h, Protocol::V5, 60, || unreachable!());
+        assert_eq!(
+            (t.keep_alive, t.server_keep_alive, t.idle_limit()),
+            (60, Some(60), Some(Duration::from_secs(90))),
+            "no keep-alive asked: the broker's maximum, announced"
+        );
+        assert_eq!((t.receive_maximum, t.session_expiry), (10, 3600));
+        assert!(!t.clean_start && !t.assigned);
+
+        let h = hello(connect("c", true, 30), None);
+        let t = Terms::negotiate(&h, Protocol::V5, 60, || unreachable!());
+        assert_eq!((t.keep_alive, t.server_keep_alive), (30, None));
+        assert_eq!((t.receive_maximum, t.session_expiry), (u16::MAX, 0));
+        let t = Terms::negotiate(
+            &hello(connect("c", true, 600), None),
+            Protocol::V5,
+            60,
+            || unreachable!(),
+        );
+        assert_eq!((t.keep_alive, t.server_keep_alive), (60, Some(60)));
+        // MQTT 3.1.1 has no way to be told: its keep-alive stands.
+        let t = Terms::negotiate(
+            &hello(connect("c", true, 0), None),
+            Protocol::V4,
+            60,
+            || unreachable!(),
+        );
+        assert_eq!(
+            (t.keep_alive, t.server_keep_alive, t.idle_limit()),
+            (0, None, None)
+        );
+        // No maximum configured.
+        let t = Terms::negotiate(
+            &hello(connect("c", true, 0), None),
+            Protocol::V5,
+            0,
+            || unreachable!(),
+        );
+        assert_eq!((t.keep_alive, t.server_keep_alive), (0, None));
+    }
+
+    #[test]
+    fn assigned_client_id_is_announced() {
+        let h = hello(connect("", true, 0), None);
+        let t = Terms::negotiate(&h, Protocol::V5, 0, || "statebroker-1-7".into());
+        assert_eq!(
+            (t.client_id.as_str(), t.assigned),
+            ("statebroker-1-7", true)
+        );
+        let l = listener(None);
+        match connack(&t, false, &l, 1024) {
+            Packet::ConnAck(ack, Some(p)) => {
+                assert_eq!(ack.code, ConnectReturnCode::Success);
+                assert_eq!(
+                    p.assigned_client_identifier.as_deref(),
+                    Some("statebroker-1-7")
+                );
+                assert_eq!(p.receive_max, Some(1000));
+                assert_eq!(p.topic_alias_max, Some(1024));
+                assert_eq!(p.max_packet_size, Some(1 << 20));
+                assert_eq!(p.server_keep_alive, None);
+            }
+            other => panic!("{other:?}"),
+        }
+        let named = Terms::negotiate(
+            &hello(connect("me", false, 0), None),
+            Protocol::V5,
+            0,
+            || unreachable!(),
+        );
+        match connack(&named, true, &l, 0) {
+            Packet::ConnAck(ack, Some(p)) => {
+                assert!(ack.session_present);
+                assert_eq!(p.assigned_client_identifier, None);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! What goes to the client at QoS 1/2 and is waiting for its
+//! acknowledgement.
+//!
+//! Two sources send publishes to a client, and they share its packet ids:
+//!
+//! - **the router** numbers its deliveries `1..=`[`ROUTER_MAX_PKID`] and
+//!   wants their acknowledgements in order. The connection drops some of them
+//!   (another client's notifications reached through a wildcard); those are
+//!   acknowledged to the router by the connection, in their turn:
+//!   [`RouterAcks`];
+//! - **direct deliveries** (state store answers and notifications, see
+//!   [`crate::sessions`]) use the ids above the router's, within what is
+//!   left of the client's Receive Maximum: [`DirectWindow`].
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::BytesMut;
+use rumqttd::protocol::{Packet, PubAck, PubAckReason};
+
+use crate::codec::{self, Protocol};
+use crate::router::ROUTER_MAX_PKID;
+use crate::sessions::Direct;
+
+/// The first packet id of direct deliveries.
+pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
+
+/// Whether a client's PUBACK for `pkid` is for a direct delivery.
+pub(crate) fn is_direct(pkid: u16) -> bool {
+    pkid >= FIRST_DIRECT_PKID
+}
+
+/// QoS 1/2 publishes from the router not yet acknowledged by the client, in
+/// the order they were sent.
+#[derive(Debug, Default)]
+pub(crate) struct RouterAcks {
+    /// `(packet id, dropped here)`.
+    inflight: VecDeque<(u16, bool)>,
+}
+
+impl RouterAcks {
+    /// The router's publish `pkid` was sent to the client, or (`dropped`)
+    /// withheld from it. Acknowledgements owed to the router go to `to_router`.
+    pub fn sent(&mut self, pkid: u16, dropped: bool, to_router: &mut Vec<Packet>) {
+        self.inflight.push_back((pkid, dropped));
+        self.acknowledge_dropped(to_router);
+    }
+
+    /// The client acknowledged `pkid` (PUBACK, or PUBREC at QoS 2); the
+    /// connection forwards that acknowledgement itself.
+    pub fn acknowledged(&mut self, pkid: u16, to_router: &mut Vec<Packet>) {
+        if let Some(at) = self
+            .inflight
+            .iter()
+            .position(|&(id, dropped)| id == pkid && !dropped)
+        {
+            self.inflight.remove(at);
+        }
+        self.acknowledge_dropped(to_router);
+    }
+
+    /// Acknowledges to the router the dropped publishes now at the front:
+    /// rumqttd, like MQTT, expects acknowledgements in order.
+    fn acknowledge_dropped(&mut self, to_router: &mut Vec<Packet>) {
+        while let Some(&(pkid, true)) = self.inflight.front() {
+            self.inflight.pop_front();
+            to_router.push(Packet::PubAck(
+                PubAck {
+                    pkid,
+                    reason: PubAckReason::Success,
+                },
+                None,
+            ));
+        }
+    }
+}
+
+/// Direct deliveries in flight to this client.
+#[derive(Debug)]
+pub(crate) struct DirectWindow {
+    /// Sent at QoS 1, not yet acknowledged, by packet id.
+    inflight: HashMap<u16, Direct>,
+    /// Waiting for room under the client's Receive Maximum.
+    pending: VecDeque<Direct>,
+    last_pkid: u16,
+    limit: usize,
+}
+
+impl DirectWindow {
+    /// A window within `receive_maximum`, less what the router may use.
+    pub fn new(receive_maximum: u16) -> DirectWindow {
+        DirectWindow {
+            inflight: HashMap::new(),
+            pending: VecDeque::new(),
+            last_pkid: FIRST_DIRECT_PKID - 1,
+            limit: usize::from(receive_maximum.saturating_sub(ROUTER_MAX_PKID).max(1)),
+        }
+    }
+
+    /// Encodes `message` into `out` at its QoS (0 or 1), with a packet id of
+    /// the direct range, or holds it while the window is full.
+    pub fn send(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) {
+        let pkid = match message.qos {
+            0 => 0,
+            _ if self.inflight.len() >= self.limit => {
+                self.pending.push_back(message);
+                return;
+            }
+            _ => self.next_pkid(),
+        };
+        codec::encode_publish(
+            protocol,
+            &message.topic,
+            &message.payload,
+            message.qos,
+            pkid,
+            &message.properties,
+            out,
+        );
+        if pkid != 0 {
+            self.inflight.insert(pkid, message);
+        }
+    }
+
+    fn next_pkid(&mut self) -> u16 {
+        let mut pkid = self.last_pkid;
+        loop {
+            pkid = if pkid == u16::MAX {
+                FIRST_DIRECT_PKID
+            } else {
+                pkid + 1
+            };
+            if !self.inflight.contains_key(&pkid) {
+                break;
+            }
+        }
+        self.last_pkid = pkid;
+        pkid
+    }
+
+    /// The client acknowledged direct delivery `pkid`: what waited for room
+    /// goes out into `out`.
+    pub fn acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) {
+        if self.inflight.remove(&pkid).is_some() {
+            while self.inflight.len() < self.limit
+                && let Some(message) = self.pending.pop_front()
+            {
+                self.send(message, protocol, out);
+            }
+        }
+    }
+
+    /// Everything sent and not acknowledged, and everything still waiting.
+    pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
+        let mut all: Vec<Direct> = self.inflight.drain().map(|(_, m)| m).collect();
+        all.extend(self.pending.drain(..));
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use rumqttd::protocol::PublishProperties;
+
+    fn message(n: u8, qos: u8) -> Direct {
+        Direct {
+            topic: Bytes::from_static(b"t"),
+            payload: Bytes::copy_from_slice(&[n]),
+            properties: PublishProperties::default(),
+            qos,
+        }
+    }
+
+    /// The packet ids and payloads of the publishes encoded in `out`.
+    fn sent(out: &mut BytesMut) -> Vec<(u16, u8)> {
+        let mut all = Vec::new();
+        while let Some(incoming) = Protocol::V5.read(out, 1 << 20).unwrap() {
+            let Packet::Publish(p, _) = incoming.packet else {
+                panic!("not a publish")
+            };
+            all.push((incoming.pkid, p.payload[0]));
+        }
+        all
+    }
+
+    #[test]
+    fn the_window_holds_what_does_not_fit() {
+        // Receive Maximum 102: the router may use 100, direct deliveries 2.
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2);
+        let mut out = BytesMut::new();
+        for n in 1..=4 {
+            w.send(message(n, 1), Protocol::V5, &mut out);
+        }
+        w.send(message(9, 0), Protocol::V5, &mut out);
+        assert_eq!(
+            sent(&mut out),
+            vec![(101, 1), (102, 2), (0, 9)],
+            "two in flight, QoS 0 never waits"
+        );
+        w.acknowledged(7, Protocol::V5, &mut out);
+        assert!(sent(&mut out).is_empty(), "an unknown id frees nothing");
+        w.acknowledged(101, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(103, 3)]);
+        let mut left: Vec<u8> = w
+            .take_unacknowledged()
+            .iter()
+            .map(|m| m.payload[0])
+            .collect();
+        left.sort();
+        assert_eq!(left, vec![2, 3, 4]);
+    }
+
+    #[test]
+    fn a_small_receive_maximum_still_leaves_one() {
+        let mut w = DirectWindow::new(10);
+        let mut out = BytesMut::new();
+        w.send(message(1, 1), Protocol::V5, &mut out);
+        w.send(message(2, 1), Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(101, 1)]);
+    }
+
+    #[test]
+    fn packet_ids_wrap_past_those_in_flight() {
+        let mut w = DirectWindow::new(u16::MAX);
+        let mut out = BytesMut::new();
+        w.send(message(1, 1), Protocol::V5, &mut out); // 101, stays in flight
+        w.last_pkid = u16::MAX - 1;
+        w.send(message(2, 1), Protocol::V5, &mut out);
+        w.send(message(3, 1), Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(101, 1), (u16::MAX, 2), (102, 3)]);
+        assert!(is_direct(101) && !is_direct(ROUTER_MAX_PKID));
+    }
+
+    fn acks(packets: &[Packet]) -> Vec<u16> {
+        packets
+            .iter()
+            .map(|p| match p {
+                Packet::PubAck(ack, None) => ack.pkid,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dropped_publishes_are_acknowledged_in_their_turn() {
+        let mut r = RouterAcks::default();
+        let mut to_router = Vec::new();
+        r.sent(1, false, &mut to_router);
+        r.sent(2, true, &mut to_router);
+        r.sent(3, true, &mut to_router);
+        r.sent(4, false, &mut to_router);
+        r.sent(5, true, &mut to_router);
+        assert!(to_router.is_empty(), "1 is not acknowledged yet");
+        r.acknowledged(4, &mut to_router);
+        assert!(to_router.is_empty(), "still behind 1");
+        r.acknowledged(1, &mut to_router);
+        assert_eq!(acks(&to_router), vec![2, 3, 5]);
+        to_router.clear();
+        r.sent(6, true, &mut to_router);
+        assert_eq!(acks(&to_router), vec![6], "nothing ahead of it");
+    }
+}

@@ -1,0 +1,149 @@
+//! MQTT framing over any byte stream.
+//!
+//! [`Socket`] owns the stream (a `TcpStream` today; a TLS or WebSocket stream
+//! is just another `AsyncRead + AsyncWrite`), a read buffer that packets are
+//! decoded from and a write buffer that everything sent to the client is
+//! encoded into, so that one flush writes all that one turn of the
+//! connection's loop produced.
+
+use bytes::BytesMut;
+use rumqttd::protocol::Packet;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::codec::{self, CodecError, Incoming, Protocol};
+
+/// What a connection needs of its byte stream.
+pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for S {}
+
+/// A stream with its buffers and codec.
+pub(crate) struct Socket<S> {
+    stream: S,
+    rbuf: BytesMut,
+    /// Encoded packets not yet written.
+    pub wbuf: BytesMut,
+    /// The protocol the client speaks (known after CONNECT).
+    pub protocol: Protocol,
+}
+
+impl<S: Stream> Socket<S> {
+    pub fn new(stream: S) -> Socket<S> {
+        Socket {
+            stream,
+            rbuf: BytesMut::with_capacity(1024),
+            wbuf: BytesMut::new(),
+            protocol: Protocol::V5,
+        }
+    }
+
+    /// Reads the first packet, which tells the protocol (and must be CONNECT).
+    pub async fn read_connect(&mut self, max_packet_size: usize) -> Result<Packet, CodecError> {
+        loop {
+            if let Some(protocol) = codec::detect(&self.rbuf, max_packet_size)? {
+                self.protocol = protocol;
+                if let Some(incoming) = protocol.read(&mut self.rbuf, max_packet_size)? {
+                    return Ok(incoming.packet);
+                }
+            }
+            match self.stream.read_buf(&mut self.rbuf).await {
+                Ok(0) => return Err(CodecError::Malformed("closed before CONNECT".into())),
+                Ok(_) => {}
+                Err(e) => return Err(CodecError::Malformed(e.to_string())),
+            }
+        }
+    }
+
+    /// Reads what the stream has; `Ok(0)` when it closed.
+    pub async fn fill(&mut self) -> std::io::Result<usize> {
+        self.stream.read_buf(&mut self.rbuf).await
+    }
+
+    /// Decodes the next complete packet from what was read.
+    pub fn next_packet(&mut self, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
+        self.protocol.read(&mut self.rbuf, max_packet_size)
+    }
+
+    /// Encodes `packet` for sending with the next flush.
+    pub fn queue(&mut self, packet: Packet) {
+        if let Err(e) = self.protocol.write(packet, &mut self.wbuf) {
+            tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
+        }
+    }
+
+    /// Writes everything queued.
+    pub async fn flush(&mut self) -> std::io::Result<()> {
+        if !self.wbuf.is_empty() {
+            self.stream.write_all(&self.wbuf).await?;
+            self.wbuf.clear();
+        }
+        Ok(())
+    }
+
+    /// Writes raw bytes at once (for answers that precede any codec).
+    pub async fn write_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+
+    /// Ends the stream (after what was flushed).
+    pub async fn shutdown(&mut self) {
+        let _ = self.stream.shutdown().await;
+    }
+
+    /// Sends `packet`, then closes.
+    pub async fn send_and_close(mut self, packet: Packet) {
+        self.queue(packet);
+        let _ = self.flush().await;
+        self.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttd::protocol::PingResp;
+
+    fn connect_v4() -> Vec<u8> {
+        let mut b = vec![0x10, 12, 0, 4];
+        b.extend(b"MQTT");
+        b.extend([4, 0x02, 0, 60, 0, 0]);
+        b
+    }
+
+    /// Framing works over any duplex stream: CONNECT split over two
+    /// writes, then two packets in one write, then one answer out.
+    #[tokio::test]
+    async fn frames_over_any_stream() {
+        let (client, server) = tokio::io::duplex(64);
+        let mut socket = Socket::new(server);
+        let (mut client_read, mut client_write) = tokio::io::split(client);
+        let connect = connect_v4();
+        client_write.write_all(&connect[..5]).await.unwrap();
+        let writer = tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            client_write.write_all(&connect[5..]).await.unwrap();
+            // PINGREQ twice in one write.
+            client_write.write_all(&[0xC0, 0, 0xC0, 0]).await.unwrap();
+            client_write
+        });
+        let packet = socket.read_connect(1024).await.unwrap();
+        assert!(matches!(packet, Packet::Connect(..)));
+        assert_eq!(socket.protocol, Protocol::V4);
+        let _client_write = writer.await.unwrap();
+        let mut pings = 0;
+        while pings < 2 {
+            match socket.next_packet(1024).unwrap() {
+                Some(incoming) => {
+                    assert!(matches!(incoming.packet, Packet::PingReq(_)));
+                    pings += 1;
+                }
+                None => assert!(socket.fill().await.unwrap() > 0),
+            }
+        }
+        socket.queue(Packet::PingResp(PingResp));
+        socket.flush().await.unwrap();
+        let mut answer = [0; 2];
+        client_read.read_exact(&mut answer).await.unwrap();
+        assert_eq!(answer, [0xD0, 0]);
+    }
+}

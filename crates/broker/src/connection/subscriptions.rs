@@ -1,0 +1,184 @@
+//! Which filters of a SUBSCRIBE the broker lets through to the router.
+//!
+//! Refused here, per filter (MQTT 5 with the reason code, 3.1.1 with 0x80):
+//!
+//! - invalid filters, and `$share/` without a group and a filter: 0x8F;
+//! - `$`-topics other than shared subscriptions (rumqttd would disconnect the
+//!   client for them): 0x87;
+//! - another client's part of the state store's notification namespace, by
+//!   name: 0x87 (see [`crate::topics::may_subscribe`]).
+//!
+//! The rest go to the router, whose SUBACK lacks the refused ones: they are
+//! put back in their places before the SUBACK reaches the client.
+
+use std::collections::HashMap;
+
+use rumqttd::protocol::{self, Filter, SubAck, SubscribeReasonCode};
+
+use crate::codec::Protocol;
+use crate::topics;
+
+/// Why the broker refuses `filter` for the client whose id hex-encodes to
+/// `own_hex`, if it does.
+pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode> {
+    if !protocol::valid_filter(filter)
+        || filter.starts_with("$share/") && filter.split('/').count() < 3
+    {
+        Some(SubscribeReasonCode::TopicFilterInvalid)
+    } else if filter.starts_with('$') && !filter.starts_with("$share/")
+        || !topics::may_subscribe(filter, own_hex)
+    {
+        Some(SubscribeReasonCode::NotAuthorized)
+    } else {
+        None
+    }
+}
+
+/// The reason code a client of `protocol` is told for a refusal.
+pub(crate) fn failure(protocol: Protocol, code: SubscribeReasonCode) -> SubscribeReasonCode {
+    match protocol {
+        Protocol::V4 => SubscribeReasonCode::Failure,
+        Protocol::V5 => code,
+    }
+}
+
+/// The filters of one SUBSCRIBE, sorted.
+#[derive(Debug, Default)]
+pub(crate) struct Checked {
+    /// For the router.
+    pub allowed: Vec<Filter>,
+    /// `(position in the SUBSCRIBE, reason code)` of the refused ones.
+    pub refused: Vec<(usize, SubscribeReasonCode)>,
+}
+
+/// Sorts `filters` into allowed and refused (logging each refusal).
+pub(crate) fn check(
+    filters: Vec<Filter>,
+    own_hex: &str,
+    protocol: Protocol,
+    client_id: &str,
+) -> Checked {
+    let mut checked = Checked::default();
+    for (position, filter) in filters.into_iter().enumerate() {
+        match refusal(&filter.path, own_hex) {
+            Some(code) => {
+                tracing::info!(
+                    client_id,
+                    filter = filter.path,
+                    ?code,
+                    "subscription refused"
+                );
+                checked.refused.push((position, failure(protocol, code)));
+            }
+            None => checked.allowed.push(filter),
+        }
+    }
+    checked
+}
+
+/// Refusals waiting for the router's SUBACK, by SUBSCRIBE packet id.
+#[derive(Debug, Default)]
+pub(crate) struct PendingRefusals {
+    by_pkid: HashMap<u16, Vec<(usize, SubscribeReasonCode)>>,
+}
+
+impl PendingRefusals {
+    /// Keeps the refusals of SUBSCRIBE `pkid` until its SUBACK.
+    pub fn hold(&mut self, pkid: u16, refused: Vec<(usize, SubscribeReasonCode)>) {
+        if !refused.is_empty() {
+            self.by_pkid.insert(pkid, refused);
+        }
+    }
+
+    /// Puts the refusals back into the router's SUBACK, in their places.
+    pub fn complete(&mut self, suback: &mut SubAck) {
+        if let Some(refused) = self.by_pkid.remove(&suback.pkid) {
+            for (position, code) in refused {
+                let at = position.min(suback.return_codes.len());
+                suback.return_codes.insert(at, code);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttd::protocol::{QoS, RetainForwardRule};
+
+    const OWN: &str = "6331"; // "c1"
+
+    fn filter(path: &str) -> Filter {
+        Filter {
+            path: path.into(),
+            qos: QoS::AtLeastOnce,
+            nolocal: false,
+            preserve_retain: false,
+            retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+        }
+    }
+
+    #[test]
+    fn refusals() {
+        use SubscribeReasonCode as R;
+        let ns = topics::NOTIFY_NAMESPACE;
+        for (path, expected) in [
+            ("sensors/+/temp", None),
+            ("#", None),
+            ("$share/g/jobs/#", None),
+            ("a/#/b", Some(R::TopicFilterInvalid)),
+            ("$share/g", Some(R::TopicFilterInvalid)),
+            ("$SYS/#", Some(R::NotAuthorized)),
+            (&format!("{ns}/{OWN}/command/notify/+"), None),
+            (
+                &format!("{ns}/6332/command/notify/+"),
+                Some(R::NotAuthorized),
+            ),
+            (&format!("{ns}/+/command/notify/+"), None),
+        ] {
+            assert_eq!(refusal(path, OWN), expected, "{path}");
+        }
+    }
+
+    #[test]
+    fn refused_filters_return_to_their_places() {
+        let filters = vec![
+            filter("$SYS/x"),
+            filter("ok/1"),
+            filter("a/#/b"),
+            filter("ok/2"),
+        ];
+        let checked = check(filters, OWN, Protocol::V5, "c1");
+        let allowed: Vec<_> = checked.allowed.iter().map(|f| f.path.as_str()).collect();
+        assert_eq!(allowed, ["ok/1", "ok/2"]);
+        let mut pending = PendingRefusals::default();
+        pending.hold(9, checked.refused);
+        let granted = SubscribeReasonCode::Success(QoS::AtLeastOnce);
+        let mut other = SubAck {
+            pkid: 8,
+            return_codes: vec![granted],
+        };
+        pending.complete(&mut other);
+        assert_eq!(other.return_codes, vec![granted], "another SUBSCRIBE");
+        let mut suback = SubAck {
+            pkid: 9,
+            return_codes: vec![granted, granted],
+        };
+        pending.complete(&mut suback);
+        assert_eq!(
+            suback.return_codes,
+            vec![
+                SubscribeReasonCode::NotAuthorized,
+                granted,
+                SubscribeReasonCode::TopicFilterInvalid,
+                granted
+            ]
+        );
+    }
+
+    #[test]
+    fn mqtt_3_1_1_hears_failure() {
+        let checked = check(vec![filter("$SYS/x")], OWN, Protocol::V4, "c1");
+        assert_eq!(checked.refused, vec![(0, SubscribeReasonCode::Failure)]);
+    }
+}

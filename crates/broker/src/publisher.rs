@@ -1,0 +1,165 @@
+//! The broker's own publishes: state store answers and notifications, the
+//! messages a connection could not deliver, and Last Wills.
+//!
+//! A message the broker publishes goes one of two ways:
+//!
+//! - **straight to its one recipient's connection** (see [`crate::sessions`]),
+//!   when exactly one client can receive it: a notification (private to its
+//!   watcher), or a response whose Response Topic only the requester
+//!   subscribes to. No router, no per-filter log, no copy kept after delivery;
+//! - **through the router**, like any client's publish, over the broker's own
+//!   in-process link: to whoever subscribes, at their QoS, kept for
+//!   persistent sessions.
+//!
+//! The publisher knows nothing of the state store: the store service hands it
+//! finished messages (see [`crate::store::binding`]).
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use rumqttd::Notification;
+use rumqttd::local::{LinkRx, LinkTx};
+use rumqttd::protocol::{LastWill, LastWillProperties, Packet, Publish, PublishProperties, QoS};
+
+use crate::codec;
+use crate::router::{INTERNAL_PREFIX, Router, poll_once};
+use crate::sessions::{Direct, Sessions};
+
+/// The router link the broker publishes on, and its packet ids.
+struct Link {
+    tx: LinkTx,
+    next_pkid: u16,
+}
+
+impl Link {
+    fn next_pkid(&mut self) -> u16 {
+        self.next_pkid = self.next_pkid.checked_add(1).unwrap_or(1);
+        self.next_pkid
+    }
+
+    /// Hands `packets` to the router with one wake-up.
+    fn send(&mut self, mut packets: Vec<Packet>) {
+        let Some(last) = packets.pop() else { return };
+        self.tx.buffer().extend(packets);
+        // `LinkTx::send` is an async fn that never awaits (see `poll_once`).
+        match poll_once(self.tx.send(last)) {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => tracing::error!(error = %e, "router link failed: cannot publish"),
+            None => tracing::error!("router link did not accept a publish"),
+        }
+    }
+}
+
+/// Publishes as the broker itself.
+pub struct Publisher {
+    link: Mutex<Link>,
+    sessions: Arc<Sessions>,
+}
+
+impl Publisher {
+    /// Links the publisher to `router`; direct deliveries go through `sessions`.
+    pub async fn start(
+        router: &Router,
+        sessions: Arc<Sessions>,
+    ) -> std::io::Result<Arc<Publisher>> {
+        let (tx, rx, _connack) = router
+            .link_async(format!("{INTERNAL_PREFIX}publisher"), true)
+            .await
+            .map_err(|e| {
+                std::io::Error::other(format!("cannot link the broker to the router: {e}"))
+            })?;
+        tokio::spawn(drain_acks(rx));
+        Ok(Arc::new(Publisher {
+            link: Mutex::new(Link { tx, next_pkid: 0 }),
+            sessions,
+        }))
+    }
+
+    /// Delivers `message` to `client` only, if it is connected and
+    /// subscribed; gives it back otherwise.
+    pub fn deliver_to(&self, client: &str, message: Direct) -> Result<(), Box<Direct>> {
+        self.sessions.deliver(client, message)
+    }
+
+    /// Delivers `message` straight to `client` when it is the only subscriber
+    /// of the message's topic, through the router otherwise (and when the
+    /// client's connection cannot take it).
+    pub fn publish_for(&self, client: &str, message: Direct) {
+        let direct = std::str::from_utf8(&message.topic)
+            .is_ok_and(|topic| self.sessions.only_subscriber(client, topic));
+        let message = if direct {
+            match self.sessions.deliver(client, message) {
+                Ok(()) => return,
+                Err(message) => *message,
+            }
+        } else {
+            message
+        };
+        self.route(vec![message]);
+    }
+
+    /// Publishes through the router, as the broker, at QoS 1 (QoS 0 stays 0).
+    pub fn route(&self, messages: Vec<Direct>) {
+        if messages.is_empty() {
+            return;
+        }
+        let mut link = self.link.lock();
+        let packets = messages
+            .into_iter()
+            .map(|m| {
+                let pkid = if m.qos == 0 { 0 } else { link.next_pkid() };
+                let publish = codec::publish(&m.topic, &m.payload, m.qos.min(1), pkid, false);
+                Packet::Publish(publish, Some(m.properties))
+            })
+            .collect();
+        link.send(packets);
+    }
+
+    /// Hands messages that a connection delivered directly, but that were
+    /// not acknowledged when it ended, to the router, which keeps them for
+    /// the client's persistent session.
+    pub fn redeliver_later(&self, mut messages: Vec<Direct>) {
+        for m in &mut messages {
+            m.properties.subscription_identifiers.clear();
+            m.qos = 1;
+        }
+        self.route(messages);
+    }
+
+    /// Publishes a client's Last Will. QoS 2 wills are delivered at QoS 1
+    /// at most.
+    pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
+        let mut link = self.link.lock();
+        let publish = match will.qos {
+            QoS::AtMostOnce => Publish::new(will.topic.clone(), will.message.clone(), will.retain),
+            _ => codec::publish(&will.topic, &will.message, 1, link.next_pkid(), will.retain),
+        };
+        let properties = properties.map(|p| PublishProperties {
+            payload_format_indicator: p.payload_format_indicator,
+            message_expiry_interval: p.message_expiry_interval,
+            content_type: p.content_type,
+            response_topic: p.response_topic,
+            correlation_data: p.correlation_data,
+            user_properties: p.user_properties,
+            ..PublishProperties::default()
+        });
+        link.send(vec![Packet::Publish(publish, properties)]);
+    }
+}
+
+/// The router acknowledges the publisher's QoS 1 publishes; nothing to do
+/// with them.
+async fn drain_acks(mut rx: LinkRx) {
+    loop {
+        match rx.next().await {
+            Ok(Some(Notification::Unschedule)) => {
+                if rx.wake().await.is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    tracing::debug!("publisher link closed");
+}

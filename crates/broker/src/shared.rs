@@ -1,0 +1,33 @@
+//! What every connection task shares: the settings, the router, the state
+//! store, the session mirror, the wills, the connection limit and the
+//! shutdown signal.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use tokio::sync::{Semaphore, watch};
+
+use crate::config::Settings;
+use crate::publisher::Publisher;
+use crate::router::Router;
+use crate::sessions::Sessions;
+use crate::store::StateStoreService;
+use crate::will::WillRegistry;
+
+/// What every connection task shares.
+pub(crate) struct Shared {
+    pub settings: Settings,
+    pub router: Router,
+    pub store: Arc<StateStoreService>,
+    pub publisher: Arc<Publisher>,
+    pub sessions: Arc<Sessions>,
+    pub wills: Arc<WillRegistry>,
+    /// One permit per open connection (`router.max_connections` in all).
+    pub permits: Arc<Semaphore>,
+    /// The number the next connection gets (never reused).
+    pub next_connection: AtomicU64,
+    /// When the broker started (assigned client ids carry it).
+    pub started_nanos: u128,
+    /// Becomes `true` when the broker stops.
+    pub shutdown: watch::Receiver<bool>,
+}

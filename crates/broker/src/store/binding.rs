@@ -1,0 +1,308 @@
+//! The state store's MQTT face: which PUBLISH is a request and whether it
+//! may be served, and the exact properties of responses and notifications.
+//!
+//! # Requests
+//!
+//! A PUBLISH on [`topics::REQUEST_TOPIC`] (or, with the 2023 protocol on,
+//! [`topics::LEGACY_REQUEST_TOPIC`]) is a request. [`admit`] decides, in this
+//! order:
+//!
+//! 1. a Response Topic that is reserved (a request topic, or the store's
+//!    notification namespace) is an attempt to make the store publish where
+//!    only it may: the client is disconnected with 0x87 "not authorized";
+//! 2. a Response Topic that is not a valid topic name: disconnected, 0x82;
+//! 3. no Response Topic: nowhere to answer, so nothing is executed;
+//! 4. QoS 0, or no Correlation Data: not executed, answered with an `-ERR`
+//!    that says why;
+//! 5. otherwise served, with `__ts`, `__ft` and `aio-persistence` taken from
+//!    the user properties. The caller is always the connection's client id;
+//!    `__srcId` and anything else in the payload are never trusted.
+//!
+//! # Responses and notifications
+//!
+//! Both are QoS 1 with content type `application/octet-stream` and user
+//! properties `__ts` (a version) and `__protVer` = `1.0`. A response also
+//! carries the request's Correlation Data and `__stat` = `200`, which the
+//! official Rust client requires on every RESP3 answer, `-ERR` ones included.
+
+use bytes::Bytes;
+use rumqttd::protocol::{self, DisconnectReasonCode, PublishProperties};
+use statestore::{Dialect, Notice, Request};
+
+use crate::sessions::Direct;
+use crate::topics;
+
+/// Content type of every state store payload.
+pub const CONTENT_TYPE: &str = "application/octet-stream";
+
+/// Where a response goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyTo {
+    /// The request's Response Topic.
+    pub topic: String,
+    /// The request's Correlation Data.
+    pub correlation: Option<Bytes>,
+}
+
+/// What to do with a request that passed the connection-ending checks.
+#[derive(Debug)]
+pub enum Admission<'a> {
+    /// Execute it and answer to `ReplyTo`.
+    Serve(Request<'a>, ReplyTo),
+    /// Answer `-ERR <text>` without executing it.
+    Refuse(ReplyTo, &'static str),
+    /// No Response Topic: nothing to execute, nowhere to answer.
+    Ignore,
+}
+
+/// A request that ends the connection: the reason code and why.
+pub type Violation = (DisconnectReasonCode, String);
+
+/// Which protocol generation a PUBLISH on `topic` speaks, if it is a request.
+pub fn dialect(topic: &str, legacy_2023: bool) -> Option<Dialect> {
+    if topic == topics::REQUEST_TOPIC {
+        Some(Dialect::V1)
+    } else if legacy_2023 && topic == topics::LEGACY_REQUEST_TOPIC {
+        Some(Dialect::Legacy2023)
+    } else {
+        None
+    }
+}
+
+/// Checks a request's Response Topic (the rules that disconnect). Call
+/// before acknowledging the PUBLISH: a client that is disconnected for it
+/// gets no PUBACK.
+pub fn check_response_topic(properties: &PublishProperties) -> Result<(), Violation> {
+    let Some(topic) = &properties.response_topic else {
+        return Ok(());
+    };
+    if topics::is_reserved_response_topic(topic) {
+        return Err((
+            DisconnectReasonCode::NotAuthorized,
+            format!("response topic {topic} is reserved"),
+        ));
+    }
+    if topic.is_empty() || !protocol::valid_topic(topic) {
+        return Err((
+            DisconnectReasonCode::ProtocolError,
+            "response topic is not a valid topic name".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Decides what to do with a request whose Response Topic passed
+/// [`check_response_topic`] (see the module docs for the order).
+pub fn admit<'a>(
+    payload: &'a [u8],
+    properties: &'a PublishProperties,
+    qos: u8,
+    dialect: Dialect,
+) -> Admission<'a> {
+    let Some(topic) = properties.response_topic.clone() else {
+        return Admission::Ignore;
+    };
+    let reply_to = ReplyTo {
+        topic,
+        // A copy: a slice would keep the whole read buffer alive for as
+        // long as the router keeps the response.
+        correlation: properties
+            .correlation_data
+            .as_deref()
+            .map(Bytes::copy_from_slice),
+    };
+    if qos == 0 {
+        return Admission::Refuse(reply_to, "requests must be published with QoS 1");
+    }
+    if reply_to.correlation.is_none() {
+        return Admission::Refuse(reply_to, "requests must carry correlation data");
+    }
+    let property = |name: &str| {
+        properties
+            .user_properties
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let request = Request {
+        payload,
+        timestamp: property("__ts"),
+        fencing_token: property("__ft"),
+        persist: property("aio-persistence").is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        dialect,
+    };
+    Admission::Serve(request, reply_to)
+}
+
+/// The response to a request: `payload` on the Response Topic, with the
+/// request's Correlation Data, `__stat` = `200` and `__ts` = `timestamp`.
+pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direct {
+    Direct {
+        topic: Bytes::from(reply_to.topic),
+        payload: Bytes::from(payload),
+        properties: PublishProperties {
+            correlation_data: reply_to.correlation,
+            content_type: Some(CONTENT_TYPE.to_owned()),
+            user_properties: vec![
+                ("__stat".to_owned(), "200".to_owned()),
+                ("__ts".to_owned(), timestamp),
+                ("__protVer".to_owned(), "1.0".to_owned()),
+            ],
+            ..PublishProperties::default()
+        },
+        qos: 1,
+    }
+}
+
+/// The notifications of `notice`, one per watcher, each on the watcher's
+/// own notification topic, with `__ts` = the key's version.
+pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
+    let payload = Bytes::from(notice.payload());
+    notice.watchers.iter().map(move |watcher| {
+        let message = Direct {
+            topic: Bytes::from(topics::notification_topic(watcher, &notice.key)),
+            payload: payload.clone(),
+            properties: PublishProperties {
+                content_type: Some(CONTENT_TYPE.to_owned()),
+                user_properties: vec![
+                    ("__ts".to_owned(), notice.version.clone()),
+                    ("__protVer".to_owned(), "1.0".to_owned()),
+                ],
+                ..PublishProperties::default()
+            },
+            qos: 1,
+        };
+        (&**watcher, message)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use statestore::Event;
+
+    const RESPONSE: &str = "clients/c1/services/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke/response";
+
+    fn props(response_topic: Option<&str>, correlation: Option<&[u8]>) -> PublishProperties {
+        PublishProperties {
+            response_topic: response_topic.map(str::to_owned),
+            correlation_data: correlation.map(Bytes::copy_from_slice),
+            user_properties: vec![
+                ("__ts".into(), "1:0:c1".into()),
+                ("__ft".into(), "2:0:c1".into()),
+                ("aio-persistence".into(), "TRUE".into()),
+                ("__srcId".into(), "someone-else".into()),
+            ],
+            ..PublishProperties::default()
+        }
+    }
+
+    #[test]
+    fn request_topics() {
+        assert_eq!(dialect(topics::REQUEST_TOPIC, false), Some(Dialect::V1));
+        assert_eq!(
+            dialect(topics::LEGACY_REQUEST_TOPIC, true),
+            Some(Dialect::Legacy2023)
+        );
+        assert_eq!(dialect(topics::LEGACY_REQUEST_TOPIC, false), None);
+        assert_eq!(dialect("sensors/temp", true), None);
+    }
+
+    #[test]
+    fn response_topics_that_disconnect() {
+        for reserved in [
+            topics::REQUEST_TOPIC.to_owned(),
+            topics::LEGACY_REQUEST_TOPIC.to_owned(),
+            format!("{}/x", topics::NOTIFY_NAMESPACE),
+        ] {
+            let code = check_response_topic(&props(Some(&reserved), Some(b"c")))
+                .unwrap_err()
+                .0;
+            assert_eq!(code, DisconnectReasonCode::NotAuthorized, "{reserved}");
+        }
+        for invalid in ["", "a/+/b", "a/#"] {
+            let code = check_response_topic(&props(Some(invalid), Some(b"c")))
+                .unwrap_err()
+                .0;
+            assert_eq!(code, DisconnectReasonCode::ProtocolError, "{invalid:?}");
+        }
+        assert!(check_response_topic(&props(Some(RESPONSE), None)).is_ok());
+        assert!(check_response_topic(&props(None, None)).is_ok());
+    }
+
+    #[test]
+    fn admission() {
+        let no_topic = props(None, Some(b"c"));
+        assert!(matches!(
+            admit(b"x", &no_topic, 1, Dialect::V1),
+            Admission::Ignore
+        ));
+        let p = props(Some(RESPONSE), Some(b"c"));
+        match admit(b"x", &p, 0, Dialect::V1) {
+            Admission::Refuse(to, text) => {
+                assert_eq!(to.topic, RESPONSE);
+                assert_eq!(text, "requests must be published with QoS 1");
+            }
+            other => panic!("{other:?}"),
+        }
+        let uncorrelated = props(Some(RESPONSE), None);
+        assert!(matches!(
+            admit(b"x", &uncorrelated, 1, Dialect::V1),
+            Admission::Refuse(_, "requests must carry correlation data")
+        ));
+        match admit(b"payload", &p, 1, Dialect::Legacy2023) {
+            Admission::Serve(request, to) => {
+                assert_eq!(request.payload, b"payload");
+                assert_eq!(request.timestamp, Some("1:0:c1"));
+                assert_eq!(request.fencing_token, Some("2:0:c1"));
+                assert!(request.persist);
+                assert_eq!(request.dialect, Dialect::Legacy2023);
+                assert_eq!(to.correlation.as_deref(), Some(&b"c"[..]));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn user(message: &Direct, name: &str) -> Option<String> {
+        message
+            .properties
+            .user_properties
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn response_properties() {
+        let to = ReplyTo {
+            topic: RESPONSE.into(),
+            correlation: Some(Bytes::from_static(b"corr")),
+        };
+        let r = response(to, b"-ERR syntax error\r\n".to_vec(), "1:2:n".into());
+        assert_eq!((&r.topic[..], r.qos), (RESPONSE.as_bytes(), 1));
+        assert_eq!(r.properties.content_type.as_deref(), Some(CONTENT_TYPE));
+        assert_eq!(r.properties.correlation_data.as_deref(), Some(&b"corr"[..]));
+        assert_eq!(user(&r, "__stat").as_deref(), Some("200"));
+        assert_eq!(user(&r, "__ts").as_deref(), Some("1:2:n"));
+        assert_eq!(user(&r, "__protVer").as_deref(), Some("1.0"));
+    }
+
+    #[test]
+    fn notification_per_watcher() {
+        let notice = Notice {
+            key: b"k".to_vec(),
+            event: Event::Delete,
+            version: "5:0:n".into(),
+            watchers: vec!["a".into(), "b".into()],
+        };
+        let all: Vec<_> = notifications(&notice).collect();
+        assert_eq!(all.len(), 2);
+        for (watcher, n) in all {
+            assert_eq!(n.topic, topics::notification_topic(watcher, b"k"));
+            assert_eq!(&n.payload[..], b"*2\r\n$6\r\nNOTIFY\r\n$6\r\nDELETE\r\n");
+            assert_eq!(user(&n, "__ts").as_deref(), Some("5:0:n"));
+            assert_eq!(user(&n, "__stat"), None);
+            assert_eq!(n.properties.content_type.as_deref(), Some(CONTENT_TYPE));
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! The state store inside the broker.
+//!
+//! - [`binding`]: the MQTT face: which PUBLISH is a request and whether it
+//!   may be served; the properties of responses and notifications.
+//! - [`service`]: the [`statestore::Store`] behind a lock, the expiry timer,
+//!   and the hand-off to persistence before anything is answered.
+//! - [`persistence`]: persisted keys on disk, group commit, recovery.
+
+pub mod binding;
+pub mod persistence;
+pub mod service;
+
+pub use service::StateStoreService;
