@@ -29,108 +29,44 @@
 //! client's KEYNOTIFY registrations of this connection are dropped, and its
 //! will is scheduled unless it said a normal goodbye.
 
+mod end;
 mod handshake;
+mod inbound;
+mod link;
 mod outbound;
 mod socket;
 mod subscriptions;
-
-use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::Bytes;
 use rumqttd::Notification;
-use rumqttd::local::{LinkRx, LinkTx};
 use rumqttd::protocol::{
-    self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, PubAck,
-    PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason, Publish, PublishProperties, QoS,
-    SubAck, Subscribe, SubscribeProperties, UnsubAck, UnsubAckReason, Unsubscribe,
+    self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, UnsubAck, UnsubAckReason,
+    Unsubscribe, UnsubscribeProperties,
 };
 use statestore::{Caller, Dialect};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::codec::{CodecError, Incoming, Protocol};
+use crate::codec::{Incoming, Protocol};
 use crate::config::Listener;
 use crate::publisher::Publisher;
-use crate::router::{Router, poll_once};
-use crate::sessions::{Sessions, Sub, ToConnection};
+use crate::sessions::{Sessions, ToConnection};
 use crate::shared::Shared;
 use crate::store::StateStoreService;
 use crate::store::binding::{self, Admission};
 use crate::topics;
-use crate::will::Will;
+use end::End;
 use handshake::{Refusal, Terms};
+use inbound::Inbound;
+use link::RouterLink;
 use outbound::{DirectWindow, RouterAcks};
 use socket::Socket;
 pub(crate) use socket::Stream;
 use subscriptions::PendingRefusals;
-
-/// How a connection ended.
-#[derive(Debug)]
-enum End {
-    /// The socket closed without DISCONNECT.
-    Closed,
-    /// A socket error.
-    Io(std::io::Error),
-    /// DISCONNECT from the client; `will`: it asked for its will anyway.
-    Goodbye { will: bool },
-    /// Nothing received for 1.5 times the keep-alive.
-    KeepAlive,
-    /// The router dropped the link: another connection took the client id,
-    /// or the router refused something.
-    RouterClosed,
-    /// Another connection took the client id (the broker says so).
-    TakenOver,
-    /// The broker is stopping.
-    Shutdown,
-    /// The client broke a rule; the reason goes out in DISCONNECT (MQTT 5).
-    Violation(DisconnectReasonCode, String),
-}
-
-impl From<CodecError> for End {
-    fn from(e: CodecError) -> End {
-        let code = match &e {
-            CodecError::TooLarge(_) => DisconnectReasonCode::PacketTooLarge,
-            CodecError::Malformed(_) => DisconnectReasonCode::MalformedPacket,
-            CodecError::Protocol(_) | CodecError::UnsupportedLevel(_) => {
-                DisconnectReasonCode::ProtocolError
-            }
-        };
-        End::Violation(code, e.to_string())
-    }
-}
-
-impl End {
-    /// The DISCONNECT reason an MQTT 5 client is told (none where the
-    /// client ended it), and the text for the log.
-    fn reason(&self) -> (Option<DisconnectReasonCode>, String) {
-        match self {
-            End::Closed => (None, "socket closed".to_owned()),
-            End::Io(e) => (None, format!("socket error: {e}")),
-            End::Goodbye { will } => (None, format!("DISCONNECT (will: {will})")),
-            End::KeepAlive => (
-                Some(DisconnectReasonCode::KeepAliveTimeout),
-                "keep-alive timeout".to_owned(),
-            ),
-            End::RouterClosed => (
-                Some(DisconnectReasonCode::SessionTakenOver),
-                "session taken over or closed by the router".to_owned(),
-            ),
-            End::TakenOver => (
-                Some(DisconnectReasonCode::SessionTakenOver),
-                "session taken over by a new connection".to_owned(),
-            ),
-            End::Shutdown => (
-                Some(DisconnectReasonCode::ServerShuttingDown),
-                "broker stopping".to_owned(),
-            ),
-            End::Violation(code, text) => (Some(*code), text.clone()),
-        }
-    }
-}
 
 /// Serves one accepted stream until it closes.
 pub(crate) async fn serve<S: Stream>(
@@ -175,7 +111,8 @@ pub(crate) async fn serve<S: Stream>(
     // A persistent session joins the router now (the router knows whether
     // the session exists); a clean one when it first needs the router.
     let (link, session_present) = if terms.clean_start {
-        (None, false)
+        let link = RouterLink::new(shared.router.clone(), client_id.clone(), true);
+        (link, false)
     } else {
         match shared.router.link_async(client_id.clone(), false).await {
             Ok((tx, rx, connack)) => {
@@ -183,7 +120,9 @@ pub(crate) async fn serve<S: Stream>(
                     Option::<Packet>::from(connack),
                     Some(Packet::ConnAck(ack, _)) if ack.session_present
                 );
-                (Some(Link { tx, rx }), present)
+                let link =
+                    RouterLink::linked(shared.router.clone(), client_id.clone(), false, tx, rx);
+                (link, present)
             }
             Err(e) => {
                 tracing::error!(%peer, client_id, error = %e, "router refused the connection");
@@ -216,15 +155,11 @@ pub(crate) async fn serve<S: Stream>(
         client_id,
         socket,
         link,
-        router: shared.router.clone(),
-        to_router: Vec::new(),
         idle_limit: terms.idle_limit(),
         last_heard: Instant::now(),
         max_packet_size: listener.max_packet_size,
-        topic_alias_max,
-        aliases: HashMap::new(),
+        inbound: Inbound::new(topic_alias_max),
         refused_filters: PendingRefusals::default(),
-        awaiting_pubrel: HashSet::new(),
         router_acks: RouterAcks::default(),
         direct_rx,
         direct: DirectWindow::new(terms.receive_maximum),
@@ -238,21 +173,7 @@ pub(crate) async fn serve<S: Stream>(
     let end = conn.run(shared.shutdown.clone()).await;
     conn.finish(&end).await;
 
-    let will = match (&end, hello.will) {
-        (End::Goodbye { will: false } | End::Shutdown, _) | (_, None) => None,
-        (_, Some(will)) => {
-            let delay = hello
-                .will_properties
-                .as_ref()
-                .and_then(|p| p.delay_interval)
-                .unwrap_or(0);
-            Some(Will {
-                will,
-                properties: hello.will_properties,
-                delay: Duration::from_secs(u64::from(delay.min(terms.session_expiry))),
-            })
-        }
-    };
+    let will = end.will(hello.will, hello.will_properties, terms.session_expiry);
     shared.wills.disconnected(&conn.client_id, id, will);
     drop(permit);
 }
@@ -262,21 +183,16 @@ struct Connection<S> {
     client_id: String,
     own_hex: String,
     socket: Socket<S>,
-    /// The connection's link to the router, once it has one.
-    link: Option<Link>,
-    router: Router,
-    /// Packets for the router from the current read, sent in one batch.
-    to_router: Vec<Packet>,
+    /// The link to the router, made on first need.
+    link: RouterLink,
     /// How long the client may stay silent (1.5 times its keep-alive).
     idle_limit: Option<Duration>,
     last_heard: Instant,
     max_packet_size: usize,
-    topic_alias_max: u16,
-    aliases: HashMap<u16, Bytes>,
+    /// Topic aliases and QoS 2 state of the client's publishes.
+    inbound: Inbound,
     /// Refused filters waiting for the router's SUBACK.
     refused_filters: PendingRefusals,
-    /// QoS 2 publishes answered here, waiting for PUBREL.
-    awaiting_pubrel: HashSet<u16>,
     /// The router's QoS 1/2 deliveries the client has not acknowledged.
     router_acks: RouterAcks,
     /// Direct deliveries and takeover notices (see [`crate::sessions`]).
@@ -288,22 +204,6 @@ struct Connection<S> {
     sessions: Arc<Sessions>,
     clean_start: bool,
     legacy_2023: bool,
-}
-
-/// A connection's link to the router.
-struct Link {
-    tx: LinkTx,
-    rx: LinkRx,
-}
-
-/// The next notification from the router; never, without a link.
-async fn next_notification(
-    link: &mut Option<Link>,
-) -> Result<Option<Notification>, rumqttd::local::LinkError> {
-    match link {
-        Some(link) => link.rx.next().await,
-        None => std::future::pending().await,
-    }
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
@@ -335,23 +235,21 @@ impl<S: Stream> Connection<S> {
                         Ok(_) => {
                             self.last_heard = Instant::now();
                             let read = self.read_packets();
-                            self.forward().await?;
+                            self.link.flush().await?;
                             read?;
                         }
                     }
                 }
-                notification = next_notification(&mut self.link) => {
+                notification = self.link.next() => {
                     match notification {
                         Ok(Some(n)) => {
                             self.on_router_notification(n)?;
                             // Take everything else the router has ready before writing.
-                            while let Some(Ok(Some(n))) =
-                                self.link.as_mut().and_then(|l| poll_once(l.rx.next()))
-                            {
+                            while let Some(n) = self.link.next_ready() {
                                 self.on_router_notification(n)?;
                             }
                             // Acknowledgements of dropped publishes.
-                            self.forward().await?;
+                            self.link.flush().await?;
                         }
                         Ok(None) => {}
                         Err(_) => return Err(End::RouterClosed),
@@ -371,11 +269,7 @@ impl<S: Stream> Connection<S> {
             }
             if self.unscheduled {
                 self.unscheduled = false;
-                if let Some(link) = &self.link
-                    && link.rx.wake().await.is_err()
-                {
-                    return Err(End::RouterClosed);
-                }
+                self.link.wake().await?;
             }
         }
     }
@@ -393,16 +287,10 @@ impl<S: Stream> Connection<S> {
         match packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, qos, pkid),
             Packet::PubRel(pubrel, properties) => {
-                if self.awaiting_pubrel.remove(&pubrel.pkid) {
-                    self.socket.queue(Packet::PubComp(
-                        PubComp {
-                            pkid: pubrel.pkid,
-                            reason: PubCompReason::Success,
-                        },
-                        None,
-                    ));
-                } else if self.link.is_some() {
-                    self.to_router.push(Packet::PubRel(pubrel, properties));
+                if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
+                    self.socket.queue(pubcomp);
+                } else if self.link.is_linked() {
+                    self.link.push(Packet::PubRel(pubrel, properties));
                 }
                 Ok(())
             }
@@ -431,20 +319,20 @@ impl<S: Stream> Connection<S> {
                     .acknowledged(ack.pkid, protocol, &mut self.socket.wbuf);
                 Ok(())
             }
-            Packet::PubAck(ack, properties) if self.link.is_some() => {
+            Packet::PubAck(ack, properties) if self.link.is_linked() => {
                 let pkid = ack.pkid;
-                self.to_router.push(Packet::PubAck(ack, properties));
-                self.router_acks.acknowledged(pkid, &mut self.to_router);
+                self.link.push(Packet::PubAck(ack, properties));
+                self.router_acks.acknowledged(pkid, self.link.batch());
                 Ok(())
             }
-            Packet::PubRec(rec, properties) if self.link.is_some() => {
+            Packet::PubRec(rec, properties) if self.link.is_linked() => {
                 let pkid = rec.pkid;
-                self.to_router.push(Packet::PubRec(rec, properties));
-                self.router_acks.acknowledged(pkid, &mut self.to_router);
+                self.link.push(Packet::PubRec(rec, properties));
+                self.router_acks.acknowledged(pkid, self.link.batch());
                 Ok(())
             }
-            ack @ Packet::PubComp(..) if self.link.is_some() => {
-                self.to_router.push(ack);
+            ack @ Packet::PubComp(..) if self.link.is_linked() => {
+                self.link.push(ack);
                 Ok(())
             }
             // Without a link the router sent nothing: nothing to acknowledge.
@@ -465,7 +353,9 @@ impl<S: Stream> Connection<S> {
     ) -> Result<(), End> {
         // Resolve topic aliases here, so every check below sees the topic.
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
-            self.resolve_alias(&mut publish, alias)?;
+            self.inbound
+                .resolve_alias(&mut publish, alias)
+                .map_err(|(code, why)| End::Violation(code, why))?;
         }
         let topic = match std::str::from_utf8(&publish.topic) {
             Ok(t) if !t.is_empty() && protocol::valid_topic(t) => t,
@@ -488,60 +378,14 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
-        self.to_router.push(Packet::Publish(publish, properties));
+        self.link.push(Packet::Publish(publish, properties));
         Ok(())
-    }
-
-    /// Replaces an aliased empty topic by the one the alias stands for, or
-    /// records the alias for a topic.
-    fn resolve_alias(&mut self, publish: &mut Publish, alias: u16) -> Result<(), End> {
-        if alias == 0 || alias > self.topic_alias_max {
-            return Err(End::Violation(
-                DisconnectReasonCode::TopicAliasInvalid,
-                format!("topic alias {alias} out of range"),
-            ));
-        }
-        if !publish.topic.is_empty() {
-            self.aliases.insert(alias, publish.topic.clone());
-            return Ok(());
-        }
-        match self.aliases.get(&alias) {
-            Some(topic) => {
-                publish.topic = topic.clone();
-                Ok(())
-            }
-            None => Err(End::Violation(
-                DisconnectReasonCode::ProtocolError,
-                format!("unknown topic alias {alias}"),
-            )),
-        }
     }
 
     /// Acknowledges a publish handled here (not by the router).
     fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
-        // 3.1.1 has no negative acknowledgement: a refused publish is acked and dropped.
-        let success = accepted || self.socket.protocol == Protocol::V4;
-        match qos {
-            1 => {
-                let reason = if success {
-                    PubAckReason::Success
-                } else {
-                    PubAckReason::NotAuthorized
-                };
-                self.socket
-                    .queue(Packet::PubAck(PubAck { pkid, reason }, None));
-            }
-            2 => {
-                let reason = if success {
-                    PubRecReason::Success
-                } else {
-                    PubRecReason::NotAuthorized
-                };
-                self.awaiting_pubrel.insert(pkid);
-                self.socket
-                    .queue(Packet::PubRec(PubRec { pkid, reason }, None));
-            }
-            _ => {}
+        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
+            self.socket.queue(ack);
         }
     }
 
@@ -565,7 +409,7 @@ impl<S: Stream> Connection<S> {
             return Err(End::Violation(code, why));
         }
         // A QoS 2 duplicate of a request already executed: acknowledge again only.
-        let duplicate = qos == 2 && self.awaiting_pubrel.contains(&pkid);
+        let duplicate = self.inbound.is_duplicate(qos, pkid);
         self.ack(qos, pkid, true);
         if duplicate {
             return Ok(());
@@ -612,16 +456,8 @@ impl<S: Stream> Connection<S> {
         }
         self.refused_filters.hold(pkid, checked.refused);
         let id = properties.as_ref().and_then(|p| p.id);
-        for filter in &checked.allowed {
-            let qos = match filter.qos {
-                QoS::AtMostOnce => 0,
-                QoS::AtLeastOnce => 1,
-                QoS::ExactlyOnce => 2,
-            };
-            self.sessions
-                .subscribe(&self.client_id, &filter.path, Sub { qos, id });
-        }
-        self.to_router.push(Packet::Subscribe(
+        subscriptions::mirror(&self.sessions, &self.client_id, &checked.allowed, id);
+        self.link.push(Packet::Subscribe(
             Subscribe {
                 pkid,
                 filters: checked.allowed,
@@ -633,7 +469,7 @@ impl<S: Stream> Connection<S> {
     fn on_unsubscribe(
         &mut self,
         unsubscribe: Unsubscribe,
-        properties: Option<rumqttd::protocol::UnsubscribeProperties>,
+        properties: Option<UnsubscribeProperties>,
     ) {
         for filter in &unsubscribe.filters {
             self.sessions.unsubscribe(&self.client_id, filter);
@@ -647,43 +483,9 @@ impl<S: Stream> Connection<S> {
             None,
         ));
         // Without a link the router holds no subscription to remove.
-        if self.link.is_some() {
-            self.to_router
-                .push(Packet::Unsubscribe(unsubscribe, properties));
+        if self.link.is_linked() {
+            self.link.push(Packet::Unsubscribe(unsubscribe, properties));
         }
-    }
-
-    /// Sends what was gathered for the router, with one wake-up; joins the
-    /// router first if this connection has not yet.
-    async fn forward(&mut self) -> Result<(), End> {
-        let Some(last) = self.to_router.pop() else {
-            return Ok(());
-        };
-        if self.link.is_none() {
-            match self
-                .router
-                .link_async(self.client_id.clone(), self.clean_start)
-                .await
-            {
-                Ok((tx, rx, _connack)) => self.link = Some(Link { tx, rx }),
-                Err(e) => {
-                    tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
-                    return Err(End::Violation(
-                        DisconnectReasonCode::ServerBusy,
-                        e.to_string(),
-                    ));
-                }
-            }
-        }
-        if let Some(link) = &mut self.link {
-            link.tx.buffer().extend(self.to_router.drain(..));
-            // `LinkTx::send` is an async fn that never awaits (see `poll_once`).
-            match poll_once(link.tx.send(last)) {
-                Some(Ok(_)) => {}
-                _ => return Err(End::RouterClosed),
-            }
-        }
-        Ok(())
     }
 
     /// Handles what the broker tells this connection.
@@ -715,7 +517,7 @@ impl<S: Stream> Connection<S> {
                 if let Some((qos, pkid)) = id
                     && qos > 0
                 {
-                    self.router_acks.sent(pkid, !deliver, &mut self.to_router);
+                    self.router_acks.sent(pkid, !deliver, self.link.batch());
                 }
             }
             Notification::Unschedule => self.unscheduled = true,
@@ -763,15 +565,15 @@ impl<S: Stream> Connection<S> {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.socket.flush()).await;
         self.socket.shutdown().await;
-        if self.link.is_some() && !matches!(end, End::RouterClosed) {
+        if self.link.is_linked() && !matches!(end, End::RouterClosed) {
             // The router forgets the connection (and keeps a persistent session).
-            self.to_router.push(Packet::Disconnect(
+            self.link.push(Packet::Disconnect(
                 Disconnect {
                     reason_code: DisconnectReasonCode::NormalDisconnection,
                 },
                 None,
             ));
-            let _ = self.forward().await;
+            let _ = self.link.flush().await;
         }
         self.store.connection_closed(&self.client_id, self.id);
         // No more direct deliveries; what was not acknowledged goes to the

@@ -13,9 +13,10 @@
 
 use std::collections::HashMap;
 
-use rumqttd::protocol::{self, Filter, SubAck, SubscribeReasonCode};
+use rumqttd::protocol::{self, Filter, QoS, SubAck, SubscribeReasonCode};
 
 use crate::codec::Protocol;
+use crate::sessions::{Sessions, Sub};
 use crate::topics;
 
 /// Why the broker refuses `filter` for the client whose id hex-encodes to
@@ -76,6 +77,19 @@ pub(crate) fn check(
     checked
 }
 
+/// Records the `allowed` filters (with subscription identifier `id`) in the
+/// broker's subscription mirror, as the router will record them.
+pub(crate) fn mirror(sessions: &Sessions, client_id: &str, allowed: &[Filter], id: Option<usize>) {
+    for filter in allowed {
+        let qos = match filter.qos {
+            QoS::AtMostOnce => 0,
+            QoS::AtLeastOnce => 1,
+            QoS::ExactlyOnce => 2,
+        };
+        sessions.subscribe(client_id, &filter.path, Sub { qos, id });
+    }
+}
+
 /// Refusals waiting for the router's SUBACK, by SUBSCRIBE packet id.
 #[derive(Debug, Default)]
 pub(crate) struct PendingRefusals {
@@ -104,7 +118,7 @@ impl PendingRefusals {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol::{QoS, RetainForwardRule};
+    use rumqttd::protocol::RetainForwardRule;
 
     const OWN: &str = "6331"; // "c1"
 

@@ -1,0 +1,195 @@
+//! What the client publishes: topic aliases, and the acknowledgements of
+//! publishes the connection handles itself (state store requests, refused
+//! publishes), with MQTT 5's reason codes and QoS 2's packet-id state.
+//!
+//! Ordinary publishes go to the router, which acknowledges them; the
+//! connection only resolves their aliases here.
+
+use std::collections::{HashMap, HashSet};
+
+use bytes::Bytes;
+use rumqttd::protocol::{
+    DisconnectReasonCode, Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
+    PubRecReason, Publish,
+};
+
+use crate::codec::Protocol;
+
+/// A rule the client broke: the reason code and why.
+pub(crate) type Violation = (DisconnectReasonCode, String);
+
+/// What the connection remembers of the client's publishes.
+#[derive(Debug)]
+pub(crate) struct Inbound {
+    topic_alias_max: u16,
+    aliases: HashMap<u16, Bytes>,
+    /// QoS 2 publishes acknowledged here, waiting for PUBREL.
+    awaiting_pubrel: HashSet<u16>,
+}
+
+impl Inbound {
+    /// A client may use topic aliases `1..=topic_alias_max`.
+    pub fn new(topic_alias_max: u16) -> Inbound {
+        Inbound {
+            topic_alias_max,
+            aliases: HashMap::new(),
+            awaiting_pubrel: HashSet::new(),
+        }
+    }
+
+    /// Resolves `alias` on `publish`: an empty topic becomes the one the
+    /// alias stands for; a topic sets the alias.
+    pub fn resolve_alias(&mut self, publish: &mut Publish, alias: u16) -> Result<(), Violation> {
+        if alias == 0 || alias > self.topic_alias_max {
+            return Err((
+                DisconnectReasonCode::TopicAliasInvalid,
+                format!("topic alias {alias} out of range"),
+            ));
+        }
+        if !publish.topic.is_empty() {
+            self.aliases.insert(alias, publish.topic.clone());
+            return Ok(());
+        }
+        match self.aliases.get(&alias) {
+            Some(topic) => {
+                publish.topic = topic.clone();
+                Ok(())
+            }
+            None => Err((
+                DisconnectReasonCode::ProtocolError,
+                format!("unknown topic alias {alias}"),
+            )),
+        }
+    }
+
+    /// Whether a QoS 2 publish with `pkid` was received and acknowledged
+    /// already (a retransmission before PUBREL: acknowledge again only).
+    pub fn is_duplicate(&self, qos: u8, pkid: u16) -> bool {
+        qos == 2 && self.awaiting_pubrel.contains(&pkid)
+    }
+
+    /// The acknowledgement of a publish handled here; `accepted: false`
+    /// refuses it (MQTT 5: 0x87; 3.1.1 has no negative acknowledgement, so a
+    /// refused publish is acknowledged and dropped).
+    pub fn ack(
+        &mut self,
+        protocol: Protocol,
+        qos: u8,
+        pkid: u16,
+        accepted: bool,
+    ) -> Option<Packet> {
+        let success = accepted || protocol == Protocol::V4;
+        match qos {
+            1 => {
+                let reason = if success {
+                    PubAckReason::Success
+                } else {
+                    PubAckReason::NotAuthorized
+                };
+                Some(Packet::PubAck(PubAck { pkid, reason }, None))
+            }
+            2 => {
+                let reason = if success {
+                    PubRecReason::Success
+                } else {
+                    PubRecReason::NotAuthorized
+                };
+                self.awaiting_pubrel.insert(pkid);
+                Some(Packet::PubRec(PubRec { pkid, reason }, None))
+            }
+            _ => None,
+        }
+    }
+
+    /// PUBREL `pkid`: the PUBCOMP, if the publish was handled here (else
+    /// it is the router's to answer).
+    pub fn release(&mut self, pkid: u16) -> Option<Packet> {
+        self.awaiting_pubrel.remove(&pkid).then(|| {
+            Packet::PubComp(
+                PubComp {
+                    pkid,
+                    reason: PubCompReason::Success,
+                },
+                None,
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish(topic: &str) -> Publish {
+        Publish::new(topic.to_owned(), "x".to_owned(), false)
+    }
+
+    #[test]
+    fn topic_aliases() {
+        let mut inbound = Inbound::new(10);
+        let mut p = publish("a/b");
+        inbound.resolve_alias(&mut p, 3).unwrap();
+        let mut aliased = publish("");
+        inbound.resolve_alias(&mut aliased, 3).unwrap();
+        assert_eq!(&aliased.topic[..], b"a/b");
+        // An alias can be set again to another topic.
+        inbound.resolve_alias(&mut publish("c"), 3).unwrap();
+        let mut aliased = publish("");
+        inbound.resolve_alias(&mut aliased, 3).unwrap();
+        assert_eq!(&aliased.topic[..], b"c");
+        let code = |r: Result<(), Violation>| r.unwrap_err().0;
+        assert_eq!(
+            code(inbound.resolve_alias(&mut publish("x"), 11)),
+            DisconnectReasonCode::TopicAliasInvalid
+        );
+        assert_eq!(
+            code(inbound.resolve_alias(&mut publish("x"), 0)),
+            DisconnectReasonCode::TopicAliasInvalid
+        );
+        assert_eq!(
+            code(inbound.resolve_alias(&mut publish(""), 4)),
+            DisconnectReasonCode::ProtocolError
+        );
+    }
+
+    #[test]
+    fn acknowledgements_per_protocol_and_qos() {
+        let mut inbound = Inbound::new(0);
+        assert!(inbound.ack(Protocol::V5, 0, 0, true).is_none());
+        match inbound.ack(Protocol::V5, 1, 7, false) {
+            Some(Packet::PubAck(ack, None)) => {
+                assert_eq!((ack.pkid, ack.reason), (7, PubAckReason::NotAuthorized))
+            }
+            other => panic!("{other:?}"),
+        }
+        match inbound.ack(Protocol::V4, 1, 7, false) {
+            Some(Packet::PubAck(ack, None)) => assert_eq!(ack.reason, PubAckReason::Success),
+            other => panic!("{other:?}"),
+        }
+        match inbound.ack(Protocol::V5, 2, 9, false) {
+            Some(Packet::PubRec(rec, None)) => {
+                assert_eq!((rec.pkid, rec.reason), (9, PubRecReason::NotAuthorized))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn qos_2_state_by_packet_id() {
+        let mut inbound = Inbound::new(0);
+        assert!(!inbound.is_duplicate(2, 5));
+        inbound.ack(Protocol::V5, 2, 5, true);
+        assert!(inbound.is_duplicate(2, 5), "retransmitted before PUBREL");
+        assert!(
+            !inbound.is_duplicate(1, 5),
+            "QoS 1 is never a duplicate here"
+        );
+        assert!(inbound.release(6).is_none(), "not ours: the router's");
+        match inbound.release(5) {
+            Some(Packet::PubComp(comp, None)) => assert_eq!(comp.pkid, 5),
+            other => panic!("{other:?}"),
+        }
+        assert!(!inbound.is_duplicate(2, 5), "released");
+        assert!(inbound.release(5).is_none());
+    }
+}

@@ -1,0 +1,157 @@
+//! A connection's link to the rumqttd router, made on first need.
+//!
+//! A persistent session links at CONNECT (the router knows whether the
+//! session exists); a clean one when it first sends something for the
+//! router, so that a connection that only talks to the state store, or
+//! idles, costs the router nothing. Packets for the router are gathered
+//! while a read is handled and handed over in one batch, with one wake-up.
+
+use rumqttd::Notification;
+use rumqttd::local::{LinkError, LinkRx, LinkTx};
+use rumqttd::protocol::Packet;
+
+use crate::router::{LinkRefused, Router, poll_once};
+
+/// Why the router could not be reached.
+#[derive(Debug)]
+pub(crate) enum LinkFailure {
+    /// The router would not register the connection.
+    Refused(LinkRefused),
+    /// The router dropped the link (a takeover, or it refused a packet).
+    Closed,
+}
+
+/// The link, if made, and what waits to go through it.
+pub(crate) struct RouterLink {
+    router: Router,
+    client_id: String,
+    clean_start: bool,
+    link: Option<(LinkTx, LinkRx)>,
+    /// Packets for the router from the current read, sent in one batch.
+    batch: Vec<Packet>,
+}
+
+impl RouterLink {
+    /// A link for `client_id` that is not made yet.
+    pub fn new(router: Router, client_id: String, clean_start: bool) -> RouterLink {
+        RouterLink {
+            router,
+            client_id,
+            clean_start,
+            link: None,
+            batch: Vec::new(),
+        }
+    }
+
+    /// A link for `client_id` made already (at CONNECT).
+    pub fn linked(
+        router: Router,
+        client_id: String,
+        clean_start: bool,
+        tx: LinkTx,
+        rx: LinkRx,
+    ) -> RouterLink {
+        let mut link = RouterLink::new(router, client_id, clean_start);
+        link.link = Some((tx, rx));
+        link
+    }
+
+    /// Whether the connection has joined the router (only then has the
+    /// router anything of it to acknowledge or remove).
+    pub fn is_linked(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// Queues `packet` for the next [`RouterLink::flush`].
+    pub fn push(&mut self, packet: Packet) {
+        self.batch.push(packet);
+    }
+
+    /// The queue, for code that adds several packets.
+    pub fn batch(&mut self) -> &mut Vec<Packet> {
+        &mut self.batch
+    }
+
+    /// Sends what was queued, with one wake-up; joins the router first if
+    /// the connection has not yet.
+    pub async fn flush(&mut self) -> Result<(), LinkFailure> {
+        let Some(last) = self.batch.pop() else {
+            return Ok(());
+        };
+        if self.link.is_none() {
+            let (tx, rx, _connack) = self
+                .router
+                .link_async(self.client_id.clone(), self.clean_start)
+                .await
+                .map_err(|e| {
+                    tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
+                    LinkFailure::Refused(e)
+                })?;
+            self.link = Some((tx, rx));
+        }
+        let Some((tx, _)) = &mut self.link else {
+            return Err(LinkFailure::Closed);
+        };
+        tx.buffer().extend(self.batch.drain(..));
+        // `LinkTx::send` is an async fn that never awaits (see `poll_once`).
+        match poll_once(tx.send(last)) {
+            Some(Ok(_)) => Ok(()),
+            _ => Err(LinkFailure::Closed),
+        }
+    }
+
+    /// The next notification from the router; never, without a link.
+    pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
+        match &mut self.link {
+            Some((_, rx)) => rx.next().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The next notification if the router has one ready now.
+    pub fn next_ready(&mut self) -> Option<Notification> {
+        let (_, rx) = self.link.as_mut()?;
+        match poll_once(rx.next()) {
+            Some(Ok(Some(n))) => Some(n),
+            _ => None,
+        }
+    }
+
+    /// Tells the router this connection wants to be scheduled again (after
+    /// it said `Unschedule`).
+    pub async fn wake(&self) -> Result<(), LinkFailure> {
+        match &self.link {
+            Some((_, rx)) => rx.wake().await.map_err(|_| LinkFailure::Closed),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttd::protocol::Publish;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn joins_the_router_only_when_something_is_sent() {
+        let router = Router::spawn(
+            0,
+            rumqttd::RouterConfig {
+                max_connections: 10,
+                max_segment_size: 1 << 20,
+                max_segment_count: 2,
+                max_outgoing_packet_count: 10,
+                ..rumqttd::RouterConfig::default()
+            },
+        );
+        let mut link = RouterLink::new(router, "c".into(), true);
+        link.flush().await.unwrap();
+        assert!(!link.is_linked(), "nothing to send: no link");
+        assert!(link.next_ready().is_none());
+        link.push(Packet::Publish(Publish::new("t", "x", false), None));
+        link.push(Packet::Publish(Publish::new("t", "y", false), None));
+        link.flush().await.unwrap();
+        assert!(link.is_linked());
+        assert!(link.batch().is_empty(), "the batch went out");
+    }
+}
