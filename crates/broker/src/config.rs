@@ -220,11 +220,6 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// The embedded default.
-    pub fn default_config() -> Settings {
-        Settings::load(None, None).expect("the embedded default configuration is valid")
-    }
-
     /// The embedded default, listening on `addr` only and keeping
     /// everything in memory (no data directory): for tests and tools.
     pub fn listening_on(addr: SocketAddr) -> Settings {

@@ -293,8 +293,9 @@ impl Sessions {
         })
     }
 
-    /// Number of client ids with state (for tests).
-    pub fn tracked(&self) -> usize {
+    /// Number of client ids with state.
+    #[cfg(test)]
+    fn tracked(&self) -> usize {
         self.inner.read().clients.len()
     }
 }

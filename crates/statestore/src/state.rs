@@ -51,8 +51,11 @@ pub struct Restored {
     pub expired: Vec<Vec<u8>>,
 }
 
-/// The store's data and clock.
+/// The store's data and clock, and what the request being served causes.
 pub(crate) struct State {
+    /// Notifications and durable writes of the current request, taken by
+    /// [`State::take_effects`].
+    fx: Effects,
     db: Db,
     watchers: Watchers,
     clock: HybridClock,
@@ -64,6 +67,7 @@ pub(crate) struct State {
 impl State {
     pub(crate) fn new(config: Config) -> State {
         State {
+            fx: Effects::default(),
             db: Db::new(),
             watchers: Watchers::default(),
             clock: HybridClock::starting_after(Version::default()),
@@ -134,13 +138,13 @@ impl State {
 
     /// Hands out a new version for a change, raising the clock mark first
     /// when the version comes near it.
-    pub(crate) fn new_version(&mut self, now: u64, received: &Hlc, fx: &mut Effects) -> Version {
+    pub(crate) fn new_version(&mut self, now: u64, received: &Hlc) -> Version {
         let version = self.clock.next(now, Some(received));
         if let Some(lease) = self.config.clock_lease_ms
             && version.wall_ms.saturating_add(lease / 2) >= self.clock_mark
         {
             self.clock_mark = version.wall_ms.saturating_add(lease);
-            fx.writes.push(Write::ClockMark(self.clock_mark));
+            self.fx.writes.push(Write::ClockMark(self.clock_mark));
         }
         version
     }
@@ -175,20 +179,20 @@ impl State {
 
     /// Deletes `key` (which must exist), tells its watchers, and returns the
     /// version it had.
-    pub(crate) fn delete(&mut self, key: &[u8], fx: &mut Effects) -> Version {
+    pub(crate) fn delete(&mut self, key: &[u8]) -> Version {
         let entry = self.db.remove(key).expect("deleting a key that exists");
         if entry.persisted() {
-            fx.writes.push(Write::Delete(key.to_vec()));
+            self.fx.writes.push(Write::Delete(key.to_vec()));
         }
-        self.changed(key, Event::Delete, entry.version(), fx);
+        self.changed(key, Event::Delete, entry.version());
         entry.version()
     }
 
     /// Records a notification for the watchers of `key`, if there are any.
-    pub(crate) fn changed(&self, key: &[u8], event: Event, version: Version, fx: &mut Effects) {
+    pub(crate) fn changed(&mut self, key: &[u8], event: Event, version: Version) {
         let watchers = self.watchers.of_key(key);
         if !watchers.is_empty() {
-            fx.notices.push(Notice {
+            self.fx.notices.push(Notice {
                 key: key.to_vec(),
                 event,
                 version: version.format(&self.config.node_id),
@@ -197,14 +201,24 @@ impl State {
         }
     }
 
+    /// Records a durable write for the current request.
+    pub(crate) fn persist(&mut self, write: Write) {
+        self.fx.writes.push(write);
+    }
+
+    /// What the requests served since the last call caused.
+    pub(crate) fn take_effects(&mut self) -> Effects {
+        std::mem::take(&mut self.fx)
+    }
+
     /// Removes the keys that expired by `now_ms`, recording their DELETE
     /// notifications and the deletes to persist.
-    pub(crate) fn expire_into(&mut self, now_ms: u64, fx: &mut Effects) {
+    pub(crate) fn expire(&mut self, now_ms: u64) {
         for entry in self.db.expire_due(now_ms) {
             if entry.persisted() {
-                fx.writes.push(Write::Delete(entry.key().to_vec()));
+                self.fx.writes.push(Write::Delete(entry.key().to_vec()));
             }
-            self.changed(entry.key(), Event::Delete, entry.version(), fx);
+            self.changed(entry.key(), Event::Delete, entry.version());
         }
     }
 

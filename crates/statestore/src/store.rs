@@ -106,14 +106,14 @@ impl Store {
     /// assert_eq!(out.payload, b"$5\r\nhello\r\n");
     /// ```
     pub fn execute(&mut self, request: &Request<'_>, caller: Caller<'_>, now_ms: u64) -> Outcome {
-        let mut fx = Effects::default();
-        self.state.expire_into(now_ms, &mut fx);
+        self.state.expire(now_ms);
         let mut command = None;
-        let result = self.run(request, caller, now_ms, &mut fx, &mut command);
+        let result = self.run(request, caller, now_ms, &mut command);
         let (frame, version, error) = match result {
             Ok(answer) => (answer.frame, answer.version, None),
             Err(e) => (e.frame(), self.state.clock_now(now_ms), Some(e)),
         };
+        let fx = self.state.take_effects();
         Outcome {
             payload: frame.to_vec(),
             timestamp: version.format(&self.state.config().node_id),
@@ -129,7 +129,6 @@ impl Store {
         request: &Request<'_>,
         caller: Caller<'_>,
         now: u64,
-        fx: &mut Effects,
         name: &mut Option<&'static str>,
     ) -> Result<crate::command::Answer, Error> {
         let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
@@ -145,7 +144,7 @@ impl Store {
             persist: request.persist,
             caller,
         };
-        command.apply(&mut self.state, &ctx, fx)
+        command.apply(&mut self.state, &ctx)
     }
 
     /// Answers a request the broker refused before it reached the store
@@ -173,9 +172,8 @@ impl Store {
     /// broker calls it when [`Store::next_expiry`] is due; [`Store::execute`]
     /// calls it first thing.
     pub fn expire(&mut self, now_ms: u64) -> Effects {
-        let mut fx = Effects::default();
-        self.state.expire_into(now_ms, &mut fx);
-        fx
+        self.state.expire(now_ms);
+        self.state.take_effects()
     }
 
     /// When the next key expires, if any does.

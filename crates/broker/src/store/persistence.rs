@@ -467,4 +467,31 @@ mod tests {
             let _ = last_complete_batch(&one[..len]);
         }
     }
+
+    /// The journal layout `last_complete_batch` reads is fjall's private
+    /// format: this writes real batches with the pinned fjall and finds the
+    /// last one, so a fjall release that changes the layout fails here.
+    #[test]
+    fn reads_a_real_fjall_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(dir.path()).unwrap();
+        for (key, value) in [(&b"first"[..], &b"1"[..]), (b"second-key", b"value two")] {
+            let mut batch = engine.db.batch();
+            batch.insert(&engine.keys, key, value);
+            batch.commit().unwrap();
+        }
+        engine.db.persist(PersistMode::SyncAll).unwrap();
+        let journal = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "jnl"))
+            .expect("a journal file");
+        let bytes = std::fs::read(&journal).unwrap();
+        let (start, end) = last_complete_batch(&bytes).expect("a complete batch");
+        let last = &bytes[start..end];
+        let contains = |needle: &[u8]| last.windows(needle.len()).any(|w| w == needle);
+        assert!(contains(b"second-key") && contains(b"value two"));
+        assert!(!contains(b"first"), "only the last batch");
+        assert!(last.ends_with(b"FJL\x03"));
+    }
 }

@@ -9,7 +9,7 @@ use crate::db::Entry;
 use crate::error::Error;
 use crate::fencing;
 use crate::resp3::Frame;
-use crate::state::{Ctx, Effects, State};
+use crate::state::{Ctx, State};
 
 /// A parsed DEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,13 +25,8 @@ impl<'a> Del<'a> {
         Ok(Del { key })
     }
 
-    pub(crate) fn apply(
-        self,
-        state: &mut State,
-        ctx: &Ctx<'_>,
-        fx: &mut Effects,
-    ) -> Result<Answer, Error> {
-        delete(state, ctx, fx, self.key, None)
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+        delete(state, ctx, self.key, None)
     }
 }
 
@@ -42,7 +37,6 @@ impl<'a> Del<'a> {
 pub(super) fn delete(
     state: &mut State,
     ctx: &Ctx<'_>,
-    fx: &mut Effects,
     key: &[u8],
     expected: Option<&[u8]>,
 ) -> Result<Answer, Error> {
@@ -59,7 +53,7 @@ pub(super) fn delete(
             version: entry.version(),
         });
     }
-    let version = state.delete(key, fx);
+    let version = state.delete(key);
     Ok(Answer {
         frame: Frame::Integer(1),
         version,

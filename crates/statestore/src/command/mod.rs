@@ -32,7 +32,7 @@ pub use vdel::VDel;
 use crate::error::Error;
 use crate::hlc::Version;
 use crate::resp3::Frame;
-use crate::state::{Ctx, Effects, State};
+use crate::state::{Ctx, State};
 
 /// Which generation of the protocol a request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -121,17 +121,12 @@ impl<'a> Command<'a> {
         }
     }
 
-    pub(crate) fn apply(
-        self,
-        state: &mut State,
-        ctx: &Ctx<'_>,
-        fx: &mut Effects,
-    ) -> Result<Answer, Error> {
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         match self {
-            Command::Set(cmd) => cmd.apply(state, ctx, fx),
+            Command::Set(cmd) => cmd.apply(state, ctx),
             Command::Get(cmd) => cmd.apply(state, ctx),
-            Command::Del(cmd) => cmd.apply(state, ctx, fx),
-            Command::VDel(cmd) => cmd.apply(state, ctx, fx),
+            Command::Del(cmd) => cmd.apply(state, ctx),
+            Command::VDel(cmd) => cmd.apply(state, ctx),
             Command::KeyNotify(cmd) => cmd.apply(state, ctx),
             Command::Scan(cmd) => cmd.apply(state, ctx),
         }

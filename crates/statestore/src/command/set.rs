@@ -24,7 +24,7 @@ use crate::fencing;
 use crate::notify::Event;
 use crate::persist::{Record, Write};
 use crate::resp3::Frame;
-use crate::state::{Ctx, Effects, State};
+use crate::state::{Ctx, State};
 
 /// When a SET applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -83,12 +83,7 @@ impl<'a> Set<'a> {
         })
     }
 
-    pub(crate) fn apply(
-        self,
-        state: &mut State,
-        ctx: &Ctx<'_>,
-        fx: &mut Effects,
-    ) -> Result<Answer, Error> {
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         let timestamp = ctx.timestamp.as_ref().ok_or(Error::TimestampMissing)?;
         let existing = state.get(self.key);
         fencing::check(
@@ -119,9 +114,9 @@ impl<'a> Set<'a> {
                 || existing.is_some_and(Entry::persisted)
                 || state.config().persist_policy.persists(self.key),
         };
-        let version = state.new_version(ctx.now, timestamp, fx);
+        let version = state.new_version(ctx.now, timestamp);
         if extras.persisted {
-            fx.writes.push(Write::Put(Record {
+            state.persist(Write::Put(Record {
                 key: self.key.to_vec(),
                 value: self.value.to_vec(),
                 version,
@@ -130,7 +125,7 @@ impl<'a> Set<'a> {
             }));
         }
         state.put(Entry::new(self.key, self.value, version, extras));
-        state.changed(self.key, Event::Set(self.value.to_vec()), version, fx);
+        state.changed(self.key, Event::Set(self.value.to_vec()), version);
         Ok(Answer {
             frame: Frame::Simple("OK"),
             version,

@@ -7,7 +7,7 @@
 
 use super::{Answer, Parse};
 use crate::error::Error;
-use crate::state::{Ctx, Effects, State};
+use crate::state::{Ctx, State};
 
 /// A parsed VDEL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,12 +26,7 @@ impl<'a> VDel<'a> {
         Ok(VDel { key, value })
     }
 
-    pub(crate) fn apply(
-        self,
-        state: &mut State,
-        ctx: &Ctx<'_>,
-        fx: &mut Effects,
-    ) -> Result<Answer, Error> {
-        super::del::delete(state, ctx, fx, self.key, Some(self.value))
+    pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+        super::del::delete(state, ctx, self.key, Some(self.value))
     }
 }
