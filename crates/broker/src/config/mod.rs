@@ -14,16 +14,20 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use statestore::persist::PersistPolicy;
 use std::time::Duration;
+
+mod sections;
+
+pub use sections::{BrokerSection, PersistenceSection, QuotaSection, StoreSection};
+use sections::{KNOWN_SECTIONS, Sections, UNSUPPORTED};
 
 /// How far ahead of the clock the persisted clock mark runs (see
 /// `statestore::persist`): at most one mark write per half of it.
 const CLOCK_LEASE_MS: u64 = 10_000;
 
 /// The embedded default configuration.
-pub const DEFAULT_CONFIG: &str = include_str!("../../../rumqttd.toml");
+pub const DEFAULT_CONFIG: &str = include_str!("../../../../rumqttd.toml");
 
 /// Environment variable prefix for overrides.
 pub const ENV_PREFIX: &str = "STATEBROKER";
@@ -66,68 +70,6 @@ fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid(message.into())
 }
 
-/// Top-level keys a configuration may have.
-const KNOWN_SECTIONS: &[&str] = &[
-    "id",
-    "router",
-    "v4",
-    "v5",
-    "ws",
-    "cluster",
-    "console",
-    "bridge",
-    "prometheus",
-    "metrics",
-    "broker",
-    "statestore",
-    "persistence",
-];
-
-/// Sections of rumqttd's format that statebroker does not implement: a
-/// configuration with one is refused at start rather than silently ignored.
-const UNSUPPORTED: &[(&str, &str)] = &[
-    ("bridge", "bridges are not supported by statebroker"),
-    ("cluster", "clustering is not supported by statebroker"),
-    (
-        "console",
-        "rumqttd's console is not supported by statebroker; remove the section",
-    ),
-    (
-        "metrics",
-        "metrics are not implemented yet; remove the section",
-    ),
-    (
-        "prometheus",
-        "a Prometheus endpoint is not implemented yet; remove the section",
-    ),
-    (
-        "ws",
-        "WebSocket listeners are not implemented yet; use [v5.*] (MQTT over TCP)",
-    ),
-];
-
-/// statebroker's own sections.
-#[derive(Deserialize)]
-struct Sections {
-    broker: BrokerSection,
-    statestore: StoreSection,
-    persistence: PersistenceSection,
-}
-
-/// `[persistence]`
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct PersistenceSection {
-    /// Data directory; empty for memory only.
-    pub data_dir: String,
-    /// `fsync` or `interval`.
-    pub mode: String,
-    /// fsync period in `interval` mode.
-    pub interval_ms: u64,
-    /// Keys persisted by configuration.
-    pub keys: Vec<String>,
-}
-
 /// Deserializes the layered configuration, naming the full path of a bad field.
 fn deserialize<T: serde::de::DeserializeOwned>(layered: &config::Config) -> Result<T, ConfigError> {
     serde_path_to_error::deserialize(layered.clone()).map_err(|e| {
@@ -139,48 +81,6 @@ fn deserialize<T: serde::de::DeserializeOwned>(layered: &config::Config) -> Resu
             invalid(format!("{path}: {inner}"))
         }
     })
-}
-
-/// `[broker]`
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct BrokerSection {
-    /// Upper bound on client keep-alive, seconds; 0 for none.
-    pub max_keep_alive_secs: u16,
-    /// Topic aliases a client may use towards the broker.
-    pub topic_alias_max: u16,
-    /// Serve the 2023 request topic.
-    pub legacy_2023_topic: bool,
-}
-
-/// `[statestore]`
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct StoreSection {
-    /// Node id of versions.
-    pub node_id: String,
-    /// Allowed clock skew of `__ts` / `__ft`, milliseconds.
-    pub max_clock_skew_ms: u64,
-    /// Keys per SCAN page.
-    pub scan_page_size: usize,
-    /// KEYNOTIFY registrations per client.
-    pub max_watches_per_client: usize,
-    /// `[statestore.quota]`
-    pub quota: QuotaSection,
-}
-
-/// `[statestore.quota]`
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaSection {
-    /// Number of keys.
-    pub max_keys: u64,
-    /// Bytes of keys and values.
-    pub max_bytes: u64,
-    /// Bytes of one key.
-    pub max_key_size: usize,
-    /// Bytes of one value.
-    pub max_value_size: usize,
 }
 
 /// One address the broker listens on.

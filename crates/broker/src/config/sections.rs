@@ -1,0 +1,109 @@
+//! What each section of the configuration file may hold: statebroker's own
+//! sections (`[broker]`, `[statestore]`, `[persistence]`), which top-level
+//! sections exist, and which of rumqttd's are refused.
+
+use serde::Deserialize;
+
+/// Top-level keys a configuration may have.
+pub(super) const KNOWN_SECTIONS: &[&str] = &[
+    "id",
+    "router",
+    "v4",
+    "v5",
+    "ws",
+    "cluster",
+    "console",
+    "bridge",
+    "prometheus",
+    "metrics",
+    "broker",
+    "statestore",
+    "persistence",
+];
+
+/// Sections of rumqttd's format that statebroker does not implement: a
+/// configuration with one is refused at start rather than silently ignored.
+pub(super) const UNSUPPORTED: &[(&str, &str)] = &[
+    ("bridge", "bridges are not supported by statebroker"),
+    ("cluster", "clustering is not supported by statebroker"),
+    (
+        "console",
+        "rumqttd's console is not supported by statebroker; remove the section",
+    ),
+    (
+        "metrics",
+        "metrics are not implemented yet; remove the section",
+    ),
+    (
+        "prometheus",
+        "a Prometheus endpoint is not implemented yet; remove the section",
+    ),
+    (
+        "ws",
+        "WebSocket listeners are not implemented yet; use [v5.*] (MQTT over TCP)",
+    ),
+];
+
+/// statebroker's own sections.
+#[derive(Deserialize)]
+pub(super) struct Sections {
+    pub broker: BrokerSection,
+    pub statestore: StoreSection,
+    pub persistence: PersistenceSection,
+}
+
+/// `[persistence]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PersistenceSection {
+    /// Data directory; empty for memory only.
+    pub data_dir: String,
+    /// `fsync` or `interval`.
+    pub mode: String,
+    /// fsync period in `interval` mode.
+    pub interval_ms: u64,
+    /// Keys persisted by configuration.
+    pub keys: Vec<String>,
+}
+
+/// `[broker]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct BrokerSection {
+    /// Upper bound on client keep-alive, seconds; 0 for none.
+    pub max_keep_alive_secs: u16,
+    /// Topic aliases a client may use towards the broker.
+    pub topic_alias_max: u16,
+    /// Serve the 2023 request topic.
+    pub legacy_2023_topic: bool,
+}
+
+/// `[statestore]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// Node id of versions.
+    pub node_id: String,
+    /// Allowed clock skew of `__ts` / `__ft`, milliseconds.
+    pub max_clock_skew_ms: u64,
+    /// Keys per SCAN page.
+    pub scan_page_size: usize,
+    /// KEYNOTIFY registrations per client.
+    pub max_watches_per_client: usize,
+    /// `[statestore.quota]`
+    pub quota: QuotaSection,
+}
+
+/// `[statestore.quota]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Number of keys.
+    pub max_keys: u64,
+    /// Bytes of keys and values.
+    pub max_bytes: u64,
+    /// Bytes of one key.
+    pub max_key_size: usize,
+    /// Bytes of one value.
+    pub max_value_size: usize,
+}
