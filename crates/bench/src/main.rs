@@ -16,6 +16,7 @@
 
 mod idle;
 mod load;
+mod pubsub;
 mod responder;
 
 use std::net::SocketAddr;
@@ -41,6 +42,62 @@ enum Mode {
     Fill(FillArgs),
     /// Open N MQTT connections and hold them idle.
     Idle(IdleArgs),
+    /// Publish/subscribe load: pairs, fan-in or fan-out, QoS 0/1/2, with
+    /// end-to-end latency and exact lost and duplicated counts.
+    ///
+    /// Example: statebroker-bench pubsub --pattern fan-out --clients 64 --qos 1
+    #[command(name = "pubsub")]
+    PubSub(PubSubArgs),
+}
+
+/// Who publishes to whom.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Pattern {
+    /// N publishers, N subscribers, each publisher to its own subscriber.
+    Pairs,
+    /// N publishers, one subscriber of all their topics.
+    FanIn,
+    /// One publisher, N subscribers of its topic.
+    FanOut,
+}
+
+/// Options of `pubsub`.
+#[derive(Args, Debug, Clone)]
+pub struct PubSubArgs {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    pub target: SocketAddr,
+    /// Who publishes to whom.
+    #[arg(long, value_enum, default_value_t = Pattern::Pairs)]
+    pub pattern: Pattern,
+    /// N: pairs, publishers (fan-in) or subscribers (fan-out).
+    #[arg(short = 'n', long, default_value_t = 64)]
+    pub clients: usize,
+    /// QoS of publishes and subscriptions (0, 1 or 2).
+    #[arg(long, default_value_t = 1)]
+    pub qos: u8,
+    /// Payload bytes (at least 20: the benchmark's header).
+    #[arg(long, default_value_t = 64)]
+    pub payload: usize,
+    /// Messages a publisher keeps on their way, per subscriber of its topic.
+    #[arg(long, default_value_t = 32)]
+    pub window: usize,
+    /// Measured seconds (after the warm-up).
+    #[arg(short, long, default_value_t = 10.0)]
+    pub duration: f64,
+    /// Warm-up seconds (not measured).
+    #[arg(long, default_value_t = 2.0)]
+    pub warmup: f64,
+    /// A publisher whose messages stop arriving for this long writes its
+    /// window off (they count as lost unless they arrive later).
+    #[arg(long, default_value_t = 2_000)]
+    pub timeout_ms: u64,
+    /// How long subscribers wait after the run for messages still on their way.
+    #[arg(long, default_value_t = 3_000)]
+    pub drain_ms: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Who answers the requests.
@@ -152,6 +209,7 @@ fn main() -> ExitCode {
             Some(Mode::Responder(args)) => responder::run(args).await,
             Some(Mode::Fill(args)) => load::fill(args).await,
             Some(Mode::Idle(args)) => idle::run(args).await,
+            Some(Mode::PubSub(args)) => pubsub::run(args).await,
             None => load::run(cli.load).await,
         }
     });

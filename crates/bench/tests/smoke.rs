@@ -51,3 +51,60 @@ async fn external_responder_smoke_run() {
     assert_eq!(report["responder"], "external");
     check(&report);
 }
+
+/// A short `pubsub` run: every pattern at every QoS delivers each message
+/// exactly once to each subscriber (nothing lost, nothing twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_smoke_runs() {
+    let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    let running = broker::Broker::start(settings).await.unwrap();
+    let target = running.local_addr().to_string();
+    for (pattern, qos) in [
+        ("pairs", "1"),
+        ("fan-in", "2"),
+        ("fan-out", "0"),
+        ("fan-out", "1"),
+    ] {
+        let args = [
+            "pubsub",
+            "--target",
+            &target,
+            "--pattern",
+            pattern,
+            "--qos",
+            qos,
+            "-n",
+            "3",
+            "-d",
+            "0.5",
+            "--warmup",
+            "0.2",
+            "--json",
+        ];
+        let output = tokio::time::timeout(
+            Duration::from_secs(60),
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
+                .args(args)
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("bench finishes")
+        .expect("bench runs");
+        assert!(
+            output.status.success(),
+            "{pattern} QoS {qos}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(report["lost"], 0, "{report}");
+        assert_eq!(report["duplicated"], 0, "{report}");
+        assert_eq!(report["failed_connections"], 0, "{report}");
+        assert!(report["sent"].as_u64().unwrap() > 0, "{report}");
+        assert_eq!(report["received"], report["expected"], "{report}");
+        assert!(
+            report["messages_per_sec"].as_f64().unwrap() > 0.0,
+            "{report}"
+        );
+    }
+}
