@@ -108,30 +108,26 @@ impl Outgoing {
         buffer.len()
     }
 
-    /// Push packets to the outgoing buffer.
+    /// Push packets to the outgoing buffer. Each publish goes out at its own
+    /// QoS (statebroker: the smaller of the publish's and the
+    /// subscription's, set by the caller); only QoS 1 and 2 publishes take a
+    /// packet id and an inflight slot.
     pub fn push_forwards(
         &mut self,
         publishes: impl Iterator<Item = Forward>,
-        qos: u8,
+        _qos: u8,
         filter_idx: usize,
     ) -> (usize, usize) {
         let mut buffer = self.data_buffer.lock();
-        let publishes = publishes;
-
-        if qos == 0 {
-            for p in publishes {
-                self.meter.publish_count += 1;
-                buffer.push_back(Notification::Forward(p));
-                // self.meter.total_size += p.len();
-            }
-
-            // self.meter.update_data_rate(total_size);
-            let buffer_count = buffer.len();
-            let inflight_count = self.inflight_buffer.len();
-            return (buffer_count, inflight_count);
-        }
 
         for mut p in publishes {
+            self.meter.publish_count += 1;
+            if p.publish.qos == crate::protocol::QoS::AtMostOnce {
+                p.publish.pkid = 0;
+                buffer.push_back(Notification::Forward(p));
+                continue;
+            }
+
             // Index and pkid of current outgoing packet
             self.last_pkid += 1;
             p.publish.pkid = self.last_pkid;
@@ -144,7 +140,6 @@ impl Outgoing {
                 self.last_pkid = 0;
             }
 
-            self.meter.publish_count += 1;
             self.meter.total_size += p.publish.topic.len() + p.publish.payload.len();
             buffer.push_back(Notification::Forward(p));
         }

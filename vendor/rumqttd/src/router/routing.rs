@@ -1561,7 +1561,9 @@ fn forward_device_data(
     let forwards = publishes
         .into_iter()
         .map(|((mut publish, mut properties), offset)| {
-            publish.qos = protocol::qos(qos).unwrap();
+            // MQTT 5 3.8.4: delivered at the smaller of the publish's QoS and
+            // the subscription's (statebroker patch 1).
+            publish.qos = protocol::qos(qos.min(publish.qos as u8)).unwrap();
 
             // if there is some topic alias to use, set it in publish properties
             if topic_alias.is_some() {
