@@ -133,3 +133,134 @@ async fn delivered_qos_is_the_minimum_of_publish_and_subscription() {
         c.no_publish_within(Duration::from_millis(100)).await;
     }
 }
+
+fn filter(path: &str, qos: QoS, tweak: impl FnOnce(&mut Filter)) -> Filter {
+    let mut f = Filter::new(path, qos);
+    tweak(&mut f);
+    f
+}
+
+/// MQTT 5 3.8.3.1 No Local: a subscriber with No Local does not get its
+/// own publishes back; others' it does, and without No Local its own too.
+#[tokio::test]
+async fn no_local() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut local = Raw::connect(addr, "nl-self").await;
+    let codes = subscribe_with(
+        &mut local,
+        filter("nl/t", QoS::AtLeastOnce, |f| f.nolocal = true),
+    )
+    .await;
+    assert_eq!(codes, vec![SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
+    let mut plain = Raw::connect(addr, "nl-plain").await;
+    subscribe_with(&mut plain, filter("nl/t", QoS::AtLeastOnce, |_| {})).await;
+
+    publish_complete(&mut local, "nl/t", b"mine", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut plain).await;
+    assert_eq!(&p.payload[..], b"mine");
+    ack(&mut plain, &p).await;
+    local.no_publish_within(Duration::from_millis(200)).await;
+
+    publish_complete(&mut plain, "nl/t", b"theirs", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut local).await;
+    assert_eq!(&p.payload[..], b"theirs");
+    ack(&mut local, &p).await;
+    let p = next_raw_publish(&mut plain).await;
+    assert_eq!(&p.payload[..], b"theirs", "no No Local: its own comes back");
+    ack(&mut plain, &p).await;
+}
+
+/// MQTT 5 3.3.1.3 and 3.8.3.1 Retain As Published: a retained publish
+/// reaches existing subscribers with RETAIN 0, unless they asked to keep
+/// the flag; a new subscription gets the retained message with RETAIN 1.
+#[tokio::test]
+async fn retain_as_published() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut keeps = Raw::connect(addr, "rap-keeps").await;
+    subscribe_with(
+        &mut keeps,
+        filter("rap/t", QoS::AtLeastOnce, |f| f.preserve_retain = true),
+    )
+    .await;
+    let mut clears = Raw::connect(addr, "rap-clears").await;
+    subscribe_with(&mut clears, filter("rap/t", QoS::AtLeastOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "rap-pub").await;
+    publish_complete(&mut publisher, "rap/t", b"r1", QoS::AtLeastOnce, true).await;
+    publish_complete(&mut publisher, "rap/t", b"plain", QoS::AtLeastOnce, false).await;
+    for (c, retained_flag) in [(&mut keeps, true), (&mut clears, false)] {
+        let p = next_raw_publish(c).await;
+        assert_eq!((&p.payload[..], p.retain), (&b"r1"[..], retained_flag));
+        ack(c, &p).await;
+        let p = next_raw_publish(c).await;
+        assert_eq!((&p.payload[..], p.retain), (&b"plain"[..], false));
+        ack(c, &p).await;
+    }
+    let mut late = Raw::connect(addr, "rap-late").await;
+    subscribe_with(&mut late, filter("rap/t", QoS::AtLeastOnce, |_| {})).await;
+    let p = next_raw_publish(&mut late).await;
+    assert_eq!((&p.payload[..], p.retain), (&b"r1"[..], true));
+}
+
+/// MQTT 5 3.8.3.1 Retain Handling: 0 sends the retained messages on every
+/// SUBSCRIBE, 1 only when the subscription is new, 2 never.
+#[tokio::test]
+async fn retain_handling() {
+    use v5::RetainForwardRule as Rule;
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "rh-pub").await;
+    publish_complete(&mut publisher, "rh/t", b"kept", QoS::AtLeastOnce, true).await;
+    let rule = |r: Rule| filter("rh/t", QoS::AtLeastOnce, move |f| f.retain_forward_rule = r);
+
+    let mut every = Raw::connect(addr, "rh-every").await;
+    for round in 0..2 {
+        subscribe_with(&mut every, rule(Rule::OnEverySubscribe)).await;
+        let p = next_raw_publish(&mut every).await;
+        assert_eq!(
+            (&p.payload[..], p.retain),
+            (&b"kept"[..], true),
+            "round {round}"
+        );
+        ack(&mut every, &p).await;
+    }
+    every.no_publish_within(Duration::from_millis(100)).await;
+
+    let mut new_only = Raw::connect(addr, "rh-new").await;
+    subscribe_with(&mut new_only, rule(Rule::OnNewSubscribe)).await;
+    let p = next_raw_publish(&mut new_only).await;
+    assert_eq!(&p.payload[..], b"kept");
+    ack(&mut new_only, &p).await;
+    subscribe_with(&mut new_only, rule(Rule::OnNewSubscribe)).await;
+    new_only.no_publish_within(Duration::from_millis(200)).await;
+
+    let mut never = Raw::connect(addr, "rh-never").await;
+    subscribe_with(&mut never, rule(Rule::Never)).await;
+    never.no_publish_within(Duration::from_millis(200)).await;
+    // The subscription itself works.
+    publish_complete(&mut publisher, "rh/t", b"live", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut never).await;
+    assert_eq!((&p.payload[..], p.retain), (&b"live"[..], false));
+}
+
+/// MQTT 5 3.8.4: a SUBSCRIBE for a filter the client already has replaces
+/// the subscription's options (here its QoS), without a second copy.
+#[tokio::test]
+async fn subscribing_again_replaces_the_options() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "resub").await;
+    subscribe_with(&mut sub, filter("resub/t", QoS::AtMostOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "resub-pub").await;
+    publish_complete(&mut publisher, "resub/t", b"a", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!((&p.payload[..], p.qos), (&b"a"[..], QoS::AtMostOnce));
+    let codes = subscribe_with(&mut sub, filter("resub/t", QoS::AtLeastOnce, |_| {})).await;
+    assert_eq!(codes, vec![SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
+    publish_complete(&mut publisher, "resub/t", b"b", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!((&p.payload[..], p.qos), (&b"b"[..], QoS::AtLeastOnce));
+    ack(&mut sub, &p).await;
+    sub.no_publish_within(Duration::from_millis(200)).await;
+}

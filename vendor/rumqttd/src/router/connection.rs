@@ -33,6 +33,9 @@ pub struct Connection {
     pub(crate) broker_topic_aliases: Option<BrokerAliases>,
     /// subscription IDs for a connection
     pub(crate) subscription_ids: HashMap<Filter, usize>,
+    /// The client id, shared with the log entries of its publishes
+    /// (statebroker patch 2: No Local).
+    pub(crate) origin: std::sync::Arc<str>,
 }
 
 impl Connection {
@@ -55,6 +58,7 @@ impl Connection {
         };
 
         Connection {
+            origin: std::sync::Arc::from(client_id.as_str()),
             client_id,
             tenant_prefix,
             dynamic_filters,

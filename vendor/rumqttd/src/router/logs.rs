@@ -22,6 +22,8 @@ pub struct PublishData {
     pub publish: Publish,
     pub properties: Option<PublishProperties>,
     pub timestamp: Instant,
+    /// Client id of the publisher, for No Local (statebroker patch 2).
+    pub origin: Option<std::sync::Arc<str>>,
 }
 
 impl From<PubWithProp> for PublishData {
@@ -30,6 +32,7 @@ impl From<PubWithProp> for PublishData {
             publish,
             properties,
             timestamp: Instant::now(),
+            origin: None,
         }
     }
 }
@@ -172,11 +175,14 @@ impl DataLog {
         (filter_idx, data.log.next_offset())
     }
 
+    /// Reads up to `len` entries from `offset`, leaving out expired messages
+    /// and those published by `exclude_origin` (No Local).
     pub fn native_readv(
         &self,
         filter_idx: FilterIdx,
         offset: Offset,
         len: u64,
+        exclude_origin: Option<&str>,
     ) -> io::Result<(Position, Vec<(PubWithProp, Offset)>)> {
         // unwrap to get index of `self.native` is fine here, because when a new subscribe packet
         // arrives in `Router::handle_device_payload`, it first calls the function
@@ -192,6 +198,9 @@ impl DataLog {
 
         let now = Instant::now();
         o.retain_mut(|(pubdata, _)| {
+            if exclude_origin.is_some() && pubdata.origin.as_deref() == exclude_origin {
+                return false;
+            }
             // Keep data if no properties exists, which implies no message expiry!
             let Some(properties) = pubdata.properties.as_mut() else {
                 return true;

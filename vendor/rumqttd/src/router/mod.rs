@@ -196,6 +196,13 @@ pub struct DataRequest {
     max_count: usize,
     pub(crate) forward_retained: bool,
     pub(crate) group: Option<String>,
+    /// MQTT 5 No Local: skip the connection's own publishes (statebroker patch 2).
+    #[serde(default)]
+    pub(crate) nolocal: bool,
+    /// MQTT 5 Retain As Published: keep the RETAIN flag of forwarded
+    /// publishes (statebroker patch 2).
+    #[serde(default)]
+    pub(crate) preserve_retain: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

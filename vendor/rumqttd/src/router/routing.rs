@@ -5,6 +5,7 @@ use crate::protocol::{
     SubscribeReasonCode, UnsubAck, UnsubAckReason,
 };
 use crate::router::alertlog::alert;
+use crate::router::logs::PublishData;
 use crate::router::scheduler::{PauseReason, Tracker};
 use crate::router::{ConnectionEvents, Forward};
 use crate::segments::Position;
@@ -957,14 +958,20 @@ impl Router {
                 .insert(filter_path.clone(), subscription_id);
         }
 
-        // check is group is None because retained messages aren't sent
-        // for shared subscriptions
-        // TODO: use retain forward rules
-        let forward_retained = group.is_none();
-
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
         // i.e. its a new subscription
-        if connection.subscriptions.insert(filter_path.clone()) {
+        let new_subscription = connection.subscriptions.insert(filter_path.clone());
+
+        // Retained messages are never sent for shared subscriptions; for
+        // others the Retain Handling option decides (statebroker patch 2).
+        let forward_retained = group.is_none()
+            && match filter.retain_forward_rule {
+                protocol::RetainForwardRule::OnEverySubscribe => true,
+                protocol::RetainForwardRule::OnNewSubscribe => new_subscription,
+                protocol::RetainForwardRule::Never => false,
+            };
+
+        if new_subscription {
             let request = DataRequest {
                 filter: filter_path.clone(),
                 filter_idx,
@@ -972,19 +979,33 @@ impl Router {
                 cursor,
                 read_count: 0,
                 max_count: 100,
-                // set true for new subscriptions
                 forward_retained,
                 group,
+                nolocal: filter.nolocal,
+                preserve_retain: filter.preserve_retain,
             };
 
             self.scheduler.track(id, request);
             self.scheduler.reschedule(id, ScheduleReason::NewFilter);
             debug_assert!(self.scheduler.check_tracker_duplicates(id).is_none())
+        } else {
+            // A subscription to a filter the connection has already
+            // replaces the old one's options (MQTT 5 3.8.4), and sends the
+            // retained messages again with Retain Handling 0.
+            let update = |request: &mut DataRequest| {
+                request.qos = filter.qos as u8;
+                request.nolocal = filter.nolocal;
+                request.preserve_retain = filter.preserve_retain;
+                request.forward_retained |= forward_retained;
+            };
+            if let Some(request) = self.scheduler.request_mut(id, filter_path) {
+                update(request);
+            } else if let Some(mut request) = self.datalog.remove_waiters_for_id(id, filter_path) {
+                update(&mut request);
+                self.scheduler.track(id, request);
+            }
+            self.scheduler.reschedule(id, ScheduleReason::NewFilter);
         }
-
-        // TODO: figure out how we can update existing DataRequest
-        // helpful in re-subscriptions and forwarding retained messages on
-        // every subscribe
 
         let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
         meter.register_subscription(filter_path.clone());
@@ -1233,9 +1254,8 @@ fn append_to_commitlog(
         datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
     }
 
-    // after recording retained message, we also send that message to existing subscribers
-    // as normal publish message. Therefore we are setting retain to false
-    publish.retain = false;
+    // The log keeps the RETAIN flag: forwarding clears it unless the
+    // subscription asked for Retain As Published (statebroker patch 2).
     let pkid = publish.pkid;
 
     let filter_idxs = datalog.matches(topic);
@@ -1253,8 +1273,13 @@ fn append_to_commitlog(
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
         let datalog = datalog.native.get_mut(filter_idx).unwrap();
-        let publish_data = (publish.clone(), properties.clone());
-        let (offset, filter) = datalog.append(publish_data.into(), notifications);
+        let publish_data = PublishData {
+            publish: publish.clone(),
+            properties: properties.clone(),
+            timestamp: std::time::Instant::now(),
+            origin: Some(connection.origin.clone()),
+        };
+        let (offset, filter) = datalog.append(publish_data, notifications);
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,
@@ -1475,8 +1500,9 @@ fn forward_device_data(
         request.forward_retained = false;
     }
 
+    let exclude_origin = request.nolocal.then_some(&*connection.origin);
     let (next, publishes_from_datalog) =
-        match datalog.native_readv(request.filter_idx, request.cursor, inflight_slots) {
+        match datalog.native_readv(request.filter_idx, request.cursor, inflight_slots, exclude_origin) {
             Ok(v) => v,
             Err(e) => {
                 error!(error = ?e, "Failed to read from commitlog {}", e);
@@ -1532,6 +1558,7 @@ fn forward_device_data(
     );
 
     let qos = request.qos;
+    let preserve_retain = request.preserve_retain;
     let filter_idx = request.filter_idx;
     request.read_count += publishes.len();
     request.cursor = next;
@@ -1564,6 +1591,12 @@ fn forward_device_data(
             // MQTT 5 3.8.4: delivered at the smaller of the publish's QoS and
             // the subscription's (statebroker patch 1).
             publish.qos = protocol::qos(qos.min(publish.qos as u8)).unwrap();
+            // Retained messages sent for the subscription keep RETAIN (they
+            // come without an offset); others keep it only with Retain As
+            // Published (statebroker patch 2).
+            if offset.is_some() && !preserve_retain {
+                publish.retain = false;
+            }
 
             // if there is some topic alias to use, set it in publish properties
             if topic_alias.is_some() {

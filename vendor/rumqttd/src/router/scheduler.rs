@@ -49,6 +49,16 @@ impl Scheduler {
         tracker.register_data_request(request);
     }
 
+    /// The tracked data request of `id` for `filter`, if it is tracked
+    /// (not parked among a log's waiters).
+    pub fn request_mut(&mut self, id: ConnectionId, filter: &str) -> Option<&mut DataRequest> {
+        self.trackers
+            .get_mut(id)?
+            .data_requests
+            .iter_mut()
+            .find(|request| request.filter == filter)
+    }
+
     pub fn untrack(&mut self, id: ConnectionId, filter: &Filter) {
         let tracker = self.trackers.get_mut(id).unwrap();
         tracker.unregister_data_request(filter.clone());
