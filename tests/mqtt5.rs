@@ -264,3 +264,40 @@ async fn subscribing_again_replaces_the_options() {
     ack(&mut sub, &p).await;
     sub.no_publish_within(Duration::from_millis(200)).await;
 }
+
+/// MQTT 5 3.3.1.3: every matching retained message reaches a new
+/// subscription, however many there are, at QoS 0 as at QoS 1 (the
+/// router used to send 100 at QoS 1/2 and 200 at QoS 0).
+#[tokio::test]
+async fn every_retained_message_reaches_a_new_subscription() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "many-ret-pub").await;
+    let count = 500;
+    for n in 0..count {
+        let topic = format!("many/{n}");
+        let mut publish = Publish::new(topic, QoS::AtLeastOnce, format!("{n}"), None);
+        publish.retain = true;
+        publish.pkid = publisher.pkid();
+        publisher.send(Packet::Publish(publish)).await;
+    }
+    for _ in 0..count {
+        assert!(matches!(
+            publisher.recv().await,
+            Recv::Packet(Packet::PubAck(_))
+        ));
+    }
+    for qos in [QoS::AtLeastOnce, QoS::AtMostOnce] {
+        let mut sub = Raw::connect(addr, &format!("many-ret-sub-{}", qos as u8)).await;
+        subscribe_with(&mut sub, filter("many/#", qos, |_| {})).await;
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < count {
+            let p = next_raw_publish(&mut sub).await;
+            assert!(p.retain);
+            assert_eq!(p.qos, qos);
+            ack(&mut sub, &p).await;
+            assert!(seen.insert(p.payload.clone()), "twice: {:?}", p.payload);
+        }
+        sub.no_publish_within(Duration::from_millis(200)).await;
+    }
+}

@@ -203,6 +203,10 @@ pub struct DataRequest {
     /// publishes (statebroker patch 2).
     #[serde(default)]
     pub(crate) preserve_retain: bool,
+    /// Retained messages still to send for this subscription (statebroker
+    /// patch 3: all of them, as inflight room allows).
+    #[serde(skip)]
+    pub(crate) retained: VecDeque<(Publish, Option<PublishProperties>)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -983,6 +983,7 @@ impl Router {
                 group,
                 nolocal: filter.nolocal,
                 preserve_retain: filter.preserve_retain,
+                retained: VecDeque::new(),
             };
 
             self.scheduler.track(id, request);
@@ -1486,23 +1487,30 @@ fn forward_device_data(
 
     let mut publishes = Vec::new();
 
+    // statebroker patch 3: every matching retained message is sent, queued
+    // on the request and handed out as inflight room allows (the router
+    // used to drop all but the first `inflight_slots` of them).
     if request.forward_retained {
-        // NOTE: ideally we want to limit the number of read messages
-        // and skip the messages previously read while reading next time.
-        // but for now, we just try to read all messages and drop the excess ones
-        let mut retained_publishes = datalog.read_retained_messages(&request.filter);
-        retained_publishes.truncate(inflight_slots as usize);
-
-        publishes.extend(retained_publishes.into_iter().map(|p| (p, None)));
-        inflight_slots -= publishes.len() as u64;
-
+        request.retained = datalog.read_retained_messages(&request.filter).into();
         // we only want to forward retained messages once
         request.forward_retained = false;
     }
+    if !request.retained.is_empty() {
+        let count = request.retained.len().min(inflight_slots as usize);
+        publishes.extend(request.retained.drain(..count).map(|p| (p, None)));
+        inflight_slots -= count as u64;
+    }
 
-    let exclude_origin = request.nolocal.then_some(&*connection.origin);
-    let (next, publishes_from_datalog) =
-        match datalog.native_readv(request.filter_idx, request.cursor, inflight_slots, exclude_origin) {
+    // The log is read once the retained messages are out (and while there
+    // is room): until then the cursor stays where it is.
+    let (start, next, caughtup) = if request.retained.is_empty() && inflight_slots > 0 {
+        let exclude_origin = request.nolocal.then_some(&*connection.origin);
+        let (next, publishes_from_datalog) = match datalog.native_readv(
+            request.filter_idx,
+            request.cursor,
+            inflight_slots,
+            exclude_origin,
+        ) {
             Ok(v) => v,
             Err(e) => {
                 error!(error = ?e, "Failed to read from commitlog {}", e);
@@ -1510,15 +1518,18 @@ fn forward_device_data(
             }
         };
 
-    publishes.extend(
-        publishes_from_datalog
-            .into_iter()
-            .map(|(p, offset)| (p, Some(offset))),
-    );
+        publishes.extend(
+            publishes_from_datalog
+                .into_iter()
+                .map(|(p, offset)| (p, Some(offset))),
+        );
 
-    let (start, next, caughtup) = match next {
-        Position::Next { start, end } => (start, end, false),
-        Position::Done { start, end } => (start, end, true),
+        match next {
+            Position::Next { start, end } => (start, end, false),
+            Position::Done { start, end } => (start, end, true),
+        }
+    } else {
+        (request.cursor, request.cursor, false)
     };
 
     if let Some(ref shared_group) = shared_group {
