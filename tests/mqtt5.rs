@@ -301,3 +301,39 @@ async fn every_retained_message_reaches_a_new_subscription() {
         sub.no_publish_within(Duration::from_millis(200)).await;
     }
 }
+
+/// MQTT 5 3.3.1.3: a retained publish with an empty payload removes the
+/// topic's retained message (and is delivered to current subscribers as
+/// usual); an empty publish without RETAIN leaves it in place.
+#[tokio::test]
+async fn only_a_retained_empty_publish_clears_the_retained_message() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "clear-pub").await;
+    let mut watcher = Raw::connect(addr, "clear-watch").await;
+    subscribe_with(&mut watcher, filter("clear/t", QoS::AtLeastOnce, |_| {})).await;
+    publish_complete(&mut publisher, "clear/t", b"x", QoS::AtLeastOnce, true).await;
+    publish_complete(&mut publisher, "clear/t", b"", QoS::AtLeastOnce, false).await;
+    for expected in [&b"x"[..], b""] {
+        let p = next_raw_publish(&mut watcher).await;
+        assert_eq!(&p.payload[..], expected);
+        ack(&mut watcher, &p).await;
+    }
+    let mut late = Raw::connect(addr, "clear-late").await;
+    subscribe_with(&mut late, filter("clear/t", QoS::AtLeastOnce, |_| {})).await;
+    let p = next_raw_publish(&mut late).await;
+    assert_eq!(
+        (&p.payload[..], p.retain),
+        (&b"x"[..], true),
+        "still retained"
+    );
+    ack(&mut late, &p).await;
+
+    publish_complete(&mut publisher, "clear/t", b"", QoS::AtLeastOnce, true).await;
+    let p = next_raw_publish(&mut watcher).await;
+    assert_eq!((&p.payload[..], p.retain), (&b""[..], false));
+    ack(&mut watcher, &p).await;
+    let mut later = Raw::connect(addr, "clear-later").await;
+    subscribe_with(&mut later, filter("clear/t", QoS::AtLeastOnce, |_| {})).await;
+    later.no_publish_within(Duration::from_millis(200)).await;
+}

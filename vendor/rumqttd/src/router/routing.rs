@@ -1249,10 +1249,15 @@ fn append_to_commitlog(
         }
     }
 
-    if publish.payload.is_empty() {
-        datalog.remove_from_retained_publishes(topic.to_owned());
-    } else if publish.retain {
-        datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
+    // MQTT 5 3.3.1.3: a retained publish replaces the topic's retained
+    // message, and with an empty payload removes it; a publish without
+    // RETAIN leaves it alone, empty or not (statebroker patch 4).
+    if publish.retain {
+        if publish.payload.is_empty() {
+            datalog.remove_from_retained_publishes(topic.to_owned());
+        } else {
+            datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
+        }
     }
 
     // The log keeps the RETAIN flag: forwarding clears it unless the
@@ -1324,10 +1329,15 @@ fn append_will_message(
         }
     }
 
-    if publish.payload.is_empty() {
-        datalog.remove_from_retained_publishes(topic.to_owned());
-    } else if publish.retain {
-        datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
+    // MQTT 5 3.3.1.3: a retained publish replaces the topic's retained
+    // message, and with an empty payload removes it; a publish without
+    // RETAIN leaves it alone, empty or not (statebroker patch 4).
+    if publish.retain {
+        if publish.payload.is_empty() {
+            datalog.remove_from_retained_publishes(topic.to_owned());
+        } else {
+            datalog.insert_to_retained_publishes(publish.clone(), properties.clone(), topic.to_owned());
+        }
     }
 
     // after recording retained message, we also send that message to existing subscribers
