@@ -337,3 +337,91 @@ async fn only_a_retained_empty_publish_clears_the_retained_message() {
     subscribe_with(&mut later, filter("clear/t", QoS::AtLeastOnce, |_| {})).await;
     later.no_publish_within(Duration::from_millis(200)).await;
 }
+
+fn expiring(secs: u32) -> Option<v5::PublishProperties> {
+    Some(v5::PublishProperties {
+        message_expiry_interval: Some(secs),
+        ..Default::default()
+    })
+}
+
+fn expiry_of(p: &Publish) -> Option<u32> {
+    p.properties.as_ref()?.message_expiry_interval
+}
+
+/// MQTT 5 3.3.2.3.3: a retained message expires on time, and each new
+/// subscriber gets the interval less the time it waited (reading it must
+/// not shorten it for the next reader).
+#[tokio::test]
+async fn retained_messages_expire_on_time() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "exp-ret-pub").await;
+    let mut publish = Publish::new("exp/ret", QoS::AtLeastOnce, "soon gone", expiring(2));
+    publish.retain = true;
+    publish.pkid = publisher.pkid();
+    publisher.send(Packet::Publish(publish)).await;
+    assert!(matches!(
+        publisher.recv().await,
+        Recv::Packet(Packet::PubAck(_))
+    ));
+    let subscribe_and_get = |name: &'static str| async move {
+        let mut c = Raw::connect(addr, name).await;
+        subscribe_with(&mut c, filter("exp/ret", QoS::AtLeastOnce, |_| {})).await;
+        c
+    };
+    let mut first = subscribe_and_get("exp-ret-a").await;
+    assert_eq!(expiry_of(&next_raw_publish(&mut first).await), Some(2));
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for name in ["exp-ret-b", "exp-ret-c"] {
+        let mut c = subscribe_and_get(name).await;
+        let p = next_raw_publish(&mut c).await;
+        assert_eq!(expiry_of(&p), Some(1), "{name}: one second waited");
+    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let mut late = subscribe_and_get("exp-ret-d").await;
+    late.no_publish_within(Duration::from_millis(200)).await;
+}
+
+/// MQTT 5 3.3.2.3.3: a message queued for an offline persistent session is
+/// not delivered once expired; one still valid arrives with the time it
+/// waited taken off its interval.
+#[tokio::test]
+async fn queued_messages_expire_while_the_subscriber_is_away() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let persistent = |c: &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)| {
+        c.0.clean_start = false;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: Some(600),
+            ..v5::ConnectProperties::new()
+        });
+    };
+    let (mut sub, _) = Raw::connect_with(addr, "exp-away", persistent).await;
+    subscribe_with(&mut sub, filter("exp/away", QoS::AtLeastOnce, |_| {})).await;
+    sub.send(Packet::Disconnect(v5::Disconnect::new(
+        v5::DisconnectReasonCode::NormalDisconnection,
+    )))
+    .await;
+    drop(sub);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut publisher = Raw::connect(addr, "exp-away-pub").await;
+    for (payload, secs) in [("short", 1), ("long", 100)] {
+        let mut publish = Publish::new("exp/away", QoS::AtLeastOnce, payload, expiring(secs));
+        publish.pkid = publisher.pkid();
+        publisher.send(Packet::Publish(publish)).await;
+        assert!(matches!(
+            publisher.recv().await,
+            Recv::Packet(Packet::PubAck(_))
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (mut sub, connack) = Raw::connect_with(addr, "exp-away", persistent).await;
+    assert!(connack.session_present);
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"long");
+    let left = expiry_of(&p).unwrap();
+    assert!((97..=98).contains(&left), "interval left: {left}");
+    ack(&mut sub, &p).await;
+    sub.no_publish_within(Duration::from_millis(200)).await;
+}

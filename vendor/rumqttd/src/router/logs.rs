@@ -282,39 +282,35 @@ impl DataLog {
         trace!(info = "reading retain msg", filter = &filter);
         let now = Instant::now();
 
-        // discard expired retained messages
-        self.retained_publishes.retain(|_, pubdata| {
-            // Keep data if no properties exists, which implies no message expiry!
-            let Some(properties) = pubdata.properties.as_mut() else {
-                return true;
-            };
+        // Discard expired retained messages. The stored interval stays as
+        // published: each reader gets the interval less the time the
+        // message waited (statebroker patch 5; the stored value used to be
+        // decremented on every read, so a message expired early).
+        self.retained_publishes
+            .retain(|_, pubdata| remaining_expiry(pubdata, now) != Some(0));
 
-            // Keep data if there is no message_expiry_interval
-            let Some(message_expiry_interval) = properties.message_expiry_interval.as_mut() else {
-                return true;
-            };
-
-            let time_spent = (now - pubdata.timestamp).as_secs() as u32;
-
-            let is_valid = time_spent < *message_expiry_interval;
-
-            // ignore expired messages
-            if is_valid {
-                // set message_expiry_interval to (original value - time spent waiting in server)
-                // ref: https://docs.oasis-open.org/mqtt/mqtt/v5.0/os/mqtt-v5.0-os.html#_Toc3901112
-                *message_expiry_interval -= time_spent;
-            }
-
-            is_valid
-        });
-
-        // no need to include timestamp when returning
         self.retained_publishes
             .iter()
             .filter(|(topic, _)| matches(topic, filter))
-            .map(|(_, p)| (p.publish.clone(), p.properties.clone()))
+            .map(|(_, p)| {
+                let mut properties = p.properties.clone();
+                if let Some(left) = remaining_expiry(p, now) {
+                    if let Some(props) = properties.as_mut() {
+                        props.message_expiry_interval = Some(left);
+                    }
+                }
+                (p.publish.clone(), properties)
+            })
             .collect()
     }
+}
+
+/// Seconds left of a message's expiry interval at `now` (0: expired), or
+/// `None` for a message that does not expire.
+fn remaining_expiry(pubdata: &PublishData, now: Instant) -> Option<u32> {
+    let interval = pubdata.properties.as_ref()?.message_expiry_interval?;
+    let waited = now.saturating_duration_since(pubdata.timestamp).as_secs();
+    Some(u32::try_from(u64::from(interval).saturating_sub(waited)).unwrap_or(0))
 }
 
 pub struct Data<T> {
