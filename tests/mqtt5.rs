@@ -425,3 +425,108 @@ async fn queued_messages_expire_while_the_subscriber_is_away() {
     ack(&mut sub, &p).await;
     sub.no_publish_within(Duration::from_millis(200)).await;
 }
+
+/// Sends a QoS 2 PUBLISH with packet id `pkid` and expects its PUBREC.
+async fn publish_qos2_until_pubrec(
+    c: &mut Raw,
+    topic: &str,
+    payload: &'static [u8],
+    pkid: u16,
+    dup: bool,
+) {
+    let mut publish = Publish::new(topic, QoS::ExactlyOnce, Bytes::from_static(payload), None);
+    publish.pkid = pkid;
+    publish.dup = dup;
+    c.send(Packet::Publish(publish)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
+        other => panic!("expected PUBREC {pkid}, got {other:?}"),
+    }
+}
+
+async fn pubrel(c: &mut Raw, pkid: u16) -> v5::PubComp {
+    c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubComp(comp)) => {
+            assert_eq!(comp.pkid, pkid);
+            comp
+        }
+        other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
+    }
+}
+
+/// MQTT 5 4.3.3: a QoS 2 message is delivered exactly once: a
+/// retransmitted PUBLISH before PUBREL is acknowledged, not delivered
+/// again; PUBREL releases the message with its packet id, in whatever
+/// order; a PUBREL for an unknown packet id gets PUBCOMP 0x92.
+#[tokio::test]
+async fn qos2_exactly_once_by_packet_id() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "eo-sub").await;
+    subscribe_with(&mut sub, filter("eo/t", QoS::ExactlyOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "eo-pub").await;
+    publish_qos2_until_pubrec(&mut publisher, "eo/t", b"seven", 7, false).await;
+    publish_qos2_until_pubrec(&mut publisher, "eo/t", b"seven", 7, true).await;
+    publish_qos2_until_pubrec(&mut publisher, "eo/t", b"eight", 8, false).await;
+    sub.no_publish_within(Duration::from_millis(100)).await;
+    // Released out of order: 8 first.
+    assert_eq!(
+        pubrel(&mut publisher, 8).await.reason,
+        v5::PubCompReason::Success
+    );
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"eight");
+    ack(&mut sub, &p).await;
+    assert_eq!(
+        pubrel(&mut publisher, 7).await.reason,
+        v5::PubCompReason::Success
+    );
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"seven");
+    ack(&mut sub, &p).await;
+    sub.no_publish_within(Duration::from_millis(200)).await;
+    // Released already, and never sent: "packet identifier not found",
+    // and the connection stays up.
+    for pkid in [7, 99] {
+        assert_eq!(
+            pubrel(&mut publisher, pkid).await.reason,
+            v5::PubCompReason::PacketIdentifierNotFound
+        );
+    }
+    publish_complete(&mut publisher, "eo/t", b"after", QoS::ExactlyOnce, false).await;
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"after");
+}
+
+/// MQTT 5 4.4: the QoS 2 state of a persistent session survives a
+/// reconnect: a PUBREL sent on the new connection releases the message
+/// received on the old one, once.
+#[tokio::test]
+async fn qos2_state_survives_a_reconnect() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "eo-re-sub").await;
+    subscribe_with(&mut sub, filter("eo/re", QoS::ExactlyOnce, |_| {})).await;
+    let persistent = |c: &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)| {
+        c.0.clean_start = false;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: Some(600),
+            ..v5::ConnectProperties::new()
+        });
+    };
+    let (mut publisher, _) = Raw::connect_with(addr, "eo-re-pub", persistent).await;
+    publish_qos2_until_pubrec(&mut publisher, "eo/re", b"across", 3, false).await;
+    drop(publisher); // the connection breaks before PUBREL
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (mut publisher, connack) = Raw::connect_with(addr, "eo-re-pub", persistent).await;
+    assert!(connack.session_present);
+    assert_eq!(
+        pubrel(&mut publisher, 3).await.reason,
+        v5::PubCompReason::Success
+    );
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"across");
+    ack(&mut sub, &p).await;
+    sub.no_publish_within(Duration::from_millis(200)).await;
+}

@@ -116,6 +116,18 @@ impl Inbound {
     }
 }
 
+/// The PUBCOMP for a PUBREL whose packet id nothing waits for: MQTT 5's
+/// "packet identifier not found" (3.1.1 clients just see PUBCOMP).
+pub(crate) fn unknown_pubrel(pkid: u16) -> Packet {
+    Packet::PubComp(
+        PubComp {
+            pkid,
+            reason: PubCompReason::PacketIdentifierNotFound,
+        },
+        None,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

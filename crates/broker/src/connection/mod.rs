@@ -291,6 +291,9 @@ impl<S: Stream> Connection<S> {
                     self.socket.queue(pubcomp);
                 } else if self.link.is_linked() {
                     self.link.push(Packet::PubRel(pubrel, properties));
+                } else {
+                    // Nothing of this connection is waiting for it.
+                    self.socket.queue(inbound::unknown_pubrel(pubrel.pkid));
                 }
                 Ok(())
             }

@@ -4,6 +4,7 @@ use super::{
     scheduler::{PauseReason, Tracker},
     ConnectionEvents,
 };
+use crate::protocol::{Publish, PublishProperties};
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
@@ -29,6 +30,7 @@ impl Graveyard {
         subscriptions: HashSet<String>,
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
+        incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
     ) {
         tracker.pause(PauseReason::Busy);
         let id = tracker.id.clone();
@@ -37,6 +39,7 @@ impl Graveyard {
             tracker,
             subscriptions,
             unacked_pubrels,
+            incoming_qos2,
         };
 
         self.connections.insert(
@@ -72,4 +75,7 @@ pub struct SessionState {
     pub subscriptions: HashSet<String>,
     // used for pubrel in qos2
     pub unacked_pubrels: VecDeque<u16>,
+    /// QoS 2 publishes from the client waiting for its PUBREL (statebroker
+    /// patch 6).
+    pub incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
 }

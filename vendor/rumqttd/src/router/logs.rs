@@ -3,7 +3,7 @@ use slab::Slab;
 use tracing::{info, trace};
 
 use crate::protocol::{
-    matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubRec, PubRel, Publish,
+    matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubCompReason, PubRec, PubRel, Publish,
     PublishProperties, SubAck, UnsubAck,
 };
 use crate::router::{DataRequest, FilterIdx, SubscriptionMeter, Waiters};
@@ -405,10 +405,25 @@ impl AckLog {
         self.committed.push_back(ack);
     }
 
+    /// Records a QoS 2 publish until its PUBREL. A retransmission of a
+    /// publish still recorded (same packet id) is acknowledged again but
+    /// not recorded twice, so it is delivered once (statebroker patch 6).
     pub fn pubrec(&mut self, publish: Publish, props: Option<PublishProperties>, ack: PubRec) {
-        let ack = Ack::PubRec(ack);
-        self.recorded.push_back((publish, props));
-        self.committed.push_back(ack);
+        if !self.recorded.iter().any(|(p, _)| p.pkid == publish.pkid) {
+            self.recorded.push_back((publish, props));
+        }
+        self.committed.push_back(Ack::PubRec(ack));
+    }
+
+    /// The QoS 2 publishes waiting for PUBREL (kept for a persistent
+    /// session across connections, statebroker patch 6).
+    pub fn take_recorded(&mut self) -> VecDeque<(Publish, Option<PublishProperties>)> {
+        std::mem::take(&mut self.recorded)
+    }
+
+    /// Restores what [`AckLog::take_recorded`] took.
+    pub fn restore_recorded(&mut self, recorded: VecDeque<(Publish, Option<PublishProperties>)>) {
+        self.recorded = recorded;
     }
 
     pub fn pubrel(&mut self, ack: PubRel) {
@@ -416,10 +431,19 @@ impl AckLog {
         self.committed.push_back(ack);
     }
 
-    pub fn pubcomp(&mut self, ack: PubComp) -> Option<(Publish, Option<PublishProperties>)> {
-        let ack = Ack::PubComp(ack);
-        self.committed.push_back(ack);
-        self.recorded.pop_front()
+    /// PUBREL `pkid`: releases the publish recorded with that packet id
+    /// (whatever its position: the client may release in any order) and
+    /// answers PUBCOMP, with "packet identifier not found" when there is
+    /// none (statebroker patch 6; the router used to release the oldest
+    /// publish whatever the packet id, and disconnect when there was none).
+    pub fn pubcomp(&mut self, pkid: u16) -> Option<(Publish, Option<PublishProperties>)> {
+        let at = self.recorded.iter().position(|(p, _)| p.pkid == pkid);
+        let reason = match at {
+            Some(_) => PubCompReason::Success,
+            None => PubCompReason::PacketIdentifierNotFound,
+        };
+        self.committed.push_back(Ack::PubComp(PubComp { pkid, reason }));
+        self.recorded.remove(at?)
     }
 
     pub fn pingresp(&mut self, ack: PingResp) {

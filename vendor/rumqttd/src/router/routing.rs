@@ -1,6 +1,6 @@
 use crate::protocol::{
     ConnAck, ConnAckProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode, LastWill,
-    LastWillProperties, Packet, PingResp, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
+    LastWillProperties, Packet, PingResp, PubAck, PubAckReason, PubRec,
     PubRecReason, PubRel, PubRelReason, Publish, PublishProperties, QoS, SubAck,
     SubscribeReasonCode, UnsubAck, UnsubAckReason,
 };
@@ -307,6 +307,8 @@ impl Router {
         let previous_session = saved.as_ref().is_some_and(|s| s.session_state.is_some());
         // for qos2 pending pubrels
         let mut pending_acks = VecDeque::new();
+        // incoming qos2 publishes waiting for their pubrel
+        let mut incoming_qos2 = VecDeque::new();
 
         let tracker = if !clean_session {
             // if there was some saved state, restore the metrics
@@ -325,6 +327,7 @@ impl Router {
                     // for using in acklog
                     pending_acks.clone_from(&session_state.unacked_pubrels);
                     outgoing.unacked_pubrels = session_state.unacked_pubrels;
+                    incoming_qos2 = session_state.incoming_qos2;
                     session_state.tracker
                 },
             )
@@ -334,7 +337,8 @@ impl Router {
             Tracker::new(client_id.clone())
         };
 
-        let ackslog = AckLog::new();
+        let mut ackslog = AckLog::new();
+        ackslog.restore_recorded(incoming_qos2);
 
         let time = match SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
             Ok(v) => v.as_millis().to_string(),
@@ -457,7 +461,7 @@ impl Router {
         let outgoing = self.obufs.remove(id);
         let mut tracker = self.scheduler.remove(id);
         self.connection_map.remove(&client_id);
-        self.ackslog.remove(id);
+        let incoming_qos2 = self.ackslog.remove(id).take_recorded();
 
         // Don't remove connection id from readyqueue with index. This will
         // remove wrong connection from readyqueue. Instead just leave disconnected
@@ -521,6 +525,7 @@ impl Router {
                 connection.subscriptions,
                 connection.events,
                 outgoing.unacked_pubrels,
+                incoming_qos2,
             );
         } else {
             tracker.pause(PauseReason::Busy);
@@ -797,27 +802,21 @@ impl Router {
                     ackslog.pubrel(pubrel);
                     self.scheduler.reschedule(id, ScheduleReason::IncomingAck);
                 }
-                Packet::PubRel(pubrel, None) => {
+                Packet::PubRel(pubrel, _) => {
                     let span = tracing::info_span!("pubrel", pkid = pubrel.pkid);
                     let _guard = span.enter();
 
                     let ackslog = self.ackslog.get_mut(id).unwrap();
-                    let pubcomp = PubComp {
-                        pkid: pubrel.pkid,
-                        reason: PubCompReason::Success,
-                    };
 
-                    // NOTE: client can try to resend previously unacked pubrels
-                    // on reconnection ( with clean session false )
-                    // we try to retrive publish assuming broker saved the previous state
-                    // successfully in graveyard.
-                    let (publish, props) = match ackslog.pubcomp(pubcomp) {
-                        Some(v) => v,
-                        None => {
-                            disconnect = true;
-                            break;
-                        }
+                    // A client resends unacknowledged PUBRELs after reconnecting
+                    // to a persistent session: the recorded publishes come back
+                    // from the graveyard. A PUBREL for a packet id not recorded
+                    // (released already) gets PUBCOMP 0x92 (statebroker patch 6).
+                    let Some((publish, props)) = ackslog.pubcomp(pubrel.pkid) else {
+                        force_ack = true;
+                        continue;
                     };
+                    force_ack = true;
 
                     // Try to append publish to commitlog
                     match append_to_commitlog(
