@@ -54,14 +54,12 @@ async fn subscribe_with(c: &mut Raw, filter: Filter) -> Vec<SubscribeReasonCode>
     let mut subscribe = Subscribe::new(filter, None);
     subscribe.pkid = pkid;
     c.send(Packet::Subscribe(subscribe)).await;
-    loop {
-        match c.recv().await {
-            Recv::Packet(Packet::SubAck(ack)) => {
-                assert_eq!(ack.pkid, pkid);
-                return ack.return_codes;
-            }
-            other => panic!("expected SUBACK, got {other:?}"),
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => {
+            assert_eq!(ack.pkid, pkid);
+            ack.return_codes
         }
+        other => panic!("expected SUBACK, got {other:?}"),
     }
 }
 
@@ -529,4 +527,35 @@ async fn qos2_state_survives_a_reconnect() {
     assert_eq!(&p.payload[..], b"across");
     ack(&mut sub, &p).await;
     sub.no_publish_within(Duration::from_millis(200)).await;
+}
+
+/// MQTT 5 3.14.2.2.1: a DISCONNECT of Remaining Length 1 (reason code
+/// only) is valid: 0x00 ends the connection without its Will, 0x04
+/// "disconnect with will message" publishes it.
+#[tokio::test]
+async fn disconnect_with_reason_code_only() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut listener = Raw::connect(addr, "dc1-listener").await;
+    subscribe_with(&mut listener, filter("dc1/#", QoS::AtLeastOnce, |_| {})).await;
+    for (client, code) in [("dc1-normal", 0x00u8), ("dc1-with-will", 0x04)] {
+        let topic = format!("dc1/{client}");
+        let (mut c, _) = Raw::connect_with(addr, client, |c| {
+            c.1 = Some(v5::LastWill::new(
+                topic.as_str(),
+                "gone",
+                QoS::AtLeastOnce,
+                false,
+                None,
+            ));
+        })
+        .await;
+        c.send_bytes(&[0xE0, 0x01, code]).await;
+        // The broker closes the socket without a DISCONNECT of its own.
+        assert!(matches!(c.recv().await, Recv::Closed), "{client}");
+    }
+    let p = next_raw_publish(&mut listener).await;
+    assert_eq!(&p.topic[..], b"dc1/dc1-with-will");
+    ack(&mut listener, &p).await;
+    listener.no_publish_within(Duration::from_millis(300)).await;
 }

@@ -55,7 +55,13 @@ pub fn read(
     let disconnect = Disconnect {
         reason_code: reason(reason_code)?,
     };
-    let properties = properties::read(&mut bytes)?;
+    // MQTT 5 3.14.2.2.1: with a Remaining Length under 2 the properties are
+    // absent (the reason code alone is valid) (statebroker patch 7).
+    let properties = if fixed_header.remaining_len < 2 {
+        None
+    } else {
+        properties::read(&mut bytes)?
+    };
 
     Ok((disconnect, properties))
 }
