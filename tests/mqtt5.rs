@@ -559,3 +559,92 @@ async fn disconnect_with_reason_code_only() {
     ack(&mut listener, &p).await;
     listener.no_publish_within(Duration::from_millis(300)).await;
 }
+
+/// MQTT 5 3.1.2.11.4: the broker never sends a client a packet larger than
+/// the client's Maximum Packet Size; such a message is discarded for that
+/// client (a publish, or a state store answer), and the rest flows on.
+#[tokio::test]
+async fn maximum_packet_size_of_the_client() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut small, _) = Raw::connect_with(addr, "mps-small", |c| {
+        c.0.properties = Some(v5::ConnectProperties {
+            max_packet_size: Some(300),
+            ..v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    subscribe_with(&mut small, filter("mps/t", QoS::AtLeastOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "mps-pub").await;
+    let big: &'static [u8] = Box::leak(vec![b'x'; 500].into_boxed_slice());
+    publish_complete(&mut publisher, "mps/t", big, QoS::AtLeastOnce, false).await;
+    publish_complete(&mut publisher, "mps/t", b"small", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut small).await;
+    assert_eq!(&p.payload[..], b"small");
+    ack(&mut small, &p).await;
+    // A state store answer too large for it is discarded too.
+    let value = "v".repeat(400);
+    let set = publisher
+        .request(&[b"SET", b"mps-key", value.as_bytes()])
+        .await;
+    assert_eq!(&set.payload[..], b"+OK\r\n");
+    small.ensure_response_subscription().await;
+    let correlation = 1u64.to_be_bytes();
+    let ts = common::raw::now_hlc("mps-small");
+    let properties = small.request_properties(&correlation, &[("__ts", &ts)]);
+    for key in [&b"mps-key"[..], b"missing"] {
+        let payload = statestore::resp3::encode_request(&[&b"GET"[..], key]);
+        let mut publish = Publish::new(
+            common::raw::REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            payload,
+            Some(properties.clone()),
+        );
+        publish.pkid = small.pkid();
+        small.send(Packet::Publish(publish)).await;
+    }
+    loop {
+        match small.recv().await {
+            Recv::Packet(Packet::PubAck(_)) => continue,
+            Recv::Packet(Packet::Publish(p)) => {
+                assert_eq!(&p.payload[..], b"$-1\r\n", "only the small answer");
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// A client that keeps pinging but stops reading cannot hold a connection
+/// whose writes are blocked: it is disconnected once a write has stalled
+/// for 1.5 times its keep-alive, and the broker serves the others.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_disconnected() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut stuck, _) = Raw::connect_with(addr, "stall-sub", |c| c.0.keep_alive = 1).await;
+    subscribe_with(&mut stuck, filter("stall/t", QoS::AtMostOnce, |_| {})).await;
+    // Pings, never reads.
+    let pinger = tokio::spawn(async move {
+        for _ in 0..30 {
+            stuck.send(Packet::PingReq(v5::PingReq)).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        stuck
+    });
+    let mut publisher = Raw::connect(addr, "stall-pub").await;
+    let payload = Bytes::from(vec![b'x'; 100_000]);
+    for _ in 0..300 {
+        publisher
+            .publish("stall/t", payload.clone(), QoS::AtMostOnce, None)
+            .await;
+    }
+    common::eventually("the stalled client is disconnected", || {
+        broker.connection_count() == 1
+    })
+    .await;
+    // The broker still serves the publisher.
+    let r = publisher.request(&[b"GET", b"k"]).await;
+    assert_eq!(&r.payload[..], b"$-1\r\n");
+    pinger.abort();
+}

@@ -316,7 +316,7 @@ impl Raw {
         .await
     }
 
-    async fn ensure_response_subscription(&mut self) {
+    pub async fn ensure_response_subscription(&mut self) {
         if self.subscribed {
             return;
         }

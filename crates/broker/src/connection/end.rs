@@ -24,6 +24,9 @@ pub(crate) enum End {
     Goodbye { will: bool },
     /// Nothing received for 1.5 times the keep-alive.
     KeepAlive,
+    /// A write to the client stalled for as long as the client may stay
+    /// silent (it stopped reading).
+    WriteStalled,
     /// The router dropped the link: another connection took the client id,
     /// or the router refused something.
     RouterClosed,
@@ -93,6 +96,10 @@ impl End {
             End::KeepAlive => (
                 Some(DisconnectReasonCode::KeepAliveTimeout),
                 "keep-alive timeout".to_owned(),
+            ),
+            End::WriteStalled => (
+                Some(DisconnectReasonCode::KeepAliveTimeout),
+                "the client stopped reading (writes stalled)".to_owned(),
             ),
             End::RouterClosed => (
                 Some(DisconnectReasonCode::SessionTakenOver),

@@ -146,6 +146,8 @@ pub(crate) struct Terms {
     pub receive_maximum: u16,
     /// The client's Session Expiry Interval, seconds.
     pub session_expiry: u32,
+    /// The largest packet the client accepts (its Maximum Packet Size).
+    pub max_packet_size: usize,
 }
 
 impl Terms {
@@ -187,6 +189,9 @@ impl Terms {
             session_expiry: properties
                 .and_then(|p| p.session_expiry_interval)
                 .unwrap_or(0),
+            max_packet_size: properties
+                .and_then(|p| p.max_packet_size)
+                .map_or(usize::MAX, |max| max as usize),
         }
     }
 
@@ -347,7 +352,7 @@ mod tests {
         let props = ConnectProperties {
             session_expiry_interval: Some(3600),
             receive_maximum: Some(10),
-            max_packet_size: None,
+            max_packet_size: Some(512),
             topic_alias_max: None,
             request_response_info: None,
             request_problem_info: None,
@@ -363,12 +368,14 @@ mod tests {
             "no keep-alive asked: the broker's maximum, announced"
         );
         assert_eq!((t.receive_maximum, t.session_expiry), (10, 3600));
+        assert_eq!(t.max_packet_size, 512);
         assert!(!t.clean_start && !t.assigned);
 
         let h = hello(connect("c", true, 30), None);
         let t = Terms::negotiate(&h, Protocol::V5, 60, || unreachable!());
         assert_eq!((t.keep_alive, t.server_keep_alive), (30, None));
         assert_eq!((t.receive_maximum, t.session_expiry), (u16::MAX, 0));
+        assert_eq!(t.max_packet_size, usize::MAX);
         let t = Terms::negotiate(
             &hello(connect("c", true, 600), None),
             Protocol::V5,

@@ -162,7 +162,9 @@ pub(crate) async fn serve<S: Stream>(
         refused_filters: PendingRefusals::default(),
         router_acks: RouterAcks::default(),
         direct_rx,
-        direct: DirectWindow::new(terms.receive_maximum),
+        direct: DirectWindow::new(terms.receive_maximum, terms.max_packet_size),
+        client_max_packet: terms.max_packet_size,
+        too_large: 0,
         unscheduled: false,
         store: Arc::clone(&shared.store),
         publisher: Arc::clone(&shared.publisher),
@@ -198,6 +200,10 @@ struct Connection<S> {
     /// Direct deliveries and takeover notices (see [`crate::sessions`]).
     direct_rx: mpsc::UnboundedReceiver<ToConnection>,
     direct: DirectWindow,
+    /// The largest packet the client accepts.
+    client_max_packet: usize,
+    /// Publishes dropped because they were larger than that.
+    too_large: u64,
     unscheduled: bool,
     store: Arc<StateStoreService>,
     publisher: Arc<Publisher>,
@@ -205,6 +211,10 @@ struct Connection<S> {
     clean_start: bool,
     legacy_2023: bool,
 }
+
+/// How long a write to a client without keep-alive may stall before the
+/// client is disconnected.
+const WRITE_STALL: Duration = Duration::from_secs(60);
 
 async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
@@ -264,8 +274,13 @@ impl<S: Stream> Connection<S> {
             while let Ok(message) = self.direct_rx.try_recv() {
                 self.on_broker_message(message)?;
             }
-            if let Err(e) = self.socket.flush().await {
-                return Err(End::Io(e));
+            // A client that stops reading cannot hold its connection: the
+            // write may stall for as long as the client may stay silent.
+            let stall = self.idle_limit.unwrap_or(WRITE_STALL);
+            match tokio::time::timeout(stall, self.socket.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(End::Io(e)),
+                Err(_) => return Err(End::WriteStalled),
             }
             if self.unscheduled {
                 self.unscheduled = false;
@@ -318,8 +333,10 @@ impl<S: Stream> Connection<S> {
             )),
             Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
                 let protocol = self.socket.protocol;
-                self.direct
+                let discarded = self
+                    .direct
                     .acknowledged(ack.pkid, protocol, &mut self.socket.wbuf);
+                self.count_too_large(discarded);
                 Ok(())
             }
             Packet::PubAck(ack, properties) if self.link.is_linked() => {
@@ -496,7 +513,9 @@ impl<S: Stream> Connection<S> {
         match message {
             ToConnection::Deliver(direct) => {
                 let protocol = self.socket.protocol;
-                self.direct.send(direct, protocol, &mut self.socket.wbuf);
+                if !self.direct.send(direct, protocol, &mut self.socket.wbuf) {
+                    self.count_too_large(1);
+                }
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),
@@ -513,8 +532,14 @@ impl<S: Stream> Connection<S> {
                 let start = self.socket.wbuf.len();
                 self.socket.queue(packet);
                 let id = crate::codec::encoded_publish_id(&self.socket.wbuf[start..]);
+                let too_large = self.socket.wbuf.len() - start > self.client_max_packet;
+                if too_large {
+                    self.count_too_large(1);
+                }
+                let deliver = deliver && !too_large;
                 if !deliver {
-                    // Another client's notification, reached through a wildcard.
+                    // Another client's notification reached through a
+                    // wildcard, or larger than the client accepts.
                     self.socket.wbuf.truncate(start);
                 }
                 if let Some((qos, pkid)) = id
@@ -544,6 +569,22 @@ impl<S: Stream> Connection<S> {
         Ok(())
     }
 
+    /// MQTT 5 3.1.2.11.4: a publish larger than the client's Maximum
+    /// Packet Size is discarded for that client; counted, logged once.
+    fn count_too_large(&mut self, discarded: u64) {
+        if discarded == 0 {
+            return;
+        }
+        if self.too_large == 0 {
+            tracing::warn!(
+                client_id = self.client_id,
+                max = self.client_max_packet,
+                "a publish larger than the client's Maximum Packet Size was discarded for it"
+            );
+        }
+        self.too_large += discarded;
+    }
+
     /// Cleans up after the connection ended.
     async fn finish(&mut self, end: &End) {
         let (reason, text) = end.reason();
@@ -551,6 +592,7 @@ impl<S: Stream> Connection<S> {
             client_id = self.client_id,
             connection = self.id,
             reason = text,
+            discarded_too_large = self.too_large,
             "client disconnected"
         );
         if let Some(reason_code) = reason

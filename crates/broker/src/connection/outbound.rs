@@ -83,30 +83,36 @@ pub(crate) struct DirectWindow {
     pending: VecDeque<Direct>,
     last_pkid: u16,
     limit: usize,
+    /// The client's Maximum Packet Size.
+    max_packet_size: usize,
 }
 
 impl DirectWindow {
-    /// A window within `receive_maximum`, less what the router may use.
-    pub fn new(receive_maximum: u16) -> DirectWindow {
+    /// A window within `receive_maximum`, less what the router may use,
+    /// for a client that accepts packets up to `max_packet_size`.
+    pub fn new(receive_maximum: u16, max_packet_size: usize) -> DirectWindow {
         DirectWindow {
             inflight: HashMap::new(),
             pending: VecDeque::new(),
             last_pkid: FIRST_DIRECT_PKID - 1,
             limit: usize::from(receive_maximum.saturating_sub(ROUTER_MAX_PKID).max(1)),
+            max_packet_size,
         }
     }
 
     /// Encodes `message` into `out` at its QoS (0 or 1), with a packet id of
-    /// the direct range, or holds it while the window is full.
-    pub fn send(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) {
+    /// the direct range, or holds it while the window is full. `false`: the
+    /// message is larger than the client accepts and was discarded.
+    pub fn send(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) -> bool {
         let pkid = match message.qos {
             0 => 0,
             _ if self.inflight.len() >= self.limit => {
                 self.pending.push_back(message);
-                return;
+                return true;
             }
             _ => self.next_pkid(),
         };
+        let start = out.len();
         codec::encode_publish(
             protocol,
             &message.topic,
@@ -116,9 +122,14 @@ impl DirectWindow {
             &message.properties,
             out,
         );
+        if out.len() - start > self.max_packet_size {
+            out.truncate(start);
+            return false;
+        }
         if pkid != 0 {
             self.inflight.insert(pkid, message);
         }
+        true
     }
 
     fn next_pkid(&mut self) -> u16 {
@@ -138,15 +149,18 @@ impl DirectWindow {
     }
 
     /// The client acknowledged direct delivery `pkid`: what waited for room
-    /// goes out into `out`.
-    pub fn acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) {
+    /// goes out into `out`. Returns how many of those were discarded as
+    /// larger than the client accepts.
+    pub fn acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) -> u64 {
+        let mut discarded = 0;
         if self.inflight.remove(&pkid).is_some() {
             while self.inflight.len() < self.limit
                 && let Some(message) = self.pending.pop_front()
             {
-                self.send(message, protocol, out);
+                discarded += u64::from(!self.send(message, protocol, out));
             }
         }
+        discarded
     }
 
     /// Everything sent and not acknowledged, and everything still waiting.
@@ -187,7 +201,7 @@ mod tests {
     #[test]
     fn the_window_holds_what_does_not_fit() {
         // Receive Maximum 102: the router may use 100, direct deliveries 2.
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2);
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2, usize::MAX);
         let mut out = BytesMut::new();
         for n in 1..=4 {
             w.send(message(n, 1), Protocol::V5, &mut out);
@@ -213,7 +227,7 @@ mod tests {
 
     #[test]
     fn a_small_receive_maximum_still_leaves_one() {
-        let mut w = DirectWindow::new(10);
+        let mut w = DirectWindow::new(10, usize::MAX);
         let mut out = BytesMut::new();
         w.send(message(1, 1), Protocol::V5, &mut out);
         w.send(message(2, 1), Protocol::V5, &mut out);
@@ -222,7 +236,7 @@ mod tests {
 
     #[test]
     fn packet_ids_wrap_past_those_in_flight() {
-        let mut w = DirectWindow::new(u16::MAX);
+        let mut w = DirectWindow::new(u16::MAX, usize::MAX);
         let mut out = BytesMut::new();
         w.send(message(1, 1), Protocol::V5, &mut out); // 101, stays in flight
         w.last_pkid = u16::MAX - 1;
@@ -259,5 +273,25 @@ mod tests {
         to_router.clear();
         r.sent(6, true, &mut to_router);
         assert_eq!(acks(&to_router), vec![6], "nothing ahead of it");
+    }
+
+    #[test]
+    fn what_the_client_cannot_take_is_discarded() {
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 40);
+        let mut out = BytesMut::new();
+        let mut big = message(2, 1);
+        big.payload = Bytes::from(vec![b'x'; 100]);
+        assert!(w.send(message(1, 1), Protocol::V5, &mut out));
+        assert!(
+            w.send(big.clone(), Protocol::V5, &mut out),
+            "waits: window full"
+        );
+        assert!(!w.send(Direct { qos: 0, ..big }, Protocol::V5, &mut out));
+        assert_eq!(w.acknowledged(101, Protocol::V5, &mut out), 1);
+        assert_eq!(sent(&mut out), vec![(101, 1)]);
+        assert!(
+            w.take_unacknowledged().is_empty(),
+            "nothing in flight for it"
+        );
     }
 }
