@@ -43,17 +43,25 @@ impl RouterLink {
         }
     }
 
-    /// A link for `client_id` made already (at CONNECT).
-    pub fn linked(
-        router: Router,
-        client_id: String,
+    /// The link of a new connection, and whether the router had a session
+    /// for it: a persistent session links now (the router knows whether
+    /// the session exists), a clean one on first need.
+    pub async fn open(
+        router: &Router,
+        client_id: &str,
         clean_start: bool,
-        tx: LinkTx,
-        rx: LinkRx,
-    ) -> RouterLink {
-        let mut link = RouterLink::new(router, client_id, clean_start);
+    ) -> Result<(RouterLink, bool), LinkRefused> {
+        let mut link = RouterLink::new(router.clone(), client_id.to_owned(), clean_start);
+        if clean_start {
+            return Ok((link, false));
+        }
+        let (tx, rx, connack) = router.link_async(client_id.to_owned(), false).await?;
+        let present = matches!(
+            Option::<Packet>::from(connack),
+            Some(Packet::ConnAck(ack, _)) if ack.session_present
+        );
         link.link = Some((tx, rx));
-        link
+        Ok((link, present))
     }
 
     /// Whether the connection has joined the router (only then has the
@@ -144,7 +152,8 @@ mod tests {
                 ..rumqttd::RouterConfig::default()
             },
         );
-        let mut link = RouterLink::new(router, "c".into(), true);
+        let (mut link, present) = RouterLink::open(&router, "c", true).await.unwrap();
+        assert!(!present);
         link.flush().await.unwrap();
         assert!(!link.is_linked(), "nothing to send: no link");
         assert!(link.next_ready().is_none());
@@ -153,5 +162,8 @@ mod tests {
         link.flush().await.unwrap();
         assert!(link.is_linked());
         assert!(link.batch().is_empty(), "the batch went out");
+        // A persistent session links at once.
+        let (link, present) = RouterLink::open(&router, "p", false).await.unwrap();
+        assert!(link.is_linked() && !present);
     }
 }

@@ -63,7 +63,7 @@ use end::End;
 use handshake::{Refusal, Terms};
 use inbound::Inbound;
 use link::RouterLink;
-use outbound::{DirectWindow, RouterAcks};
+use outbound::Outbound;
 use socket::Socket;
 pub(crate) use socket::Stream;
 use subscriptions::PendingRefusals;
@@ -110,28 +110,16 @@ pub(crate) async fn serve<S: Stream>(
     let client_id = terms.client_id.clone();
     // A persistent session joins the router now (the router knows whether
     // the session exists); a clean one when it first needs the router.
-    let (link, session_present) = if terms.clean_start {
-        let link = RouterLink::new(shared.router.clone(), client_id.clone(), true);
-        (link, false)
-    } else {
-        match shared.router.link_async(client_id.clone(), false).await {
-            Ok((tx, rx, connack)) => {
-                let present = matches!(
-                    Option::<Packet>::from(connack),
-                    Some(Packet::ConnAck(ack, _)) if ack.session_present
-                );
-                let link =
-                    RouterLink::linked(shared.router.clone(), client_id.clone(), false, tx, rx);
-                (link, present)
-            }
+    let (link, session_present) =
+        match RouterLink::open(&shared.router, &client_id, terms.clean_start).await {
+            Ok(opened) => opened,
             Err(e) => {
                 tracing::error!(%peer, client_id, error = %e, "router refused the connection");
                 return socket
                     .send_and_close(handshake::refusal(protocol, Refusal::Busy))
                     .await;
             }
-        }
-    };
+        };
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();
     shared
@@ -152,6 +140,7 @@ pub(crate) async fn serve<S: Stream>(
     let mut conn = Connection {
         id,
         own_hex: hex::encode_upper(&client_id),
+        out: Outbound::new(&client_id, terms.receive_maximum, terms.max_packet_size),
         client_id,
         socket,
         link,
@@ -160,11 +149,7 @@ pub(crate) async fn serve<S: Stream>(
         max_packet_size: listener.max_packet_size,
         inbound: Inbound::new(topic_alias_max),
         refused_filters: PendingRefusals::default(),
-        router_acks: RouterAcks::default(),
         direct_rx,
-        direct: DirectWindow::new(terms.receive_maximum, terms.max_packet_size),
-        client_max_packet: terms.max_packet_size,
-        too_large: 0,
         unscheduled: false,
         store: Arc::clone(&shared.store),
         publisher: Arc::clone(&shared.publisher),
@@ -195,15 +180,10 @@ struct Connection<S> {
     inbound: Inbound,
     /// Refused filters waiting for the router's SUBACK.
     refused_filters: PendingRefusals,
-    /// The router's QoS 1/2 deliveries the client has not acknowledged.
-    router_acks: RouterAcks,
+    /// Acks owed and windows: what goes to the client at QoS 1/2.
+    out: Outbound,
     /// Direct deliveries and takeover notices (see [`crate::sessions`]).
     direct_rx: mpsc::UnboundedReceiver<ToConnection>,
-    direct: DirectWindow,
-    /// The largest packet the client accepts.
-    client_max_packet: usize,
-    /// Publishes dropped because they were larger than that.
-    too_large: u64,
     unscheduled: bool,
     store: Arc<StateStoreService>,
     publisher: Arc<Publisher>,
@@ -333,22 +313,20 @@ impl<S: Stream> Connection<S> {
             )),
             Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
                 let protocol = self.socket.protocol;
-                let discarded = self
-                    .direct
-                    .acknowledged(ack.pkid, protocol, &mut self.socket.wbuf);
-                self.count_too_large(discarded);
+                self.out
+                    .direct_acknowledged(ack.pkid, protocol, &mut self.socket.wbuf);
                 Ok(())
             }
             Packet::PubAck(ack, properties) if self.link.is_linked() => {
                 let pkid = ack.pkid;
                 self.link.push(Packet::PubAck(ack, properties));
-                self.router_acks.acknowledged(pkid, self.link.batch());
+                self.out.router_acknowledged(pkid, self.link.batch());
                 Ok(())
             }
             Packet::PubRec(rec, properties) if self.link.is_linked() => {
                 let pkid = rec.pkid;
                 self.link.push(Packet::PubRec(rec, properties));
-                self.router_acks.acknowledged(pkid, self.link.batch());
+                self.out.router_acknowledged(pkid, self.link.batch());
                 Ok(())
             }
             ack @ Packet::PubComp(..) if self.link.is_linked() => {
@@ -513,9 +491,7 @@ impl<S: Stream> Connection<S> {
         match message {
             ToConnection::Deliver(direct) => {
                 let protocol = self.socket.protocol;
-                if !self.direct.send(direct, protocol, &mut self.socket.wbuf) {
-                    self.count_too_large(1);
-                }
+                self.out.deliver(direct, protocol, &mut self.socket.wbuf);
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),
@@ -527,26 +503,17 @@ impl<S: Stream> Connection<S> {
         match notification {
             Notification::Forward(forward) => {
                 let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
-                let deliver = topics::may_receive(topic, &self.own_hex);
+                // Another client's notification, reached through a wildcard.
+                let withheld = !topics::may_receive(topic, &self.own_hex);
                 let packet = Packet::Publish(forward.publish, forward.properties);
-                let start = self.socket.wbuf.len();
-                self.socket.queue(packet);
-                let id = crate::codec::encoded_publish_id(&self.socket.wbuf[start..]);
-                let too_large = self.socket.wbuf.len() - start > self.client_max_packet;
-                if too_large {
-                    self.count_too_large(1);
-                }
-                let deliver = deliver && !too_large;
-                if !deliver {
-                    // Another client's notification reached through a
-                    // wildcard, or larger than the client accepts.
-                    self.socket.wbuf.truncate(start);
-                }
-                if let Some((qos, pkid)) = id
-                    && qos > 0
-                {
-                    self.router_acks.sent(pkid, !deliver, self.link.batch());
-                }
+                let protocol = self.socket.protocol;
+                self.out.forward(
+                    packet,
+                    withheld,
+                    protocol,
+                    &mut self.socket.wbuf,
+                    self.link.batch(),
+                );
             }
             Notification::Unschedule => self.unscheduled = true,
             other => match Option::<Packet>::from(other) {
@@ -569,22 +536,6 @@ impl<S: Stream> Connection<S> {
         Ok(())
     }
 
-    /// MQTT 5 3.1.2.11.4: a publish larger than the client's Maximum
-    /// Packet Size is discarded for that client; counted, logged once.
-    fn count_too_large(&mut self, discarded: u64) {
-        if discarded == 0 {
-            return;
-        }
-        if self.too_large == 0 {
-            tracing::warn!(
-                client_id = self.client_id,
-                max = self.client_max_packet,
-                "a publish larger than the client's Maximum Packet Size was discarded for it"
-            );
-        }
-        self.too_large += discarded;
-    }
-
     /// Cleans up after the connection ended.
     async fn finish(&mut self, end: &End) {
         let (reason, text) = end.reason();
@@ -592,7 +543,7 @@ impl<S: Stream> Connection<S> {
             client_id = self.client_id,
             connection = self.id,
             reason = text,
-            discarded_too_large = self.too_large,
+            discarded_too_large = self.out.discarded(),
             "client disconnected"
         );
         if let Some(reason_code) = reason
@@ -625,7 +576,7 @@ impl<S: Stream> Connection<S> {
         // router, which keeps it for a persistent session.
         self.sessions
             .disconnected(&self.client_id, self.id, self.clean_start);
-        let mut unacked = self.direct.take_unacknowledged();
+        let mut unacked = self.out.take_unacknowledged();
         while let Ok(message) = self.direct_rx.try_recv() {
             if let ToConnection::Deliver(message) = message {
                 unacked.push(message);

@@ -11,6 +11,10 @@
 //! - **direct deliveries** (state store answers and notifications, see
 //!   [`crate::sessions`]) use the ids above the router's, within what is
 //!   left of the client's Receive Maximum: [`DirectWindow`].
+//!
+//! [`Outbound`] puts both together with the client's Maximum Packet Size:
+//! a publish larger than the client accepts is discarded for it (MQTT 5
+//! 3.1.2.11.4), counted, and logged once.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -27,6 +31,98 @@ pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
 /// Whether a client's PUBACK for `pkid` is for a direct delivery.
 pub(crate) fn is_direct(pkid: u16) -> bool {
     pkid >= FIRST_DIRECT_PKID
+}
+
+/// Everything the connection sends the client at QoS 1/2, and the limits it
+/// sends within.
+#[derive(Debug)]
+pub(crate) struct Outbound {
+    router: RouterAcks,
+    direct: DirectWindow,
+    max_packet_size: usize,
+    /// Publishes discarded as larger than the client accepts.
+    discarded: u64,
+    client_id: String,
+}
+
+impl Outbound {
+    pub fn new(client_id: &str, receive_maximum: u16, max_packet_size: usize) -> Outbound {
+        Outbound {
+            router: RouterAcks::default(),
+            direct: DirectWindow::new(receive_maximum, max_packet_size),
+            max_packet_size,
+            discarded: 0,
+            client_id: client_id.to_owned(),
+        }
+    }
+
+    /// A publish from the router: encoded into `out` unless `withheld` (a
+    /// notification of another client's) or too large for the client.
+    /// Acknowledgements owed to the router go to `to_router`.
+    pub fn forward(
+        &mut self,
+        publish: Packet,
+        withheld: bool,
+        protocol: Protocol,
+        out: &mut BytesMut,
+        to_router: &mut Vec<Packet>,
+    ) {
+        let start = out.len();
+        if let Err(e) = protocol.write(publish, out) {
+            tracing::warn!(error = %e, "dropping a publish that cannot be encoded");
+        }
+        let id = codec::encoded_publish_id(&out[start..]);
+        let too_large = out.len() - start > self.max_packet_size;
+        self.count_discarded(u64::from(too_large));
+        let dropped = withheld || too_large;
+        if dropped {
+            out.truncate(start);
+        }
+        if let Some((qos, pkid)) = id
+            && qos > 0
+        {
+            self.router.sent(pkid, dropped, to_router);
+        }
+    }
+
+    /// The client acknowledged the router's publish `pkid` (the connection
+    /// forwards the acknowledgement itself).
+    pub fn router_acknowledged(&mut self, pkid: u16, to_router: &mut Vec<Packet>) {
+        self.router.acknowledged(pkid, to_router);
+    }
+
+    /// A direct delivery.
+    pub fn deliver(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) {
+        let sent = self.direct.send(message, protocol, out);
+        self.count_discarded(u64::from(!sent));
+    }
+
+    /// The client acknowledged direct delivery `pkid`.
+    pub fn direct_acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) {
+        let discarded = self.direct.acknowledged(pkid, protocol, out);
+        self.count_discarded(discarded);
+    }
+
+    /// Direct deliveries not acknowledged, and those still waiting.
+    pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
+        self.direct.take_unacknowledged()
+    }
+
+    /// Publishes discarded as larger than the client accepts.
+    pub fn discarded(&self) -> u64 {
+        self.discarded
+    }
+
+    fn count_discarded(&mut self, n: u64) {
+        if n > 0 && self.discarded == 0 {
+            tracing::warn!(
+                client_id = self.client_id,
+                max = self.max_packet_size,
+                "a publish larger than the client's Maximum Packet Size was discarded for it"
+            );
+        }
+        self.discarded += n;
+    }
 }
 
 /// QoS 1/2 publishes from the router not yet acknowledged by the client, in
