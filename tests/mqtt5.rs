@@ -648,3 +648,32 @@ async fn a_client_that_stops_reading_is_disconnected() {
     assert_eq!(&r.payload[..], b"$-1\r\n");
     pinger.abort();
 }
+
+/// After an UNSUBSCRIBE frees a filter's log, subscribing again to the
+/// same filter (or another that takes its place) delivers each message
+/// once, from the right log.
+#[tokio::test]
+async fn subscribe_after_unsubscribe() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "unsub-sub").await;
+    let mut publisher = Raw::connect(addr, "unsub-pub").await;
+    for (round, topic) in ["unsub/a", "unsub/b", "unsub/a"].into_iter().enumerate() {
+        subscribe_with(&mut sub, filter(topic, QoS::AtLeastOnce, |_| {})).await;
+        let payload: &'static [u8] = [&b"0"[..], b"1", b"2"][round];
+        publish_complete(&mut publisher, topic, payload, QoS::AtLeastOnce, false).await;
+        let p = next_raw_publish(&mut sub).await;
+        assert_eq!((&p.topic[..], &p.payload[..]), (topic.as_bytes(), payload));
+        ack(&mut sub, &p).await;
+        let pkid = sub.pkid();
+        let mut unsubscribe = v5::Unsubscribe::new(topic, None);
+        unsubscribe.pkid = pkid;
+        sub.send(Packet::Unsubscribe(unsubscribe)).await;
+        match sub.recv().await {
+            Recv::Packet(Packet::UnsubAck(ack)) => assert_eq!(ack.pkid, pkid),
+            other => panic!("expected UNSUBACK, got {other:?}"),
+        }
+        publish_complete(&mut publisher, topic, b"unheard", QoS::AtLeastOnce, false).await;
+        sub.no_publish_within(Duration::from_millis(100)).await;
+    }
+}

@@ -193,6 +193,18 @@ impl Outgoing {
         Some(())
     }
 
+    /// The log at `filter_idx` was freed: publishes of it still in flight
+    /// keep their place for acknowledgement order, but no longer point at
+    /// a log whose index may be reused (statebroker patch 8).
+    pub fn forget_filter(&mut self, filter_idx: FilterIdx) {
+        for (_, idx, cursor) in self.inflight_buffer.iter_mut() {
+            if *idx == filter_idx {
+                *idx = usize::MAX;
+                *cursor = None;
+            }
+        }
+    }
+
     // Here we are assuming that the first unique filter_idx we find while iterating will have the
     // least corresponding cursor because of the way we insert into the inflight_buffer
     pub fn retransmission_map(&self) -> HashMap<FilterIdx, Cursor> {

@@ -17,6 +17,9 @@ use std::time::Instant;
 
 type PubWithProp = (Publish, Option<PublishProperties>);
 
+/// Topics whose matching filters are cached at most (statebroker patch 8).
+const MAX_CACHED_TOPICS: usize = 100_000;
+
 #[derive(Clone)]
 pub struct PublishData {
     pub publish: Publish,
@@ -139,12 +142,32 @@ impl DataLog {
                     .collect();
 
                 if !v.is_empty() {
+                    // A cache: bounded, so that publishers of ever new topics
+                    // cannot grow it without end (statebroker patch 8).
+                    if self.publish_filters.len() >= MAX_CACHED_TOPICS {
+                        self.publish_filters.clear();
+                    }
                     self.publish_filters.insert(topic.to_owned(), v.clone());
                 }
 
                 Some(v)
             }
         }
+    }
+
+    /// Frees the log of `filter` (no subscription uses it any more);
+    /// returns the index it had (statebroker patch 8).
+    pub fn remove_filter(&mut self, filter: &str) -> Option<FilterIdx> {
+        let idx = self.filter_indexes.remove(filter)?;
+        self.native.try_remove(idx);
+        // The topic -> filters cache may name it: rebuilt on demand.
+        self.publish_filters.clear();
+        Some(idx)
+    }
+
+    /// Number of filter logs (for tests and metrics).
+    pub fn filter_count(&self) -> usize {
+        self.native.len()
     }
 
     pub fn next_native_offset(&mut self, filter: &str) -> (FilterIdx, Offset) {
@@ -188,7 +211,9 @@ impl DataLog {
         // arrives in `Router::handle_device_payload`, it first calls the function
         // `next_native_offset` which creates a new commitlog if one doesn't exist. So any new
         // reads will definitely happen on a valid filter.
-        let data = self.native.get(filter_idx).unwrap();
+        let Some(data) = self.native.get(filter_idx) else {
+            return Err(io::Error::new(io::ErrorKind::NotFound, "filter log freed"));
+        };
         let mut o = Vec::new();
         // TODO: `readv` is infallible but its current return type does not
         // reflect that. Consequently, this method is also infallible.
@@ -250,8 +275,10 @@ impl DataLog {
         // filter as `request` is "done", that is, the subscriber has caught up. In other words,
         // there has been atleast 1 call to `native_readv` for the same filter, which means if
         // `native_readv` hasn't paniced, so this won't panic either.
-        let data = self.native.get_mut(request.filter_idx).unwrap();
-        data.waiters.register(id, request);
+        // A request whose filter's log was freed has nothing to wait for.
+        if let Some(data) = self.native.get_mut(request.filter_idx) {
+            data.waiters.register(id, request);
+        }
     }
 
     /// Cleanup a connection from all the waiters

@@ -73,6 +73,10 @@ pub struct Router {
     connection_map: HashMap<String, ConnectionId>,
     /// Subscription map to interested connection ids
     subscription_map: HashMap<Filter, HashSet<ConnectionId>>,
+    /// Subscriptions (live or kept for a persistent session) using each
+    /// filter's log, by filter without `$share/group/`: a log is freed when
+    /// its last subscription ends (statebroker patch 8).
+    filter_users: HashMap<Filter, usize>,
     /// Incoming data grouped by connection
     ibufs: Slab<Incoming>,
     /// Outgoing data grouped by connection
@@ -131,6 +135,7 @@ impl Router {
             connections,
             connection_map: Default::default(),
             subscription_map: Default::default(),
+            filter_users: Default::default(),
             ibufs,
             obufs,
             datalog: DataLog::new(config.clone()).unwrap(),
@@ -302,8 +307,17 @@ impl Router {
         }
 
         // Retrieve previous connection state from graveyard
-        let saved = self.graveyard.retrieve(&client_id);
+        let mut saved = self.graveyard.retrieve(&client_id);
         let clean_session = connection.clean;
+        // A clean start ends the kept session: its subscriptions stop
+        // holding their filters' logs (statebroker patch 8).
+        if clean_session {
+            if let Some(state) = saved.as_mut().and_then(|s| s.session_state.take()) {
+                for filter in state.subscriptions {
+                    self.release_filter(&filter);
+                }
+            }
+        }
         let previous_session = saved.as_ref().is_some_and(|s| s.session_state.is_some());
         // for qos2 pending pubrels
         let mut pending_acks = VecDeque::new();
@@ -456,7 +470,7 @@ impl Router {
         }
 
         // Remove connection from router
-        let mut connection = self.connections.remove(id);
+        let connection = self.connections.remove(id);
         let _incoming = self.ibufs.remove(id);
         let outgoing = self.obufs.remove(id);
         let mut tracker = self.scheduler.remove(id);
@@ -483,8 +497,12 @@ impl Router {
         for filter in connection.subscriptions.iter() {
             if let Some(connections) = self.subscription_map.get_mut(filter) {
                 connections.remove(&id);
+                if connections.is_empty() {
+                    self.subscription_map.remove(filter);
+                }
             }
         }
+        let mut connection = connection;
 
         // Add disconnection event to metrics
         let time = match SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
@@ -528,10 +546,12 @@ impl Router {
                 incoming_qos2,
             );
         } else {
-            tracker.pause(PauseReason::Busy);
-            let id = tracker.id.clone();
-            // Only save metrics in clean session
-            self.graveyard.save_metrics(id, connection.events);
+            // A clean session ends here: nothing of it is kept (statebroker
+            // patch 8: its metrics used to stay in the graveyard forever),
+            // and the logs only it used are freed.
+            for filter in connection.subscriptions.iter() {
+                self.release_filter(filter);
+            }
         }
         self.router_meters.total_connections -= 1;
     }
@@ -716,6 +736,7 @@ impl Router {
                 Packet::Unsubscribe(unsubscribe, _) => {
                     let connection = self.connections.get_mut(id).unwrap();
                     let pkid = unsubscribe.pkid;
+                    let mut released = Vec::new();
                     for filter in &unsubscribe.filters {
                         let span = tracing::info_span!("unsubscribe", topic = filter, pkid);
                         let _guard = span.enter();
@@ -725,6 +746,9 @@ impl Router {
                             let removed = connection_ids.remove(&id);
                             if !removed {
                                 continue;
+                            }
+                            if connection_ids.is_empty() {
+                                self.subscription_map.remove(filter);
                             }
 
                             let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
@@ -761,9 +785,16 @@ impl Router {
                             let ackslog = self.ackslog.get_mut(id).unwrap();
                             ackslog.unsuback(unsuback);
                             self.scheduler.untrack(id, filter);
-                            self.datalog.remove_waiters_for_id(id, filter);
+                            let bare = extract_group(filter).map_or(filter.clone(), |(_, f)| f);
+                            self.datalog.remove_waiters_for_id(id, &bare);
+                            self.notifications
+                                .retain(|(cid, r)| !(*cid == id && r.filter == *filter));
+                            released.push(filter.clone());
                             force_ack = true;
                         }
+                    }
+                    for filter in released {
+                        self.release_filter(&filter);
                     }
                 }
                 Packet::PubAck(puback, _) => {
@@ -960,6 +991,10 @@ impl Router {
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
         // i.e. its a new subscription
         let new_subscription = connection.subscriptions.insert(filter_path.clone());
+        if new_subscription {
+            let bare = extract_group(filter_path).map_or(filter_path.clone(), |(_, f)| f);
+            *self.filter_users.entry(bare).or_default() += 1;
+        }
 
         // Retained messages are never sent for shared subscriptions; for
         // others the Retain Handling option decides (statebroker patch 2).
@@ -1009,6 +1044,27 @@ impl Router {
 
         let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
         meter.register_subscription(filter_path.clone());
+    }
+
+    /// A subscription to `filter` ended (unsubscribed, or its session ended):
+    /// when nothing else uses the filter, its log and the router's entries
+    /// for it are freed (statebroker patch 8).
+    fn release_filter(&mut self, filter: &str) {
+        let bare = extract_group(filter).map_or(filter.to_owned(), |(_, f)| f);
+        let Some(users) = self.filter_users.get_mut(&bare) else {
+            return;
+        };
+        *users -= 1;
+        if *users > 0 {
+            return;
+        }
+        self.filter_users.remove(&bare);
+        if let Some(idx) = self.datalog.remove_filter(&bare) {
+            self.notifications.retain(|(_, r)| r.filter_idx != idx);
+            for (_, outgoing) in self.obufs.iter_mut() {
+                outgoing.forget_filter(idx);
+            }
+        }
     }
 
     /// When a connection is ready, it should sweep native data from 'datalog',
