@@ -78,3 +78,49 @@ async fn churned_clients_and_filters_leave_nothing_behind() {
     let r = c.request(&[b"GET", b"k"]).await;
     assert_eq!(&r.payload[..], b"$-1\r\n");
 }
+
+/// A client that asks for large values and never acknowledges the answers
+/// cannot make the broker hold them without bound: once its queue passes
+/// `max_queued_bytes` it is disconnected with 0x97, and others are served.
+#[tokio::test]
+async fn a_client_that_never_acknowledges_is_bounded() {
+    let broker = common::start_broker_with(|s| s.broker.max_queued_bytes = 1 << 20).await;
+    let addr = broker.local_addr();
+    let mut writer = Raw::connect(addr, "big-writer").await;
+    let value = vec![b'v'; 256 * 1024];
+    let set = writer.request(&[b"SET", b"big", &value]).await;
+    assert_eq!(&set.payload[..], b"+OK\r\n");
+
+    let mut greedy = Raw::connect(addr, "greedy").await;
+    greedy.ensure_response_subscription().await;
+    let ts = common::raw::now_hlc("greedy");
+    for n in 0..20u64 {
+        let properties = greedy.request_properties(&n.to_be_bytes(), &[("__ts", &ts)]);
+        let payload = statestore::resp3::encode_request(&[&b"GET"[..], b"big"]);
+        let mut publish = v5::Publish::new(
+            common::raw::REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            payload,
+            Some(properties),
+        );
+        publish.pkid = greedy.pkid();
+        greedy.send(v5::Packet::Publish(publish)).await;
+    }
+    // Reads everything, acknowledges nothing.
+    let mut answers = 0;
+    let reason = loop {
+        match greedy.recv().await {
+            Recv::Packet(v5::Packet::Publish(_)) => answers += 1,
+            Recv::Packet(v5::Packet::Disconnect(d)) => break d.reason_code,
+            Recv::Packet(_) => {}
+            other => panic!("expected a DISCONNECT, got {other:?} after {answers} answers"),
+        }
+    };
+    assert_eq!(reason, v5::DisconnectReasonCode::QuotaExceeded);
+    assert!(
+        answers <= 4,
+        "{answers} answers of 256 KiB within a 1 MiB bound"
+    );
+    let r = writer.request(&[b"GET", b"small"]).await;
+    assert_eq!(&r.payload[..], b"$-1\r\n");
+}

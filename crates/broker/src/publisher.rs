@@ -23,7 +23,7 @@ use rumqttd::protocol::{LastWill, LastWillProperties, Packet, Publish, PublishPr
 
 use crate::codec;
 use crate::router::{INTERNAL_PREFIX, Router, poll_once};
-use crate::sessions::{Direct, Sessions};
+use crate::sessions::{Direct, Sessions, Undelivered};
 
 /// The router link the broker publishes on, and its packet ids.
 struct Link {
@@ -76,8 +76,8 @@ impl Publisher {
     }
 
     /// Delivers `message` to `client` only, if it is connected and
-    /// subscribed; gives it back otherwise.
-    pub fn deliver_to(&self, client: &str, message: Direct) -> Result<(), Box<Direct>> {
+    /// subscribed and its queue has room.
+    pub fn deliver_to(&self, client: &str, message: Direct) -> Result<(), Undelivered> {
         self.sessions.deliver(client, message)
     }
 
@@ -90,7 +90,14 @@ impl Publisher {
         let message = if direct {
             match self.sessions.deliver(client, message) {
                 Ok(()) => return,
-                Err(message) => *message,
+                Err(Undelivered::NoRecipient(message)) => *message,
+                Err(Undelivered::Overflow) => {
+                    tracing::debug!(
+                        client_id = client,
+                        "answer dropped: the client's queue is full"
+                    );
+                    return;
+                }
             }
         } else {
             message

@@ -27,6 +27,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::RwLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
 use rumqttd::protocol::{self, PublishProperties};
 use tokio::sync::mpsc;
 
@@ -41,6 +43,93 @@ pub enum ToConnection {
     Deliver(Direct),
     /// Another connection took the client id over: end with "session taken over".
     TakenOver,
+    /// Deliveries waiting for the client passed its queue's bound: end the
+    /// connection (MQTT 5: 0x97 quota exceeded).
+    Overflow,
+}
+
+/// The bound on what waits for one connection: direct deliveries queued,
+/// written and not yet acknowledged, in messages and bytes (topic and
+/// payload). A delivery that would pass it is dropped, and the connection
+/// is told to end.
+#[derive(Debug)]
+pub struct QueueBound {
+    messages: AtomicUsize,
+    bytes: AtomicUsize,
+    max_messages: usize,
+    max_bytes: usize,
+    overflowed: AtomicBool,
+}
+
+impl QueueBound {
+    /// A bound of `max_messages` and `max_bytes`.
+    pub fn new(max_messages: usize, max_bytes: usize) -> Arc<QueueBound> {
+        Arc::new(QueueBound {
+            messages: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            max_messages,
+            max_bytes,
+            overflowed: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes room for a message of `size` bytes; `false` when there is none.
+    pub(crate) fn reserve(&self, size: usize) -> bool {
+        let messages = self.messages.fetch_add(1, Ordering::AcqRel) + 1;
+        let bytes = self.bytes.fetch_add(size, Ordering::AcqRel) + size;
+        if messages > self.max_messages || bytes > self.max_bytes {
+            self.release(size);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back the room of a message of `size` bytes (written at QoS 0,
+    /// acknowledged, or discarded).
+    pub fn release(&self, size: usize) {
+        self.messages.fetch_sub(1, Ordering::AcqRel);
+        self.bytes.fetch_sub(size, Ordering::AcqRel);
+    }
+
+    /// Messages and bytes held now.
+    pub fn held(&self) -> (usize, usize) {
+        (
+            self.messages.load(Ordering::Acquire),
+            self.bytes.load(Ordering::Acquire),
+        )
+    }
+}
+
+impl Direct {
+    /// What the message counts against its connection's [`QueueBound`].
+    pub fn size(&self) -> usize {
+        self.topic.len() + self.payload.len()
+    }
+}
+
+/// The way to a connection task: its channel, and the bound on what waits.
+#[derive(Debug, Clone)]
+pub struct Mailbox {
+    tx: mpsc::UnboundedSender<ToConnection>,
+    bound: Arc<QueueBound>,
+}
+
+impl Mailbox {
+    /// A mailbox that sends on `tx` within `bound`.
+    pub fn new(tx: mpsc::UnboundedSender<ToConnection>, bound: Arc<QueueBound>) -> Mailbox {
+        Mailbox { tx, bound }
+    }
+}
+
+/// Why a direct delivery did not happen.
+#[derive(Debug)]
+pub enum Undelivered {
+    /// The client is not connected, or none of its subscriptions matches:
+    /// the message is given back (to route it, or drop it).
+    NoRecipient(Box<Direct>),
+    /// The client's queue is full: the message was dropped and the
+    /// connection told to end.
+    Overflow,
 }
 
 /// A publish for one client, delivered by its connection task.
@@ -68,7 +157,7 @@ pub struct Sub {
 struct Live {
     connection: u64,
     clean_start: bool,
-    tx: mpsc::UnboundedSender<ToConnection>,
+    mailbox: Mailbox,
 }
 
 #[derive(Default)]
@@ -155,13 +244,7 @@ impl Inner {
 
 impl Sessions {
     /// A connection of `client` was accepted; its task reads `tx`.
-    pub fn connected(
-        &self,
-        client: &str,
-        connection: u64,
-        clean_start: bool,
-        tx: mpsc::UnboundedSender<ToConnection>,
-    ) {
+    pub fn connected(&self, client: &str, connection: u64, clean_start: bool, mailbox: Mailbox) {
         let mut inner = self.inner.write();
         let key = inner.key(client);
         // Taking over a clean session starts afresh too (the router keeps
@@ -177,10 +260,10 @@ impl Sessions {
         let previous = inner.clients.entry(key).or_default().live.replace(Live {
             connection,
             clean_start,
-            tx,
+            mailbox,
         });
         if let Some(previous) = previous {
-            let _ = previous.tx.send(ToConnection::TakenOver);
+            let _ = previous.mailbox.tx.send(ToConnection::TakenOver);
         }
     }
 
@@ -237,17 +320,19 @@ impl Sessions {
     /// Delivers to `client` if it is connected and one of its subscriptions
     /// matches the message's topic, at the smaller of the message's QoS and
     /// the subscription's. Returns `Err` with the message when it could not
-    /// be delivered.
-    pub fn deliver(&self, client: &str, mut message: Direct) -> Result<(), Box<Direct>> {
+    /// be delivered, or that it was dropped because the client's queue is
+    /// full.
+    pub fn deliver(&self, client: &str, mut message: Direct) -> Result<(), Undelivered> {
+        let no_recipient = |message| Err(Undelivered::NoRecipient(Box::new(message)));
         let inner = self.inner.read();
         let Some(state) = inner.clients.get(client) else {
-            return Err(Box::new(message));
+            return no_recipient(message);
         };
         let Some(live) = &state.live else {
-            return Err(Box::new(message));
+            return no_recipient(message);
         };
         let Ok(topic) = std::str::from_utf8(&message.topic) else {
-            return Err(Box::new(message));
+            return no_recipient(message);
         };
         let mut granted = None;
         let mut ids = Vec::new();
@@ -262,12 +347,23 @@ impl Sessions {
             }
         }
         let Some(granted) = granted else {
-            return Err(Box::new(message));
+            return no_recipient(message);
         };
         message.qos = message.qos.min(granted).min(1);
         message.properties.subscription_identifiers = ids;
-        match live.tx.send(ToConnection::Deliver(message)) {
-            Err(mpsc::error::SendError(ToConnection::Deliver(message))) => Err(Box::new(message)),
+        let Mailbox { tx, bound } = &live.mailbox;
+        let size = message.size();
+        if !bound.reserve(size) {
+            if !bound.overflowed.swap(true, Ordering::AcqRel) {
+                let _ = tx.send(ToConnection::Overflow);
+            }
+            return Err(Undelivered::Overflow);
+        }
+        match tx.send(ToConnection::Deliver(message)) {
+            Err(mpsc::error::SendError(ToConnection::Deliver(message))) => {
+                bound.release(size);
+                no_recipient(message)
+            }
             _ => Ok(()),
         }
     }
@@ -313,6 +409,10 @@ mod tests {
         }
     }
 
+    fn mailbox(tx: mpsc::UnboundedSender<ToConnection>) -> Mailbox {
+        Mailbox::new(tx, QueueBound::new(usize::MAX, usize::MAX))
+    }
+
     fn sub(qos: u8) -> Sub {
         Sub { qos, id: None }
     }
@@ -323,8 +423,8 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         assert!(s.deliver("a", msg()).is_err(), "unknown client");
         let (old_tx, mut old_rx) = mpsc::unbounded_channel();
-        s.connected("a", 0, true, old_tx);
-        s.connected("a", 1, true, tx);
+        s.connected("a", 0, true, mailbox(old_tx));
+        s.connected("a", 1, true, mailbox(tx));
         assert!(s.deliver("a", msg()).is_err(), "no subscription");
         s.subscribe(
             "a",
@@ -385,27 +485,50 @@ mod tests {
     fn session_rules() {
         let s = Sessions::default();
         let (tx, _rx) = mpsc::unbounded_channel();
-        s.connected("p", 1, false, tx.clone());
+        s.connected("p", 1, false, mailbox(tx.clone()));
         s.subscribe("p", "x", sub(1));
         s.disconnected("p", 1, false);
         assert!(
             !s.only_subscriber("q", "x"),
             "a persistent session keeps its subscriptions"
         );
-        s.connected("p", 2, true, tx.clone());
+        s.connected("p", 2, true, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"), "a clean start drops them");
         s.subscribe("p", "x", sub(1));
         // Taking over a clean session: nothing is resumed.
-        s.connected("p", 3, false, tx.clone());
+        s.connected("p", 3, false, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"));
         s.subscribe("p", "x", sub(1));
         // Taking over a persistent session keeps its subscriptions, and the
         // old connection's end does not touch the new one.
-        s.connected("p", 4, false, tx.clone());
+        s.connected("p", 4, false, mailbox(tx.clone()));
         s.disconnected("p", 3, false);
         assert!(!s.only_subscriber("q", "x"));
         s.disconnected("p", 4, true);
         assert!(s.only_subscriber("q", "x"));
         assert_eq!(s.tracked(), 0);
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_tells_the_connection_once() {
+        let s = Sessions::default();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let bound = QueueBound::new(2, 1000);
+        s.connected("q", 1, true, Mailbox::new(tx, Arc::clone(&bound)));
+        s.subscribe("q", "resp/+", sub(1));
+        s.deliver("q", msg()).unwrap();
+        s.deliver("q", msg()).unwrap();
+        assert!(matches!(s.deliver("q", msg()), Err(Undelivered::Overflow)));
+        assert!(matches!(s.deliver("q", msg()), Err(Undelivered::Overflow)));
+        let received: Vec<_> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        assert_eq!(received.len(), 3, "two deliveries and one overflow notice");
+        assert!(matches!(received[2], ToConnection::Overflow));
+        assert_eq!(bound.held(), (2, 2 * msg().size()));
+        bound.release(msg().size());
+        assert_eq!(bound.held(), (1, msg().size()));
+        // Bytes count too.
+        let big = QueueBound::new(100, 10);
+        assert!(big.reserve(10));
+        assert!(!big.reserve(1));
     }
 }

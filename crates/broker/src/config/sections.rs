@@ -76,6 +76,11 @@ pub struct BrokerSection {
     pub topic_alias_max: u16,
     /// Serve the 2023 request topic.
     pub legacy_2023_topic: bool,
+    /// Deliveries from the broker (state store answers and notifications)
+    /// one connection may hold unacknowledged or waiting, in messages.
+    pub max_queued_messages: usize,
+    /// The same bound in bytes (topic and payload).
+    pub max_queued_bytes: usize,
 }
 
 /// `[statestore]`

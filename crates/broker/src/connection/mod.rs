@@ -54,7 +54,7 @@ use tokio::time::Instant;
 use crate::codec::{Incoming, Protocol};
 use crate::config::Listener;
 use crate::publisher::Publisher;
-use crate::sessions::{Sessions, ToConnection};
+use crate::sessions::{Mailbox, QueueBound, Sessions, ToConnection};
 use crate::shared::Shared;
 use crate::store::StateStoreService;
 use crate::store::binding::{self, Admission};
@@ -122,9 +122,12 @@ pub(crate) async fn serve<S: Stream>(
         };
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();
+    let broker = &shared.settings.broker;
+    let bound = QueueBound::new(broker.max_queued_messages, broker.max_queued_bytes);
+    let mailbox = Mailbox::new(direct_tx, Arc::clone(&bound));
     shared
         .sessions
-        .connected(&client_id, id, terms.clean_start, direct_tx);
+        .connected(&client_id, id, terms.clean_start, mailbox);
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     socket.queue(handshake::connack(
         &terms,
@@ -140,7 +143,12 @@ pub(crate) async fn serve<S: Stream>(
     let mut conn = Connection {
         id,
         own_hex: hex::encode_upper(&client_id),
-        out: Outbound::new(&client_id, terms.receive_maximum, terms.max_packet_size),
+        out: Outbound::new(
+            &client_id,
+            terms.receive_maximum,
+            terms.max_packet_size,
+            bound,
+        ),
         client_id,
         socket,
         link,
@@ -495,6 +503,10 @@ impl<S: Stream> Connection<S> {
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),
+            ToConnection::Overflow => Err(End::Violation(
+                DisconnectReasonCode::QuotaExceeded,
+                "the client's queue of deliveries is over its bound (it reads or acknowledges too slowly)".into(),
+            )),
         }
     }
 
@@ -561,6 +573,10 @@ impl<S: Stream> Connection<S> {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), self.socket.flush()).await;
         self.socket.shutdown().await;
+        if reason.is_some() {
+            // The broker ended it: let the client read why before closing.
+            self.socket.linger(Duration::from_millis(500)).await;
+        }
         if self.link.is_linked() && !matches!(end, End::RouterClosed) {
             // The router forgets the connection (and keeps a persistent session).
             self.link.push(Packet::Disconnect(

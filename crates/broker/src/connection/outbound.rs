@@ -17,13 +17,14 @@
 //! 3.1.2.11.4), counted, and logged once.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use bytes::BytesMut;
 use rumqttd::protocol::{Packet, PubAck, PubAckReason};
 
 use crate::codec::{self, Protocol};
 use crate::router::ROUTER_MAX_PKID;
-use crate::sessions::Direct;
+use crate::sessions::{Direct, QueueBound};
 
 /// The first packet id of direct deliveries.
 pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
@@ -46,10 +47,15 @@ pub(crate) struct Outbound {
 }
 
 impl Outbound {
-    pub fn new(client_id: &str, receive_maximum: u16, max_packet_size: usize) -> Outbound {
+    pub fn new(
+        client_id: &str,
+        receive_maximum: u16,
+        max_packet_size: usize,
+        bound: Arc<QueueBound>,
+    ) -> Outbound {
         Outbound {
             router: RouterAcks::default(),
-            direct: DirectWindow::new(receive_maximum, max_packet_size),
+            direct: DirectWindow::new(receive_maximum, max_packet_size, bound),
             max_packet_size,
             discarded: 0,
             client_id: client_id.to_owned(),
@@ -181,13 +187,20 @@ pub(crate) struct DirectWindow {
     limit: usize,
     /// The client's Maximum Packet Size.
     max_packet_size: usize,
+    /// Room taken by each message until it is done with.
+    bound: Arc<QueueBound>,
 }
 
 impl DirectWindow {
     /// A window within `receive_maximum`, less what the router may use,
     /// for a client that accepts packets up to `max_packet_size`.
-    pub fn new(receive_maximum: u16, max_packet_size: usize) -> DirectWindow {
+    pub fn new(
+        receive_maximum: u16,
+        max_packet_size: usize,
+        bound: Arc<QueueBound>,
+    ) -> DirectWindow {
         DirectWindow {
+            bound,
             inflight: HashMap::new(),
             pending: VecDeque::new(),
             last_pkid: FIRST_DIRECT_PKID - 1,
@@ -220,9 +233,12 @@ impl DirectWindow {
         );
         if out.len() - start > self.max_packet_size {
             out.truncate(start);
+            self.bound.release(message.size());
             return false;
         }
-        if pkid != 0 {
+        if pkid == 0 {
+            self.bound.release(message.size());
+        } else {
             self.inflight.insert(pkid, message);
         }
         true
@@ -249,7 +265,8 @@ impl DirectWindow {
     /// larger than the client accepts.
     pub fn acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) -> u64 {
         let mut discarded = 0;
-        if self.inflight.remove(&pkid).is_some() {
+        if let Some(done) = self.inflight.remove(&pkid) {
+            self.bound.release(done.size());
             while self.inflight.len() < self.limit
                 && let Some(message) = self.pending.pop_front()
             {
@@ -282,6 +299,10 @@ mod tests {
         }
     }
 
+    fn unbounded() -> Arc<QueueBound> {
+        QueueBound::new(usize::MAX, usize::MAX)
+    }
+
     /// The packet ids and payloads of the publishes encoded in `out`.
     fn sent(out: &mut BytesMut) -> Vec<(u16, u8)> {
         let mut all = Vec::new();
@@ -297,7 +318,7 @@ mod tests {
     #[test]
     fn the_window_holds_what_does_not_fit() {
         // Receive Maximum 102: the router may use 100, direct deliveries 2.
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2, usize::MAX);
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2, usize::MAX, unbounded());
         let mut out = BytesMut::new();
         for n in 1..=4 {
             w.send(message(n, 1), Protocol::V5, &mut out);
@@ -323,7 +344,7 @@ mod tests {
 
     #[test]
     fn a_small_receive_maximum_still_leaves_one() {
-        let mut w = DirectWindow::new(10, usize::MAX);
+        let mut w = DirectWindow::new(10, usize::MAX, unbounded());
         let mut out = BytesMut::new();
         w.send(message(1, 1), Protocol::V5, &mut out);
         w.send(message(2, 1), Protocol::V5, &mut out);
@@ -332,7 +353,7 @@ mod tests {
 
     #[test]
     fn packet_ids_wrap_past_those_in_flight() {
-        let mut w = DirectWindow::new(u16::MAX, usize::MAX);
+        let mut w = DirectWindow::new(u16::MAX, usize::MAX, unbounded());
         let mut out = BytesMut::new();
         w.send(message(1, 1), Protocol::V5, &mut out); // 101, stays in flight
         w.last_pkid = u16::MAX - 1;
@@ -373,7 +394,7 @@ mod tests {
 
     #[test]
     fn what_the_client_cannot_take_is_discarded() {
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 40);
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 40, unbounded());
         let mut out = BytesMut::new();
         let mut big = message(2, 1);
         big.payload = Bytes::from(vec![b'x'; 100]);
@@ -388,6 +409,34 @@ mod tests {
         assert!(
             w.take_unacknowledged().is_empty(),
             "nothing in flight for it"
+        );
+    }
+
+    #[test]
+    fn room_is_given_back_when_a_message_is_done_with() {
+        let bound = QueueBound::new(100, 10_000);
+        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 60, Arc::clone(&bound));
+        let mut out = BytesMut::new();
+        let size = message(0, 1).size();
+        // As the mailbox does before handing a message over.
+        let hand_over = |n: u8, qos: u8| {
+            assert!(bound.reserve(size));
+            message(n, qos)
+        };
+        w.send(hand_over(1, 0), Protocol::V5, &mut out); // QoS 0: done once written
+        w.send(hand_over(2, 1), Protocol::V5, &mut out); // in flight
+        w.send(hand_over(3, 1), Protocol::V5, &mut out); // waiting for room
+        assert_eq!(bound.held(), (2, 2 * size));
+        w.acknowledged(101, Protocol::V5, &mut out);
+        assert_eq!(bound.held(), (1, size), "3 is in flight now");
+        let mut big = message(4, 0);
+        big.payload = Bytes::from(vec![b'x'; 100]);
+        assert!(bound.reserve(big.size()));
+        assert!(!w.send(big, Protocol::V5, &mut out));
+        assert_eq!(
+            bound.held(),
+            (1, size),
+            "a discarded message gives its room back"
         );
     }
 }

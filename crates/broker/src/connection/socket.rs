@@ -90,6 +90,25 @@ impl<S: Stream> Socket<S> {
         let _ = self.stream.shutdown().await;
     }
 
+    /// After [`Socket::shutdown`]: reads and discards what the client still
+    /// sends, until it closes or `linger` passes (at most 1 MiB). Closing a
+    /// socket with unread input makes the kernel reset the connection, and
+    /// a reset throws away what the client had not read yet (the
+    /// DISCONNECT that says why, among others).
+    pub async fn linger(&mut self, linger: std::time::Duration) {
+        let mut scratch = [0u8; 8192];
+        let mut read = 0usize;
+        let _ = tokio::time::timeout(linger, async {
+            while read < 1 << 20 {
+                match self.stream.read(&mut scratch).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => read += n,
+                }
+            }
+        })
+        .await;
+    }
+
     /// Sends `packet`, then closes.
     pub async fn send_and_close(mut self, packet: Packet) {
         self.queue(packet);

@@ -33,6 +33,7 @@ use super::binding::{self, ReplyTo};
 use super::persistence::{Loaded, Persistence};
 use crate::clock::now_ms;
 use crate::publisher::Publisher;
+use crate::sessions::Undelivered;
 
 /// The state store, served in process.
 pub struct StateStoreService {
@@ -163,12 +164,17 @@ impl StateStoreService {
             for (watcher, message) in binding::notifications(notice) {
                 // A notification is private to its watcher: if the watcher's
                 // connection cannot take it, nobody gets it.
-                if let Err(message) = self.publisher.deliver_to(watcher, message) {
-                    tracing::debug!(
+                match self.publisher.deliver_to(watcher, message) {
+                    Ok(()) => {}
+                    Err(Undelivered::NoRecipient(message)) => tracing::debug!(
                         client_id = %watcher,
                         topic = %String::from_utf8_lossy(&message.topic),
                         "notification dropped: watcher not connected or not subscribed"
-                    );
+                    ),
+                    Err(Undelivered::Overflow) => tracing::debug!(
+                        client_id = %watcher,
+                        "notification dropped: the watcher's queue is full"
+                    ),
                 }
             }
         }
