@@ -34,6 +34,8 @@ pub(crate) enum End {
     TakenOver,
     /// The broker is stopping.
     Shutdown,
+    /// The client's queue of deliveries passed its bound.
+    Overflow,
     /// The client broke a rule; the reason goes out in DISCONNECT (MQTT 5).
     Violation(DisconnectReasonCode, String),
 }
@@ -113,6 +115,10 @@ impl End {
                 Some(DisconnectReasonCode::ServerShuttingDown),
                 "broker stopping".to_owned(),
             ),
+            End::Overflow => (
+                Some(DisconnectReasonCode::QuotaExceeded),
+                "the client's queue of deliveries is over its bound (it reads or acknowledges too slowly)".to_owned(),
+            ),
             End::Violation(code, text) => (Some(*code), text.clone()),
         }
     }
@@ -131,6 +137,7 @@ mod tests {
         assert_eq!(code(End::KeepAlive), Some(R::KeepAliveTimeout));
         assert_eq!(code(End::TakenOver), Some(R::SessionTakenOver));
         assert_eq!(code(End::Shutdown), Some(R::ServerShuttingDown));
+        assert_eq!(code(End::Overflow), Some(R::QuotaExceeded));
         assert_eq!(
             code(CodecError::TooLarge(10).into()),
             Some(R::PacketTooLarge)

@@ -44,8 +44,7 @@ use std::time::Duration;
 use rumqttd::Notification;
 use rumqttd::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
-    PublishProperties, SubAck, Subscribe, SubscribeProperties, UnsubAck, UnsubAckReason,
-    Unsubscribe, UnsubscribeProperties,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
 };
 use statestore::{Caller, Dialect};
 use tokio::sync::mpsc;
@@ -480,14 +479,7 @@ impl<S: Stream> Connection<S> {
         for filter in &unsubscribe.filters {
             self.sessions.unsubscribe(&self.client_id, filter);
         }
-        let reasons = vec![UnsubAckReason::Success; unsubscribe.filters.len()];
-        self.socket.queue(Packet::UnsubAck(
-            UnsubAck {
-                pkid: unsubscribe.pkid,
-                reasons,
-            },
-            None,
-        ));
+        self.socket.queue(subscriptions::unsuback(&unsubscribe));
         // Without a link the router holds no subscription to remove.
         if self.link.is_linked() {
             self.link.push(Packet::Unsubscribe(unsubscribe, properties));
@@ -503,10 +495,7 @@ impl<S: Stream> Connection<S> {
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),
-            ToConnection::Overflow => Err(End::Violation(
-                DisconnectReasonCode::QuotaExceeded,
-                "the client's queue of deliveries is over its bound (it reads or acknowledges too slowly)".into(),
-            )),
+            ToConnection::Overflow => Err(End::Overflow),
         }
     }
 
@@ -592,13 +581,7 @@ impl<S: Stream> Connection<S> {
         // router, which keeps it for a persistent session.
         self.sessions
             .disconnected(&self.client_id, self.id, self.clean_start);
-        let mut unacked = self.out.take_unacknowledged();
-        while let Ok(message) = self.direct_rx.try_recv() {
-            if let ToConnection::Deliver(message) = message {
-                unacked.push(message);
-            }
-        }
-        unacked.retain(|m| m.qos > 0);
+        let unacked = self.out.hand_back(&mut self.direct_rx);
         if !self.clean_start && !unacked.is_empty() && !matches!(end, End::Shutdown) {
             tracing::debug!(
                 client_id = self.client_id,

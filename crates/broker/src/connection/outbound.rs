@@ -24,7 +24,7 @@ use rumqttd::protocol::{Packet, PubAck, PubAckReason};
 
 use crate::codec::{self, Protocol};
 use crate::router::ROUTER_MAX_PKID;
-use crate::sessions::{Direct, QueueBound};
+use crate::sessions::{Direct, QueueBound, ToConnection};
 
 /// The first packet id of direct deliveries.
 pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
@@ -109,9 +109,21 @@ impl Outbound {
         self.count_discarded(discarded);
     }
 
-    /// Direct deliveries not acknowledged, and those still waiting.
-    pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
-        self.direct.take_unacknowledged()
+    /// At the end of the connection: the QoS 1 direct deliveries not
+    /// acknowledged, those still waiting, and those not yet taken from
+    /// `rx`, for a persistent session to get later.
+    pub fn hand_back(
+        &mut self,
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<ToConnection>,
+    ) -> Vec<Direct> {
+        let mut all = self.direct.take_unacknowledged();
+        while let Ok(message) = rx.try_recv() {
+            if let ToConnection::Deliver(message) = message {
+                all.push(message);
+            }
+        }
+        all.retain(|m| m.qos > 0);
+        all
     }
 
     /// Publishes discarded as larger than the client accepts.

@@ -13,7 +13,9 @@
 
 use std::collections::HashMap;
 
-use rumqttd::protocol::{self, Filter, QoS, SubAck, SubscribeReasonCode};
+use rumqttd::protocol::{
+    self, Filter, Packet, QoS, SubAck, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
+};
 
 use crate::codec::Protocol;
 use crate::sessions::{Sessions, Sub};
@@ -88,6 +90,18 @@ pub(crate) fn mirror(sessions: &Sessions, client_id: &str, allowed: &[Filter], i
         };
         sessions.subscribe(client_id, &filter.path, Sub { qos, id });
     }
+}
+
+/// The UNSUBACK the connection answers with itself (rumqttd sends none
+/// for a filter that was not subscribed): success for every filter.
+pub(crate) fn unsuback(unsubscribe: &Unsubscribe) -> Packet {
+    Packet::UnsubAck(
+        UnsubAck {
+            pkid: unsubscribe.pkid,
+            reasons: vec![UnsubAckReason::Success; unsubscribe.filters.len()],
+        },
+        None,
+    )
 }
 
 /// Refusals waiting for the router's SUBACK, by SUBSCRIBE packet id.
