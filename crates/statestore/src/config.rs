@@ -40,6 +40,12 @@ pub struct Config {
     pub quota: Quota,
     /// KEYNOTIFY registrations one client may hold.
     pub max_watches_per_client: usize,
+    /// Bytes of key names one client's KEYNOTIFY registrations may hold.
+    pub max_watch_bytes_per_client: usize,
+    /// KEYNOTIFY registrations of all clients.
+    pub max_watches: usize,
+    /// Bytes of key names of all KEYNOTIFY registrations.
+    pub max_watch_bytes: usize,
     /// Keys persisted by configuration (besides `aio-persistence: true`).
     pub persist_policy: PersistPolicy,
     /// With persistence: how far ahead of the clock each clock mark is set
@@ -55,6 +61,9 @@ impl Default for Config {
             scan_page_size: 100,
             quota: Quota::default(),
             max_watches_per_client: 10_000,
+            max_watch_bytes_per_client: 1 << 20,
+            max_watches: 1_000_000,
+            max_watch_bytes: 256 << 20,
             persist_policy: PersistPolicy::default(),
             clock_lease_ms: None,
         }

@@ -75,53 +75,108 @@ impl Notice {
 pub struct Watchers {
     /// key -> client ids watching it
     by_key: HashMap<Box<[u8]>, Vec<Arc<str>>>,
-    /// client id -> (key -> connection that registered it)
-    by_client: HashMap<Arc<str>, HashMap<Box<[u8]>, u64>>,
+    /// client id -> its registrations
+    by_client: HashMap<Arc<str>, ClientWatches>,
+    /// Registrations in all.
+    total: usize,
+    /// Key bytes of all registrations.
+    total_bytes: usize,
 }
 
-/// A registration refused because the client has too many.
+/// One client's registrations.
+#[derive(Debug, Default)]
+struct ClientWatches {
+    /// key -> connection that registered it
+    keys: HashMap<Box<[u8]>, u64>,
+    /// Sum of the lengths of those keys.
+    bytes: usize,
+}
+
+/// How many registrations there may be, and how many bytes of key names
+/// they may hold, per client and in all: every registration keeps its key,
+/// so a quota in bytes is what bounds the memory one client can take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchLimits {
+    /// Registrations of one client.
+    pub per_client: usize,
+    /// Key bytes of one client's registrations.
+    pub per_client_bytes: usize,
+    /// Registrations of all clients.
+    pub total: usize,
+    /// Key bytes of all registrations.
+    pub total_bytes: usize,
+}
+
+impl Default for WatchLimits {
+    fn default() -> Self {
+        WatchLimits {
+            per_client: 10_000,
+            per_client_bytes: 1 << 20,
+            total: 1_000_000,
+            total_bytes: 256 << 20,
+        }
+    }
+}
+
+/// A registration refused: it would pass one of the [`WatchLimits`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TooManyWatches;
 
 impl Watchers {
-    /// Registers `client` (on `connection`) for changes of `key`. Registering
-    /// again is not an error; it moves the registration to `connection`.
+    /// Registers `client` (on `connection`) for changes of `key`, within
+    /// `limits`. Registering again is not an error; it moves the
+    /// registration to `connection`.
     pub fn register(
         &mut self,
         client: &str,
         connection: u64,
         key: &[u8],
-        max_per_client: usize,
+        limits: &WatchLimits,
     ) -> Result<(), TooManyWatches> {
-        let client_id = match self.by_client.get_key_value(client) {
-            Some((id, _)) => id.clone(),
-            None if max_per_client == 0 => return Err(TooManyWatches),
-            None => Arc::from(client),
-        };
-        let keys = self.by_client.entry(client_id.clone()).or_default();
-        if let Some(conn) = keys.get_mut(key) {
+        if let Some(watches) = self.by_client.get_mut(client)
+            && let Some(conn) = watches.keys.get_mut(key)
+        {
             *conn = connection;
             return Ok(());
         }
-        if keys.len() >= max_per_client {
+        let (count, bytes) = self
+            .by_client
+            .get(client)
+            .map_or((0, 0), |w| (w.keys.len(), w.bytes));
+        if count + 1 > limits.per_client
+            || bytes + key.len() > limits.per_client_bytes
+            || self.total + 1 > limits.total
+            || self.total_bytes + key.len() > limits.total_bytes
+        {
             return Err(TooManyWatches);
         }
-        keys.insert(key.into(), connection);
+        let client_id = match self.by_client.get_key_value(client) {
+            Some((id, _)) => id.clone(),
+            None => Arc::from(client),
+        };
+        let watches = self.by_client.entry(client_id.clone()).or_default();
+        watches.keys.insert(key.into(), connection);
+        watches.bytes += key.len();
+        self.total += 1;
+        self.total_bytes += key.len();
         self.by_key.entry(key.into()).or_default().push(client_id);
         Ok(())
     }
 
     /// Removes `client`'s registration for `key`; `false` if there was none.
     pub fn unregister(&mut self, client: &str, key: &[u8]) -> bool {
-        let Some(keys) = self.by_client.get_mut(client) else {
+        let Some(watches) = self.by_client.get_mut(client) else {
             return false;
         };
-        if keys.remove(key).is_none() {
+        if watches.keys.remove(key).is_none() {
             return false;
         }
-        if keys.is_empty() {
+        watches.bytes -= key.len();
+        if watches.keys.is_empty() {
             self.by_client.remove(client);
         }
+        self.total -= 1;
+        self.total_bytes -= key.len();
         self.remove_from_key(client, key);
         true
     }
@@ -138,22 +193,17 @@ impl Watchers {
     /// Drops every registration that `connection` of `client` made. Returns
     /// how many there were.
     pub fn connection_closed(&mut self, client: &str, connection: u64) -> usize {
-        let Some(keys) = self.by_client.get_mut(client) else {
+        let Some(watches) = self.by_client.get(client) else {
             return 0;
         };
-        let gone: Vec<Box<[u8]>> = keys
+        let gone: Vec<Box<[u8]>> = watches
+            .keys
             .iter()
             .filter(|&(_, &conn)| conn == connection)
             .map(|(key, _)| key.clone())
             .collect();
         for key in &gone {
-            keys.remove(key);
-        }
-        if keys.is_empty() {
-            self.by_client.remove(client);
-        }
-        for key in &gone {
-            self.remove_from_key(client, key);
+            self.unregister(client, key);
         }
         gone.len()
     }
@@ -165,18 +215,30 @@ impl Watchers {
 
     /// Number of registrations in all.
     pub fn len(&self) -> usize {
-        self.by_client.values().map(HashMap::len).sum()
+        self.total
+    }
+
+    /// Key bytes of all registrations.
+    pub fn bytes(&self) -> usize {
+        self.total_bytes
     }
 
     /// Whether there are no registrations.
     pub fn is_empty(&self) -> bool {
-        self.by_client.is_empty()
+        self.total == 0
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn count_limit(per_client: usize) -> WatchLimits {
+        WatchLimits {
+            per_client,
+            ..WatchLimits::default()
+        }
+    }
 
     fn ids(w: &Watchers, key: &[u8]) -> Vec<String> {
         let mut v: Vec<String> = w.of_key(key).iter().map(|c| c.to_string()).collect();
@@ -187,9 +249,9 @@ mod tests {
     #[test]
     fn register_unregister() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"k", 10).unwrap();
-        w.register("a", 1, b"k", 10).unwrap();
-        w.register("b", 2, b"k", 10).unwrap();
+        w.register("a", 1, b"k", &count_limit(10)).unwrap();
+        w.register("a", 1, b"k", &count_limit(10)).unwrap();
+        w.register("b", 2, b"k", &count_limit(10)).unwrap();
         assert_eq!(ids(&w, b"k"), ["a", "b"]);
         assert!(w.unregister("a", b"k"));
         assert!(!w.unregister("a", b"k"));
@@ -201,11 +263,11 @@ mod tests {
     #[test]
     fn a_closed_connection_only_drops_its_own_registrations() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"old", 10).unwrap();
-        w.register("a", 1, b"both", 10).unwrap();
+        w.register("a", 1, b"old", &count_limit(10)).unwrap();
+        w.register("a", 1, b"both", &count_limit(10)).unwrap();
         // The client reconnects (connection 2) before connection 1's clean-up ran.
-        w.register("a", 2, b"both", 10).unwrap();
-        w.register("a", 2, b"new", 10).unwrap();
+        w.register("a", 2, b"both", &count_limit(10)).unwrap();
+        w.register("a", 2, b"new", &count_limit(10)).unwrap();
         assert_eq!(w.connection_closed("a", 1), 1);
         assert!(w.of_key(b"old").is_empty());
         assert_eq!(ids(&w, b"both"), ["a"]);
@@ -218,12 +280,53 @@ mod tests {
     #[test]
     fn per_client_limit() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"1", 2).unwrap();
-        w.register("a", 1, b"2", 2).unwrap();
-        assert_eq!(w.register("a", 1, b"3", 2), Err(TooManyWatches));
-        w.register("a", 1, b"2", 2).unwrap();
-        w.register("b", 1, b"3", 2).unwrap();
-        assert_eq!(w.register("c", 1, b"3", 0), Err(TooManyWatches));
+        w.register("a", 1, b"1", &count_limit(2)).unwrap();
+        w.register("a", 1, b"2", &count_limit(2)).unwrap();
+        assert_eq!(
+            w.register("a", 1, b"3", &count_limit(2)),
+            Err(TooManyWatches)
+        );
+        w.register("a", 1, b"2", &count_limit(2)).unwrap();
+        w.register("b", 1, b"3", &count_limit(2)).unwrap();
+        assert_eq!(
+            w.register("c", 1, b"3", &count_limit(0)),
+            Err(TooManyWatches)
+        );
+    }
+
+    #[test]
+    fn byte_and_total_limits() {
+        let limits = WatchLimits {
+            per_client: 100,
+            per_client_bytes: 10,
+            total: 3,
+            total_bytes: 15,
+        };
+        let mut w = Watchers::default();
+        w.register("a", 1, b"123456", &limits).unwrap();
+        assert_eq!(
+            w.register("a", 1, b"12345", &limits),
+            Err(TooManyWatches),
+            "11 key bytes for one client"
+        );
+        w.register("a", 1, b"1234", &limits).unwrap();
+        assert_eq!(w.bytes(), 10);
+        assert_eq!(
+            w.register("b", 1, b"123456", &limits),
+            Err(TooManyWatches),
+            "16 key bytes in all"
+        );
+        w.register("b", 1, b"x", &limits).unwrap();
+        assert_eq!(
+            w.register("c", 1, b"y", &limits),
+            Err(TooManyWatches),
+            "4 in all"
+        );
+        // Registering again costs nothing; ending frees the room.
+        w.register("a", 2, b"1234", &limits).unwrap();
+        assert_eq!(w.connection_closed("a", 2), 1);
+        assert_eq!((w.len(), w.bytes()), (2, 7));
+        w.register("c", 1, b"y", &limits).unwrap();
     }
 
     #[test]

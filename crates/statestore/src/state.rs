@@ -12,7 +12,7 @@ use crate::db::{Db, Entry, Extras};
 use crate::error::Error;
 use crate::glob::Pattern;
 use crate::hlc::{Hlc, HybridClock, Version};
-use crate::notify::{Event, Notice, Watchers};
+use crate::notify::{Event, Notice, WatchLimits, Watchers};
 use crate::persist::{Record, Write};
 
 /// Who sent a request: the connection it came in on.
@@ -229,13 +229,15 @@ impl State {
 
     /// Registers `caller` for changes of `key`, within its watch quota.
     pub(crate) fn watch(&mut self, caller: Caller<'_>, key: &[u8]) -> Result<(), Error> {
+        let config = &self.config;
+        let limits = WatchLimits {
+            per_client: config.max_watches_per_client,
+            per_client_bytes: config.max_watch_bytes_per_client,
+            total: config.max_watches,
+            total_bytes: config.max_watch_bytes,
+        };
         self.watchers
-            .register(
-                caller.client_id,
-                caller.connection,
-                key,
-                self.config.max_watches_per_client,
-            )
+            .register(caller.client_id, caller.connection, key, &limits)
             .map_err(|_| Error::QuotaExceeded)
     }
 

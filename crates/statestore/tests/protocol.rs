@@ -529,6 +529,23 @@ fn watch_quota() {
     );
 }
 
+#[test]
+fn watch_quota_in_bytes() {
+    let mut h = Harness::with(Config {
+        max_watch_bytes_per_client: 100,
+        ..Config::default()
+    });
+    let big = "k".repeat(60);
+    assert_eq!(h.run(&["KEYNOTIFY", &big]), b"+OK\r\n");
+    let other = "j".repeat(60);
+    assert_eq!(
+        h.run(&["KEYNOTIFY", &other]),
+        b"-ERR the quota has been exceeded\r\n"
+    );
+    assert_eq!(h.run(&["KEYNOTIFY", &big, "STOP"]), b"+OK\r\n");
+    assert_eq!(h.run(&["KEYNOTIFY", &other]), b"+OK\r\n");
+}
+
 // ---------------------------------------------------------------- SCAN
 
 fn scan_all(h: &mut Harness, pattern: &str) -> (Vec<Vec<u8>>, usize) {

@@ -333,6 +333,9 @@ impl Settings {
             max_clock_skew_ms: s.max_clock_skew_ms,
             scan_page_size: s.scan_page_size,
             max_watches_per_client: s.max_watches_per_client,
+            max_watch_bytes_per_client: s.max_watch_bytes_per_client,
+            max_watches: s.max_watches,
+            max_watch_bytes: s.max_watch_bytes,
             quota: statestore::Quota {
                 max_keys: s.quota.max_keys,
                 max_bytes: s.quota.max_bytes,

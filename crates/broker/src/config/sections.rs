@@ -95,6 +95,12 @@ pub struct StoreSection {
     pub scan_page_size: usize,
     /// KEYNOTIFY registrations per client.
     pub max_watches_per_client: usize,
+    /// Bytes of key names one client's registrations may hold.
+    pub max_watch_bytes_per_client: usize,
+    /// KEYNOTIFY registrations of all clients.
+    pub max_watches: usize,
+    /// Bytes of key names of all registrations.
+    pub max_watch_bytes: usize,
     /// `[statestore.quota]`
     pub quota: QuotaSection,
 }
