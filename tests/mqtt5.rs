@@ -677,3 +677,70 @@ async fn subscribe_after_unsubscribe() {
         sub.no_publish_within(Duration::from_millis(100)).await;
     }
 }
+
+/// MQTT 5 3.8.2.1.2 and 3.3.2.3.8: a message delivered through a
+/// subscription that carried a Subscription Identifier carries it.
+#[tokio::test]
+async fn subscription_identifiers_are_delivered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "subid-sub").await;
+    let pkid = sub.pkid();
+    let mut subscribe = Subscribe::new(
+        Filter::new("subid/+", QoS::AtLeastOnce),
+        Some(v5::SubscribeProperties {
+            id: Some(42),
+            user_properties: Vec::new(),
+        }),
+    );
+    subscribe.pkid = pkid;
+    sub.send(Packet::Subscribe(subscribe)).await;
+    assert!(matches!(sub.recv().await, Recv::Packet(Packet::SubAck(_))));
+    let mut publisher = Raw::connect(addr, "subid-pub").await;
+    publish_complete(&mut publisher, "subid/x", b"m", QoS::AtLeastOnce, false).await;
+    let p = next_raw_publish(&mut sub).await;
+    let ids = p.properties.map(|p| p.subscription_identifiers);
+    assert_eq!(ids, Some(vec![42]));
+}
+
+/// MQTT 5 3.3.2.3.4: a client's topic alias stands for its topic on later
+/// publishes; an alias above the broker's Topic Alias Maximum disconnects
+/// it with 0x94.
+#[tokio::test]
+async fn topic_aliases_from_the_client() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "alias-sub").await;
+    subscribe_with(&mut sub, filter("alias/t", QoS::AtLeastOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "alias-pub").await;
+    let aliased = |topic: &str, alias: u16, payload: &'static [u8]| {
+        Publish::new(
+            topic,
+            QoS::AtMostOnce,
+            Bytes::from_static(payload),
+            Some(v5::PublishProperties {
+                topic_alias: Some(alias),
+                ..Default::default()
+            }),
+        )
+    };
+    publisher
+        .send(Packet::Publish(aliased("alias/t", 3, b"first")))
+        .await;
+    publisher
+        .send(Packet::Publish(aliased("", 3, b"second")))
+        .await;
+    for expected in [&b"first"[..], b"second"] {
+        let p = next_raw_publish(&mut sub).await;
+        assert_eq!((&p.topic[..], &p.payload[..]), (&b"alias/t"[..], expected));
+        ack(&mut sub, &p).await;
+    }
+    publisher
+        .send(Packet::Publish(aliased("alias/t", 60000, b"x")))
+        .await;
+    let d = publisher.expect_disconnect().await;
+    assert_eq!(
+        common::raw::disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::TopicAliasInvalid)
+    );
+}
