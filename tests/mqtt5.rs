@@ -744,3 +744,112 @@ async fn topic_aliases_from_the_client() {
         Some(v5::DisconnectReasonCode::TopicAliasInvalid)
     );
 }
+
+fn session(
+    clean_start: bool,
+    expiry: Option<u32>,
+) -> impl FnOnce(&mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
+    move |c| {
+        c.0.clean_start = clean_start;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: expiry,
+            ..v5::ConnectProperties::new()
+        });
+    }
+}
+
+async fn goodbye(mut c: Raw, expiry: Option<u32>) {
+    let properties = expiry.map(|secs| v5::DisconnectProperties {
+        session_expiry_interval: Some(secs),
+        reason_string: None,
+        user_properties: Vec::new(),
+        server_reference: None,
+    });
+    let mut disconnect = v5::Disconnect::new(v5::DisconnectReasonCode::NormalDisconnection);
+    disconnect.properties = properties;
+    c.send(Packet::Disconnect(disconnect)).await;
+    assert!(matches!(c.recv().await, Recv::Closed));
+}
+
+/// MQTT 5 3.1.2.4 and 3.1.2.11.2: Clean Start and Session Expiry Interval
+/// are separate. Clean Start 1 with an expiry starts a new session that
+/// outlives the connection; Clean Start 0 with expiry 0 resumes nothing
+/// afterwards; Session Present says exactly whether a session was resumed.
+#[tokio::test]
+async fn clean_start_and_session_expiry_are_separate() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "se-pub").await;
+
+    // Clean Start 1, expiry 300: kept after the connection ends.
+    let (mut c, connack) = Raw::connect_with(addr, "se-a", session(true, Some(300))).await;
+    assert!(!connack.session_present);
+    subscribe_with(&mut c, filter("se/a", QoS::AtLeastOnce, |_| {})).await;
+    goodbye(c, None).await;
+    publish_complete(&mut publisher, "se/a", b"kept", QoS::AtLeastOnce, false).await;
+    let (mut c, connack) = Raw::connect_with(addr, "se-a", session(false, Some(300))).await;
+    assert!(connack.session_present);
+    let p = next_raw_publish(&mut c).await;
+    assert_eq!(&p.payload[..], b"kept");
+    ack(&mut c, &p).await;
+    goodbye(c, Some(0)).await; // ends it at DISCONNECT
+
+    // The DISCONNECT above set the expiry to 0: nothing to resume.
+    let (c, connack) = Raw::connect_with(addr, "se-a", session(false, Some(300))).await;
+    assert!(!connack.session_present, "ended by DISCONNECT expiry 0");
+    goodbye(c, None).await;
+
+    // Clean Start 0, expiry 0: the session ends with the connection.
+    let (mut c, _) = Raw::connect_with(addr, "se-b", session(false, None)).await;
+    subscribe_with(&mut c, filter("se/b", QoS::AtLeastOnce, |_| {})).await;
+    goodbye(c, None).await;
+    let (mut c, connack) = Raw::connect_with(addr, "se-b", session(false, Some(60))).await;
+    assert!(!connack.session_present, "expiry 0 ended it");
+    publish_complete(
+        &mut publisher,
+        "se/b",
+        b"to nobody",
+        QoS::AtLeastOnce,
+        false,
+    )
+    .await;
+    c.no_publish_within(Duration::from_millis(200)).await;
+}
+
+/// MQTT 5 3.1.2.11.2: a session that expires is removed with what it
+/// holds; connecting after the expiry finds none.
+#[tokio::test]
+async fn sessions_expire() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut c, _) = Raw::connect_with(addr, "se-short", session(false, Some(1))).await;
+    subscribe_with(&mut c, filter("se/short", QoS::AtLeastOnce, |_| {})).await;
+    goodbye(c, None).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (mut c, connack) = Raw::connect_with(addr, "se-short", session(false, Some(60))).await;
+    assert!(!connack.session_present, "expired after 1 s");
+    let mut publisher = Raw::connect(addr, "se-short-pub").await;
+    publish_complete(&mut publisher, "se/short", b"late", QoS::AtLeastOnce, false).await;
+    c.no_publish_within(Duration::from_millis(200)).await;
+}
+
+/// MQTT 5 3.14.2.2.2: a DISCONNECT may not give an expiry to a session
+/// that had none (protocol error 0x82).
+#[tokio::test]
+async fn disconnect_cannot_revive_an_expiring_session() {
+    let broker = start_broker().await;
+    let (mut c, _) = Raw::connect_with(broker.local_addr(), "se-revive", session(true, None)).await;
+    let mut disconnect = v5::Disconnect::new(v5::DisconnectReasonCode::NormalDisconnection);
+    disconnect.properties = Some(v5::DisconnectProperties {
+        session_expiry_interval: Some(30),
+        reason_string: None,
+        user_properties: Vec::new(),
+        server_reference: None,
+    });
+    c.send(Packet::Disconnect(disconnect)).await;
+    let d = c.expect_disconnect().await;
+    assert_eq!(
+        common::raw::disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::ProtocolError)
+    );
+}

@@ -113,6 +113,10 @@ impl Broker {
             started_nanos: clock::now_nanos(),
             shutdown,
         });
+        tokio::spawn(end_expired_sessions(
+            Arc::clone(&shared.sessions),
+            shared.shutdown.clone(),
+        ));
         let mut addrs = Vec::new();
         for (socket, listener) in sockets {
             let addr = socket.local_addr()?;
@@ -155,5 +159,23 @@ impl RunningBroker {
         }
         let store = Arc::clone(&self.shared.store);
         let _ = tokio::task::spawn_blocking(move || store.close()).await;
+    }
+}
+
+/// Forgets, every few seconds, the sessions whose expiry passed (the router
+/// ends its side of them itself), until the broker stops.
+async fn end_expired_sessions(
+    sessions: Arc<sessions::Sessions>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+            _ = shutdown.changed() => return,
+        }
+        let ended = sessions.end_expired();
+        if ended > 0 {
+            tracing::debug!(ended, "sessions expired");
+        }
     }
 }

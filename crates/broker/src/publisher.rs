@@ -63,7 +63,7 @@ impl Publisher {
         sessions: Arc<Sessions>,
     ) -> std::io::Result<Arc<Publisher>> {
         let (tx, rx, _connack) = router
-            .link_async(format!("{INTERNAL_PREFIX}publisher"), true)
+            .link_async(format!("{INTERNAL_PREFIX}publisher"), true, 0)
             .await
             .map_err(|e| {
                 std::io::Error::other(format!("cannot link the broker to the router: {e}"))

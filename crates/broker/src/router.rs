@@ -33,7 +33,7 @@ pub struct LinkRefused(String);
 /// A registered link: what to send, what to receive, and the router's CONNACK.
 pub type Link = (LinkTx, LinkRx, Notification);
 
-type Factory = dyn Fn(&str, bool) -> Result<Link, LinkRefused> + Send + Sync;
+type Factory = dyn Fn(&str, bool, u32) -> Result<Link, LinkRefused> + Send + Sync;
 
 /// A handle to a running router.
 #[derive(Clone)]
@@ -47,9 +47,10 @@ impl Router {
     pub fn spawn(id: usize, mut config: RouterConfig) -> Router {
         config.max_connections += INTERNAL_LINKS;
         let router_tx = rumqttd::Router::new(id, config).spawn();
-        let factory = move |client_id: &str, clean_session: bool| {
+        let factory = move |client_id: &str, clean_start: bool, session_expiry: u32| {
             LinkBuilder::new(client_id, router_tx.clone())
-                .clean_session(clean_session)
+                .clean_session(clean_start)
+                .session_expiry(session_expiry)
                 // A publish to a topic nobody subscribes to is fine (rumqttd
                 // would otherwise disconnect the publisher).
                 .dynamic_filters(true)
@@ -66,18 +67,28 @@ impl Router {
     /// Registers a connection with the router and returns its link and the
     /// router's CONNACK. Blocks until the router answers (it runs on its own
     /// thread), so async callers use [`Router::link_async`].
-    pub fn link(&self, client_id: &str, clean_session: bool) -> Result<Link, LinkRefused> {
-        (self.factory)(client_id, clean_session)
+    /// `clean_start`: discard a session the router keeps for `client_id`;
+    /// `session_expiry`: seconds the router keeps this session after the
+    /// link ends (0: not at all, `u32::MAX`: for ever).
+    pub fn link(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        session_expiry: u32,
+    ) -> Result<Link, LinkRefused> {
+        (self.factory)(client_id, clean_start, session_expiry)
     }
 
     /// [`Router::link`] off the async worker threads.
     pub async fn link_async(
         &self,
         client_id: String,
-        clean_session: bool,
+        clean_start: bool,
+        session_expiry: u32,
     ) -> Result<Link, LinkRefused> {
         let router = self.clone();
-        match tokio::task::spawn_blocking(move || router.link(&client_id, clean_session)).await {
+        let link = move || router.link(&client_id, clean_start, session_expiry);
+        match tokio::task::spawn_blocking(link).await {
             Ok(result) => result,
             Err(e) => Err(LinkRefused(e.to_string())),
         }
@@ -147,7 +158,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_router_numbers_deliveries_within_its_range_and_send_never_waits() {
         let router = router();
-        let (mut sub_tx, mut sub_rx, _) = router.link_async("sub".into(), true).await.unwrap();
+        let (mut sub_tx, mut sub_rx, _) = router.link_async("sub".into(), true, 0).await.unwrap();
         let subscribe = Subscribe {
             pkid: 1,
             filters: vec![Filter {
@@ -165,7 +176,7 @@ mod tests {
                 break;
             }
         }
-        let (mut pub_tx, _pub_rx, _) = router.link_async("pub".into(), true).await.unwrap();
+        let (mut pub_tx, _pub_rx, _) = router.link_async("pub".into(), true, 0).await.unwrap();
         let total = usize::from(ROUTER_MAX_PKID) + 50;
         for n in 0..total {
             let publish = codec::publish(b"t", b"x", 1, (n % 60000 + 1) as u16, false);

@@ -156,7 +156,8 @@ pub struct Sub {
 
 struct Live {
     connection: u64,
-    clean_start: bool,
+    /// The session outlives the connection (Session Expiry above 0).
+    kept: bool,
     mailbox: Mailbox,
 }
 
@@ -164,6 +165,9 @@ struct Live {
 struct Client {
     filters: HashMap<String, Sub>,
     live: Option<Live>,
+    /// With no live connection: until when the session is kept (`None`:
+    /// for ever).
+    kept_until: Option<std::time::Instant>,
 }
 
 #[derive(Default)]
@@ -243,23 +247,44 @@ impl Inner {
 }
 
 impl Sessions {
-    /// A connection of `client` was accepted; its task reads `tx`.
-    pub fn connected(&self, client: &str, connection: u64, clean_start: bool, mailbox: Mailbox) {
-        let mut inner = self.inner.write();
-        let key = inner.key(client);
-        // Taking over a clean session starts afresh too (the router keeps
-        // nothing of a clean session it disconnects).
-        let takes_over_clean = inner
+    /// Whether the router may keep a session with subscriptions for
+    /// `client` (then a clean start must discard it at CONNECT).
+    pub fn has_kept_subscriptions(&self, client: &str) -> bool {
+        self.inner
+            .read()
             .clients
             .get(client)
-            .and_then(|c| c.live.as_ref())
-            .is_some_and(|l| l.clean_start);
-        if clean_start || takes_over_clean {
+            .is_some_and(|c| !c.filters.is_empty())
+    }
+
+    /// A connection of `client` was accepted; its task reads `mailbox`.
+    /// `session_expiry`: how long the session outlives it (seconds).
+    pub fn connected(
+        &self,
+        client: &str,
+        connection: u64,
+        clean_start: bool,
+        session_expiry: u32,
+        mailbox: Mailbox,
+    ) {
+        let mut inner = self.inner.write();
+        let key = inner.key(client);
+        // Taking over a session that ends with its connection starts afresh
+        // too (the router keeps nothing of it), and so does an expired one.
+        let ended = inner.clients.get(client).is_some_and(|c| match &c.live {
+            Some(live) => !live.kept,
+            None => c
+                .kept_until
+                .is_some_and(|at| at <= std::time::Instant::now()),
+        });
+        if clean_start || ended {
             inner.clear_filters(&key);
         }
-        let previous = inner.clients.entry(key).or_default().live.replace(Live {
+        let state = inner.clients.entry(key).or_default();
+        state.kept_until = None;
+        let previous = state.live.replace(Live {
             connection,
-            clean_start,
+            kept: session_expiry > 0,
             mailbox,
         });
         if let Some(previous) = previous {
@@ -267,8 +292,9 @@ impl Sessions {
         }
     }
 
-    /// A connection of `client` ended. A clean session ends with it.
-    pub fn disconnected(&self, client: &str, connection: u64, clean_start: bool) {
+    /// A connection of `client` ended; its session is kept `session_expiry`
+    /// seconds (0: it ends now; `u32::MAX`: for ever).
+    pub fn disconnected(&self, client: &str, connection: u64, session_expiry: u32) {
         let mut inner = self.inner.write();
         let Some(state) = inner.clients.get_mut(client) else {
             return;
@@ -281,11 +307,32 @@ impl Sessions {
             return; // taken over: the new connection owns the session now
         }
         state.live = None;
-        if clean_start {
+        state.kept_until = (session_expiry != u32::MAX).then(|| {
+            std::time::Instant::now() + std::time::Duration::from_secs(u64::from(session_expiry))
+        });
+        if session_expiry == 0 {
             let key = inner.key(client);
             inner.clear_filters(&key);
         }
         inner.forget_if_empty(client);
+    }
+
+    /// Forgets the sessions whose expiry passed (the router ends them too).
+    /// Returns how many.
+    pub fn end_expired(&self) -> usize {
+        let now = std::time::Instant::now();
+        let mut inner = self.inner.write();
+        let expired: Vec<Arc<str>> = inner
+            .clients
+            .iter()
+            .filter(|(_, c)| c.live.is_none() && c.kept_until.is_some_and(|at| at <= now))
+            .map(|(k, _)| Arc::clone(k))
+            .collect();
+        for client in &expired {
+            inner.clear_filters(client);
+            inner.clients.remove(client);
+        }
+        expired.len()
     }
 
     /// `client` subscribed to `filter` (as the router will record it).
@@ -423,8 +470,8 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         assert!(s.deliver("a", msg()).is_err(), "unknown client");
         let (old_tx, mut old_rx) = mpsc::unbounded_channel();
-        s.connected("a", 0, true, mailbox(old_tx));
-        s.connected("a", 1, true, mailbox(tx));
+        s.connected("a", 0, true, 0, mailbox(old_tx));
+        s.connected("a", 1, true, 0, mailbox(tx));
         assert!(s.deliver("a", msg()).is_err(), "no subscription");
         s.subscribe(
             "a",
@@ -485,26 +532,26 @@ mod tests {
     fn session_rules() {
         let s = Sessions::default();
         let (tx, _rx) = mpsc::unbounded_channel();
-        s.connected("p", 1, false, mailbox(tx.clone()));
+        s.connected("p", 1, false, u32::MAX, mailbox(tx.clone()));
         s.subscribe("p", "x", sub(1));
-        s.disconnected("p", 1, false);
+        s.disconnected("p", 1, u32::MAX);
         assert!(
             !s.only_subscriber("q", "x"),
             "a persistent session keeps its subscriptions"
         );
-        s.connected("p", 2, true, mailbox(tx.clone()));
+        s.connected("p", 2, true, 0, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"), "a clean start drops them");
         s.subscribe("p", "x", sub(1));
         // Taking over a clean session: nothing is resumed.
-        s.connected("p", 3, false, mailbox(tx.clone()));
+        s.connected("p", 3, false, u32::MAX, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"));
         s.subscribe("p", "x", sub(1));
         // Taking over a persistent session keeps its subscriptions, and the
         // old connection's end does not touch the new one.
-        s.connected("p", 4, false, mailbox(tx.clone()));
-        s.disconnected("p", 3, false);
+        s.connected("p", 4, false, u32::MAX, mailbox(tx.clone()));
+        s.disconnected("p", 3, u32::MAX);
         assert!(!s.only_subscriber("q", "x"));
-        s.disconnected("p", 4, true);
+        s.disconnected("p", 4, 0);
         assert!(s.only_subscriber("q", "x"));
         assert_eq!(s.tracked(), 0);
     }
@@ -514,7 +561,7 @@ mod tests {
         let s = Sessions::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let bound = QueueBound::new(2, 1000);
-        s.connected("q", 1, true, Mailbox::new(tx, Arc::clone(&bound)));
+        s.connected("q", 1, true, 0, Mailbox::new(tx, Arc::clone(&bound)));
         s.subscribe("q", "resp/+", sub(1));
         s.deliver("q", msg()).unwrap();
         s.deliver("q", msg()).unwrap();

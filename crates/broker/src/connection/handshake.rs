@@ -144,7 +144,9 @@ pub(crate) struct Terms {
     pub server_keep_alive: Option<u16>,
     /// The client's Receive Maximum.
     pub receive_maximum: u16,
-    /// The client's Session Expiry Interval, seconds.
+    /// How long the session outlives the connection, seconds (`u32::MAX`:
+    /// for ever): the client's Session Expiry Interval in MQTT 5; in 3.1.1
+    /// 0 for a clean session and for ever otherwise.
     pub session_expiry: u32,
     /// The largest packet the client accepts (its Maximum Packet Size).
     pub max_packet_size: usize,
@@ -186,9 +188,13 @@ impl Terms {
             receive_maximum: properties
                 .and_then(|p| p.receive_maximum)
                 .unwrap_or(u16::MAX),
-            session_expiry: properties
-                .and_then(|p| p.session_expiry_interval)
-                .unwrap_or(0),
+            session_expiry: match protocol {
+                Protocol::V5 => properties
+                    .and_then(|p| p.session_expiry_interval)
+                    .unwrap_or(0),
+                Protocol::V4 if connect.clean_session => 0,
+                Protocol::V4 => u32::MAX,
+            },
             max_packet_size: properties
                 .and_then(|p| p.max_packet_size)
                 .map_or(usize::MAX, |max| max as usize),
@@ -383,6 +389,14 @@ mod tests {
             || unreachable!(),
         );
         assert_eq!((t.keep_alive, t.server_keep_alive), (60, Some(60)));
+        // MQTT 3.1.1: a persistent session never expires.
+        let t = Terms::negotiate(
+            &hello(connect("c", false, 0), None),
+            Protocol::V4,
+            60,
+            || unreachable!(),
+        );
+        assert_eq!(t.session_expiry, u32::MAX);
         // MQTT 3.1.1 has no way to be told: its keep-alive stands.
         let t = Terms::negotiate(
             &hello(connect("c", true, 0), None),

@@ -26,6 +26,7 @@ pub(crate) struct RouterLink {
     router: Router,
     client_id: String,
     clean_start: bool,
+    session_expiry: u32,
     link: Option<(LinkTx, LinkRx)>,
     /// Packets for the router from the current read, sent in one batch.
     batch: Vec<Packet>,
@@ -33,29 +34,46 @@ pub(crate) struct RouterLink {
 
 impl RouterLink {
     /// A link for `client_id` that is not made yet.
-    pub fn new(router: Router, client_id: String, clean_start: bool) -> RouterLink {
+    fn new(
+        router: Router,
+        client_id: String,
+        clean_start: bool,
+        session_expiry: u32,
+    ) -> RouterLink {
         RouterLink {
             router,
             client_id,
             clean_start,
+            session_expiry,
             link: None,
             batch: Vec::new(),
         }
     }
 
     /// The link of a new connection, and whether the router had a session
-    /// for it: a persistent session links now (the router knows whether
-    /// the session exists), a clean one on first need.
+    /// for it. A connection that starts clean, keeps nothing after it ends
+    /// and has no session to discard (`lazy`) links on first need; others
+    /// link now: the router knows whether the session exists, discards it
+    /// on a clean start, and keeps the new one for `session_expiry` seconds.
     pub async fn open(
         router: &Router,
         client_id: &str,
         clean_start: bool,
+        session_expiry: u32,
+        lazy: bool,
     ) -> Result<(RouterLink, bool), LinkRefused> {
-        let mut link = RouterLink::new(router.clone(), client_id.to_owned(), clean_start);
-        if clean_start {
+        let mut link = RouterLink::new(
+            router.clone(),
+            client_id.to_owned(),
+            clean_start,
+            session_expiry,
+        );
+        if lazy {
             return Ok((link, false));
         }
-        let (tx, rx, connack) = router.link_async(client_id.to_owned(), false).await?;
+        let (tx, rx, connack) = router
+            .link_async(client_id.to_owned(), clean_start, session_expiry)
+            .await?;
         let present = matches!(
             Option::<Packet>::from(connack),
             Some(Packet::ConnAck(ack, _)) if ack.session_present
@@ -89,7 +107,7 @@ impl RouterLink {
         if self.link.is_none() {
             let (tx, rx, _connack) = self
                 .router
-                .link_async(self.client_id.clone(), self.clean_start)
+                .link_async(self.client_id.clone(), self.clean_start, self.session_expiry)
                 .await
                 .map_err(|e| {
                     tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
@@ -152,7 +170,7 @@ mod tests {
                 ..rumqttd::RouterConfig::default()
             },
         );
-        let (mut link, present) = RouterLink::open(&router, "c", true).await.unwrap();
+        let (mut link, present) = RouterLink::open(&router, "c", true, 0, true).await.unwrap();
         assert!(!present);
         link.flush().await.unwrap();
         assert!(!link.is_linked(), "nothing to send: no link");
@@ -163,7 +181,9 @@ mod tests {
         assert!(link.is_linked());
         assert!(link.batch().is_empty(), "the batch went out");
         // A persistent session links at once.
-        let (link, present) = RouterLink::open(&router, "p", false).await.unwrap();
+        let (link, present) = RouterLink::open(&router, "p", false, 60, false)
+            .await
+            .unwrap();
         assert!(link.is_linked() && !present);
     }
 }

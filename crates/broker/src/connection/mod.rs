@@ -109,24 +109,39 @@ pub(crate) async fn serve<S: Stream>(
     let client_id = terms.client_id.clone();
     // A persistent session joins the router now (the router knows whether
     // the session exists); a clean one when it first needs the router.
-    let (link, session_present) =
-        match RouterLink::open(&shared.router, &client_id, terms.clean_start).await {
-            Ok(opened) => opened,
-            Err(e) => {
-                tracing::error!(%peer, client_id, error = %e, "router refused the connection");
-                return socket
-                    .send_and_close(handshake::refusal(protocol, Refusal::Busy))
-                    .await;
-            }
-        };
+    let (link, session_present) = match RouterLink::open(
+        &shared.router,
+        &client_id,
+        terms.clean_start,
+        terms.session_expiry,
+        // A connection that starts clean, keeps nothing after it ends
+        // and has no kept subscriptions to discard joins on first need.
+        terms.clean_start
+            && terms.session_expiry == 0
+            && !shared.sessions.has_kept_subscriptions(&client_id),
+    )
+    .await
+    {
+        Ok(opened) => opened,
+        Err(e) => {
+            tracing::error!(%peer, client_id, error = %e, "router refused the connection");
+            return socket
+                .send_and_close(handshake::refusal(protocol, Refusal::Busy))
+                .await;
+        }
+    };
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();
     let broker = &shared.settings.broker;
     let bound = QueueBound::new(broker.max_queued_messages, broker.max_queued_bytes);
     let mailbox = Mailbox::new(direct_tx, Arc::clone(&bound));
-    shared
-        .sessions
-        .connected(&client_id, id, terms.clean_start, mailbox);
+    shared.sessions.connected(
+        &client_id,
+        id,
+        terms.clean_start,
+        terms.session_expiry,
+        mailbox,
+    );
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     socket.queue(handshake::connack(
         &terms,
@@ -161,13 +176,13 @@ pub(crate) async fn serve<S: Stream>(
         store: Arc::clone(&shared.store),
         publisher: Arc::clone(&shared.publisher),
         sessions: Arc::clone(&shared.sessions),
-        clean_start: terms.clean_start,
+        session_expiry: terms.session_expiry,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
     };
     let end = conn.run(shared.shutdown.clone()).await;
     conn.finish(&end).await;
 
-    let will = end.will(hello.will, hello.will_properties, terms.session_expiry);
+    let will = end.will(hello.will, hello.will_properties, conn.session_expiry);
     shared.wills.disconnected(&conn.client_id, id, will);
     drop(permit);
 }
@@ -195,7 +210,9 @@ struct Connection<S> {
     store: Arc<StateStoreService>,
     publisher: Arc<Publisher>,
     sessions: Arc<Sessions>,
-    clean_start: bool,
+    /// How long the session outlives the connection, seconds (`u32::MAX`:
+    /// for ever); DISCONNECT may change it.
+    session_expiry: u32,
     legacy_2023: bool,
 }
 
@@ -311,9 +328,22 @@ impl<S: Stream> Connection<S> {
                 self.socket.queue(Packet::PingResp(PingResp));
                 Ok(())
             }
-            Packet::Disconnect(disconnect, _) => Err(End::Goodbye {
-                will: disconnect.reason_code == DisconnectReasonCode::DisconnectWithWillMessage,
-            }),
+            Packet::Disconnect(disconnect, properties) => {
+                // MQTT 5 3.14.2.2.2: DISCONNECT may change the Session
+                // Expiry Interval, but not from 0 to more.
+                if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval) {
+                    if self.session_expiry == 0 && expiry > 0 {
+                        return Err(End::Violation(
+                            DisconnectReasonCode::ProtocolError,
+                            "a session that ends with its connection cannot be given an expiry at DISCONNECT".into(),
+                        ));
+                    }
+                    self.session_expiry = expiry;
+                }
+                Err(End::Goodbye {
+                    will: disconnect.reason_code == DisconnectReasonCode::DisconnectWithWillMessage,
+                })
+            }
             Packet::Connect(..) => Err(End::Violation(
                 DisconnectReasonCode::ProtocolError,
                 "second CONNECT".into(),
@@ -567,12 +597,18 @@ impl<S: Stream> Connection<S> {
             self.socket.linger(Duration::from_millis(500)).await;
         }
         if self.link.is_linked() && !matches!(end, End::RouterClosed) {
-            // The router forgets the connection (and keeps a persistent session).
+            // The router forgets the connection, and keeps the session for
+            // its (possibly updated) expiry.
             self.link.push(Packet::Disconnect(
                 Disconnect {
                     reason_code: DisconnectReasonCode::NormalDisconnection,
                 },
-                None,
+                Some(DisconnectProperties {
+                    session_expiry_interval: Some(self.session_expiry),
+                    reason_string: None,
+                    user_properties: Vec::new(),
+                    server_reference: None,
+                }),
             ));
             let _ = self.link.flush().await;
         }
@@ -580,9 +616,9 @@ impl<S: Stream> Connection<S> {
         // No more direct deliveries; what was not acknowledged goes to the
         // router, which keeps it for a persistent session.
         self.sessions
-            .disconnected(&self.client_id, self.id, self.clean_start);
+            .disconnected(&self.client_id, self.id, self.session_expiry);
         let unacked = self.out.hand_back(&mut self.direct_rx);
-        if !self.clean_start && !unacked.is_empty() && !matches!(end, End::Shutdown) {
+        if self.session_expiry > 0 && !unacked.is_empty() && !matches!(end, End::Shutdown) {
             tracing::debug!(
                 client_id = self.client_id,
                 count = unacked.len(),

@@ -49,6 +49,10 @@ pub struct LinkBuilder<'a> {
     dynamic_filters: bool,
     // default to 0, indicating to not use topic alias
     topic_alias_max: u16,
+    // MQTT 5 Session Expiry Interval in seconds (u32::MAX: never); by
+    // default 0 for a clean session and never otherwise, as in 3.1.1
+    // (statebroker patch 9)
+    session_expiry: Option<u32>,
 }
 
 impl<'a> LinkBuilder<'a> {
@@ -62,7 +66,16 @@ impl<'a> LinkBuilder<'a> {
             last_will_properties: None,
             dynamic_filters: false,
             topic_alias_max: 0,
+            session_expiry: None,
         }
+    }
+
+    /// MQTT 5: how long (seconds, `u32::MAX` for ever) the router keeps the
+    /// session after the connection ends, separately from whether the
+    /// connection starts clean (`clean_session`) (statebroker patch 9).
+    pub fn session_expiry(mut self, seconds: u32) -> Self {
+        self.session_expiry = Some(seconds);
+        self
     }
 
     pub fn tenant_id(mut self, tenant_id: Option<String>) -> Self {
@@ -107,6 +120,9 @@ impl<'a> LinkBuilder<'a> {
             self.clean_session,
             self.dynamic_filters,
         );
+        connection.session_expiry = self
+            .session_expiry
+            .unwrap_or(if self.clean_session { 0 } else { u32::MAX });
 
         connection
             .last_will(self.last_will, self.last_will_properties)

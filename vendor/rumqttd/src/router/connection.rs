@@ -36,6 +36,9 @@ pub struct Connection {
     /// The client id, shared with the log entries of its publishes
     /// (statebroker patch 2: No Local).
     pub(crate) origin: std::sync::Arc<str>,
+    /// Seconds the session is kept after the connection ends (0: not kept,
+    /// `u32::MAX`: for ever) (statebroker patch 9).
+    pub session_expiry: u32,
 }
 
 impl Connection {
@@ -59,6 +62,7 @@ impl Connection {
 
         Connection {
             origin: std::sync::Arc::from(client_id.as_str()),
+            session_expiry: if clean { 0 } else { u32::MAX },
             client_id,
             tenant_prefix,
             dynamic_filters,

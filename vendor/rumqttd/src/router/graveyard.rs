@@ -1,4 +1,5 @@
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::Instant;
 
 use super::{
     scheduler::{PauseReason, Tracker},
@@ -8,19 +9,41 @@ use crate::protocol::{Publish, PublishProperties};
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
+    /// When kept sessions expire (statebroker patch 9).
+    deadlines: BTreeSet<(Instant, String)>,
 }
 
 impl Graveyard {
     pub fn new() -> Graveyard {
         Graveyard {
             connections: HashMap::new(),
+            deadlines: BTreeSet::new(),
         }
     }
 
     /// Add a new connection.
     /// Return tracker of previous connection if connection id already exists
     pub fn retrieve(&mut self, id: &str) -> Option<SavedState> {
-        self.connections.remove(id)
+        let saved = self.connections.remove(id)?;
+        if let Some(at) = saved.expires_at {
+            self.deadlines.remove(&(at, id.to_owned()));
+        }
+        Some(saved)
+    }
+
+    /// Takes out the sessions whose expiry passed by `now`.
+    pub fn expired(&mut self, now: Instant) -> Vec<SessionState> {
+        let mut gone = Vec::new();
+        while let Some((at, _)) = self.deadlines.first() {
+            if *at > now {
+                break;
+            }
+            let (_, id) = self.deadlines.pop_first().expect("not empty");
+            if let Some(state) = self.connections.remove(&id).and_then(|s| s.session_state) {
+                gone.push(state);
+            }
+        }
+        gone
     }
 
     /// Save connection tracker
@@ -31,6 +54,7 @@ impl Graveyard {
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
         incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
+        expires_at: Option<Instant>,
     ) {
         tracker.pause(PauseReason::Busy);
         let id = tracker.id.clone();
@@ -42,11 +66,15 @@ impl Graveyard {
             incoming_qos2,
         };
 
+        if let Some(at) = expires_at {
+            self.deadlines.insert((at, id.clone()));
+        }
         self.connections.insert(
             id,
             SavedState {
                 session_state: Some(session_state),
                 metrics,
+                expires_at,
             },
         );
     }
@@ -58,6 +86,7 @@ impl Graveyard {
             SavedState {
                 session_state: None,
                 metrics,
+                expires_at: None,
             },
         );
     }
@@ -67,6 +96,8 @@ impl Graveyard {
 pub struct SavedState {
     pub session_state: Option<SessionState>,
     pub metrics: ConnectionEvents,
+    /// When the kept session expires (`None`: never).
+    pub expires_at: Option<Instant>,
 }
 
 #[derive(Debug)]

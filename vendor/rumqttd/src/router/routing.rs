@@ -15,7 +15,7 @@ use slab::Slab;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::str::Utf8Error;
 use std::thread;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 use thiserror::Error;
 use tracing::{debug, error, info, trace, warn};
 
@@ -201,10 +201,17 @@ impl Router {
     fn run_inner(&mut self) -> Result<(), RouterError> {
         // Block on incoming events if there are no ready connections for consumption
         if self.consume().is_none() {
-            // trace!("{}:: {:20} {:20} {:?}", self.id, "", "done-await", self.readyqueue);
-            let (id, data) = self.router_rx.recv()?;
-            self.events(id, data);
+            // Wake at least once a second to end expired sessions
+            // (statebroker patch 9).
+            match self.router_rx.recv_timeout(Duration::from_secs(1)) {
+                Ok((id, data)) => self.events(id, data),
+                Err(flume::RecvTimeoutError::Timeout) => {}
+                Err(flume::RecvTimeoutError::Disconnected) => {
+                    return Err(RouterError::Disconnected)
+                }
+            }
         }
+        self.end_expired_sessions();
 
         // Try reading more from connections in a non-blocking
         // fashion to accumulate data and handle subscriptions.
@@ -309,9 +316,14 @@ impl Router {
         // Retrieve previous connection state from graveyard
         let mut saved = self.graveyard.retrieve(&client_id);
         let clean_session = connection.clean;
-        // A clean start ends the kept session: its subscriptions stop
-        // holding their filters' logs (statebroker patch 8).
-        if clean_session {
+        // A clean start ends the kept session, and so does its expiry:
+        // its subscriptions stop holding their filters' logs (statebroker
+        // patches 8 and 9).
+        let expired = saved
+            .as_ref()
+            .and_then(|s| s.expires_at)
+            .is_some_and(|at| at <= Instant::now());
+        if clean_session || expired {
             if let Some(state) = saved.as_mut().and_then(|s| s.session_state.take()) {
                 for filter in state.subscriptions {
                     self.release_filter(&filter);
@@ -517,8 +529,10 @@ impl Router {
             connection.events.events.pop_front();
         }
 
-        // Save state for persistent sessions
-        if !connection.clean {
+        // Save the state of a session that outlives its connection (MQTT 5:
+        // a Session Expiry Interval above 0; 3.1.1: clean session 0)
+        // (statebroker patch 9).
+        if connection.session_expiry > 0 {
             // Add inflight data requests back to tracker
             inflight_data_requests
                 .into_iter()
@@ -544,6 +558,9 @@ impl Router {
                 connection.events,
                 outgoing.unacked_pubrels,
                 incoming_qos2,
+                (connection.session_expiry != u32::MAX).then(|| {
+                    Instant::now() + Duration::from_secs(u64::from(connection.session_expiry))
+                }),
             );
         } else {
             // A clean session ends here: nothing of it is kept (statebroker
@@ -897,9 +914,16 @@ impl Router {
 
                     force_ack = true;
                 }
-                Packet::Disconnect(_, _) => {
+                Packet::Disconnect(_, properties) => {
                     let span = tracing::info_span!("disconnect");
                     let _guard = span.enter();
+                    // MQTT 5 3.14.2.2.2: DISCONNECT may change the Session
+                    // Expiry Interval (statebroker patch 9).
+                    if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval) {
+                        if let Some(connection) = self.connections.get_mut(id) {
+                            connection.session_expiry = expiry;
+                        }
+                    }
                     disconnect = true;
                     // delete the last will message
                     self.last_wills.remove(&client_id);
@@ -1044,6 +1068,18 @@ impl Router {
 
         let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
         meter.register_subscription(filter_path.clone());
+    }
+
+    /// Ends the kept sessions whose Session Expiry Interval passed: their
+    /// state goes, and their subscriptions stop holding logs (statebroker
+    /// patch 9).
+    fn end_expired_sessions(&mut self) {
+        for state in self.graveyard.expired(Instant::now()) {
+            debug!(client_id = state.tracker.id, "session expired");
+            for filter in state.subscriptions {
+                self.release_filter(&filter);
+            }
+        }
     }
 
     /// A subscription to `filter` ended (unsubscribed, or its session ended):
