@@ -853,3 +853,43 @@ async fn disconnect_cannot_revive_an_expiring_session() {
         Some(v5::DisconnectReasonCode::ProtocolError)
     );
 }
+
+/// MQTT 5 3.3.4: the broker never has more unacknowledged QoS 1/2
+/// publishes out to a client than its Receive Maximum, whichever source
+/// they come from; the rest wait and follow as acknowledgements arrive.
+#[tokio::test]
+async fn receive_maximum_of_the_client() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, _) = Raw::connect_with(addr, "rm-sub", |c| {
+        c.0.properties = Some(v5::ConnectProperties {
+            receive_maximum: Some(2),
+            ..v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    subscribe_with(&mut sub, filter("rm/t", QoS::AtLeastOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "rm-pub").await;
+    for n in 0..5u8 {
+        let payload: &'static [u8] = [&b"0"[..], b"1", b"2", b"3", b"4"][usize::from(n)];
+        publish_complete(&mut publisher, "rm/t", payload, QoS::AtLeastOnce, false).await;
+    }
+    let first = next_raw_publish(&mut sub).await;
+    let second = next_raw_publish(&mut sub).await;
+    sub.no_publish_within(Duration::from_millis(200)).await;
+    let mut got = vec![first.payload.clone(), second.payload.clone()];
+    ack(&mut sub, &first).await;
+    let third = next_raw_publish(&mut sub).await;
+    sub.no_publish_within(Duration::from_millis(100)).await;
+    got.push(third.payload.clone());
+    for p in [second, third] {
+        ack(&mut sub, &p).await;
+    }
+    for _ in 0..2 {
+        let p = next_raw_publish(&mut sub).await;
+        got.push(p.payload.clone());
+        ack(&mut sub, &p).await;
+    }
+    let got: Vec<&[u8]> = got.iter().map(|b| &b[..]).collect();
+    assert_eq!(got, [&b"0"[..], b"1", b"2", b"3", b"4"], "all, in order");
+}

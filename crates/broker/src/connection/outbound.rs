@@ -9,17 +9,19 @@
 //!   acknowledged to the router by the connection, in their turn:
 //!   [`RouterAcks`];
 //! - **direct deliveries** (state store answers and notifications, see
-//!   [`crate::sessions`]) use the ids above the router's, within what is
-//!   left of the client's Receive Maximum: [`DirectWindow`].
+//!   [`crate::sessions`]) use the ids above the router's: [`DirectWindow`].
 //!
-//! [`Outbound`] puts both together with the client's Maximum Packet Size:
-//! a publish larger than the client accepts is discarded for it (MQTT 5
-//! 3.1.2.11.4), counted, and logged once.
+//! [`Outbound`] puts both together within the client's limits: at most
+//! Receive Maximum QoS 1/2 publishes unacknowledged from both sources
+//! together (MQTT 5 3.3.4; a QoS 2 one until its PUBCOMP), the rest held in
+//! order until acknowledgements make room; and no packet over the client's
+//! Maximum Packet Size (such a publish is discarded for it, 3.1.2.11.4,
+//! counted and logged once).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use rumqttd::protocol::{Packet, PubAck, PubAckReason};
 
 use crate::codec::{self, Protocol};
@@ -40,6 +42,15 @@ pub(crate) fn is_direct(pkid: u16) -> bool {
 pub(crate) struct Outbound {
     router: RouterAcks,
     direct: DirectWindow,
+    /// The client's Receive Maximum.
+    receive_maximum: usize,
+    /// The router's publishes written and not yet completed.
+    router_in_flight: usize,
+    /// The router's QoS 2 publishes the client has PUBREC'd (in flight
+    /// until PUBCOMP).
+    router_released: HashSet<u16>,
+    /// The router's QoS 1/2 publishes, encoded, waiting for room.
+    held: VecDeque<Bytes>,
     max_packet_size: usize,
     /// Publishes discarded as larger than the client accepts.
     discarded: u64,
@@ -55,16 +66,26 @@ impl Outbound {
     ) -> Outbound {
         Outbound {
             router: RouterAcks::default(),
-            direct: DirectWindow::new(receive_maximum, max_packet_size, bound),
+            direct: DirectWindow::new(max_packet_size, bound),
+            receive_maximum: usize::from(receive_maximum.max(1)),
+            router_in_flight: 0,
+            router_released: HashSet::new(),
+            held: VecDeque::new(),
             max_packet_size,
             discarded: 0,
             client_id: client_id.to_owned(),
         }
     }
 
+    /// Whether one more QoS 1/2 publish may go out now.
+    fn room(&self) -> bool {
+        self.router_in_flight + self.direct.in_flight() < self.receive_maximum
+    }
+
     /// A publish from the router: encoded into `out` unless `withheld` (a
-    /// notification of another client's) or too large for the client.
-    /// Acknowledgements owed to the router go to `to_router`.
+    /// notification of another client's) or too large for the client, and
+    /// held while the client's Receive Maximum is reached. Acknowledgements
+    /// owed to the router go to `to_router`.
     pub fn forward(
         &mut self,
         publish: Packet,
@@ -84,29 +105,78 @@ impl Outbound {
         if dropped {
             out.truncate(start);
         }
-        if let Some((qos, pkid)) = id
-            && qos > 0
-        {
-            self.router.sent(pkid, dropped, to_router);
+        let Some((_, pkid)) = id.filter(|&(qos, _)| qos > 0) else {
+            return;
+        };
+        self.router.sent(pkid, dropped, to_router);
+        if dropped {
+            return;
+        }
+        if self.held.is_empty() && self.room() {
+            self.router_in_flight += 1;
+        } else {
+            // In order, after what already waits.
+            self.held.push_back(out.split_off(start).freeze());
         }
     }
 
-    /// The client acknowledged the router's publish `pkid` (the connection
-    /// forwards the acknowledgement itself).
-    pub fn router_acknowledged(&mut self, pkid: u16, to_router: &mut Vec<Packet>) {
+    /// The client acknowledged the router's publish `pkid`: PUBACK, or
+    /// PUBREC (`qos2`: in flight until PUBCOMP). The connection forwards
+    /// the acknowledgement itself.
+    pub fn router_acknowledged(
+        &mut self,
+        pkid: u16,
+        qos2: bool,
+        to_router: &mut Vec<Packet>,
+        protocol: Protocol,
+        out: &mut BytesMut,
+    ) {
         self.router.acknowledged(pkid, to_router);
+        if qos2 {
+            self.router_released.insert(pkid);
+        } else {
+            self.router_in_flight = self.router_in_flight.saturating_sub(1);
+            self.fill(protocol, out);
+        }
+    }
+
+    /// The client completed the router's QoS 2 publish `pkid` (PUBCOMP).
+    pub fn router_completed(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) {
+        if self.router_released.remove(&pkid) {
+            self.router_in_flight = self.router_in_flight.saturating_sub(1);
+            self.fill(protocol, out);
+        }
     }
 
     /// A direct delivery.
     pub fn deliver(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) {
-        let sent = self.direct.send(message, protocol, out);
+        // In order: nothing overtakes what already waits.
+        let room = self.held.is_empty() && self.direct.pending.is_empty() && self.room();
+        let sent = self.direct.send(message, protocol, out, room);
         self.count_discarded(u64::from(!sent));
     }
 
     /// The client acknowledged direct delivery `pkid`.
     pub fn direct_acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) {
-        let discarded = self.direct.acknowledged(pkid, protocol, out);
-        self.count_discarded(discarded);
+        if self.direct.acknowledged(pkid) {
+            self.fill(protocol, out);
+        }
+    }
+
+    /// Sends what waited, while there is room: the router's first (they
+    /// are older and the router wants them acknowledged in order).
+    fn fill(&mut self, protocol: Protocol, out: &mut BytesMut) {
+        while self.room() {
+            if let Some(held) = self.held.pop_front() {
+                out.extend_from_slice(&held);
+                self.router_in_flight += 1;
+            } else if let Some(message) = self.direct.next_pending() {
+                let sent = self.direct.send(message, protocol, out, true);
+                self.count_discarded(u64::from(!sent));
+            } else {
+                break;
+            }
+        }
     }
 
     /// At the end of the connection: the QoS 1 direct deliveries not
@@ -196,7 +266,6 @@ pub(crate) struct DirectWindow {
     /// Waiting for room under the client's Receive Maximum.
     pending: VecDeque<Direct>,
     last_pkid: u16,
-    limit: usize,
     /// The client's Maximum Packet Size.
     max_packet_size: usize,
     /// Room taken by each message until it is done with.
@@ -204,30 +273,40 @@ pub(crate) struct DirectWindow {
 }
 
 impl DirectWindow {
-    /// A window within `receive_maximum`, less what the router may use,
-    /// for a client that accepts packets up to `max_packet_size`.
-    pub fn new(
-        receive_maximum: u16,
-        max_packet_size: usize,
-        bound: Arc<QueueBound>,
-    ) -> DirectWindow {
+    /// A window for a client that accepts packets up to `max_packet_size`.
+    pub fn new(max_packet_size: usize, bound: Arc<QueueBound>) -> DirectWindow {
         DirectWindow {
             bound,
             inflight: HashMap::new(),
             pending: VecDeque::new(),
             last_pkid: FIRST_DIRECT_PKID - 1,
-            limit: usize::from(receive_maximum.saturating_sub(ROUTER_MAX_PKID).max(1)),
             max_packet_size,
         }
     }
 
+    /// Direct deliveries written and not yet acknowledged.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// The oldest delivery waiting for room.
+    pub fn next_pending(&mut self) -> Option<Direct> {
+        self.pending.pop_front()
+    }
+
     /// Encodes `message` into `out` at its QoS (0 or 1), with a packet id of
-    /// the direct range, or holds it while the window is full. `false`: the
-    /// message is larger than the client accepts and was discarded.
-    pub fn send(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) -> bool {
+    /// the direct range, or (QoS 1 without `room`) holds it. `false`: the message is larger than the client accepts and
+    /// was discarded.
+    pub fn send(
+        &mut self,
+        message: Direct,
+        protocol: Protocol,
+        out: &mut BytesMut,
+        room: bool,
+    ) -> bool {
         let pkid = match message.qos {
             0 => 0,
-            _ if self.inflight.len() >= self.limit => {
+            _ if !room => {
                 self.pending.push_back(message);
                 return true;
             }
@@ -272,20 +351,16 @@ impl DirectWindow {
         pkid
     }
 
-    /// The client acknowledged direct delivery `pkid`: what waited for room
-    /// goes out into `out`. Returns how many of those were discarded as
-    /// larger than the client accepts.
-    pub fn acknowledged(&mut self, pkid: u16, protocol: Protocol, out: &mut BytesMut) -> u64 {
-        let mut discarded = 0;
-        if let Some(done) = self.inflight.remove(&pkid) {
-            self.bound.release(done.size());
-            while self.inflight.len() < self.limit
-                && let Some(message) = self.pending.pop_front()
-            {
-                discarded += u64::from(!self.send(message, protocol, out));
+    /// The client acknowledged direct delivery `pkid`; `false` if it was
+    /// not one in flight.
+    pub fn acknowledged(&mut self, pkid: u16) -> bool {
+        match self.inflight.remove(&pkid) {
+            Some(done) => {
+                self.bound.release(done.size());
+                true
             }
+            None => false,
         }
-        discarded
     }
 
     /// Everything sent and not acknowledged, and everything still waiting.
@@ -299,7 +374,6 @@ impl DirectWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
     use rumqttd::protocol::PublishProperties;
 
     fn message(n: u8, qos: u8) -> Direct {
@@ -315,6 +389,15 @@ mod tests {
         QueueBound::new(usize::MAX, usize::MAX)
     }
 
+    fn outbound(receive_maximum: u16, max_packet_size: usize) -> Outbound {
+        Outbound::new("c", receive_maximum, max_packet_size, unbounded())
+    }
+
+    /// A publish as the router forwards it.
+    fn routed(n: u8, pkid: u16) -> Packet {
+        Packet::Publish(crate::codec::publish(b"r", &[n], 1, pkid, false), None)
+    }
+
     /// The packet ids and payloads of the publishes encoded in `out`.
     fn sent(out: &mut BytesMut) -> Vec<(u16, u8)> {
         let mut all = Vec::new();
@@ -328,51 +411,70 @@ mod tests {
     }
 
     #[test]
-    fn the_window_holds_what_does_not_fit() {
-        // Receive Maximum 102: the router may use 100, direct deliveries 2.
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 2, usize::MAX, unbounded());
-        let mut out = BytesMut::new();
-        for n in 1..=4 {
-            w.send(message(n, 1), Protocol::V5, &mut out);
-        }
-        w.send(message(9, 0), Protocol::V5, &mut out);
+    fn receive_maximum_covers_router_and_direct_deliveries() {
+        let mut o = outbound(2, usize::MAX);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        o.forward(routed(1, 1), false, Protocol::V5, &mut out, &mut to_router);
+        o.deliver(message(2, 1), Protocol::V5, &mut out);
+        o.forward(routed(3, 2), false, Protocol::V5, &mut out, &mut to_router);
+        o.deliver(message(4, 1), Protocol::V5, &mut out);
+        o.deliver(message(9, 0), Protocol::V5, &mut out);
         assert_eq!(
             sent(&mut out),
-            vec![(101, 1), (102, 2), (0, 9)],
-            "two in flight, QoS 0 never waits"
+            vec![(1, 1), (101, 2), (0, 9)],
+            "two in flight; QoS 0 never waits"
         );
-        w.acknowledged(7, Protocol::V5, &mut out);
+        o.direct_acknowledged(7, Protocol::V5, &mut out);
         assert!(sent(&mut out).is_empty(), "an unknown id frees nothing");
-        w.acknowledged(101, Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(103, 3)]);
-        let mut left: Vec<u8> = w
-            .take_unacknowledged()
+        o.direct_acknowledged(101, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(2, 3)], "the router's first");
+        o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(102, 4)]);
+        // QoS 2: in flight until PUBCOMP.
+        o.router_acknowledged(2, true, &mut to_router, Protocol::V5, &mut out);
+        o.forward(routed(5, 3), false, Protocol::V5, &mut out, &mut to_router);
+        assert!(sent(&mut out).is_empty(), "2 is PUBREC'd, not complete");
+        o.router_completed(2, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(3, 5)]);
+        assert!(
+            to_router.is_empty(),
+            "the connection forwards client acks itself"
+        );
+        let left: Vec<u8> = o
+            .hand_back(&mut tokio::sync::mpsc::unbounded_channel().1)
             .iter()
             .map(|m| m.payload[0])
             .collect();
-        left.sort();
-        assert_eq!(left, vec![2, 3, 4]);
-    }
-
-    #[test]
-    fn a_small_receive_maximum_still_leaves_one() {
-        let mut w = DirectWindow::new(10, usize::MAX, unbounded());
-        let mut out = BytesMut::new();
-        w.send(message(1, 1), Protocol::V5, &mut out);
-        w.send(message(2, 1), Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(101, 1)]);
+        assert_eq!(left, vec![4]);
     }
 
     #[test]
     fn packet_ids_wrap_past_those_in_flight() {
-        let mut w = DirectWindow::new(u16::MAX, usize::MAX, unbounded());
+        let mut w = DirectWindow::new(usize::MAX, unbounded());
         let mut out = BytesMut::new();
-        w.send(message(1, 1), Protocol::V5, &mut out); // 101, stays in flight
+        w.send(message(1, 1), Protocol::V5, &mut out, true); // 101, stays in flight
         w.last_pkid = u16::MAX - 1;
-        w.send(message(2, 1), Protocol::V5, &mut out);
-        w.send(message(3, 1), Protocol::V5, &mut out);
+        w.send(message(2, 1), Protocol::V5, &mut out, true);
+        w.send(message(3, 1), Protocol::V5, &mut out, true);
         assert_eq!(sent(&mut out), vec![(101, 1), (u16::MAX, 2), (102, 3)]);
         assert!(is_direct(101) && !is_direct(ROUTER_MAX_PKID));
+    }
+
+    #[test]
+    fn what_the_client_cannot_take_is_discarded() {
+        let mut o = outbound(1, 40);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        let mut big = message(2, 1);
+        big.payload = Bytes::from(vec![b'x'; 100]);
+        o.deliver(message(1, 1), Protocol::V5, &mut out);
+        o.deliver(big.clone(), Protocol::V5, &mut out); // waits: window full
+        let routed_big =
+            Packet::Publish(crate::codec::publish(b"r", &[b'y'; 100], 1, 1, false), None);
+        o.forward(routed_big, false, Protocol::V5, &mut out, &mut to_router);
+        assert_eq!(o.discarded(), 1, "the routed one, at once");
+        o.direct_acknowledged(101, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(101, 1)]);
+        assert_eq!(o.discarded(), 2, "the waiting one, when its turn came");
     }
 
     fn acks(packets: &[Packet]) -> Vec<u16> {
@@ -405,50 +507,44 @@ mod tests {
     }
 
     #[test]
-    fn what_the_client_cannot_take_is_discarded() {
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 40, unbounded());
-        let mut out = BytesMut::new();
-        let mut big = message(2, 1);
-        big.payload = Bytes::from(vec![b'x'; 100]);
-        assert!(w.send(message(1, 1), Protocol::V5, &mut out));
-        assert!(
-            w.send(big.clone(), Protocol::V5, &mut out),
-            "waits: window full"
-        );
-        assert!(!w.send(Direct { qos: 0, ..big }, Protocol::V5, &mut out));
-        assert_eq!(w.acknowledged(101, Protocol::V5, &mut out), 1);
-        assert_eq!(sent(&mut out), vec![(101, 1)]);
-        assert!(
-            w.take_unacknowledged().is_empty(),
-            "nothing in flight for it"
-        );
-    }
-
-    #[test]
     fn room_is_given_back_when_a_message_is_done_with() {
         let bound = QueueBound::new(100, 10_000);
-        let mut w = DirectWindow::new(ROUTER_MAX_PKID + 1, 60, Arc::clone(&bound));
+        let mut o = Outbound::new("c", 1, 60, Arc::clone(&bound));
         let mut out = BytesMut::new();
         let size = message(0, 1).size();
-        // As the mailbox does before handing a message over.
         let hand_over = |n: u8, qos: u8| {
             assert!(bound.reserve(size));
             message(n, qos)
         };
-        w.send(hand_over(1, 0), Protocol::V5, &mut out); // QoS 0: done once written
-        w.send(hand_over(2, 1), Protocol::V5, &mut out); // in flight
-        w.send(hand_over(3, 1), Protocol::V5, &mut out); // waiting for room
+        o.deliver(hand_over(1, 0), Protocol::V5, &mut out); // QoS 0: done once written
+        o.deliver(hand_over(2, 1), Protocol::V5, &mut out); // in flight
+        o.deliver(hand_over(3, 1), Protocol::V5, &mut out); // waiting for room
         assert_eq!(bound.held(), (2, 2 * size));
-        w.acknowledged(101, Protocol::V5, &mut out);
+        o.direct_acknowledged(101, Protocol::V5, &mut out);
         assert_eq!(bound.held(), (1, size), "3 is in flight now");
         let mut big = message(4, 0);
         big.payload = Bytes::from(vec![b'x'; 100]);
         assert!(bound.reserve(big.size()));
-        assert!(!w.send(big, Protocol::V5, &mut out));
+        o.deliver(big, Protocol::V5, &mut out);
         assert_eq!(
             bound.held(),
             (1, size),
             "a discarded message gives its room back"
         );
+    }
+
+    #[test]
+    fn waiting_deliveries_go_out_one_per_acknowledgement_in_order() {
+        let mut o = outbound(1, usize::MAX);
+        let mut out = BytesMut::new();
+        for n in 1..=4 {
+            o.deliver(message(n, 1), Protocol::V5, &mut out);
+        }
+        assert_eq!(sent(&mut out), vec![(101, 1)]);
+        o.direct_acknowledged(101, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(102, 2)]);
+        o.deliver(message(5, 1), Protocol::V5, &mut out);
+        o.direct_acknowledged(102, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(103, 3)], "5 waits behind 4");
     }
 }

@@ -1,0 +1,481 @@
+//! The connection task once CONNECT is accepted: the run loop, the
+//! dispatch of what the client sends and of what the router and the broker
+//! deliver, and the teardown.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rumqttd::Notification;
+use rumqttd::protocol::{
+    self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
+};
+use statestore::{Caller, Dialect};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::end::End;
+use super::inbound::{self, Inbound};
+use super::link::RouterLink;
+use super::outbound::{self, Outbound};
+use super::socket::{Socket, Stream};
+use super::subscriptions::{self, PendingRefusals};
+use crate::codec::{Incoming, Protocol};
+use crate::publisher::Publisher;
+use crate::sessions::{Sessions, ToConnection};
+use crate::store::StateStoreService;
+use crate::store::binding::{self, Admission};
+use crate::topics;
+
+/// A connected client: its socket, its link to the router, and what is
+/// in flight either way.
+pub(super) struct Connection<S> {
+    pub(super) id: u64,
+    pub(super) client_id: String,
+    pub(super) own_hex: String,
+    pub(super) socket: Socket<S>,
+    /// The link to the router, made on first need.
+    pub(super) link: RouterLink,
+    /// How long the client may stay silent (1.5 times its keep-alive).
+    pub(super) idle_limit: Option<Duration>,
+    pub(super) last_heard: Instant,
+    pub(super) max_packet_size: usize,
+    /// Topic aliases and QoS 2 state of the client's publishes.
+    pub(super) inbound: Inbound,
+    /// Refused filters waiting for the router's SUBACK.
+    pub(super) refused_filters: PendingRefusals,
+    /// Acks owed and windows: what goes to the client at QoS 1/2.
+    pub(super) out: Outbound,
+    /// Direct deliveries and takeover notices (see [`crate::sessions`]).
+    pub(super) direct_rx: mpsc::UnboundedReceiver<ToConnection>,
+    pub(super) unscheduled: bool,
+    pub(super) store: Arc<StateStoreService>,
+    pub(super) publisher: Arc<Publisher>,
+    pub(super) sessions: Arc<Sessions>,
+    /// How long the session outlives the connection, seconds (`u32::MAX`:
+    /// for ever); DISCONNECT may change it.
+    pub(super) session_expiry: u32,
+    pub(super) legacy_2023: bool,
+}
+
+/// How long a write to a client without keep-alive may stall before the
+/// client is disconnected.
+const WRITE_STALL: Duration = Duration::from_secs(60);
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl<S: Stream> Connection<S> {
+    pub(super) async fn run(&mut self, shutdown: tokio::sync::watch::Receiver<bool>) -> End {
+        match self.serve_packets(shutdown).await {
+            Err(end) => end,
+            Ok(never) => match never {},
+        }
+    }
+
+    async fn serve_packets(
+        &mut self,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<std::convert::Infallible, End> {
+        loop {
+            let deadline = self.idle_limit.map(|k| self.last_heard + k);
+            tokio::select! {
+                read = self.socket.fill() => {
+                    match read {
+                        Ok(0) => return Err(End::Closed),
+                        Err(e) => return Err(End::Io(e)),
+                        Ok(_) => {
+                            self.last_heard = Instant::now();
+                            let read = self.read_packets();
+                            self.link.flush().await?;
+                            read?;
+                        }
+                    }
+                }
+                notification = self.link.next() => {
+                    match notification {
+                        Ok(Some(n)) => {
+                            self.on_router_notification(n)?;
+                            // Take everything else the router has ready before writing.
+                            while let Some(n) = self.link.next_ready() {
+                                self.on_router_notification(n)?;
+                            }
+                            // Acknowledgements of dropped publishes.
+                            self.link.flush().await?;
+                        }
+                        Ok(None) => {}
+                        Err(_) => return Err(End::RouterClosed),
+                    }
+                }
+                Some(message) = self.direct_rx.recv() => self.on_broker_message(message)?,
+                () = sleep_until(deadline) => return Err(End::KeepAlive),
+                _ = shutdown.changed() => return Err(End::Shutdown),
+            }
+            // Direct deliveries that are ready (the answers to what was just
+            // read among them) go out with the same write.
+            while let Ok(message) = self.direct_rx.try_recv() {
+                self.on_broker_message(message)?;
+            }
+            // A client that stops reading cannot hold its connection: the
+            // write may stall for as long as the client may stay silent.
+            let stall = self.idle_limit.unwrap_or(WRITE_STALL);
+            match tokio::time::timeout(stall, self.socket.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(End::Io(e)),
+                Err(_) => return Err(End::WriteStalled),
+            }
+            if self.unscheduled {
+                self.unscheduled = false;
+                self.link.wake().await?;
+            }
+        }
+    }
+
+    /// Decodes and handles every complete packet in the read buffer.
+    fn read_packets(&mut self) -> Result<(), End> {
+        while let Some(incoming) = self.socket.next_packet(self.max_packet_size)? {
+            self.on_packet(incoming)?;
+        }
+        Ok(())
+    }
+
+    fn on_packet(&mut self, incoming: Incoming) -> Result<(), End> {
+        let Incoming { packet, qos, pkid } = incoming;
+        match packet {
+            Packet::Publish(publish, properties) => self.on_publish(publish, properties, qos, pkid),
+            Packet::PubRel(pubrel, properties) => {
+                if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
+                    self.socket.queue(pubcomp);
+                } else if self.link.is_linked() {
+                    self.link.push(Packet::PubRel(pubrel, properties));
+                } else {
+                    // Nothing of this connection is waiting for it.
+                    self.socket.queue(inbound::unknown_pubrel(pubrel.pkid));
+                }
+                Ok(())
+            }
+            Packet::Subscribe(subscribe, properties) => {
+                self.on_subscribe(subscribe, properties);
+                Ok(())
+            }
+            Packet::Unsubscribe(unsubscribe, properties) => {
+                self.on_unsubscribe(unsubscribe, properties);
+                Ok(())
+            }
+            Packet::PingReq(_) => {
+                self.socket.queue(Packet::PingResp(PingResp));
+                Ok(())
+            }
+            Packet::Disconnect(disconnect, properties) => {
+                // MQTT 5 3.14.2.2.2: DISCONNECT may change the Session
+                // Expiry Interval, but not from 0 to more.
+                if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval) {
+                    if self.session_expiry == 0 && expiry > 0 {
+                        return Err(End::Violation(
+                            DisconnectReasonCode::ProtocolError,
+                            "a session that ends with its connection cannot be given an expiry at DISCONNECT".into(),
+                        ));
+                    }
+                    self.session_expiry = expiry;
+                }
+                Err(End::Goodbye {
+                    will: disconnect.reason_code == DisconnectReasonCode::DisconnectWithWillMessage,
+                })
+            }
+            Packet::Connect(..) => Err(End::Violation(
+                DisconnectReasonCode::ProtocolError,
+                "second CONNECT".into(),
+            )),
+            Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
+                let protocol = self.socket.protocol;
+                self.out
+                    .direct_acknowledged(ack.pkid, protocol, &mut self.socket.wbuf);
+                Ok(())
+            }
+            Packet::PubAck(ack, properties) if self.link.is_linked() => {
+                let pkid = ack.pkid;
+                self.link.push(Packet::PubAck(ack, properties));
+                let protocol = self.socket.protocol;
+                let out = &mut self.socket.wbuf;
+                self.out
+                    .router_acknowledged(pkid, false, self.link.batch(), protocol, out);
+                Ok(())
+            }
+            Packet::PubRec(rec, properties) if self.link.is_linked() => {
+                let pkid = rec.pkid;
+                self.link.push(Packet::PubRec(rec, properties));
+                let protocol = self.socket.protocol;
+                let out = &mut self.socket.wbuf;
+                self.out
+                    .router_acknowledged(pkid, true, self.link.batch(), protocol, out);
+                Ok(())
+            }
+            Packet::PubComp(comp, properties) if self.link.is_linked() => {
+                let protocol = self.socket.protocol;
+                self.out
+                    .router_completed(comp.pkid, protocol, &mut self.socket.wbuf);
+                self.link.push(Packet::PubComp(comp, properties));
+                Ok(())
+            }
+            // Without a link the router sent nothing: nothing to acknowledge.
+            Packet::PubAck(..) | Packet::PubRec(..) | Packet::PubComp(..) => Ok(()),
+            other => Err(End::Violation(
+                DisconnectReasonCode::ProtocolError,
+                format!("unexpected packet {other:?}"),
+            )),
+        }
+    }
+
+    fn on_publish(
+        &mut self,
+        mut publish: Publish,
+        mut properties: Option<PublishProperties>,
+        qos: u8,
+        pkid: u16,
+    ) -> Result<(), End> {
+        // Resolve topic aliases here, so every check below sees the topic.
+        if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
+            self.inbound
+                .resolve_alias(&mut publish, alias)
+                .map_err(|(code, why)| End::Violation(code, why))?;
+        }
+        let topic = match std::str::from_utf8(&publish.topic) {
+            Ok(t) if !t.is_empty() && protocol::valid_topic(t) => t,
+            _ => {
+                return Err(End::Violation(
+                    DisconnectReasonCode::TopicNameInvalid,
+                    "invalid topic name".into(),
+                ));
+            }
+        };
+        if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
+            return self.on_request(publish, properties, qos, pkid, dialect);
+        }
+        if topics::in_notify_namespace(topic) {
+            tracing::warn!(
+                client_id = self.client_id,
+                topic,
+                "publish into the notification namespace refused"
+            );
+            self.ack(qos, pkid, false);
+            return Ok(());
+        }
+        self.link.push(Packet::Publish(publish, properties));
+        Ok(())
+    }
+
+    /// Acknowledges a publish handled here (not by the router).
+    fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
+        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
+            self.socket.queue(ack);
+        }
+    }
+
+    /// A state store request: checked by the binding, acknowledged here,
+    /// executed by the store.
+    fn on_request(
+        &mut self,
+        publish: Publish,
+        properties: Option<PublishProperties>,
+        qos: u8,
+        pkid: u16,
+        dialect: Dialect,
+    ) -> Result<(), End> {
+        let properties = properties.unwrap_or_default();
+        if let Err((code, why)) = binding::check_response_topic(&properties) {
+            tracing::warn!(
+                client_id = self.client_id,
+                reason = why,
+                "bad response topic: disconnecting"
+            );
+            return Err(End::Violation(code, why));
+        }
+        // A QoS 2 duplicate of a request already executed: acknowledge again only.
+        let duplicate = self.inbound.is_duplicate(qos, pkid);
+        self.ack(qos, pkid, true);
+        if duplicate {
+            return Ok(());
+        }
+        match binding::admit(&publish.payload, &properties, qos, dialect) {
+            Admission::Serve(request, reply_to) => {
+                let caller = Caller {
+                    client_id: &self.client_id,
+                    connection: self.id,
+                };
+                self.store.serve(&request, caller, reply_to);
+            }
+            Admission::Refuse(reply_to, text) => {
+                tracing::info!(
+                    client_id = self.client_id,
+                    reason = text,
+                    "request not executed"
+                );
+                self.store.refuse(reply_to, &self.client_id, text);
+            }
+            Admission::Ignore => {
+                tracing::info!(
+                    client_id = self.client_id,
+                    "request without response topic ignored"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn on_subscribe(&mut self, subscribe: Subscribe, properties: Option<SubscribeProperties>) {
+        let pkid = subscribe.pkid;
+        let checked = subscriptions::check(
+            subscribe.filters,
+            &self.own_hex,
+            self.socket.protocol,
+            &self.client_id,
+        );
+        if checked.allowed.is_empty() {
+            let return_codes = checked.refused.into_iter().map(|(_, c)| c).collect();
+            self.socket
+                .queue(Packet::SubAck(SubAck { pkid, return_codes }, None));
+            return;
+        }
+        self.refused_filters.hold(pkid, checked.refused);
+        let id = properties.as_ref().and_then(|p| p.id);
+        subscriptions::mirror(&self.sessions, &self.client_id, &checked.allowed, id);
+        self.link.push(Packet::Subscribe(
+            Subscribe {
+                pkid,
+                filters: checked.allowed,
+            },
+            properties,
+        ));
+    }
+
+    fn on_unsubscribe(
+        &mut self,
+        unsubscribe: Unsubscribe,
+        properties: Option<UnsubscribeProperties>,
+    ) {
+        for filter in &unsubscribe.filters {
+            self.sessions.unsubscribe(&self.client_id, filter);
+        }
+        self.socket.queue(subscriptions::unsuback(&unsubscribe));
+        // Without a link the router holds no subscription to remove.
+        if self.link.is_linked() {
+            self.link.push(Packet::Unsubscribe(unsubscribe, properties));
+        }
+    }
+
+    /// Handles what the broker tells this connection.
+    fn on_broker_message(&mut self, message: ToConnection) -> Result<(), End> {
+        match message {
+            ToConnection::Deliver(direct) => {
+                let protocol = self.socket.protocol;
+                self.out.deliver(direct, protocol, &mut self.socket.wbuf);
+                Ok(())
+            }
+            ToConnection::TakenOver => Err(End::TakenOver),
+            ToConnection::Overflow => Err(End::Overflow),
+        }
+    }
+
+    /// Handles one notification from the router.
+    fn on_router_notification(&mut self, notification: Notification) -> Result<(), End> {
+        match notification {
+            Notification::Forward(forward) => {
+                let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
+                // Another client's notification, reached through a wildcard.
+                let withheld = !topics::may_receive(topic, &self.own_hex);
+                let packet = Packet::Publish(forward.publish, forward.properties);
+                let protocol = self.socket.protocol;
+                self.out.forward(
+                    packet,
+                    withheld,
+                    protocol,
+                    &mut self.socket.wbuf,
+                    self.link.batch(),
+                );
+            }
+            Notification::Unschedule => self.unscheduled = true,
+            other => match Option::<Packet>::from(other) {
+                Some(Packet::SubAck(mut suback, properties)) => {
+                    self.refused_filters.complete(&mut suback);
+                    self.socket.queue(Packet::SubAck(suback, properties));
+                }
+                // Answered here already.
+                Some(Packet::UnsubAck(..) | Packet::PingResp(_) | Packet::ConnAck(..)) | None => {}
+                Some(Packet::Disconnect(disconnect, properties)) => {
+                    let reason = properties.and_then(|p| p.reason_string).unwrap_or_default();
+                    return Err(End::Violation(
+                        disconnect.reason_code,
+                        format!("router: {reason}"),
+                    ));
+                }
+                Some(packet) => self.socket.queue(packet),
+            },
+        }
+        Ok(())
+    }
+
+    /// Cleans up after the connection ended.
+    pub(super) async fn finish(&mut self, end: &End) {
+        let (reason, text) = end.reason();
+        tracing::info!(
+            client_id = self.client_id,
+            connection = self.id,
+            reason = text,
+            discarded_too_large = self.out.discarded(),
+            "client disconnected"
+        );
+        if let Some(reason_code) = reason
+            && self.socket.protocol == Protocol::V5
+        {
+            self.socket.queue(Packet::Disconnect(
+                Disconnect { reason_code },
+                Some(DisconnectProperties {
+                    session_expiry_interval: None,
+                    reason_string: Some(text),
+                    user_properties: Vec::new(),
+                    server_reference: None,
+                }),
+            ));
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.socket.flush()).await;
+        self.socket.shutdown().await;
+        if reason.is_some() {
+            // The broker ended it: let the client read why before closing.
+            self.socket.linger(Duration::from_millis(500)).await;
+        }
+        if self.link.is_linked() && !matches!(end, End::RouterClosed) {
+            // The router forgets the connection, and keeps the session for
+            // its (possibly updated) expiry.
+            self.link.push(Packet::Disconnect(
+                Disconnect {
+                    reason_code: DisconnectReasonCode::NormalDisconnection,
+                },
+                Some(DisconnectProperties {
+                    session_expiry_interval: Some(self.session_expiry),
+                    reason_string: None,
+                    user_properties: Vec::new(),
+                    server_reference: None,
+                }),
+            ));
+            let _ = self.link.flush().await;
+        }
+        self.store.connection_closed(&self.client_id, self.id);
+        // No more direct deliveries; what was not acknowledged goes to the
+        // router, which keeps it for a persistent session.
+        self.sessions
+            .disconnected(&self.client_id, self.id, self.session_expiry);
+        let unacked = self.out.hand_back(&mut self.direct_rx);
+        if self.session_expiry > 0 && !unacked.is_empty() && !matches!(end, End::Shutdown) {
+            tracing::debug!(
+                client_id = self.client_id,
+                count = unacked.len(),
+                "unacknowledged deliveries kept for the session"
+            );
+            self.publisher.redeliver_later(unacked);
+        }
+    }
+}
