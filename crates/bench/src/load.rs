@@ -409,16 +409,8 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
         lost,
         failed_connections: failed,
     };
-    for f in &failures {
-        eprintln!("connection failure: {f}");
-    }
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).map_err(|e| e.to_string())?
-        );
-    } else {
-        println!(
+    crate::emit(&report, args.json, &failures, || {
+        format!(
             "target {}  responder {}  connections {}  measured {:.1} s\n\
              requests {}  requests/s {:.0}  errors {}  lost {}  failed connections {}\n\
              latency µs: p50 {}  p90 {}  p99 {}  max {}",
@@ -435,8 +427,8 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
             report.p90_us,
             report.p99_us,
             report.max_us
-        );
-    }
+        )
+    })?;
     Ok(())
 }
 

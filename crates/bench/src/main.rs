@@ -221,3 +221,25 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// Prints a run's report: one JSON object with `--json`, else `text()`;
+/// connection failures go to stderr either way.
+pub(crate) fn emit<S: AsRef<str>>(
+    report: &impl serde::Serialize,
+    json: bool,
+    failures: impl IntoIterator<Item = S>,
+    text: impl FnOnce() -> String,
+) -> Result<(), String> {
+    for f in failures {
+        eprintln!("connection failure: {}", f.as_ref());
+    }
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(report).map_err(|e| e.to_string())?
+        );
+    } else {
+        println!("{}", text());
+    }
+    Ok(())
+}

@@ -456,16 +456,8 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
         duplicated,
         failed_connections: failures.len(),
     };
-    for f in &failures {
-        eprintln!("connection failure: {f}");
-    }
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).map_err(|e| e.to_string())?
-        );
-    } else {
-        println!(
+    crate::emit(&report, args.json, &failures, || {
+        format!(
             "target {}  {} at QoS {}  publishers {}  subscribers {}  payload {} B  measured {:.1} s\n\
              messages/s {:.0}  sent {}  expected {}  received {}  lost {}  duplicated {}  failed connections {}\n\
              latency µs: p50 {}  p90 {}  p99 {}  max {}",
@@ -487,8 +479,8 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
             report.p90_us,
             report.p99_us,
             report.max_us
-        );
-    }
+        )
+    })?;
     Ok(())
 }
 

@@ -4,18 +4,12 @@
 
 use std::time::Duration;
 
-async fn run_bench(extra: &[&str]) -> serde_json::Value {
-    let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
-    let running = broker::Broker::start(settings).await.unwrap();
-    let target = running.local_addr().to_string();
-    let mut args = vec![
-        "--target", &target, "-c", "3", "-d", "1", "--warmup", "0.2", "--json",
-    ];
-    args.extend_from_slice(extra);
+/// Runs the benchmark binary with `args`; its one JSON object.
+async fn bench(args: &[&str]) -> serde_json::Value {
     let output = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
-            .args(&args)
+            .args(args)
             .kill_on_drop(true)
             .output(),
     )
@@ -24,10 +18,21 @@ async fn run_bench(extra: &[&str]) -> serde_json::Value {
     .expect("bench runs");
     assert!(
         output.status.success(),
-        "{}",
+        "{args:?}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+async fn run_bench(extra: &[&str]) -> serde_json::Value {
+    let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    let running = broker::Broker::start(settings).await.unwrap();
+    let target = running.local_addr().to_string();
+    let mut args = vec![
+        "--target", &target, "-c", "3", "-d", "1", "--warmup", "0.2", "--json",
+    ];
+    args.extend_from_slice(extra);
+    bench(&args).await
 }
 
 fn check(report: &serde_json::Value) {
@@ -81,22 +86,7 @@ async fn pubsub_smoke_runs() {
             "0.2",
             "--json",
         ];
-        let output = tokio::time::timeout(
-            Duration::from_secs(60),
-            tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
-                .args(args)
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .expect("bench finishes")
-        .expect("bench runs");
-        assert!(
-            output.status.success(),
-            "{pattern} QoS {qos}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let report = bench(&args).await;
         assert_eq!(report["lost"], 0, "{report}");
         assert_eq!(report["duplicated"], 0, "{report}");
         assert_eq!(report["failed_connections"], 0, "{report}");
