@@ -893,3 +893,41 @@ async fn receive_maximum_of_the_client() {
     let got: Vec<&[u8]> = got.iter().map(|b| &b[..]).collect();
     assert_eq!(got, [&b"0"[..], b"1", b"2", b"3", b"4"], "all, in order");
 }
+
+/// Once SUBACK is sent, a matching publish from any client reaches the
+/// subscriber, even from a client that joins the router just then.
+#[tokio::test]
+async fn a_publish_right_after_suback_is_delivered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    // A publisher that joined the router already, one that joins with its
+    // publish, and a wildcard listener that caches the topic's filters.
+    let mut linked = Raw::connect(addr, "race-linked").await;
+    publish_complete(&mut linked, "race/warm", b"w", QoS::AtLeastOnce, false).await;
+    let mut spy = Raw::connect(addr, "race-spy").await;
+    subscribe_with(&mut spy, filter("race/#", QoS::AtMostOnce, |_| {})).await;
+    for round in 0..100 {
+        let topic = format!("race/{round}");
+        // The topic is published (and its filters cached) before anyone
+        // subscribes to it by name.
+        publish_complete(&mut linked, &topic, b"before", QoS::AtLeastOnce, false).await;
+        let mut sub = Raw::connect(addr, &format!("race-sub-{round}")).await;
+        subscribe_with(&mut sub, filter(&topic, QoS::AtLeastOnce, |_| {})).await;
+        publish_complete(&mut linked, &topic, b"now", QoS::AtLeastOnce, false).await;
+        match sub.recv_within(Duration::from_secs(2)).await {
+            Recv::Packet(Packet::Publish(p)) => {
+                assert_eq!(&p.payload[..], b"now");
+                ack(&mut sub, &p).await;
+            }
+            other => panic!("round {round}, linked publisher: {other:?}"),
+        }
+        let mut publisher = Raw::connect(addr, &format!("race-pub-{round}")).await;
+        let mut publish = Publish::new(topic.as_str(), QoS::AtMostOnce, "now", None);
+        publish.pkid = 0;
+        publisher.send(Packet::Publish(publish)).await;
+        match sub.recv_within(Duration::from_secs(2)).await {
+            Recv::Packet(Packet::Publish(p)) => assert_eq!(&p.payload[..], b"now"),
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+}
