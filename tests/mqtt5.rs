@@ -931,3 +931,39 @@ async fn a_publish_right_after_suback_is_delivered() {
         }
     }
 }
+
+/// MQTT 3.1.1 4.6 (and MQTT 5 4.6): PUBACKs go out in the order the
+/// PUBLISHes arrived, ordinary publishes (acknowledged by the router) and
+/// those the broker acknowledges itself (state store requests, refused
+/// publishes) mixed.
+#[tokio::test]
+async fn acknowledgements_in_arrival_order_for_3_1_1() {
+    use rumqttc::mqttbytes::v4;
+    let broker = start_broker().await;
+    let mut c = common::raw::Raw4::connect(broker.local_addr(), "order-v4").await;
+    for round in 0..20 {
+        let topics = [
+            "order/t",
+            common::raw::REQUEST_TOPIC,
+            "order/u",
+            common::raw::NOTIFY_NAMESPACE,
+        ];
+        let mut packets = Vec::new();
+        let mut pkids = Vec::new();
+        for topic in topics {
+            let mut publish = v4::Publish::new(topic, rumqttc::mqttbytes::QoS::AtLeastOnce, "x");
+            publish.pkid = c.pkid();
+            pkids.push(publish.pkid);
+            packets.push(v4::Packet::Publish(publish));
+        }
+        c.send_all(packets).await;
+        let mut acked = Vec::new();
+        while acked.len() < pkids.len() {
+            match c.recv().await {
+                Some(v4::Packet::PubAck(ack)) => acked.push(ack.pkid),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(acked, pkids, "round {round}");
+    }
+}

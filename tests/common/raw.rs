@@ -378,8 +378,15 @@ impl Raw4 {
     }
 
     pub async fn send(&mut self, packet: rumqttc::mqttbytes::v4::Packet) {
+        self.send_all(vec![packet]).await;
+    }
+
+    /// Sends `packets` in one write.
+    pub async fn send_all(&mut self, packets: Vec<rumqttc::mqttbytes::v4::Packet>) {
         let mut buf = BytesMut::new();
-        packet.write(&mut buf, usize::MAX).unwrap();
+        for packet in packets {
+            packet.write(&mut buf, usize::MAX).unwrap();
+        }
         self.stream.write_all(&buf).await.unwrap();
     }
 

@@ -5,7 +5,7 @@
 //! Ordinary publishes go to the router, which acknowledges them; the
 //! connection only resolves their aliases here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use bytes::Bytes;
 use rumqttd::protocol::{
@@ -116,6 +116,52 @@ impl Inbound {
     }
 }
 
+/// MQTT 4.6 (3.1.1 and 5): PUBACKs and PUBRECs go out in the order the
+/// PUBLISHes arrived. The router acknowledges what it routes, later; an
+/// acknowledgement made here (a state store request, a refused publish)
+/// waits behind the router's acknowledgements still owed before it.
+#[derive(Debug, Default)]
+pub(crate) struct AckOrder {
+    /// Router acknowledgements owed so far, and received so far.
+    owed: u64,
+    received: u64,
+    /// Acknowledgements made here, each with the router acknowledgements
+    /// owed before it.
+    held: VecDeque<(u64, Packet)>,
+}
+
+impl AckOrder {
+    /// A QoS 1/2 publish went to the router (which will acknowledge it).
+    pub fn routed(&mut self) {
+        self.owed += 1;
+    }
+
+    /// An acknowledgement made here: to send now, or `None` while the
+    /// router owes acknowledgements of earlier publishes.
+    pub fn local(&mut self, ack: Packet) -> Option<Packet> {
+        if self.received >= self.owed && self.held.is_empty() {
+            return Some(ack);
+        }
+        self.held.push_back((self.owed, ack));
+        None
+    }
+
+    /// The router acknowledged a publish (sent before this call's result):
+    /// the acknowledgements made here that waited only for it.
+    pub fn router_acknowledged(&mut self) -> Vec<Packet> {
+        self.received += 1;
+        let mut ready = Vec::new();
+        while self
+            .held
+            .front()
+            .is_some_and(|(before, _)| *before <= self.received)
+        {
+            ready.extend(self.held.pop_front().map(|(_, ack)| ack));
+        }
+        ready
+    }
+}
+
 /// The PUBCOMP for a PUBREL whose packet id nothing waits for: MQTT 5's
 /// "packet identifier not found" (3.1.1 clients just see PUBCOMP).
 pub(crate) fn unknown_pubrel(pkid: u16) -> Packet {
@@ -184,6 +230,46 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn local_acknowledgements_wait_for_the_routers_before_them() {
+        let ack = |pkid| {
+            Packet::PubAck(
+                PubAck {
+                    pkid,
+                    reason: PubAckReason::Success,
+                },
+                None,
+            )
+        };
+        let pkid = |p: &Packet| match p {
+            Packet::PubAck(a, _) => a.pkid,
+            other => panic!("{other:?}"),
+        };
+        let mut order = AckOrder::default();
+        assert!(order.local(ack(1)).is_some(), "nothing owed: at once");
+        order.routed(); // 2 goes to the router
+        assert!(order.local(ack(3)).is_none());
+        order.routed(); // 4
+        assert!(order.local(ack(5)).is_none());
+        assert_eq!(
+            order
+                .router_acknowledged()
+                .iter()
+                .map(pkid)
+                .collect::<Vec<_>>(),
+            [3]
+        );
+        assert_eq!(
+            order
+                .router_acknowledged()
+                .iter()
+                .map(pkid)
+                .collect::<Vec<_>>(),
+            [5]
+        );
+        assert!(order.local(ack(6)).is_some(), "all caught up");
     }
 
     #[test]

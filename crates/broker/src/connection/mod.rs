@@ -50,7 +50,7 @@ use crate::config::Listener;
 use crate::sessions::{Mailbox, QueueBound};
 use crate::shared::Shared;
 use handshake::{Refusal, Terms};
-use inbound::Inbound;
+use inbound::{AckOrder, Inbound};
 use link::RouterLink;
 use outbound::Outbound;
 use socket::Socket;
@@ -161,6 +161,7 @@ pub(crate) async fn serve<S: Stream>(
         last_heard: Instant::now(),
         max_packet_size: listener.max_packet_size,
         inbound: Inbound::new(topic_alias_max),
+        ack_order: AckOrder::default(),
         refused_filters: PendingRefusals::default(),
         direct_rx,
         unscheduled: false,

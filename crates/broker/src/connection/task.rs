@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::end::End;
-use super::inbound::{self, Inbound};
+use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
 use super::socket::{Socket, Stream};
@@ -42,6 +42,8 @@ pub(super) struct Connection<S> {
     pub(super) max_packet_size: usize,
     /// Topic aliases and QoS 2 state of the client's publishes.
     pub(super) inbound: Inbound,
+    /// Acknowledgements in the order the publishes arrived.
+    pub(super) ack_order: AckOrder,
     /// Refused filters waiting for the router's SUBACK.
     pub(super) refused_filters: PendingRefusals,
     /// Acks owed and windows: what goes to the client at QoS 1/2.
@@ -265,12 +267,17 @@ impl<S: Stream> Connection<S> {
             return Ok(());
         }
         self.link.push(Packet::Publish(publish, properties));
+        if qos > 0 {
+            self.ack_order.routed();
+        }
         Ok(())
     }
 
     /// Acknowledges a publish handled here (not by the router).
     fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
-        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
+        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted)
+            && let Some(ack) = self.ack_order.local(ack)
+        {
             self.socket.queue(ack);
         }
     }
@@ -411,6 +418,14 @@ impl<S: Stream> Connection<S> {
                         disconnect.reason_code,
                         format!("router: {reason}"),
                     ));
+                }
+                // The router's acknowledgement of a publish: then those
+                // made here that waited for it.
+                Some(ack @ (Packet::PubAck(..) | Packet::PubRec(..))) => {
+                    self.socket.queue(ack);
+                    for held in self.ack_order.router_acknowledged() {
+                        self.socket.queue(held);
+                    }
                 }
                 Some(packet) => self.socket.queue(packet),
             },
