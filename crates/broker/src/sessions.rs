@@ -92,7 +92,8 @@ impl QueueBound {
     }
 
     /// Messages and bytes held now.
-    pub fn held(&self) -> (usize, usize) {
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> (usize, usize) {
         (
             self.messages.load(Ordering::Acquire),
             self.bytes.load(Ordering::Acquire),

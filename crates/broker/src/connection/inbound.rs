@@ -253,22 +253,15 @@ mod tests {
         assert!(order.local(ack(3)).is_none());
         order.routed(); // 4
         assert!(order.local(ack(5)).is_none());
-        assert_eq!(
+        let mut released = || {
             order
                 .router_acknowledged()
                 .iter()
                 .map(pkid)
-                .collect::<Vec<_>>(),
-            [3]
-        );
-        assert_eq!(
-            order
-                .router_acknowledged()
-                .iter()
-                .map(pkid)
-                .collect::<Vec<_>>(),
-            [5]
-        );
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(released(), [3]);
+        assert_eq!(released(), [5]);
         assert!(order.local(ack(6)).is_some(), "all caught up");
     }
 

@@ -31,6 +31,11 @@ impl Graveyard {
         Some(saved)
     }
 
+    /// Whether any kept session has an expiry.
+    pub fn has_deadlines(&self) -> bool {
+        !self.deadlines.is_empty()
+    }
+
     /// Takes out the sessions whose expiry passed by `now`.
     pub fn expired(&mut self, now: Instant) -> Vec<SessionState> {
         let mut gone = Vec::new();

@@ -165,11 +165,6 @@ impl DataLog {
         Some(idx)
     }
 
-    /// Number of filter logs (for tests and metrics).
-    pub fn filter_count(&self) -> usize {
-        self.native.len()
-    }
-
     pub fn next_native_offset(&mut self, filter: &str) -> (FilterIdx, Offset) {
         let publish_filters = &mut self.publish_filters;
         let filter_indexes = &mut self.filter_indexes;
