@@ -7,85 +7,13 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::mqtt::{
+    ack, filter, goodbye, next_raw_publish, publish_complete, session, subscribe_with,
+};
 use common::raw::{Raw, Recv, v5};
 use common::start_broker;
 use rumqttc::v5::mqttbytes::QoS;
 use v5::{Filter, Packet, Publish, Subscribe, SubscribeReasonCode};
-
-/// Publishes at `qos` and completes the exchange (PUBACK, or
-/// PUBREC/PUBREL/PUBCOMP).
-async fn publish_complete(
-    c: &mut Raw,
-    topic: &str,
-    payload: &'static [u8],
-    qos: QoS,
-    retain: bool,
-) {
-    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), None);
-    publish.retain = retain;
-    if qos != QoS::AtMostOnce {
-        publish.pkid = c.pkid();
-    }
-    let pkid = publish.pkid;
-    c.send(Packet::Publish(publish)).await;
-    match qos {
-        QoS::AtMostOnce => {}
-        QoS::AtLeastOnce => match c.recv().await {
-            Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, pkid),
-            other => panic!("expected PUBACK, got {other:?}"),
-        },
-        QoS::ExactlyOnce => {
-            match c.recv().await {
-                Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
-                other => panic!("expected PUBREC, got {other:?}"),
-            }
-            c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
-            match c.recv().await {
-                Recv::Packet(Packet::PubComp(comp)) => assert_eq!(comp.pkid, pkid),
-                other => panic!("expected PUBCOMP, got {other:?}"),
-            }
-        }
-    }
-}
-
-/// Subscribes with full subscription options.
-async fn subscribe_with(c: &mut Raw, filter: Filter) -> Vec<SubscribeReasonCode> {
-    let pkid = c.pkid();
-    let mut subscribe = Subscribe::new(filter, None);
-    subscribe.pkid = pkid;
-    c.send(Packet::Subscribe(subscribe)).await;
-    match c.recv().await {
-        Recv::Packet(Packet::SubAck(ack)) => {
-            assert_eq!(ack.pkid, pkid);
-            ack.return_codes
-        }
-        other => panic!("expected SUBACK, got {other:?}"),
-    }
-}
-
-/// The next PUBLISH exactly as it arrived (not acknowledged).
-async fn next_raw_publish(c: &mut Raw) -> Publish {
-    match c.recv().await {
-        Recv::Packet(Packet::Publish(p)) => p,
-        other => panic!("expected PUBLISH, got {other:?}"),
-    }
-}
-
-async fn ack(c: &mut Raw, p: &Publish) {
-    match p.qos {
-        QoS::AtMostOnce => {}
-        QoS::AtLeastOnce => c.send(Packet::PubAck(v5::PubAck::new(p.pkid, None))).await,
-        QoS::ExactlyOnce => {
-            c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await;
-            match c.recv().await {
-                Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
-                other => panic!("expected PUBREL, got {other:?}"),
-            }
-            c.send(Packet::PubComp(v5::PubComp::new(p.pkid, None)))
-                .await;
-        }
-    }
-}
 
 /// MQTT 5 3.8.4: a message is delivered at the smaller of its own QoS and
 /// the subscription's, never upgraded.
@@ -130,12 +58,6 @@ async fn delivered_qos_is_the_minimum_of_publish_and_subscription() {
     for c in [&mut sub2, &mut sub1, &mut sub0] {
         c.no_publish_within(Duration::from_millis(100)).await;
     }
-}
-
-fn filter(path: &str, qos: QoS, tweak: impl FnOnce(&mut Filter)) -> Filter {
-    let mut f = Filter::new(path, qos);
-    tweak(&mut f);
-    f
 }
 
 /// MQTT 5 3.8.3.1 No Local: a subscriber with No Local does not get its
@@ -684,7 +606,7 @@ async fn subscribe_after_unsubscribe() {
 async fn subscription_identifiers_are_delivered() {
     let broker = start_broker().await;
     let addr = broker.local_addr();
-    let mut sub = Raw::connect(addr, "subid-sub").await;
+    let (mut sub, _) = Raw::connect_with(addr, "subid-sub", session(true, Some(600))).await;
     let pkid = sub.pkid();
     let mut subscribe = Subscribe::new(
         Filter::new("subid/+", QoS::AtLeastOnce),
@@ -699,8 +621,22 @@ async fn subscription_identifiers_are_delivered() {
     let mut publisher = Raw::connect(addr, "subid-pub").await;
     publish_complete(&mut publisher, "subid/x", b"m", QoS::AtLeastOnce, false).await;
     let p = next_raw_publish(&mut sub).await;
+    ack(&mut sub, &p).await;
     let ids = p.properties.map(|p| p.subscription_identifiers);
     assert_eq!(ids, Some(vec![42]));
+    // The session keeps them: after a reconnect, while away and after.
+    goodbye(sub, None).await;
+    publish_complete(&mut publisher, "subid/y", b"away", QoS::AtLeastOnce, false).await;
+    let (mut sub, connack) = Raw::connect_with(addr, "subid-sub", session(false, Some(600))).await;
+    assert!(connack.session_present);
+    publish_complete(&mut publisher, "subid/z", b"back", QoS::AtLeastOnce, false).await;
+    for topic in [&b"subid/y"[..], b"subid/z"] {
+        let p = next_raw_publish(&mut sub).await;
+        ack(&mut sub, &p).await;
+        assert_eq!(&p.topic[..], topic);
+        let ids = p.properties.map(|p| p.subscription_identifiers);
+        assert_eq!(ids, Some(vec![42]), "{topic:?} after the reconnect");
+    }
 }
 
 /// MQTT 5 3.3.2.3.4: a client's topic alias stands for its topic on later
@@ -743,32 +679,6 @@ async fn topic_aliases_from_the_client() {
         common::raw::disconnect_reason(&d),
         Some(v5::DisconnectReasonCode::TopicAliasInvalid)
     );
-}
-
-fn session(
-    clean_start: bool,
-    expiry: Option<u32>,
-) -> impl FnOnce(&mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
-    move |c| {
-        c.0.clean_start = clean_start;
-        c.0.properties = Some(v5::ConnectProperties {
-            session_expiry_interval: expiry,
-            ..v5::ConnectProperties::new()
-        });
-    }
-}
-
-async fn goodbye(mut c: Raw, expiry: Option<u32>) {
-    let properties = expiry.map(|secs| v5::DisconnectProperties {
-        session_expiry_interval: Some(secs),
-        reason_string: None,
-        user_properties: Vec::new(),
-        server_reference: None,
-    });
-    let mut disconnect = v5::Disconnect::new(v5::DisconnectReasonCode::NormalDisconnection);
-    disconnect.properties = properties;
-    c.send(Packet::Disconnect(disconnect)).await;
-    assert!(matches!(c.recv().await, Recv::Closed));
 }
 
 /// MQTT 5 3.1.2.4 and 3.1.2.11.2: Clean Start and Session Expiry Interval

@@ -56,6 +56,7 @@ impl Graveyard {
         &mut self,
         mut tracker: Tracker,
         subscriptions: HashSet<String>,
+        subscription_ids: HashMap<String, usize>,
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
         incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
@@ -67,6 +68,7 @@ impl Graveyard {
         let session_state = SessionState {
             tracker,
             subscriptions,
+            subscription_ids,
             unacked_pubrels,
             incoming_qos2,
         };
@@ -109,6 +111,8 @@ pub struct SavedState {
 pub struct SessionState {
     pub tracker: Tracker,
     pub subscriptions: HashSet<String>,
+    /// MQTT 5 subscription identifiers by filter (statebroker patch 10).
+    pub subscription_ids: HashMap<String, usize>,
     // used for pubrel in qos2
     pub unacked_pubrels: VecDeque<u16>,
     /// QoS 2 publishes from the client waiting for its PUBREL (statebroker

@@ -1,0 +1,115 @@
+//! MQTT 5 exchanges completed packet by packet with the raw client: publish
+//! at any QoS, subscribe with full options, sessions.
+
+use bytes::Bytes;
+use rumqttc::v5::mqttbytes::QoS;
+
+use super::raw::{Raw, Recv, v5};
+use v5::{Filter, Packet, Publish, Subscribe, SubscribeReasonCode};
+
+/// Publishes at `qos` and completes the exchange (PUBACK, or
+/// PUBREC/PUBREL/PUBCOMP).
+pub async fn publish_complete(
+    c: &mut Raw,
+    topic: &str,
+    payload: &'static [u8],
+    qos: QoS,
+    retain: bool,
+) {
+    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), None);
+    publish.retain = retain;
+    if qos != QoS::AtMostOnce {
+        publish.pkid = c.pkid();
+    }
+    let pkid = publish.pkid;
+    c.send(Packet::Publish(publish)).await;
+    match qos {
+        QoS::AtMostOnce => {}
+        QoS::AtLeastOnce => match c.recv().await {
+            Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, pkid),
+            other => panic!("expected PUBACK, got {other:?}"),
+        },
+        QoS::ExactlyOnce => {
+            match c.recv().await {
+                Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
+                other => panic!("expected PUBREC, got {other:?}"),
+            }
+            c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
+            match c.recv().await {
+                Recv::Packet(Packet::PubComp(comp)) => assert_eq!(comp.pkid, pkid),
+                other => panic!("expected PUBCOMP, got {other:?}"),
+            }
+        }
+    }
+}
+
+/// Subscribes with full subscription options.
+pub async fn subscribe_with(c: &mut Raw, filter: Filter) -> Vec<SubscribeReasonCode> {
+    let pkid = c.pkid();
+    let mut subscribe = Subscribe::new(filter, None);
+    subscribe.pkid = pkid;
+    c.send(Packet::Subscribe(subscribe)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => {
+            assert_eq!(ack.pkid, pkid);
+            ack.return_codes
+        }
+        other => panic!("expected SUBACK, got {other:?}"),
+    }
+}
+
+/// The next PUBLISH exactly as it arrived (not acknowledged).
+pub async fn next_raw_publish(c: &mut Raw) -> Publish {
+    match c.recv().await {
+        Recv::Packet(Packet::Publish(p)) => p,
+        other => panic!("expected PUBLISH, got {other:?}"),
+    }
+}
+
+pub async fn ack(c: &mut Raw, p: &Publish) {
+    match p.qos {
+        QoS::AtMostOnce => {}
+        QoS::AtLeastOnce => c.send(Packet::PubAck(v5::PubAck::new(p.pkid, None))).await,
+        QoS::ExactlyOnce => {
+            c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await;
+            match c.recv().await {
+                Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
+                other => panic!("expected PUBREL, got {other:?}"),
+            }
+            c.send(Packet::PubComp(v5::PubComp::new(p.pkid, None)))
+                .await;
+        }
+    }
+}
+
+pub fn filter(path: &str, qos: QoS, tweak: impl FnOnce(&mut Filter)) -> Filter {
+    let mut f = Filter::new(path, qos);
+    tweak(&mut f);
+    f
+}
+
+pub fn session(
+    clean_start: bool,
+    expiry: Option<u32>,
+) -> impl FnOnce(&mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
+    move |c| {
+        c.0.clean_start = clean_start;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: expiry,
+            ..v5::ConnectProperties::new()
+        });
+    }
+}
+
+pub async fn goodbye(mut c: Raw, expiry: Option<u32>) {
+    let properties = expiry.map(|secs| v5::DisconnectProperties {
+        session_expiry_interval: Some(secs),
+        reason_string: None,
+        user_properties: Vec::new(),
+        server_reference: None,
+    });
+    let mut disconnect = v5::Disconnect::new(v5::DisconnectReasonCode::NormalDisconnection);
+    disconnect.properties = properties;
+    c.send(Packet::Disconnect(disconnect)).await;
+    assert!(matches!(c.recv().await, Recv::Closed));
+}
