@@ -95,6 +95,12 @@ pub struct PubSubArgs {
     /// How long subscribers wait after the run for messages still on their way.
     #[arg(long, default_value_t = 3_000)]
     pub drain_ms: u64,
+    /// Publish with RETAIN (each publish replaces its topic's retained
+    /// message: with a data directory, it is saved before it is
+    /// acknowledged). Run it against a fresh broker: retained messages of
+    /// an earlier run would reach the new subscribers.
+    #[arg(long)]
+    pub retain: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,

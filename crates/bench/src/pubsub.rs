@@ -280,7 +280,8 @@ async fn publisher(
         if outstanding < window {
             payload[4..12].copy_from_slice(&sent.to_be_bytes());
             payload[12..20].copy_from_slice(&run.nanos().to_be_bytes());
-            if let Err(e) = client.try_publish(&topic, qos(args.qos), false, payload.clone()) {
+            if let Err(e) = client.try_publish(&topic, qos(args.qos), args.retain, payload.clone())
+            {
                 return Some(e.to_string());
             }
             flow.sent.store(sent + 1, Ordering::Release);
