@@ -30,12 +30,13 @@ struct Cli {
     #[arg(short, long, value_name = "ADDR")]
     listen: Option<SocketAddr>,
 
-    /// Keep persisted keys in this directory (default: `statebroker-data`
-    /// next to the config file, or in the working directory).
+    /// Keep persisted keys, retained messages and persistent sessions in
+    /// this directory (default: `statebroker-data` next to the config file,
+    /// or in the working directory).
     #[arg(short, long, value_name = "DIR", conflicts_with = "in_memory")]
     data_dir: Option<PathBuf>,
 
-    /// Keep every key in memory only (no data directory), whatever the
+    /// Keep everything in memory only (no data directory), whatever the
     /// configuration says.
     #[arg(long)]
     in_memory: bool,

@@ -1,7 +1,9 @@
 //! Crash test: a broker process takes persisted writes as fast as clients
 //! can send them and is killed with SIGKILL at a random moment, again and
 //! again. After every restart, every acknowledged write must be there with
-//! its version, and nothing that was never written may appear.
+//! its version, and nothing that was never written may appear. The same
+//! goes for retained messages (acknowledged by PUBACK) and persistent
+//! sessions (their subscriptions acknowledged by SUBACK).
 
 mod common;
 
@@ -21,6 +23,101 @@ use statestore::resp3::encode_request;
 type Acked = Arc<Mutex<HashMap<String, (String, String)>>>;
 /// key -> value of every write ever sent.
 type Attempted = Arc<Mutex<HashMap<String, String>>>;
+/// Topics of acknowledged retained publishes (the payload is the topic).
+type Retained = Arc<Mutex<Vec<String>>>;
+/// (client id, topic) of persistent sessions whose subscription was acknowledged.
+type Sessions = Arc<Mutex<Vec<(String, String)>>>;
+
+/// Publishes retained messages at QoS 1 on fresh topics until the broker
+/// goes away; the payload of each is its topic.
+async fn retainer(addr: std::net::SocketAddr, name: String, acked: Retained) -> usize {
+    let mut c = Raw::connect(addr, &name).await;
+    let mut n = 0usize;
+    loop {
+        let topic = format!("ret/{name}/{n}");
+        let mut publish = v5::Publish::new(
+            topic.as_str(),
+            QoS::AtLeastOnce,
+            Bytes::from(topic.clone()),
+            None,
+        );
+        publish.retain = true;
+        publish.pkid = c.pkid();
+        let pkid = publish.pkid;
+        c.send(v5::Packet::Publish(publish)).await;
+        loop {
+            match c.recv_within(Duration::from_secs(5)).await {
+                Recv::Packet(v5::Packet::PubAck(ack)) if ack.pkid == pkid => {
+                    acked.lock().push(topic.clone());
+                    break;
+                }
+                Recv::Packet(_) => continue,
+                Recv::Closed | Recv::Timeout => return n,
+            }
+        }
+        n += 1;
+    }
+}
+
+/// A persistent session subscribes to its own topic, and stays connected.
+async fn subscriber(addr: std::net::SocketAddr, name: String, acked: Sessions) {
+    let (mut c, _) = Raw::connect_with(addr, &name, persistent(true)).await;
+    let topic = format!("sess/{name}");
+    let codes = c.subscribe(&topic, QoS::AtLeastOnce).await;
+    assert!(matches!(codes[0], v5::SubscribeReasonCode::Success(_)));
+    acked.lock().push((name, topic));
+    while let Recv::Packet(_) = c.recv_within(Duration::from_secs(30)).await {}
+}
+
+fn persistent(
+    clean_start: bool,
+) -> impl FnOnce(&mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
+    move |c| {
+        c.0.clean_start = clean_start;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: Some(3600),
+            ..v5::ConnectProperties::new()
+        });
+    }
+}
+
+/// Every acknowledged retained message is retained, with its payload, and
+/// nothing else is; every acknowledged session is there and receives.
+async fn verify_mqtt(addr: std::net::SocketAddr, retained: &Retained, sessions: &Sessions) {
+    let mut c = Raw::connect(addr, "mqtt-verifier").await;
+    c.subscribe("ret/#", QoS::AtLeastOnce).await;
+    let mut found = std::collections::HashSet::new();
+    loop {
+        match c.recv_within(Duration::from_millis(500)).await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                c.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                    .await;
+                assert_eq!(p.topic, p.payload, "a retained message kept its payload");
+                assert!(p.retain);
+                assert!(
+                    found.insert(String::from_utf8(p.topic.to_vec()).unwrap()),
+                    "retained message delivered twice"
+                );
+            }
+            Recv::Packet(_) => {}
+            _ => break,
+        }
+    }
+    for topic in retained.lock().iter() {
+        assert!(found.contains(topic), "acknowledged retained {topic} lost");
+    }
+    let sessions = sessions.lock().clone();
+    for (client, topic) in &sessions {
+        let (mut s, connack) = Raw::connect_with(addr, client, persistent(false)).await;
+        assert!(
+            connack.session_present,
+            "acknowledged session {client} lost"
+        );
+        c.publish(topic, "ping", QoS::AtLeastOnce, None).await;
+        let p = s.next_publish().await;
+        assert_eq!(&p.topic[..], topic.as_bytes(), "{client} still subscribed");
+    }
+}
 
 /// Writes unique persisted keys until the broker goes away.
 async fn writer(
@@ -137,6 +234,8 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
     let dir = tempfile::tempdir().unwrap();
     let acked: Acked = Arc::default();
     let attempted: Attempted = Arc::default();
+    let retained: Retained = Arc::default();
+    let sessions: Sessions = Arc::default();
     let config = dir.path().join("statebroker.toml");
     std::fs::write(
         &config,
@@ -153,6 +252,21 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
             mut child, addr, ..
         } = spawn_broker(&data, &["--config", &config]).await;
         verify(addr, &acked, &attempted).await;
+        verify_mqtt(addr, &retained, &sessions).await;
+        let retainers: Vec<_> = (0..2)
+            .map(|w| {
+                tokio::spawn(retainer(
+                    addr,
+                    format!("r{rounds}p{w}"),
+                    Arc::clone(&retained),
+                ))
+            })
+            .collect();
+        let listener = tokio::spawn(subscriber(
+            addr,
+            format!("r{rounds}s"),
+            Arc::clone(&sessions),
+        ));
         let writers: Vec<_> = (0..4)
             .map(|w| {
                 tokio::spawn(writer(
@@ -171,20 +285,27 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
         for w in writers {
             written += w.await.unwrap();
         }
-        kill_points.push((kill_after.as_millis(), written));
+        let mut published = 0;
+        for r in retainers {
+            published += r.await.unwrap();
+        }
+        listener.abort();
+        kill_points.push((kill_after.as_millis(), written, published));
         rounds += 1;
     }
     let common::BrokerProcess {
         mut child, addr, ..
     } = spawn_broker(&data, &["--config", &config]).await;
     let found = verify(addr, &acked, &attempted).await;
+    verify_mqtt(addr, &retained, &sessions).await;
     child.start_kill().unwrap();
     let acked = acked.lock().len();
+    let (retained, sessions) = (retained.lock().len(), sessions.lock().len());
     println!(
-        "{mode}: {rounds} SIGKILLs (after ms, writes acked in the round): {kill_points:?}; {acked} acknowledged writes, {found} keys found"
+        "{mode}: {rounds} SIGKILLs (after ms, writes acked, retained publishes acked in the round): {kill_points:?}; {acked} acknowledged writes, {found} keys found; {retained} retained messages and {sessions} sessions acknowledged, all found"
     );
     assert!(rounds >= 3, "only {rounds} rounds");
-    assert!(acked > 0);
+    assert!(acked > 0 && retained > 0 && sessions > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@
 //!    │                                            │ answers, notifications
 //!    │                                            ▼
 //!    │ ◄── direct deliveries ─────────────── publisher.rs: straight to the only
-//!    │     (subscription mirror: sessions.rs)    recipient, or into the router;
+//!    │     (subscription mirror: sessions/)      recipient, or into the router;
 //!    │                                           wills (will.rs) go out here too
 //!    │ other packets, on first need: a rumqttd::local link
 //!    ▼
@@ -23,8 +23,13 @@
 //!  shared subscriptions
 //! ```
 //!
+//! With a data directory, `persistence.rs` (fjall, group commit) keeps the
+//! store's persisted keys, and `durable.rs` retained messages and persistent
+//! sessions: a connection's `gate.rs` holds what must be on disk before the
+//! router may act on it, and `Broker::start` restores both before listening.
+//!
 //! Data flows one way: a module only uses modules below it in this picture
-//! (and the leaves: `config`, `clock`, `codec`, `topics`).
+//! (and the leaves: `config`, `clock`, `codec`, `topics`, `persistence`).
 //!
 //! [`Broker::start`] runs it all inside the current tokio runtime; the
 //! `statebroker` binary and the end-to-end tests both use it.
@@ -35,7 +40,9 @@ pub mod clock;
 pub mod codec;
 pub mod config;
 mod connection;
+pub mod durable;
 mod listener;
+pub mod persistence;
 pub mod publisher;
 pub mod router;
 pub mod sessions;
@@ -54,7 +61,6 @@ use tokio::sync::{Semaphore, watch};
 pub use config::Settings;
 use shared::Shared;
 pub use store::StateStoreService;
-use store::persistence;
 
 /// A broker ready to start.
 pub struct Broker;
@@ -72,18 +78,43 @@ impl Broker {
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
         let persistence = match &settings.persistence {
             Some(p) => {
-                let opened = persistence::Persistence::open(p).map_err(std::io::Error::other)?;
+                let (opened, loaded) =
+                    persistence::Persistence::open(p).map_err(std::io::Error::other)?;
                 tracing::info!(data_dir = %p.data_dir.display(), mode = ?p.mode, "persistence on");
-                Some(opened)
+                Some((Arc::new(opened), loaded))
             }
             None => {
-                tracing::info!("persistence off: every key lives in memory only");
+                tracing::info!(
+                    "persistence off: keys, retained messages and sessions live in memory only"
+                );
                 None
             }
         };
         let router = router::Router::spawn(settings.router_id, settings.router.clone());
         let sessions = Arc::new(sessions::Sessions::default());
         let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
+        let mut durable = None;
+        let persistence = match persistence {
+            Some((persistence, mut loaded)) => {
+                let saved = durable::Durable::new(Arc::clone(&persistence));
+                let retained = std::mem::take(&mut loaded.retained);
+                let saved_sessions = std::mem::take(&mut loaded.sessions);
+                let restored = saved
+                    .restore(retained, saved_sessions, &router, &publisher, &sessions)
+                    .await;
+                tracing::info!(
+                    retained = restored.retained,
+                    sessions = restored.sessions,
+                    expired_while_down = restored.expired,
+                    unreadable = restored.unreadable,
+                    "restored retained messages and persistent sessions"
+                );
+                sessions.set_journal(Arc::clone(&saved) as Arc<dyn sessions::Journal>);
+                durable = Some(saved);
+                Some((persistence, loaded))
+            }
+            None => None,
+        };
         let store =
             StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));
         let wills = will::WillRegistry::new(Arc::clone(&publisher));
@@ -108,6 +139,7 @@ impl Broker {
             store,
             publisher,
             sessions,
+            durable,
             wills,
             next_connection: AtomicU64::new(1),
             started_nanos: clock::now_nanos(),

@@ -19,7 +19,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use rumqttd::Notification;
 use rumqttd::local::{LinkRx, LinkTx};
-use rumqttd::protocol::{LastWill, LastWillProperties, Packet, Publish, PublishProperties, QoS};
+use rumqttd::protocol::{
+    LastWill, LastWillProperties, Packet, PubRel, PubRelReason, Publish, PublishProperties, QoS,
+};
 
 use crate::codec;
 use crate::router::{INTERNAL_PREFIX, Router, poll_once};
@@ -48,6 +50,19 @@ impl Link {
             None => tracing::error!("router link did not accept a publish"),
         }
     }
+}
+
+/// A retained message saved before a restart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Retained {
+    /// Its topic.
+    pub topic: bytes::Bytes,
+    /// Its payload (never empty).
+    pub payload: bytes::Bytes,
+    /// The QoS it was published with.
+    pub qos: u8,
+    /// Its MQTT 5 properties.
+    pub properties: Option<PublishProperties>,
 }
 
 /// Publishes as the broker itself.
@@ -131,6 +146,31 @@ impl Publisher {
             m.qos = 1;
         }
         self.route(messages);
+    }
+
+    /// Gives the router retained messages saved before a restart, each at
+    /// its own QoS (a QoS 2 one is released at once).
+    pub fn publish_retained(&self, messages: Vec<Retained>) {
+        let mut link = self.link.lock();
+        for chunk in messages.chunks(1024) {
+            let mut packets = Vec::with_capacity(chunk.len() * 2);
+            for message in chunk {
+                let qos = message.qos.min(2);
+                let pkid = if qos == 0 { 0 } else { link.next_pkid() };
+                let publish = codec::publish(&message.topic, &message.payload, qos, pkid, true);
+                packets.push(Packet::Publish(publish, message.properties.clone()));
+                if qos == 2 {
+                    packets.push(Packet::PubRel(
+                        PubRel {
+                            pkid,
+                            reason: PubRelReason::Success,
+                        },
+                        None,
+                    ));
+                }
+            }
+            link.send(packets);
+        }
     }
 
     /// Publishes a client's Last Will. QoS 2 wills are delivered at QoS 1

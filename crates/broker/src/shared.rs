@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicU64;
 use tokio::sync::{Semaphore, watch};
 
 use crate::config::Settings;
+use crate::durable::Durable;
 use crate::publisher::Publisher;
 use crate::router::Router;
 use crate::sessions::Sessions;
@@ -21,6 +22,8 @@ pub(crate) struct Shared {
     pub store: Arc<StateStoreService>,
     pub publisher: Arc<Publisher>,
     pub sessions: Arc<Sessions>,
+    /// Retained messages and sessions on disk (with a data directory).
+    pub durable: Option<Arc<Durable>>,
     pub wills: Arc<WillRegistry>,
     /// One permit per open connection (`router.max_connections` in all).
     pub permits: Arc<Semaphore>,

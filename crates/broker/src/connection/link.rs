@@ -93,6 +93,11 @@ impl RouterLink {
         self.batch.push(packet);
     }
 
+    /// Packets queued for the next flush.
+    pub fn queued(&self) -> usize {
+        self.batch.len()
+    }
+
     /// The queue, for code that adds several packets.
     pub fn batch(&mut self) -> &mut Vec<Packet> {
         &mut self.batch

@@ -32,6 +32,7 @@
 //! will is scheduled unless it said a normal goodbye.
 
 mod end;
+mod gate;
 mod handshake;
 mod inbound;
 mod link;
@@ -49,6 +50,7 @@ use tokio::time::Instant;
 use crate::config::Listener;
 use crate::sessions::{Mailbox, QueueBound};
 use crate::shared::Shared;
+use gate::Gate;
 use handshake::{Refusal, Terms};
 use inbound::{AckOrder, Inbound};
 use link::RouterLink;
@@ -170,6 +172,7 @@ pub(crate) async fn serve<S: Stream>(
         sessions: Arc::clone(&shared.sessions),
         session_expiry: terms.session_expiry,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
+        gate: Gate::new(shared.durable.clone()),
     };
     let end = conn.run(shared.shutdown.clone()).await;
     conn.finish(&end).await;

@@ -80,16 +80,33 @@ pub(crate) fn check(
 }
 
 /// Records the `allowed` filters (with subscription identifier `id`) in the
-/// broker's subscription mirror, as the router will record them.
-pub(crate) fn mirror(sessions: &Sessions, client_id: &str, allowed: &[Filter], id: Option<usize>) {
-    for filter in allowed {
-        let qos = match filter.qos {
-            QoS::AtMostOnce => 0,
-            QoS::AtLeastOnce => 1,
-            QoS::ExactlyOnce => 2,
-        };
-        sessions.subscribe(client_id, &filter.path, Sub { qos, id });
-    }
+/// broker's subscription mirror, as the router will record them. Returns
+/// what the SUBACK waits for (a persistent session is saved first; 0:
+/// nothing).
+pub(crate) fn mirror(
+    sessions: &Sessions,
+    client_id: &str,
+    allowed: &[Filter],
+    id: Option<usize>,
+) -> u64 {
+    let filters: Vec<(&str, Sub)> = allowed
+        .iter()
+        .map(|filter| {
+            let qos = match filter.qos {
+                QoS::AtMostOnce => 0,
+                QoS::AtLeastOnce => 1,
+                QoS::ExactlyOnce => 2,
+            };
+            let sub = Sub {
+                qos,
+                id,
+                no_local: filter.nolocal,
+                retain_as_published: filter.preserve_retain,
+            };
+            (filter.path.as_str(), sub)
+        })
+        .collect();
+    sessions.subscribe(client_id, &filters)
 }
 
 /// The UNSUBACK the connection answers with itself (rumqttd sends none

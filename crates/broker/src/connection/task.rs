@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::end::End;
+use super::gate::Gate;
 use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
@@ -58,7 +59,13 @@ pub(super) struct Connection<S> {
     /// for ever); DISCONNECT may change it.
     pub(super) session_expiry: u32,
     pub(super) legacy_2023: bool,
+    /// Changes waiting for the disk (retained messages, session changes).
+    pub(super) gate: Gate,
 }
+
+/// Packets for the router a connection may gather while they wait for the
+/// disk (see [`Gate`]) before it stops reading.
+const MAX_HELD: usize = 256;
 
 /// How long a write to a client without keep-alive may stall before the
 /// client is disconnected.
@@ -86,17 +93,28 @@ impl<S: Stream> Connection<S> {
         loop {
             let deadline = self.idle_limit.map(|k| self.last_heard + k);
             tokio::select! {
-                read = self.socket.fill() => {
+                read = self.socket.fill(), if !self.reading_paused() => {
                     match read {
                         Ok(0) => return Err(End::Closed),
                         Err(e) => return Err(End::Io(e)),
                         Ok(_) => {
                             self.last_heard = Instant::now();
                             let read = self.read_packets();
-                            self.link.flush().await?;
+                            self.flush_link().await?;
                             read?;
                         }
                     }
+                }
+                () = self.gate.durable_now() => {
+                    for held in self.gate.open() {
+                        self.socket.queue(held);
+                    }
+                    // What waited goes to the router; then the rest of
+                    // what was read.
+                    self.flush_link().await?;
+                    let read = self.read_packets();
+                    self.flush_link().await?;
+                    read?;
                 }
                 notification = self.link.next() => {
                     match notification {
@@ -107,7 +125,7 @@ impl<S: Stream> Connection<S> {
                                 self.on_router_notification(n)?;
                             }
                             // Acknowledgements of dropped publishes.
-                            self.link.flush().await?;
+                            self.flush_link().await?;
                         }
                         Ok(None) => {}
                         Err(_) => return Err(End::RouterClosed),
@@ -137,10 +155,28 @@ impl<S: Stream> Connection<S> {
         }
     }
 
-    /// Decodes and handles every complete packet in the read buffer.
+    /// Whether reading stops until the disk catches up: while the gate is
+    /// closed, what goes to the router waits in the link's batch, up to
+    /// [`MAX_HELD`] packets.
+    fn reading_paused(&self) -> bool {
+        self.gate.is_closed() && self.link.queued() >= MAX_HELD
+    }
+
+    /// Decodes and handles every complete packet in the read buffer, until
+    /// too much waits for the disk.
     fn read_packets(&mut self) -> Result<(), End> {
-        while let Some(incoming) = self.socket.next_packet(self.max_packet_size)? {
+        while !self.reading_paused()
+            && let Some(incoming) = self.socket.next_packet(self.max_packet_size)?
+        {
             self.on_packet(incoming)?;
+        }
+        Ok(())
+    }
+
+    /// Hands the router what was queued for it, unless that waits for the disk.
+    async fn flush_link(&mut self) -> Result<(), End> {
+        if !self.gate.is_closed() {
+            self.link.flush().await?;
         }
         Ok(())
     }
@@ -266,6 +302,12 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
+        if publish.retain
+            && let Some(durable) = self.gate.durable()
+        {
+            let seq = durable.retain(&publish, properties.as_ref());
+            self.gate.close(seq);
+        }
         self.link.push(Packet::Publish(publish, properties));
         if qos > 0 {
             self.ack_order.routed();
@@ -349,7 +391,8 @@ impl<S: Stream> Connection<S> {
         }
         self.refused_filters.hold(pkid, checked.refused);
         let id = properties.as_ref().and_then(|p| p.id);
-        subscriptions::mirror(&self.sessions, &self.client_id, &checked.allowed, id);
+        let saved = subscriptions::mirror(&self.sessions, &self.client_id, &checked.allowed, id);
+        self.gate.close(saved);
         self.link.push(Packet::Subscribe(
             Subscribe {
                 pkid,
@@ -364,10 +407,12 @@ impl<S: Stream> Connection<S> {
         unsubscribe: Unsubscribe,
         properties: Option<UnsubscribeProperties>,
     ) {
-        for filter in &unsubscribe.filters {
-            self.sessions.unsubscribe(&self.client_id, filter);
+        let filters: Vec<&str> = unsubscribe.filters.iter().map(String::as_str).collect();
+        let saved = self.sessions.unsubscribe(&self.client_id, &filters);
+        self.gate.close(saved);
+        if let Some(unsuback) = self.gate.hold(subscriptions::unsuback(&unsubscribe)) {
+            self.socket.queue(unsuback);
         }
-        self.socket.queue(subscriptions::unsuback(&unsubscribe));
         // Without a link the router holds no subscription to remove.
         if self.link.is_linked() {
             self.link.push(Packet::Unsubscribe(unsubscribe, properties));

@@ -4,10 +4,10 @@
 //!   may be served; the properties of responses and notifications.
 //! - [`service`]: the [`statestore::Store`] behind a lock, the expiry timer,
 //!   and the hand-off to persistence before anything is answered.
-//! - [`persistence`]: persisted keys on disk, group commit, recovery.
+//!
+//! Persisted keys go to disk through [`crate::persistence`].
 
 pub mod binding;
-pub mod persistence;
 pub mod service;
 
 pub use service::StateStoreService;

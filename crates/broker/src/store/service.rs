@@ -18,7 +18,7 @@
 //! With persistence, the durable changes of a request are queued to the
 //! [`Persistence`] writer while the store is still locked (so they reach the
 //! disk in the order they happened), and the answer waits until everything
-//! queued before it is durable (see [`super::persistence`]).
+//! queued before it is durable (see [`crate::persistence`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,8 +30,8 @@ use statestore::{Caller, Outcome, Request, Store};
 use tokio::sync::Notify;
 
 use super::binding::{self, ReplyTo};
-use super::persistence::{Loaded, Persistence};
 use crate::clock::now_ms;
+use crate::persistence::{Loaded, Persistence};
 use crate::publisher::Publisher;
 use crate::sessions::Undelivered;
 
@@ -43,7 +43,7 @@ pub struct StateStoreService {
     expiry_changed: Notify,
     /// The expiry time the expiry task sleeps until (u64::MAX: none).
     expiry_armed: AtomicU64,
-    persistence: Option<Persistence>,
+    persistence: Option<Arc<Persistence>>,
 }
 
 /// Where a response goes, and who asked.
@@ -58,7 +58,7 @@ impl StateStoreService {
     /// `persistence`, the store starts from what was on disk.
     pub fn start(
         config: statestore::Config,
-        persistence: Option<(Persistence, Loaded)>,
+        persistence: Option<(Arc<Persistence>, Loaded)>,
         publisher: Arc<Publisher>,
     ) -> Arc<StateStoreService> {
         let (store, persistence) = match persistence {

@@ -21,144 +21,62 @@
 //! every message until their segments rotate: request/response traffic then
 //! costs no memory after delivery and cannot be skipped over by a log that
 //! rotated past an unread message.
+//!
+//! With a data directory, every change of a persistent session (its
+//! subscriptions, its expiry, when its connection ended) goes to a
+//! [`Journal`] (see [`crate::durable`]), so the session survives a restart.
+
+mod mailbox;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use parking_lot::RwLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use rumqttd::protocol;
 
-use rumqttd::protocol::{self, PublishProperties};
-use tokio::sync::mpsc;
+pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 
 use crate::topics;
 
-/// What the broker tells a connection task.
-#[derive(Debug)]
-// Nearly every message is a delivery: boxing it would cost an allocation each.
-#[allow(clippy::large_enum_variant)]
-pub enum ToConnection {
-    /// Deliver this publish.
-    Deliver(Direct),
-    /// Another connection took the client id over: end with "session taken over".
-    TakenOver,
-    /// Deliveries waiting for the client passed its queue's bound: end the
-    /// connection (MQTT 5: 0x97 quota exceeded).
-    Overflow,
-}
-
-/// The bound on what waits for one connection: direct deliveries queued,
-/// written and not yet acknowledged, in messages and bytes (topic and
-/// payload). A delivery that would pass it is dropped, and the connection
-/// is told to end.
-#[derive(Debug)]
-pub struct QueueBound {
-    messages: AtomicUsize,
-    bytes: AtomicUsize,
-    max_messages: usize,
-    max_bytes: usize,
-    overflowed: AtomicBool,
-}
-
-impl QueueBound {
-    /// A bound of `max_messages` and `max_bytes`.
-    pub fn new(max_messages: usize, max_bytes: usize) -> Arc<QueueBound> {
-        Arc::new(QueueBound {
-            messages: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-            max_messages,
-            max_bytes,
-            overflowed: AtomicBool::new(false),
-        })
-    }
-
-    /// Takes room for a message of `size` bytes; `false` when there is none.
-    pub(crate) fn reserve(&self, size: usize) -> bool {
-        let messages = self.messages.fetch_add(1, Ordering::AcqRel) + 1;
-        let bytes = self.bytes.fetch_add(size, Ordering::AcqRel) + size;
-        if messages > self.max_messages || bytes > self.max_bytes {
-            self.release(size);
-            return false;
-        }
-        true
-    }
-
-    /// Gives back the room of a message of `size` bytes (written at QoS 0,
-    /// acknowledged, or discarded).
-    pub fn release(&self, size: usize) {
-        self.messages.fetch_sub(1, Ordering::AcqRel);
-        self.bytes.fetch_sub(size, Ordering::AcqRel);
-    }
-
-    /// Messages and bytes held now.
-    #[cfg(test)]
-    pub(crate) fn held(&self) -> (usize, usize) {
-        (
-            self.messages.load(Ordering::Acquire),
-            self.bytes.load(Ordering::Acquire),
-        )
-    }
-}
-
-impl Direct {
-    /// What the message counts against its connection's [`QueueBound`].
-    pub fn size(&self) -> usize {
-        self.topic.len() + self.payload.len()
-    }
-}
-
-/// The way to a connection task: its channel, and the bound on what waits.
-#[derive(Debug, Clone)]
-pub struct Mailbox {
-    tx: mpsc::UnboundedSender<ToConnection>,
-    bound: Arc<QueueBound>,
-}
-
-impl Mailbox {
-    /// A mailbox that sends on `tx` within `bound`.
-    pub fn new(tx: mpsc::UnboundedSender<ToConnection>, bound: Arc<QueueBound>) -> Mailbox {
-        Mailbox { tx, bound }
-    }
-}
-
-/// Why a direct delivery did not happen.
-#[derive(Debug)]
-pub enum Undelivered {
-    /// The client is not connected, or none of its subscriptions matches:
-    /// the message is given back (to route it, or drop it).
-    NoRecipient(Box<Direct>),
-    /// The client's queue is full: the message was dropped and the
-    /// connection told to end.
-    Overflow,
-}
-
-/// A publish for one client, delivered by its connection task.
-#[derive(Debug, Clone)]
-pub struct Direct {
-    /// The topic.
-    pub topic: Bytes,
-    /// The payload.
-    pub payload: Bytes,
-    /// MQTT 5 properties (subscription identifiers are added on delivery).
-    pub properties: PublishProperties,
-    /// QoS 0 or 1.
-    pub qos: u8,
-}
-
 /// A subscription as the mirror keeps it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Sub {
     /// Granted QoS.
     pub qos: u8,
     /// MQTT 5 subscription identifier.
     pub id: Option<usize>,
+    /// No Local: the client's own publishes do not come back.
+    pub no_local: bool,
+    /// Retain As Published: forwarded publishes keep their RETAIN flag.
+    pub retain_as_published: bool,
+}
+
+/// A persistent session as it is saved: whenever it changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedSession {
+    /// Session Expiry Interval, seconds (`u32::MAX`: never).
+    pub expiry: u32,
+    /// When its connection ended (Unix ms); `None` while connected.
+    pub disconnected_at_ms: Option<u64>,
+    /// Its subscriptions, sorted by filter.
+    pub filters: Vec<(String, Sub)>,
+}
+
+/// Where persistent sessions are saved (see [`crate::durable`]).
+pub trait Journal: Send + Sync {
+    /// `client`'s persistent session is now `session`. Returns the
+    /// persistence sequence number to wait for before acknowledging what
+    /// changed it.
+    fn save(&self, client: &str, session: &SavedSession) -> u64;
+    /// `client`'s session ended.
+    fn remove(&self, client: &str);
 }
 
 struct Live {
     connection: u64,
-    /// The session outlives the connection (Session Expiry above 0).
-    kept: bool,
+    /// Session Expiry Interval: above 0, the session outlives the connection.
+    expiry: u32,
     mailbox: Mailbox,
 }
 
@@ -168,7 +86,22 @@ struct Client {
     live: Option<Live>,
     /// With no live connection: until when the session is kept (`None`:
     /// for ever).
-    kept_until: Option<std::time::Instant>,
+    kept_until: Option<Instant>,
+    /// The session is saved in the journal.
+    journaled: bool,
+}
+
+impl Client {
+    fn saved(&self, expiry: u32, disconnected_at_ms: Option<u64>) -> SavedSession {
+        let mut filters: Vec<(String, Sub)> =
+            self.filters.iter().map(|(f, s)| (f.clone(), *s)).collect();
+        filters.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        SavedSession {
+            expiry,
+            disconnected_at_ms,
+            filters,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -184,6 +117,7 @@ struct Inner {
 #[derive(Default)]
 pub struct Sessions {
     inner: RwLock<Inner>,
+    journal: OnceLock<Arc<dyn Journal>>,
 }
 
 /// Whether a filter can only ever match topics of the notification
@@ -248,6 +182,42 @@ impl Inner {
 }
 
 impl Sessions {
+    /// Saves persistent sessions to `journal` from now on.
+    pub fn set_journal(&self, journal: Arc<dyn Journal>) {
+        let _ = self.journal.set(journal);
+    }
+
+    /// Saves `client`'s session (if it persists) or removes it (if it was
+    /// saved and no longer persists). Returns what to wait for (0: nothing).
+    fn journal(&self, client: &str, state: &mut Client, expiry: u32, ended_at: Option<u64>) -> u64 {
+        let Some(journal) = self.journal.get() else {
+            return 0;
+        };
+        if expiry > 0 {
+            state.journaled = true;
+            journal.save(client, &state.saved(expiry, ended_at))
+        } else {
+            if std::mem::take(&mut state.journaled) {
+                journal.remove(client);
+            }
+            0
+        }
+    }
+
+    /// A session saved before a restart: `client` has `filters`, and the
+    /// session is kept `remaining` longer (`None`: for ever).
+    pub fn restore(&self, client: &str, filters: Vec<(String, Sub)>, remaining: Option<Duration>) {
+        let mut inner = self.inner.write();
+        let key = inner.key(client);
+        for (filter, _) in &filters {
+            inner.index(&key, filter);
+        }
+        let state = inner.clients.entry(key).or_default();
+        state.filters = filters.into_iter().collect();
+        state.kept_until = remaining.map(|r| Instant::now() + r);
+        state.journaled = true;
+    }
+
     /// Whether the router may keep a session with subscriptions for
     /// `client` (then a clean start must discard it at CONNECT).
     pub fn has_kept_subscriptions(&self, client: &str) -> bool {
@@ -273,10 +243,8 @@ impl Sessions {
         // Taking over a session that ends with its connection starts afresh
         // too (the router keeps nothing of it), and so does an expired one.
         let ended = inner.clients.get(client).is_some_and(|c| match &c.live {
-            Some(live) => !live.kept,
-            None => c
-                .kept_until
-                .is_some_and(|at| at <= std::time::Instant::now()),
+            Some(live) => live.expiry == 0,
+            None => c.kept_until.is_some_and(|at| at <= Instant::now()),
         });
         if clean_start || ended {
             inner.clear_filters(&key);
@@ -285,12 +253,13 @@ impl Sessions {
         state.kept_until = None;
         let previous = state.live.replace(Live {
             connection,
-            kept: session_expiry > 0,
+            expiry: session_expiry,
             mailbox,
         });
         if let Some(previous) = previous {
             let _ = previous.mailbox.tx.send(ToConnection::TakenOver);
         }
+        self.journal(client, state, session_expiry, None);
     }
 
     /// A connection of `client` ended; its session is kept `session_expiry`
@@ -308,9 +277,9 @@ impl Sessions {
             return; // taken over: the new connection owns the session now
         }
         state.live = None;
-        state.kept_until = (session_expiry != u32::MAX).then(|| {
-            std::time::Instant::now() + std::time::Duration::from_secs(u64::from(session_expiry))
-        });
+        state.kept_until = (session_expiry != u32::MAX)
+            .then(|| Instant::now() + Duration::from_secs(u64::from(session_expiry)));
+        self.journal(client, state, session_expiry, Some(crate::clock::now_ms()));
         if session_expiry == 0 {
             let key = inner.key(client);
             inner.clear_filters(&key);
@@ -321,7 +290,7 @@ impl Sessions {
     /// Forgets the sessions whose expiry passed (the router ends them too).
     /// Returns how many.
     pub fn end_expired(&self) -> usize {
-        let now = std::time::Instant::now();
+        let now = Instant::now();
         let mut inner = self.inner.write();
         let expired: Vec<Arc<str>> = inner
             .clients
@@ -331,37 +300,61 @@ impl Sessions {
             .collect();
         for client in &expired {
             inner.clear_filters(client);
-            inner.clients.remove(client);
+            if let Some(state) = inner.clients.remove(client)
+                && state.journaled
+                && let Some(journal) = self.journal.get()
+            {
+                journal.remove(client);
+            }
         }
         expired.len()
     }
 
-    /// `client` subscribed to `filter` (as the router will record it).
-    pub fn subscribe(&self, client: &str, filter: &str, sub: Sub) {
+    /// `client` subscribed to `filters` (as the router will record them).
+    /// Returns what to wait for before the SUBACK (0: nothing).
+    pub fn subscribe(&self, client: &str, filters: &[(&str, Sub)]) -> u64 {
         let mut inner = self.inner.write();
         let key = inner.key(client);
-        let previous = inner
-            .clients
-            .entry(Arc::clone(&key))
-            .or_default()
-            .filters
-            .insert(filter.to_owned(), sub);
-        if previous.is_none() {
-            inner.index(&key, filter);
+        for (filter, sub) in filters {
+            let previous = inner
+                .clients
+                .entry(Arc::clone(&key))
+                .or_default()
+                .filters
+                .insert((*filter).to_owned(), *sub);
+            if previous.is_none() {
+                inner.index(&key, filter);
+            }
         }
+        self.changed(&mut inner, client)
     }
 
-    /// `client` unsubscribed from `filter`.
-    pub fn unsubscribe(&self, client: &str, filter: &str) {
+    /// `client` unsubscribed from `filters`. Returns what to wait for
+    /// before the UNSUBACK (0: nothing).
+    pub fn unsubscribe(&self, client: &str, filters: &[&str]) -> u64 {
         let mut inner = self.inner.write();
         let key = inner.key(client);
-        let removed = inner
-            .clients
-            .get_mut(client)
-            .and_then(|c| c.filters.remove(filter))
-            .is_some();
-        if removed {
-            inner.unindex(&key, filter);
+        for filter in filters {
+            let removed = inner
+                .clients
+                .get_mut(client)
+                .and_then(|c| c.filters.remove(*filter))
+                .is_some();
+            if removed {
+                inner.unindex(&key, filter);
+            }
+        }
+        self.changed(&mut inner, client)
+    }
+
+    /// Saves the connected `client`'s persistent session after a change.
+    fn changed(&self, inner: &mut Inner, client: &str) -> u64 {
+        match inner.clients.get_mut(client) {
+            Some(state) => match state.live.as_ref().map(|l| l.expiry) {
+                Some(expiry) if expiry > 0 => self.journal(client, state, expiry, None),
+                _ => 0,
+            },
+            None => 0,
         }
     }
 
@@ -402,13 +395,13 @@ impl Sessions {
         let Mailbox { tx, bound } = &live.mailbox;
         let size = message.size();
         if !bound.reserve(size) {
-            if !bound.overflowed.swap(true, Ordering::AcqRel) {
+            if bound.overflow_once() {
                 let _ = tx.send(ToConnection::Overflow);
             }
             return Err(Undelivered::Overflow);
         }
         match tx.send(ToConnection::Deliver(message)) {
-            Err(mpsc::error::SendError(ToConnection::Deliver(message))) => {
+            Err(tokio::sync::mpsc::error::SendError(ToConnection::Deliver(message))) => {
                 bound.release(size);
                 no_recipient(message)
             }
@@ -447,6 +440,9 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use rumqttd::protocol::PublishProperties;
+    use tokio::sync::mpsc;
 
     fn msg() -> Direct {
         Direct {
@@ -462,7 +458,10 @@ mod tests {
     }
 
     fn sub(qos: u8) -> Sub {
-        Sub { qos, id: None }
+        Sub {
+            qos,
+            ..Sub::default()
+        }
     }
 
     #[test]
@@ -474,14 +473,12 @@ mod tests {
         s.connected("a", 0, true, 0, mailbox(old_tx));
         s.connected("a", 1, true, 0, mailbox(tx));
         assert!(s.deliver("a", msg()).is_err(), "no subscription");
-        s.subscribe(
-            "a",
-            "resp/+",
-            Sub {
-                qos: 0,
-                id: Some(7),
-            },
-        );
+        let sub7 = Sub {
+            qos: 0,
+            id: Some(7),
+            ..Sub::default()
+        };
+        s.subscribe("a", &[("resp/+", sub7)]);
         assert!(
             matches!(old_rx.try_recv(), Ok(ToConnection::TakenOver)),
             "the older connection is told"
@@ -495,36 +492,38 @@ mod tests {
             (0, vec![7]),
             "QoS capped by the subscription"
         );
-        s.unsubscribe("a", "resp/+");
+        s.unsubscribe("a", &["resp/+"]);
         assert!(s.deliver("a", msg()).is_err());
     }
 
     #[test]
     fn only_subscriber() {
         let s = Sessions::default();
-        s.subscribe("a", "clients/a/response", sub(1));
+        s.subscribe("a", &[("clients/a/response", sub(1))]);
         assert!(s.only_subscriber("a", "clients/a/response"));
-        s.subscribe("b", "clients/a/response", sub(1));
+        s.subscribe("b", &[("clients/a/response", sub(1))]);
         assert!(
             !s.only_subscriber("a", "clients/a/response"),
             "b listens too"
         );
-        s.unsubscribe("b", "clients/a/response");
+        s.unsubscribe("b", &["clients/a/response"]);
         assert!(s.only_subscriber("a", "clients/a/response"));
-        s.subscribe("spy", "#", sub(0));
+        s.subscribe("spy", &[("#", sub(0))]);
         assert!(!s.only_subscriber("a", "clients/a/response"));
-        s.unsubscribe("spy", "#");
-        s.subscribe("a", "$share/g/clients/a/response", sub(1));
+        s.unsubscribe("spy", &["#"]);
+        s.subscribe("a", &[("$share/g/clients/a/response", sub(1))]);
         assert!(
             !s.only_subscriber("a", "clients/a/response"),
             "a shared group may deliver elsewhere"
         );
-        s.unsubscribe("a", "$share/g/clients/a/response");
+        s.unsubscribe("a", &["$share/g/clients/a/response"]);
         // Filters inside the notification namespace never count.
         s.subscribe(
             "c",
-            &format!("{}/+/command/notify/+", topics::NOTIFY_NAMESPACE),
-            sub(1),
+            &[(
+                &format!("{}/+/command/notify/+", topics::NOTIFY_NAMESPACE),
+                sub(1),
+            )],
         );
         assert!(s.only_subscriber("a", "clients/a/response"));
     }
@@ -534,7 +533,7 @@ mod tests {
         let s = Sessions::default();
         let (tx, _rx) = mpsc::unbounded_channel();
         s.connected("p", 1, false, u32::MAX, mailbox(tx.clone()));
-        s.subscribe("p", "x", sub(1));
+        s.subscribe("p", &[("x", sub(1))]);
         s.disconnected("p", 1, u32::MAX);
         assert!(
             !s.only_subscriber("q", "x"),
@@ -542,11 +541,11 @@ mod tests {
         );
         s.connected("p", 2, true, 0, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"), "a clean start drops them");
-        s.subscribe("p", "x", sub(1));
+        s.subscribe("p", &[("x", sub(1))]);
         // Taking over a clean session: nothing is resumed.
         s.connected("p", 3, false, u32::MAX, mailbox(tx.clone()));
         assert!(s.only_subscriber("q", "x"));
-        s.subscribe("p", "x", sub(1));
+        s.subscribe("p", &[("x", sub(1))]);
         // Taking over a persistent session keeps its subscriptions, and the
         // old connection's end does not touch the new one.
         s.connected("p", 4, false, u32::MAX, mailbox(tx.clone()));
@@ -563,7 +562,7 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let bound = QueueBound::new(2, 1000);
         s.connected("q", 1, true, 0, Mailbox::new(tx, Arc::clone(&bound)));
-        s.subscribe("q", "resp/+", sub(1));
+        s.subscribe("q", &[("resp/+", sub(1))]);
         s.deliver("q", msg()).unwrap();
         s.deliver("q", msg()).unwrap();
         assert!(matches!(s.deliver("q", msg()), Err(Undelivered::Overflow)));

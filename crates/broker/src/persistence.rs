@@ -1,5 +1,12 @@
-//! Durability: persisted keys in an embedded storage engine, group commit,
-//! and the promise every answer waits for.
+//! Durability: persisted keys, retained messages and persistent sessions in
+//! an embedded storage engine, group commit, and the promise every answer
+//! waits for.
+//!
+//! One fjall database, four keyspaces: `keys` (the state store's persisted
+//! keys), `meta` (the clock mark), `retained` (retained messages by topic)
+//! and `sessions` (persistent sessions by client id). The state store and
+//! the MQTT side ([`crate::durable`]) submit to the same writer, so one
+//! group commit and one fsync carry both.
 //!
 //! # The promise
 //!
@@ -56,8 +63,35 @@ pub struct OpenError {
     message: String,
 }
 
+/// The keyspaces of the MQTT side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Space {
+    /// Retained messages, by topic.
+    Retained,
+    /// Persistent sessions, by client id.
+    Sessions,
+}
+
+/// A write of the MQTT side: `value: None` deletes `key`.
+#[derive(Debug, Clone)]
+pub struct Put {
+    /// Which keyspace.
+    pub space: Space,
+    /// The key (a topic, a client id).
+    pub key: Vec<u8>,
+    /// The value, or `None` to delete.
+    pub value: Option<Vec<u8>>,
+}
+
+/// A key and its value, as stored.
+pub type Pair = (Vec<u8>, Vec<u8>);
+
 /// What was on disk at start.
 pub struct Loaded {
+    /// Retained messages, as stored (decoded by [`crate::durable`]).
+    pub retained: Vec<Pair>,
+    /// Persistent sessions, as stored.
+    pub sessions: Vec<Pair>,
     /// The persisted keys (decodable ones; others are logged and skipped).
     pub records: Vec<Record>,
     /// The last clock mark.
@@ -70,6 +104,7 @@ pub struct Loaded {
 
 enum Job {
     Writes(u64, Vec<Write>),
+    Puts(u64, Vec<Put>),
     Stop,
 }
 
@@ -87,6 +122,17 @@ struct Engine {
     db: Database,
     keys: Keyspace,
     meta: Keyspace,
+    retained: Keyspace,
+    sessions: Keyspace,
+}
+
+impl Engine {
+    fn space(&self, space: Space) -> &Keyspace {
+        match space {
+            Space::Retained => &self.retained,
+            Space::Sessions => &self.sessions,
+        }
+    }
 }
 
 fn open_database(dir: &Path) -> fjall::Result<Database> {
@@ -114,7 +160,19 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
     let meta = db
         .keyspace("meta", KeyspaceCreateOptions::default)
         .map_err(|e| error(&e))?;
-    Ok(Engine { db, keys, meta })
+    let retained = db
+        .keyspace("retained", KeyspaceCreateOptions::default)
+        .map_err(|e| error(&e))?;
+    let sessions = db
+        .keyspace("sessions", KeyspaceCreateOptions::default)
+        .map_err(|e| error(&e))?;
+    Ok(Engine {
+        db,
+        keys,
+        meta,
+        retained,
+        sessions,
+    })
 }
 
 impl Persistence {
@@ -149,7 +207,17 @@ impl Persistence {
                 }
             }
         }
+        let read_all = |space: &Keyspace| -> Result<Vec<Pair>, OpenError> {
+            let mut all = Vec::new();
+            for item in space.iter() {
+                let (key, value) = item.into_inner().map_err(read_error)?;
+                all.push((key.to_vec(), value.to_vec()));
+            }
+            Ok(all)
+        };
         let loaded = Loaded {
+            retained: read_all(&engine.retained)?,
+            sessions: read_all(&engine.sessions)?,
             records,
             clock_mark,
             corrupt,
@@ -177,8 +245,20 @@ impl Persistence {
     /// Queues `writes`; call in the order the store made them (under the
     /// store's lock). Returns the batch's sequence number.
     pub fn submit(&self, writes: Vec<Write>) -> u64 {
+        self.send(|seq| Job::Writes(seq, writes))
+    }
+
+    /// Queues writes of the MQTT side. Returns the batch's sequence number.
+    pub fn put(&self, puts: Vec<Put>) -> u64 {
+        self.send(|seq| Job::Puts(seq, puts))
+    }
+
+    /// Numbers a job and queues it, both under the lock: the writer sees
+    /// sequence numbers in order, so "durable up to n" holds for all below.
+    fn send(&self, job: impl FnOnce(u64) -> Job) -> u64 {
+        let jobs = self.jobs.lock();
         let seq = self.submitted.fetch_add(1, Ordering::AcqRel) + 1;
-        if self.jobs.lock().send(Job::Writes(seq, writes)).is_err() {
+        if jobs.send(job(seq)).is_err() {
             tracing::error!("persistence writer is gone: a write will never be acknowledged");
         }
         seq
@@ -240,6 +320,7 @@ fn write_loop(engine: Engine, jobs: mpsc::Receiver<Job>, durable: watch::Sender<
         let Some(first) = first else { break };
         // Group commit: everything waiting now goes into one batch.
         let mut batch = Vec::new();
+        let mut puts = Vec::new();
         let mut stop = false;
         let mut seq = 0;
         for job in std::iter::once(first).chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
@@ -248,17 +329,21 @@ fn write_loop(engine: Engine, jobs: mpsc::Receiver<Job>, durable: watch::Sender<
                     seq = s;
                     batch.extend(writes);
                 }
+                Job::Puts(s, more) => {
+                    seq = s;
+                    puts.extend(more);
+                }
                 Job::Stop => {
                     stop = true;
                     break;
                 }
             }
-            if batch.len() >= 100_000 {
+            if batch.len() + puts.len() >= 100_000 {
                 break;
             }
         }
-        if !batch.is_empty() {
-            commit(&engine, &batch);
+        if !batch.is_empty() || !puts.is_empty() {
+            commit(&engine, &batch, &puts);
             match mode {
                 Mode::Fsync => sync(&engine.db, PersistMode::SyncAll),
                 Mode::Interval(every) => {
@@ -287,7 +372,7 @@ fn write_loop(engine: Engine, jobs: mpsc::Receiver<Job>, durable: watch::Sender<
 
 /// Writes one batch atomically, retrying until the disk takes it: until
 /// then, the writes it holds are not acknowledged.
-fn commit(engine: &Engine, writes: &[Write]) {
+fn commit(engine: &Engine, writes: &[Write], puts: &[Put]) {
     let mut delay = Duration::from_millis(10);
     loop {
         let mut batch = engine.db.batch();
@@ -302,10 +387,17 @@ fn commit(engine: &Engine, writes: &[Write]) {
                 }
             }
         }
+        for put in puts {
+            let space = engine.space(put.space);
+            match &put.value {
+                Some(value) => batch.insert(space, put.key.as_slice(), value.as_slice()),
+                None => batch.remove(space, put.key.as_slice()),
+            }
+        }
         match batch.commit() {
             Ok(()) => return,
             Err(e) => {
-                tracing::error!(error = %e, "cannot write persisted keys; retrying (writes stay unacknowledged)");
+                tracing::error!(error = %e, "cannot write to the data directory; retrying (writes stay unacknowledged)");
                 std::thread::sleep(delay);
                 delay = (delay * 2).min(Duration::from_secs(5));
             }

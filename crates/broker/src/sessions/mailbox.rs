@@ -1,0 +1,127 @@
+//! The way to a connection task: what the broker tells it, the publishes
+//! it delivers directly, and the bound on what may wait for it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use bytes::Bytes;
+use rumqttd::protocol::PublishProperties;
+use tokio::sync::mpsc;
+
+/// What the broker tells a connection task.
+#[derive(Debug)]
+// Nearly every message is a delivery: boxing it would cost an allocation each.
+#[allow(clippy::large_enum_variant)]
+pub enum ToConnection {
+    /// Deliver this publish.
+    Deliver(Direct),
+    /// Another connection took the client id over: end with "session taken over".
+    TakenOver,
+    /// Deliveries waiting for the client passed its queue's bound: end the
+    /// connection (MQTT 5: 0x97 quota exceeded).
+    Overflow,
+}
+
+/// The bound on what waits for one connection: direct deliveries queued,
+/// written and not yet acknowledged, in messages and bytes (topic and
+/// payload). A delivery that would pass it is dropped, and the connection
+/// is told to end.
+#[derive(Debug)]
+pub struct QueueBound {
+    messages: AtomicUsize,
+    bytes: AtomicUsize,
+    max_messages: usize,
+    max_bytes: usize,
+    overflowed: AtomicBool,
+}
+
+impl QueueBound {
+    /// A bound of `max_messages` and `max_bytes`.
+    pub fn new(max_messages: usize, max_bytes: usize) -> Arc<QueueBound> {
+        Arc::new(QueueBound {
+            messages: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            max_messages,
+            max_bytes,
+            overflowed: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes room for a message of `size` bytes; `false` when there is none.
+    pub(crate) fn reserve(&self, size: usize) -> bool {
+        let messages = self.messages.fetch_add(1, Ordering::AcqRel) + 1;
+        let bytes = self.bytes.fetch_add(size, Ordering::AcqRel) + size;
+        if messages > self.max_messages || bytes > self.max_bytes {
+            self.release(size);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back the room of a message of `size` bytes (written at QoS 0,
+    /// acknowledged, or discarded).
+    pub fn release(&self, size: usize) {
+        self.messages.fetch_sub(1, Ordering::AcqRel);
+        self.bytes.fetch_sub(size, Ordering::AcqRel);
+    }
+
+    /// Marks the bound as passed; `true` the first time (then the
+    /// connection is told, once).
+    pub(super) fn overflow_once(&self) -> bool {
+        !self.overflowed.swap(true, Ordering::AcqRel)
+    }
+
+    /// Messages and bytes held now.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> (usize, usize) {
+        (
+            self.messages.load(Ordering::Acquire),
+            self.bytes.load(Ordering::Acquire),
+        )
+    }
+}
+
+impl Direct {
+    /// What the message counts against its connection's [`QueueBound`].
+    pub fn size(&self) -> usize {
+        self.topic.len() + self.payload.len()
+    }
+}
+
+/// The way to a connection task: its channel, and the bound on what waits.
+#[derive(Debug, Clone)]
+pub struct Mailbox {
+    pub(super) tx: mpsc::UnboundedSender<ToConnection>,
+    pub(super) bound: Arc<QueueBound>,
+}
+
+impl Mailbox {
+    /// A mailbox that sends on `tx` within `bound`.
+    pub fn new(tx: mpsc::UnboundedSender<ToConnection>, bound: Arc<QueueBound>) -> Mailbox {
+        Mailbox { tx, bound }
+    }
+}
+
+/// Why a direct delivery did not happen.
+#[derive(Debug)]
+pub enum Undelivered {
+    /// The client is not connected, or none of its subscriptions matches:
+    /// the message is given back (to route it, or drop it).
+    NoRecipient(Box<Direct>),
+    /// The client's queue is full: the message was dropped and the
+    /// connection told to end.
+    Overflow,
+}
+
+/// A publish for one client, delivered by its connection task.
+#[derive(Debug, Clone)]
+pub struct Direct {
+    /// The topic.
+    pub topic: Bytes,
+    /// The payload.
+    pub payload: Bytes,
+    /// MQTT 5 properties (subscription identifiers are added on delivery).
+    pub properties: PublishProperties,
+    /// QoS 0 or 1.
+    pub qos: u8,
+}

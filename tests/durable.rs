@@ -1,0 +1,270 @@
+//! Restarts of the MQTT side: retained messages and persistent sessions
+//! come back from the data directory, exactly (see `crates/broker/src/durable.rs`).
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use broker::RunningBroker;
+use broker::config::{Mode, PersistenceSettings};
+use bytes::Bytes;
+use common::mqtt::{
+    ack, filter, goodbye, next_raw_publish, publish_complete, session, subscribe_with,
+};
+use common::raw::{Raw, Recv, v5};
+use common::start_broker_with;
+use rumqttc::v5::mqttbytes::QoS;
+use v5::{Packet, Publish, SubscribeReasonCode};
+
+async fn start(dir: &Path) -> RunningBroker {
+    start_broker_with(|s| {
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.to_owned(),
+            mode: Mode::Fsync,
+        });
+    })
+    .await
+}
+
+async fn restart(broker: RunningBroker, dir: &Path) -> RunningBroker {
+    broker.shutdown(Duration::from_secs(2)).await;
+    start(dir).await
+}
+
+/// Publishes a retained message at `qos` with `properties`, completing the exchange.
+async fn retain(
+    c: &mut Raw,
+    topic: &str,
+    payload: &'static [u8],
+    qos: QoS,
+    properties: Option<v5::PublishProperties>,
+) {
+    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), properties);
+    publish.retain = true;
+    if qos != QoS::AtMostOnce {
+        publish.pkid = c.pkid();
+    }
+    let pkid = publish.pkid;
+    c.send(Packet::Publish(publish)).await;
+    if qos == QoS::AtLeastOnce {
+        match c.recv().await {
+            Recv::Packet(Packet::PubAck(a)) => assert_eq!(a.pkid, pkid),
+            other => panic!("expected PUBACK, got {other:?}"),
+        }
+    }
+}
+
+/// Every retained message a new `filter` subscription gets, by topic.
+async fn retained_now(addr: std::net::SocketAddr, id: &str, filter: &str) -> Vec<Publish> {
+    let mut c = Raw::connect(addr, id).await;
+    c.subscribe(filter, QoS::ExactlyOnce).await;
+    collect(&mut c).await
+}
+
+/// Every PUBLISH that arrives until 300 ms pass without one, acknowledged
+/// (QoS 2 completed), sorted by topic.
+async fn collect(c: &mut Raw) -> Vec<Publish> {
+    let mut got = Vec::new();
+    loop {
+        match c.recv_within(Duration::from_millis(300)).await {
+            Recv::Packet(Packet::Publish(p)) => {
+                match p.qos {
+                    QoS::AtMostOnce => {}
+                    QoS::AtLeastOnce => c.send(Packet::PubAck(v5::PubAck::new(p.pkid, None))).await,
+                    QoS::ExactlyOnce => c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await,
+                }
+                got.push(p);
+            }
+            Recv::Packet(Packet::PubRel(rel)) => {
+                c.send(Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await
+            }
+            Recv::Packet(_) => {}
+            _ => break,
+        }
+    }
+    got.sort_by(|a, b| a.topic.cmp(&b.topic));
+    got
+}
+
+/// MQTT 5 3.3.1.3 across a restart: retained messages come back with their
+/// QoS, payload and properties, the Message Expiry Interval reduced by the
+/// time they waited; a cleared one stays cleared; an expired one is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let mut p = Raw::connect(broker.local_addr(), "ret-pub").await;
+    let props = v5::PublishProperties {
+        message_expiry_interval: Some(600),
+        content_type: Some("text/plain".into()),
+        user_properties: vec![("unit".into(), "C".into())],
+        ..Default::default()
+    };
+    retain(&mut p, "ret/a", b"21.5", QoS::AtLeastOnce, Some(props)).await;
+    retain(&mut p, "ret/b", b"b0", QoS::AtMostOnce, None).await;
+    retain(&mut p, "ret/gone", b"x", QoS::AtLeastOnce, None).await;
+    retain(&mut p, "ret/gone", b"", QoS::AtLeastOnce, None).await;
+    let short = v5::PublishProperties {
+        message_expiry_interval: Some(1),
+        ..Default::default()
+    };
+    retain(&mut p, "ret/short", b"s", QoS::AtLeastOnce, Some(short)).await;
+    // QoS 2, completed.
+    let mut q2 = Publish::new("ret/c", QoS::ExactlyOnce, Bytes::from_static(b"c2"), None);
+    q2.retain = true;
+    q2.pkid = p.pkid();
+    let pkid = q2.pkid;
+    p.send(Packet::Publish(q2)).await;
+    assert!(matches!(p.recv().await, Recv::Packet(Packet::PubRec(_))));
+    p.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
+    assert!(matches!(p.recv().await, Recv::Packet(Packet::PubComp(_))));
+    drop(p);
+    let before = retained_now(broker.local_addr(), "ret-before", "ret/#").await;
+    assert_eq!(before.len(), 4, "{before:?}");
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let broker = restart(broker, dir.path()).await;
+    let after = retained_now(broker.local_addr(), "ret-after", "ret/#").await;
+    let topics: Vec<&[u8]> = after.iter().map(|p| &p.topic[..]).collect();
+    assert_eq!(
+        topics,
+        [&b"ret/a"[..], b"ret/b", b"ret/c"],
+        "ret/gone cleared, ret/short expired"
+    );
+    let a = &after[0];
+    assert_eq!(
+        (&a.payload[..], a.qos, a.retain),
+        (&b"21.5"[..], QoS::AtLeastOnce, true)
+    );
+    let props = a.properties.as_ref().unwrap();
+    assert_eq!(props.content_type.as_deref(), Some("text/plain"));
+    assert_eq!(props.user_properties, vec![("unit".into(), "C".into())]);
+    let left = props.message_expiry_interval.unwrap();
+    assert!(
+        (590..600).contains(&left),
+        "expiry reduced by the wait: {left}"
+    );
+    assert_eq!(
+        (&after[1].payload[..], after[1].qos),
+        (&b"b0"[..], QoS::AtMostOnce)
+    );
+    assert_eq!(
+        (&after[2].payload[..], after[2].qos),
+        (&b"c2"[..], QoS::ExactlyOnce)
+    );
+
+    // Still retained after a second restart (the restore saved nothing twice
+    // and removed nothing it should keep), and clearing persists.
+    let mut p = Raw::connect(broker.local_addr(), "ret-pub").await;
+    retain(&mut p, "ret/b", b"", QoS::AtLeastOnce, None).await;
+    drop(p);
+    let broker = restart(broker, dir.path()).await;
+    let again = retained_now(broker.local_addr(), "ret-again", "ret/#").await;
+    let topics: Vec<&[u8]> = again.iter().map(|p| &p.topic[..]).collect();
+    assert_eq!(topics, [&b"ret/a"[..], b"ret/c"]);
+}
+
+/// MQTT 5 4.1 across a restart: a session with an expiry keeps its
+/// subscriptions (with QoS, options and identifier): the client finds
+/// Session Present 1 and receives what is published for it; the retained
+/// messages it had when it subscribed are not sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persistent_session_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let addr = broker.local_addr();
+    let mut p = Raw::connect(addr, "ps-pub").await;
+    publish_complete(&mut p, "ps/retained", b"r", QoS::AtLeastOnce, true).await;
+    drop(p);
+    let (mut c, connack) = Raw::connect_with(addr, "ps-sub", session(true, Some(3600))).await;
+    assert!(!connack.session_present);
+    let codes = subscribe_with(
+        &mut c,
+        filter("ps/+", QoS::AtLeastOnce, |f| f.nolocal = true),
+    )
+    .await;
+    assert_eq!(codes, [SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
+    let r = next_raw_publish(&mut c).await;
+    assert_eq!(&r.topic[..], b"ps/retained");
+    ack(&mut c, &r).await;
+    let pkid = c.pkid();
+    let mut with_id = v5::Subscribe::new(
+        v5::Filter::new("ids/#", QoS::ExactlyOnce),
+        Some(v5::SubscribeProperties {
+            id: Some(42),
+            user_properties: Vec::new(),
+        }),
+    );
+    with_id.pkid = pkid;
+    c.send(Packet::Subscribe(with_id)).await;
+    assert!(matches!(c.recv().await, Recv::Packet(Packet::SubAck(_))));
+    // Also one to drop before the restart.
+    subscribe_with(&mut c, filter("dropped/#", QoS::AtLeastOnce, |_| {})).await;
+    let pkid = c.pkid();
+    let mut unsubscribe = v5::Unsubscribe::new("dropped/#", None);
+    unsubscribe.pkid = pkid;
+    c.send(Packet::Unsubscribe(unsubscribe)).await;
+    assert!(matches!(c.recv().await, Recv::Packet(Packet::UnsubAck(_))));
+    goodbye(c, None).await;
+
+    let broker = restart(broker, dir.path()).await;
+    let addr = broker.local_addr();
+    let mut p = Raw::connect(addr, "ps-pub").await;
+    publish_complete(&mut p, "ps/1", b"while away", QoS::AtLeastOnce, false).await;
+    publish_complete(&mut p, "dropped/1", b"not for it", QoS::AtLeastOnce, false).await;
+    publish_complete(&mut p, "ids/x", b"with id", QoS::ExactlyOnce, false).await;
+    let (mut c, connack) = Raw::connect_with(addr, "ps-sub", session(false, Some(3600))).await;
+    assert!(connack.session_present, "the session came back");
+    // Two subscriptions: the router serves them in its own order.
+    let got = collect(&mut c).await;
+    assert_eq!(got.len(), 2, "{got:?}");
+    let (with_id, away) = (&got[0], &got[1]);
+    assert_eq!(
+        (&away.topic[..], &away.payload[..], away.qos),
+        (&b"ps/1"[..], &b"while away"[..], QoS::AtLeastOnce)
+    );
+    assert_eq!(
+        (&with_id.topic[..], with_id.qos),
+        (&b"ids/x"[..], QoS::ExactlyOnce)
+    );
+    assert_eq!(
+        with_id
+            .properties
+            .as_ref()
+            .unwrap()
+            .subscription_identifiers,
+        vec![42]
+    );
+    // No Local came back too: its own publish is not delivered to it.
+    publish_complete(&mut c, "ps/own", b"mine", QoS::AtLeastOnce, false).await;
+    c.no_publish_within(Duration::from_millis(300)).await;
+}
+
+/// A session's expiry keeps counting while the broker is down; a session
+/// that ends with its connection is never saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_expire_across_a_restart_and_clean_ones_are_not_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let addr = broker.local_addr();
+    for (id, expiry) in [("short", 1), ("clean", 0), ("long", 600)] {
+        let (mut c, _) = Raw::connect_with(addr, id, session(true, Some(expiry))).await;
+        subscribe_with(&mut c, filter("x/#", QoS::AtLeastOnce, |_| {})).await;
+        goodbye(c, None).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let broker = restart(broker, dir.path()).await;
+    let addr = broker.local_addr();
+    for (id, present) in [("short", false), ("clean", false), ("long", true)] {
+        let (c, connack) = Raw::connect_with(addr, id, session(false, Some(600))).await;
+        assert_eq!(connack.session_present, present, "{id}");
+        goodbye(c, Some(0)).await;
+    }
+    // Ended at DISCONNECT with expiry 0: gone after a restart too.
+    let broker = restart(broker, dir.path()).await;
+    let (_c, connack) =
+        Raw::connect_with(broker.local_addr(), "long", session(false, Some(600))).await;
+    assert!(!connack.session_present);
+}
