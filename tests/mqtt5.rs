@@ -451,6 +451,86 @@ async fn qos2_state_survives_a_reconnect() {
     sub.no_publish_within(Duration::from_millis(200)).await;
 }
 
+/// MQTT 5 4.4 and 4.3.3, outgoing: a subscriber of a persistent session
+/// that drops its connection in the middle of QoS 2 exchanges gets, after
+/// reconnecting, the unacknowledged PUBLISH again (DUP 1, same packet id)
+/// and the PUBREL of the one it had PUBREC'd, then what was published
+/// while it was away: each message exactly once, and a QoS 0 message it
+/// had received not again.
+#[tokio::test]
+async fn outgoing_qos2_survives_a_subscriber_reconnect() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, _) = Raw::connect_with(addr, "eo-out-sub", session(true, Some(600))).await;
+    subscribe_with(&mut sub, filter("eo/out", QoS::ExactlyOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "eo-out-pub").await;
+    publish_complete(&mut publisher, "eo/out", b"one", QoS::ExactlyOnce, false).await;
+    publish_complete(&mut publisher, "eo/out", b"two", QoS::ExactlyOnce, false).await;
+    publish_complete(&mut publisher, "eo/out", b"zero", QoS::AtMostOnce, false).await;
+    let one = next_raw_publish(&mut sub).await;
+    let two = next_raw_publish(&mut sub).await;
+    let zero = next_raw_publish(&mut sub).await;
+    assert_eq!(
+        (&one.payload[..], &two.payload[..], &zero.payload[..]),
+        (&b"one"[..], &b"two"[..], &b"zero"[..])
+    );
+    // PUBREC for "one" only, then the connection breaks before PUBREL is
+    // answered; "two" was never acknowledged.
+    sub.send(Packet::PubRec(v5::PubRec::new(one.pkid, None)))
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, one.pkid),
+        other => panic!("expected PUBREL, got {other:?}"),
+    }
+    drop(sub);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    publish_complete(&mut publisher, "eo/out", b"three", QoS::ExactlyOnce, false).await;
+
+    let (mut sub, connack) = Raw::connect_with(addr, "eo-out-sub", session(false, Some(600))).await;
+    assert!(connack.session_present);
+    let mut released = false;
+    let mut recorded = std::collections::HashSet::new();
+    let mut payloads = Vec::new();
+    loop {
+        match sub.recv_within(Duration::from_millis(500)).await {
+            Recv::Packet(Packet::PubRel(rel)) => {
+                if rel.pkid == one.pkid && !released {
+                    released = true; // "one", again
+                } else {
+                    assert!(
+                        recorded.remove(&rel.pkid),
+                        "PUBREL {} for nothing received",
+                        rel.pkid
+                    );
+                }
+                sub.send(Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(Packet::Publish(p)) => {
+                assert_ne!(&p.payload[..], b"one", "\"one\" was received: never again");
+                if &p.payload[..] == b"two" {
+                    assert!(p.dup, "a retransmission carries DUP");
+                    assert_eq!(p.pkid, two.pkid, "with its packet id");
+                }
+                sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+                assert!(recorded.insert(p.pkid), "packet id {} in use", p.pkid);
+                payloads.push(p.payload.clone());
+            }
+            Recv::Packet(_) => {}
+            Recv::Timeout => break,
+            Recv::Closed => panic!("closed"),
+        }
+    }
+    assert!(released, "the PUBREL of \"one\" came again");
+    assert!(recorded.is_empty(), "every PUBREC answered by PUBREL");
+    assert_eq!(
+        payloads,
+        [&b"two"[..], b"three"],
+        "each once, in order; the QoS 0 \"zero\" not again"
+    );
+}
+
 /// MQTT 5 3.14.2.2.1: a DISCONNECT of Remaining Length 1 (reason code
 /// only) is valid: 0x00 ends the connection without its Will, 0x04
 /// "disconnect with will message" publishes it.

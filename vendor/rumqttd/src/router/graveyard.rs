@@ -2,6 +2,7 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use super::{
+    iobufs::Replay,
     scheduler::{PauseReason, Tracker},
     ConnectionEvents,
 };
@@ -60,6 +61,7 @@ impl Graveyard {
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
         incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
+        replay: Replay,
         expires_at: Option<Instant>,
     ) {
         tracker.pause(PauseReason::Busy);
@@ -71,6 +73,7 @@ impl Graveyard {
             subscription_ids,
             unacked_pubrels,
             incoming_qos2,
+            replay,
         };
 
         if let Some(at) = expires_at {
@@ -118,4 +121,6 @@ pub struct SessionState {
     /// QoS 2 publishes from the client waiting for its PUBREL (statebroker
     /// patch 6).
     pub incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
+    /// Deliveries to send again as they were (statebroker patch 11).
+    pub replay: Replay,
 }

@@ -18,6 +18,83 @@ use super::{Forward, IncomingMeter, OutgoingMeter};
 const MAX_INFLIGHT: usize = 100;
 const MAX_PKID: u16 = MAX_INFLIGHT as u16;
 
+/// What a kept session remembers of the publishes it had sent, so that a
+/// reconnecting client gets the unacknowledged ones again with their
+/// original packet ids and DUP 1, and no QoS 0 publish twice (MQTT 5 4.4,
+/// statebroker patch 11).
+#[derive(Debug, Default, Clone)]
+pub struct Replay {
+    /// Packet id of each QoS 1/2 publish in flight, by its log position.
+    pkids: HashMap<(FilterIdx, Cursor), u16>,
+    /// Per log, the position up to which publishes had been sent.
+    sent_up_to: HashMap<FilterIdx, Cursor>,
+    /// The last packet id used.
+    last_pkid: u16,
+    /// Packet ids in flight may be out of sequence: fresh ids skip them.
+    irregular: bool,
+}
+
+/// The next packet id: 1..=MAX_PKID in turn; after a reconnect, skipping
+/// those still in flight or to be sent again.
+fn next_pkid(
+    last_pkid: &mut u16,
+    replay: &Replay,
+    inflight: &VecDeque<(u16, FilterIdx, Option<Cursor>)>,
+) -> u16 {
+    for _ in 0..MAX_PKID {
+        *last_pkid = *last_pkid % MAX_PKID + 1;
+        let pkid = *last_pkid;
+        let taken = replay.irregular
+            && (replay.pkids.values().any(|&p| p == pkid)
+                || inflight.iter().any(|(p, _, _)| *p == pkid));
+        if !taken {
+            break;
+        }
+    }
+    *last_pkid
+}
+
+/// What to do with a publish read again after a reconnect.
+enum Seen {
+    /// Not sent before the reconnect.
+    New,
+    /// A QoS 0 publish sent before: not again.
+    Sent,
+    /// In flight before: again, with this packet id and DUP.
+    Resend(u16),
+}
+
+impl Replay {
+    /// Records that publishes of log `filter_idx` had been sent up to `cursor`.
+    pub fn sent_up_to(&mut self, filter_idx: FilterIdx, cursor: Cursor) {
+        self.sent_up_to.insert(filter_idx, cursor);
+    }
+
+    fn check(&mut self, filter_idx: FilterIdx, cursor: Option<Cursor>, qos0: bool) -> Seen {
+        let Some(cursor) = cursor else {
+            return Seen::New;
+        };
+        let Some(&up_to) = self.sent_up_to.get(&filter_idx) else {
+            return Seen::New;
+        };
+        if cursor >= up_to {
+            self.sent_up_to.remove(&filter_idx);
+            if self.sent_up_to.is_empty() {
+                // Whatever was not read again is gone from the log.
+                self.pkids.clear();
+            }
+            return Seen::New;
+        }
+        if qos0 {
+            return Seen::Sent;
+        }
+        match self.pkids.remove(&(filter_idx, cursor)) {
+            Some(pkid) => Seen::Resend(pkid),
+            None => Seen::New,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Incoming {
     /// Identifier associated with connected client
@@ -64,6 +141,8 @@ pub struct Outgoing {
     pub(crate) unacked_pubrels: VecDeque<u16>,
     /// Last packet id
     last_pkid: u16,
+    /// Publishes to send again after a reconnect (statebroker patch 11).
+    replay: Replay,
     /// Metrics of outgoing messages of this connection
     pub(crate) meter: OutgoingMeter,
 }
@@ -87,6 +166,7 @@ impl Outgoing {
             unacked_pubrels,
             handle,
             last_pkid: 0,
+            replay: Replay::default(),
             meter: Default::default(),
         };
 
@@ -121,24 +201,33 @@ impl Outgoing {
         let mut buffer = self.data_buffer.lock();
 
         for mut p in publishes {
+            let qos0 = p.publish.qos == crate::protocol::QoS::AtMostOnce;
+            let seen = if self.replay.sent_up_to.is_empty() {
+                Seen::New
+            } else {
+                self.replay.check(filter_idx, p.cursor, qos0)
+            };
             self.meter.publish_count += 1;
-            if p.publish.qos == crate::protocol::QoS::AtMostOnce {
+            if qos0 {
+                if matches!(seen, Seen::Sent) {
+                    continue;
+                }
                 p.publish.pkid = 0;
                 buffer.push_back(Notification::Forward(p));
                 continue;
             }
 
             // Index and pkid of current outgoing packet
-            self.last_pkid += 1;
-            p.publish.pkid = self.last_pkid;
+            let pkid = match seen {
+                Seen::Resend(pkid) => {
+                    p.publish.dup = true;
+                    pkid
+                }
+                _ => next_pkid(&mut self.last_pkid, &self.replay, &self.inflight_buffer),
+            };
+            p.publish.pkid = pkid;
 
-            self.inflight_buffer
-                .push_back((self.last_pkid, filter_idx, p.cursor));
-
-            // Place max pkid packet at index 0
-            if self.last_pkid == MAX_PKID {
-                self.last_pkid = 0;
-            }
+            self.inflight_buffer.push_back((pkid, filter_idx, p.cursor));
 
             self.meter.total_size += p.publish.topic.len() + p.publish.payload.len();
             buffer.push_back(Notification::Forward(p));
@@ -157,10 +246,36 @@ impl Outgoing {
         (buffer_count, inflight_count)
     }
 
+    /// What a kept session must remember of this connection's deliveries
+    /// (`sent_up_to` is filled in by the caller, from its data requests).
+    pub fn replay_state(&self) -> Replay {
+        let pkids = self
+            .inflight_buffer
+            .iter()
+            .filter(|(_, idx, _)| *idx != usize::MAX)
+            .filter_map(|(pkid, idx, cursor)| cursor.map(|c| ((*idx, c), *pkid)))
+            .collect();
+        Replay {
+            pkids,
+            sent_up_to: HashMap::new(),
+            last_pkid: self.last_pkid,
+            irregular: true,
+        }
+    }
+
+    /// Resumes a kept session's deliveries.
+    pub fn resume(&mut self, replay: Replay) {
+        self.last_pkid = replay.last_pkid;
+        self.replay = replay;
+    }
+
     // Returns (unsolicited, outoforder) flags
     // Return: Out of order or unsolicited acks
     pub fn register_ack(&mut self, pkid: u16) -> Option<()> {
         let (head, _filter_idx, _cursor) = self.inflight_buffer.pop_front()?;
+        if self.inflight_buffer.is_empty() && self.replay.sent_up_to.is_empty() {
+            self.replay.irregular = false;
+        }
 
         // We don't support out of order acks
         if pkid != head {
@@ -197,6 +312,8 @@ impl Outgoing {
     /// keep their place for acknowledgement order, but no longer point at
     /// a log whose index may be reused (statebroker patch 8).
     pub fn forget_filter(&mut self, filter_idx: FilterIdx) {
+        self.replay.sent_up_to.remove(&filter_idx);
+        self.replay.pkids.retain(|(idx, _), _| *idx != filter_idx);
         for (_, idx, cursor) in self.inflight_buffer.iter_mut() {
             if *idx == filter_idx {
                 *idx = usize::MAX;

@@ -354,6 +354,7 @@ impl Router {
                     // for using in acklog
                     pending_acks.clone_from(&session_state.unacked_pubrels);
                     outgoing.unacked_pubrels = session_state.unacked_pubrels;
+                    outgoing.resume(session_state.replay);
                     incoming_qos2 = session_state.incoming_qos2;
                     session_state.tracker
                 },
@@ -497,6 +498,7 @@ impl Router {
 
         let inflight_data_requests = self.datalog.clean(id);
         let retransmissions = outgoing.retransmission_map();
+        let mut replay = outgoing.replay_state();
 
         // Remove connections from all groups and
         // discard empty group ( group with no client )
@@ -541,6 +543,9 @@ impl Router {
 
             for request in tracker.data_requests.iter_mut() {
                 if let Some(cursor) = retransmissions.get(&request.filter_idx) {
+                    // What was sent is read again from the first
+                    // unacknowledged publish (statebroker patch 11).
+                    replay.sent_up_to(request.filter_idx, request.cursor);
                     request.cursor = *cursor;
                     // reset the group cursor
                     if let Some(group_name) = &request.group {
@@ -560,6 +565,7 @@ impl Router {
                 connection.events,
                 outgoing.unacked_pubrels,
                 incoming_qos2,
+                replay,
                 (connection.session_expiry != u32::MAX).then(|| {
                     Instant::now() + Duration::from_secs(u64::from(connection.session_expiry))
                 }),
