@@ -375,6 +375,43 @@ async fn pubrel(c: &mut Raw, pkid: u16) -> v5::PubComp {
     }
 }
 
+/// MQTT 5 3.3.4: the broker announces its Receive Maximum in CONNACK and
+/// ends the connection of a client that has more QoS 1/2 publishes
+/// unacknowledged (QoS 2: until PUBCOMP) with 0x93; within it, all flows.
+#[tokio::test]
+async fn the_brokers_receive_maximum_is_enforced() {
+    let broker = common::start_broker_with(|s| s.listeners[0].receive_maximum = 3).await;
+    let addr = broker.local_addr();
+    let (mut c, connack) = Raw::connect_with(addr, "rm-pub", |_| {}).await;
+    let announced = connack.properties.and_then(|p| p.receive_max);
+    assert_eq!(announced, Some(3));
+    for pkid in 1..=3 {
+        publish_qos2_until_pubrec(&mut c, "rm/t", b"x", pkid, false).await;
+    }
+    // One completes: room for one more.
+    assert_eq!(pubrel(&mut c, 1).await.reason, v5::PubCompReason::Success);
+    publish_qos2_until_pubrec(&mut c, "rm/t", b"x", 4, false).await;
+    // A retransmission of one still waiting for PUBREL is not another.
+    publish_qos2_until_pubrec(&mut c, "rm/t", b"x", 4, true).await;
+    // QoS 0 never counts.
+    c.publish("rm/t", "zero", QoS::AtMostOnce, None).await;
+    // The fourth unacknowledged one is one too many.
+    let mut publish = Publish::new("rm/t", QoS::AtLeastOnce, Bytes::from_static(b"x"), None);
+    publish.pkid = 5;
+    c.send(Packet::Publish(publish)).await;
+    let d = c.expect_disconnect().await;
+    assert_eq!(
+        common::raw::disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::ReceiveMaximumExceeded)
+    );
+    // QoS 1 publishes acknowledged one by one never come near it.
+    let mut ok = Raw::connect(addr, "rm-ok").await;
+    for _ in 0..20 {
+        let reason = ok.publish("rm/t", "y", QoS::AtLeastOnce, None).await;
+        assert_eq!(reason, Some(v5::PubAckReason::Success));
+    }
+}
+
 /// MQTT 5 4.3.3: a QoS 2 message is delivered exactly once: a
 /// retransmitted PUBLISH before PUBREL is acknowledged, not delivered
 /// again; PUBREL releases the message with its packet id, in whatever

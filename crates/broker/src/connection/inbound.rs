@@ -3,7 +3,9 @@
 //! publishes), with MQTT 5's reason codes and QoS 2's packet-id state.
 //!
 //! Ordinary publishes go to the router, which acknowledges them; the
-//! connection only resolves their aliases here.
+//! connection only resolves their aliases here, and counts them against the
+//! Receive Maximum it announced (MQTT 5 3.3.4: more unacknowledged QoS 1/2
+//! publishes than that ends the connection with 0x93).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -25,15 +27,70 @@ pub(crate) struct Inbound {
     aliases: HashMap<u16, Bytes>,
     /// QoS 2 publishes acknowledged here, waiting for PUBREL.
     awaiting_pubrel: HashSet<u16>,
+    /// The Receive Maximum announced in CONNACK (`u16::MAX` for 3.1.1,
+    /// which has none).
+    receive_maximum: u16,
+    /// QoS 1/2 publishes received and not yet completed (PUBACK, PUBCOMP,
+    /// or a PUBREC refusing them).
+    unacknowledged: u16,
+    /// Packet ids of QoS 2 publishes received, wherever handled, until
+    /// PUBREL (a retransmission is not another publish).
+    qos2_received: HashSet<u16>,
 }
 
 impl Inbound {
-    /// A client may use topic aliases `1..=topic_alias_max`.
-    pub fn new(topic_alias_max: u16) -> Inbound {
+    /// A client may use topic aliases `1..=topic_alias_max` and have
+    /// `receive_maximum` QoS 1/2 publishes unacknowledged.
+    pub fn new(topic_alias_max: u16, receive_maximum: u16) -> Inbound {
         Inbound {
             topic_alias_max,
             aliases: HashMap::new(),
             awaiting_pubrel: HashSet::new(),
+            receive_maximum,
+            unacknowledged: 0,
+            qos2_received: HashSet::new(),
+        }
+    }
+
+    /// A QoS `qos` publish with `pkid` arrived: one more unacknowledged
+    /// (unless it is QoS 0, or a QoS 2 retransmission), unless that passes
+    /// the Receive Maximum.
+    pub fn arrived(&mut self, qos: u8, pkid: u16) -> Result<(), Violation> {
+        if qos == 0 || qos == 2 && self.qos2_received.contains(&pkid) {
+            return Ok(());
+        }
+        if self.unacknowledged >= self.receive_maximum {
+            return Err((
+                DisconnectReasonCode::ReceiveMaximumExceeded,
+                format!(
+                    "more than the Receive Maximum of {} QoS 1/2 publishes unacknowledged",
+                    self.receive_maximum
+                ),
+            ));
+        }
+        self.unacknowledged += 1;
+        if qos == 2 {
+            self.qos2_received.insert(pkid);
+        }
+        Ok(())
+    }
+
+    /// The client sent PUBREL for `pkid`: a QoS 2 publish with that id is
+    /// a new one from now on.
+    pub fn released(&mut self, pkid: u16) {
+        self.qos2_received.remove(&pkid);
+    }
+
+    /// An acknowledgement goes to the client: a PUBACK, a PUBCOMP or a
+    /// refusing PUBREC completes a publish.
+    pub fn completed(&mut self, ack: &Packet) {
+        let done = match ack {
+            Packet::PubAck(..) | Packet::PubComp(..) => true,
+            Packet::PubRec(rec, _) => !matches!(rec.reason, PubRecReason::Success),
+            _ => false,
+        };
+        if done {
+            self.unacknowledged = self.unacknowledged.saturating_sub(1);
         }
     }
 
@@ -184,7 +241,7 @@ mod tests {
 
     #[test]
     fn topic_aliases() {
-        let mut inbound = Inbound::new(10);
+        let mut inbound = Inbound::new(10, u16::MAX);
         let mut p = publish("a/b");
         inbound.resolve_alias(&mut p, 3).unwrap();
         let mut aliased = publish("");
@@ -212,7 +269,7 @@ mod tests {
 
     #[test]
     fn acknowledgements_per_protocol_and_qos() {
-        let mut inbound = Inbound::new(0);
+        let mut inbound = Inbound::new(0, u16::MAX);
         assert!(inbound.ack(Protocol::V5, 0, 0, true).is_none());
         match inbound.ack(Protocol::V5, 1, 7, false) {
             Some(Packet::PubAck(ack, None)) => {
@@ -266,8 +323,36 @@ mod tests {
     }
 
     #[test]
+    fn receive_maximum() {
+        let mut inbound = Inbound::new(0, 2);
+        inbound.arrived(0, 0).unwrap();
+        inbound.arrived(1, 1).unwrap();
+        inbound.arrived(2, 2).unwrap();
+        inbound.arrived(2, 2).unwrap(); // a retransmission
+        let (code, _) = inbound.arrived(1, 3).unwrap_err();
+        assert_eq!(code, DisconnectReasonCode::ReceiveMaximumExceeded);
+        assert!(inbound.arrived(0, 0).is_ok(), "QoS 0 never counts");
+        let rec = |reason| Packet::PubRec(PubRec { pkid: 2, reason }, None);
+        inbound.completed(&rec(PubRecReason::Success));
+        assert!(inbound.arrived(1, 3).is_err(), "QoS 2 counts until PUBCOMP");
+        inbound.completed(&rec(PubRecReason::NotAuthorized));
+        inbound.arrived(1, 3).unwrap();
+        let comp = Packet::PubComp(
+            PubComp {
+                pkid: 2,
+                reason: PubCompReason::Success,
+            },
+            None,
+        );
+        inbound.completed(&comp);
+        inbound.arrived(1, 4).unwrap();
+        inbound.released(2);
+        assert!(inbound.arrived(2, 2).is_err(), "released: a new publish");
+    }
+
+    #[test]
     fn qos_2_state_by_packet_id() {
-        let mut inbound = Inbound::new(0);
+        let mut inbound = Inbound::new(0, u16::MAX);
         assert!(!inbound.is_duplicate(2, 5));
         inbound.ack(Protocol::V5, 2, 5, true);
         assert!(inbound.is_duplicate(2, 5), "retransmitted before PUBREL");

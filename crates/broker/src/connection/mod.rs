@@ -162,7 +162,14 @@ pub(crate) async fn serve<S: Stream>(
         idle_limit: terms.idle_limit(),
         last_heard: Instant::now(),
         max_packet_size: listener.max_packet_size,
-        inbound: Inbound::new(topic_alias_max),
+        // 3.1.1 has no Receive Maximum.
+        inbound: Inbound::new(
+            topic_alias_max,
+            match protocol {
+                crate::codec::Protocol::V5 => listener.receive_maximum,
+                crate::codec::Protocol::V4 => u16::MAX,
+            },
+        ),
         ack_order: AckOrder::default(),
         refused_filters: PendingRefusals::default(),
         direct_rx,

@@ -186,7 +186,9 @@ impl<S: Stream> Connection<S> {
         match packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, qos, pkid),
             Packet::PubRel(pubrel, properties) => {
+                self.inbound.released(pubrel.pkid);
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
+                    self.inbound.completed(&pubcomp);
                     self.socket.queue(pubcomp);
                 } else if self.link.is_linked() {
                     self.link.push(Packet::PubRel(pubrel, properties));
@@ -290,6 +292,9 @@ impl<S: Stream> Connection<S> {
                 ));
             }
         };
+        self.inbound
+            .arrived(qos, pkid)
+            .map_err(|(code, why)| End::Violation(code, why))?;
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
             return self.on_request(publish, properties, qos, pkid, dialect);
         }
@@ -317,10 +322,11 @@ impl<S: Stream> Connection<S> {
 
     /// Acknowledges a publish handled here (not by the router).
     fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
-        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted)
-            && let Some(ack) = self.ack_order.local(ack)
-        {
-            self.socket.queue(ack);
+        if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
+            self.inbound.completed(&ack);
+            if let Some(ack) = self.ack_order.local(ack) {
+                self.socket.queue(ack);
+            }
         }
     }
 
@@ -467,12 +473,16 @@ impl<S: Stream> Connection<S> {
                 // The router's acknowledgement of a publish: then those
                 // made here that waited for it.
                 Some(ack @ (Packet::PubAck(..) | Packet::PubRec(..))) => {
+                    self.inbound.completed(&ack);
                     self.socket.queue(ack);
                     for held in self.ack_order.router_acknowledged() {
                         self.socket.queue(held);
                     }
                 }
-                Some(packet) => self.socket.queue(packet),
+                Some(packet) => {
+                    self.inbound.completed(&packet);
+                    self.socket.queue(packet);
+                }
             },
         }
         Ok(())
