@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use broker::RunningBroker;
 use broker::config::{Mode, PersistenceSettings};
-use bytes::Bytes;
 use common::mqtt::{
-    ack, filter, goodbye, next_raw_publish, publish_complete, session, subscribe_with,
+    ack, filter, goodbye, next_raw_publish, publish_complete, publish_complete_with, session,
+    subscribe_with, subscribe_with_id,
 };
 use common::raw::{Raw, Recv, v5};
 use common::start_broker_with;
@@ -30,29 +30,6 @@ async fn start(dir: &Path) -> RunningBroker {
 async fn restart(broker: RunningBroker, dir: &Path) -> RunningBroker {
     broker.shutdown(Duration::from_secs(2)).await;
     start(dir).await
-}
-
-/// Publishes a retained message at `qos` with `properties`, completing the exchange.
-async fn retain(
-    c: &mut Raw,
-    topic: &str,
-    payload: &'static [u8],
-    qos: QoS,
-    properties: Option<v5::PublishProperties>,
-) {
-    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), properties);
-    publish.retain = true;
-    if qos != QoS::AtMostOnce {
-        publish.pkid = c.pkid();
-    }
-    let pkid = publish.pkid;
-    c.send(Packet::Publish(publish)).await;
-    if qos == QoS::AtLeastOnce {
-        match c.recv().await {
-            Recv::Packet(Packet::PubAck(a)) => assert_eq!(a.pkid, pkid),
-            other => panic!("expected PUBACK, got {other:?}"),
-        }
-    }
 }
 
 /// Every retained message a new `filter` subscription gets, by topic.
@@ -102,24 +79,33 @@ async fn retained_messages_survive_a_restart() {
         user_properties: vec![("unit".into(), "C".into())],
         ..Default::default()
     };
-    retain(&mut p, "ret/a", b"21.5", QoS::AtLeastOnce, Some(props)).await;
-    retain(&mut p, "ret/b", b"b0", QoS::AtMostOnce, None).await;
-    retain(&mut p, "ret/gone", b"x", QoS::AtLeastOnce, None).await;
-    retain(&mut p, "ret/gone", b"", QoS::AtLeastOnce, None).await;
+    publish_complete_with(
+        &mut p,
+        "ret/a",
+        b"21.5",
+        QoS::AtLeastOnce,
+        true,
+        Some(props),
+    )
+    .await;
+    publish_complete_with(&mut p, "ret/b", b"b0", QoS::AtMostOnce, true, None).await;
+    publish_complete_with(&mut p, "ret/gone", b"x", QoS::AtLeastOnce, true, None).await;
+    publish_complete_with(&mut p, "ret/gone", b"", QoS::AtLeastOnce, true, None).await;
     let short = v5::PublishProperties {
         message_expiry_interval: Some(1),
         ..Default::default()
     };
-    retain(&mut p, "ret/short", b"s", QoS::AtLeastOnce, Some(short)).await;
+    publish_complete_with(
+        &mut p,
+        "ret/short",
+        b"s",
+        QoS::AtLeastOnce,
+        true,
+        Some(short),
+    )
+    .await;
     // QoS 2, completed.
-    let mut q2 = Publish::new("ret/c", QoS::ExactlyOnce, Bytes::from_static(b"c2"), None);
-    q2.retain = true;
-    q2.pkid = p.pkid();
-    let pkid = q2.pkid;
-    p.send(Packet::Publish(q2)).await;
-    assert!(matches!(p.recv().await, Recv::Packet(Packet::PubRec(_))));
-    p.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
-    assert!(matches!(p.recv().await, Recv::Packet(Packet::PubComp(_))));
+    publish_complete(&mut p, "ret/c", b"c2", QoS::ExactlyOnce, true).await;
     drop(p);
     let before = retained_now(broker.local_addr(), "ret-before", "ret/#").await;
     assert_eq!(before.len(), 4, "{before:?}");
@@ -158,7 +144,7 @@ async fn retained_messages_survive_a_restart() {
     // Still retained after a second restart (the restore saved nothing twice
     // and removed nothing it should keep), and clearing persists.
     let mut p = Raw::connect(broker.local_addr(), "ret-pub").await;
-    retain(&mut p, "ret/b", b"", QoS::AtLeastOnce, None).await;
+    publish_complete_with(&mut p, "ret/b", b"", QoS::AtLeastOnce, true, None).await;
     drop(p);
     let broker = restart(broker, dir.path()).await;
     let again = retained_now(broker.local_addr(), "ret-again", "ret/#").await;
@@ -189,17 +175,8 @@ async fn a_persistent_session_survives_a_restart() {
     let r = next_raw_publish(&mut c).await;
     assert_eq!(&r.topic[..], b"ps/retained");
     ack(&mut c, &r).await;
-    let pkid = c.pkid();
-    let mut with_id = v5::Subscribe::new(
-        v5::Filter::new("ids/#", QoS::ExactlyOnce),
-        Some(v5::SubscribeProperties {
-            id: Some(42),
-            user_properties: Vec::new(),
-        }),
-    );
-    with_id.pkid = pkid;
-    c.send(Packet::Subscribe(with_id)).await;
-    assert!(matches!(c.recv().await, Recv::Packet(Packet::SubAck(_))));
+    let with_id = filter("ids/#", QoS::ExactlyOnce, |_| {});
+    subscribe_with_id(&mut c, with_id, Some(42)).await;
     // Also one to drop before the restart.
     subscribe_with(&mut c, filter("dropped/#", QoS::AtLeastOnce, |_| {})).await;
     let pkid = c.pkid();

@@ -9,11 +9,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::mqtt::{
     ack, filter, goodbye, next_raw_publish, publish_complete, session, subscribe_with,
+    subscribe_with_id,
 };
 use common::raw::{Raw, Recv, v5};
 use common::start_broker;
 use rumqttc::v5::mqttbytes::QoS;
-use v5::{Filter, Packet, Publish, Subscribe, SubscribeReasonCode};
+use v5::{Packet, Publish, SubscribeReasonCode};
 
 /// MQTT 5 3.8.4: a message is delivered at the smaller of its own QoS and
 /// the subscription's, never upgraded.
@@ -724,17 +725,13 @@ async fn subscription_identifiers_are_delivered() {
     let broker = start_broker().await;
     let addr = broker.local_addr();
     let (mut sub, _) = Raw::connect_with(addr, "subid-sub", session(true, Some(600))).await;
-    let pkid = sub.pkid();
-    let mut subscribe = Subscribe::new(
-        Filter::new("subid/+", QoS::AtLeastOnce),
-        Some(v5::SubscribeProperties {
-            id: Some(42),
-            user_properties: Vec::new(),
-        }),
-    );
-    subscribe.pkid = pkid;
-    sub.send(Packet::Subscribe(subscribe)).await;
-    assert!(matches!(sub.recv().await, Recv::Packet(Packet::SubAck(_))));
+    let codes = subscribe_with_id(
+        &mut sub,
+        filter("subid/+", QoS::AtLeastOnce, |_| {}),
+        Some(42),
+    )
+    .await;
+    assert_eq!(codes, [SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
     let mut publisher = Raw::connect(addr, "subid-pub").await;
     publish_complete(&mut publisher, "subid/x", b"m", QoS::AtLeastOnce, false).await;
     let p = next_raw_publish(&mut sub).await;

@@ -16,7 +16,19 @@ pub async fn publish_complete(
     qos: QoS,
     retain: bool,
 ) {
-    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), None);
+    publish_complete_with(c, topic, payload, qos, retain, None).await;
+}
+
+/// [`publish_complete`] with MQTT 5 publish properties.
+pub async fn publish_complete_with(
+    c: &mut Raw,
+    topic: &str,
+    payload: &'static [u8],
+    qos: QoS,
+    retain: bool,
+    properties: Option<v5::PublishProperties>,
+) {
+    let mut publish = Publish::new(topic, qos, Bytes::from_static(payload), properties);
     publish.retain = retain;
     if qos != QoS::AtMostOnce {
         publish.pkid = c.pkid();
@@ -45,8 +57,21 @@ pub async fn publish_complete(
 
 /// Subscribes with full subscription options.
 pub async fn subscribe_with(c: &mut Raw, filter: Filter) -> Vec<SubscribeReasonCode> {
+    subscribe_with_id(c, filter, None).await
+}
+
+/// Subscribes with full subscription options and a Subscription Identifier.
+pub async fn subscribe_with_id(
+    c: &mut Raw,
+    filter: Filter,
+    id: Option<usize>,
+) -> Vec<SubscribeReasonCode> {
     let pkid = c.pkid();
-    let mut subscribe = Subscribe::new(filter, None);
+    let properties = id.map(|id| v5::SubscribeProperties {
+        id: Some(id),
+        user_properties: Vec::new(),
+    });
+    let mut subscribe = Subscribe::new(filter, properties);
     subscribe.pkid = pkid;
     c.send(Packet::Subscribe(subscribe)).await;
     match c.recv().await {
