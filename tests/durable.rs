@@ -245,3 +245,38 @@ async fn sessions_expire_across_a_restart_and_clean_ones_are_not_kept() {
         Raw::connect_with(broker.local_addr(), "long", session(false, Some(600))).await;
     assert!(!connack.session_present);
 }
+
+/// A retained Last Will is a retained message like any other: it survives
+/// a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_will_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let addr = broker.local_addr();
+    let (c, _) = Raw::connect_with(addr, "will-ret", |c| {
+        c.1 = Some(v5::LastWill::new(
+            "will/ret",
+            "offline",
+            QoS::AtLeastOnce,
+            true,
+            None,
+        ));
+    })
+    .await;
+    drop(c); // no DISCONNECT: the will goes out
+    let mut seen = Vec::new();
+    for _ in 0..50 {
+        seen = retained_now(addr, "will-watch", "will/#").await;
+        if !seen.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(seen.len(), 1, "the will is retained");
+    let broker = restart(broker, dir.path()).await;
+    let after = retained_now(broker.local_addr(), "will-after", "will/#").await;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(
+        (&after[0].topic[..], &after[0].payload[..]),
+        (&b"will/ret"[..], &b"offline"[..])
+    );
+}

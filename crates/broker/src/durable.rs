@@ -80,13 +80,22 @@ impl Durable {
         Arc::new(Durable { persistence })
     }
 
-    /// A client published `publish` with RETAIN: save it (an empty payload
-    /// removes the topic's retained message). Returns the sequence number
+    /// `publish` (a client's, with RETAIN, and a packet id if QoS 1/2) is
+    /// retained: save it (an empty payload removes the topic's retained
+    /// message). Returns the sequence number
     /// to wait for before the publish goes on.
     pub fn retain(&self, publish: &Publish, properties: Option<&PublishProperties>) -> u64 {
-        let value = (!publish.payload.is_empty())
-            .then(|| encode_retained(publish, properties, now_ms()))
-            .flatten();
+        let value = if publish.payload.is_empty() {
+            None
+        } else {
+            match encode_retained(publish, properties, now_ms()) {
+                Some(value) => Some(value),
+                None => {
+                    tracing::error!(topic = %String::from_utf8_lossy(&publish.topic), "cannot save a retained message: it will not survive a restart");
+                    return 0;
+                }
+            }
+        };
         self.persistence.put(vec![Put {
             space: Space::Retained,
             key: publish.topic.to_vec(),

@@ -117,7 +117,7 @@ impl Broker {
         };
         let store =
             StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));
-        let wills = will::WillRegistry::new(Arc::clone(&publisher));
+        let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
         let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
         for listener in &settings.listeners {

@@ -177,21 +177,38 @@ impl Publisher {
     /// at most.
     pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
         let mut link = self.link.lock();
-        let publish = match will.qos {
-            QoS::AtMostOnce => Publish::new(will.topic.clone(), will.message.clone(), will.retain),
-            _ => codec::publish(&will.topic, &will.message, 1, link.next_pkid(), will.retain),
+        let pkid = if will.qos == QoS::AtMostOnce {
+            0
+        } else {
+            link.next_pkid()
         };
-        let properties = properties.map(|p| PublishProperties {
-            payload_format_indicator: p.payload_format_indicator,
-            message_expiry_interval: p.message_expiry_interval,
-            content_type: p.content_type,
-            response_topic: p.response_topic,
-            correlation_data: p.correlation_data,
-            user_properties: p.user_properties,
-            ..PublishProperties::default()
-        });
+        let (publish, properties) = will_publish(&will, properties, pkid);
         link.send(vec![Packet::Publish(publish, properties)]);
     }
+}
+
+/// A Last Will as the PUBLISH it becomes (QoS 2 as QoS 1), with packet id
+/// `pkid`.
+pub fn will_publish(
+    will: &LastWill,
+    properties: Option<LastWillProperties>,
+    pkid: u16,
+) -> (Publish, Option<PublishProperties>) {
+    let qos = match will.qos {
+        QoS::AtMostOnce => 0,
+        _ => 1,
+    };
+    let publish = codec::publish(&will.topic, &will.message, qos, pkid, will.retain);
+    let properties = properties.map(|p| PublishProperties {
+        payload_format_indicator: p.payload_format_indicator,
+        message_expiry_interval: p.message_expiry_interval,
+        content_type: p.content_type,
+        response_topic: p.response_topic,
+        correlation_data: p.correlation_data,
+        user_properties: p.user_properties,
+        ..PublishProperties::default()
+    });
+    (publish, properties)
 }
 
 /// The router acknowledges the publisher's QoS 1 publishes; nothing to do
