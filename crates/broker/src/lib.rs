@@ -93,8 +93,7 @@ impl Broker {
         let router = router::Router::spawn(settings.router_id, settings.router.clone());
         let sessions = Arc::new(sessions::Sessions::default());
         let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
-        let mut durable = None;
-        let persistence = match persistence {
+        let (persistence, durable) = match persistence {
             Some((persistence, mut loaded)) => {
                 let saved = durable::Durable::new(Arc::clone(&persistence));
                 let retained = std::mem::take(&mut loaded.retained);
@@ -110,10 +109,9 @@ impl Broker {
                     "restored retained messages and persistent sessions"
                 );
                 sessions.set_journal(Arc::clone(&saved) as Arc<dyn sessions::Journal>);
-                durable = Some(saved);
-                Some((persistence, loaded))
+                (Some((persistence, loaded)), Some(saved))
             }
-            None => None,
+            None => (None, None),
         };
         let store =
             StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));

@@ -75,12 +75,6 @@ impl Inbound {
         Ok(())
     }
 
-    /// The client sent PUBREL for `pkid`: a QoS 2 publish with that id is
-    /// a new one from now on.
-    pub fn released(&mut self, pkid: u16) {
-        self.qos2_received.remove(&pkid);
-    }
-
     /// An acknowledgement goes to the client: a PUBACK, a PUBCOMP or a
     /// refusing PUBREC completes a publish.
     pub fn completed(&mut self, ack: &Packet) {
@@ -158,9 +152,11 @@ impl Inbound {
         }
     }
 
-    /// PUBREL `pkid`: the PUBCOMP, if the publish was handled here (else
-    /// it is the router's to answer).
+    /// PUBREL `pkid`: a QoS 2 publish with that id is a new one from now
+    /// on. Returns the PUBCOMP if the publish was handled here (else it is
+    /// the router's to answer).
     pub fn release(&mut self, pkid: u16) -> Option<Packet> {
+        self.qos2_received.remove(&pkid);
         self.awaiting_pubrel.remove(&pkid).then(|| {
             Packet::PubComp(
                 PubComp {
@@ -346,7 +342,7 @@ mod tests {
         );
         inbound.completed(&comp);
         inbound.arrived(1, 4).unwrap();
-        inbound.released(2);
+        assert!(inbound.release(2).is_none(), "the router's to answer");
         assert!(inbound.arrived(2, 2).is_err(), "released: a new publish");
     }
 

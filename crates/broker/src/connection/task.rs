@@ -186,7 +186,6 @@ impl<S: Stream> Connection<S> {
         match packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, qos, pkid),
             Packet::PubRel(pubrel, properties) => {
-                self.inbound.released(pubrel.pkid);
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
                     self.socket.queue(pubcomp);
