@@ -2,8 +2,10 @@
 //! can send them and is killed with SIGKILL at a random moment, again and
 //! again. After every restart, every acknowledged write must be there with
 //! its version, and nothing that was never written may appear. The same
-//! goes for retained messages (acknowledged by PUBACK) and persistent
-//! sessions (their subscriptions acknowledged by SUBACK).
+//! goes for retained messages (acknowledged by PUBACK), persistent
+//! sessions (their subscriptions acknowledged by SUBACK) and the QoS 2
+//! messages queued for an offline persistent session (acknowledged by
+//! PUBREC): each arrives after the restart, exactly once.
 
 mod common;
 
@@ -27,6 +29,80 @@ type Attempted = Arc<Mutex<HashMap<String, String>>>;
 type Retained = Arc<Mutex<Vec<String>>>;
 /// (client id, topic) of persistent sessions whose subscription was acknowledged.
 type Sessions = Arc<Mutex<Vec<(String, String)>>>;
+
+/// The offline persistent session that QoS 2 messages are queued for.
+const MAILBOX: &str = "mailbox";
+
+/// Topics of the QoS 2 messages queued for [`MAILBOX`]: acknowledged
+/// (PUBREC) and received.
+#[derive(Default)]
+struct Mail {
+    acked: Vec<String>,
+    received: std::collections::HashSet<String>,
+}
+
+/// Publishes QoS 2 messages for the offline [`MAILBOX`] session until the
+/// broker goes away; the payload of each is its topic.
+async fn mailer(addr: std::net::SocketAddr, name: String, mail: Arc<Mutex<Mail>>) -> usize {
+    let mut c = Raw::connect(addr, &name).await;
+    let mut n = 0usize;
+    loop {
+        let topic = format!("mail/{name}/{n}");
+        let mut publish = v5::Publish::new(
+            topic.as_str(),
+            QoS::ExactlyOnce,
+            Bytes::from(topic.clone()),
+            None,
+        );
+        publish.pkid = c.pkid();
+        let pkid = publish.pkid;
+        c.send(v5::Packet::Publish(publish)).await;
+        loop {
+            match c.recv_within(Duration::from_secs(5)).await {
+                Recv::Packet(v5::Packet::PubRec(rec)) if rec.pkid == pkid => {
+                    mail.lock().acked.push(topic.clone());
+                    c.send(v5::Packet::PubRel(v5::PubRel::new(pkid, None)))
+                        .await;
+                }
+                Recv::Packet(v5::Packet::PubComp(comp)) if comp.pkid == pkid => break,
+                Recv::Packet(_) => continue,
+                Recv::Closed | Recv::Timeout => return n,
+            }
+        }
+        n += 1;
+    }
+}
+
+/// Every message acknowledged for [`MAILBOX`] has arrived, each once.
+async fn verify_mail(addr: std::net::SocketAddr, mail: &Mutex<Mail>) {
+    let (mut c, connack) = Raw::connect_with(addr, MAILBOX, persistent(false)).await;
+    assert!(connack.session_present, "the mailbox session was lost");
+    loop {
+        match c.recv_within(Duration::from_millis(500)).await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce);
+                assert_eq!(p.topic, p.payload);
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+                let topic = String::from_utf8(p.topic.to_vec()).unwrap();
+                assert!(
+                    mail.lock().received.insert(topic.clone()),
+                    "QoS 2 message {topic} delivered twice"
+                );
+            }
+            Recv::Packet(v5::Packet::PubRel(rel)) => {
+                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(_) => {}
+            _ => break,
+        }
+    }
+    let mail = mail.lock();
+    for topic in &mail.acked {
+        assert!(mail.received.contains(topic), "acknowledged {topic} lost");
+    }
+}
 
 /// Publishes retained messages at QoS 1 on fresh topics until the broker
 /// goes away; the payload of each is its topic.
@@ -236,6 +312,7 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
     let attempted: Attempted = Arc::default();
     let retained: Retained = Arc::default();
     let sessions: Sessions = Arc::default();
+    let mail: Arc<Mutex<Mail>> = Arc::default();
     let config = dir.path().join("statebroker.toml");
     std::fs::write(
         &config,
@@ -253,6 +330,13 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
         } = spawn_broker(&data, &["--config", &config]).await;
         verify(addr, &acked, &attempted).await;
         verify_mqtt(addr, &retained, &sessions).await;
+        if rounds == 0 {
+            let (mut c, _) = Raw::connect_with(addr, MAILBOX, persistent(true)).await;
+            c.subscribe("mail/#", QoS::ExactlyOnce).await;
+        } else {
+            verify_mail(addr, &mail).await;
+        }
+        let mailer = tokio::spawn(mailer(addr, format!("r{rounds}m"), Arc::clone(&mail)));
         let retainers: Vec<_> = (0..2)
             .map(|w| {
                 tokio::spawn(retainer(
@@ -290,7 +374,8 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
             published += r.await.unwrap();
         }
         listener.abort();
-        kill_points.push((kill_after.as_millis(), written, published));
+        let mailed = mailer.await.unwrap();
+        kill_points.push((kill_after.as_millis(), written, published, mailed));
         rounds += 1;
     }
     let common::BrokerProcess {
@@ -298,14 +383,19 @@ async fn crash_loop(mode: &str, budget: Duration, max_rounds: usize) {
     } = spawn_broker(&data, &["--config", &config]).await;
     let found = verify(addr, &acked, &attempted).await;
     verify_mqtt(addr, &retained, &sessions).await;
+    verify_mail(addr, &mail).await;
     child.start_kill().unwrap();
     let acked = acked.lock().len();
     let (retained, sessions) = (retained.lock().len(), sessions.lock().len());
+    let (mailed, received) = {
+        let mail = mail.lock();
+        (mail.acked.len(), mail.received.len())
+    };
     println!(
-        "{mode}: {rounds} SIGKILLs (after ms, writes acked, retained publishes acked in the round): {kill_points:?}; {acked} acknowledged writes, {found} keys found; {retained} retained messages and {sessions} sessions acknowledged, all found"
+        "{mode}: {rounds} SIGKILLs (after ms, writes acked, retained publishes, queued QoS 2 messages acked in the round): {kill_points:?}; {acked} acknowledged writes, {found} keys found; {retained} retained messages and {sessions} sessions acknowledged, all found; {mailed} QoS 2 messages queued for an offline session acknowledged, {received} received, each once"
     );
     assert!(rounds >= 3, "only {rounds} rounds");
-    assert!(acked > 0 && retained > 0 && sessions > 0);
+    assert!(acked > 0 && retained > 0 && sessions > 0 && mailed > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -280,3 +280,113 @@ async fn a_retained_will_survives_a_restart() {
         (&b"will/ret"[..], &b"offline"[..])
     );
 }
+
+/// The topic, payload and QoS of each message.
+fn summary(got: &[Publish]) -> Vec<(String, String, QoS)> {
+    got.iter()
+        .map(|p| {
+            (
+                String::from_utf8_lossy(&p.topic).into_owned(),
+                String::from_utf8_lossy(&p.payload).into_owned(),
+                p.qos,
+            )
+        })
+        .collect()
+}
+
+/// MQTT 5 4.1: the messages queued for a persistent session survive a
+/// restart: each comes back once, on its own topic, at the QoS and with
+/// the subscription identifier of the subscription it matches, its
+/// properties kept and its Message Expiry Interval reduced; nothing the
+/// client had acknowledged comes back; another client's restored messages
+/// never reach a `#` subscriber.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_queued_for_a_session_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let addr = broker.local_addr();
+    let (mut c, _) = Raw::connect_with(addr, "q-sub", session(true, Some(3600))).await;
+    subscribe_with_id(&mut c, filter("q/#", QoS::ExactlyOnce, |_| {}), Some(7)).await;
+    subscribe_with(&mut c, filter("one/x", QoS::AtLeastOnce, |_| {})).await;
+    let (mut other, _) = Raw::connect_with(addr, "q-other", session(true, Some(3600))).await;
+    subscribe_with(&mut other, filter("#", QoS::AtLeastOnce, |_| {})).await;
+    let mut p = Raw::connect(addr, "q-pub").await;
+    // Delivered and acknowledged before the restart: never again.
+    publish_complete(&mut p, "q/online", b"seen", QoS::AtLeastOnce, false).await;
+    assert_eq!(summary(&collect(&mut c).await).len(), 1);
+    assert_eq!(summary(&collect(&mut other).await).len(), 1);
+    goodbye(c, None).await;
+    goodbye(other, None).await;
+
+    let properties = v5::PublishProperties {
+        message_expiry_interval: Some(100),
+        content_type: Some("text/plain".into()),
+        user_properties: vec![("k".into(), "v".into())],
+        ..v5::PublishProperties::default()
+    };
+    publish_complete(&mut p, "q/a", b"a1", QoS::AtLeastOnce, false).await;
+    publish_complete_with(
+        &mut p,
+        "q/b",
+        b"b2",
+        QoS::ExactlyOnce,
+        false,
+        Some(properties),
+    )
+    .await;
+    publish_complete(&mut p, "one/x", b"x2", QoS::ExactlyOnce, false).await;
+    drop(p);
+
+    let broker = restart(broker, dir.path()).await;
+    let addr = broker.local_addr();
+    let (mut c, connack) = Raw::connect_with(addr, "q-sub", session(false, Some(3600))).await;
+    assert!(connack.session_present);
+    let got = collect(&mut c).await;
+    assert_eq!(
+        summary(&got),
+        [
+            ("one/x".into(), "x2".into(), QoS::AtLeastOnce),
+            ("q/a".into(), "a1".into(), QoS::AtLeastOnce),
+            ("q/b".into(), "b2".into(), QoS::ExactlyOnce),
+        ]
+    );
+    let ids = |p: &Publish| {
+        p.properties
+            .as_ref()
+            .map(|p| p.subscription_identifiers.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(ids(&got[0]), Vec::<usize>::new());
+    assert_eq!(ids(&got[1]), vec![7]);
+    let b = got[2].properties.as_ref().unwrap();
+    assert_eq!(b.content_type.as_deref(), Some("text/plain"));
+    assert_eq!(b.user_properties, vec![("k".to_owned(), "v".to_owned())]);
+    assert!(
+        b.message_expiry_interval
+            .is_some_and(|s| (90..=100).contains(&s)),
+        "{:?}",
+        b.message_expiry_interval
+    );
+    goodbye(c, None).await;
+    let (mut other, connack) = Raw::connect_with(addr, "q-other", session(false, Some(3600))).await;
+    assert!(connack.session_present);
+    assert_eq!(
+        summary(&collect(&mut other).await),
+        [
+            ("one/x".into(), "x2".into(), QoS::AtLeastOnce),
+            ("q/a".into(), "a1".into(), QoS::AtLeastOnce),
+            ("q/b".into(), "b2".into(), QoS::AtLeastOnce),
+        ],
+        "its own copies, and nothing of q-sub's"
+    );
+    goodbye(other, None).await;
+
+    // All acknowledged: nothing comes back after another restart.
+    let broker = restart(broker, dir.path()).await;
+    let addr = broker.local_addr();
+    for id in ["q-sub", "q-other"] {
+        let (mut c, connack) = Raw::connect_with(addr, id, session(false, Some(3600))).await;
+        assert!(connack.session_present);
+        assert_eq!(summary(&collect(&mut c).await), [], "{id}");
+    }
+}

@@ -96,14 +96,16 @@ impl Broker {
         let (persistence, durable) = match persistence {
             Some((persistence, mut loaded)) => {
                 let saved = durable::Durable::new(Arc::clone(&persistence));
-                let retained = std::mem::take(&mut loaded.retained);
-                let saved_sessions = std::mem::take(&mut loaded.sessions);
-                let restored = saved
-                    .restore(retained, saved_sessions, &router, &publisher, &sessions)
-                    .await;
+                let kept = durable::Saved {
+                    retained: std::mem::take(&mut loaded.retained),
+                    sessions: std::mem::take(&mut loaded.sessions),
+                    queued: std::mem::take(&mut loaded.queued),
+                };
+                let restored = saved.restore(kept, &router, &publisher, &sessions).await;
                 tracing::info!(
                     retained = restored.retained,
                     sessions = restored.sessions,
+                    queued_messages = restored.queued,
                     expired_while_down = restored.expired,
                     unreadable = restored.unreadable,
                     "restored retained messages and persistent sessions"

@@ -2,9 +2,10 @@
 //! an embedded storage engine, group commit, and the promise every answer
 //! waits for.
 //!
-//! One fjall database, four keyspaces: `keys` (the state store's persisted
-//! keys), `meta` (the clock mark), `retained` (retained messages by topic)
-//! and `sessions` (persistent sessions by client id). The state store and
+//! One fjall database, five keyspaces: `keys` (the state store's persisted
+//! keys), `meta` (the clock mark), `retained` (retained messages by topic),
+//! `sessions` (persistent sessions by client id) and `queued` (messages for
+//! persistent sessions, by client id and number). The state store and
 //! the MQTT side ([`crate::durable`]) submit to the same writer, so one
 //! group commit and one fsync carry both.
 //!
@@ -70,6 +71,8 @@ pub enum Space {
     Retained,
     /// Persistent sessions, by client id.
     Sessions,
+    /// Messages for persistent sessions, by client id and number.
+    Queued,
 }
 
 /// A write of the MQTT side: `value: None` deletes `key`.
@@ -92,6 +95,8 @@ pub struct Loaded {
     pub retained: Vec<Pair>,
     /// Persistent sessions, as stored.
     pub sessions: Vec<Pair>,
+    /// Messages for persistent sessions, as stored.
+    pub queued: Vec<Pair>,
     /// The persisted keys (decodable ones; others are logged and skipped).
     pub records: Vec<Record>,
     /// The last clock mark.
@@ -124,6 +129,7 @@ struct Engine {
     meta: Keyspace,
     retained: Keyspace,
     sessions: Keyspace,
+    queued: Keyspace,
 }
 
 impl Engine {
@@ -131,6 +137,7 @@ impl Engine {
         match space {
             Space::Retained => &self.retained,
             Space::Sessions => &self.sessions,
+            Space::Queued => &self.queued,
         }
     }
 }
@@ -166,12 +173,16 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
     let sessions = db
         .keyspace("sessions", KeyspaceCreateOptions::default)
         .map_err(|e| error(&e))?;
+    let queued = db
+        .keyspace("queued", KeyspaceCreateOptions::default)
+        .map_err(|e| error(&e))?;
     Ok(Engine {
         db,
         keys,
         meta,
         retained,
         sessions,
+        queued,
     })
 }
 
@@ -218,6 +229,7 @@ impl Persistence {
         let loaded = Loaded {
             retained: read_all(&engine.retained)?,
             sessions: read_all(&engine.sessions)?,
+            queued: read_all(&engine.queued)?,
             records,
             clock_mark,
             corrupt,

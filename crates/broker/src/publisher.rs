@@ -52,12 +52,13 @@ impl Link {
     }
 }
 
-/// A retained message saved before a restart.
+/// A message saved before a restart (retained, or queued for a persistent
+/// session).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Retained {
+pub struct SavedMessage {
     /// Its topic.
     pub topic: bytes::Bytes,
-    /// Its payload (never empty).
+    /// Its payload.
     pub payload: bytes::Bytes,
     /// The QoS it was published with.
     pub qos: u8,
@@ -148,16 +149,16 @@ impl Publisher {
         self.route(messages);
     }
 
-    /// Gives the router retained messages saved before a restart, each at
-    /// its own QoS (a QoS 2 one is released at once).
-    pub fn publish_retained(&self, messages: Vec<Retained>) {
+    /// Gives the router messages saved before a restart, each at its own
+    /// QoS (a QoS 2 one is released at once), as retained messages or not.
+    pub fn publish_saved(&self, messages: Vec<SavedMessage>, retain: bool) {
         let mut link = self.link.lock();
         for chunk in messages.chunks(1024) {
             let mut packets = Vec::with_capacity(chunk.len() * 2);
             for message in chunk {
                 let qos = message.qos.min(2);
                 let pkid = if qos == 0 { 0 } else { link.next_pkid() };
-                let publish = codec::publish(&message.topic, &message.payload, qos, pkid, true);
+                let publish = codec::publish(&message.topic, &message.payload, qos, pkid, retain);
                 packets.push(Packet::Publish(publish, message.properties.clone()));
                 if qos == 2 {
                     packets.push(Packet::PubRel(

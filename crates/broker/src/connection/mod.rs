@@ -37,6 +37,7 @@ mod handshake;
 mod inbound;
 mod link;
 mod outbound;
+mod saved;
 mod socket;
 mod subscriptions;
 mod task;
@@ -55,6 +56,7 @@ use handshake::{Refusal, Terms};
 use inbound::{AckOrder, Inbound};
 use link::RouterLink;
 use outbound::Outbound;
+use saved::Saved;
 use socket::Socket;
 pub(crate) use socket::Stream;
 use subscriptions::PendingRefusals;
@@ -180,6 +182,7 @@ pub(crate) async fn serve<S: Stream>(
         session_expiry: terms.session_expiry,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
         gate: Gate::new(shared.durable.clone()),
+        saved: Saved::new(shared.durable.clone()),
     };
     let end = conn.run(shared.shutdown.clone()).await;
     conn.finish(&end).await;

@@ -85,7 +85,8 @@ impl Outbound {
     /// A publish from the router: encoded into `out` unless `withheld` (a
     /// notification of another client's) or too large for the client, and
     /// held while the client's Receive Maximum is reached. Acknowledgements
-    /// owed to the router go to `to_router`.
+    /// owed to the router go to `to_router`. Returns the packet id the
+    /// client will acknowledge (`None`: sent at QoS 0, or not at all).
     pub fn forward(
         &mut self,
         publish: Packet,
@@ -93,7 +94,7 @@ impl Outbound {
         protocol: Protocol,
         out: &mut BytesMut,
         to_router: &mut Vec<Packet>,
-    ) {
+    ) -> Option<u16> {
         let start = out.len();
         if let Err(e) = protocol.write(publish, out) {
             tracing::warn!(error = %e, "dropping a publish that cannot be encoded");
@@ -105,12 +106,10 @@ impl Outbound {
         if dropped {
             out.truncate(start);
         }
-        let Some((_, pkid)) = id.filter(|&(qos, _)| qos > 0) else {
-            return;
-        };
+        let (_, pkid) = id.filter(|&(qos, _)| qos > 0)?;
         self.router.sent(pkid, dropped, to_router);
         if dropped {
-            return;
+            return None;
         }
         if self.held.is_empty() && self.room() {
             self.router_in_flight += 1;
@@ -118,6 +117,7 @@ impl Outbound {
             // In order, after what already waits.
             self.held.push_back(out.split_off(start).freeze());
         }
+        Some(pkid)
     }
 
     /// The client acknowledged the router's publish `pkid`: PUBACK, or

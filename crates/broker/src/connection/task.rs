@@ -19,9 +19,11 @@ use super::gate::Gate;
 use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
+use super::saved::Saved;
 use super::socket::{Socket, Stream};
 use super::subscriptions::{self, PendingRefusals};
 use crate::codec::{Incoming, Protocol};
+use crate::durable::tag;
 use crate::publisher::Publisher;
 use crate::sessions::{Sessions, ToConnection};
 use crate::store::StateStoreService;
@@ -61,6 +63,8 @@ pub(super) struct Connection<S> {
     pub(super) legacy_2023: bool,
     /// Changes waiting for the disk (retained messages, session changes).
     pub(super) gate: Gate,
+    /// Messages saved for persistent sessions, coming and going.
+    pub(super) saved: Saved,
 }
 
 /// Packets for the router a connection may gather while they wait for the
@@ -237,6 +241,7 @@ impl<S: Stream> Connection<S> {
             }
             Packet::PubAck(ack, properties) if self.link.is_linked() => {
                 let pkid = ack.pkid;
+                self.saved.acknowledged(&self.client_id, pkid);
                 self.link.push(Packet::PubAck(ack, properties));
                 let protocol = self.socket.protocol;
                 let out = &mut self.socket.wbuf;
@@ -246,6 +251,7 @@ impl<S: Stream> Connection<S> {
             }
             Packet::PubRec(rec, properties) if self.link.is_linked() => {
                 let pkid = rec.pkid;
+                self.saved.acknowledged(&self.client_id, pkid);
                 self.link.push(Packet::PubRec(rec, properties));
                 let protocol = self.socket.protocol;
                 let out = &mut self.socket.wbuf;
@@ -291,6 +297,7 @@ impl<S: Stream> Connection<S> {
                 ));
             }
         };
+        let retransmission = self.inbound.is_retransmission(qos, pkid);
         self.inbound
             .arrived(qos, pkid)
             .map_err(|(code, why)| End::Violation(code, why))?;
@@ -306,10 +313,23 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
+        tag::strip(&mut properties);
         if publish.retain
             && let Some(durable) = self.gate.durable()
         {
             let seq = durable.retain(&publish, properties.as_ref());
+            self.gate.close(seq);
+        }
+        // A retransmission reaches the router, which knows it (and does
+        // not deliver it again): it is not saved again either.
+        if qos > 0 && !retransmission {
+            let seq = self.saved.publishing(
+                &self.sessions,
+                &self.client_id,
+                topic,
+                &publish,
+                &mut properties,
+            );
             self.gate.close(seq);
         }
         self.link.push(Packet::Publish(publish, properties));
@@ -441,18 +461,24 @@ impl<S: Stream> Connection<S> {
     fn on_router_notification(&mut self, notification: Notification) -> Result<(), End> {
         match notification {
             Notification::Forward(forward) => {
-                let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
+                let (mut publish, mut properties) = (forward.publish, forward.properties);
+                let topic = std::str::from_utf8(&publish.topic).unwrap_or("");
                 // Another client's notification, reached through a wildcard.
                 let withheld = !topics::may_receive(topic, &self.own_hex);
-                let packet = Packet::Publish(forward.publish, forward.properties);
+                let (seq, again) =
+                    self.saved
+                        .delivering(&mut publish, &mut properties, &self.own_hex);
                 let protocol = self.socket.protocol;
-                self.out.forward(
-                    packet,
-                    withheld,
+                let pkid = self.out.forward(
+                    Packet::Publish(publish, properties),
+                    withheld || again,
                     protocol,
                     &mut self.socket.wbuf,
                     self.link.batch(),
                 );
+                if let Some(seq) = seq {
+                    self.saved.sent(&self.client_id, seq, pkid);
+                }
             }
             Notification::Unschedule => self.unscheduled = true,
             other => match Option::<Packet>::from(other) {

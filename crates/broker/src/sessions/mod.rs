@@ -250,6 +250,13 @@ impl Sessions {
             inner.clear_filters(&key);
         }
         let state = inner.clients.entry(key).or_default();
+        if (clean_start || ended)
+            && std::mem::take(&mut state.journaled)
+            && let Some(journal) = self.journal.get()
+        {
+            // The old session ends with everything saved for it.
+            journal.remove(client);
+        }
         state.kept_until = None;
         let previous = state.live.replace(Live {
             connection,
@@ -407,6 +414,35 @@ impl Sessions {
             }
             _ => Ok(()),
         }
+    }
+
+    /// The clients with a saved persistent session that a QoS 1/2 publish
+    /// of `publisher` on `topic` reaches: through a subscription of QoS 1
+    /// or 2 (not a shared one; not with No Local if they published it).
+    pub fn persistent_recipients(&self, publisher: &str, topic: &str) -> Vec<Arc<str>> {
+        let inner = self.inner.read();
+        let reaches = |client: &Arc<str>, filter: &str| {
+            inner.clients.get(client).is_some_and(|c| {
+                c.journaled
+                    && c.filters
+                        .get(filter)
+                        .is_some_and(|sub| sub.qos > 0 && !(sub.no_local && &**client == publisher))
+            })
+        };
+        let mut found: Vec<Arc<str>> = Vec::new();
+        if let Some(set) = inner.exact.get(topic) {
+            found.extend(set.iter().filter(|c| reaches(c, topic)).cloned());
+        }
+        for (filter, client) in &inner.wild {
+            if !filter.starts_with("$share/")
+                && !found.contains(client)
+                && protocol::matches(topic, filter)
+                && reaches(client, filter)
+            {
+                found.push(Arc::clone(client));
+            }
+        }
+        found
     }
 
     /// Whether `client` is the only one whose subscriptions could match

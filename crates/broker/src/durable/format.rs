@@ -1,0 +1,218 @@
+//! How retained messages, queued messages and sessions are stored (the
+//! formats are described in [`crate::durable`]).
+
+use bytes::{Buf, BufMut, BytesMut};
+use rumqttd::protocol::{Packet, Publish, PublishProperties};
+
+use crate::codec::Protocol;
+use crate::publisher::SavedMessage;
+use crate::sessions::{SavedSession, Sub};
+
+const VERSION: u8 = 1;
+/// Larger than any packet a listener accepts.
+const MAX_STORED_PACKET: usize = 1 << 30;
+
+/// A retained message's saved form (`None` if it cannot be encoded).
+pub(super) fn encode_message(
+    publish: &Publish,
+    properties: Option<&PublishProperties>,
+    now: u64,
+) -> Option<Vec<u8>> {
+    let mut out = BytesMut::with_capacity(16 + publish.topic.len() + publish.payload.len());
+    out.put_u8(VERSION);
+    out.put_u64(now);
+    Protocol::V5
+        .write(
+            Packet::Publish(publish.clone(), properties.cloned()),
+            &mut out,
+        )
+        .ok()?;
+    Some(out.to_vec())
+}
+
+/// A saved retained message, with its Message Expiry Interval reduced by
+/// the time it waited; `Ok(None)` if it has expired.
+pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<SavedMessage>, String> {
+    let mut cursor = value;
+    if cursor.len() < 9 || cursor.get_u8() != VERSION {
+        return Err("unknown format".into());
+    }
+    let stored_at = cursor.get_u64();
+    let mut packet = BytesMut::from(cursor);
+    let incoming = Protocol::V5
+        .read(&mut packet, MAX_STORED_PACKET)
+        .map_err(|e| e.to_string())?
+        .ok_or("truncated")?;
+    let Packet::Publish(publish, mut properties) = incoming.packet else {
+        return Err("not a PUBLISH".into());
+    };
+    if let Some(expiry) = properties
+        .as_mut()
+        .and_then(|p| p.message_expiry_interval.as_mut())
+    {
+        let waited = now.saturating_sub(stored_at) / 1000;
+        match u64::from(*expiry).checked_sub(waited) {
+            Some(left) if left > 0 => *expiry = u32::try_from(left).unwrap_or(u32::MAX),
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(SavedMessage {
+        topic: publish.topic,
+        payload: publish.payload,
+        qos: incoming.qos,
+        properties,
+    }))
+}
+
+pub(super) fn encode_session(session: &SavedSession) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + session.filters.len() * 32);
+    out.put_u8(VERSION);
+    out.put_u32(session.expiry);
+    out.put_u64(session.disconnected_at_ms.unwrap_or(u64::MAX));
+    out.put_u32(u32::try_from(session.filters.len()).unwrap_or(u32::MAX));
+    for (filter, sub) in &session.filters {
+        // Filters are at most 65,535 bytes (MQTT strings).
+        out.put_u16(u16::try_from(filter.len()).unwrap_or(u16::MAX));
+        out.put_slice(&filter.as_bytes()[..filter.len().min(usize::from(u16::MAX))]);
+        out.put_u8(sub.qos);
+        let id = sub.id.and_then(|id| u32::try_from(id).ok());
+        out.put_u8(
+            u8::from(sub.no_local)
+                | u8::from(sub.retain_as_published) << 1
+                | u8::from(id.is_some()) << 2,
+        );
+        if let Some(id) = id {
+            out.put_u32(id);
+        }
+    }
+    out
+}
+
+pub(super) fn decode_session(value: &[u8]) -> Result<SavedSession, String> {
+    fn need(cursor: &[u8], n: usize) -> Result<(), String> {
+        if cursor.len() < n {
+            Err("truncated".into())
+        } else {
+            Ok(())
+        }
+    }
+    let mut cursor = value;
+    need(cursor, 17)?;
+    if cursor.get_u8() != VERSION {
+        return Err("unknown format".into());
+    }
+    let expiry = cursor.get_u32();
+    let disconnected_at_ms = Some(cursor.get_u64()).filter(|&at| at != u64::MAX);
+    let count = cursor.get_u32();
+    let mut filters = Vec::new();
+    for _ in 0..count {
+        need(cursor, 2)?;
+        let len = usize::from(cursor.get_u16());
+        need(cursor, len + 2)?;
+        let filter = std::str::from_utf8(&cursor[..len])
+            .map_err(|_| "a filter is not UTF-8")?
+            .to_owned();
+        cursor.advance(len);
+        let qos = cursor.get_u8();
+        let flags = cursor.get_u8();
+        if qos > 2 || flags > 7 {
+            return Err("bad subscription options".into());
+        }
+        let id = if flags & 4 != 0 {
+            need(cursor, 4)?;
+            Some(cursor.get_u32() as usize)
+        } else {
+            None
+        };
+        filters.push((
+            filter,
+            Sub {
+                qos,
+                id,
+                no_local: flags & 1 != 0,
+                retain_as_published: flags & 2 != 0,
+            },
+        ));
+    }
+    if !cursor.is_empty() {
+        return Err("trailing bytes".into());
+    }
+    Ok(SavedSession {
+        expiry,
+        disconnected_at_ms,
+        filters,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_round_trip_and_garbage_is_refused() {
+        let session = SavedSession {
+            expiry: 3600,
+            disconnected_at_ms: Some(1_700_000_000_000),
+            filters: vec![
+                ("a/+/c".into(), Sub::default()),
+                (
+                    "$share/g/jobs/#".into(),
+                    Sub {
+                        qos: 2,
+                        id: Some(268_435_455),
+                        no_local: true,
+                        retain_as_published: true,
+                    },
+                ),
+            ],
+        };
+        let encoded = encode_session(&session);
+        assert_eq!(decode_session(&encoded), Ok(session.clone()));
+        let connected = SavedSession {
+            disconnected_at_ms: None,
+            ..session
+        };
+        assert_eq!(
+            decode_session(&encode_session(&connected)),
+            Ok(connected.clone())
+        );
+        for len in 0..encoded.len() {
+            assert!(decode_session(&encoded[..len]).is_err(), "{len} bytes");
+        }
+        let mut bad = encoded.clone();
+        bad[0] = 9;
+        assert!(decode_session(&bad).is_err());
+        let mut long = encoded;
+        long.push(0);
+        assert!(decode_session(&long).is_err());
+    }
+
+    #[test]
+    fn retained_messages_round_trip_with_the_expiry_reduced() {
+        let publish = crate::codec::publish(b"sensors/1", b"21.5", 2, 7, true);
+        let properties = PublishProperties {
+            message_expiry_interval: Some(60),
+            content_type: Some("text/plain".into()),
+            user_properties: vec![("k".into(), "v".into())],
+            ..PublishProperties::default()
+        };
+        let at = 1_000_000;
+        let value = encode_message(&publish, Some(&properties), at).unwrap();
+        let got = decode_message(&value, at + 20_500).unwrap().unwrap();
+        assert_eq!(
+            (&got.topic[..], &got.payload[..], got.qos),
+            (&b"sensors/1"[..], &b"21.5"[..], 2)
+        );
+        let props = got.properties.unwrap();
+        assert_eq!(props.message_expiry_interval, Some(40), "20 s waited");
+        assert_eq!(props.content_type.as_deref(), Some("text/plain"));
+        assert_eq!(props.user_properties, properties.user_properties);
+        assert_eq!(decode_message(&value, at + 60_000), Ok(None), "expired");
+        // Without an expiry, it never expires.
+        let plain = encode_message(&publish, None, at).unwrap();
+        assert!(decode_message(&plain, u64::MAX).unwrap().is_some());
+        for len in 0..value.len() {
+            assert!(decode_message(&value[..len], at).is_err(), "{len} bytes");
+        }
+    }
+}
