@@ -1,5 +1,6 @@
 //! Restarts of the MQTT side: retained messages and persistent sessions
-//! come back from the data directory, exactly (see `crates/broker/src/durable.rs`).
+//! and the messages queued for them come back from the data directory,
+//! exactly (see `crates/broker/src/durable/`).
 
 mod common;
 

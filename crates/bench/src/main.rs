@@ -101,6 +101,11 @@ pub struct PubSubArgs {
     /// an earlier run would reach the new subscribers.
     #[arg(long)]
     pub retain: bool,
+    /// Subscribers keep persistent sessions (Session Expiry Interval 300 s):
+    /// with a data directory, every QoS 1/2 message for them is saved
+    /// until they acknowledge it.
+    #[arg(long)]
+    pub persistent: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,

@@ -108,8 +108,9 @@ fn qos(level: u8) -> QoS {
     }
 }
 
-fn options(target: SocketAddr, client_id: &str) -> MqttOptions {
+fn options(target: SocketAddr, client_id: &str, expiry: Option<u32>) -> MqttOptions {
     let mut options = MqttOptions::new(client_id, target.ip().to_string(), target.port());
+    options.set_session_expiry_interval(expiry);
     options.set_keep_alive(Duration::from_secs(60));
     options.set_clean_start(true);
     options.set_connection_timeout(30);
@@ -125,8 +126,9 @@ async fn connect(
     target: SocketAddr,
     client_id: String,
     subscribe: Option<(String, QoS)>,
+    expiry: Option<u32>,
 ) -> Result<(AsyncClient, EventLoop), String> {
-    let (client, mut eventloop) = AsyncClient::new(options(target, &client_id), 1024);
+    let (client, mut eventloop) = AsyncClient::new(options(target, &client_id, expiry), 1024);
     let mut waiting_for_suback = false;
     if let Some((filter, qos)) = subscribe {
         client
@@ -350,6 +352,7 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
             args.target,
             client_id,
             Some((filter, qos(args.qos))),
+            args.persistent.then_some(300),
         ));
         if connecting.len() >= 64 || s + 1 == subscribers {
             while let Some(joined) = connecting.join_next().await {
@@ -361,7 +364,7 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
     let mut connecting = tokio::task::JoinSet::new();
     for p in 0..publishers {
         let client_id = format!("bench-pub-{id}-{p}");
-        connecting.spawn(async move { (p, connect(args.target, client_id, None).await) });
+        connecting.spawn(async move { (p, connect(args.target, client_id, None, None).await) });
         if connecting.len() >= 64 || p + 1 == publishers {
             while let Some(joined) = connecting.join_next().await {
                 let (p, conn) = joined.map_err(|e| e.to_string())?;

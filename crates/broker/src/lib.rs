@@ -24,9 +24,11 @@
 //! ```
 //!
 //! With a data directory, `persistence.rs` (fjall, group commit) keeps the
-//! store's persisted keys, and `durable.rs` retained messages and persistent
-//! sessions: a connection's `gate.rs` holds what must be on disk before the
-//! router may act on it, and `Broker::start` restores both before listening.
+//! store's persisted keys, and `durable/` retained messages, persistent
+//! sessions and the messages queued for them: a connection's `gate.rs`
+//! holds what must be on disk before the router may act on it, its
+//! `saved.rs` saves and releases queued messages, and `Broker::start`
+//! restores it all before listening.
 //!
 //! Data flows one way: a module only uses modules below it in this picture
 //! (and the leaves: `config`, `clock`, `codec`, `topics`, `persistence`).
