@@ -41,6 +41,15 @@ struct Cli {
     #[arg(long)]
     in_memory: bool,
 
+    /// Serve /metrics, /healthz and /readyz on this address instead of the
+    /// configured `[http] listen` (default 127.0.0.1:9883).
+    #[arg(long, value_name = "ADDR", conflicts_with = "no_http")]
+    http: Option<SocketAddr>,
+
+    /// No HTTP endpoint (no metrics, no health checks).
+    #[arg(long)]
+    no_http: bool,
+
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
@@ -74,6 +83,11 @@ fn main() -> ExitCode {
     };
     if cli.in_memory {
         settings.persistence = None;
+    }
+    if cli.no_http {
+        settings.http = None;
+    } else if let Some(addr) = cli.http {
+        settings.http = Some(addr);
     }
     if let Some(dir) = cli.data_dir {
         let mode = settings

@@ -516,7 +516,7 @@ async fn corruption_before_the_tail_stops_the_start_and_leaves_the_journal_alone
     std::fs::write(&journal, &bytes).unwrap();
 
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"))
-        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .args(["--listen", "127.0.0.1:0", "--no-http", "--data-dir"])
         .arg(dir.path())
         .output()
         .await

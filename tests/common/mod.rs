@@ -27,7 +27,7 @@ pub struct BrokerProcess {
 pub async fn spawn_broker(data_dir: &std::path::Path, extra: &[&str]) -> BrokerProcess {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"))
-        .args(["--listen", "127.0.0.1:0"])
+        .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(data_dir)
         .args(extra)

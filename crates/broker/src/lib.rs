@@ -43,7 +43,9 @@ pub mod codec;
 pub mod config;
 mod connection;
 pub mod durable;
+pub mod http;
 mod listener;
+pub mod metrics;
 pub mod persistence;
 pub mod publisher;
 pub mod router;
@@ -55,7 +57,7 @@ pub mod will;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Semaphore, watch};
@@ -70,6 +72,8 @@ pub struct Broker;
 /// A running broker.
 pub struct RunningBroker {
     addrs: Vec<SocketAddr>,
+    http: Option<SocketAddr>,
+    ready: Arc<AtomicBool>,
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
 }
@@ -78,6 +82,12 @@ impl Broker {
     /// Binds every listener, starts the router and the state store service,
     /// and starts accepting clients. Returns once the broker is serving.
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
+        let (stop, shutdown) = watch::channel(false);
+        let ready = Arc::new(AtomicBool::new(false));
+        let http = match settings.http {
+            Some(addr) => Some(http::start(addr, Arc::clone(&ready), shutdown.clone()).await?),
+            None => None,
+        };
         let persistence = match &settings.persistence {
             Some(p) => {
                 let (opened, loaded) =
@@ -120,7 +130,6 @@ impl Broker {
         let store =
             StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));
         let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
-        let (stop, shutdown) = watch::channel(false);
         let mut sockets = Vec::new();
         for listener in &settings.listeners {
             let socket = listener::bind(listener.addr).map_err(|e| {
@@ -158,8 +167,11 @@ impl Broker {
             addrs.push(addr);
             tokio::spawn(listener::accept_loop(socket, listener, Arc::clone(&shared)));
         }
+        ready.store(true, Ordering::Release);
         Ok(RunningBroker {
             addrs,
+            http,
+            ready,
             shared,
             stop,
         })
@@ -170,6 +182,11 @@ impl RunningBroker {
     /// The address of the first listener (with the real port if 0 was configured).
     pub fn local_addr(&self) -> SocketAddr {
         self.addrs[0]
+    }
+
+    /// The address of the HTTP endpoint, if it is on.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http
     }
 
     /// The state store service (for tests and tools).
@@ -186,6 +203,7 @@ impl RunningBroker {
     /// "server shutting down"), waits up to `grace` for them to go, then
     /// syncs and closes the storage engine.
     pub async fn shutdown(self, grace: Duration) {
+        self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
         let deadline = tokio::time::Instant::now() + grace;
         while self.connection_count() > 0 && tokio::time::Instant::now() < deadline {

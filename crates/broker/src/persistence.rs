@@ -355,6 +355,7 @@ fn write_loop(engine: Engine, jobs: mpsc::Receiver<Job>, durable: watch::Sender<
             }
         }
         if !batch.is_empty() || !puts.is_empty() {
+            let started = Instant::now();
             commit(&engine, &batch, &puts);
             match mode {
                 Mode::Fsync => sync(&engine.db, PersistMode::SyncAll),
@@ -370,6 +371,7 @@ fn write_loop(engine: Engine, jobs: mpsc::Receiver<Job>, durable: watch::Sender<
                     }
                 }
             }
+            crate::metrics::commit(batch.len() + puts.len(), started.elapsed());
         }
         if seq > 0 {
             durable.send_replace(seq);

@@ -117,6 +117,8 @@ pub struct Settings {
     pub persistence: Option<PersistenceSettings>,
     /// Keys persisted by configuration.
     pub persist_policy: PersistPolicy,
+    /// Where the HTTP endpoint (metrics, health) listens; `None`: nowhere.
+    pub http: Option<SocketAddr>,
 }
 
 impl Settings {
@@ -126,6 +128,7 @@ impl Settings {
         let mut settings = Settings::load_with_env(None, Some(addr), std::iter::empty())
             .expect("the embedded default configuration is valid");
         settings.persistence = None;
+        settings.http = None;
         settings
     }
 
@@ -222,7 +225,16 @@ impl Settings {
             broker,
             statestore,
             persistence: persistence_section,
+            http: http_section,
         } = deserialize(&layered)?;
+        let http = match http_section.listen.trim() {
+            "" => None,
+            addr => Some(addr.parse::<SocketAddr>().map_err(|e| {
+                invalid(format!(
+                    "http.listen: `{addr}` is not an address like 127.0.0.1:9883 ({e}); use \"\" to turn the endpoint off"
+                ))
+            })?),
+        };
         let persist_policy = PersistPolicy::parse(&persistence_section.keys)
             .map_err(|e| invalid(format!("persistence.keys: {e}")))?;
         let mode = match persistence_section.mode.as_str() {
@@ -322,6 +334,7 @@ impl Settings {
             statestore,
             persistence,
             persist_policy,
+            http,
         })
     }
 

@@ -19,6 +19,7 @@ pub(super) const KNOWN_SECTIONS: &[&str] = &[
     "broker",
     "statestore",
     "persistence",
+    "http",
 ];
 
 /// Sections of rumqttd's format that statebroker does not implement: a
@@ -32,11 +33,11 @@ pub(super) const UNSUPPORTED: &[(&str, &str)] = &[
     ),
     (
         "metrics",
-        "metrics are not implemented yet; remove the section",
+        "rumqttd's metrics section is not used: statebroker serves Prometheus metrics at /metrics of [http] listen",
     ),
     (
         "prometheus",
-        "a Prometheus endpoint is not implemented yet; remove the section",
+        "rumqttd's prometheus section is not used: statebroker serves Prometheus metrics at /metrics of [http] listen",
     ),
     (
         "ws",
@@ -50,6 +51,15 @@ pub(super) struct Sections {
     pub broker: BrokerSection,
     pub statestore: StoreSection,
     pub persistence: PersistenceSection,
+    pub http: HttpSection,
+}
+
+/// `[http]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSection {
+    /// Address of the HTTP endpoint; empty: none.
+    pub listen: String,
 }
 
 /// `[persistence]`

@@ -65,6 +65,22 @@ impl From<LinkFailure> for End {
 }
 
 impl End {
+    /// A short name for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            End::Closed => "closed_by_client",
+            End::Io(_) => "io_error",
+            End::Goodbye { .. } => "disconnect",
+            End::KeepAlive => "keep_alive_timeout",
+            End::WriteStalled => "write_stalled",
+            End::RouterClosed => "router_closed",
+            End::TakenOver => "session_taken_over",
+            End::Shutdown => "server_shutdown",
+            End::Overflow => "queue_overflow",
+            End::Violation(..) => "protocol_violation",
+        }
+    }
+
     /// The DISCONNECT reason an MQTT 5 client is told (none where the
     /// client ended it), and the text for the log.
     /// The client's Last Will, to publish after this end: none after a

@@ -71,6 +71,18 @@ pub(crate) enum Refusal {
     BadWill,
 }
 
+impl Refusal {
+    /// A short name for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::BadClientId => "client_id_not_valid",
+            Refusal::BadCredentials => "bad_username_or_password",
+            Refusal::Busy => "server_busy",
+            Refusal::BadWill => "will_not_valid",
+        }
+    }
+}
+
 /// The CONNACK that refuses a connection, in the client's protocol.
 pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
     let code = match (protocol, refusal) {

@@ -78,6 +78,7 @@ pub(crate) async fn serve<S: Stream>(
 
     let refuse = |refusal: Refusal, why: &str| {
         tracing::info!(%peer, client_id = hello.connect.client_id, ?protocol, why, "CONNECT refused");
+        crate::metrics::connection_refused(refusal.label());
         handshake::refusal(protocol, refusal)
     };
     let checked = handshake::check_connect(
@@ -120,6 +121,7 @@ pub(crate) async fn serve<S: Stream>(
         Ok(opened) => opened,
         Err(e) => {
             tracing::error!(%peer, client_id, error = %e, "router refused the connection");
+            crate::metrics::connection_refused(Refusal::Busy.label());
             return socket
                 .send_and_close(handshake::refusal(protocol, Refusal::Busy))
                 .await;
@@ -184,7 +186,9 @@ pub(crate) async fn serve<S: Stream>(
         gate: Gate::new(shared.durable.clone()),
         saved: Saved::new(shared.durable.clone()),
     };
+    crate::metrics::connection_opened();
     let end = conn.run(shared.shutdown.clone()).await;
+    crate::metrics::connection_closed(end.label());
     conn.finish(&end).await;
 
     let will = end.will(hello.will, hello.will_properties, conn.session_expiry);

@@ -105,6 +105,8 @@ impl Outbound {
         let dropped = withheld || too_large;
         if dropped {
             out.truncate(start);
+        } else if let Some((qos, _)) = id {
+            crate::metrics::sent(qos);
         }
         let (_, pkid) = id.filter(|&(qos, _)| qos > 0)?;
         self.router.sent(pkid, dropped, to_router);
@@ -202,6 +204,9 @@ impl Outbound {
     }
 
     fn count_discarded(&mut self, n: u64) {
+        if n > 0 {
+            crate::metrics::dropped(crate::metrics::DropReason::TooLarge, n);
+        }
         if n > 0 && self.discarded == 0 {
             tracing::warn!(
                 client_id = self.client_id,
@@ -327,6 +332,7 @@ impl DirectWindow {
             self.bound.release(message.size());
             return false;
         }
+        crate::metrics::sent(message.qos);
         if pkid == 0 {
             self.bound.release(message.size());
         } else {

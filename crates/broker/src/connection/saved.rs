@@ -53,6 +53,7 @@ impl Saved {
         }
         match durable.queue(&recipients, publish, properties.as_ref()) {
             Some((seq, wait)) => {
+                crate::metrics::queued_saved(recipients.len());
                 tag::mark(properties, seq);
                 wait
             }

@@ -297,6 +297,7 @@ impl<S: Stream> Connection<S> {
                 ));
             }
         };
+        crate::metrics::received(qos, publish.payload.len());
         let retransmission = self.inbound.is_retransmission(qos, pkid);
         self.inbound
             .arrived(qos, pkid)

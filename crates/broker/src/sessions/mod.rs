@@ -402,6 +402,7 @@ impl Sessions {
         let Mailbox { tx, bound } = &live.mailbox;
         let size = message.size();
         if !bound.reserve(size) {
+            crate::metrics::dropped(crate::metrics::DropReason::QueueFull, 1);
             if bound.overflow_once() {
                 let _ = tx.send(ToConnection::Overflow);
             }

@@ -51,6 +51,10 @@ pub struct StateStoreService {
 struct Reply {
     to: ReplyTo,
     requester: String,
+    /// For metrics: the command, whether it succeeded, when it arrived.
+    command: &'static str,
+    ok: bool,
+    started: std::time::Instant,
 }
 
 impl StateStoreService {
@@ -95,6 +99,7 @@ impl StateStoreService {
     /// Serves one request from `caller` and publishes the answer to
     /// `reply_to`, once what it could have observed is durable.
     pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: ReplyTo) {
+        let started = std::time::Instant::now();
         let (outcome, wait) = {
             let mut store = self.store.lock();
             let mut outcome = store.execute(request, caller, now_ms());
@@ -108,6 +113,9 @@ impl StateStoreService {
         let reply = Reply {
             to: reply_to,
             requester: caller.client_id.to_owned(),
+            command: outcome.command.unwrap_or("unknown"),
+            ok: outcome.error.is_none(),
+            started,
         };
         self.publish_when_durable(Some(reply), outcome, wait);
     }
@@ -157,6 +165,7 @@ impl StateStoreService {
     /// Delivers the response and the notifications of an outcome.
     fn publish_outcome(&self, reply: Option<Reply>, outcome: Outcome) {
         if let Some(reply) = reply {
+            crate::metrics::store_request(reply.command, reply.ok, reply.started.elapsed());
             let response = binding::response(reply.to, outcome.payload, outcome.timestamp);
             self.publisher.publish_for(&reply.requester, response);
         }
@@ -166,11 +175,14 @@ impl StateStoreService {
                 // connection cannot take it, nobody gets it.
                 match self.publisher.deliver_to(watcher, message) {
                     Ok(()) => {}
-                    Err(Undelivered::NoRecipient(message)) => tracing::debug!(
-                        client_id = %watcher,
-                        topic = %String::from_utf8_lossy(&message.topic),
-                        "notification dropped: watcher not connected or not subscribed"
-                    ),
+                    Err(Undelivered::NoRecipient(message)) => {
+                        crate::metrics::dropped(crate::metrics::DropReason::NoWatcher, 1);
+                        tracing::debug!(
+                            client_id = %watcher,
+                            topic = %String::from_utf8_lossy(&message.topic),
+                            "notification dropped: watcher not connected or not subscribed"
+                        );
+                    }
                     Err(Undelivered::Overflow) => tracing::debug!(
                         client_id = %watcher,
                         "notification dropped: the watcher's queue is full"

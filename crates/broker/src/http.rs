@@ -1,0 +1,91 @@
+//! The HTTP endpoint for operators and tools (on by default at
+//! `127.0.0.1:9883`; `[http] listen`, `--http ADDR`, `--no-http`):
+//!
+//! - `GET /metrics`: every metric of [`crate::metrics`], Prometheus text
+//!   format;
+//! - `GET /healthz`: 200 while the process serves HTTP at all;
+//! - `GET /readyz`: 200 once persisted state is restored and every MQTT
+//!   listener accepts, 503 before (and while stopping).
+//!
+//! axum (on hyper) serves it: a well-kept server rather than a hand-written
+//! HTTP parser facing the network.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::watch;
+
+/// What the endpoint serves from.
+#[derive(Clone)]
+struct Served {
+    metrics: PrometheusHandle,
+    ready: Arc<AtomicBool>,
+}
+
+/// Binds `addr` (so a busy port fails the start, like an MQTT listener)
+/// and serves until `shutdown`. `ready` answers `/readyz`.
+pub async fn start(
+    addr: SocketAddr,
+    ready: Arc<AtomicBool>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot serve HTTP on {addr}: {e}")))?;
+    let local = listener.local_addr()?;
+    let metrics = crate::metrics::install();
+    let upkeep = metrics.clone();
+    let mut upkeep_stop = shutdown.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(5)) => upkeep.run_upkeep(),
+                _ = upkeep_stop.changed() => return,
+            }
+        }
+    });
+    let app = Router::new()
+        .route("/metrics", get(metrics_text))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(Served { metrics, ready });
+    tokio::spawn(async move {
+        let stop = async move {
+            let _ = shutdown.changed().await;
+        };
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(stop)
+            .await
+        {
+            tracing::error!(error = %e, "HTTP endpoint failed");
+        }
+    });
+    tracing::info!(addr = %local, "HTTP endpoint: /metrics /healthz /readyz");
+    Ok(local)
+}
+
+async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        served.metrics.render(),
+    )
+}
+
+async fn readyz(State(served): State<Served>) -> impl IntoResponse {
+    if served.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}

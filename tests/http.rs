@@ -1,0 +1,121 @@
+//! The HTTP endpoint: health, readiness and Prometheus metrics that count
+//! what clients did, including what was dropped and why.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use broker::config::{Mode, PersistenceSettings};
+use bytes::Bytes;
+use common::mqtt::publish_complete;
+use common::raw::{Raw, Recv, v5};
+use common::start_broker_with;
+use rumqttc::v5::mqttbytes::QoS;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// GET `path`: the status code and the body.
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
+        .await
+        .unwrap()
+        .unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The value of the sample `series` (name with labels, as rendered).
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let (name, value) = line.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok())?
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_broker_with(|s| {
+        s.http = Some("127.0.0.1:0".parse().unwrap());
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.path().to_owned(),
+            mode: Mode::Fsync,
+        });
+    })
+    .await;
+    let http = broker.http_addr().expect("HTTP is on");
+    assert_eq!(get(http, "/healthz").await, (200, "ok\n".to_owned()));
+    assert_eq!(get(http, "/readyz").await, (200, "ready\n".to_owned()));
+    assert_eq!(get(http, "/nothing-here").await.0, 404);
+
+    let addr = broker.local_addr();
+    let mut c = Raw::connect(addr, "metrics-client").await;
+    assert_eq!(
+        &c.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    let err = c.request(&[b"NOSUCH"]).await;
+    assert!(err.payload.starts_with(b"-ERR"));
+    publish_complete(&mut c, "m/1", b"x", QoS::AtLeastOnce, false).await;
+    // A subscriber that takes at most 64-byte packets: a larger message is
+    // discarded for it, and counted.
+    let (mut small, _) = Raw::connect_with(addr, "metrics-small", |c| {
+        c.0.properties.as_mut().unwrap().max_packet_size = Some(64);
+    })
+    .await;
+    small.subscribe("big/#", QoS::AtLeastOnce).await;
+    let big = v5::Publish::new("big/1", QoS::AtMostOnce, Bytes::from(vec![7u8; 200]), None);
+    c.send(v5::Packet::Publish(big)).await;
+    assert!(matches!(
+        small.recv_within(Duration::from_millis(300)).await,
+        Recv::Timeout
+    ));
+
+    let (status, metrics) = get(http, "/metrics").await;
+    assert_eq!(status, 200);
+    for (series, at_least) in [
+        ("statebroker_connections_accepted_total", 2.0),
+        ("statebroker_connections", 2.0),
+        (r#"statebroker_messages_received_total{qos="1"}"#, 3.0),
+        (
+            r#"statebroker_statestore_requests_total{command="SET",outcome="ok"}"#,
+            1.0,
+        ),
+        (
+            r#"statebroker_statestore_requests_total{command="unknown",outcome="error"}"#,
+            1.0,
+        ),
+        (
+            r#"statebroker_dropped_messages_total{reason="too_large_for_client"}"#,
+            1.0,
+        ),
+        ("statebroker_statestore_request_duration_seconds_count", 2.0),
+        ("statebroker_persistence_commit_duration_seconds_count", 1.0),
+    ] {
+        let value = sample(&metrics, series);
+        assert!(
+            value.is_some_and(|v| v >= at_least),
+            "{series} = {value:?}, expected at least {at_least}\n{metrics}"
+        );
+    }
+    assert!(metrics.contains("# TYPE statebroker_dropped_messages_total counter"));
+
+    drop(small);
+    drop(c);
+    broker.shutdown(Duration::from_secs(2)).await;
+    // The endpoint goes with the broker.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(tokio::net::TcpStream::connect(http).await.is_err());
+}
