@@ -161,21 +161,12 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
         }
         other => other.map_err(|e| error(&e))?,
     };
-    let keys = db
-        .keyspace("keys", KeyspaceCreateOptions::default)
-        .map_err(|e| error(&e))?;
-    let meta = db
-        .keyspace("meta", KeyspaceCreateOptions::default)
-        .map_err(|e| error(&e))?;
-    let retained = db
-        .keyspace("retained", KeyspaceCreateOptions::default)
-        .map_err(|e| error(&e))?;
-    let sessions = db
-        .keyspace("sessions", KeyspaceCreateOptions::default)
-        .map_err(|e| error(&e))?;
-    let queued = db
-        .keyspace("queued", KeyspaceCreateOptions::default)
-        .map_err(|e| error(&e))?;
+    let keyspace = |name: &str| {
+        db.keyspace(name, KeyspaceCreateOptions::default)
+            .map_err(|e| error(&e))
+    };
+    let (keys, meta, retained) = (keyspace("keys")?, keyspace("meta")?, keyspace("retained")?);
+    let (sessions, queued) = (keyspace("sessions")?, keyspace("queued")?);
     Ok(Engine {
         db,
         keys,
