@@ -240,23 +240,11 @@ impl<S: Stream> Connection<S> {
                 Ok(())
             }
             Packet::PubAck(ack, properties) if self.link.is_linked() => {
-                let pkid = ack.pkid;
-                self.saved.acknowledged(&self.client_id, pkid);
-                self.link.push(Packet::PubAck(ack, properties));
-                let protocol = self.socket.protocol;
-                let out = &mut self.socket.wbuf;
-                self.out
-                    .router_acknowledged(pkid, false, self.link.batch(), protocol, out);
+                self.on_router_ack(ack.pkid, false, Packet::PubAck(ack, properties));
                 Ok(())
             }
             Packet::PubRec(rec, properties) if self.link.is_linked() => {
-                let pkid = rec.pkid;
-                self.saved.acknowledged(&self.client_id, pkid);
-                self.link.push(Packet::PubRec(rec, properties));
-                let protocol = self.socket.protocol;
-                let out = &mut self.socket.wbuf;
-                self.out
-                    .router_acknowledged(pkid, true, self.link.batch(), protocol, out);
+                self.on_router_ack(rec.pkid, true, Packet::PubRec(rec, properties));
                 Ok(())
             }
             Packet::PubComp(comp, properties) if self.link.is_linked() => {
@@ -446,6 +434,17 @@ impl<S: Stream> Connection<S> {
     }
 
     /// Handles what the broker tells this connection.
+    /// The client acknowledged the router's delivery `pkid` with `ack`
+    /// (PUBACK, or PUBREC: `qos2`).
+    fn on_router_ack(&mut self, pkid: u16, qos2: bool, ack: Packet) {
+        self.saved.acknowledged(&self.client_id, pkid);
+        self.link.push(ack);
+        let protocol = self.socket.protocol;
+        let out = &mut self.socket.wbuf;
+        self.out
+            .router_acknowledged(pkid, qos2, self.link.batch(), protocol, out);
+    }
+
     fn on_broker_message(&mut self, message: ToConnection) -> Result<(), End> {
         match message {
             ToConnection::Deliver(direct) => {

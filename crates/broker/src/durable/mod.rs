@@ -54,15 +54,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rumqttd::protocol::{
-    self as protocol, Disconnect, DisconnectProperties, DisconnectReasonCode, Filter, Packet,
-    Publish, PublishProperties, QoS, RetainForwardRule, Subscribe, SubscribeProperties,
+    Disconnect, DisconnectProperties, DisconnectReasonCode, Filter, Packet, Publish,
+    PublishProperties, QoS, RetainForwardRule, Subscribe, SubscribeProperties,
 };
 
 use crate::clock::now_ms;
 use crate::persistence::{Pair, Persistence, Put, Space};
 use crate::publisher::{Publisher, SavedMessage};
 use crate::router::{Router, poll_once};
-use crate::sessions::{Journal, SavedSession, Sessions};
+use crate::sessions::{Journal, SavedSession, Sessions, granted};
 use crate::topics;
 
 mod format;
@@ -304,9 +304,7 @@ impl Durable {
                 }
             }
         }
-        for waiting in by_client.values_mut() {
-            waiting.sort_unstable_by_key(|(seq, _)| *seq);
-        }
+        // Keys sort by client id, then number: each list is in order.
         by_client
     }
 
@@ -346,18 +344,13 @@ impl Durable {
                 }
             };
             let topic = std::str::from_utf8(&message.topic).unwrap_or("");
-            let mut granted = 0;
-            let mut ids = Vec::new();
-            for (filter, sub) in &session.filters {
-                if !filter.starts_with("$share/") && protocol::matches(topic, filter) {
-                    granted = granted.max(sub.qos);
-                    ids.extend(sub.id);
-                }
-            }
-            if granted == 0 {
+            // Saved only for QoS 1/2 subscriptions, not shared ones.
+            let filters = session.filters.iter().map(|(f, s)| (f, s));
+            let Some((granted, ids)) = granted(filters, topic, false).filter(|(q, _)| *q > 0)
+            else {
                 removals.push(queue::removal(client, seq));
                 continue;
-            }
+            };
             message.qos = message.qos.min(granted);
             let mut properties = message.properties.take().unwrap_or_default();
             tag::mark_restored(&mut properties, &message.topic, &ids);

@@ -30,6 +30,7 @@ mod mailbox;
 mod recipients;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,7 @@ use parking_lot::RwLock;
 use rumqttd::protocol;
 
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
+pub use recipients::granted;
 
 use crate::topics;
 
@@ -119,6 +121,9 @@ struct Inner {
 pub struct Sessions {
     inner: RwLock<Inner>,
     journal: OnceLock<Arc<dyn Journal>>,
+    /// How many clients are `journaled`: while none is, no publish can
+    /// reach a persistent session, and nobody asks the mirror.
+    journaled: AtomicUsize,
 }
 
 /// Whether a filter can only ever match topics of the notification
@@ -171,13 +176,17 @@ impl Inner {
             .map_or_else(|| Arc::from(client), |(k, _)| Arc::clone(k))
     }
 
-    fn forget_if_empty(&mut self, client: &str) {
+    /// Removes `client` if it has neither subscriptions nor a connection;
+    /// returns what was removed.
+    fn forget_if_empty(&mut self, client: &str) -> Option<Client> {
         if self
             .clients
             .get(client)
             .is_some_and(|c| c.filters.is_empty() && c.live.is_none())
         {
-            self.clients.remove(client);
+            self.clients.remove(client)
+        } else {
+            None
         }
     }
 }
@@ -188,6 +197,25 @@ impl Sessions {
         let _ = self.journal.set(journal);
     }
 
+    /// Sets whether `state` is saved in the journal, keeping the count;
+    /// returns whether it was.
+    fn set_journaled(&self, state: &mut Client, on: bool) -> bool {
+        let was = std::mem::replace(&mut state.journaled, on);
+        match (was, on) {
+            (false, true) => self.journaled.fetch_add(1, Ordering::AcqRel),
+            (true, false) => self.journaled.fetch_sub(1, Ordering::AcqRel),
+            _ => 0,
+        };
+        was
+    }
+
+    /// A journaled client's state is gone.
+    fn forgot(&self, state: &Client) {
+        if state.journaled {
+            self.journaled.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
     /// Saves `client`'s session (if it persists) or removes it (if it was
     /// saved and no longer persists). Returns what to wait for (0: nothing).
     fn journal(&self, client: &str, state: &mut Client, expiry: u32, ended_at: Option<u64>) -> u64 {
@@ -195,10 +223,10 @@ impl Sessions {
             return 0;
         };
         if expiry > 0 {
-            state.journaled = true;
+            self.set_journaled(state, true);
             journal.save(client, &state.saved(expiry, ended_at))
         } else {
-            if std::mem::take(&mut state.journaled) {
+            if self.set_journaled(state, false) {
                 journal.remove(client);
             }
             0
@@ -216,7 +244,7 @@ impl Sessions {
         let state = inner.clients.entry(key).or_default();
         state.filters = filters.into_iter().collect();
         state.kept_until = remaining.map(|r| Instant::now() + r);
-        state.journaled = true;
+        self.set_journaled(state, true);
     }
 
     /// Whether the router may keep a session with subscriptions for
@@ -252,7 +280,7 @@ impl Sessions {
         }
         let state = inner.clients.entry(key).or_default();
         if (clean_start || ended)
-            && std::mem::take(&mut state.journaled)
+            && self.set_journaled(state, false)
             && let Some(journal) = self.journal.get()
         {
             // The old session ends with everything saved for it.
@@ -292,7 +320,9 @@ impl Sessions {
             let key = inner.key(client);
             inner.clear_filters(&key);
         }
-        inner.forget_if_empty(client);
+        if let Some(state) = inner.forget_if_empty(client) {
+            self.forgot(&state);
+        }
     }
 
     /// Forgets the sessions whose expiry passed (the router ends them too).
@@ -308,11 +338,13 @@ impl Sessions {
             .collect();
         for client in &expired {
             inner.clear_filters(client);
-            if let Some(state) = inner.clients.remove(client)
-                && state.journaled
-                && let Some(journal) = self.journal.get()
-            {
-                journal.remove(client);
+            if let Some(state) = inner.clients.remove(client) {
+                self.forgot(&state);
+                if state.journaled
+                    && let Some(journal) = self.journal.get()
+                {
+                    journal.remove(client);
+                }
             }
         }
         expired.len()

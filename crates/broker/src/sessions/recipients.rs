@@ -3,10 +3,39 @@
 //! and which persistent sessions a publish reaches.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use rumqttd::protocol;
 
-use super::{Direct, Mailbox, Sessions, ToConnection, Undelivered};
+use super::{Direct, Mailbox, Sessions, Sub, ToConnection, Undelivered};
+
+/// `filter` without its `$share/{group}/` prefix.
+fn bare(filter: &str) -> &str {
+    filter
+        .strip_prefix("$share/")
+        .and_then(|rest| rest.split_once('/'))
+        .map_or(filter, |(_, f)| f)
+}
+
+/// What the subscriptions `filters` grant a message on `topic`: the
+/// highest QoS of those that match it, and their Subscription
+/// Identifiers; `None` if none matches. Shared subscriptions count only
+/// with `shared`.
+pub fn granted<'a>(
+    filters: impl IntoIterator<Item = (&'a String, &'a Sub)>,
+    topic: &str,
+    shared: bool,
+) -> Option<(u8, Vec<usize>)> {
+    let mut granted = None;
+    let mut ids = Vec::new();
+    for (filter, sub) in filters {
+        if (shared || !filter.starts_with("$share/")) && protocol::matches(topic, bare(filter)) {
+            granted = granted.max(Some(sub.qos));
+            ids.extend(sub.id);
+        }
+    }
+    granted.map(|qos| (qos, ids))
+}
 
 impl Sessions {
     /// Delivers to `client` if it is connected and one of its subscriptions
@@ -26,19 +55,7 @@ impl Sessions {
         let Ok(topic) = std::str::from_utf8(&message.topic) else {
             return no_recipient(message);
         };
-        let mut granted = None;
-        let mut ids = Vec::new();
-        for (filter, sub) in &state.filters {
-            let bare = filter
-                .strip_prefix("$share/")
-                .and_then(|rest| rest.split_once('/'))
-                .map_or(filter.as_str(), |(_, f)| f);
-            if protocol::matches(topic, bare) {
-                granted = granted.max(Some(sub.qos));
-                ids.extend(sub.id);
-            }
-        }
-        let Some(granted) = granted else {
+        let Some((granted, ids)) = granted(&state.filters, topic, true) else {
             return no_recipient(message);
         };
         message.qos = message.qos.min(granted).min(1);
@@ -65,6 +82,9 @@ impl Sessions {
     /// of `publisher` on `topic` reaches: through a subscription of QoS 1
     /// or 2 (not a shared one; not with No Local if they published it).
     pub fn persistent_recipients(&self, publisher: &str, topic: &str) -> Vec<Arc<str>> {
+        if self.journaled.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
         let inner = self.inner.read();
         let reaches = |client: &Arc<str>, filter: &str| {
             inner.clients.get(client).is_some_and(|c| {
@@ -81,8 +101,8 @@ impl Sessions {
         for (filter, client) in &inner.wild {
             if !filter.starts_with("$share/")
                 && !found.contains(client)
-                && protocol::matches(topic, filter)
                 && reaches(client, filter)
+                && protocol::matches(topic, filter)
             {
                 found.push(Arc::clone(client));
             }
@@ -103,11 +123,77 @@ impl Sessions {
             if &**c == client && !filter.starts_with("$share/") {
                 return false;
             }
-            let bare = filter
-                .strip_prefix("$share/")
-                .and_then(|rest| rest.split_once('/'))
-                .map_or(filter.as_str(), |(_, f)| f);
-            protocol::matches(topic, bare)
+            protocol::matches(topic, bare(filter))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sessions::{Journal, QueueBound, SavedSession};
+    use tokio::sync::mpsc;
+
+    fn mailbox(tx: mpsc::UnboundedSender<ToConnection>) -> Mailbox {
+        Mailbox::new(tx, QueueBound::new(usize::MAX, usize::MAX))
+    }
+
+    fn sub(qos: u8) -> Sub {
+        Sub {
+            qos,
+            ..Sub::default()
+        }
+    }
+
+    /// A journal that keeps nothing.
+    struct NoDisk;
+    impl Journal for NoDisk {
+        fn save(&self, _: &str, _: &SavedSession) -> u64 {
+            0
+        }
+        fn remove(&self, _: &str) {}
+    }
+
+    #[test]
+    fn persistent_recipients_follow_the_journal() {
+        let s = Sessions::default();
+        s.set_journal(Arc::new(NoDisk));
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let reached = |publisher, topic| {
+            let mut names: Vec<String> = s
+                .persistent_recipients(publisher, topic)
+                .iter()
+                .map(|c| c.to_string())
+                .collect();
+            names.sort();
+            names
+        };
+        s.connected("clean", 1, true, 0, mailbox(tx.clone()));
+        s.subscribe("clean", &[("a/#", sub(1))]);
+        assert!(
+            reached("p", "a/1").is_empty(),
+            "a clean session is never saved for"
+        );
+        // Restored after a restart, not reconnected yet.
+        s.restore(
+            "r",
+            vec![("a/+".into(), sub(2)), ("zero/#".into(), sub(0))],
+            None,
+        );
+        assert_eq!(reached("p", "a/1"), ["r"]);
+        assert!(reached("p", "zero/x").is_empty(), "a QoS 0 subscription");
+        s.connected("n", 2, true, 60, mailbox(tx.clone()));
+        let no_local = Sub {
+            no_local: true,
+            ..sub(1)
+        };
+        s.subscribe("n", &[("a/1", no_local), ("$share/g/a/1", sub(1))]);
+        assert_eq!(reached("p", "a/1"), ["n", "r"]);
+        assert_eq!(reached("n", "a/1"), ["r"], "No Local: not its own publish");
+        // Clean starts end both sessions: nobody is left to save for.
+        s.connected("r", 3, true, 0, mailbox(tx.clone()));
+        s.connected("n", 4, true, 0, mailbox(tx.clone()));
+        assert!(reached("p", "a/1").is_empty());
+        assert_eq!(s.journaled.load(Ordering::Acquire), 0);
     }
 }
