@@ -1,8 +1,7 @@
 //! `statebroker`: an MQTT 5 / 3.1.1 broker with the Azure IoT Operations
 //! state store inside.
 
-use std::io::IsTerminal;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -11,13 +10,22 @@ use broker::config::{Mode, PersistenceSettings};
 use broker::{Broker, Settings};
 use clap::Parser;
 
+mod logging;
+
+use logging::{Format, Logging};
+
 /// An MQTT 5 and 3.1.1 broker (rumqttd's router) with the Azure IoT
 /// Operations state store built in: key/value requests over MQTT with RESP3
 /// payloads, HLC versions, fencing tokens, expiry, KEYNOTIFY and SCAN.
 ///
 /// Without arguments it listens on 0.0.0.0:1883 with the embedded default
-/// configuration (the repository's rumqttd.toml). Log level: RUST_LOG
-/// (default "info,rumqttd=warn"), e.g. RUST_LOG=debug or RUST_LOG=broker=debug.
+/// configuration (the repository's rumqttd.toml; see --print-default-config).
+/// Log filter: `[log] level` (default "info,rumqttd=warn"), or RUST_LOG, e.g.
+/// RUST_LOG=debug or RUST_LOG=broker=debug.
+///
+/// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
+/// configuration file and applies what can change while running (the log
+/// filter), naming in the log what needs a restart.
 #[derive(Parser, Debug)]
 #[command(version, about, long_about)]
 struct Cli {
@@ -26,9 +34,10 @@ struct Cli {
     #[arg(short, long, value_name = "FILE", env = "STATEBROKER_CONFIG")]
     config: Option<PathBuf>,
 
-    /// Listen on this address instead of the configured listeners.
-    #[arg(short, long, value_name = "ADDR")]
-    listen: Option<SocketAddr>,
+    /// Listen on HOST:PORT instead of the configured listeners (a host
+    /// name listens on each of its addresses). May be given more than once.
+    #[arg(short, long, value_name = "HOST:PORT")]
+    listen: Vec<String>,
 
     /// Keep persisted keys, retained messages and persistent sessions in
     /// this directory (default: `statebroker-data` next to the config file,
@@ -50,15 +59,15 @@ struct Cli {
     #[arg(long)]
     no_http: bool,
 
+    /// Log lines as text or as one JSON object per line (default: the
+    /// configuration's `[log] format`, "text").
+    #[arg(long, value_name = "FORMAT")]
+    log_format: Option<Format>,
+
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
 }
-
-/// Default log filter: info, without rumqttd's per-connection lines, with
-/// the storage engine's journal recovery (it only logs when it repairs).
-const DEFAULT_LOG: &str =
-    "info,rumqttd=warn,fjall::journal::reader=debug,fjall::journal::batch_reader=debug";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -66,21 +75,50 @@ fn main() -> ExitCode {
         print!("{}", broker::config::DEFAULT_CONFIG);
         return ExitCode::SUCCESS;
     }
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG)),
-        )
-        .init();
-    let mut settings = match Settings::load(cli.config.as_deref(), cli.listen) {
+    let settings = match load(&cli) {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("statebroker: {e}");
             return ExitCode::from(2);
         }
     };
+    let format = cli
+        .log_format
+        .unwrap_or_else(|| Format::from_config(&settings.log.format));
+    let logging = match Logging::init(format, &settings.log.level) {
+        Ok(logging) => logging,
+        Err(e) => {
+            eprintln!("statebroker: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(run(cli, settings, logging))
+}
+
+/// The configuration file with the command line's overrides.
+fn load(cli: &Cli) -> Result<Settings, String> {
+    let mut listen = Vec::new();
+    for spec in &cli.listen {
+        let addrs = spec
+            .to_socket_addrs()
+            .map_err(|e| format!("--listen {spec}: not a HOST:PORT that resolves ({e})"))?;
+        for addr in addrs {
+            if !listen.contains(&addr) {
+                listen.push(addr);
+            }
+        }
+    }
+    let mut settings = Settings::load(cli.config.as_deref(), &listen).map_err(|e| e.to_string())?;
     if cli.in_memory {
         settings.persistence = None;
     }
@@ -89,65 +127,119 @@ fn main() -> ExitCode {
     } else if let Some(addr) = cli.http {
         settings.http = Some(addr);
     }
-    if let Some(dir) = cli.data_dir {
+    if let Some(dir) = &cli.data_dir {
         let mode = settings
             .persistence
             .as_ref()
             .map_or(Mode::Fsync, |p| p.mode);
         settings.persistence = Some(PersistenceSettings {
-            data_dir: dir,
+            data_dir: dir.clone(),
             mode,
         });
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("statebroker: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(run(settings))
+    Ok(settings)
 }
 
-async fn run(settings: Settings) -> ExitCode {
-    let running = match Broker::start(settings).await {
-        Ok(running) => running,
+async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
+    let mut signals = match Signals::register() {
+        Ok(signals) => signals,
         Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("statebroker: {e}");
+            tracing::error!("cannot handle signals: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let signal = wait_for_signal().await;
+    let running = match Broker::start(settings.clone()).await {
+        Ok(running) => running,
+        Err(e) => {
+            tracing::error!("cannot start: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut settings = settings;
+    let signal = loop {
+        match signals.next().await {
+            Signal::Reload => reload(&cli, &mut settings, &logging),
+            Signal::Stop(name) => break name,
+        }
+    };
     tracing::info!(signal, "stopping");
     running.shutdown(Duration::from_secs(5)).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS
 }
 
-/// Waits for Ctrl-C or SIGTERM.
-async fn wait_for_signal() -> &'static str {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = match signal(SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return "SIGINT";
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
+/// SIGHUP: re-reads the configuration; a file with an error changes
+/// nothing.
+fn reload(cli: &Cli, running: &mut Settings, logging: &Logging) {
+    let new = match load(cli) {
+        Ok(new) => new,
+        Err(e) => {
+            tracing::warn!("SIGHUP: configuration not reloaded, the running one stays: {e}");
+            return;
         }
+    };
+    let level = match logging.set_level(&new.log.level) {
+        Ok(what) => what,
+        Err(e) => {
+            tracing::warn!("SIGHUP: configuration not reloaded, the running one stays: {e}");
+            return;
+        }
+    };
+    let restart = running.needs_restart(&new);
+    if restart.is_empty() {
+        tracing::info!(level, "SIGHUP: configuration reloaded");
+    } else {
+        tracing::warn!(
+            level,
+            needs_restart = restart.join(", "),
+            "SIGHUP: configuration reloaded; these changes take effect only after a restart"
+        );
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-        "Ctrl-C"
+    running.log = new.log;
+}
+
+enum Signal {
+    Reload,
+    Stop(&'static str),
+}
+
+/// The signals the broker handles, registered once (so none is missed
+/// between two waits).
+struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn register() -> std::io::Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Signals {
+                term: signal(SignalKind::terminate())?,
+                hup: signal(SignalKind::hangup())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// Waits for Ctrl-C or SIGTERM (stop) or SIGHUP (reload).
+    async fn next(&mut self) -> Signal {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => Signal::Stop("SIGINT"),
+                _ = self.term.recv() => Signal::Stop("SIGTERM"),
+                _ = self.hup.recv() => Signal::Reload,
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            Signal::Stop("Ctrl-C")
+        }
     }
 }

@@ -74,3 +74,195 @@ async fn help_explains_the_options() {
         assert!(help.contains(needle), "--help lacks {needle}");
     }
 }
+
+/// Lines at a level that normal use must never produce.
+fn noisy(log: &[String]) -> Vec<&String> {
+    log.iter()
+        .filter(|l| {
+            [" ERROR ", " WARN ", " DEBUG ", " TRACE "]
+                .iter()
+                .any(|lvl| l.contains(lvl))
+        })
+        .collect()
+}
+
+fn signal(child: &tokio::process::Child, name: &str) {
+    let pid = child.id().unwrap().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args([&format!("-{name}"), &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+#[tokio::test]
+async fn normal_use_logs_no_error_and_no_storage_debug() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("persist-all.toml");
+    std::fs::write(&config, "[persistence]\nkeys = [\"all\"]\n").unwrap();
+    let args = ["--config", config.to_str().unwrap()];
+    let data = dir.path().join("data");
+    let mut broker = start(&data, &args).await;
+    let mut five = Raw::connect(broker.addr, "five").await;
+    assert_eq!(
+        &five.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    common::mqtt::goodbye(five, None).await;
+    // Each way a client leaves, many times: the router's stray events
+    // after a DISCONNECT (rumqttd patch 12) come with some of them only.
+    const ROUNDS: usize = 15;
+    for _ in 0..ROUNDS {
+        use rumqttc::mqttbytes::{QoS as Q4, v4};
+        let mut four = common::raw::Raw4::connect(broker.addr, "four").await;
+        let publish = v4::Publish::new("t", Q4::AtMostOnce, "m");
+        four.send_all(vec![v4::Packet::Publish(publish), v4::Packet::Disconnect])
+            .await;
+        assert!(four.recv().await.is_none(), "closed after DISCONNECT");
+        let mut five = Raw::connect(broker.addr, "five").await;
+        five.publish("t", "m", rumqttc::v5::mqttbytes::QoS::AtLeastOnce, None)
+            .await;
+        common::mqtt::goodbye(five, None).await;
+        let mut dropped = Raw::connect(broker.addr, "dropped").await;
+        dropped
+            .publish("t", "m", rumqttc::v5::mqttbytes::QoS::AtMostOnce, None)
+            .await;
+        drop(dropped);
+    }
+    let log = std::sync::Arc::clone(&broker.log);
+    common::eventually("every disconnect logged", || {
+        log.lock()
+            .iter()
+            .filter(|l| l.contains("client disconnected"))
+            .count()
+            == 1 + 3 * ROUNDS
+    })
+    .await;
+    signal(&broker.child, "TERM");
+    broker.child.wait().await.unwrap();
+    let first = log.lock().clone();
+    assert!(noisy(&first).is_empty(), "{:#?}", noisy(&first));
+
+    // A restart over the same data replays the storage engine's journal.
+    let broker = start(&data, &args).await;
+    let mut again = Raw::connect(broker.addr, "again").await;
+    assert_eq!(
+        &again.request(&[b"GET", b"k"]).await.payload[..],
+        b"$1\r\nv\r\n"
+    );
+    let second = broker.log.lock().clone();
+    assert!(noisy(&second).is_empty(), "{:#?}", noisy(&second));
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_configuration_and_never_stops_the_broker() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("statebroker.toml");
+    std::fs::write(&config, "[log]\nlevel = \"info\"\n").unwrap();
+    let broker = start(dir.path(), &["--config", config.to_str().unwrap()]).await;
+    let log = std::sync::Arc::clone(&broker.log);
+    let count = |needle: &str| log.lock().iter().filter(|l| l.contains(needle)).count();
+
+    // Unchanged: reloaded, nothing to restart.
+    signal(&broker.child, "HUP");
+    common::eventually("the reload logged", || count("configuration reloaded") == 1).await;
+    assert_eq!(count("needs_restart"), 0);
+
+    // A new level applies at once; a new node id is named as needing a restart.
+    std::fs::write(
+        &config,
+        "[log]\nlevel = \"debug\"\n[statestore]\nnode_id = \"other\"\n",
+    )
+    .unwrap();
+    signal(&broker.child, "HUP");
+    common::eventually("the second reload logged", || {
+        count("configuration reloaded") == 2
+    })
+    .await;
+    assert!(
+        log.lock()
+            .iter()
+            .any(|l| l.contains("needs_restart") && l.contains("[statestore]")),
+        "{:#?}",
+        log.lock()
+    );
+    let mut client = Raw::connect(broker.addr, "after-reload").await;
+    assert_eq!(
+        &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    common::eventually("debug lines once the level is debug", || {
+        count(" DEBUG ") > 0
+    })
+    .await;
+
+    // A broken file changes nothing and says why.
+    std::fs::write(
+        &config,
+        "[log]\nlevel = \"info\"\n[statestore]\nscan_page_size = \"lots\"\n",
+    )
+    .unwrap();
+    signal(&broker.child, "HUP");
+    common::eventually("the refusal logged", || count("not reloaded") == 1).await;
+    assert!(
+        log.lock()
+            .iter()
+            .any(|l| l.contains("statestore.scan_page_size"))
+    );
+    let version = client.request(&[b"SET", b"k2", b"v"]).await;
+    assert_eq!(&version.payload[..], b"+OK\r\n", "still serving");
+    let node = common::raw::user_property(&version, "__ts")
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        node.ends_with(":statebroker"),
+        "the node id needs a restart: {node}"
+    );
+}
+
+#[tokio::test]
+async fn json_logs_and_several_listen_addresses() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .args(["--in-memory", "--no-http", "--log-format", "json"])
+        .args(["--listen", "127.0.0.2:0", "--listen", "localhost:0"])
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut addrs = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while addrs.len() < 2 {
+            let line = lines.next_line().await.unwrap().expect("a log line");
+            let json: serde_json::Value =
+                serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+            assert!(
+                json["timestamp"].is_string() && json["level"].is_string(),
+                "{line}"
+            );
+            if json["message"] == "listening (MQTT 3.1.1 and 5)" {
+                addrs.push(
+                    json["addr"]
+                        .as_str()
+                        .unwrap()
+                        .parse::<std::net::SocketAddr>()
+                        .unwrap(),
+                );
+            }
+        }
+    })
+    .await
+    .expect("two listeners logged");
+    assert!(addrs.iter().all(|a| a.ip().is_loopback()), "{addrs:?}");
+    for addr in addrs.iter().filter(|a| a.is_ipv4()) {
+        let mut client = Raw::connect(*addr, "json").await;
+        assert_eq!(
+            &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
+            b"+OK\r\n"
+        );
+    }
+}

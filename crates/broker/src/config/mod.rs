@@ -6,7 +6,8 @@
 //! 2. the `--config` file, if any: it only needs what it changes, and if it
 //!    defines any listener (`[v4.*]`, `[v5.*]`) those replace the default one;
 //! 3. environment variables `STATEBROKER__<SECTION>__<KEY>`;
-//! 4. `--listen ADDR`, which replaces every listener's address with one.
+//! 4. `--listen ADDR` (once or more), which replaces the listeners with the
+//!    first one's settings on each address given.
 //!
 //! Every problem is reported at start, naming the field.
 
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 mod sections;
 
-pub use sections::{BrokerSection, PersistenceSection, QuotaSection, StoreSection};
+pub use sections::{BrokerSection, LogSection, PersistenceSection, QuotaSection, StoreSection};
 use sections::{KNOWN_SECTIONS, Sections, UNSUPPORTED};
 
 /// How far ahead of the clock the persisted clock mark runs (see
@@ -119,13 +120,15 @@ pub struct Settings {
     pub persist_policy: PersistPolicy,
     /// Where the HTTP endpoint (metrics, health) listens; `None`: nowhere.
     pub http: Option<SocketAddr>,
+    /// `[log]`: applied by the binary, which owns logging.
+    pub log: LogSection,
 }
 
 impl Settings {
     /// The embedded default, listening on `addr` only and keeping
     /// everything in memory (no data directory): for tests and tools.
     pub fn listening_on(addr: SocketAddr) -> Settings {
-        let mut settings = Settings::load_with_env(None, Some(addr), std::iter::empty())
+        let mut settings = Settings::load_with_env(None, &[addr], std::iter::empty())
             .expect("the embedded default configuration is valid");
         settings.persistence = None;
         settings.http = None;
@@ -133,14 +136,14 @@ impl Settings {
     }
 
     /// Loads the layers described in the module docs.
-    pub fn load(file: Option<&Path>, listen: Option<SocketAddr>) -> Result<Settings, ConfigError> {
+    pub fn load(file: Option<&Path>, listen: &[SocketAddr]) -> Result<Settings, ConfigError> {
         Settings::load_with_env(file, listen, std::env::vars())
     }
 
     /// [`Settings::load`] with the environment given explicitly.
     pub fn load_with_env(
         file: Option<&Path>,
-        listen: Option<SocketAddr>,
+        listen: &[SocketAddr],
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Settings, ConfigError> {
         let base_dir = match file.and_then(Path::parent) {
@@ -194,7 +197,7 @@ impl Settings {
 
     fn resolve(
         layered: config::Config,
-        listen: Option<SocketAddr>,
+        listen: &[SocketAddr],
         base_dir: &Path,
     ) -> Result<Settings, ConfigError> {
         let root: HashMap<String, config::Value> = layered
@@ -226,7 +229,14 @@ impl Settings {
             statestore,
             persistence: persistence_section,
             http: http_section,
+            log,
         } = deserialize(&layered)?;
+        if !matches!(log.format.as_str(), "text" | "json") {
+            return Err(invalid(format!(
+                "log.format: `{}` is neither `text` nor `json`",
+                log.format
+            )));
+        }
         let http = match http_section.listen.trim() {
             "" => None,
             addr => Some(addr.parse::<SocketAddr>().map_err(|e| {
@@ -311,12 +321,17 @@ impl Settings {
                 });
             }
         }
-        if let Some(addr) = listen {
-            listeners.truncate(1);
-            match listeners.first_mut() {
-                Some(first) => first.addr = addr,
-                None => return Err(invalid("no listener to apply --listen to")),
-            }
+        if !listen.is_empty() {
+            let Some(first) = listeners.first().cloned() else {
+                return Err(invalid("no listener to apply --listen to"));
+            };
+            listeners = listen
+                .iter()
+                .map(|&addr| Listener {
+                    addr,
+                    ..first.clone()
+                })
+                .collect();
         }
         // One socket per address: v4 and v5 sections on one port are one listener.
         let mut seen = std::collections::HashSet::new();
@@ -335,7 +350,41 @@ impl Settings {
             persistence,
             persist_policy,
             http,
+            log,
         })
+    }
+
+    /// What differs between `self` (running) and `new` (just read) that
+    /// only a restart applies: named for the reload log line.
+    pub fn needs_restart(&self, new: &Settings) -> Vec<&'static str> {
+        fn differs<T: std::fmt::Debug>(a: &T, b: &T) -> bool {
+            format!("{a:?}") != format!("{b:?}")
+        }
+        let mut names = Vec::new();
+        if differs(&self.listeners, &new.listeners) {
+            names.push("listeners ([v4.*], [v5.*], --listen)");
+        }
+        if differs(&self.router, &new.router) || self.router_id != new.router_id {
+            names.push("[router]");
+        }
+        if self.broker != new.broker {
+            names.push("[broker]");
+        }
+        if self.statestore != new.statestore {
+            names.push("[statestore]");
+        }
+        if differs(&self.persistence, &new.persistence)
+            || differs(&self.persist_policy, &new.persist_policy)
+        {
+            names.push("[persistence]");
+        }
+        if self.http != new.http {
+            names.push("[http]");
+        }
+        if self.log.format != new.log.format {
+            names.push("log.format");
+        }
+        names
     }
 
     /// The store's configuration.
@@ -378,7 +427,7 @@ mod tests {
 
     #[test]
     fn embedded_default() {
-        let s = Settings::load_with_env(None, None, no_env()).unwrap();
+        let s = Settings::load_with_env(None, &[], no_env()).unwrap();
         assert_eq!(s.listeners.len(), 1);
         assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
         assert_eq!(s.statestore.node_id, "statebroker");
@@ -392,7 +441,7 @@ mod tests {
     #[test]
     fn persistence_settings() {
         let f = file("[persistence]\nmode = \"interval\"\ninterval_ms = 50\nkeys = [\"all\"]\n");
-        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
         let p = s.persistence.clone().unwrap();
         assert_eq!(p.mode, Mode::Interval(Duration::from_millis(50)));
         assert_eq!(
@@ -405,12 +454,12 @@ mod tests {
             "STATEBROKER__PERSISTENCE__KEYS".to_owned(),
             "exact:a,glob:b*".to_owned(),
         )];
-        let s = Settings::load_with_env(None, None, env).unwrap();
+        let s = Settings::load_with_env(None, &[], env).unwrap();
         assert!(s.persist_policy.persists(b"a") && s.persist_policy.persists(b"bee"));
         assert!(!s.persist_policy.persists(b"c"));
         let f = file("[persistence]\ndata_dir = \"\"\n");
         assert!(
-            Settings::load_with_env(Some(&f), None, no_env())
+            Settings::load_with_env(Some(&f), &[], no_env())
                 .unwrap()
                 .persistence
                 .is_none()
@@ -429,14 +478,36 @@ mod tests {
     #[test]
     fn listen_override() {
         let addr = "127.0.0.1:0".parse().unwrap();
-        let s = Settings::load_with_env(None, Some(addr), no_env()).unwrap();
+        let s = Settings::load_with_env(None, &[addr], no_env()).unwrap();
         assert_eq!(s.listeners[0].addr, addr);
+        let two: [SocketAddr; 2] = [
+            "127.0.0.1:7001".parse().unwrap(),
+            "[::1]:7002".parse().unwrap(),
+        ];
+        let s = Settings::load_with_env(None, &two, no_env()).unwrap();
+        let addrs: Vec<SocketAddr> = s.listeners.iter().map(|l| l.addr).collect();
+        assert_eq!(addrs, two, "one listener per --listen");
+        assert!(s.listeners.iter().all(|l| l.max_packet_size == 1_048_576));
+    }
+
+    #[test]
+    fn a_reload_names_what_needs_a_restart() {
+        let running = Settings::load_with_env(None, &[], no_env()).unwrap();
+        let f = file("[log]\nlevel = \"debug\"\n");
+        let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+        assert_eq!(new.log.level, "debug");
+        assert!(running.needs_restart(&new).is_empty(), "the level reloads");
+        let f = file("[statestore]\nnode_id = \"other\"\n[http]\nlisten = \"\"\n");
+        let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+        assert_eq!(running.needs_restart(&new), vec!["[statestore]", "[http]"]);
+        let e = error_of("[log]\nformat = \"xml\"\n");
+        assert!(e.contains("log.format"), "{e}");
     }
 
     #[test]
     fn a_file_changes_only_what_it_names() {
         let f = file("[statestore]\nnode_id = \"edge-7\"\n");
-        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
         assert_eq!(s.statestore.node_id, "edge-7");
         assert_eq!(s.statestore.max_clock_skew_ms, 60_000);
         assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
@@ -448,7 +519,7 @@ mod tests {
             "[v4.1]\nname = \"a\"\nlisten = \"127.0.0.1:2883\"\nnext_connection_delay_ms = 0\n\
              [v4.1.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n",
         );
-        let s = Settings::load_with_env(Some(&f), None, no_env()).unwrap();
+        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
         assert_eq!(s.listeners.len(), 1);
         assert_eq!(s.listeners[0].addr, "127.0.0.1:2883".parse().unwrap());
         assert_eq!(s.listeners[0].max_packet_size, 5000);
@@ -467,14 +538,14 @@ mod tests {
             ),
             ("UNRELATED".to_owned(), "x".to_owned()),
         ];
-        let s = Settings::load_with_env(None, None, env).unwrap();
+        let s = Settings::load_with_env(None, &[], env).unwrap();
         assert_eq!(s.statestore.node_id, "from-env");
         assert_eq!(s.router.max_connections, 7);
     }
 
     fn error_of(text: &str) -> String {
         let f = file(text);
-        Settings::load_with_env(Some(&f), None, no_env())
+        Settings::load_with_env(Some(&f), &[], no_env())
             .unwrap_err()
             .to_string()
     }
@@ -498,7 +569,7 @@ mod tests {
         let e = error_of("this is = not toml [");
         assert!(e.contains("cannot read config file"), "{e}");
         let missing =
-            Settings::load_with_env(Some(Path::new("/nonexistent/x.toml")), None, no_env());
+            Settings::load_with_env(Some(Path::new("/nonexistent/x.toml")), &[], no_env());
         assert!(
             missing
                 .unwrap_err()

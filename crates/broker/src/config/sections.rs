@@ -20,6 +20,7 @@ pub(super) const KNOWN_SECTIONS: &[&str] = &[
     "statestore",
     "persistence",
     "http",
+    "log",
 ];
 
 /// Sections of rumqttd's format that statebroker does not implement: a
@@ -52,6 +53,18 @@ pub(super) struct Sections {
     pub statestore: StoreSection,
     pub persistence: PersistenceSection,
     pub http: HttpSection,
+    pub log: LogSection,
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct LogSection {
+    /// A `tracing` filter (`info`, `debug`, `info,broker=debug`); the
+    /// RUST_LOG environment variable wins over it. Reloaded on SIGHUP.
+    pub level: String,
+    /// `text` or `json` (one JSON object per line).
+    pub format: String,
 }
 
 /// `[http]`

@@ -446,7 +446,10 @@ impl Router {
         let client_id = match &self.obufs.get(id) {
             Some(v) => v.client_id.clone(),
             None => {
-                error!("no-connection id {} is already gone", id);
+                // patch 12: a client's DISCONNECT packet removes the
+                // connection, and the link's own Disconnect event follows:
+                // normal, not an error.
+                debug!("connection id {} is already gone", id);
                 return;
             }
         };
@@ -466,7 +469,7 @@ impl Router {
             let outgoing = match self.obufs.get_mut(id) {
                 Some(v) => v,
                 None => {
-                    error!("no-connection id {} is already gone", id);
+                    debug!("connection id {} is already gone", id);
                     return;
                 }
             };
@@ -587,7 +590,9 @@ impl Router {
         let incoming = match self.ibufs.get_mut(id) {
             Some(v) => v,
             None => {
-                error!("no-connection id {} is already gone", id);
+                // patch 12: data a link sent just before its connection
+                // went away; nothing to do.
+                debug!("connection id {} is already gone", id);
                 return;
             }
         };

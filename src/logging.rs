@@ -1,0 +1,84 @@
+//! Logging of the binary: a `tracing` subscriber writing text or JSON lines
+//! to stderr, whose filter a SIGHUP can change.
+//!
+//! The filter is `[log] level` from the configuration unless the RUST_LOG
+//! environment variable is set, which then wins (at start and at reloads).
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Registry, fmt, reload};
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Human-readable lines (coloured on a terminal).
+    Text,
+    /// One JSON object per line: timestamp, level, target, fields, spans.
+    Json,
+}
+
+impl Format {
+    /// The configuration's `log.format` (already validated).
+    pub fn from_config(name: &str) -> Format {
+        if name == "json" {
+            Format::Json
+        } else {
+            Format::Text
+        }
+    }
+}
+
+/// The installed subscriber's filter, for reloads.
+pub struct Logging {
+    handle: reload::Handle<EnvFilter, Registry>,
+    from_env: bool,
+}
+
+/// Parses a filter, naming where it came from in the error.
+fn filter(level: &str, source: &str) -> Result<EnvFilter, String> {
+    EnvFilter::try_new(level).map_err(|e| format!("{source}: `{level}` is not a log filter ({e})"))
+}
+
+impl Logging {
+    /// Installs the process-wide subscriber.
+    pub fn init(format: Format, level: &str) -> Result<Logging, String> {
+        let from_env = std::env::var("RUST_LOG").is_ok_and(|v| !v.is_empty());
+        let initial = match from_env {
+            true => filter(&std::env::var("RUST_LOG").unwrap_or_default(), "RUST_LOG")?,
+            false => filter(level, "log.level")?,
+        };
+        let (filter_layer, handle) = reload::Layer::new(initial);
+        let text = (format == Format::Text).then(|| {
+            fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
+        });
+        let json = (format == Format::Json).then(|| {
+            fmt::layer()
+                .json()
+                .flatten_event(true)
+                .with_writer(std::io::stderr)
+        });
+        tracing_subscriber::registry()
+            .with(filter_layer)
+            .with(text)
+            .with(json)
+            .try_init()
+            .map_err(|e| format!("cannot install the logger: {e}"))?;
+        Ok(Logging { handle, from_env })
+    }
+
+    /// Applies a reloaded `[log] level`; says what it did.
+    pub fn set_level(&self, level: &str) -> Result<&'static str, String> {
+        if self.from_env {
+            return Ok("RUST_LOG is set and wins over log.level");
+        }
+        let new = filter(level, "log.level")?;
+        self.handle
+            .reload(new)
+            .map_err(|e| format!("cannot change the log filter: {e}"))?;
+        Ok("log.level applied")
+    }
+}
