@@ -492,7 +492,9 @@ mod tests {
 
     #[test]
     fn a_reload_names_what_needs_a_restart() {
-        let running = Settings::load_with_env(None, &[], no_env()).unwrap();
+        // Files in one directory: the data directory is relative to it.
+        let f = file("");
+        let running = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
         let f = file("[log]\nlevel = \"debug\"\n");
         let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
         assert_eq!(new.log.level, "debug");
