@@ -69,6 +69,7 @@ async fn health_readiness_and_metrics() {
     let err = c.request(&[b"NOSUCH"]).await;
     assert!(err.payload.starts_with(b"-ERR"));
     publish_complete(&mut c, "m/1", b"x", QoS::AtLeastOnce, false).await;
+    publish_complete(&mut c, "kept/1", b"x", QoS::AtLeastOnce, true).await;
     // A subscriber that takes at most 64-byte packets: a larger message is
     // discarded for it, and counted.
     let (mut small, _) = Raw::connect_with(addr, "metrics-small", |c| {
@@ -111,6 +112,28 @@ async fn health_readiness_and_metrics() {
         );
     }
     assert!(metrics.contains("# TYPE statebroker_dropped_messages_total counter"));
+    // Gauges sampled from this broker at the scrape.
+    let sys_topics = broker::sys::messages(&Default::default()).len() as f64;
+    for (series, exactly) in [
+        ("statebroker_statestore_keys", 1.0),
+        ("statebroker_statestore_bytes", 2.0),
+        ("statebroker_statestore_watches", 0.0),
+        // metrics-client and metrics-small.
+        ("statebroker_sessions", 2.0),
+        // The response topic of metrics-client, big/# of metrics-small.
+        ("statebroker_subscriptions", 2.0),
+        ("statebroker_retained_messages", sys_topics + 1.0),
+        ("statebroker_queued_deliveries", 0.0),
+        ("statebroker_queued_messages_waiting", 0.0),
+    ] {
+        assert_eq!(
+            sample(&metrics, series),
+            Some(exactly),
+            "{series}\n{metrics}"
+        );
+    }
+    assert!(sample(&metrics, "statebroker_sent_publish_bytes_total").is_some_and(|v| v > 0.0));
+    assert!(sample(&metrics, "statebroker_uptime_seconds").is_some_and(|v| v >= 0.0));
 
     drop(small);
     drop(c);

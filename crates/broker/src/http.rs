@@ -11,8 +11,8 @@
 //! HTTP parser facing the network.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -23,18 +23,26 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
+use crate::shared::Shared;
+
+/// The broker the endpoint describes: set once it has started (the
+/// endpoint itself starts first, so `/readyz` can say "not ready").
+pub(crate) type Broker = Arc<OnceLock<Arc<Shared>>>;
+
 /// What the endpoint serves from.
 #[derive(Clone)]
 struct Served {
     metrics: PrometheusHandle,
     ready: Arc<AtomicBool>,
+    broker: Broker,
 }
 
 /// Binds `addr` (so a busy port fails the start, like an MQTT listener)
 /// and serves until `shutdown`. `ready` answers `/readyz`.
-pub async fn start(
+pub(crate) async fn start(
     addr: SocketAddr,
     ready: Arc<AtomicBool>,
+    broker: Broker,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -56,7 +64,11 @@ pub async fn start(
         .route("/metrics", get(metrics_text))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(Served { metrics, ready });
+        .with_state(Served {
+            metrics,
+            ready,
+            broker,
+        });
     tokio::spawn(async move {
         let stop = async move {
             let _ = shutdown.changed().await;
@@ -73,6 +85,9 @@ pub async fn start(
 }
 
 async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
+    if let Some(shared) = served.broker.get() {
+        crate::metrics::set_gauges(&crate::stats::sample(shared));
+    }
     (
         [(
             header::CONTENT_TYPE,

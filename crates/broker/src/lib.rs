@@ -51,7 +51,9 @@ pub mod publisher;
 pub mod router;
 pub mod sessions;
 mod shared;
+pub mod stats;
 pub mod store;
+pub mod sys;
 pub mod topics;
 pub mod will;
 
@@ -84,8 +86,17 @@ impl Broker {
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
         let (stop, shutdown) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
+        let described = http::Broker::default();
         let http = match settings.http {
-            Some(addr) => Some(http::start(addr, Arc::clone(&ready), shutdown.clone()).await?),
+            Some(addr) => Some(
+                http::start(
+                    addr,
+                    Arc::clone(&ready),
+                    Arc::clone(&described),
+                    shutdown.clone(),
+                )
+                .await?,
+            ),
             None => None,
         };
         let persistence = match &settings.persistence {
@@ -154,8 +165,17 @@ impl Broker {
             wills,
             next_connection: AtomicU64::new(1),
             started_nanos: clock::now_nanos(),
+            started: std::time::Instant::now(),
             shutdown,
         });
+        let _ = described.set(Arc::clone(&shared));
+        let sys_interval = shared.settings.broker.sys_interval;
+        if sys_interval > 0 {
+            tokio::spawn(sys::publish_every(
+                Arc::clone(&shared),
+                Duration::from_secs(sys_interval),
+            ));
+        }
         tokio::spawn(end_expired_sessions(
             Arc::clone(&shared.sessions),
             shared.shutdown.clone(),

@@ -12,6 +12,7 @@
 //! share the counters.
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
@@ -31,6 +32,32 @@ pub const MESSAGES_RECEIVED: &str = "statebroker_messages_received_total";
 pub const BYTES_RECEIVED: &str = "statebroker_received_payload_bytes_total";
 /// PUBLISH packets sent to clients, by `qos`.
 pub const MESSAGES_SENT: &str = "statebroker_messages_sent_total";
+/// Bytes of the PUBLISH packets sent to clients.
+pub const BYTES_SENT: &str = "statebroker_sent_publish_bytes_total";
+/// Clients known: connected, or with a session kept (gauge).
+pub const SESSIONS: &str = "statebroker_sessions";
+/// Subscriptions of connected clients and kept sessions (gauge).
+pub const SUBSCRIPTIONS: &str = "statebroker_subscriptions";
+/// Retained messages held (gauge).
+pub const RETAINED: &str = "statebroker_retained_messages";
+/// The broker's own deliveries (state store answers, notifications)
+/// queued or unacknowledged, all connections together (gauge).
+pub const QUEUED_DELIVERIES: &str = "statebroker_queued_deliveries";
+/// The same in bytes of topic and payload (gauge).
+pub const QUEUED_DELIVERY_BYTES: &str = "statebroker_queued_delivery_bytes";
+/// Saved copies of QoS 1/2 messages persistent sessions still wait for
+/// (gauge).
+pub const QUEUED_WAITING: &str = "statebroker_queued_messages_waiting";
+/// Keys in the state store (gauge).
+pub const STORE_KEYS: &str = "statebroker_statestore_keys";
+/// Bytes of keys and values in the state store (gauge).
+pub const STORE_BYTES: &str = "statebroker_statestore_bytes";
+/// KEYNOTIFY registrations (gauge).
+pub const STORE_WATCHES: &str = "statebroker_statestore_watches";
+/// Keys removed because their expiry passed.
+pub const STORE_EXPIRED: &str = "statebroker_statestore_expired_keys_total";
+/// Seconds since the broker started (gauge).
+pub const UPTIME: &str = "statebroker_uptime_seconds";
 /// Messages not delivered to a client because a bound or limit was
 /// reached, by `reason`.
 pub const DROPPED: &str = "statebroker_dropped_messages_total";
@@ -99,6 +126,32 @@ fn describe() {
     );
     describe_counter!(BYTES_RECEIVED, "Payload bytes of PUBLISH packets received");
     describe_counter!(MESSAGES_SENT, "PUBLISH packets sent to clients, by QoS");
+    describe_counter!(BYTES_SENT, "Bytes of PUBLISH packets sent to clients");
+    describe_gauge!(SESSIONS, "Clients connected or with a session kept");
+    describe_gauge!(SUBSCRIPTIONS, "Subscriptions of clients and kept sessions");
+    describe_gauge!(RETAINED, "Retained messages held");
+    describe_gauge!(
+        QUEUED_DELIVERIES,
+        "State store answers and notifications queued or unacknowledged"
+    );
+    describe_gauge!(
+        QUEUED_DELIVERY_BYTES,
+        metrics::Unit::Bytes,
+        "Topic and payload bytes of the queued deliveries"
+    );
+    describe_gauge!(
+        QUEUED_WAITING,
+        "Saved QoS 1/2 messages persistent sessions wait for"
+    );
+    describe_gauge!(STORE_KEYS, "Keys in the state store");
+    describe_gauge!(
+        STORE_BYTES,
+        metrics::Unit::Bytes,
+        "Bytes of keys and values in the state store"
+    );
+    describe_gauge!(STORE_WATCHES, "KEYNOTIFY registrations");
+    describe_counter!(STORE_EXPIRED, "Keys removed because their expiry passed");
+    describe_gauge!(UPTIME, metrics::Unit::Seconds, "Seconds since the start");
     describe_counter!(
         DROPPED,
         "Messages not delivered because a bound was reached, by reason"
@@ -132,8 +185,64 @@ fn qos_label(qos: u8) -> &'static str {
     }
 }
 
+/// Running totals `$SYS` reports (the Prometheus recorder cannot be read
+/// back). Process-wide, like the recorder.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// PUBLISH packets received.
+    pub messages_received: u64,
+    /// Their payload bytes.
+    pub bytes_received: u64,
+    /// PUBLISH packets sent.
+    pub messages_sent: u64,
+    /// Their bytes.
+    pub bytes_sent: u64,
+    /// Connections accepted.
+    pub connections_accepted: u64,
+    /// Keys expired.
+    pub keys_expired: u64,
+}
+
+static MESSAGES_RECEIVED_N: AtomicU64 = AtomicU64::new(0);
+static BYTES_RECEIVED_N: AtomicU64 = AtomicU64::new(0);
+static MESSAGES_SENT_N: AtomicU64 = AtomicU64::new(0);
+static BYTES_SENT_N: AtomicU64 = AtomicU64::new(0);
+static ACCEPTED_N: AtomicU64 = AtomicU64::new(0);
+static EXPIRED_N: AtomicU64 = AtomicU64::new(0);
+
+/// The running totals now.
+pub fn totals() -> Totals {
+    Totals {
+        messages_received: MESSAGES_RECEIVED_N.load(Relaxed),
+        bytes_received: BYTES_RECEIVED_N.load(Relaxed),
+        messages_sent: MESSAGES_SENT_N.load(Relaxed),
+        bytes_sent: BYTES_SENT_N.load(Relaxed),
+        connections_accepted: ACCEPTED_N.load(Relaxed),
+        keys_expired: EXPIRED_N.load(Relaxed),
+    }
+}
+
+/// Values sampled from the broker's state, set as gauges just before
+/// `/metrics` is rendered (see [`crate::stats`]).
+pub fn set_gauges(now: &crate::stats::Snapshot) {
+    gauge!(SESSIONS).set(now.census.clients as f64);
+    gauge!(SUBSCRIPTIONS).set(now.census.subscriptions as f64);
+    gauge!(RETAINED).set(now.retained as f64);
+    gauge!(QUEUED_DELIVERIES).set(now.census.queued_messages as f64);
+    gauge!(QUEUED_DELIVERY_BYTES).set(now.census.queued_bytes as f64);
+    gauge!(QUEUED_WAITING).set(now.queued_waiting as f64);
+    gauge!(STORE_KEYS).set(now.keys as f64);
+    gauge!(STORE_BYTES).set(now.key_bytes as f64);
+    gauge!(STORE_WATCHES).set(now.watches as f64);
+    gauge!(UPTIME).set(now.uptime.as_secs_f64());
+    // Counted in atomics on the hot path, handed over here.
+    counter!(BYTES_SENT).absolute(now.totals.bytes_sent);
+    counter!(STORE_EXPIRED).absolute(now.totals.keys_expired);
+}
+
 /// A client connected.
 pub fn connection_opened() {
+    ACCEPTED_N.fetch_add(1, Relaxed);
     counter!(CONNECTIONS_ACCEPTED).increment(1);
     gauge!(CONNECTIONS).increment(1.0);
 }
@@ -151,13 +260,24 @@ pub fn connection_refused(reason: &'static str) {
 
 /// A client's PUBLISH arrived.
 pub fn received(qos: u8, payload: usize) {
+    MESSAGES_RECEIVED_N.fetch_add(1, Relaxed);
+    BYTES_RECEIVED_N.fetch_add(payload as u64, Relaxed);
     counter!(MESSAGES_RECEIVED, "qos" => qos_label(qos)).increment(1);
     counter!(BYTES_RECEIVED).increment(payload as u64);
 }
 
-/// A PUBLISH went to a client.
-pub fn sent(qos: u8) {
+/// A PUBLISH packet of `bytes` went to a client.
+pub fn sent(qos: u8, bytes: usize) {
+    MESSAGES_SENT_N.fetch_add(1, Relaxed);
+    BYTES_SENT_N.fetch_add(bytes as u64, Relaxed);
     counter!(MESSAGES_SENT, "qos" => qos_label(qos)).increment(1);
+}
+
+/// `n` keys expired.
+pub fn expired(n: usize) {
+    if n > 0 {
+        EXPIRED_N.fetch_add(n as u64, Relaxed);
+    }
 }
 
 /// `n` messages were not delivered, for `reason`.

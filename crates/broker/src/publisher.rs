@@ -149,6 +149,20 @@ impl Publisher {
         self.route(messages);
     }
 
+    /// Publishes retained QoS 0 messages of the broker's own (`$SYS`).
+    pub fn publish_retained(&self, messages: Vec<(String, String)>) {
+        let messages = messages
+            .into_iter()
+            .map(|(topic, payload)| SavedMessage {
+                topic: topic.into(),
+                payload: payload.into(),
+                qos: 0,
+                properties: None,
+            })
+            .collect();
+        self.publish_saved(messages, true);
+    }
+
     /// Gives the router messages saved before a restart, each at its own
     /// QoS (a QoS 2 one is released at once), as retained messages or not.
     pub fn publish_saved(&self, messages: Vec<SavedMessage>, retain: bool) {

@@ -39,6 +39,8 @@ type Factory = dyn Fn(&str, bool, u32) -> Result<Link, LinkRefused> + Send + Syn
 #[derive(Clone)]
 pub struct Router {
     factory: Arc<Factory>,
+    /// Retained messages the router holds (rumqttd patch 14).
+    retained: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Router {
@@ -46,7 +48,9 @@ impl Router {
     /// client connections; room for the broker's own links is added.
     pub fn spawn(id: usize, mut config: RouterConfig) -> Router {
         config.max_connections += INTERNAL_LINKS;
-        let router_tx = rumqttd::Router::new(id, config).spawn();
+        let router = rumqttd::Router::new(id, config);
+        let retained = router.retained_count();
+        let router_tx = router.spawn();
         let factory = move |client_id: &str, clean_start: bool, session_expiry: u32| {
             LinkBuilder::new(client_id, router_tx.clone())
                 .clean_session(clean_start)
@@ -61,7 +65,13 @@ impl Router {
         };
         Router {
             factory: Arc::new(factory),
+            retained,
         }
+    }
+
+    /// How many retained messages the router holds now.
+    pub fn retained_messages(&self) -> usize {
+        self.retained.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Registers a connection with the router and returns its link and the

@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     pub next_connection: AtomicU64,
     /// When the broker started (assigned client ids carry it).
     pub started_nanos: u128,
+    /// When the broker started (for its uptime).
+    pub started: std::time::Instant,
     /// Becomes `true` when the broker stops.
     pub shutdown: watch::Receiver<bool>,
 }

@@ -104,6 +104,8 @@ pub struct BrokerSection {
     pub max_queued_messages: usize,
     /// The same bound in bytes (topic and payload).
     pub max_queued_bytes: usize,
+    /// Seconds between two publications of the `$SYS` topics; 0: none.
+    pub sys_interval: u64,
 }
 
 /// `[statestore]`

@@ -106,7 +106,7 @@ impl Outbound {
         if dropped {
             out.truncate(start);
         } else if let Some((qos, _)) = id {
-            crate::metrics::sent(qos);
+            crate::metrics::sent(qos, out.len() - start);
         }
         let (_, pkid) = id.filter(|&(qos, _)| qos > 0)?;
         self.router.sent(pkid, dropped, to_router);
@@ -332,7 +332,7 @@ impl DirectWindow {
             self.bound.release(message.size());
             return false;
         }
-        crate::metrics::sent(message.qos);
+        crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
             self.bound.release(message.size());
         } else {

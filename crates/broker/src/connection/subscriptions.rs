@@ -3,8 +3,8 @@
 //! Refused here, per filter (MQTT 5 with the reason code, 3.1.1 with 0x80):
 //!
 //! - invalid filters, and `$share/` without a group and a filter: 0x8F;
-//! - `$`-topics other than shared subscriptions (rumqttd would disconnect the
-//!   client for them): 0x87;
+//! - `$`-topics other than shared subscriptions and the broker's `$SYS/...`
+//!   statistics (rumqttd would disconnect the client for them): 0x87;
 //! - another client's part of the state store's notification namespace, by
 //!   name: 0x87 (see [`crate::topics::may_subscribe`]).
 //!
@@ -28,7 +28,9 @@ pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode
         || filter.starts_with("$share/") && filter.split('/').count() < 3
     {
         Some(SubscribeReasonCode::TopicFilterInvalid)
-    } else if filter.starts_with('$') && !filter.starts_with("$share/")
+    } else if filter.starts_with('$')
+        && !filter.starts_with("$share/")
+        && !crate::sys::is_sys_topic(filter)
         || !topics::may_subscribe(filter, own_hex)
     {
         Some(SubscribeReasonCode::NotAuthorized)
@@ -173,7 +175,10 @@ mod tests {
             ("$share/g/jobs/#", None),
             ("a/#/b", Some(R::TopicFilterInvalid)),
             ("$share/g", Some(R::TopicFilterInvalid)),
-            ("$SYS/#", Some(R::NotAuthorized)),
+            ("$SYS/#", None),
+            ("$SYS/broker/uptime", None),
+            ("$SYSTEM/#", Some(R::NotAuthorized)),
+            ("$other/x", Some(R::NotAuthorized)),
             (&format!("{ns}/{OWN}/command/notify/+"), None),
             (
                 &format!("{ns}/6332/command/notify/+"),
@@ -188,7 +193,7 @@ mod tests {
     #[test]
     fn refused_filters_return_to_their_places() {
         let filters = vec![
-            filter("$SYS/x"),
+            filter("$other/x"),
             filter("ok/1"),
             filter("a/#/b"),
             filter("ok/2"),
@@ -223,7 +228,7 @@ mod tests {
 
     #[test]
     fn mqtt_3_1_1_hears_failure() {
-        let checked = check(vec![filter("$SYS/x")], OWN, Protocol::V4, "c1");
+        let checked = check(vec![filter("$other/x")], OWN, Protocol::V4, "c1");
         assert_eq!(checked.refused, vec![(0, SubscribeReasonCode::Failure)]);
     }
 }

@@ -293,11 +293,11 @@ impl<S: Stream> Connection<S> {
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
             return self.on_request(publish, properties, qos, pkid, dialect);
         }
-        if topics::in_notify_namespace(topic) {
+        if topics::in_notify_namespace(topic) || crate::sys::is_sys_topic(topic) {
             tracing::warn!(
                 client_id = self.client_id,
                 topic,
-                "publish into the notification namespace refused"
+                "publish refused: the notification namespace and $SYS are the broker's"
             );
             self.ack(qos, pkid, false);
             return Ok(());

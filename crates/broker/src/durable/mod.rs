@@ -135,6 +135,11 @@ impl Durable {
         self.queue.waiting(client)
     }
 
+    /// Saved messages all persistent sessions still wait for.
+    pub fn waiting_total(&self) -> usize {
+        self.queue.total()
+    }
+
     /// `publish` (a client's, with RETAIN, and a packet id if QoS 1/2) is
     /// retained: save it (an empty payload removes the topic's retained
     /// message). Returns the sequence number

@@ -93,6 +93,11 @@ impl Queue {
     pub fn waiting(&self, client: &str) -> usize {
         self.waiting.lock().get(client).map_or(0, BTreeSet::len)
     }
+
+    /// Saved copies all sessions together wait for.
+    pub fn total(&self) -> usize {
+        self.waiting.lock().values().map(BTreeSet::len).sum()
+    }
 }
 
 /// The key of `client`'s copy of message `seq`.

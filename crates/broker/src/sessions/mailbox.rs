@@ -72,7 +72,6 @@ impl QueueBound {
     }
 
     /// Messages and bytes held now.
-    #[cfg(test)]
     pub(crate) fn held(&self) -> (usize, usize) {
         (
             self.messages.load(Ordering::Acquire),

@@ -116,6 +116,22 @@ struct Inner {
     wild: Vec<(String, Arc<str>)>,
 }
 
+/// What [`Sessions::census`] counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Clients known: connected, or with a session kept.
+    pub clients: usize,
+    /// Clients connected now.
+    pub connected: usize,
+    /// Subscriptions, of connected clients and of kept sessions.
+    pub subscriptions: usize,
+    /// The broker's own deliveries (answers, notifications) queued or in
+    /// flight to connections, in messages and bytes.
+    pub queued_messages: usize,
+    /// See `queued_messages`.
+    pub queued_bytes: usize,
+}
+
 /// The subscription mirror and direct delivery.
 #[derive(Default)]
 pub struct Sessions {
@@ -245,6 +261,26 @@ impl Sessions {
         state.filters = filters.into_iter().collect();
         state.kept_until = remaining.map(|r| Instant::now() + r);
         self.set_journaled(state, true);
+    }
+
+    /// How many clients, connections, subscriptions and queued deliveries
+    /// there are now (one pass over the clients: for /metrics and `$SYS`).
+    pub fn census(&self) -> Census {
+        let inner = self.inner.read();
+        let mut census = Census {
+            clients: inner.clients.len(),
+            ..Census::default()
+        };
+        for client in inner.clients.values() {
+            census.subscriptions += client.filters.len();
+            if let Some(live) = &client.live {
+                census.connected += 1;
+                let (messages, bytes) = live.mailbox.bound.held();
+                census.queued_messages += messages;
+                census.queued_bytes += bytes;
+            }
+        }
+        census
     }
 
     /// Whether the router may keep a session with subscriptions for

@@ -221,7 +221,9 @@ impl StateStoreService {
     fn expire_now(self: &Arc<Self>) -> Option<u64> {
         let (fx, next, wait) = {
             let mut store = self.store.lock();
+            let before = store.len();
             let mut fx = store.expire(now_ms());
+            crate::metrics::expired(before.saturating_sub(store.len()));
             let wait = self.persist(std::mem::take(&mut fx.writes));
             (fx, store.next_expiry(), wait)
         };

@@ -655,7 +655,10 @@ pub fn valid_filter(filter: &str) -> bool {
 /// **NOTE**: make sure a topic is validated during a publish and filter is validated
 /// during a subscribe
 pub fn matches(topic: &str, filter: &str) -> bool {
-    if !topic.is_empty() && topic[..1].contains('$') {
+    // MQTT 5 4.7.2: a filter starting with a wildcard does not match a topic
+    // starting with `$`; a filter naming the `$` level does (statebroker
+    // patch 13: `$SYS/#` used to match nothing).
+    if topic.starts_with('$') && (filter.starts_with('+') || filter.starts_with('#')) {
         return false;
     }
 

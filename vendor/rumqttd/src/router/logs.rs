@@ -65,6 +65,9 @@ pub struct DataLog {
     /// Map of subscription filter name to filter index
     filter_indexes: HashMap<Filter, FilterIdx>,
     retained_publishes: HashMap<Topic, PublishData>,
+    /// How many retained messages are held, for readers on other threads
+    /// (statebroker patch 14).
+    pub retained_count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// List of filters associated with a topic
     publish_filters: HashMap<Topic, Vec<FilterIdx>>,
 }
@@ -93,6 +96,7 @@ impl DataLog {
             publish_filters,
             filter_indexes,
             retained_publishes,
+            retained_count: Default::default(),
         })
     }
 
@@ -294,10 +298,19 @@ impl DataLog {
     ) {
         let pub_with_props = (publish, publish_properties);
         self.retained_publishes.insert(topic, pub_with_props.into());
+        self.count_retained();
     }
 
     pub fn remove_from_retained_publishes(&mut self, topic: Topic) {
         self.retained_publishes.remove(&topic);
+        self.count_retained();
+    }
+
+    fn count_retained(&self) {
+        self.retained_count.store(
+            self.retained_publishes.len(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     pub fn read_retained_messages(&mut self, filter: &str) -> Vec<PubWithProp> {
@@ -310,6 +323,7 @@ impl DataLog {
         // decremented on every read, so a message expired early).
         self.retained_publishes
             .retain(|_, pubdata| remaining_expiry(pubdata, now) != Some(0));
+        self.count_retained();
 
         self.retained_publishes
             .iter()

@@ -167,6 +167,12 @@ impl Router {
     /// For that reason, all the public methods should start the router in the
     /// background
     #[tracing::instrument(skip_all)]
+    /// The number of retained messages held, kept up to date by the router
+    /// once spawned (statebroker patch 14).
+    pub fn retained_count(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        std::sync::Arc::clone(&self.datalog.retained_count)
+    }
+
     pub fn spawn(mut self) -> Sender<(ConnectionId, Event)> {
         let router = thread::Builder::new().name(format!("router-{}", self.id));
         let link = self.link();
@@ -1897,7 +1903,12 @@ fn validate_subscription(
         }
     }
 
-    if filter.path.starts_with('$') && !filter.path.starts_with("$share") {
+    // `$SYS/...` is allowed: the broker publishes its statistics there
+    // (statebroker patch 13); clients cannot publish to it.
+    if filter.path.starts_with('$')
+        && !filter.path.starts_with("$share")
+        && !filter.path.starts_with("$SYS/")
+    {
         return Err(RouterError::InvalidFilterPrefix(filter.path.to_owned()));
     }
 
