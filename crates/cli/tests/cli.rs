@@ -1,0 +1,327 @@
+//! `statebroker-cli` against a broker started in the test: every command,
+//! the output formats and the exit statuses.
+
+use std::net::SocketAddr;
+use std::process::Output;
+use std::time::Duration;
+
+use broker::{Broker, RunningBroker, Settings};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+async fn broker_with(tweak: impl FnOnce(&mut Settings)) -> RunningBroker {
+    let mut settings = Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    tweak(&mut settings);
+    Broker::start(settings).await.expect("broker starts")
+}
+
+fn cli(addr: SocketAddr) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"));
+    command
+        .args(["-h", &addr.ip().to_string(), "-p", &addr.port().to_string()])
+        .kill_on_drop(true);
+    command
+}
+
+async fn run(addr: SocketAddr, args: &[&str]) -> Output {
+    cli(addr)
+        .args(["--timeout", "5"])
+        .args(args)
+        .output()
+        .await
+        .unwrap()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_get_del_vdel_and_formats() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+
+    let set = run(addr, &["set", "greeting", "hello world", "--px", "60000"]).await;
+    assert!(set.status.success(), "{set:?}");
+    assert_eq!(stdout(&set), "OK\n");
+    let get = run(addr, &["get", "greeting"]).await;
+    assert_eq!(
+        (stdout(&get).as_str(), get.status.code()),
+        ("hello world\n", Some(0))
+    );
+
+    // -v: the version (an HLC of the broker's node) and the properties.
+    let verbose = stdout(&run(addr, &["-v", "get", "greeting"]).await);
+    let mut lines = verbose.lines();
+    assert_eq!(lines.next(), Some("hello world"));
+    let version = lines.next().unwrap();
+    assert!(
+        version.starts_with("version: ") && version.ends_with(":statebroker"),
+        "{verbose}"
+    );
+    assert!(verbose.contains("property: __stat=200"), "{verbose}");
+
+    // --json, with bytes that are not UTF-8 as hex.
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&run(addr, &["--json", "get", "greeting"]).await)).unwrap();
+    assert_eq!(json["value"], "hello world");
+    assert!(json["version"].as_str().unwrap().ends_with(":statebroker"));
+    let missing = run(addr, &["get", "nothing"]).await;
+    assert_eq!(
+        (stdout(&missing).as_str(), missing.status.code()),
+        ("", Some(0))
+    );
+    assert_eq!(
+        stdout(&run(addr, &["-v", "get", "nothing"]).await)
+            .lines()
+            .next(),
+        Some("(nil)")
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&run(addr, &["--json", "get", "nothing"]).await)).unwrap();
+    assert!(json["value"].is_null());
+
+    // Conditions: NX refused on an existing key prints -1.
+    assert_eq!(
+        stdout(&run(addr, &["set", "greeting", "x", "--nx"]).await),
+        "-1\n"
+    );
+    assert_eq!(
+        stdout(&run(addr, &["vdel", "greeting", "other"]).await),
+        "-1\n"
+    );
+    assert_eq!(
+        stdout(&run(addr, &["vdel", "greeting", "hello world"]).await),
+        "1\n"
+    );
+    assert_eq!(stdout(&run(addr, &["del", "greeting"]).await), "0\n");
+    run(addr, &["set", "k", "v"]).await;
+    assert_eq!(stdout(&run(addr, &["del", "k"]).await), "1\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persist_keeps_a_key_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let on_disk = |s: &mut Settings| {
+        s.persistence = Some(broker::config::PersistenceSettings {
+            data_dir: dir.path().to_owned(),
+            mode: broker::config::Mode::Fsync,
+        });
+    };
+    let broker = broker_with(on_disk).await;
+    let addr = broker.local_addr();
+    assert!(
+        run(addr, &["set", "kept", "v", "--persist"])
+            .await
+            .status
+            .success()
+    );
+    assert!(run(addr, &["set", "lost", "v"]).await.status.success());
+    broker.shutdown(Duration::from_secs(2)).await;
+    let broker = broker_with(on_disk).await;
+    let addr = broker.local_addr();
+    assert_eq!(stdout(&run(addr, &["get", "kept"]).await), "v\n");
+    assert_eq!(stdout(&run(addr, &["get", "lost"]).await), "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_exit_1_and_no_answer_exits_2() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+    let unknown = run(addr, &["raw", "NOSUCH", "thing"]).await;
+    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&unknown.stderr),
+        "ERR unknown command\n"
+    );
+    assert!(unknown.stdout.is_empty());
+    let json = run(addr, &["--json", "raw", "GET"]).await;
+    assert_eq!(json.status.code(), Some(1));
+    assert!(
+        stdout(&json).contains("wrong number of arguments"),
+        "{json:?}"
+    );
+
+    // Something that accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let started = std::time::Instant::now();
+    let timeout = cli(silent_addr)
+        .args(["--timeout", "0.5", "get", "k"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(timeout.status.code(), Some(2), "{timeout:?}");
+    assert!(String::from_utf8_lossy(&timeout.stderr).contains("no answer within the timeout"));
+    assert!(started.elapsed() < Duration::from_secs(4));
+    // Nobody listening at all.
+    drop(broker);
+    let refused = run(addr, &["get", "k"]).await;
+    assert_eq!(refused.status.code(), Some(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_reads_every_scan_page() {
+    let broker = broker_with(|s| s.statestore.scan_page_size = 3).await;
+    let addr = broker.local_addr();
+    let client = run(addr, &["set", "a", "1"]).await;
+    assert!(client.status.success());
+    for i in 0..10 {
+        let key = format!("sensor-{i}");
+        assert!(run(addr, &["set", &key, "v"]).await.status.success());
+    }
+    let mut keys: Vec<String> = stdout(&run(addr, &["keys", "sensor-*"]).await)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    keys.sort();
+    let want: Vec<String> = (0..10).map(|i| format!("sensor-{i}")).collect();
+    assert_eq!(keys, want, "ten keys over four pages of three");
+    let all = stdout(&run(addr, &["keys"]).await);
+    assert_eq!(all.lines().count(), 11);
+    assert_eq!(
+        stdout(&run(addr, &["keys", "sensor-[!0-8]"]).await),
+        "sensor-9\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_prints_each_change() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+    let mut watcher = cli(addr)
+        .args(["--timeout", "5", "-v", "watch", "door", "window"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = BufReader::new(watcher.stderr.take().unwrap()).lines();
+    let note = tokio::time::timeout(Duration::from_secs(10), ready.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(note.as_deref(), Some("watching 2 key(s); Ctrl-C to stop"));
+    run(addr, &["set", "door", "open"]).await;
+    run(addr, &["set", "ignored", "x"]).await;
+    run(addr, &["del", "door"]).await;
+    run(addr, &["set", "window", "shut"]).await;
+    let mut lines = BufReader::new(watcher.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .expect("a change line")
+            .unwrap()
+            .unwrap();
+        seen.push(line);
+    }
+    let fields: Vec<Vec<&str>> = seen.iter().map(|l| l.split('\t').collect()).collect();
+    assert_eq!(fields[0][..3], ["SET", "door", "open"]);
+    assert_eq!(fields[1][..3], ["DELETE", "door", ""]);
+    assert_eq!(fields[2][..3], ["SET", "window", "shut"]);
+    assert!(
+        fields.iter().all(|f| f[3].ends_with(":statebroker")),
+        "{seen:?}"
+    );
+    watcher.kill().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_acquires_renews_refuses_and_releases() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+    let first = run(addr, &["-i", "worker-1", "lock", "jobs", "--ttl", "10000"]).await;
+    assert!(first.status.success(), "{first:?}");
+    let token = stdout(&first).trim().to_owned();
+    assert!(token.ends_with(":statebroker"), "a fencing token: {token}");
+
+    let other = run(addr, &["-i", "worker-2", "lock", "jobs", "--ttl", "10000"]).await;
+    assert_eq!(other.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("held by another client"));
+
+    // The holder renews: a newer token.
+    let renewed = run(
+        addr,
+        &["-i", "worker-1", "--json", "lock", "jobs", "--ttl", "10000"],
+    )
+    .await;
+    let json: serde_json::Value = serde_json::from_str(&stdout(&renewed)).unwrap();
+    let newer = json["fencing_token"].as_str().unwrap();
+    assert!(newer > token.as_str(), "{newer} after {token}");
+    assert_eq!(json["holder"], "worker-1");
+
+    // The token fences a write.
+    let fenced = run(addr, &["set", "job", "done", "--fencing-token", newer]).await;
+    assert!(fenced.status.success());
+    let stale = run(addr, &["set", "job", "again", "--fencing-token", &token]).await;
+    assert_eq!(stale.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&stale.stderr).contains("lower version"));
+
+    let wrong = run(addr, &["-i", "worker-2", "lock", "jobs", "--release"]).await;
+    assert_eq!(wrong.status.code(), Some(1));
+    let released = run(addr, &["-i", "worker-1", "lock", "jobs", "--release"]).await;
+    assert!(released.status.success(), "{released:?}");
+    let taken = run(addr, &["-i", "worker-2", "lock", "jobs", "--ttl", "10000"]).await;
+    assert!(taken.status.success(), "free after the release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn username_and_password_from_flag_or_file() {
+    let broker = broker_with(|s| {
+        s.listeners[0].auth = Some([("alice".to_owned(), "secret".to_owned())].into());
+    })
+    .await;
+    let addr = broker.local_addr();
+    let ok = run(addr, &["-u", "alice", "-P", "secret", "set", "k", "v"]).await;
+    assert!(ok.status.success(), "{ok:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("password");
+    std::fs::write(&file, "secret\n").unwrap();
+    let from_file = run(
+        addr,
+        &[
+            "-u",
+            "alice",
+            "--password-file",
+            file.to_str().unwrap(),
+            "get",
+            "k",
+        ],
+    )
+    .await;
+    assert_eq!(stdout(&from_file), "v\n");
+    let refused = run(addr, &["-u", "alice", "-P", "wrong", "get", "k"]).await;
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("refused"),
+        "{refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn help_has_examples() {
+    let help = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"))
+        .arg("--help")
+        .output()
+        .await
+        .unwrap();
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    for needle in [
+        "Examples:",
+        "-h, --host",
+        "-i, --id",
+        "--timeout",
+        "watch",
+        "lock",
+        "--json",
+    ] {
+        assert!(text.contains(needle), "--help lacks {needle}");
+    }
+}
