@@ -760,3 +760,57 @@ fn legacy_2023_dialect() {
         b"$1\r\nx\r\n"
     );
 }
+
+// ---------------------------------------------------------------- PING / INFO
+
+#[test]
+fn ping_answers_pong_or_the_message() {
+    let mut h = Harness::new();
+    assert_eq!(h.run(&["PING"]), b"+PONG\r\n");
+    assert_eq!(h.run(&["ping", "hi\r\nthere"]), b"$9\r\nhi\r\nthere\r\n");
+    assert_eq!(h.run(&["PING", "a", "b"]), err("wrong number of arguments"));
+    // No `__ts` needed; the answer carries the store's clock.
+    let out = h.req(&["PING"]).ts(None).send();
+    assert_eq!(out.payload, b"+PONG\r\n");
+    assert!(out.timestamp.ends_with(":statebroker"), "{}", out.timestamp);
+    // Not a verb of the 2023 topic.
+    let out = h.req(&["ping"]).dialect(Dialect::Legacy2023).send();
+    assert_eq!(out.payload, err("unknown command"));
+}
+
+#[test]
+fn info_describes_the_store_by_section() {
+    let mut h = Harness::new();
+    h.run(&["SET", "k", "value"]);
+    h.run(&["KEYNOTIFY", "k"]);
+    let info = |h: &mut Harness, args: &[&str]| {
+        let payload = h.run(args);
+        match statestore::resp3::parse_reply(&payload) {
+            Ok(statestore::resp3::Reply::Bulk(text)) => String::from_utf8(text).unwrap(),
+            other => panic!("INFO answers a bulk string: {other:?}"),
+        }
+    };
+    let all = info(&mut h, &["INFO"]);
+    for line in [
+        "# Server",
+        "node_id:statebroker",
+        "# Keyspace",
+        "keys:1",
+        "bytes:6",
+        "watches:1",
+        "# Quota",
+    ] {
+        assert!(
+            all.split("\r\n").any(|l| l == line),
+            "{line} missing in {all:?}"
+        );
+    }
+    assert_eq!(
+        info(&mut h, &["info", "all"]).split("\r\n").count(),
+        all.split("\r\n").count()
+    );
+    let keyspace = info(&mut h, &["INFO", "keyspace"]);
+    assert!(keyspace.starts_with("# Keyspace\r\n") && !keyspace.contains("# Server"));
+    assert_eq!(info(&mut h, &["INFO", "nosuch"]), "");
+    assert_eq!(h.run(&["INFO", "a", "b"]), err("wrong number of arguments"));
+}

@@ -8,6 +8,8 @@
 //! | `VDEL key value` | `:1` | missing: `:0`; other value: `:-1` |
 //! | `KEYNOTIFY key [STOP]` | `+OK` | STOP of a key not watched: `:0` |
 //! | `SCAN pattern [token]` | `*1 *K keys…` (last page) or `*2 *K keys… token` | |
+//! | `PING [message]` | `+PONG`, or the message | |
+//! | `INFO [section]` | `$len` Redis-style `# Section` / `name:value` lines | |
 //!
 //! On the current request topic verbs and options are case-insensitive (the
 //! official clients send upper case). On the 2023 topic the rules of that
@@ -17,14 +19,18 @@
 
 mod del;
 mod get;
+mod info;
 mod keynotify;
+mod ping;
 mod scan;
 mod set;
 mod vdel;
 
 pub use del::Del;
 pub use get::Get;
+pub use info::Info;
 pub use keynotify::KeyNotify;
+pub use ping::Ping;
 pub use scan::{Page, Scan};
 pub use set::{Condition, Set};
 pub use vdel::VDel;
@@ -59,6 +65,10 @@ pub enum Command<'a> {
     KeyNotify(KeyNotify<'a>),
     /// `SCAN`
     Scan(Scan<'a>),
+    /// `PING`
+    Ping(Ping<'a>),
+    /// `INFO`
+    Info(Info<'a>),
 }
 
 /// What a command answers: the frame, and the version for `__ts`.
@@ -103,6 +113,10 @@ impl<'a> Command<'a> {
             Command::KeyNotify(KeyNotify::parse(&mut parse)?)
         } else if dialect == Dialect::V1 && verb_is("SCAN") {
             Command::Scan(Scan::parse(&mut parse)?)
+        } else if dialect == Dialect::V1 && verb_is("PING") {
+            Command::Ping(Ping::parse(&mut parse)?)
+        } else if dialect == Dialect::V1 && verb_is("INFO") {
+            Command::Info(Info::parse(&mut parse)?)
         } else {
             return Err(Error::UnknownCommand);
         };
@@ -118,6 +132,8 @@ impl<'a> Command<'a> {
             Command::VDel(_) => "VDEL",
             Command::KeyNotify(_) => "KEYNOTIFY",
             Command::Scan(_) => "SCAN",
+            Command::Ping(_) => "PING",
+            Command::Info(_) => "INFO",
         }
     }
 
@@ -129,6 +145,8 @@ impl<'a> Command<'a> {
             Command::VDel(cmd) => cmd.apply(state, ctx),
             Command::KeyNotify(cmd) => cmd.apply(state, ctx),
             Command::Scan(cmd) => cmd.apply(state, ctx),
+            Command::Ping(cmd) => cmd.apply(state, ctx),
+            Command::Info(cmd) => cmd.apply(state, ctx),
         }
     }
 }
