@@ -5,14 +5,15 @@
 //!   format;
 //! - `GET /healthz`: 200 while the process serves HTTP at all;
 //! - `GET /readyz`: 200 once persisted state is restored and every MQTT
-//!   listener accepts, 503 before (and while stopping).
+//!   listener accepts, 503 before (and while stopping);
+//! - `GET /` and `/api/...`: the live web view ([`crate::web`]).
 //!
 //! axum (on hyper) serves it: a well-kept server rather than a hand-written
 //! HTTP parser facing the network.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -23,11 +24,9 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
-use crate::shared::Shared;
-
 /// The broker the endpoint describes: set once it has started (the
 /// endpoint itself starts first, so `/readyz` can say "not ready").
-pub(crate) type Broker = Arc<OnceLock<Arc<Shared>>>;
+pub(crate) type Broker = crate::web::Broker;
 
 /// What the endpoint serves from.
 #[derive(Clone)]
@@ -67,8 +66,9 @@ pub(crate) async fn start(
         .with_state(Served {
             metrics,
             ready,
-            broker,
-        });
+            broker: Arc::clone(&broker),
+        })
+        .merge(crate::web::routes(broker));
     tokio::spawn(async move {
         let stop = async move {
             let _ = shutdown.changed().await;
@@ -80,7 +80,7 @@ pub(crate) async fn start(
             tracing::error!(error = %e, "HTTP endpoint failed");
         }
     });
-    tracing::info!(addr = %local, "HTTP endpoint: /metrics /healthz /readyz");
+    tracing::info!(addr = %local, "HTTP endpoint: / (live view) /metrics /healthz /readyz");
     Ok(local)
 }
 

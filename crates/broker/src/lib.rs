@@ -38,6 +38,7 @@
 
 #![warn(missing_docs)]
 
+pub mod activity;
 pub mod clock;
 pub mod codec;
 pub mod config;
@@ -55,6 +56,7 @@ pub mod stats;
 pub mod store;
 pub mod sys;
 pub mod topics;
+mod web;
 pub mod will;
 
 use std::net::SocketAddr;
@@ -138,8 +140,13 @@ impl Broker {
             }
             None => (None, None),
         };
-        let store =
-            StateStoreService::start(settings.store_config(), persistence, Arc::clone(&publisher));
+        let activity = Arc::new(activity::Activity::default());
+        let store = StateStoreService::start(
+            settings.store_config(),
+            persistence,
+            Arc::clone(&publisher),
+            Arc::clone(&activity),
+        );
         let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
         let mut sockets = Vec::new();
         for listener in &settings.listeners {
@@ -166,6 +173,7 @@ impl Broker {
             next_connection: AtomicU64::new(1),
             started_nanos: clock::now_nanos(),
             started: std::time::Instant::now(),
+            activity,
             shutdown,
         });
         let _ = described.set(Arc::clone(&shared));

@@ -33,6 +33,8 @@ pub(crate) struct Shared {
     pub started_nanos: u128,
     /// When the broker started (for its uptime).
     pub started: std::time::Instant,
+    /// Requests and notifications as they happen (the web view's live list).
+    pub activity: Arc<crate::activity::Activity>,
     /// Becomes `true` when the broker stops.
     pub shutdown: watch::Receiver<bool>,
 }

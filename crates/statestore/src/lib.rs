@@ -77,6 +77,7 @@
 
 #![warn(missing_docs)]
 
+pub mod browse;
 pub mod command;
 pub mod config;
 pub mod db;

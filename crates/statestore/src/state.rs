@@ -274,4 +274,9 @@ impl State {
     pub(crate) fn watch_count(&self) -> usize {
         self.watchers.len()
     }
+
+    /// Client ids watching `key`.
+    pub(crate) fn watchers_of(&self, key: &[u8]) -> &[std::sync::Arc<str>] {
+        self.watchers.of_key(key)
+    }
 }

@@ -64,7 +64,7 @@ pub struct Outcome {
 
 /// The state store.
 pub struct Store {
-    state: State,
+    pub(crate) state: State,
 }
 
 impl Store {

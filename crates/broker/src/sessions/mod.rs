@@ -26,6 +26,7 @@
 //! subscriptions, its expiry, when its connection ended) goes to a
 //! [`Journal`] (see [`crate::durable`]), so the session survives a restart.
 
+mod census;
 mod mailbox;
 mod recipients;
 
@@ -37,6 +38,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use rumqttd::protocol;
 
+pub use census::{Census, ClientView};
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 pub use recipients::granted;
 
@@ -114,22 +116,6 @@ struct Inner {
     exact: HashMap<String, HashSet<Arc<str>>>,
     /// Other filters (wildcards, shared subscriptions), outside the namespace.
     wild: Vec<(String, Arc<str>)>,
-}
-
-/// What [`Sessions::census`] counts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Census {
-    /// Clients known: connected, or with a session kept.
-    pub clients: usize,
-    /// Clients connected now.
-    pub connected: usize,
-    /// Subscriptions, of connected clients and of kept sessions.
-    pub subscriptions: usize,
-    /// The broker's own deliveries (answers, notifications) queued or in
-    /// flight to connections, in messages and bytes.
-    pub queued_messages: usize,
-    /// See `queued_messages`.
-    pub queued_bytes: usize,
 }
 
 /// The subscription mirror and direct delivery.
@@ -261,26 +247,6 @@ impl Sessions {
         state.filters = filters.into_iter().collect();
         state.kept_until = remaining.map(|r| Instant::now() + r);
         self.set_journaled(state, true);
-    }
-
-    /// How many clients, connections, subscriptions and queued deliveries
-    /// there are now (one pass over the clients: for /metrics and `$SYS`).
-    pub fn census(&self) -> Census {
-        let inner = self.inner.read();
-        let mut census = Census {
-            clients: inner.clients.len(),
-            ..Census::default()
-        };
-        for client in inner.clients.values() {
-            census.subscriptions += client.filters.len();
-            if let Some(live) = &client.live {
-                census.connected += 1;
-                let (messages, bytes) = live.mailbox.bound.held();
-                census.queued_messages += messages;
-                census.queued_bytes += bytes;
-            }
-        }
-        census
     }
 
     /// Whether the router may keep a session with subscriptions for

@@ -30,6 +30,7 @@ use statestore::{Caller, Outcome, Request, Store};
 use tokio::sync::Notify;
 
 use super::binding::{self, ReplyTo};
+use crate::activity::{Activity, Event};
 use crate::clock::now_ms;
 use crate::persistence::{Loaded, Persistence};
 use crate::publisher::Publisher;
@@ -44,6 +45,8 @@ pub struct StateStoreService {
     /// The expiry time the expiry task sleeps until (u64::MAX: none).
     expiry_armed: AtomicU64,
     persistence: Option<Arc<Persistence>>,
+    /// The live list of requests and notifications (web view).
+    activity: Arc<Activity>,
 }
 
 /// Where a response goes, and who asked.
@@ -55,6 +58,8 @@ struct Reply {
     command: &'static str,
     ok: bool,
     started: std::time::Instant,
+    /// For the live list, when someone watches: the key and the outcome.
+    shown: Option<(Option<String>, String)>,
 }
 
 impl StateStoreService {
@@ -64,6 +69,7 @@ impl StateStoreService {
         config: statestore::Config,
         persistence: Option<(Arc<Persistence>, Loaded)>,
         publisher: Arc<Publisher>,
+        activity: Arc<Activity>,
     ) -> Arc<StateStoreService> {
         let (store, persistence) = match persistence {
             None => (Store::new(config), None),
@@ -91,6 +97,7 @@ impl StateStoreService {
             expiry_changed: Notify::new(),
             expiry_armed: AtomicU64::new(u64::MAX),
             persistence,
+            activity,
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
         service
@@ -110,12 +117,22 @@ impl StateStoreService {
         if let Some(error) = outcome.error {
             tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
         }
+        let shown = self.activity.watched().then(|| {
+            let key = statestore::resp3::parse_request(request.payload)
+                .ok()
+                .and_then(|args| args.get(1).map(|k| String::from_utf8_lossy(k).into_owned()));
+            let result = outcome
+                .error
+                .map_or_else(|| "ok".to_owned(), |e| e.to_string());
+            (key, result)
+        });
         let reply = Reply {
             to: reply_to,
             requester: caller.client_id.to_owned(),
             command: outcome.command.unwrap_or("unknown"),
             ok: outcome.error.is_none(),
             started,
+            shown,
         };
         self.publish_when_durable(Some(reply), outcome, wait);
     }
@@ -165,11 +182,35 @@ impl StateStoreService {
     /// Delivers the response and the notifications of an outcome.
     fn publish_outcome(&self, reply: Option<Reply>, outcome: Outcome) {
         if let Some(reply) = reply {
-            crate::metrics::store_request(reply.command, reply.ok, reply.started.elapsed());
+            let took = reply.started.elapsed();
+            crate::metrics::store_request(reply.command, reply.ok, took);
+            if let Some((key, outcome)) = reply.shown {
+                self.activity.record(Event::Request {
+                    at_ms: now_ms(),
+                    client: reply.requester.clone(),
+                    command: reply.command,
+                    key,
+                    outcome,
+                    latency_us: u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+                });
+            }
             let response = binding::response(reply.to, outcome.payload, outcome.timestamp);
             self.publisher.publish_for(&reply.requester, response);
         }
         for notice in &outcome.notices {
+            if self.activity.watched() {
+                for watcher in &notice.watchers {
+                    self.activity.record(Event::Notification {
+                        at_ms: now_ms(),
+                        watcher: watcher.to_string(),
+                        key: String::from_utf8_lossy(&notice.key).into_owned(),
+                        operation: match notice.event {
+                            statestore::Event::Set(_) => "SET",
+                            statestore::Event::Delete => "DELETE",
+                        },
+                    });
+                }
+            }
             for (watcher, message) in binding::notifications(notice) {
                 // A notification is private to its watcher: if the watcher's
                 // connection cannot take it, nobody gets it.

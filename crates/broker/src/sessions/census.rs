@@ -1,0 +1,78 @@
+//! The session mirror in numbers and as a list: for `/metrics`, `$SYS`
+//! and the web view. One pass under the read lock; nothing is counted on
+//! the hot path for it.
+
+use super::Sessions;
+
+/// One client as the web view shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ClientView {
+    /// Its client id.
+    pub client_id: String,
+    /// Connected now (else: a session kept).
+    pub connected: bool,
+    /// Its subscription filters.
+    pub subscriptions: Vec<String>,
+    /// The broker's own deliveries queued or in flight to it.
+    pub queued: usize,
+}
+
+/// What [`Sessions::census`] counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Clients known: connected, or with a session kept.
+    pub clients: usize,
+    /// Clients connected now.
+    pub connected: usize,
+    /// Subscriptions, of connected clients and of kept sessions.
+    pub subscriptions: usize,
+    /// The broker's own deliveries (answers, notifications) queued or in
+    /// flight to connections, in messages and bytes.
+    pub queued_messages: usize,
+    /// See `queued_messages`.
+    pub queued_bytes: usize,
+}
+
+impl Sessions {
+    /// How many clients, connections, subscriptions and queued deliveries
+    /// there are now (one pass over the clients: for /metrics and `$SYS`).
+    pub fn census(&self) -> Census {
+        let inner = self.inner.read();
+        let mut census = Census {
+            clients: inner.clients.len(),
+            ..Census::default()
+        };
+        for client in inner.clients.values() {
+            census.subscriptions += client.filters.len();
+            if let Some(live) = &client.live {
+                census.connected += 1;
+                let (messages, bytes) = live.mailbox.bound.held();
+                census.queued_messages += messages;
+                census.queued_bytes += bytes;
+            }
+        }
+        census
+    }
+
+    /// Every client (connected, or with a kept session), sorted by id, for
+    /// the web view.
+    pub fn clients(&self) -> Vec<ClientView> {
+        let inner = self.inner.read();
+        let mut clients: Vec<ClientView> = inner
+            .clients
+            .iter()
+            .map(|(id, client)| {
+                let mut subscriptions: Vec<String> = client.filters.keys().cloned().collect();
+                subscriptions.sort();
+                ClientView {
+                    client_id: id.to_string(),
+                    connected: client.live.is_some(),
+                    subscriptions,
+                    queued: client.live.as_ref().map_or(0, |l| l.mailbox.bound.held().0),
+                }
+            })
+            .collect();
+        clients.sort_by(|a, b| a.client_id.cmp(&b.client_id));
+        clients
+    }
+}

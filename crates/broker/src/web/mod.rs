@@ -1,0 +1,178 @@
+//! The live web view, on the HTTP endpoint (see [`crate::http`]): a page
+//! for a client developer testing against the broker.
+//!
+//! - `GET /`: the page (`index.html`, embedded): keys (paged, glob
+//!   filter), live requests and notifications, clients and sessions;
+//! - `GET /api/keys?pattern=*&start=0&limit=100`: a page of keys with
+//!   value (text, or hex when not UTF-8), version, expiry, fencing token,
+//!   persisted or not, watchers; `next` resumes;
+//! - `GET /api/clients`: clients connected or with a kept session, their
+//!   subscriptions and queued deliveries;
+//! - `GET /api/summary`: the numbers of `$SYS` in one object;
+//! - `GET /api/events`: Server-Sent Events, one JSON
+//!   [`crate::activity::Event`] per request answered and notification sent.
+//!
+//! Read-only: nothing here changes the store. The endpoint listens on
+//! loopback by default; anyone who can reach it sees every key.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::shared::Shared;
+
+/// The broker the view shows; set once it has started.
+pub(crate) type Broker = Arc<std::sync::OnceLock<Arc<Shared>>>;
+
+/// The view's routes.
+pub(crate) fn routes(broker: Broker) -> Router {
+    Router::new()
+        .route("/", get(page))
+        .route("/api/keys", get(keys))
+        .route("/api/clients", get(clients))
+        .route("/api/summary", get(summary))
+        .route("/api/events", get(events))
+        .with_state(broker)
+}
+
+async fn page() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("index.html"),
+    )
+}
+
+fn starting() -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, "the broker is starting\n").into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct KeysQuery {
+    #[serde(default = "everything")]
+    pattern: String,
+    #[serde(default)]
+    start: usize,
+    #[serde(default = "page_size")]
+    limit: usize,
+}
+
+fn everything() -> String {
+    "*".into()
+}
+
+fn page_size() -> usize {
+    100
+}
+
+#[derive(Debug, Serialize)]
+struct KeyJson {
+    key: String,
+    key_hex: Option<String>,
+    value: String,
+    value_hex: Option<String>,
+    version: String,
+    expires_at_ms: Option<u64>,
+    fencing_token: Option<String>,
+    persisted: bool,
+    watchers: Vec<String>,
+}
+
+/// Text when UTF-8 (then no hex), else the lossy text and the hex.
+fn text(bytes: &[u8]) -> (String, Option<String>) {
+    match std::str::from_utf8(bytes) {
+        Ok(t) => (t.to_owned(), None),
+        Err(_) => (
+            String::from_utf8_lossy(bytes).into_owned(),
+            Some(hex::encode(bytes)),
+        ),
+    }
+}
+
+async fn keys(State(broker): State<Broker>, Query(q): Query<KeysQuery>) -> Response {
+    let Some(shared) = broker.get() else {
+        return starting();
+    };
+    let page = shared
+        .store
+        .with_store(|store| store.browse(q.pattern.as_bytes(), q.start, q.limit));
+    let keys: Vec<KeyJson> = page
+        .keys
+        .into_iter()
+        .map(|k| {
+            let (key, key_hex) = text(&k.key);
+            let (value, value_hex) = text(&k.value);
+            KeyJson {
+                key,
+                key_hex,
+                value,
+                value_hex,
+                version: k.version,
+                expires_at_ms: k.expires_at_ms,
+                fencing_token: k.fencing_token,
+                persisted: k.persisted,
+                watchers: k.watchers,
+            }
+        })
+        .collect();
+    Json(json!({ "keys": keys, "next": page.next, "now_ms": crate::clock::now_ms() }))
+        .into_response()
+}
+
+async fn clients(State(broker): State<Broker>) -> Response {
+    let Some(shared) = broker.get() else {
+        return starting();
+    };
+    Json(shared.sessions.clients()).into_response()
+}
+
+async fn summary(State(broker): State<Broker>) -> Response {
+    let Some(shared) = broker.get() else {
+        return starting();
+    };
+    let now = crate::stats::sample(shared);
+    let values: serde_json::Map<String, serde_json::Value> = crate::sys::messages(&now)
+        .into_iter()
+        .map(|(topic, value)| {
+            let name = topic.trim_start_matches("$SYS/broker/").to_owned();
+            (name, serde_json::Value::String(value))
+        })
+        .collect();
+    Json(values).into_response()
+}
+
+async fn events(State(broker): State<Broker>) -> Response {
+    let Some(shared) = broker.get() else {
+        return starting();
+    };
+    let state = (shared.activity.subscribe(), shared.shutdown.clone());
+    let stream = futures_util::stream::unfold(state, |(mut receiver, mut shutdown)| async move {
+        loop {
+            tokio::select! {
+                event = receiver.recv() => match event {
+                    Ok(event) => {
+                        let data = serde_json::to_string(&event).unwrap_or_default();
+                        let event = Ok::<_, Infallible>(SseEvent::default().data(data));
+                        return Some((event, (receiver, shutdown)));
+                    }
+                    // Fell behind: the oldest events are gone; go on.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                },
+                _ = shutdown.changed() => return None,
+            }
+        }
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}

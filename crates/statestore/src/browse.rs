@@ -1,0 +1,137 @@
+//! A read-only view of the keys for people and tools (the broker's web
+//! view): a page of keys matching a glob, each with its value, version,
+//! expiry, fencing token, whether it is persisted, and who watches it.
+//!
+//! Not part of the protocol: clients list keys with SCAN. Like SCAN, a
+//! page walks a bounded number of slots, so the store's lock is held for a
+//! bounded time however sparse the matches are; `next` resumes.
+
+use crate::glob::Pattern;
+use crate::store::Store;
+
+/// Slots one page may walk, per key it may return.
+const SLOTS_PER_KEY: usize = 64;
+
+/// One key as the view shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyView {
+    /// The key.
+    pub key: Vec<u8>,
+    /// Its value.
+    pub value: Vec<u8>,
+    /// Its version, in wire form.
+    pub version: String,
+    /// When it expires, milliseconds since the Unix epoch.
+    pub expires_at_ms: Option<u64>,
+    /// The fencing token protecting it, in wire form.
+    pub fencing_token: Option<String>,
+    /// Whether it is kept on disk.
+    pub persisted: bool,
+    /// Client ids with a KEYNOTIFY registration on it.
+    pub watchers: Vec<String>,
+}
+
+/// A page of [`KeyView`]s.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Page {
+    /// The keys.
+    pub keys: Vec<KeyView>,
+    /// Where the next page starts; `None` after the last.
+    pub next: Option<usize>,
+}
+
+impl Store {
+    /// Up to `limit` keys matching `pattern` from position `start` (0 for
+    /// the first page).
+    pub fn browse(&self, pattern: &[u8], start: usize, limit: usize) -> Page {
+        let state = &self.state;
+        let node = &state.config().node_id;
+        let limit = limit.clamp(1, 1000);
+        let (keys, next) = state.scan(
+            start,
+            limit,
+            limit.saturating_mul(SLOTS_PER_KEY),
+            &Pattern::new(pattern),
+        );
+        let keys = keys
+            .into_iter()
+            .filter_map(|key| {
+                let entry = state.get(&key)?;
+                Some(KeyView {
+                    value: entry.value().to_vec(),
+                    version: entry.version().format(node),
+                    expires_at_ms: entry.expires_at(),
+                    fencing_token: entry.fencing_token().map(ToString::to_string),
+                    persisted: entry.persisted(),
+                    watchers: state
+                        .watchers_of(&key)
+                        .iter()
+                        .map(|w| w.to_string())
+                        .collect(),
+                    key,
+                })
+            })
+            .collect();
+        Page { keys, next }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Caller, Config, Dialect, Request, Store};
+
+    fn run(store: &mut Store, args: &[&str], persist: bool) {
+        let payload = crate::resp3::encode_request(args);
+        let request = Request {
+            payload: &payload,
+            timestamp: Some("1700000000000:0:c"),
+            fencing_token: None,
+            persist,
+            dialect: Dialect::V1,
+        };
+        let caller = Caller {
+            client_id: "c1",
+            connection: 1,
+        };
+        let out = store.execute(&request, caller, 1_700_000_000_000);
+        assert!(out.error.is_none(), "{args:?}: {:?}", out.error);
+    }
+
+    #[test]
+    fn pages_of_matching_keys_with_their_details() {
+        let mut store = Store::new(Config::default());
+        run(&mut store, &["SET", "door", "open", "PX", "5000"], true);
+        run(&mut store, &["KEYNOTIFY", "door"], false);
+        for i in 0..5 {
+            run(&mut store, &["SET", &format!("sensor-{i}"), "v"], false);
+        }
+        let page = store.browse(b"door", 0, 10);
+        assert_eq!(page.keys.len(), 1);
+        let door = &page.keys[0];
+        assert_eq!(
+            (door.key.as_slice(), door.value.as_slice()),
+            (&b"door"[..], &b"open"[..])
+        );
+        assert_eq!(door.expires_at_ms, Some(1_700_000_005_000));
+        assert!(door.persisted && door.version.ends_with(":statebroker"));
+        assert_eq!(door.watchers, ["c1"]);
+
+        let mut seen = Vec::new();
+        let mut start = Some(0);
+        while let Some(at) = start {
+            let page = store.browse(b"sensor-*", at, 2);
+            assert!(page.keys.len() <= 2);
+            seen.extend(
+                page.keys
+                    .into_iter()
+                    .map(|k| String::from_utf8(k.key).unwrap()),
+            );
+            start = page.next;
+        }
+        seen.sort();
+        assert_eq!(
+            seen,
+            ["sensor-0", "sensor-1", "sensor-2", "sensor-3", "sensor-4"]
+        );
+    }
+}
