@@ -20,7 +20,8 @@ use logging::{Format, Logging};
 ///
 /// Without arguments it listens on 0.0.0.0:1883 with the embedded default
 /// configuration (the repository's rumqttd.toml; see --print-default-config).
-/// Log filter: `[log] level` (default "info,rumqttd=warn"), or RUST_LOG, e.g.
+/// Log filter: `[log] level` (default "info,rumqttd=warn" plus the storage
+/// engine's journal repairs), or RUST_LOG, e.g.
 /// RUST_LOG=debug or RUST_LOG=broker=debug.
 ///
 /// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
