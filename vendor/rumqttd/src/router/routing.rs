@@ -304,7 +304,10 @@ impl Router {
 
             let connection_id = self.connection_map.get(&client_id);
             if let Some(connection_id) = connection_id {
-                error!(
+                // patch 12: a client id connecting again takes its session
+                // over (MQTT 3.1.4-3): normal, not an error. The broker's
+                // connection layer logs the takeover itself.
+                debug!(
                     "Duplicate client_id, dropping previous connection with connection_id: {}",
                     connection_id
                 );
