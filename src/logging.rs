@@ -44,10 +44,11 @@ fn filter(level: &str, source: &str) -> Result<EnvFilter, String> {
 impl Logging {
     /// Installs the process-wide subscriber.
     pub fn init(format: Format, level: &str) -> Result<Logging, String> {
-        let from_env = std::env::var("RUST_LOG").is_ok_and(|v| !v.is_empty());
-        let initial = match from_env {
-            true => filter(&std::env::var("RUST_LOG").unwrap_or_default(), "RUST_LOG")?,
-            false => filter(level, "log.level")?,
+        let env = std::env::var("RUST_LOG").ok().filter(|v| !v.is_empty());
+        let from_env = env.is_some();
+        let initial = match env {
+            Some(env) => filter(&env, "RUST_LOG")?,
+            None => filter(level, "log.level")?,
         };
         let (filter_layer, handle) = reload::Layer::new(initial);
         let text = (format == Format::Text).then(|| {

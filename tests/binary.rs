@@ -19,14 +19,7 @@ async fn serves_and_stops_cleanly_on_sigterm() {
         &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
         b"+OK\r\n"
     );
-    let pid = child.id().unwrap().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(&child, "TERM");
     let d = client.expect_disconnect().await;
     assert_eq!(
         disconnect_reason(&d),

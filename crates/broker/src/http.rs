@@ -24,9 +24,7 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
-/// The broker the endpoint describes: set once it has started (the
-/// endpoint itself starts first, so `/readyz` can say "not ready").
-pub(crate) type Broker = crate::web::Broker;
+use crate::web::Broker;
 
 /// What the endpoint serves from.
 #[derive(Clone)]

@@ -88,7 +88,7 @@ impl Broker {
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
         let (stop, shutdown) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
-        let described = http::Broker::default();
+        let described = web::Broker::default();
         let http = match settings.http {
             Some(addr) => Some(
                 http::start(

@@ -111,10 +111,9 @@ impl Client {
             options.set_credentials(user.clone(), password.clone());
         }
         let (mqtt, mut eventloop) = AsyncClient::new(options, 64);
-        let connected = tokio::time::timeout(target.timeout, wait_connack(&mut eventloop))
+        tokio::time::timeout(target.timeout, wait_connack(&mut eventloop))
             .await
             .map_err(|_| Failure::Timeout("CONNACK"))??;
-        debug_assert!(connected);
         let response_topic = format!(
             "clients/{}/services/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke/response",
             target.client_id
@@ -246,12 +245,12 @@ fn property(properties: &[(String, String)], name: &str) -> Option<String> {
         .map(|(_, v)| v.clone())
 }
 
-async fn wait_connack(eventloop: &mut EventLoop) -> Result<bool, Failure> {
+async fn wait_connack(eventloop: &mut EventLoop) -> Result<(), Failure> {
     loop {
         match eventloop.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(ack))) => {
                 return match ack.code {
-                    ConnectReturnCode::Success => Ok(true),
+                    ConnectReturnCode::Success => Ok(()),
                     code => Err(Failure::Connection(format!("connection refused: {code:?}"))),
                 };
             }

@@ -13,10 +13,8 @@ mod client;
 mod output;
 
 use client::{Client, Failure, Target};
-use output::{Format, Printer};
+use output::{EXIT_ERR, Format, Printer};
 
-/// Exit status when the store answered `-ERR`.
-const EXIT_ERR: u8 = 1;
 /// Exit status when there was no answer (no connection, or timeout).
 const EXIT_NO_ANSWER: u8 = 2;
 

@@ -9,8 +9,8 @@ use statestore::resp3::Reply;
 
 use crate::client::{Answer, Notification};
 
-/// Exit status of an `-ERR` answer.
-const EXIT_ERR: u8 = 1;
+/// Exit status when the store answered `-ERR`.
+pub const EXIT_ERR: u8 = 1;
 
 /// The output style.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

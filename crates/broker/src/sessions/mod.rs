@@ -423,11 +423,13 @@ mod tests {
         }
     }
 
-    fn mailbox(tx: mpsc::UnboundedSender<ToConnection>) -> Mailbox {
+    /// An unbounded mailbox on `tx` (also for `recipients.rs`'s tests).
+    pub(super) fn mailbox(tx: mpsc::UnboundedSender<ToConnection>) -> Mailbox {
         Mailbox::new(tx, QueueBound::new(usize::MAX, usize::MAX))
     }
 
-    fn sub(qos: u8) -> Sub {
+    /// A plain subscription at `qos`.
+    pub(super) fn sub(qos: u8) -> Sub {
         Sub {
             qos,
             ..Sub::default()

@@ -131,19 +131,9 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sessions::{Journal, QueueBound, SavedSession};
+    use crate::sessions::tests::{mailbox, sub};
+    use crate::sessions::{Journal, SavedSession};
     use tokio::sync::mpsc;
-
-    fn mailbox(tx: mpsc::UnboundedSender<ToConnection>) -> Mailbox {
-        Mailbox::new(tx, QueueBound::new(usize::MAX, usize::MAX))
-    }
-
-    fn sub(qos: u8) -> Sub {
-        Sub {
-            qos,
-            ..Sub::default()
-        }
-    }
 
     /// A journal that keeps nothing.
     struct NoDisk;

@@ -31,7 +31,9 @@ use serde_json::json;
 
 use crate::shared::Shared;
 
-/// The broker the view shows; set once it has started.
+/// The broker the endpoint (view, metrics) describes: set once it has
+/// started (the endpoint itself starts first, so `/readyz` can say "not
+/// ready").
 pub(crate) type Broker = Arc<std::sync::OnceLock<Arc<Shared>>>;
 
 /// The view's routes.
