@@ -237,3 +237,52 @@ async fn list_keys_pages_through_hundreds_of_keys_with_deletes_between_pages() {
     );
     c.close().await;
 }
+
+/// The official client's own SCAN pattern cases (its
+/// `state_store_client_test.rs`), run through the SDK: the same keys come
+/// back as from the real broker, `[^0-9]` included (a digit or `^`, not a
+/// negation as in Redis).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_keys_follows_the_official_clients_glob() {
+    let broker = start_broker().await;
+    let c = SdkClient::connect(broker.local_addr(), "sdk-glob").await;
+    let p = "pattern-";
+    let seeded: Vec<String> = ["", "a", "b", "c", "1", "2", "ab", "abc", ".x", "*lit"]
+        .iter()
+        .map(|s| format!("{p}{s}"))
+        .collect();
+    for key in &seeded {
+        c.set(key.as_bytes(), b"v").await;
+    }
+    let keys = |suffixes: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = suffixes.iter().map(|s| format!("{p}{s}")).collect();
+        v.sort();
+        v
+    };
+    let cases = [
+        (
+            "*",
+            keys(&["", "a", "b", "c", "1", "2", "ab", "abc", ".x", "*lit"]),
+        ),
+        ("?", keys(&["a", "b", "c", "1", "2"])),
+        ("??", keys(&["ab", ".x"])),
+        ("[ab]", keys(&["a", "b"])),
+        ("[0-9]", keys(&["1", "2"])),
+        ("[!0-9]", keys(&["a", "b", "c"])),
+        ("[^0-9]", keys(&["1", "2"])),
+        ("*c", keys(&["c", "abc"])),
+        ("[*]lit", keys(&["*lit"])),
+        ("nomatch*", keys(&[])),
+    ];
+    for (suffix, expected) in cases {
+        let pattern = format!("{p}{suffix}");
+        let mut pager = c.client.list_keys(pattern.clone().into_bytes(), T).unwrap();
+        let mut got = Vec::new();
+        while let Some(page) = pager.next().await.unwrap() {
+            got.extend(page.into_iter().map(|k| String::from_utf8(k).unwrap()));
+        }
+        got.sort();
+        assert_eq!(got, expected, "pattern {pattern}");
+    }
+    c.close().await;
+}

@@ -6,10 +6,14 @@
 //! | `?` | exactly one byte |
 //! | `[abc]` | one of the listed bytes |
 //! | `[a-z]` | one byte in the range (a reversed range `[z-a]` means the same) |
-//! | `[!abc]`, `[^abc]` | one byte not listed |
+//! | `[!abc]` | one byte not listed |
+//! | `[^abc]` | `^`, `a`, `b` or `c`: `^` is an ordinary member, not a negation |
 //! | `\x` | the byte `x` itself (so `\*` is a literal star) |
 //!
-//! A `[` without a closing `]` is a literal `[`. Keys and patterns are bytes,
+//! `^` follows the official client rather than Redis: its tests assert that
+//! `[^0-9]` matches a digit or a `^`, and a client developer must see here
+//! what the real broker answers. A `[` without a closing `]` is a literal
+//! `[`. Keys and patterns are bytes,
 //! not text: `?` matches one byte of a multi-byte UTF-8 character.
 //!
 //! Why not a crate: `globset` matches *paths* (`**` and `{a,b}` alternates are
@@ -131,7 +135,7 @@ impl Token {
 
 /// Parses a class body starting after `[`; `None` if no `]` closes it.
 fn parse_class(pattern: &[u8], mut i: usize) -> Option<(Token, usize)> {
-    let negated = matches!(pattern.get(i), Some(b'!' | b'^'));
+    let negated = pattern.get(i) == Some(&b'!');
     if negated {
         i += 1;
     }
@@ -192,7 +196,12 @@ mod tests {
         assert!(m("[a-c]x", "cx"));
         assert!(m("[c-a]", "b"));
         assert!(m("[!a-c]", "d"));
-        assert!(m("[^a-c]", "d"));
+        // `^` is a member, not a negation (the official client's semantics).
+        assert!(!m("[^a-c]", "d"));
+        assert!(m("[^a-c]", "b"));
+        assert!(m("[^0-9]", "^"));
+        assert!(m("[^0-9]", "7"));
+        assert!(!m("[^0-9]", "x"));
         assert!(!m("[!a-c]", "a"));
         assert!(m("[a-]", "-"));
         assert!(m("[\\]]", "]"));
@@ -222,11 +231,7 @@ mod tests {
             Some(b'?') => !k.is_empty() && naive(&p[1..], &k[1..]),
             Some(b'\\') if p.len() > 1 => k.first() == Some(&p[1]) && naive(&p[2..], &k[1..]),
             Some(b'[') => {
-                let body_start = if matches!(p.get(1), Some(b'!' | b'^')) {
-                    2
-                } else {
-                    1
-                };
+                let body_start = if p.get(1) == Some(&b'!') { 2 } else { 1 };
                 let mut j = body_start;
                 let mut items = Vec::new();
                 let mut closed = None;
