@@ -690,26 +690,6 @@ async fn invalid_client_ids_and_reserved_will_topics_are_refused() {
     }
 }
 
-#[tokio::test]
-async fn authentication_when_configured() {
-    let broker = start_broker_with(|s| {
-        s.listeners[0].auth = Some([("alice".to_owned(), "s3cret".to_owned())].into());
-    })
-    .await;
-    let (_c, connack) = Raw::connect_with(broker.local_addr(), "anon", |_| {}).await;
-    assert_eq!(connack.code, v5::ConnectReturnCode::BadUserNamePassword);
-    let (_c, connack) = Raw::connect_with(broker.local_addr(), "wrong", |c| {
-        c.2 = Some(v5::Login::new("alice", "nope"))
-    })
-    .await;
-    assert_eq!(connack.code, v5::ConnectReturnCode::BadUserNamePassword);
-    let (_c, connack) = Raw::connect_with(broker.local_addr(), "alice", |c| {
-        c.2 = Some(v5::Login::new("alice", "s3cret"))
-    })
-    .await;
-    assert_eq!(connack.code, v5::ConnectReturnCode::Success);
-}
-
 // ------------------------------------------------------------ wills and sessions
 
 #[tokio::test]

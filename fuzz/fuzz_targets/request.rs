@@ -42,6 +42,7 @@ fuzz_target!(|data: &[u8]| {
         fencing_token,
         persist: flags & 1 == 1,
         dialect: if flags & 2 == 2 { Dialect::Legacy2023 } else { Dialect::V1 },
+        access: None,
     };
     for step in 0..3u64 {
         let out = store.execute(&request, me, NOW + 3 + step);

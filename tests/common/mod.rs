@@ -11,6 +11,7 @@ use std::time::Duration;
 pub mod mqtt;
 pub mod raw;
 mod sdk;
+pub mod tls;
 
 pub use sdk::*;
 

@@ -30,9 +30,14 @@ pub enum Recv {
     Timeout,
 }
 
+/// Any byte stream a raw client can speak over (TCP, TLS, WebSocket).
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
 /// An MQTT 5 client speaking packets.
 pub struct Raw {
-    pub stream: TcpStream,
+    pub stream: Box<dyn Io>,
     rbuf: BytesMut,
     next_pkid: u16,
     pub client_id: String,
@@ -58,6 +63,15 @@ impl Raw {
     ) -> (Raw, ConnAck) {
         let stream = TcpStream::connect(addr).await.expect("connect to broker");
         stream.set_nodelay(true).unwrap();
+        Raw::connect_over(Box::new(stream), client_id, tweak).await
+    }
+
+    /// [`Raw::connect_with`] over a stream already open (TLS, WebSocket).
+    pub async fn connect_over(
+        stream: Box<dyn Io>,
+        client_id: &str,
+        tweak: impl FnOnce(&mut (Connect, Option<LastWill>, Option<v5::Login>)),
+    ) -> (Raw, ConnAck) {
         let mut raw = Raw {
             stream,
             rbuf: BytesMut::new(),
@@ -100,6 +114,8 @@ impl Raw {
     pub async fn send_bytes(&mut self, bytes: &[u8]) {
         // A broker that already closed the socket may reset it: not our concern here.
         let _ = self.stream.write_all(bytes).await;
+        // TLS and WebSocket streams send on flush.
+        let _ = self.stream.flush().await;
     }
 
     /// The next packet, or `Closed`, or `Timeout` after `wait`.

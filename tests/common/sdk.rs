@@ -57,6 +57,37 @@ impl SdkClient {
             .clean_start(true)
             .build()
             .unwrap();
+        SdkClient::connect_with(connection_settings, client_id).await
+    }
+
+    /// Over TLS (server certificate checked against `ca_file`), with a
+    /// username and the password in `password_file`.
+    pub async fn connect_tls(
+        addr: SocketAddr,
+        client_id: &str,
+        ca_file: &std::path::Path,
+        username: &str,
+        password_file: &std::path::Path,
+    ) -> SdkClient {
+        let connection_settings = MqttConnectionSettingsBuilder::default()
+            .client_id(client_id)
+            .hostname("localhost")
+            .tcp_port(addr.port())
+            .use_tls(true)
+            .ca_file(Some(ca_file.display().to_string()))
+            .username(Some(username.to_owned()))
+            .password_file(Some(password_file.display().to_string()))
+            .keep_alive(Duration::from_secs(10))
+            .clean_start(true)
+            .build()
+            .unwrap();
+        SdkClient::connect_with(connection_settings, client_id).await
+    }
+
+    async fn connect_with(
+        connection_settings: azure_iot_operations_mqtt::aio::connection_settings::MqttConnectionSettings,
+        client_id: &str,
+    ) -> SdkClient {
         let session = Session::new(
             SessionOptionsBuilder::default()
                 .connection_settings(connection_settings)

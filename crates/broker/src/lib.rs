@@ -39,6 +39,8 @@
 #![warn(missing_docs)]
 
 pub mod activity;
+pub mod authentication;
+pub mod authorization;
 pub mod clock;
 pub mod codec;
 pub mod config;
@@ -47,6 +49,7 @@ pub mod durable;
 pub mod http;
 mod listener;
 pub mod metrics;
+pub mod passwords;
 pub mod persistence;
 pub mod publisher;
 pub mod router;
@@ -55,8 +58,10 @@ mod shared;
 pub mod stats;
 pub mod store;
 pub mod sys;
+pub mod tls;
 pub mod topics;
 mod web;
+pub mod websocket;
 pub mod will;
 
 use std::net::SocketAddr;
@@ -148,18 +153,45 @@ impl Broker {
             Arc::clone(&activity),
         );
         let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
+        let authenticator = authentication::Authenticator::load(settings.password_file.as_deref())
+            .map_err(std::io::Error::other)?;
+        let authorizer = authorization::Authorizer::load(settings.authorization.as_deref())
+            .map_err(std::io::Error::other)?;
         let mut sockets = Vec::new();
+        let mut tls_configs = Vec::new();
         for listener in &settings.listeners {
-            let socket = listener::bind(listener.addr).map_err(|e| {
-                std::io::Error::new(
-                    e.kind(),
-                    format!(
-                        "cannot listen on {} ({}): {e}",
-                        listener.addr, listener.name
-                    ),
-                )
-            })?;
-            sockets.push((socket, Arc::new(listener.clone())));
+            let tls = match &listener.tls {
+                Some(files) => {
+                    let tls = tls::Tls::load(files).map_err(|e| {
+                        std::io::Error::other(format!("{} ({}): {e}", listener.name, listener.addr))
+                    })?;
+                    let tls = Arc::new(tls);
+                    tls_configs.push(Arc::clone(&tls));
+                    Some(tls)
+                }
+                None => None,
+            };
+            let socket = match listener::bind(listener.addr) {
+                Ok(socket) => socket,
+                Err(e)
+                    if listener::no_such_address(&e)
+                        && listener.addr == listener::IPV6_LOOPBACK_DEFAULT
+                        && settings.listeners.len() > 1 =>
+                {
+                    tracing::warn!(addr = %listener.addr, error = %e, "no IPv6 loopback on this machine: not listening there");
+                    continue;
+                }
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!(
+                            "cannot listen on {} ({}): {e}",
+                            listener.addr, listener.name
+                        ),
+                    ));
+                }
+            };
+            sockets.push((socket, Arc::new(listener.clone()), tls));
         }
         let shared = Arc::new(Shared {
             permits: Arc::new(Semaphore::new(settings.router.max_connections)),
@@ -175,6 +207,9 @@ impl Broker {
             started: std::time::Instant::now(),
             activity,
             shutdown,
+            authenticator,
+            authorizer,
+            tls: tls_configs,
         });
         let _ = described.set(Arc::clone(&shared));
         let sys_interval = shared.settings.broker.sys_interval;
@@ -189,12 +224,21 @@ impl Broker {
             shared.shutdown.clone(),
         ));
         let mut addrs = Vec::new();
-        for (socket, listener) in sockets {
+        for (socket, listener, tls) in sockets {
             let addr = socket.local_addr()?;
-            tracing::info!(%addr, listener = listener.name, "listening (MQTT 3.1.1 and 5)");
+            tracing::info!(%addr, listener = listener.name, scheme = listener.scheme(), allow_anonymous = listener.allow_anonymous, "listening (MQTT 3.1.1 and 5)");
             addrs.push(addr);
-            tokio::spawn(listener::accept_loop(socket, listener, Arc::clone(&shared)));
+            tokio::spawn(listener::accept_loop(
+                socket,
+                listener,
+                tls,
+                Arc::clone(&shared),
+            ));
         }
+        listener::explain(
+            &shared.settings.listeners,
+            shared.authenticator.has_password_file(),
+        );
         ready.store(true, Ordering::Release);
         Ok(RunningBroker {
             addrs,
@@ -215,6 +259,47 @@ impl RunningBroker {
     /// The address of the HTTP endpoint, if it is on.
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http
+    }
+
+    /// SIGHUP: reads the password file, the authorization policy and the
+    /// TLS certificates again. Each that fails keeps what it had and is
+    /// logged; the others apply. Returns whether all succeeded.
+    pub fn reload(&self) -> bool {
+        let shared = &self.shared;
+        let mut ok = true;
+        match shared.authenticator.reload() {
+            Ok(Some(users)) => tracing::info!(users, "SIGHUP: password file reloaded"),
+            Ok(None) => {}
+            Err(e) => {
+                ok = false;
+                tracing::error!("SIGHUP: password file not reloaded, the old one stays: {e}");
+            }
+        }
+        match shared.authorizer.reload() {
+            Ok(Some(rules)) => tracing::info!(rules, "SIGHUP: authorization policy reloaded"),
+            Ok(None) => {}
+            Err(e) => {
+                ok = false;
+                tracing::error!(
+                    "SIGHUP: authorization policy not reloaded, the old one stays: {e}"
+                );
+            }
+        }
+        for tls in &shared.tls {
+            match tls.reload() {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
+                Err(e) => {
+                    ok = false;
+                    tracing::error!("SIGHUP: TLS certificate not reloaded, the old one stays: {e}");
+                }
+            }
+        }
+        ok
+    }
+
+    /// The addresses of every listener.
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
     }
 
     /// The state store service (for tests and tools).

@@ -7,18 +7,22 @@
 //! one millisecond or less.
 //!
 //! A listener hands each accepted stream to [`connection::serve`], which
-//! takes any `AsyncRead + AsyncWrite`: a TLS or WebSocket listener wraps the
-//! stream here and hands it on the same way.
+//! takes any `AsyncRead + AsyncWrite`: a TLS listener ([`crate::tls`]) and a
+//! WebSocket one ([`crate::websocket`]) wrap the stream here, each
+//! handshake within the listener's connect timeout, and hand it on the same
+//! way, with the identity of a client certificate.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use crate::config::Listener;
-use crate::connection;
+use crate::config::{Listener, Transport};
+use crate::connection::{self, Stream};
 use crate::shared::Shared;
+use crate::tls::{CertIdentity, Tls};
+use crate::websocket;
 
 /// How many finished TCP handshakes the kernel may queue before the accept
 /// loop takes them (capped by `net.core.somaxconn`). tokio's `bind` asks for
@@ -41,8 +45,46 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
+/// The IPv6 half of the embedded default's loopback listeners: skipped
+/// with a warning on a machine without IPv6.
+pub(crate) const IPV6_LOOPBACK_DEFAULT: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST), 1883);
+
+/// Whether a bind failed because the machine has no such address (or no
+/// IPv6 at all).
+pub(crate) fn no_such_address(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::AddrNotAvailable || matches!(e.raw_os_error(), Some(97)) // EAFNOSUPPORT
+}
+
+/// Says at start what the listeners let in, when it may surprise.
+pub(crate) fn explain(listeners: &[Listener], password_file: bool) {
+    if listeners.iter().all(|l| l.addr.ip().is_loopback()) {
+        tracing::info!(
+            "listening on loopback only: to accept other hosts, pass --listen 0.0.0.0:1883 \
+             or define listeners in a config file (anonymous clients are then refused \
+             unless allow_anonymous = true; see [broker] password_file)"
+        );
+    }
+    for l in listeners {
+        let certificates = l.tls.as_ref().is_some_and(|t| t.ca.is_some());
+        if !l.allow_anonymous && !password_file && !certificates {
+            tracing::warn!(
+                listener = l.name,
+                addr = %l.addr,
+                "refuses anonymous clients, and there is no [broker] password_file nor client \
+                 certificates: nobody can connect here (set allow_anonymous = true, or add users)"
+            );
+        }
+    }
+}
+
 /// Accepts connections on `socket` until the broker stops.
-pub(crate) async fn accept_loop(socket: TcpListener, listener: Arc<Listener>, shared: Arc<Shared>) {
+pub(crate) async fn accept_loop(
+    socket: TcpListener,
+    listener: Arc<Listener>,
+    tls: Option<Arc<Tls>>,
+    shared: Arc<Shared>,
+) {
     let mut shutdown = shared.shutdown.clone();
     loop {
         let accepted = tokio::select! {
@@ -55,10 +97,11 @@ pub(crate) async fn accept_loop(socket: TcpListener, listener: Arc<Listener>, sh
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::warn!(%peer, error = %e, "cannot set TCP_NODELAY");
                 }
-                tokio::spawn(connection::serve(
+                tokio::spawn(open(
                     stream,
                     peer,
                     Arc::clone(&listener),
+                    tls.clone(),
                     Arc::clone(&shared),
                 ));
             }
@@ -66,6 +109,58 @@ pub(crate) async fn accept_loop(socket: TcpListener, listener: Arc<Listener>, sh
                 // Typically out of file descriptors: back off instead of spinning.
                 tracing::error!(listener = listener.name, error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The TLS and WebSocket handshakes a listener asks for (within its
+/// connect timeout), then the MQTT connection.
+async fn open(
+    stream: TcpStream,
+    peer: SocketAddr,
+    listener: Arc<Listener>,
+    tls: Option<Arc<Tls>>,
+    shared: Arc<Shared>,
+) {
+    let timeout = Duration::from_millis(listener.connect_timeout_ms);
+    let Some(tls) = tls else {
+        return carry(stream, peer, listener, None, shared, timeout).await;
+    };
+    let handshake = tokio::time::timeout(timeout, tls.acceptor().accept(stream)).await;
+    match handshake {
+        Ok(Ok(stream)) => {
+            let identity = crate::tls::peer_identity(stream.get_ref().1);
+            carry(stream, peer, listener, identity, shared, timeout).await;
+        }
+        Ok(Err(e)) => {
+            tracing::info!(%peer, listener = listener.name, error = %e, "TLS handshake failed");
+            crate::metrics::connection_refused("tls_handshake_failed");
+        }
+        Err(_) => tracing::debug!(%peer, "no TLS handshake in time: closing"),
+    }
+}
+
+/// Over TCP or TLS: MQTT directly, or in WebSocket messages.
+async fn carry<S: Stream>(
+    stream: S,
+    peer: SocketAddr,
+    listener: Arc<Listener>,
+    identity: Option<CertIdentity>,
+    shared: Arc<Shared>,
+    timeout: Duration,
+) {
+    match listener.transport {
+        Transport::Tcp => connection::serve(stream, peer, listener, identity, shared).await,
+        Transport::WebSocket => {
+            let upgrade = websocket::accept(stream, listener.max_packet_size);
+            match tokio::time::timeout(timeout, upgrade).await {
+                Ok(Ok(ws)) => connection::serve(ws, peer, listener, identity, shared).await,
+                Ok(Err(e)) => {
+                    tracing::info!(%peer, listener = listener.name, error = %e, "WebSocket upgrade failed");
+                    crate::metrics::connection_refused("websocket_upgrade_failed");
+                }
+                Err(_) => tracing::debug!(%peer, "no WebSocket upgrade in time: closing"),
             }
         }
     }

@@ -37,4 +37,10 @@ pub(crate) struct Shared {
     pub activity: Arc<crate::activity::Activity>,
     /// Becomes `true` when the broker stops.
     pub shutdown: watch::Receiver<bool>,
+    /// The password file and the throttle of failed attempts.
+    pub authenticator: crate::authentication::Authenticator,
+    /// The authorization policy.
+    pub authorizer: crate::authorization::Authorizer,
+    /// The TLS configurations of the listeners (reloaded on SIGHUP).
+    pub tls: Vec<Arc<crate::tls::Tls>>,
 }

@@ -273,14 +273,21 @@ async fn lock_acquires_renews_refuses_and_releases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn username_and_password_from_flag_or_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    std::fs::write(
+        &users,
+        broker::passwords::set_user("", "alice", b"secret").unwrap(),
+    )
+    .unwrap();
     let broker = broker_with(|s| {
-        s.listeners[0].auth = Some([("alice".to_owned(), "secret".to_owned())].into());
+        s.password_file = Some(users);
+        s.listeners[0].allow_anonymous = false;
     })
     .await;
     let addr = broker.local_addr();
     let ok = run(addr, &["-u", "alice", "-P", "secret", "set", "k", "v"]).await;
     assert!(ok.status.success(), "{ok:?}");
-    let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("password");
     std::fs::write(&file, "secret\n").unwrap();
     let from_file = run(

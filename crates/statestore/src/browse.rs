@@ -88,6 +88,7 @@ mod tests {
             fencing_token: None,
             persist,
             dialect: Dialect::V1,
+            access: None,
         };
         let caller = Caller {
             client_id: "c1",

@@ -49,6 +49,10 @@ pub enum Error {
     /// An empty key.
     #[error("the key length is zero")]
     KeyLengthZero,
+    /// The broker's authorization policy does not let the caller read or
+    /// write this key.
+    #[error("not authorized")]
+    NotAuthorized,
 }
 
 impl Error {
@@ -72,6 +76,7 @@ impl Error {
             Error::TimestampMissing => "missing timestamp",
             Error::TimestampMalformed => "malformed timestamp",
             Error::KeyLengthZero => "the key length is zero",
+            Error::NotAuthorized => "not authorized",
         }
     }
 

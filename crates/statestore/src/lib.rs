@@ -77,6 +77,7 @@
 
 #![warn(missing_docs)]
 
+pub mod access;
 pub mod browse;
 pub mod command;
 pub mod config;
@@ -91,6 +92,7 @@ pub mod resp3;
 pub mod state;
 pub mod store;
 
+pub use access::KeyAccess;
 pub use command::Dialect;
 pub use config::{Config, Quota};
 pub use error::Error;

@@ -31,6 +31,8 @@ pub(crate) struct Ctx<'a> {
     pub fencing_token: Option<Hlc>,
     pub persist: bool,
     pub caller: Caller<'a>,
+    /// Which keys the caller may see (SCAN leaves out the others).
+    pub access: Option<&'a dyn crate::KeyAccess>,
 }
 
 /// What serving a request causes besides its answer.

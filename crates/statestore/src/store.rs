@@ -19,6 +19,7 @@
 //! 4. the command itself: `missing timestamp` (SET), fencing, conditions,
 //!    quotas.
 
+use crate::access::KeyAccess;
 use crate::command::{Command, Dialect};
 use crate::config::Config;
 use crate::error::Error;
@@ -42,6 +43,8 @@ pub struct Request<'a> {
     pub persist: bool,
     /// The topic it came in on.
     pub dialect: Dialect,
+    /// Which keys the caller may read and write; `None`: all of them.
+    pub access: Option<&'a dyn KeyAccess>,
 }
 
 /// What the broker sends back.
@@ -137,12 +140,16 @@ impl Store {
         let fencing_token = parse_hlc(request.fencing_token, now, skew, Error::FencingTokenSkew)?;
         let command = Command::parse(&args, request.dialect)?;
         *name = Some(command.name());
+        if let Some(access) = request.access {
+            crate::access::check(&command, access)?;
+        }
         let ctx = Ctx {
             now,
             timestamp,
             fencing_token,
             persist: request.persist,
             caller,
+            access: request.access,
         };
         command.apply(&mut self.state, &ctx)
     }

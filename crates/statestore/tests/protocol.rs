@@ -90,6 +90,7 @@ impl Req<'_> {
             fencing_token: self.ft.as_deref(),
             persist: self.persist,
             dialect: self.dialect,
+            access: None,
         };
         let caller = Caller {
             client_id: self.client,

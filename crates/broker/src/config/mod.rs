@@ -11,15 +11,17 @@
 //!
 //! Every problem is reported at start, naming the field.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use statestore::persist::PersistPolicy;
 use std::time::Duration;
 
+mod listeners;
 mod sections;
 
+pub use listeners::{Listener, TlsFiles, Transport};
 pub use sections::{BrokerSection, LogSection, PersistenceSection, QuotaSection, StoreSection};
 use sections::{KNOWN_SECTIONS, Sections, UNSUPPORTED};
 
@@ -84,23 +86,6 @@ fn deserialize<T: serde::de::DeserializeOwned>(layered: &config::Config) -> Resu
     })
 }
 
-/// One address the broker listens on.
-#[derive(Debug, Clone)]
-pub struct Listener {
-    /// The section name (`v5.1`).
-    pub name: String,
-    /// The address.
-    pub addr: SocketAddr,
-    /// Time a new socket has to send CONNECT, milliseconds.
-    pub connect_timeout_ms: u64,
-    /// Largest packet accepted, bytes.
-    pub max_packet_size: usize,
-    /// Receive Maximum announced to MQTT 5 clients.
-    pub receive_maximum: u16,
-    /// username -> password; `None` for no authentication.
-    pub auth: Option<HashMap<String, String>>,
-}
-
 /// Everything the broker needs, resolved and validated.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -122,6 +107,10 @@ pub struct Settings {
     pub http: Option<SocketAddr>,
     /// `[log]`: applied by the binary, which owns logging.
     pub log: LogSection,
+    /// `[broker] password_file`, resolved; reloaded on SIGHUP.
+    pub password_file: Option<PathBuf>,
+    /// `[broker] authorization` (the policy file), resolved; reloaded on SIGHUP.
+    pub authorization: Option<PathBuf>,
 }
 
 impl Settings {
@@ -289,58 +278,13 @@ impl Settings {
                 "statestore.node_id must be non-empty and without ':'",
             ));
         }
-        let mut listeners = Vec::new();
-        for (version, servers) in [("v4", &rumqttd.v4), ("v5", &rumqttd.v5)] {
-            let sorted: BTreeMap<_, _> = servers.iter().flatten().collect();
-            for (key, server) in sorted {
-                let name = format!("{version}.{key}");
-                if server.tls.is_some() {
-                    return Err(invalid(format!(
-                        "{name}.tls: TLS listeners are not supported yet"
-                    )));
-                }
-                let c = &server.connections;
-                if c.max_payload_size == 0 {
-                    return Err(invalid(format!(
-                        "{name}.connections.max_payload_size must be at least 1"
-                    )));
-                }
-                if c.connection_timeout_ms == 0 {
-                    return Err(invalid(format!(
-                        "{name}.connections.connection_timeout_ms must be at least 1"
-                    )));
-                }
-                listeners.push(Listener {
-                    name,
-                    addr: server.listen,
-                    connect_timeout_ms: u64::from(c.connection_timeout_ms),
-                    max_packet_size: c.max_payload_size,
-                    receive_maximum: u16::try_from(c.max_inflight_count.clamp(1, 65535))
-                        .unwrap_or(u16::MAX),
-                    auth: c.auth.clone(),
-                });
-            }
-        }
-        if !listen.is_empty() {
-            let Some(first) = listeners.first().cloned() else {
-                return Err(invalid("no listener to apply --listen to"));
-            };
-            listeners = listen
-                .iter()
-                .map(|&addr| Listener {
-                    addr,
-                    ..first.clone()
-                })
-                .collect();
-        }
-        // One socket per address: v4 and v5 sections on one port are one listener.
-        let mut seen = std::collections::HashSet::new();
-        listeners.retain(|l| seen.insert(l.addr));
-        if listeners.is_empty() {
-            return Err(invalid(
-                "no listener configured: add a [v5.1] section with `listen`",
-            ));
-        }
+        let listeners = listeners::resolve(&rumqttd, &root, listen, base_dir)?;
+        let file_setting = |value: &str| {
+            let value = value.trim();
+            (!value.is_empty()).then(|| base_dir.join(value))
+        };
+        let password_file = file_setting(&broker.password_file);
+        let authorization = file_setting(&broker.authorization);
         Ok(Settings {
             router_id: rumqttd.id,
             router,
@@ -351,6 +295,8 @@ impl Settings {
             persist_policy,
             http,
             log,
+            password_file,
+            authorization,
         })
     }
 
@@ -362,12 +308,17 @@ impl Settings {
         }
         let mut names = Vec::new();
         if differs(&self.listeners, &new.listeners) {
-            names.push("listeners ([v4.*], [v5.*], --listen)");
+            names.push("listeners ([v4.*], [v5.*], [ws.*], --listen)");
         }
         if differs(&self.router, &new.router) || self.router_id != new.router_id {
             names.push("[router]");
         }
-        if self.broker != new.broker {
+        let without_files = |b: &BrokerSection| BrokerSection {
+            password_file: String::new(),
+            authorization: String::new(),
+            ..b.clone()
+        };
+        if without_files(&self.broker) != without_files(&new.broker) {
             names.push("[broker]");
         }
         if self.statestore != new.statestore {
@@ -411,190 +362,4 @@ impl Settings {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Write;
-
-    fn no_env() -> Vec<(String, String)> {
-        Vec::new()
-    }
-
-    fn file(text: &str) -> tempfile::TempPath {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(text.as_bytes()).unwrap();
-        f.into_temp_path()
-    }
-
-    #[test]
-    fn embedded_default() {
-        let s = Settings::load_with_env(None, &[], no_env()).unwrap();
-        assert_eq!(s.listeners.len(), 1);
-        assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
-        assert_eq!(s.statestore.node_id, "statebroker");
-        assert!(s.broker.legacy_2023_topic);
-        assert_eq!(s.store_config().scan_page_size, 100);
-        let p = s.persistence.unwrap();
-        assert_eq!(p.data_dir, Path::new("./statebroker-data"));
-        assert_eq!(p.mode, Mode::Fsync);
-    }
-
-    #[test]
-    fn persistence_settings() {
-        let f = file("[persistence]\nmode = \"interval\"\ninterval_ms = 50\nkeys = [\"all\"]\n");
-        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        let p = s.persistence.clone().unwrap();
-        assert_eq!(p.mode, Mode::Interval(Duration::from_millis(50)));
-        assert_eq!(
-            p.data_dir,
-            f.parent().unwrap().join("statebroker-data"),
-            "next to the config"
-        );
-        assert!(s.persist_policy.persists(b"anything"));
-        let env = vec![(
-            "STATEBROKER__PERSISTENCE__KEYS".to_owned(),
-            "exact:a,glob:b*".to_owned(),
-        )];
-        let s = Settings::load_with_env(None, &[], env).unwrap();
-        assert!(s.persist_policy.persists(b"a") && s.persist_policy.persists(b"bee"));
-        assert!(!s.persist_policy.persists(b"c"));
-        let f = file("[persistence]\ndata_dir = \"\"\n");
-        assert!(
-            Settings::load_with_env(Some(&f), &[], no_env())
-                .unwrap()
-                .persistence
-                .is_none()
-        );
-        assert!(
-            Settings::listening_on("127.0.0.1:0".parse().unwrap())
-                .persistence
-                .is_none()
-        );
-        let e = error_of("[persistence]\nmode = \"sometimes\"\n");
-        assert!(e.contains("persistence.mode"), "{e}");
-        let e = error_of("[persistence]\nkeys = [\"regex:x\"]\n");
-        assert!(e.contains("persistence.keys"), "{e}");
-    }
-
-    #[test]
-    fn listen_override() {
-        let addr = "127.0.0.1:0".parse().unwrap();
-        let s = Settings::load_with_env(None, &[addr], no_env()).unwrap();
-        assert_eq!(s.listeners[0].addr, addr);
-        let two: [SocketAddr; 2] = [
-            "127.0.0.1:7001".parse().unwrap(),
-            "[::1]:7002".parse().unwrap(),
-        ];
-        let s = Settings::load_with_env(None, &two, no_env()).unwrap();
-        let addrs: Vec<SocketAddr> = s.listeners.iter().map(|l| l.addr).collect();
-        assert_eq!(addrs, two, "one listener per --listen");
-        assert!(s.listeners.iter().all(|l| l.max_packet_size == 1_048_576));
-    }
-
-    #[test]
-    fn a_reload_names_what_needs_a_restart() {
-        // Files in one directory: the data directory is relative to it.
-        let f = file("");
-        let running = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        let f = file("[log]\nlevel = \"debug\"\n");
-        let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        assert_eq!(new.log.level, "debug");
-        assert!(running.needs_restart(&new).is_empty(), "the level reloads");
-        let f = file("[statestore]\nnode_id = \"other\"\n[http]\nlisten = \"\"\n");
-        let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        assert_eq!(running.needs_restart(&new), vec!["[statestore]", "[http]"]);
-        let e = error_of("[log]\nformat = \"xml\"\n");
-        assert!(e.contains("log.format"), "{e}");
-    }
-
-    #[test]
-    fn a_file_changes_only_what_it_names() {
-        let f = file("[statestore]\nnode_id = \"edge-7\"\n");
-        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        assert_eq!(s.statestore.node_id, "edge-7");
-        assert_eq!(s.statestore.max_clock_skew_ms, 60_000);
-        assert_eq!(s.listeners[0].addr, "0.0.0.0:1883".parse().unwrap());
-    }
-
-    #[test]
-    fn file_listeners_replace_the_default() {
-        let f = file(
-            "[v4.1]\nname = \"a\"\nlisten = \"127.0.0.1:2883\"\nnext_connection_delay_ms = 0\n\
-             [v4.1.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n",
-        );
-        let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-        assert_eq!(s.listeners.len(), 1);
-        assert_eq!(s.listeners[0].addr, "127.0.0.1:2883".parse().unwrap());
-        assert_eq!(s.listeners[0].max_packet_size, 5000);
-    }
-
-    #[test]
-    fn environment_overrides() {
-        let env = vec![
-            (
-                "STATEBROKER__STATESTORE__NODE_ID".to_owned(),
-                "from-env".to_owned(),
-            ),
-            (
-                "STATEBROKER__ROUTER__MAX_CONNECTIONS".to_owned(),
-                "7".to_owned(),
-            ),
-            ("UNRELATED".to_owned(), "x".to_owned()),
-        ];
-        let s = Settings::load_with_env(None, &[], env).unwrap();
-        assert_eq!(s.statestore.node_id, "from-env");
-        assert_eq!(s.router.max_connections, 7);
-    }
-
-    fn error_of(text: &str) -> String {
-        let f = file(text);
-        Settings::load_with_env(Some(&f), &[], no_env())
-            .unwrap_err()
-            .to_string()
-    }
-
-    #[test]
-    fn errors_name_the_field() {
-        let e = error_of("[statestore]\nnode_id = 5\nmax_clock_skew_ms = \"soon\"\n");
-        assert!(e.contains("max_clock_skew_ms"), "{e}");
-        let e = error_of("[statestore]\nnode_idd = \"x\"\n");
-        assert!(e.contains("node_idd"), "{e}");
-        let e = error_of("[statstore]\nnode_id = \"x\"\n");
-        assert!(e.contains("unknown section or key `statstore`"), "{e}");
-        let e = error_of("[statestore.quota]\nmax_keys = \"many\"\n");
-        assert!(e.contains("statestore.quota.max_keys"), "{e}");
-        let e = error_of("[router]\nmax_segment_size = 10\n");
-        assert!(e.contains("router.max_segment_size"), "{e}");
-        let e = error_of("[v5.1]\nlisten = \"not an address\"\n");
-        assert!(e.contains("listen") || e.contains("v5"), "{e}");
-        let e = error_of("[broker]\ntopic_alias_max = -1\n");
-        assert!(e.contains("topic_alias_max"), "{e}");
-        let e = error_of("this is = not toml [");
-        assert!(e.contains("cannot read config file"), "{e}");
-        let missing =
-            Settings::load_with_env(Some(Path::new("/nonexistent/x.toml")), &[], no_env());
-        assert!(
-            missing
-                .unwrap_err()
-                .to_string()
-                .contains("/nonexistent/x.toml")
-        );
-    }
-
-    #[test]
-    fn unimplemented_sections_are_refused_not_ignored() {
-        for (text, section) in [
-            ("[prometheus]\nport = 9042\n", "[prometheus]"),
-            ("[metrics.alerts]\npush_interval = 1\n", "[metrics]"),
-            ("[console]\nlisten = \"127.0.0.1:3030\"\n", "[console]"),
-            (
-                "[ws.1]\nname = \"ws\"\nlisten = \"127.0.0.1:8083\"\n",
-                "[ws]",
-            ),
-            ("[bridge]\nname = \"b\"\n", "[bridge]"),
-        ] {
-            let e = error_of(text);
-            assert!(e.contains(section), "{text}: {e}");
-            assert!(e.contains("not"), "{text}: {e}");
-        }
-    }
-}
+mod tests;

@@ -40,10 +40,6 @@ pub(super) const UNSUPPORTED: &[(&str, &str)] = &[
         "prometheus",
         "rumqttd's prometheus section is not used: statebroker serves Prometheus metrics at /metrics of [http] listen",
     ),
-    (
-        "ws",
-        "WebSocket listeners are not implemented yet; use [v5.*] (MQTT over TCP)",
-    ),
 ];
 
 /// statebroker's own sections.
@@ -106,6 +102,11 @@ pub struct BrokerSection {
     pub max_queued_bytes: usize,
     /// Seconds between two publications of the `$SYS` topics; 0: none.
     pub sys_interval: u64,
+    /// mosquitto_passwd file of users; empty: none. Reloaded on SIGHUP.
+    pub password_file: String,
+    /// Authorization policy (YAML or JSON); empty: everything allowed.
+    /// Reloaded on SIGHUP.
+    pub authorization: String,
 }
 
 /// `[statestore]`

@@ -12,7 +12,6 @@ use rumqttd::protocol::{
     self, ConnAck, ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, LastWill,
     LastWillProperties, Login, Packet,
 };
-use subtle::ConstantTimeEq;
 
 use super::socket::{Socket, Stream};
 use crate::codec::{CodecError, Protocol};
@@ -67,6 +66,8 @@ pub(crate) async fn read_connect<S: Stream>(
 pub(crate) enum Refusal {
     BadClientId,
     BadCredentials,
+    /// Anonymous where that is not allowed, or denied by the policy.
+    NotAuthorized,
     Busy,
     BadWill,
 }
@@ -77,6 +78,7 @@ impl Refusal {
         match self {
             Refusal::BadClientId => "client_id_not_valid",
             Refusal::BadCredentials => "bad_username_or_password",
+            Refusal::NotAuthorized => "not_authorized",
             Refusal::Busy => "server_busy",
             Refusal::BadWill => "will_not_valid",
         }
@@ -88,6 +90,7 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
     let code = match (protocol, refusal) {
         (_, Refusal::BadClientId) => ConnectReturnCode::ClientIdentifierNotValid,
         (_, Refusal::BadCredentials) => ConnectReturnCode::BadUserNamePassword,
+        (_, Refusal::NotAuthorized) => ConnectReturnCode::NotAuthorized,
         (Protocol::V4, Refusal::Busy) => ConnectReturnCode::ServiceUnavailable,
         (Protocol::V5, Refusal::Busy) => ConnectReturnCode::ServerBusy,
         (Protocol::V4, Refusal::BadWill) => ConnectReturnCode::NotAuthorized,
@@ -103,11 +106,12 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
 }
 
 /// Checks a CONNECT before the client is registered.
+///
+/// Who the client is and whether it may connect are decided after this,
+/// by [`crate::authentication`] and [`crate::authorization`].
 pub(crate) fn check_connect(
     connect: &Connect,
-    login: Option<&Login>,
     will: Option<&LastWill>,
-    listener: &Listener,
 ) -> Result<(), (Refusal, &'static str)> {
     let id = &connect.client_id;
     if id.is_empty() && !connect.clean_session {
@@ -119,16 +123,6 @@ pub(crate) fn check_connect(
     // The router cannot route for ids with these characters; the prefix is ours.
     if id.contains(['+', '#', '/', '$']) || id.starts_with(INTERNAL_PREFIX) {
         return Err((Refusal::BadClientId, "client id not allowed"));
-    }
-    if let Some(users) = &listener.auth {
-        let ok = login.is_some_and(|login| {
-            users
-                .get(&login.username)
-                .is_some_and(|pw| bool::from(pw.as_bytes().ct_eq(login.password.as_bytes())))
-        });
-        if !ok {
-            return Err((Refusal::BadCredentials, "bad username or password"));
-        }
     }
     if let Some(will) = will {
         let topic = std::str::from_utf8(&will.topic).unwrap_or("");
@@ -251,21 +245,17 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use rumqttd::protocol::QoS;
-    use std::collections::HashMap;
 
-    fn listener(auth: Option<&[(&str, &str)]>) -> Listener {
+    fn listener() -> Listener {
         Listener {
             name: "v5.1".into(),
             addr: "127.0.0.1:0".parse().unwrap(),
+            transport: crate::config::Transport::Tcp,
+            tls: None,
+            allow_anonymous: true,
             connect_timeout_ms: 1000,
             max_packet_size: 1 << 20,
             receive_maximum: 1000,
-            auth: auth.map(|users| {
-                users
-                    .iter()
-                    .map(|(u, p)| ((*u).to_owned(), (*p).to_owned()))
-                    .collect::<HashMap<_, _>>()
-            }),
         }
     }
 
@@ -298,8 +288,7 @@ mod tests {
 
     #[test]
     fn client_ids() {
-        let l = listener(None);
-        let refused = |c: Connect| check_connect(&c, None, None, &l).err().map(|e| e.0);
+        let refused = |c: Connect| check_connect(&c, None).err().map(|e| e.0);
         assert_eq!(refused(connect("", true, 0)), None);
         assert_eq!(refused(connect("", false, 0)), Some(Refusal::BadClientId));
         for bad in ["a/b", "a+", "#", "$sys", "statebroker:publisher"] {
@@ -313,31 +302,9 @@ mod tests {
     }
 
     #[test]
-    fn credentials() {
-        let l = listener(Some(&[("alice", "secret")]));
-        let c = connect("c", true, 0);
-        let login = |u: &str, p: &str| Login {
-            username: u.into(),
-            password: p.into(),
-        };
-        let check = |login: Option<&Login>| check_connect(&c, login, None, &l).err().map(|e| e.0);
-        assert_eq!(check(Some(&login("alice", "secret"))), None);
-        assert_eq!(
-            check(Some(&login("alice", "wrong"))),
-            Some(Refusal::BadCredentials)
-        );
-        assert_eq!(
-            check(Some(&login("bob", "secret"))),
-            Some(Refusal::BadCredentials)
-        );
-        assert_eq!(check(None), Some(Refusal::BadCredentials));
-    }
-
-    #[test]
     fn will_topics() {
-        let l = listener(None);
         let c = connect("c", true, 0);
-        let check = |topic: &str| check_connect(&c, None, Some(&will(topic)), &l).is_ok();
+        let check = |topic: &str| check_connect(&c, Some(&will(topic))).is_ok();
         assert!(check("devices/c/status"));
         assert!(!check(""));
         assert!(!check("a/+"));
@@ -362,6 +329,7 @@ mod tests {
         for p in [Protocol::V4, Protocol::V5] {
             assert_eq!(code(p, Refusal::BadClientId), C::ClientIdentifierNotValid);
             assert_eq!(code(p, Refusal::BadCredentials), C::BadUserNamePassword);
+            assert_eq!(code(p, Refusal::NotAuthorized), C::NotAuthorized);
         }
     }
 
@@ -438,7 +406,7 @@ mod tests {
             (t.client_id.as_str(), t.assigned),
             ("statebroker-1-7", true)
         );
-        let l = listener(None);
+        let l = listener();
         match connack(&t, false, &l, 1024) {
             Packet::ConnAck(ack, Some(p)) => {
                 assert_eq!(ack.code, ConnectReturnCode::Success);

@@ -48,9 +48,12 @@ use std::sync::atomic::Ordering;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use crate::authentication::{Failure, Presented};
+use crate::authorization::Principal;
 use crate::config::Listener;
 use crate::sessions::{Mailbox, QueueBound};
 use crate::shared::Shared;
+use crate::tls::CertIdentity;
 use gate::Gate;
 use handshake::{Refusal, Terms};
 use inbound::{AckOrder, Inbound};
@@ -67,6 +70,7 @@ pub(crate) async fn serve<S: Stream>(
     stream: S,
     peer: SocketAddr,
     listener: Arc<Listener>,
+    identity: Option<CertIdentity>,
     shared: Arc<Shared>,
 ) {
     let mut socket = Socket::new(stream);
@@ -81,20 +85,49 @@ pub(crate) async fn serve<S: Stream>(
         crate::metrics::connection_refused(refusal.label());
         handshake::refusal(protocol, refusal)
     };
-    let checked = handshake::check_connect(
-        &hello.connect,
-        hello.login.as_ref(),
-        hello.will.as_ref(),
-        &listener,
-    )
-    .map_err(|(refusal, why)| refuse(refusal, why));
-    let permit = match (checked, Arc::clone(&shared.permits).try_acquire_owned()) {
-        (Err(connack), _) => return socket.send_and_close(connack).await,
-        (Ok(()), Err(_)) => {
-            let connack = refuse(Refusal::Busy, "connection limit reached");
+    let checked = handshake::check_connect(&hello.connect, hello.will.as_ref())
+        .map_err(|(refusal, why)| refuse(refusal, why));
+    if let Err(connack) = checked {
+        return socket.send_and_close(connack).await;
+    }
+    // Who it is (certificate, password, or anonymous), and whether it may connect.
+    let presented = Presented {
+        client_id: &hello.connect.client_id,
+        login: hello
+            .login
+            .as_ref()
+            .map(|l| (l.username.as_str(), l.password.as_str())),
+        certificate: identity.as_ref(),
+        allow_anonymous: listener.allow_anonymous,
+        source: peer.ip(),
+    };
+    let principal = match shared.authenticator.authenticate(presented).await {
+        Ok(principal) => principal,
+        Err(Failure::BadCredentials) => {
+            let connack = refuse(Refusal::BadCredentials, "bad username or password");
             return socket.send_and_close(connack).await;
         }
-        (Ok(()), Ok(permit)) => permit,
+        Err(Failure::Anonymous) => {
+            let connack = refuse(
+                Refusal::NotAuthorized,
+                "anonymous clients are not allowed on this listener",
+            );
+            return socket.send_and_close(connack).await;
+        }
+    };
+    if let Some(policy) = shared.authorizer.current()
+        && !hello.connect.client_id.is_empty()
+        && !policy.may_connect(&principal)
+    {
+        let connack = refuse(
+            Refusal::NotAuthorized,
+            "the authorization policy denies Connect",
+        );
+        return socket.send_and_close(connack).await;
+    }
+    let Ok(permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
+        let connack = refuse(Refusal::Busy, "connection limit reached");
+        return socket.send_and_close(connack).await;
     };
     let terms = Terms::negotiate(
         &hello,
@@ -103,6 +136,21 @@ pub(crate) async fn serve<S: Stream>(
         || format!("statebroker-{:x}-{id}", shared.started_nanos),
     );
     let client_id = terms.client_id.clone();
+    // An assigned client id: the policy sees it from here on.
+    let principal = Arc::new(Principal {
+        client_id: client_id.clone(),
+        ..principal
+    });
+    if terms.assigned
+        && let Some(policy) = shared.authorizer.current()
+        && !policy.may_connect(&principal)
+    {
+        let connack = refuse(
+            Refusal::NotAuthorized,
+            "the authorization policy denies Connect",
+        );
+        return socket.send_and_close(connack).await;
+    }
     // A persistent session joins the router now (the router knows whether
     // the session exists); a clean one when it first needs the router.
     let (link, session_present) = match RouterLink::open(
@@ -184,6 +232,8 @@ pub(crate) async fn serve<S: Stream>(
         session_expiry: terms.session_expiry,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
         gate: Gate::new(shared.durable.clone()),
+        principal,
+        shared: Arc::clone(&shared),
         saved: Saved::new(shared.durable.clone()),
     };
     crate::metrics::connection_opened();

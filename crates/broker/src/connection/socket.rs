@@ -76,13 +76,16 @@ impl<S: Stream> Socket<S> {
         if !self.wbuf.is_empty() {
             self.stream.write_all(&self.wbuf).await?;
             self.wbuf.clear();
+            // A no-op on TCP; TLS and WebSocket streams send here.
+            self.stream.flush().await?;
         }
         Ok(())
     }
 
     /// Writes raw bytes at once (for answers that precede any codec).
     pub async fn write_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.stream.write_all(bytes).await
+        self.stream.write_all(bytes).await?;
+        self.stream.flush().await
     }
 
     /// Ends the stream (after what was flushed).

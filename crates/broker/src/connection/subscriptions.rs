@@ -17,6 +17,7 @@ use rumqttd::protocol::{
     self, Filter, Packet, QoS, SubAck, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
 };
 
+use crate::authorization::{Policy, Principal};
 use crate::codec::Protocol;
 use crate::sessions::{Sessions, Sub};
 use crate::topics;
@@ -57,15 +58,27 @@ pub(crate) struct Checked {
 }
 
 /// Sorts `filters` into allowed and refused (logging each refusal).
+/// With a policy, a filter must also be one the client may subscribe to
+/// (its own notification topic needs no rule: the store's key rules
+/// govern what it hears there).
 pub(crate) fn check(
     filters: Vec<Filter>,
     own_hex: &str,
     protocol: Protocol,
     client_id: &str,
+    policy: Option<(&Policy, &Principal)>,
 ) -> Checked {
     let mut checked = Checked::default();
     for (position, filter) in filters.into_iter().enumerate() {
-        match refusal(&filter.path, own_hex) {
+        let denied = || {
+            policy.is_some_and(|(policy, principal)| {
+                !topics::in_notify_namespace(&filter.path)
+                    && !policy.may_subscribe(principal, &filter.path)
+            })
+        };
+        let code = refusal(&filter.path, own_hex)
+            .or_else(|| denied().then_some(SubscribeReasonCode::NotAuthorized));
+        match code {
             Some(code) => {
                 tracing::info!(
                     client_id,
@@ -198,7 +211,7 @@ mod tests {
             filter("a/#/b"),
             filter("ok/2"),
         ];
-        let checked = check(filters, OWN, Protocol::V5, "c1");
+        let checked = check(filters, OWN, Protocol::V5, "c1", None);
         let allowed: Vec<_> = checked.allowed.iter().map(|f| f.path.as_str()).collect();
         assert_eq!(allowed, ["ok/1", "ok/2"]);
         let mut pending = PendingRefusals::default();
@@ -228,7 +241,7 @@ mod tests {
 
     #[test]
     fn mqtt_3_1_1_hears_failure() {
-        let checked = check(vec![filter("$other/x")], OWN, Protocol::V4, "c1");
+        let checked = check(vec![filter("$other/x")], OWN, Protocol::V4, "c1", None);
         assert_eq!(checked.refused, vec![(0, SubscribeReasonCode::Failure)]);
     }
 }

@@ -22,10 +22,12 @@ use super::outbound::{self, Outbound};
 use super::saved::Saved;
 use super::socket::{Socket, Stream};
 use super::subscriptions::{self, PendingRefusals};
+use crate::authorization::{KeyRules, Principal};
 use crate::codec::{Incoming, Protocol};
 use crate::durable::tag;
 use crate::publisher::Publisher;
 use crate::sessions::{Sessions, ToConnection};
+use crate::shared::Shared;
 use crate::store::StateStoreService;
 use crate::store::binding::{self, Admission};
 use crate::topics;
@@ -65,6 +67,10 @@ pub(super) struct Connection<S> {
     pub(super) gate: Gate,
     /// Messages saved for persistent sessions, coming and going.
     pub(super) saved: Saved,
+    /// Who the client is, for the authorization policy.
+    pub(super) principal: Arc<Principal>,
+    /// The broker's shared parts (the policy in use among them).
+    pub(super) shared: Arc<Shared>,
 }
 
 /// Packets for the router a connection may gather while they wait for the
@@ -302,6 +308,17 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
+        if let Some(policy) = self.shared.authorizer.current()
+            && !policy.may_publish(&self.principal, topic)
+        {
+            tracing::info!(
+                client_id = self.client_id,
+                topic,
+                "publish refused: the authorization policy denies it"
+            );
+            self.ack(qos, pkid, false);
+            return Ok(());
+        }
         tag::strip(&mut properties);
         if publish.retain
             && let Some(durable) = self.gate.durable()
@@ -357,6 +374,20 @@ impl<S: Stream> Connection<S> {
             );
             return Err(End::Violation(code, why));
         }
+        // With a policy, answers go only where the caller may subscribe.
+        let policy = self.shared.authorizer.current();
+        if let Some(policy) = &policy
+            && let Some(topic) = &properties.response_topic
+            && !policy.may_subscribe(&self.principal, topic)
+        {
+            tracing::info!(
+                client_id = self.client_id,
+                response_topic = topic,
+                "request refused: the authorization policy denies subscribing to its response topic"
+            );
+            self.ack(qos, pkid, false);
+            return Ok(());
+        }
         // A QoS 2 duplicate of a request already executed: acknowledge again only.
         let duplicate = self.inbound.is_duplicate(qos, pkid);
         self.ack(qos, pkid, true);
@@ -364,11 +395,16 @@ impl<S: Stream> Connection<S> {
             return Ok(());
         }
         match binding::admit(&publish.payload, &properties, qos, dialect) {
-            Admission::Serve(request, reply_to) => {
+            Admission::Serve(mut request, reply_to) => {
                 let caller = Caller {
                     client_id: &self.client_id,
                     connection: self.id,
                 };
+                let rules = policy.as_deref().map(|policy| KeyRules {
+                    policy,
+                    principal: &self.principal,
+                });
+                request.access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
                 self.store.serve(&request, caller, reply_to);
             }
             Admission::Refuse(reply_to, text) => {
@@ -391,11 +427,13 @@ impl<S: Stream> Connection<S> {
 
     fn on_subscribe(&mut self, subscribe: Subscribe, properties: Option<SubscribeProperties>) {
         let pkid = subscribe.pkid;
+        let policy = self.shared.authorizer.current();
         let checked = subscriptions::check(
             subscribe.filters,
             &self.own_hex,
             self.socket.protocol,
             &self.client_id,
+            policy.as_deref().map(|p| (p, &*self.principal)),
         );
         if checked.allowed.is_empty() {
             let return_codes = checked.refused.into_iter().map(|(_, c)| c).collect();

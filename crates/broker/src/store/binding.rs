@@ -130,6 +130,7 @@ pub fn admit<'a>(
         fencing_token: property("__ft"),
         persist: property("aio-persistence").is_some_and(|v| v.eq_ignore_ascii_case("true")),
         dialect,
+        access: None,
     };
     Admission::Serve(request, reply_to)
 }

@@ -59,7 +59,10 @@ impl<'a> Scan<'a> {
             page_size.saturating_mul(SLOTS_PER_KEY),
             &pattern,
         );
-        let mut page = vec![Frame::Array(keys.into_iter().map(Frame::Bulk).collect())];
+        let visible = keys
+            .into_iter()
+            .filter(|key| ctx.access.is_none_or(|access| access.may_read(key)));
+        let mut page = vec![Frame::Array(visible.map(Frame::Bulk).collect())];
         if let Some(next) = resume {
             page.push(Frame::Bulk(encode_token(next)));
         }

@@ -1,0 +1,259 @@
+//! The configuration's layers, checks and reload comparison.
+use super::*;
+use std::io::Write;
+
+fn no_env() -> Vec<(String, String)> {
+    Vec::new()
+}
+
+fn file(text: &str) -> tempfile::TempPath {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.into_temp_path()
+}
+
+#[test]
+fn embedded_default() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    // Loopback only, as mosquitto 2 does, anonymous clients welcome there.
+    let addrs: Vec<SocketAddr> = s.listeners.iter().map(|l| l.addr).collect();
+    assert_eq!(
+        addrs,
+        vec![
+            "127.0.0.1:1883".parse().unwrap(),
+            "[::1]:1883".parse().unwrap()
+        ]
+    );
+    assert!(
+        s.listeners
+            .iter()
+            .all(|l| l.allow_anonymous && l.tls.is_none())
+    );
+    assert_eq!(
+        (s.password_file.clone(), s.authorization.clone()),
+        (None, None)
+    );
+    assert_eq!(s.statestore.node_id, "statebroker");
+    assert!(s.broker.legacy_2023_topic);
+    assert_eq!(s.store_config().scan_page_size, 100);
+    let p = s.persistence.unwrap();
+    assert_eq!(p.data_dir, Path::new("./statebroker-data"));
+    assert_eq!(p.mode, Mode::Fsync);
+}
+
+#[test]
+fn persistence_settings() {
+    let f = file("[persistence]\nmode = \"interval\"\ninterval_ms = 50\nkeys = [\"all\"]\n");
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    let p = s.persistence.clone().unwrap();
+    assert_eq!(p.mode, Mode::Interval(Duration::from_millis(50)));
+    assert_eq!(
+        p.data_dir,
+        f.parent().unwrap().join("statebroker-data"),
+        "next to the config"
+    );
+    assert!(s.persist_policy.persists(b"anything"));
+    let env = vec![(
+        "STATEBROKER__PERSISTENCE__KEYS".to_owned(),
+        "exact:a,glob:b*".to_owned(),
+    )];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    assert!(s.persist_policy.persists(b"a") && s.persist_policy.persists(b"bee"));
+    assert!(!s.persist_policy.persists(b"c"));
+    let f = file("[persistence]\ndata_dir = \"\"\n");
+    assert!(
+        Settings::load_with_env(Some(&f), &[], no_env())
+            .unwrap()
+            .persistence
+            .is_none()
+    );
+    assert!(
+        Settings::listening_on("127.0.0.1:0".parse().unwrap())
+            .persistence
+            .is_none()
+    );
+    let e = error_of("[persistence]\nmode = \"sometimes\"\n");
+    assert!(e.contains("persistence.mode"), "{e}");
+    let e = error_of("[persistence]\nkeys = [\"regex:x\"]\n");
+    assert!(e.contains("persistence.keys"), "{e}");
+}
+
+#[test]
+fn listen_override() {
+    let addr = "127.0.0.1:0".parse().unwrap();
+    let s = Settings::load_with_env(None, &[addr], no_env()).unwrap();
+    assert_eq!(s.listeners[0].addr, addr);
+    let two: [SocketAddr; 2] = [
+        "127.0.0.1:7001".parse().unwrap(),
+        "[::1]:7002".parse().unwrap(),
+    ];
+    let s = Settings::load_with_env(None, &two, no_env()).unwrap();
+    let addrs: Vec<SocketAddr> = s.listeners.iter().map(|l| l.addr).collect();
+    assert_eq!(addrs, two, "one listener per --listen");
+    assert!(s.listeners.iter().all(|l| l.max_packet_size == 1_048_576));
+}
+
+#[test]
+fn a_reload_names_what_needs_a_restart() {
+    // Files in one directory: the data directory is relative to it.
+    let f = file("");
+    let running = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    let f = file("[log]\nlevel = \"debug\"\n");
+    let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(new.log.level, "debug");
+    assert!(running.needs_restart(&new).is_empty(), "the level reloads");
+    let f = file("[statestore]\nnode_id = \"other\"\n[http]\nlisten = \"\"\n");
+    let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(running.needs_restart(&new), vec!["[statestore]", "[http]"]);
+    let e = error_of("[log]\nformat = \"xml\"\n");
+    assert!(e.contains("log.format"), "{e}");
+}
+
+#[test]
+fn a_file_changes_only_what_it_names() {
+    let f = file("[statestore]\nnode_id = \"edge-7\"\n");
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(s.statestore.node_id, "edge-7");
+    assert_eq!(s.statestore.max_clock_skew_ms, 60_000);
+    assert_eq!(s.listeners[0].addr, "127.0.0.1:1883".parse().unwrap());
+}
+
+#[test]
+fn file_listeners_replace_the_default() {
+    let f = file(
+        "[v4.1]\nname = \"a\"\nlisten = \"127.0.0.1:2883\"\nnext_connection_delay_ms = 0\n\
+         [v4.1.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n",
+    );
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(s.listeners.len(), 1);
+    assert_eq!(s.listeners[0].addr, "127.0.0.1:2883".parse().unwrap());
+    assert_eq!(s.listeners[0].max_packet_size, 5000);
+}
+
+#[test]
+fn environment_overrides() {
+    let env = vec![
+        (
+            "STATEBROKER__STATESTORE__NODE_ID".to_owned(),
+            "from-env".to_owned(),
+        ),
+        (
+            "STATEBROKER__ROUTER__MAX_CONNECTIONS".to_owned(),
+            "7".to_owned(),
+        ),
+        ("UNRELATED".to_owned(), "x".to_owned()),
+    ];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    assert_eq!(s.statestore.node_id, "from-env");
+    assert_eq!(s.router.max_connections, 7);
+}
+
+fn error_of(text: &str) -> String {
+    let f = file(text);
+    Settings::load_with_env(Some(&f), &[], no_env())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn errors_name_the_field() {
+    let e = error_of("[statestore]\nnode_id = 5\nmax_clock_skew_ms = \"soon\"\n");
+    assert!(e.contains("max_clock_skew_ms"), "{e}");
+    let e = error_of("[statestore]\nnode_idd = \"x\"\n");
+    assert!(e.contains("node_idd"), "{e}");
+    let e = error_of("[statstore]\nnode_id = \"x\"\n");
+    assert!(e.contains("unknown section or key `statstore`"), "{e}");
+    let e = error_of("[statestore.quota]\nmax_keys = \"many\"\n");
+    assert!(e.contains("statestore.quota.max_keys"), "{e}");
+    let e = error_of("[router]\nmax_segment_size = 10\n");
+    assert!(e.contains("router.max_segment_size"), "{e}");
+    let e = error_of("[v5.1]\nlisten = \"not an address\"\n");
+    assert!(e.contains("listen") || e.contains("v5"), "{e}");
+    let e = error_of("[broker]\ntopic_alias_max = -1\n");
+    assert!(e.contains("topic_alias_max"), "{e}");
+    let e = error_of("this is = not toml [");
+    assert!(e.contains("cannot read config file"), "{e}");
+    let missing = Settings::load_with_env(Some(Path::new("/nonexistent/x.toml")), &[], no_env());
+    assert!(
+        missing
+            .unwrap_err()
+            .to_string()
+            .contains("/nonexistent/x.toml")
+    );
+}
+
+#[test]
+fn unimplemented_sections_are_refused_not_ignored() {
+    for (text, section) in [
+        ("[prometheus]\nport = 9042\n", "[prometheus]"),
+        ("[metrics.alerts]\npush_interval = 1\n", "[metrics]"),
+        ("[console]\nlisten = \"127.0.0.1:3030\"\n", "[console]"),
+        ("[bridge]\nname = \"b\"\n", "[bridge]"),
+    ] {
+        let e = error_of(text);
+        assert!(e.contains(section), "{text}: {e}");
+        assert!(e.contains("not"), "{text}: {e}");
+    }
+}
+
+const CONNECTIONS: &str = "next_connection_delay_ms = 0\n[{s}.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n";
+
+/// A listener section: `keys` in it, then its connections, then `tables`.
+fn listener_section(section: &str, keys: &str, tables: &str) -> String {
+    format!(
+        "[{section}]\nname = \"x\"\n{keys}{}{tables}",
+        CONNECTIONS.replace("{s}", section)
+    )
+}
+
+#[test]
+fn tls_websocket_and_anonymous_listeners() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.toml");
+    let text = [
+        listener_section("v5.1", "listen = \"0.0.0.0:1883\"\n", ""),
+        listener_section(
+            "v5.2",
+            "listen = \"0.0.0.0:8883\"\nallow_anonymous = true\n",
+            "[v5.2.tls]\ncertpath = \"s.pem\"\nkeypath = \"s.key\"\ncapath = \"ca.pem\"\n",
+        ),
+        listener_section("ws.1", "listen = \"127.0.0.1:8080\"\n", ""),
+        "[broker]\npassword_file = \"users\"\nauthorization = \"policy.yaml\"\n".to_owned(),
+    ]
+    .concat();
+    std::fs::write(&path, text).unwrap();
+    let s = Settings::load_with_env(Some(&path), &[], no_env()).unwrap();
+    let l: Vec<_> = s
+        .listeners
+        .iter()
+        .map(|l| (l.scheme(), l.allow_anonymous))
+        .collect();
+    assert_eq!(l, vec![("mqtt", false), ("mqtts", true), ("ws", true)]);
+    let tls = s.listeners[1].tls.clone().unwrap();
+    assert_eq!(tls.cert, dir.path().join("s.pem"), "relative to the file");
+    assert_eq!(tls.ca, Some(dir.path().join("ca.pem")));
+    assert_eq!(s.password_file, Some(dir.path().join("users")));
+    assert_eq!(s.authorization, Some(dir.path().join("policy.yaml")));
+    // --listen keeps the first listener's settings, the default per address.
+    let s = Settings::load_with_env(None, &["0.0.0.0:1883".parse().unwrap()], no_env()).unwrap();
+    assert!(!s.listeners[0].allow_anonymous, "not on a public address");
+}
+
+#[test]
+fn plaintext_passwords_and_pkcs12_are_refused() {
+    let e = error_of(&listener_section(
+        "v5.1",
+        "listen = \"127.0.0.1:1\"\n",
+        "[v5.1.connections.auth]\nalice = \"pw\"\n",
+    ));
+    assert!(
+        e.contains("plain text") && e.contains("statebroker passwd"),
+        "{e}"
+    );
+    let e = error_of(&listener_section(
+        "v5.1",
+        "listen = \"127.0.0.1:1\"\n",
+        "[v5.1.tls]\npkcs12path = \"a.p12\"\npkcs12pass = \"x\"\n",
+    ));
+    assert!(e.contains("PKCS#12"), "{e}");
+}

@@ -1,0 +1,138 @@
+//! TLS listeners: rustls (through `tokio-rustls`), TLS 1.2 and 1.3 only,
+//! ring's cryptography (pure Rust and assembly, nothing to install).
+//!
+//! A listener's `tls` table names PEM files: `certpath` (the chain, leaf
+//! first), `keypath` (PKCS#8, PKCS#1 or SEC1), and optionally `capath`: then
+//! every client must present a certificate signed by one of those CAs, and
+//! the certificate's subject names the client: its `CN` is the username and
+//! every subject field (`CN`, `O`, `OU`, `C`, `ST`, `L`, …) is a principal
+//! attribute for the authorization policy, as Azure IoT Operations does with
+//! X.509 attributes.
+//!
+//! [`Tls::reload`] (SIGHUP) reads the files again; connections already open
+//! keep the session they negotiated, new ones get the new certificate. A
+//! file that does not load keeps the old configuration.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::server::WebPkiClientVerifier;
+use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
+
+use crate::config::TlsFiles;
+
+/// A listener's TLS configuration, reloadable.
+pub struct Tls {
+    files: TlsFiles,
+    config: RwLock<Arc<ServerConfig>>,
+}
+
+impl Tls {
+    /// Loads the files; the error names the file and what is wrong.
+    pub fn load(files: &TlsFiles) -> Result<Tls, String> {
+        Ok(Tls {
+            config: RwLock::new(Arc::new(server_config(files)?)),
+            files: files.clone(),
+        })
+    }
+
+    /// Reads the files again; on error the configuration in use stays.
+    pub fn reload(&self) -> Result<(), String> {
+        let config = server_config(&self.files)?;
+        *self.config.write() = Arc::new(config);
+        Ok(())
+    }
+
+    /// An acceptor with the current configuration.
+    pub fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(Arc::clone(&self.config.read()))
+    }
+
+    /// Whether clients must present a certificate.
+    pub fn requires_client_certificates(&self) -> bool {
+        self.files.ca.is_some()
+    }
+}
+
+fn server_config(files: &TlsFiles) -> Result<ServerConfig, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
+        .and_then(|iter| iter.collect::<Result<_, _>>())
+        .map_err(|e| format!("certificate {}: {e}", files.cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "certificate {}: no CERTIFICATE in the file",
+            files.cert.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .map_err(|e| format!("private key {}: {e}", files.key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .map_err(|e| e.to_string())?;
+    let builder = match &files.ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            let cas = CertificateDer::pem_file_iter(ca)
+                .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| format!("CA file {}: {e}", ca.display()))?;
+            let (added, _) = roots.add_parsable_certificates(cas);
+            if added == 0 {
+                return Err(format!(
+                    "CA file {}: no usable CA certificate",
+                    ca.display()
+                ));
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| format!("CA file {}: {e}", ca.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    builder.with_single_cert(certs, key).map_err(|e| {
+        format!(
+            "certificate {} and key {} do not go together: {e}",
+            files.cert.display(),
+            files.key.display()
+        )
+    })
+}
+
+/// Who a client certificate names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CertIdentity {
+    /// The subject's common name: the client's username.
+    pub common_name: Option<String>,
+    /// Every subject field by its short name (`CN`, `O`, `OU`, …).
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// The identity in the client's (verified) certificate, if it sent one.
+pub fn peer_identity(connection: &rustls::ServerConnection) -> Option<CertIdentity> {
+    let leaf = connection.peer_certificates()?.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    let mut identity = CertIdentity::default();
+    let registry = x509_parser::objects::oid_registry();
+    for attribute in cert.subject().iter_attributes() {
+        let Ok(value) = attribute.as_str() else {
+            continue;
+        };
+        let oid = attribute.attr_type();
+        let name = x509_parser::objects::oid2abbrev(oid, registry)
+            .or_else(|_| x509_parser::objects::oid2sn(oid, registry))
+            .map_or_else(|_| oid.to_id_string(), str::to_owned);
+        if name == "CN" && identity.common_name.is_none() {
+            identity.common_name = Some(value.to_owned());
+        }
+        identity
+            .attributes
+            .entry(name)
+            .or_insert_with(|| value.to_owned());
+    }
+    Some(identity)
+}
