@@ -35,6 +35,8 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9883 && printf 'GET /readyz HTTP/1.0\\r\\n\\r\\n' >&3 && grep -q '^ready' <&3"]
 ENTRYPOINT ["statebroker"]
 # Inside a container the listeners must face the container's network: the
-# broker's own defaults keep the HTTP endpoint on loopback.
+# broker's own defaults keep the HTTP endpoint on loopback. Anonymous clients
+# are refused on 0.0.0.0: mount a password file and set
+# STATEBROKER__BROKER__PASSWORD_FILE, or append --allow-anonymous.
 CMD ["--config", "/etc/statebroker/rumqttd.toml", "--data-dir", "/var/lib/statebroker", \
      "--listen", "0.0.0.0:1883", "--http", "0.0.0.0:9883"]

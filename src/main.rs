@@ -11,6 +11,7 @@ use broker::{Broker, Settings};
 use clap::Parser;
 
 mod logging;
+mod passwd;
 
 use logging::{Format, Logging};
 
@@ -18,18 +19,26 @@ use logging::{Format, Logging};
 /// Operations state store built in: key/value requests over MQTT with RESP3
 /// payloads, HLC versions, fencing tokens, expiry, KEYNOTIFY and SCAN.
 ///
-/// Without arguments it listens on 0.0.0.0:1883 with the embedded default
-/// configuration (the repository's rumqttd.toml; see --print-default-config).
+/// Without arguments it listens on loopback only (127.0.0.1:1883 and
+/// [::1]:1883, as mosquitto 2 does) with the embedded default configuration
+/// (the repository's rumqttd.toml; see --print-default-config); to accept
+/// other hosts: --listen 0.0.0.0:1883, with users in a password file
+/// (`statebroker passwd FILE USER`, `[broker] password_file`) or
+/// --allow-anonymous.
 /// Log filter: `[log] level` (default "info,rumqttd=warn" plus the storage
 /// engine's journal repairs), or RUST_LOG, e.g.
 /// RUST_LOG=debug or RUST_LOG=broker=debug.
 ///
 /// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
 /// configuration file and applies what can change while running (the log
-/// filter), naming in the log what needs a restart.
+/// filter, the password file, the authorization policy, TLS certificates),
+/// naming in the log what needs a restart.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about)]
+#[command(version, about, long_about, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// Configuration file in rumqttd.toml format, layered over the defaults.
     /// Environment variables STATEBROKER__<SECTION>__<KEY> override it.
     #[arg(short, long, value_name = "FILE", env = "STATEBROKER_CONFIG")]
@@ -65,13 +74,60 @@ struct Cli {
     #[arg(long, value_name = "FORMAT")]
     log_format: Option<Format>,
 
+    /// Let clients without username or certificate connect on every
+    /// listener (by default only loopback listeners let them in).
+    #[arg(long)]
+    allow_anonymous: bool,
+
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Add a user to a password file, or change their password (mosquitto's
+    /// format: PBKDF2-SHA512, so mosquitto reads it too). Creates the file.
+    ///
+    /// Examples:
+    ///   statebroker passwd /etc/statebroker/passwd alice
+    ///   echo "$PASSWORD" | statebroker passwd users alice --password-stdin
+    ///   statebroker passwd users alice --delete
+    Passwd {
+        /// The password file (`[broker] password_file`).
+        file: std::path::PathBuf,
+        /// The user name.
+        user: String,
+        /// Read the password from the first line of standard input instead
+        /// of prompting.
+        #[arg(long)]
+        password_stdin: bool,
+        /// Remove the user instead.
+        #[arg(long, conflicts_with = "password_stdin")]
+        delete: bool,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Passwd {
+        file,
+        user,
+        password_stdin,
+        delete,
+    }) = &cli.command
+    {
+        return match passwd::run(file, user, *password_stdin, *delete) {
+            Ok(what) => {
+                eprintln!("{what}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("statebroker passwd: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     if cli.print_default_config {
         print!("{}", broker::config::DEFAULT_CONFIG);
         return ExitCode::SUCCESS;
@@ -123,6 +179,11 @@ fn load(cli: &Cli) -> Result<Settings, String> {
     if cli.in_memory {
         settings.persistence = None;
     }
+    if cli.allow_anonymous {
+        for listener in &mut settings.listeners {
+            listener.allow_anonymous = true;
+        }
+    }
     if cli.no_http {
         settings.http = None;
     } else if let Some(addr) = cli.http {
@@ -159,7 +220,10 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
     let mut settings = settings;
     let signal = loop {
         match signals.next().await {
-            Signal::Reload => reload(&cli, &mut settings, &logging),
+            Signal::Reload => {
+                running.reload();
+                reload(&cli, &mut settings, &logging);
+            }
             Signal::Stop(name) => break name,
         }
     };

@@ -259,3 +259,80 @@ async fn json_logs_and_several_listen_addresses() {
         );
     }
 }
+
+/// `statebroker passwd` writes a file the broker reads; SIGHUP applies a
+/// changed file to new connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwd_and_sighup_change_who_may_connect() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users");
+    let passwd = |password: &'static str| {
+        let users = users.clone();
+        async move {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+                .arg("passwd")
+                .arg(&users)
+                .args(["alice", "--password-stdin"])
+                .stdin(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            use tokio::io::AsyncWriteExt;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin
+                .write_all(format!("{password}\n").as_bytes())
+                .await
+                .unwrap();
+            drop(stdin);
+            let out = child.wait_with_output().await.unwrap();
+            assert!(out.status.success(), "{out:?}");
+        }
+    };
+    passwd("old").await;
+    let text = std::fs::read_to_string(&users).unwrap();
+    assert!(text.starts_with("alice:$7$"), "{text}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&users).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "only its owner reads it");
+    }
+    let config = dir.path().join("c.toml");
+    std::fs::write(&config, "[broker]\npassword_file = \"users\"\n").unwrap();
+    let broker = start(
+        &dir.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    )
+    .await;
+    let login = |password: &'static str| {
+        move |c: &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)| {
+            c.2 = Some(v5::Login::new("alice", password));
+        }
+    };
+    let (_c, ack) = Raw::connect_with(broker.addr, "a1", login("old")).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::Success);
+    passwd("new").await;
+    signal(&broker.child, "HUP");
+    common::eventually("the reload is logged", || {
+        broker
+            .log
+            .lock()
+            .iter()
+            .any(|l| l.contains("password file reloaded"))
+    })
+    .await;
+    let (_c, ack) = Raw::connect_with(broker.addr, "a2", login("new")).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::Success);
+    let (_c, ack) = Raw::connect_with(broker.addr, "a3", login("old")).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::BadUserNamePassword);
+    // A missing user cannot be deleted; the file stays as it was.
+    let out = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .arg("passwd")
+        .arg(&users)
+        .args(["bob", "--delete"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no user bob"));
+}

@@ -54,6 +54,8 @@ pub struct Target {
     pub login: Option<(String, String)>,
     /// How long to wait for the connection and for each answer.
     pub timeout: Duration,
+    /// TLS, if asked for.
+    pub tls: Option<crate::tls::TlsOptions>,
 }
 
 /// One answer: the RESP3 reply, the version (`__ts`) and every user property.
@@ -109,6 +111,12 @@ impl Client {
         options.set_clean_start(true);
         if let Some((user, password)) = &target.login {
             options.set_credentials(user.clone(), password.clone());
+        }
+        if let Some(tls) = &target.tls {
+            let config = crate::tls::client_config(tls).map_err(Failure::Connection)?;
+            options.set_transport(rumqttc::Transport::tls_with_config(
+                rumqttc::TlsConfiguration::Rustls(std::sync::Arc::new(config)),
+            ));
         }
         let (mqtt, mut eventloop) = AsyncClient::new(options, 64);
         tokio::time::timeout(target.timeout, wait_connack(&mut eventloop))

@@ -11,6 +11,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod client;
 mod output;
+mod tls;
 
 use client::{Client, Failure, Target};
 use output::{EXIT_ERR, Format, Printer};
@@ -40,7 +41,9 @@ const EXIT_NO_ANSWER: u8 = 2;
   statebroker-cli set job-7 done --fencing-token 000001763800000000:00000:worker-1
   statebroker-cli -i worker-1 lock jobs --release
   statebroker-cli raw SET k v NX PX 5000
-  statebroker-cli -h broker.local -p 1883 -u alice -P secret get k"
+  statebroker-cli -h broker.local -p 1883 -u alice -P secret get k
+  statebroker-cli -h broker.local -p 8883 --cafile ca.pem -u alice -P secret get k
+  statebroker-cli -p 8883 --cafile ca.pem --cert me.pem --key me.key keys"
 )]
 struct Cli {
     #[command(flatten)]
@@ -89,6 +92,36 @@ struct Connection {
     /// Seconds to wait for the connection and for each answer.
     #[arg(long, default_value_t = 10.0, global = true)]
     timeout: f64,
+
+    /// Connect over TLS (the broker's certificate checked against the
+    /// system's roots, or --cafile). Usually with -p 8883.
+    #[arg(long, global = true)]
+    tls: bool,
+
+    /// CA certificates (PEM) the broker's certificate must be signed by;
+    /// implies --tls.
+    #[arg(long, value_name = "FILE", global = true)]
+    cafile: Option<PathBuf>,
+
+    /// Client certificate (PEM), for a broker that asks for one; with --key.
+    #[arg(
+        long = "cert",
+        id = "tls_cert",
+        value_name = "FILE",
+        global = true,
+        requires = "tls_key"
+    )]
+    cert: Option<PathBuf>,
+
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long = "key",
+        id = "tls_key",
+        value_name = "FILE",
+        global = true,
+        requires = "tls_cert"
+    )]
+    key: Option<PathBuf>,
 
     /// Print help.
     #[arg(long, action = clap::ArgAction::Help, global = true)]
@@ -221,6 +254,11 @@ fn target(c: &Connection) -> Result<Target, Failure> {
             .unwrap_or_else(|| format!("statebroker-cli-{:08x}", fastrand::u32(..))),
         login,
         timeout: Duration::from_secs_f64(c.timeout),
+        tls: (c.tls || c.cafile.is_some() || c.cert.is_some()).then(|| tls::TlsOptions {
+            ca: c.cafile.clone(),
+            cert: c.cert.clone(),
+            key: c.key.clone(),
+        }),
     })
 }
 

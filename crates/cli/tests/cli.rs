@@ -332,3 +332,68 @@ async fn help_has_examples() {
         assert!(text.contains(needle), "--help lacks {needle}");
     }
 }
+
+/// `--cafile`, `--cert` and `--key` against a mutual-TLS listener whose
+/// certificates are made here; a wrong CA file is refused with status 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_client_certificate() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let ca = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        (params.self_signed(&key).unwrap(), key)
+    };
+    let (ca_cert, ca_key) = ca("cli CA");
+    let issue = |names: Vec<String>, cn: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        let cert = params.signed_by(&key, &ca_cert, &ca_key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_pem, server_key) = issue(vec!["127.0.0.1".into()], "server");
+    let (client_pem, client_key) = issue(Vec::new(), "cli-user");
+    let files = broker::config::TlsFiles {
+        cert: write("server.pem", &server_pem),
+        key: write("server.key", &server_key),
+        ca: Some(write("ca.pem", &ca_cert.pem())),
+    };
+    let broker = broker_with(|s| s.listeners[0].tls = Some(files)).await;
+    let addr = broker.local_addr();
+    let ca_file = dir.path().join("ca.pem");
+    let cert = write("client.pem", &client_pem);
+    let key = write("client.key", &client_key);
+    let tls_args = [
+        "--cafile",
+        ca_file.to_str().unwrap(),
+        "--cert",
+        cert.to_str().unwrap(),
+        "--key",
+        key.to_str().unwrap(),
+    ];
+    let set = run(addr, &[&tls_args[..], &["set", "over-tls", "yes"]].concat()).await;
+    assert!(set.status.success(), "{set:?}");
+    let get = run(addr, &[&tls_args[..], &["get", "over-tls"]].concat()).await;
+    assert_eq!(stdout(&get), "yes\n");
+    // Without the client certificate, or trusting another CA: no connection.
+    let no_cert = run(
+        addr,
+        &["--cafile", ca_file.to_str().unwrap(), "get", "over-tls"],
+    )
+    .await;
+    assert_eq!(no_cert.status.code(), Some(2), "{no_cert:?}");
+    let (other, _) = ca("another CA");
+    let other = write("other.pem", &other.pem());
+    let mut wrong = tls_args;
+    wrong[1] = other.to_str().unwrap();
+    let refused = run(addr, &[&wrong[..], &["get", "over-tls"]].concat()).await;
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+}
