@@ -66,11 +66,12 @@ pub(crate) async fn start(
             ready,
             broker: Arc::clone(&broker),
         })
-        .merge(crate::web::routes(broker));
+        .merge(crate::web::routes(broker, !local.ip().is_loopback()));
     tokio::spawn(async move {
         let stop = async move {
             let _ = shutdown.changed().await;
         };
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
         if let Err(e) = axum::serve(listener, app)
             .with_graceful_shutdown(stop)
             .await

@@ -13,7 +13,11 @@
 //!   [`crate::activity::Event`] per request answered and notification sent.
 //!
 //! Read-only: nothing here changes the store. The endpoint listens on
-//! loopback by default; anyone who can reach it sees every key.
+//! loopback by default, where anyone who can reach it sees every key. On
+//! any other address the view asks for a user of the broker's password file
+//! (HTTP Basic; failures slowed per address as for MQTT), and is refused
+//! altogether without a password file; `/metrics`, `/healthz` and
+//! `/readyz` stay open for scrapers and probes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -36,15 +40,108 @@ use crate::shared::Shared;
 /// ready").
 pub(crate) type Broker = Arc<std::sync::OnceLock<Arc<Shared>>>;
 
-/// The view's routes.
-pub(crate) fn routes(broker: Broker) -> Router {
+/// The view's routes; `exposed`: the endpoint is on a non-loopback address.
+pub(crate) fn routes(broker: Broker, exposed: bool) -> Router {
+    let guard = Guard {
+        broker: Arc::clone(&broker),
+        exposed,
+    };
     Router::new()
         .route("/", get(page))
         .route("/api/keys", get(keys))
         .route("/api/clients", get(clients))
         .route("/api/summary", get(summary))
         .route("/api/events", get(events))
+        .layer(axum::middleware::from_fn_with_state(guard, guard_view))
         .with_state(broker)
+}
+
+#[derive(Clone)]
+struct Guard {
+    broker: Broker,
+    exposed: bool,
+}
+
+/// What the guard decides before looking at the password.
+#[derive(Debug, PartialEq, Eq)]
+enum Gate {
+    Open,
+    /// Exposed, but there is no password file to check against.
+    NoPasswordFile,
+    /// Exposed: check these credentials (`None`: none were sent).
+    Check(Option<(String, String)>),
+    Starting,
+}
+
+fn gate(exposed: bool, started: Option<bool>, authorization: Option<&str>) -> Gate {
+    if !exposed {
+        return Gate::Open;
+    }
+    match started {
+        None => Gate::Starting,
+        Some(false) => Gate::NoPasswordFile,
+        Some(true) => Gate::Check(authorization.and_then(basic_credentials)),
+    }
+}
+
+/// `Basic base64(user:password)`.
+fn basic_credentials(header: &str) -> Option<(String, String)> {
+    use base64::Engine;
+    let encoded = header.strip_prefix("Basic ")?.trim();
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (user, password) = text.split_once(':')?;
+    Some((user.to_owned(), password.to_owned()))
+}
+
+async fn guard_view(
+    State(guard): State<Guard>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let shared = guard.broker.get().cloned();
+    let header = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let started = shared.as_ref().map(|s| s.authenticator.has_password_file());
+    match gate(guard.exposed, started, header) {
+        Gate::Open => next.run(request).await,
+        Gate::Starting => starting(),
+        Gate::NoPasswordFile => (
+            StatusCode::FORBIDDEN,
+            "the web view on a non-loopback address needs users: set [broker] password_file\n",
+        )
+            .into_response(),
+        Gate::Check(credentials) => {
+            let sent = credentials.is_some();
+            let ok = match (&shared, credentials) {
+                (Some(shared), Some((user, password))) => {
+                    shared
+                        .authenticator
+                        .verify(peer.ip(), &user, &password)
+                        .await
+                }
+                _ => false,
+            };
+            if ok {
+                next.run(request).await
+            } else {
+                if sent {
+                    tracing::info!(%peer, "web view: credentials refused");
+                }
+                (
+                    StatusCode::UNAUTHORIZED,
+                    [(header::WWW_AUTHENTICATE, "Basic realm=\"statebroker\"")],
+                    "a user of the broker's password file, please\n",
+                )
+                    .into_response()
+            }
+        }
+    }
 }
 
 async fn page() -> impl IntoResponse {
@@ -177,4 +274,28 @@ async fn events(State(broker): State<Broker>) -> Response {
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_view_asks_for_a_password_only_when_exposed() {
+        assert_eq!(gate(false, Some(false), None), Gate::Open);
+        assert_eq!(gate(false, None, None), Gate::Open);
+        assert_eq!(gate(true, None, None), Gate::Starting);
+        assert_eq!(
+            gate(true, Some(false), Some("Basic YTpi")),
+            Gate::NoPasswordFile
+        );
+        assert_eq!(gate(true, Some(true), None), Gate::Check(None));
+        // "alice:s3c:ret" (a password may hold ':').
+        assert_eq!(
+            gate(true, Some(true), Some("Basic YWxpY2U6czNjOnJldA==")),
+            Gate::Check(Some(("alice".into(), "s3c:ret".into())))
+        );
+        assert_eq!(gate(true, Some(true), Some("Bearer x")), Gate::Check(None));
+        assert_eq!(gate(true, Some(true), Some("Basic !!")), Gate::Check(None));
+    }
 }
