@@ -173,3 +173,26 @@ fn keys_by_type_and_method() {
     };
     assert!(KeyAccess::may_read(&rules, b"sensor-7-a"));
 }
+
+#[test]
+fn a_reload_with_an_error_keeps_the_policy_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    let rule = |id: &str| {
+        format!(
+            "rules: [{{ principals: {{ clientIds: [{id}] }}, brokerResources: [{{ method: Connect }}] }}]"
+        )
+    };
+    std::fs::write(&path, rule("first")).unwrap();
+    let authorizer = Authorizer::load(Some(&path)).unwrap();
+    let allows = |id: &str| authorizer.current().unwrap().may_connect(&sensor(id));
+    assert!(allows("first"));
+    std::fs::write(&path, rule("second")).unwrap();
+    assert_eq!(authorizer.reload(), Ok(Some(1)));
+    assert!(allows("second") && !allows("first"));
+    std::fs::write(&path, "rules: [{ principals: {} }]").unwrap();
+    let e = authorizer.reload().unwrap_err();
+    assert!(e.contains("policy.yaml") && e.contains("principals"), "{e}");
+    assert!(allows("second"), "the old policy stays");
+    assert!(Authorizer::load(None).unwrap().current().is_none());
+}
