@@ -144,15 +144,27 @@ impl TopicRule {
 /// One rule's key, compiled.
 #[derive(Debug, Clone)]
 enum KeyRule {
-    Glob(String),
+    /// A glob without placeholders, compiled once.
+    Glob(Pattern),
+    /// A glob with placeholders: compiled per check, with the caller's values.
+    GlobFor(String),
     Exact(Vec<u8>),
 }
 
 impl KeyRule {
+    fn glob(text: String) -> KeyRule {
+        if text.contains("{principal.") {
+            KeyRule::GlobFor(text)
+        } else {
+            KeyRule::Glob(Pattern::new(text.as_bytes()))
+        }
+    }
+
     fn matches(&self, key: &[u8], principal: &Principal) -> bool {
         match self {
             KeyRule::Exact(k) => k == key,
-            KeyRule::Glob(text) => match substitute(text, principal) {
+            KeyRule::Glob(pattern) => pattern.matches(key),
+            KeyRule::GlobFor(text) => match substitute(text, principal) {
                 Some(pattern) => Pattern::new(pattern.as_bytes()).matches(key),
                 None => false,
             },
@@ -267,10 +279,10 @@ impl Policy {
                 let mut keys = Vec::new();
                 for k in &s.keys {
                     keys.push(match s.key_type {
-                        KeyType::Pattern => KeyRule::Glob(k.clone()),
+                        KeyType::Pattern => KeyRule::glob(k.clone()),
                         KeyType::String if k.contains("{principal.") => {
                             // Exact, but with the principal's value: a glob of the escaped text.
-                            KeyRule::Glob(escape_glob(k))
+                            KeyRule::GlobFor(escape_glob(k))
                         }
                         KeyType::String => KeyRule::Exact(k.as_bytes().to_vec()),
                         KeyType::Binary => KeyRule::Exact(hex::decode(k).map_err(|e| {
