@@ -1,11 +1,15 @@
 //! statebroker's MQTT side.
 //!
 //! ```text
-//!  accept (listener.rs: TCP, TCP_NODELAY on every socket)
+//!  accept (listener.rs: TCP, TCP_NODELAY on every socket; then tls.rs
+//!         │  and/or websocket.rs when the listener asks for them)
 //!         │  any AsyncRead + AsyncWrite (connection/socket.rs), MQTT 3.1.1 / 5
 //!         │  codecs from rumqttd, guarded (codec.rs)
 //!         ▼
 //!  connection task, one per client (connection/)
+//!    who it is: authentication.rs (passwords.rs, a client certificate)
+//!    what it may do: authorization/ (the policy; store keys via
+//!    statestore::KeyAccess)
 //!    handshake.rs: CONNECT checks, CONNACK      subscriptions.rs: SUBSCRIBE policy
 //!    outbound.rs: acks, in-flight windows       mod.rs: run loop, dispatch, teardown
 //!    │ state store requests ──────────────► store/: binding.rs (request rules,
@@ -31,7 +35,8 @@
 //! restores it all before listening.
 //!
 //! Data flows one way: a module only uses modules below it in this picture
-//! (and the leaves: `config`, `clock`, `codec`, `topics`, `persistence`).
+//! (and the leaves: `config`, `clock`, `codec`, `topics`, `persistence`,
+//! `metrics`, `passwords`).
 //!
 //! [`Broker::start`] runs it all inside the current tokio runtime; the
 //! `statebroker` binary and the end-to-end tests both use it.
