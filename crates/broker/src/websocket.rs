@@ -1,7 +1,7 @@
 //! MQTT over WebSocket: the HTTP upgrade (subprotocol `mqtt`, any path) and
 //! a byte stream over binary WebSocket messages, so that a WebSocket
 //! connection runs on the same connection code as TCP
-//! ([`crate::connection`] takes any `AsyncRead + AsyncWrite`).
+//! (the connection code takes any `AsyncRead + AsyncWrite`).
 //!
 //! MQTT packets may span WebSocket messages and one message may hold
 //! several packets (MQTT 5, 6.0): reads hand on the bytes of each binary
@@ -30,7 +30,7 @@ const SUBPROTOCOLS: [&str; 2] = ["mqtt", "mqttv3.1"];
 // tungstenite's callback type returns its (large) `ErrorResponse` as is.
 #[allow(clippy::result_large_err)]
 /// Upgrades an accepted stream to a WebSocket carrying MQTT. A client that
-/// offers subprotocols but none of [`SUBPROTOCOLS`] is answered 400.
+/// offers subprotocols but none of `mqtt`, `mqttv3.1` is answered 400.
 pub async fn accept<S>(stream: S, max_packet_size: usize) -> Result<WsStream<S>, String>
 where
     S: AsyncRead + AsyncWrite + Unpin,

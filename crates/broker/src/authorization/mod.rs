@@ -1,6 +1,6 @@
 //! Authorization: who may connect, publish, subscribe, and read or write
 //! which state store keys, by a policy in the shape of Azure IoT
-//! Operations' `BrokerAuthorization` ([`policy`] reads the file).
+//! Operations' `BrokerAuthorization` (`policy.rs` reads the file).
 //!
 //! Allow-only: with a policy loaded, whatever no rule allows is denied;
 //! without one, everything is allowed (and nothing is checked, so the hot
