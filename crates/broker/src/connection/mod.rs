@@ -10,7 +10,8 @@
 //! "client <-> router":
 //!
 //! - **State store requests** (PUBLISH on the request topics) never reach the
-//!   router: the task checks them ([`crate::store::binding`]) and hands them
+//!   router: the task checks them (`request.rs`, [`crate::store::binding`],
+//!   the authorization policy) and hands them
 //!   to the in-process [`crate::store::StateStoreService`], acknowledging
 //!   them itself.
 //! - **The notification namespace** is the store's: a PUBLISH into it is
@@ -37,6 +38,7 @@ mod handshake;
 mod inbound;
 mod link;
 mod outbound;
+mod request;
 mod saved;
 mod socket;
 mod subscriptions;

@@ -10,7 +10,6 @@ use rumqttd::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
     PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
 };
-use statestore::{Caller, Dialect};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -22,14 +21,14 @@ use super::outbound::{self, Outbound};
 use super::saved::Saved;
 use super::socket::{Socket, Stream};
 use super::subscriptions::{self, PendingRefusals};
-use crate::authorization::{KeyRules, Principal};
+use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
 use crate::durable::tag;
 use crate::publisher::Publisher;
 use crate::sessions::{Sessions, ToConnection};
 use crate::shared::Shared;
 use crate::store::StateStoreService;
-use crate::store::binding::{self, Admission};
+use crate::store::binding;
 use crate::topics;
 
 /// A connected client: its socket, its link to the router, and what is
@@ -346,83 +345,13 @@ impl<S: Stream> Connection<S> {
     }
 
     /// Acknowledges a publish handled here (not by the router).
-    fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
+    pub(super) fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
         if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
             self.inbound.completed(&ack);
             if let Some(ack) = self.ack_order.local(ack) {
                 self.socket.queue(ack);
             }
         }
-    }
-
-    /// A state store request: checked by the binding, acknowledged here,
-    /// executed by the store.
-    fn on_request(
-        &mut self,
-        publish: Publish,
-        properties: Option<PublishProperties>,
-        qos: u8,
-        pkid: u16,
-        dialect: Dialect,
-    ) -> Result<(), End> {
-        let properties = properties.unwrap_or_default();
-        if let Err((code, why)) = binding::check_response_topic(&properties) {
-            tracing::warn!(
-                client_id = self.client_id,
-                reason = why,
-                "bad response topic: disconnecting"
-            );
-            return Err(End::Violation(code, why));
-        }
-        // With a policy, answers go only where the caller may subscribe.
-        let policy = self.shared.authorizer.current();
-        if let Some(policy) = &policy
-            && let Some(topic) = &properties.response_topic
-            && !policy.may_subscribe(&self.principal, topic)
-        {
-            tracing::info!(
-                client_id = self.client_id,
-                response_topic = topic,
-                "request refused: the authorization policy denies subscribing to its response topic"
-            );
-            self.ack(qos, pkid, false);
-            return Ok(());
-        }
-        // A QoS 2 duplicate of a request already executed: acknowledge again only.
-        let duplicate = self.inbound.is_duplicate(qos, pkid);
-        self.ack(qos, pkid, true);
-        if duplicate {
-            return Ok(());
-        }
-        match binding::admit(&publish.payload, &properties, qos, dialect) {
-            Admission::Serve(mut request, reply_to) => {
-                let caller = Caller {
-                    client_id: &self.client_id,
-                    connection: self.id,
-                };
-                let rules = policy.as_deref().map(|policy| KeyRules {
-                    policy,
-                    principal: &self.principal,
-                });
-                request.access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
-                self.store.serve(&request, caller, reply_to);
-            }
-            Admission::Refuse(reply_to, text) => {
-                tracing::info!(
-                    client_id = self.client_id,
-                    reason = text,
-                    "request not executed"
-                );
-                self.store.refuse(reply_to, &self.client_id, text);
-            }
-            Admission::Ignore => {
-                tracing::info!(
-                    client_id = self.client_id,
-                    "request without response topic ignored"
-                );
-            }
-        }
-        Ok(())
     }
 
     fn on_subscribe(&mut self, subscribe: Subscribe, properties: Option<SubscribeProperties>) {
