@@ -106,10 +106,7 @@ impl Authenticator {
         user: &str,
         password: &str,
     ) -> bool {
-        let wait = self.throttle.lock().turn(source, Instant::now());
-        if !wait.is_zero() {
-            tokio::time::sleep(wait).await;
-        }
+        self.wait_turn(source).await;
         let (user, password) = (user.to_owned(), password.to_owned());
         let ok = tokio::task::spawn_blocking(move || passwords.verify(&user, password.as_bytes()))
             .await
@@ -121,6 +118,14 @@ impl Authenticator {
             throttle.failed(source, Instant::now());
         }
         ok
+    }
+
+    /// Waits until an attempt from `source` may be looked at.
+    async fn wait_turn(&self, source: IpAddr) {
+        let wait = self.throttle.lock().turn(source, Instant::now());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
     }
 
     /// Decides who the client is.
@@ -149,8 +154,7 @@ impl Authenticator {
             Ok(principal)
         } else {
             // Counts as a failure too: probing anonymously is slowed alike.
-            let wait = self.throttle.lock().turn(presented.source, Instant::now());
-            tokio::time::sleep(wait).await;
+            self.wait_turn(presented.source).await;
             self.throttle
                 .lock()
                 .failed(presented.source, Instant::now());

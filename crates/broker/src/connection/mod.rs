@@ -51,7 +51,6 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::authentication::{Failure, Presented};
-use crate::authorization::Principal;
 use crate::config::Listener;
 use crate::sessions::{Mailbox, QueueBound};
 use crate::shared::Shared;
@@ -92,9 +91,17 @@ pub(crate) async fn serve<S: Stream>(
     if let Err(connack) = checked {
         return socket.send_and_close(connack).await;
     }
-    // Who it is (certificate, password, or anonymous), and whether it may connect.
+    let terms = Terms::negotiate(
+        &hello,
+        protocol,
+        shared.settings.broker.max_keep_alive_secs,
+        || format!("statebroker-{:x}-{id}", shared.started_nanos),
+    );
+    let client_id = terms.client_id.clone();
+    // Who it is (certificate, password, or anonymous), and whether it may
+    // connect (the policy sees an assigned client id).
     let presented = Presented {
-        client_id: &hello.connect.client_id,
+        client_id: &client_id,
         login: hello
             .login
             .as_ref()
@@ -104,7 +111,7 @@ pub(crate) async fn serve<S: Stream>(
         source: peer.ip(),
     };
     let principal = match shared.authenticator.authenticate(presented).await {
-        Ok(principal) => principal,
+        Ok(principal) => Arc::new(principal),
         Err(Failure::BadCredentials) => {
             let connack = refuse(Refusal::BadCredentials, "bad username or password");
             return socket.send_and_close(connack).await;
@@ -118,7 +125,6 @@ pub(crate) async fn serve<S: Stream>(
         }
     };
     if let Some(policy) = shared.authorizer.current()
-        && !hello.connect.client_id.is_empty()
         && !policy.may_connect(&principal)
     {
         let connack = refuse(
@@ -131,28 +137,6 @@ pub(crate) async fn serve<S: Stream>(
         let connack = refuse(Refusal::Busy, "connection limit reached");
         return socket.send_and_close(connack).await;
     };
-    let terms = Terms::negotiate(
-        &hello,
-        protocol,
-        shared.settings.broker.max_keep_alive_secs,
-        || format!("statebroker-{:x}-{id}", shared.started_nanos),
-    );
-    let client_id = terms.client_id.clone();
-    // An assigned client id: the policy sees it from here on.
-    let principal = Arc::new(Principal {
-        client_id: client_id.clone(),
-        ..principal
-    });
-    if terms.assigned
-        && let Some(policy) = shared.authorizer.current()
-        && !policy.may_connect(&principal)
-    {
-        let connack = refuse(
-            Refusal::NotAuthorized,
-            "the authorization policy denies Connect",
-        );
-        return socket.send_and_close(connack).await;
-    }
     // A persistent session joins the router now (the router knows whether
     // the session exists); a clean one when it first needs the router.
     let (link, session_present) = match RouterLink::open(
