@@ -9,15 +9,40 @@ use std::time::Duration;
 use broker::config::{Mode, PersistenceSettings};
 use bytes::Bytes;
 use common::mqtt::publish_complete;
-use common::raw::{Raw, Recv, v5};
+use common::raw::{NOTIFY_NAMESPACE, Raw, Recv, v5};
 use common::start_broker_with;
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// GET `path`: the status code and the body.
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    send(addr, "GET", path, None).await
+}
+
+/// POST a JSON `body` to `path`: the status code and the body.
+async fn post(addr: SocketAddr, path: &str, body: serde_json::Value) -> (u16, String) {
+    let body = body.to_string();
+    send(addr, "POST", path, Some(("application/json", &body))).await
+}
+
+/// `method path` with an optional (content type, body).
+async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content: Option<(&str, &str)>,
+) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    let (content, body) = match content {
+        Some((kind, body)) => (
+            format!("Content-Type: {kind}\r\nContent-Length: {}\r\n", body.len()),
+            body,
+        ),
+        None => (String::new(), ""),
+    };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{content}\r\n{body}"
+    );
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut response = String::new();
     tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
@@ -141,4 +166,123 @@ async fn health_readiness_and_metrics() {
     // The endpoint goes with the broker.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(tokio::net::TcpStream::connect(http).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_view_edits_keys_only_when_allowed() {
+    let set = serde_json::json!({ "key": "door", "value": "open" });
+    // Read-only by default.
+    let broker = start_broker_with(|s| s.http = Some("127.0.0.1:0".parse().unwrap())).await;
+    let http = broker.http_addr().unwrap();
+    let (status, body) = post(http, "/api/set", set.clone()).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("allow_edit"), "{body}");
+    assert_eq!(broker.store().with_store(|s| s.len()), 0);
+    let summary: serde_json::Value =
+        serde_json::from_str(&get(http, "/api/summary").await.1).unwrap();
+    assert_eq!(summary["allow_edit"], false);
+
+    let broker = start_broker_with(|s| {
+        s.http = Some("127.0.0.1:0".parse().unwrap());
+        s.http_allow_edit = true;
+    })
+    .await;
+    let http = broker.http_addr().unwrap();
+    let summary: serde_json::Value =
+        serde_json::from_str(&get(http, "/api/summary").await.1).unwrap();
+    assert_eq!(summary["allow_edit"], true);
+    // A watcher hears of the web view's edits, as of any client's.
+    let mut watcher = Raw::connect(broker.local_addr(), "edit-watcher").await;
+    let own = format!("{NOTIFY_NAMESPACE}/{}/#", hex::encode_upper("edit-watcher"));
+    watcher.subscribe(&own, QoS::AtLeastOnce).await;
+    assert_eq!(
+        &watcher.request(&[b"KEYNOTIFY", b"door"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    let (status, body) = post(http, "/api/set", set).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"answer":"+OK","ok":true}"#)
+    );
+    let notice = watcher.next_publish().await;
+    assert!(
+        notice
+            .payload
+            .starts_with(b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET"),
+        "{notice:?}"
+    );
+    assert_eq!(
+        &watcher.request(&[b"GET", b"door"]).await.payload[..],
+        b"$4\r\nopen\r\n"
+    );
+    // With an expiry; a bad request gets the store's own error.
+    let (_, body) = post(
+        http,
+        "/api/set",
+        serde_json::json!({ "key": "brief", "value": "x", "px_ms": 60000 }),
+    )
+    .await;
+    assert!(body.contains(r#""ok":true"#), "{body}");
+    let expires = broker
+        .store()
+        .with_store(|s| s.browse(b"brief", 0, 10).keys[0].expires_at_ms);
+    assert!(expires.is_some());
+    let (_, body) = post(
+        http,
+        "/api/set",
+        serde_json::json!({ "key": "", "value": "x" }),
+    )
+    .await;
+    assert_eq!(
+        body,
+        r#"{"answer":"-ERR the key length is zero","ok":false}"#
+    );
+    // Not JSON (what a form of another site could send): refused.
+    let form = Some(("application/x-www-form-urlencoded", "key=door&value=open"));
+    assert_eq!(send(http, "POST", "/api/set", form).await.0, 415);
+
+    let (_, body) = post(http, "/api/del", serde_json::json!({ "key": "door" })).await;
+    assert_eq!(body, r#"{"answer":":1","ok":true}"#);
+    assert!(
+        watcher
+            .next_publish()
+            .await
+            .payload
+            .ends_with(b"$6\r\nDELETE\r\n")
+    );
+    assert_eq!(broker.store().with_store(|s| s.len()), 1);
+
+    // Each connection's protocol, address, listener and in-flight count:
+    // a subscriber that does not acknowledge holds two in flight.
+    let mut slow = Raw::connect(broker.local_addr(), "edit-slow").await;
+    slow.subscribe("t/#", QoS::AtLeastOnce).await;
+    for _ in 0..2 {
+        publish_complete(&mut watcher, "t/1", b"x", QoS::AtLeastOnce, false).await;
+        assert!(matches!(
+            slow.recv().await,
+            Recv::Packet(v5::Packet::Publish(_))
+        ));
+    }
+    let connection_of = async |client_id: &str| {
+        let clients: serde_json::Value =
+            serde_json::from_str(&get(http, "/api/clients").await.1).unwrap();
+        let found = clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["client_id"] == client_id);
+        found.unwrap_or_else(|| panic!("{clients}"))["connection"].clone()
+    };
+    let watching = connection_of("edit-watcher").await;
+    assert_eq!(watching["protocol"], "MQTT 5");
+    assert!(
+        watching["address"]
+            .as_str()
+            .unwrap()
+            .starts_with("127.0.0.1:"),
+        "{watching}"
+    );
+    assert_eq!(watching["listener"], "v5.1");
+    assert_eq!(watching["in_flight"], 0, "{watching}");
+    assert_eq!(connection_of("edit-slow").await["in_flight"], 2);
 }

@@ -100,13 +100,16 @@ impl Browser {
         }
     }
 
+    /// Runs `expression` in the page.
+    async fn eval(&mut self, expression: &str) -> Value {
+        self.call("Runtime.evaluate", json!({ "expression": expression }))
+            .await
+    }
+
     /// The text of the element `id`.
     async fn text_of(&mut self, id: &str) -> String {
         let result = self
-            .call(
-                "Runtime.evaluate",
-                json!({ "expression": format!("document.getElementById('{id}')?.innerText ?? ''") }),
-            )
+            .eval(&format!("document.getElementById('{id}')?.innerText ?? ''"))
             .await;
         result["result"]["value"]
             .as_str()
@@ -168,7 +171,11 @@ async fn http_get(port: u16, path: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_shows_keys_and_requests_as_they_happen() {
-    let broker = start_broker_with(|s| s.http = Some("127.0.0.1:0".parse().unwrap())).await;
+    let broker = start_broker_with(|s| {
+        s.http = Some("127.0.0.1:0".parse().unwrap());
+        s.http_allow_edit = true;
+    })
+    .await;
     let http = broker.http_addr().unwrap();
     let mut browser = Browser::start().await;
     browser
@@ -195,6 +202,26 @@ async fn the_page_shows_keys_and_requests_as_they_happen() {
         .await;
     let summary = browser.wait_for("summary", &["1 keys"]).await;
     assert!(summary.starts_with("statebroker "), "{summary}");
+    browser
+        .wait_for("clients", &["MQTT 5 (v5.1)", "127.0.0.1:"])
+        .await;
+
+    // The edit form ([http] allow_edit): set a key from the page; the
+    // client reads it, the live list shows who set it.
+    browser
+        .eval(
+            "document.getElementById('edit-key').value = 'window'; \
+             document.getElementById('edit-value').value = 'shut'; \
+             document.getElementById('edit-set').click()",
+        )
+        .await;
+    browser.wait_for("edit-answer", &["+OK"]).await;
+    browser.wait_for("keys", &["window", "shut"]).await;
+    browser
+        .wait_for("log", &["statebroker-web", "SET", "window"])
+        .await;
+    let get = client.request(&[b"GET", b"window"]).await;
+    assert_eq!(&get.payload[..], b"$4\r\nshut\r\n");
 
     if let Ok(path) = std::env::var("STATEBROKER_SCREENSHOT") {
         use base64::Engine;

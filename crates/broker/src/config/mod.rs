@@ -105,6 +105,8 @@ pub struct Settings {
     pub persist_policy: PersistPolicy,
     /// Where the HTTP endpoint (metrics, health) listens; `None`: nowhere.
     pub http: Option<SocketAddr>,
+    /// `[http] allow_edit`: the web view may set and delete keys.
+    pub http_allow_edit: bool,
     /// `[log]`: applied by the binary, which owns logging.
     pub log: LogSection,
     /// `[broker] password_file`, resolved; reloaded on SIGHUP.
@@ -294,6 +296,7 @@ impl Settings {
             persistence,
             persist_policy,
             http,
+            http_allow_edit: http_section.allow_edit,
             log,
             password_file,
             authorization,
@@ -329,7 +332,7 @@ impl Settings {
         {
             names.push("[persistence]");
         }
-        if self.http != new.http {
+        if self.http != new.http || self.http_allow_edit != new.http_allow_edit {
             names.push("[http]");
         }
         if self.log.format != new.log.format {

@@ -69,6 +69,9 @@ pub struct LogSection {
 pub struct HttpSection {
     /// Address of the HTTP endpoint; empty: none.
     pub listen: String,
+    /// The web view offers set and delete forms.
+    #[serde(default)]
+    pub allow_edit: bool,
 }
 
 /// `[persistence]`

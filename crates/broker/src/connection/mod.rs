@@ -45,14 +45,14 @@ mod subscriptions;
 mod task;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::authentication::{Failure, Presented};
 use crate::config::Listener;
-use crate::sessions::{Mailbox, QueueBound};
+use crate::sessions::{Mailbox, Peer, QueueBound};
 use crate::shared::Shared;
 use crate::tls::CertIdentity;
 use gate::Gate;
@@ -166,12 +166,22 @@ pub(crate) async fn serve<S: Stream>(
     let broker = &shared.settings.broker;
     let bound = QueueBound::new(broker.max_queued_messages, broker.max_queued_bytes);
     let mailbox = Mailbox::new(direct_tx, Arc::clone(&bound));
+    let peer_view = Arc::new(Peer {
+        protocol: match protocol {
+            crate::codec::Protocol::V5 => "MQTT 5",
+            crate::codec::Protocol::V4 => "MQTT 3.1.1",
+        },
+        address: peer,
+        listener: listener.name.clone(),
+        in_flight: AtomicUsize::new(0),
+    });
     shared.sessions.connected(
         &client_id,
         id,
         terms.clean_start,
         terms.session_expiry,
         mailbox,
+        Arc::clone(&peer_view),
     );
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     socket.queue(handshake::connack(
@@ -221,6 +231,7 @@ pub(crate) async fn serve<S: Stream>(
         principal,
         shared: Arc::clone(&shared),
         saved: Saved::new(shared.durable.clone()),
+        peer: peer_view,
     };
     crate::metrics::connection_opened();
     let end = conn.run(shared.shutdown.clone()).await;

@@ -77,9 +77,14 @@ impl Outbound {
         }
     }
 
+    /// QoS 1/2 publishes written and not yet acknowledged, from both sources.
+    pub fn in_flight(&self) -> usize {
+        self.router_in_flight + self.direct.in_flight()
+    }
+
     /// Whether one more QoS 1/2 publish may go out now.
     fn room(&self) -> bool {
-        self.router_in_flight + self.direct.in_flight() < self.receive_maximum
+        self.in_flight() < self.receive_maximum
     }
 
     /// A publish from the router: encoded into `out` unless `withheld` (a

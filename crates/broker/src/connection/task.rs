@@ -70,6 +70,8 @@ pub(super) struct Connection<S> {
     pub(super) principal: Arc<Principal>,
     /// The broker's shared parts (the policy in use among them).
     pub(super) shared: Arc<Shared>,
+    /// What the web view shows of this connection.
+    pub(super) peer: Arc<crate::sessions::Peer>,
 }
 
 /// Packets for the router a connection may gather while they wait for the
@@ -157,6 +159,9 @@ impl<S: Stream> Connection<S> {
                 Ok(Err(e)) => return Err(End::Io(e)),
                 Err(_) => return Err(End::WriteStalled),
             }
+            self.peer
+                .in_flight
+                .store(self.out.in_flight(), std::sync::atomic::Ordering::Relaxed);
             if self.unscheduled {
                 self.unscheduled = false;
                 self.link.wake().await?;

@@ -2,7 +2,37 @@
 //! and the web view. One pass under the read lock; nothing is counted on
 //! the hot path for it.
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use super::Sessions;
+
+/// What the view shows of a live connection: given at CONNECT, the
+/// in-flight count kept up to date by the connection task.
+#[derive(Debug)]
+pub struct Peer {
+    /// "MQTT 5" or "MQTT 3.1.1".
+    pub protocol: &'static str,
+    /// The client's address.
+    pub address: SocketAddr,
+    /// The listener's name in the config (`v5.1`, `ws.1`, ...).
+    pub listener: String,
+    /// QoS 1/2 publishes written to the client and not yet acknowledged.
+    pub in_flight: AtomicUsize,
+}
+
+/// [`Peer`] as the view shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ConnectionView {
+    /// See [`Peer::protocol`].
+    pub protocol: &'static str,
+    /// See [`Peer::address`].
+    pub address: String,
+    /// See [`Peer::listener`].
+    pub listener: String,
+    /// See [`Peer::in_flight`].
+    pub in_flight: usize,
+}
 
 /// One client as the web view shows it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -11,6 +41,8 @@ pub struct ClientView {
     pub client_id: String,
     /// Connected now (else: a session kept).
     pub connected: bool,
+    /// The connection, when connected.
+    pub connection: Option<ConnectionView>,
     /// Its subscription filters.
     pub subscriptions: Vec<String>,
     /// The broker's own deliveries queued or in flight to it.
@@ -67,6 +99,12 @@ impl Sessions {
                 ClientView {
                     client_id: id.to_string(),
                     connected: client.live.is_some(),
+                    connection: client.live.as_ref().map(|l| ConnectionView {
+                        protocol: l.peer.protocol,
+                        address: l.peer.address.to_string(),
+                        listener: l.peer.listener.clone(),
+                        in_flight: l.peer.in_flight.load(Ordering::Relaxed),
+                    }),
                     subscriptions,
                     queued: client.live.as_ref().map_or(0, |l| l.mailbox.bound.held().0),
                 }

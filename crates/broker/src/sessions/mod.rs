@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use rumqttd::protocol;
 
-pub use census::{Census, ClientView};
+pub use census::{Census, ClientView, ConnectionView, Peer};
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 pub use recipients::granted;
 
@@ -83,6 +83,7 @@ struct Live {
     /// Session Expiry Interval: above 0, the session outlives the connection.
     expiry: u32,
     mailbox: Mailbox,
+    peer: Arc<Peer>,
 }
 
 #[derive(Default)]
@@ -260,7 +261,8 @@ impl Sessions {
     }
 
     /// A connection of `client` was accepted; its task reads `mailbox`.
-    /// `session_expiry`: how long the session outlives it (seconds).
+    /// `session_expiry`: how long the session outlives it (seconds); `peer`:
+    /// what the web view shows of it.
     pub fn connected(
         &self,
         client: &str,
@@ -268,6 +270,7 @@ impl Sessions {
         clean_start: bool,
         session_expiry: u32,
         mailbox: Mailbox,
+        peer: Arc<Peer>,
     ) {
         let mut inner = self.inner.write();
         let key = inner.key(client);
@@ -293,6 +296,7 @@ impl Sessions {
             connection,
             expiry: session_expiry,
             mailbox,
+            peer,
         });
         if let Some(previous) = previous {
             let _ = previous.mailbox.tx.send(ToConnection::TakenOver);
@@ -428,6 +432,16 @@ mod tests {
         Mailbox::new(tx, QueueBound::new(usize::MAX, usize::MAX))
     }
 
+    /// A loopback MQTT 5 client's peer (also for `recipients.rs`'s tests).
+    pub(super) fn peer() -> Arc<Peer> {
+        Arc::new(Peer {
+            protocol: "MQTT 5",
+            address: "127.0.0.1:50000".parse().unwrap(),
+            listener: "v5.1".into(),
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
     /// A plain subscription at `qos`.
     pub(super) fn sub(qos: u8) -> Sub {
         Sub {
@@ -442,8 +456,8 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         assert!(s.deliver("a", msg()).is_err(), "unknown client");
         let (old_tx, mut old_rx) = mpsc::unbounded_channel();
-        s.connected("a", 0, true, 0, mailbox(old_tx));
-        s.connected("a", 1, true, 0, mailbox(tx));
+        s.connected("a", 0, true, 0, mailbox(old_tx), peer());
+        s.connected("a", 1, true, 0, mailbox(tx), peer());
         assert!(s.deliver("a", msg()).is_err(), "no subscription");
         let sub7 = Sub {
             qos: 0,
@@ -504,23 +518,23 @@ mod tests {
     fn session_rules() {
         let s = Sessions::default();
         let (tx, _rx) = mpsc::unbounded_channel();
-        s.connected("p", 1, false, u32::MAX, mailbox(tx.clone()));
+        s.connected("p", 1, false, u32::MAX, mailbox(tx.clone()), peer());
         s.subscribe("p", &[("x", sub(1))]);
         s.disconnected("p", 1, u32::MAX);
         assert!(
             !s.only_subscriber("q", "x"),
             "a persistent session keeps its subscriptions"
         );
-        s.connected("p", 2, true, 0, mailbox(tx.clone()));
+        s.connected("p", 2, true, 0, mailbox(tx.clone()), peer());
         assert!(s.only_subscriber("q", "x"), "a clean start drops them");
         s.subscribe("p", &[("x", sub(1))]);
         // Taking over a clean session: nothing is resumed.
-        s.connected("p", 3, false, u32::MAX, mailbox(tx.clone()));
+        s.connected("p", 3, false, u32::MAX, mailbox(tx.clone()), peer());
         assert!(s.only_subscriber("q", "x"));
         s.subscribe("p", &[("x", sub(1))]);
         // Taking over a persistent session keeps its subscriptions, and the
         // old connection's end does not touch the new one.
-        s.connected("p", 4, false, u32::MAX, mailbox(tx.clone()));
+        s.connected("p", 4, false, u32::MAX, mailbox(tx.clone()), peer());
         s.disconnected("p", 3, u32::MAX);
         assert!(!s.only_subscriber("q", "x"));
         s.disconnected("p", 4, 0);
@@ -533,7 +547,14 @@ mod tests {
         let s = Sessions::default();
         let (tx, mut rx) = mpsc::unbounded_channel();
         let bound = QueueBound::new(2, 1000);
-        s.connected("q", 1, true, 0, Mailbox::new(tx, Arc::clone(&bound)));
+        s.connected(
+            "q",
+            1,
+            true,
+            0,
+            Mailbox::new(tx, Arc::clone(&bound)),
+            peer(),
+        );
         s.subscribe("q", &[("resp/+", sub(1))]);
         s.deliver("q", msg()).unwrap();
         s.deliver("q", msg()).unwrap();

@@ -131,7 +131,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sessions::tests::{mailbox, sub};
+    use crate::sessions::tests::{mailbox, peer, sub};
     use crate::sessions::{Journal, SavedSession};
     use tokio::sync::mpsc;
 
@@ -158,7 +158,7 @@ mod tests {
             names.sort();
             names
         };
-        s.connected("clean", 1, true, 0, mailbox(tx.clone()));
+        s.connected("clean", 1, true, 0, mailbox(tx.clone()), peer());
         s.subscribe("clean", &[("a/#", sub(1))]);
         assert!(
             reached("p", "a/1").is_empty(),
@@ -172,7 +172,7 @@ mod tests {
         );
         assert_eq!(reached("p", "a/1"), ["r"]);
         assert!(reached("p", "zero/x").is_empty(), "a QoS 0 subscription");
-        s.connected("n", 2, true, 60, mailbox(tx.clone()));
+        s.connected("n", 2, true, 60, mailbox(tx.clone()), peer());
         let no_local = Sub {
             no_local: true,
             ..sub(1)
@@ -181,8 +181,8 @@ mod tests {
         assert_eq!(reached("p", "a/1"), ["n", "r"]);
         assert_eq!(reached("n", "a/1"), ["r"], "No Local: not its own publish");
         // Clean starts end both sessions: nobody is left to save for.
-        s.connected("r", 3, true, 0, mailbox(tx.clone()));
-        s.connected("n", 4, true, 0, mailbox(tx.clone()));
+        s.connected("r", 3, true, 0, mailbox(tx.clone()), peer());
+        s.connected("n", 4, true, 0, mailbox(tx.clone()), peer());
         assert!(reached("p", "a/1").is_empty());
         assert_eq!(s.journaled.load(Ordering::Acquire), 0);
     }

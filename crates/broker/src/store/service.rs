@@ -52,7 +52,8 @@ pub struct StateStoreService {
 /// Where a response goes, and who asked.
 #[derive(Debug, Clone)]
 struct Reply {
-    to: ReplyTo,
+    /// `None`: the caller is the broker's own tool, answered directly.
+    to: Option<ReplyTo>,
     requester: String,
     /// For metrics: the command, whether it succeeded, when it arrived.
     command: &'static str,
@@ -106,6 +107,32 @@ impl StateStoreService {
     /// Serves one request from `caller` and publishes the answer to
     /// `reply_to`, once what it could have observed is durable.
     pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: ReplyTo) {
+        let (reply, outcome, wait) = self.run(request, caller, Some(reply_to));
+        self.publish_when_durable(Some(reply), outcome, wait);
+    }
+
+    /// Runs a request for one of the broker's own tools (the web view's
+    /// edit forms) as a client's request runs: notifications, persistence,
+    /// metrics and the live list included. Returns the RESP3 answer once
+    /// the change is durable.
+    pub async fn execute(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>) -> Vec<u8> {
+        let (reply, outcome, wait) = self.run(request, caller, None);
+        if let Some(persistence) = &self.persistence {
+            persistence.wait_durable(wait).await;
+        }
+        let payload = outcome.payload.clone();
+        self.publish_outcome(Some(reply), outcome);
+        payload
+    }
+
+    /// Executes a request; returns where its answer goes, the outcome, and
+    /// the batch the answer must wait for.
+    fn run(
+        &self,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+        reply_to: Option<ReplyTo>,
+    ) -> (Reply, Outcome, u64) {
         let started = std::time::Instant::now();
         let (outcome, wait) = {
             let mut store = self.store.lock();
@@ -134,7 +161,7 @@ impl StateStoreService {
             started,
             shown,
         };
-        self.publish_when_durable(Some(reply), outcome, wait);
+        (reply, outcome, wait)
     }
 
     /// Queues durable writes (call with the store locked); returns the batch
@@ -194,8 +221,10 @@ impl StateStoreService {
                     latency_us: u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
                 });
             }
-            let response = binding::response(reply.to, outcome.payload, outcome.timestamp);
-            self.publisher.publish_for(&reply.requester, response);
+            if let Some(to) = reply.to {
+                let response = binding::response(to, outcome.payload, outcome.timestamp);
+                self.publisher.publish_for(&reply.requester, response);
+            }
         }
         for notice in &outcome.notices {
             if self.activity.watched() {

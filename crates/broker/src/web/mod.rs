@@ -8,11 +8,14 @@
 //!   persisted or not, watchers; `next` resumes;
 //! - `GET /api/clients`: clients connected or with a kept session, their
 //!   subscriptions and queued deliveries;
-//! - `GET /api/summary`: the numbers of `$SYS` in one object;
+//! - `GET /api/summary`: the numbers of `$SYS` in one object, and
+//!   `allow_edit`;
 //! - `GET /api/events`: Server-Sent Events, one JSON
-//!   [`crate::activity::Event`] per request answered and notification sent.
+//!   [`crate::activity::Event`] per request answered and notification sent;
+//! - `POST /api/set`, `POST /api/del`: the edit forms, refused unless
+//!   `[http] allow_edit = true` (see `edit.rs`).
 //!
-//! Read-only: nothing here changes the store. The endpoint listens on
+//! Read-only by default: nothing but the edit forms changes the store. The endpoint listens on
 //! loopback by default, where anyone who can reach it sees every key. On
 //! any other address the view asks for a user of the broker's password file
 //! (HTTP Basic; failures slowed per address as for MQTT), and is refused
@@ -29,11 +32,13 @@ use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::shared::Shared;
+
+mod edit;
 
 /// The broker the endpoint (view, metrics) describes: set once it has
 /// started (the endpoint itself starts first, so `/readyz` can say "not
@@ -52,6 +57,8 @@ pub(crate) fn routes(broker: Broker, exposed: bool) -> Router {
         .route("/api/clients", get(clients))
         .route("/api/summary", get(summary))
         .route("/api/events", get(events))
+        .route("/api/set", post(edit::set))
+        .route("/api/del", post(edit::del))
         .layer(axum::middleware::from_fn_with_state(guard, guard_view))
         .with_state(broker)
 }
@@ -239,13 +246,18 @@ async fn summary(State(broker): State<Broker>) -> Response {
         return starting();
     };
     let now = crate::stats::sample(shared);
-    let values: serde_json::Map<String, serde_json::Value> = crate::sys::messages(&now)
+    let mut values: serde_json::Map<String, serde_json::Value> = crate::sys::messages(&now)
         .into_iter()
         .map(|(topic, value)| {
             let name = topic.trim_start_matches("$SYS/broker/").to_owned();
             (name, serde_json::Value::String(value))
         })
         .collect();
+    // Whether the page shows its edit forms.
+    values.insert(
+        "allow_edit".into(),
+        serde_json::Value::Bool(shared.settings.http_allow_edit),
+    );
     Json(values).into_response()
 }
 
