@@ -51,6 +51,8 @@ pub mod codec;
 pub mod config;
 mod connection;
 pub mod durable;
+pub mod fault_control;
+pub mod faults;
 pub mod http;
 mod listener;
 pub mod metrics;
@@ -158,6 +160,15 @@ impl Broker {
             Arc::clone(&activity),
         );
         let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
+        let faults = faults::Faults::new(&settings.faults).map_err(std::io::Error::other)?;
+        if faults.enabled() {
+            tracing::warn!(
+                rules = settings.faults.rules.len(),
+                clock_offset_ms = settings.faults.clock_offset_ms,
+                "faults may be injected ([faults] enabled): a broker for tests only"
+            );
+            store.set_clock_offset(settings.faults.clock_offset_ms);
+        }
         let authenticator = authentication::Authenticator::load(settings.password_file.as_deref())
             .map_err(std::io::Error::other)?;
         let authorizer = authorization::Authorizer::load(settings.authorization.as_deref())
@@ -215,6 +226,7 @@ impl Broker {
             authenticator,
             authorizer,
             tls: tls_configs,
+            faults,
         });
         let _ = described.set(Arc::clone(&shared));
         let sys_interval = shared.settings.broker.sys_interval;
@@ -259,6 +271,11 @@ impl RunningBroker {
     /// The address of the first listener (with the real port if 0 was configured).
     pub fn local_addr(&self) -> SocketAddr {
         self.addrs[0]
+    }
+
+    /// Controls this broker's faults (refused unless `[faults] enabled`).
+    pub fn faults(&self) -> fault_control::FaultControl {
+        fault_control::FaultControl::new(Arc::clone(&self.shared))
     }
 
     /// The address of the HTTP endpoint, if it is on.

@@ -73,6 +73,9 @@ pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
 pub const PERSISTENCE_SYNC_SECONDS: &str = "statebroker_persistence_commit_duration_seconds";
 
+/// Faults injected on demand (see `crate::faults`), by `kind`.
+pub const FAULTS_INJECTED: &str = "statebroker_faults_injected_total";
+
 /// Why a message was not delivered.
 #[derive(Debug, Clone, Copy)]
 pub enum DropReason {
@@ -116,6 +119,10 @@ pub fn install() -> PrometheusHandle {
 }
 
 fn describe() {
+    describe_counter!(
+        FAULTS_INJECTED,
+        "Faults injected on demand ([faults] enabled), by kind"
+    );
     describe_gauge!(CONNECTIONS, "Client connections open now");
     describe_counter!(CONNECTIONS_ACCEPTED, "Client connections accepted");
     describe_counter!(CONNECTIONS_REFUSED, "CONNECTs refused, by reason");
@@ -301,4 +308,9 @@ pub fn store_request(command: &'static str, ok: bool, took: Duration) {
 pub fn commit(writes: usize, took: Duration) {
     histogram!(PERSISTENCE_BATCH).record(writes as f64);
     histogram!(PERSISTENCE_SYNC_SECONDS).record(took.as_secs_f64());
+}
+
+/// A fault of `kind` was injected.
+pub fn fault_injected(kind: &'static str) {
+    counter!(FAULTS_INJECTED, "kind" => kind).increment(1);
 }

@@ -43,4 +43,6 @@ pub(crate) struct Shared {
     pub authorizer: crate::authorization::Authorizer,
     /// The TLS configurations of the listeners (reloaded on SIGHUP).
     pub tls: Vec<Arc<crate::tls::Tls>>,
+    /// Faults on demand (none unless `[faults] enabled`).
+    pub faults: crate::faults::Faults,
 }

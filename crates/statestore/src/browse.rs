@@ -44,35 +44,36 @@ impl Store {
     /// Up to `limit` keys matching `pattern` from position `start` (0 for
     /// the first page).
     pub fn browse(&self, pattern: &[u8], start: usize, limit: usize) -> Page {
-        let state = &self.state;
-        let node = &state.config().node_id;
         let limit = limit.clamp(1, 1000);
-        let (keys, next) = state.scan(
+        let (keys, next) = self.state.scan(
             start,
             limit,
             limit.saturating_mul(SLOTS_PER_KEY),
             &Pattern::new(pattern),
         );
-        let keys = keys
-            .into_iter()
-            .filter_map(|key| {
-                let entry = state.get(&key)?;
-                Some(KeyView {
-                    value: entry.value().to_vec(),
-                    version: entry.version().format(node),
-                    expires_at_ms: entry.expires_at(),
-                    fencing_token: entry.fencing_token().map(ToString::to_string),
-                    persisted: entry.persisted(),
-                    watchers: state
-                        .watchers_of(&key)
-                        .iter()
-                        .map(|w| w.to_string())
-                        .collect(),
-                    key,
-                })
-            })
-            .collect();
+        let keys = keys.into_iter().filter_map(|key| self.view(key)).collect();
         Page { keys, next }
+    }
+
+    /// One key as the view shows it, if it exists (for tools and test
+    /// kits: a read that is not a request, so no version is handed out).
+    pub fn view(&self, key: impl Into<Vec<u8>>) -> Option<KeyView> {
+        let key = key.into();
+        let state = &self.state;
+        let entry = state.get(&key)?;
+        Some(KeyView {
+            value: entry.value().to_vec(),
+            version: entry.version().format(&state.config().node_id),
+            expires_at_ms: entry.expires_at(),
+            fencing_token: entry.fencing_token().map(ToString::to_string),
+            persisted: entry.persisted(),
+            watchers: state
+                .watchers_of(&key)
+                .iter()
+                .map(|w| w.to_string())
+                .collect(),
+            key,
+        })
     }
 }
 

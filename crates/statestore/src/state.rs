@@ -224,6 +224,19 @@ impl State {
         }
     }
 
+    /// Removes `key` as [`State::expire`] would once its time came;
+    /// `false` if there is no such key.
+    pub(crate) fn expire_key(&mut self, key: &[u8]) -> bool {
+        let Some(entry) = self.db.remove(key) else {
+            return false;
+        };
+        if entry.persisted() {
+            self.fx.writes.push(Write::Delete(entry.key().to_vec()));
+        }
+        self.changed(entry.key(), Event::Delete, entry.version());
+        true
+    }
+
     /// When the next key expires, if any does.
     pub(crate) fn next_expiry(&self) -> Option<u64> {
         self.db.next_expiry()

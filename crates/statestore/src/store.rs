@@ -27,7 +27,7 @@ use crate::hlc::{Hlc, Version};
 use crate::notify::Notice;
 use crate::persist::Record;
 use crate::persist::Write;
-use crate::resp3::{self, Frame};
+use crate::resp3;
 use crate::state::{Caller, Ctx, Effects, Restored, State};
 
 /// One request, as the broker received it.
@@ -158,9 +158,11 @@ impl Store {
     /// (for example one published at QoS 0): `-ERR <text>`, with the store's
     /// clock reading in `__ts`, so that no answer ever reports a version
     /// lower than one already handed out.
-    pub fn refuse(&self, text: &'static str, now_ms: u64) -> Outcome {
+    pub fn refuse(&self, text: &str, now_ms: u64) -> Outcome {
         let mut payload = Vec::with_capacity(text.len() + 7);
-        Frame::Error(text).encode(&mut payload);
+        payload.extend_from_slice(b"-ERR ");
+        payload.extend_from_slice(text.as_bytes());
+        payload.extend_from_slice(b"\r\n");
         Outcome {
             payload,
             timestamp: self
@@ -181,6 +183,15 @@ impl Store {
     pub fn expire(&mut self, now_ms: u64) -> Effects {
         self.state.expire(now_ms);
         self.state.take_effects()
+    }
+
+    /// Removes `key` now, as if its expiry had come (a fault for tests, see
+    /// the broker's `[faults]`): DELETE notifications for its watchers, the
+    /// delete persisted. `None` if there is no such key.
+    pub fn expire_key(&mut self, key: &[u8]) -> Option<Effects> {
+        self.state
+            .expire_key(key)
+            .then(|| self.state.take_effects())
     }
 
     /// When the next key expires, if any does.

@@ -113,6 +113,8 @@ pub struct Settings {
     pub password_file: Option<PathBuf>,
     /// `[broker] authorization` (the policy file), resolved; reloaded on SIGHUP.
     pub authorization: Option<PathBuf>,
+    /// `[faults]`: off unless `enabled` (see [`crate::faults`]).
+    pub faults: crate::faults::FaultsSection,
 }
 
 impl Settings {
@@ -221,7 +223,9 @@ impl Settings {
             persistence: persistence_section,
             http: http_section,
             log,
+            faults,
         } = deserialize(&layered)?;
+        crate::faults::Faults::new(&faults).map_err(|e| invalid(e.to_string()))?;
         if !matches!(log.format.as_str(), "text" | "json") {
             return Err(invalid(format!(
                 "log.format: `{}` is neither `text` nor `json`",
@@ -300,6 +304,7 @@ impl Settings {
             log,
             password_file,
             authorization,
+            faults,
         })
     }
 
@@ -331,6 +336,9 @@ impl Settings {
             || differs(&self.persist_policy, &new.persist_policy)
         {
             names.push("[persistence]");
+        }
+        if self.faults != new.faults {
+            names.push("[faults]");
         }
         if self.http != new.http || self.http_allow_edit != new.http_allow_edit {
             names.push("[http]");

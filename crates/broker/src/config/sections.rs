@@ -21,6 +21,7 @@ pub(super) const KNOWN_SECTIONS: &[&str] = &[
     "persistence",
     "http",
     "log",
+    "faults",
 ];
 
 /// Sections of rumqttd's format that statebroker does not implement: a
@@ -50,6 +51,8 @@ pub(super) struct Sections {
     pub persistence: PersistenceSection,
     pub http: HttpSection,
     pub log: LogSection,
+    #[serde(default)]
+    pub faults: crate::faults::FaultsSection,
 }
 
 /// `[log]`

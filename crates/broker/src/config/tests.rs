@@ -257,3 +257,54 @@ fn plaintext_passwords_and_pkcs12_are_refused() {
     ));
     assert!(e.contains("PKCS#12"), "{e}");
 }
+
+#[test]
+fn faults_section() {
+    use crate::faults::{DelaySpec, RuleSpec};
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    assert!(!s.faults.enabled, "off by default");
+    let f = file(
+        r#"
+[faults]
+enabled = true
+clock_offset_ms = -90000
+[[faults.rules]]
+commands = ["GET"]
+keys = "slow*"
+clients = "*"
+delay_ms = 200
+[[faults.rules]]
+keys = "lazy*"
+delay_ms = "50..500"
+[[faults.rules]]
+commands = ["SET"]
+keys = "lost*"
+drop_response = "after"
+"#,
+    );
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert!(s.faults.enabled);
+    assert_eq!(s.faults.clock_offset_ms, -90000);
+    assert_eq!(
+        s.faults.rules[0],
+        RuleSpec {
+            commands: vec!["GET".into()],
+            keys: "slow*".into(),
+            clients: "*".into(),
+            delay_ms: Some(DelaySpec::Fixed(200)),
+            ..RuleSpec::default()
+        }
+    );
+    assert_eq!(
+        s.faults.rules[1].delay_ms,
+        Some(DelaySpec::Range("50..500".into()))
+    );
+    assert_eq!(s.faults.rules[2].drop_response.as_deref(), Some("after"));
+    // Rules without `enabled`, and wrong rules, stop the start.
+    let e = error_of("[[faults.rules]]\nerror = \"x\"\n");
+    assert!(e.contains("enabled"), "{e}");
+    let e = error_of("[faults]\nenabled = true\n[[faults.rules]]\nkeys = \"k\"\n");
+    assert!(e.contains("faults.rules[0]: does nothing"), "{e}");
+    let e = error_of("[faults]\nenabled = true\n[[faults.rules]]\ndelay = 5\n");
+    assert!(e.contains("delay"), "{e}");
+}

@@ -36,6 +36,8 @@ pub(crate) enum End {
     Shutdown,
     /// The client's queue of deliveries passed its bound.
     Overflow,
+    /// A fault asked for it (see [`crate::faults`]), with this reason.
+    Fault(DisconnectReasonCode),
     /// The client broke a rule; the reason goes out in DISCONNECT (MQTT 5).
     Violation(DisconnectReasonCode, String),
 }
@@ -77,12 +79,11 @@ impl End {
             End::TakenOver => "session_taken_over",
             End::Shutdown => "server_shutdown",
             End::Overflow => "queue_overflow",
+            End::Fault(_) => "fault_injected",
             End::Violation(..) => "protocol_violation",
         }
     }
 
-    /// The DISCONNECT reason an MQTT 5 client is told (none where the
-    /// client ended it), and the text for the log.
     /// The client's Last Will, to publish after this end: none after a
     /// normal DISCONNECT or when the broker stops; otherwise after the Will
     /// Delay Interval, at most the Session Expiry Interval.
@@ -106,6 +107,8 @@ impl End {
         })
     }
 
+    /// The DISCONNECT reason an MQTT 5 client is told (none where the
+    /// client ended it), and the text for the log.
     pub fn reason(&self) -> (Option<DisconnectReasonCode>, String) {
         match self {
             End::Closed => (None, "socket closed".to_owned()),
@@ -135,6 +138,7 @@ impl End {
                 Some(DisconnectReasonCode::QuotaExceeded),
                 "the client's queue of deliveries is over its bound (it reads or acknowledges too slowly)".to_owned(),
             ),
+            End::Fault(code) => (Some(*code), "fault injected".to_owned()),
             End::Violation(code, text) => (Some(*code), text.clone()),
         }
     }
@@ -154,6 +158,10 @@ mod tests {
         assert_eq!(code(End::TakenOver), Some(R::SessionTakenOver));
         assert_eq!(code(End::Shutdown), Some(R::ServerShuttingDown));
         assert_eq!(code(End::Overflow), Some(R::QuotaExceeded));
+        assert_eq!(
+            code(End::Fault(R::UseAnotherServer)),
+            Some(R::UseAnotherServer)
+        );
         assert_eq!(
             code(CodecError::TooLarge(10).into()),
             Some(R::PacketTooLarge)

@@ -133,6 +133,10 @@ pub(crate) async fn serve<S: Stream>(
         );
         return socket.send_and_close(connack).await;
     }
+    if shared.faults.refusing() {
+        let connack = refuse(Refusal::Busy, "fault injected: refusing connections");
+        return socket.send_and_close(connack).await;
+    }
     let Ok(permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
         let connack = refuse(Refusal::Busy, "connection limit reached");
         return socket.send_and_close(connack).await;

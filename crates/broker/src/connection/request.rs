@@ -1,16 +1,22 @@
 //! A state store request from this connection: the Response Topic rules
 //! (a reserved one disconnects), the authorization policy (answers go only
 //! where the caller may subscribe; its key rules go with the request), the
-//! acknowledgement, admission by the binding, and the hand-off to the store.
+//! acknowledgement, admission by the binding, the faults a test asked for
+//! (see [`crate::faults`]), and the hand-off to the store.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use rumqttd::protocol::{Publish, PublishProperties};
-use statestore::{Caller, Dialect};
+use statestore::{Caller, Dialect, Request};
 
 use super::end::End;
 use super::socket::Stream;
 use super::task::Connection;
-use crate::authorization::KeyRules;
-use crate::store::binding::{self, Admission};
+use crate::authorization::{KeyRules, Policy};
+use crate::faults::Action;
+use crate::store::StateStoreService;
+use crate::store::binding::{self, Admission, ReplyTo};
 
 impl<S: Stream> Connection<S> {
     /// A state store request: checked by the binding, acknowledged here,
@@ -63,7 +69,27 @@ impl<S: Stream> Connection<S> {
                     principal: &self.principal,
                 });
                 request.access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
-                self.store.serve(&request, caller, reply_to);
+                match self.shared.faults.plan(&self.client_id, request.payload) {
+                    None => self.store.serve(&request, caller, Some(reply_to)),
+                    Some(plan) => {
+                        let disconnect = plan.disconnect;
+                        match plan.delay {
+                            None => {
+                                run_planned(&self.store, &request, caller, reply_to, plan.action)
+                            }
+                            Some(delay) => self.run_later(
+                                delay,
+                                &request,
+                                reply_to,
+                                plan.action,
+                                policy.clone(),
+                            ),
+                        }
+                        if let Some(code) = disconnect {
+                            return Err(End::Fault(code));
+                        }
+                    }
+                }
             }
             Admission::Refuse(reply_to, text) => {
                 tracing::info!(
@@ -81,5 +107,81 @@ impl<S: Stream> Connection<S> {
             }
         }
         Ok(())
+    }
+
+    /// A request a fault delays: it runs `delay` from now, as if it had
+    /// arrived then, unless this connection ended meanwhile (the request is
+    /// lost with it, as it would be on the network).
+    fn run_later(
+        &self,
+        delay: Duration,
+        request: &Request<'_>,
+        reply_to: ReplyTo,
+        action: Action,
+        policy: Option<Arc<Policy>>,
+    ) {
+        let owned = OwnedRequest {
+            payload: request.payload.to_vec(),
+            timestamp: request.timestamp.map(str::to_owned),
+            fencing_token: request.fencing_token.map(str::to_owned),
+            persist: request.persist,
+            dialect: request.dialect,
+        };
+        let (store, sessions) = (Arc::clone(&self.store), Arc::clone(&self.sessions));
+        let (client_id, connection) = (self.client_id.clone(), self.id);
+        let principal = Arc::clone(&self.principal);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            if !sessions.is_live(&client_id, connection) {
+                tracing::info!(
+                    client_id,
+                    "a delayed request is lost: its connection ended meanwhile"
+                );
+                return;
+            }
+            let rules = policy.as_deref().map(|policy| KeyRules {
+                policy,
+                principal: &principal,
+            });
+            let request = Request {
+                payload: &owned.payload,
+                timestamp: owned.timestamp.as_deref(),
+                fencing_token: owned.fencing_token.as_deref(),
+                persist: owned.persist,
+                dialect: owned.dialect,
+                access: rules.as_ref().map(|r| r as &dyn statestore::KeyAccess),
+            };
+            let caller = Caller {
+                client_id: &client_id,
+                connection,
+            };
+            run_planned(&store, &request, caller, reply_to, action);
+        });
+    }
+}
+
+/// A request's parts, kept while a fault delays it.
+struct OwnedRequest {
+    payload: Vec<u8>,
+    timestamp: Option<String>,
+    fencing_token: Option<String>,
+    persist: bool,
+    dialect: Dialect,
+}
+
+/// Runs a request as a fault's plan says: executed and answered, answered
+/// with its `-ERR`, executed and not answered, or neither.
+fn run_planned(
+    store: &Arc<StateStoreService>,
+    request: &Request<'_>,
+    caller: Caller<'_>,
+    reply_to: ReplyTo,
+    action: Action,
+) {
+    match action {
+        Action::Execute => store.serve(request, caller, Some(reply_to)),
+        Action::Error(text) => store.refuse(reply_to, caller.client_id, &text),
+        Action::DropAfter => store.serve(request, caller, None),
+        Action::DropBefore => {}
     }
 }

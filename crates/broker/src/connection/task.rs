@@ -426,6 +426,7 @@ impl<S: Stream> Connection<S> {
             }
             ToConnection::TakenOver => Err(End::TakenOver),
             ToConnection::Overflow => Err(End::Overflow),
+            ToConnection::Disconnect(code) => Err(End::Fault(code)),
         }
     }
 

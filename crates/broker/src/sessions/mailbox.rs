@@ -20,6 +20,8 @@ pub enum ToConnection {
     /// Deliveries waiting for the client passed its queue's bound: end the
     /// connection (MQTT 5: 0x97 quota exceeded).
     Overflow,
+    /// A fault: end the connection with this reason (see [`crate::faults`]).
+    Disconnect(rumqttd::protocol::DisconnectReasonCode),
 }
 
 /// The bound on what waits for one connection: direct deliveries queued,

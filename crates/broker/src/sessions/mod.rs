@@ -304,6 +304,21 @@ impl Sessions {
         self.journal(client, state, session_expiry, None);
     }
 
+    /// Tells `client`'s connection to end with DISCONNECT `reason` (a
+    /// fault, see [`crate::faults`]); `false` if it is not connected.
+    pub fn disconnect(&self, client: &str, reason: protocol::DisconnectReasonCode) -> bool {
+        let inner = self.inner.read();
+        let live = inner.clients.get(client).and_then(|c| c.live.as_ref());
+        live.is_some_and(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
+    }
+
+    /// Whether `connection` is `client`'s live connection.
+    pub fn is_live(&self, client: &str, connection: u64) -> bool {
+        let inner = self.inner.read();
+        let live = inner.clients.get(client).and_then(|c| c.live.as_ref());
+        live.is_some_and(|l| l.connection == connection)
+    }
+
     /// A connection of `client` ended; its session is kept `session_expiry`
     /// seconds (0: it ends now; `u32::MAX`: for ever).
     pub fn disconnected(&self, client: &str, connection: u64, session_expiry: u32) {

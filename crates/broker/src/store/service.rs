@@ -21,7 +21,7 @@
 //! queued before it is durable (see [`crate::persistence`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -47,6 +47,9 @@ pub struct StateStoreService {
     persistence: Option<Arc<Persistence>>,
     /// The live list of requests and notifications (web view).
     activity: Arc<Activity>,
+    /// Added to the wall clock the store reads (a fault for tests, see
+    /// [`crate::faults`]), milliseconds.
+    clock_offset_ms: AtomicI64,
 }
 
 /// Where a response goes, and who asked.
@@ -99,15 +102,22 @@ impl StateStoreService {
             expiry_armed: AtomicU64::new(u64::MAX),
             persistence,
             activity,
+            clock_offset_ms: AtomicI64::new(0),
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
         service
     }
 
     /// Serves one request from `caller` and publishes the answer to
-    /// `reply_to`, once what it could have observed is durable.
-    pub fn serve(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>, reply_to: ReplyTo) {
-        let (reply, outcome, wait) = self.run(request, caller, Some(reply_to));
+    /// `reply_to` (`None`: no answer, a fault), once what it could have
+    /// observed is durable.
+    pub fn serve(
+        self: &Arc<Self>,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+        reply_to: Option<ReplyTo>,
+    ) {
+        let (reply, outcome, wait) = self.run(request, caller, reply_to);
         self.publish_when_durable(Some(reply), outcome, wait);
     }
 
@@ -136,7 +146,7 @@ impl StateStoreService {
         let started = std::time::Instant::now();
         let (outcome, wait) = {
             let mut store = self.store.lock();
-            let mut outcome = store.execute(request, caller, now_ms());
+            let mut outcome = store.execute(request, caller, self.now());
             self.rearm_expiry(store.next_expiry());
             let wait = self.persist(std::mem::take(&mut outcome.writes));
             (outcome, wait)
@@ -200,8 +210,8 @@ impl StateStoreService {
 
     /// Answers a request the broker refused before it reached the store:
     /// `-ERR <text>`, stamped by the store's clock.
-    pub fn refuse(&self, reply_to: ReplyTo, requester: &str, text: &'static str) {
-        let outcome = self.store.lock().refuse(text, now_ms());
+    pub fn refuse(&self, reply_to: ReplyTo, requester: &str, text: &str) {
+        let outcome = self.store.lock().refuse(text, self.now());
         let response = binding::response(reply_to, outcome.payload, outcome.timestamp);
         self.publisher.publish_for(requester, response);
     }
@@ -275,6 +285,41 @@ impl StateStoreService {
         }
     }
 
+    /// The wall clock the store reads: the machine's, plus the offset.
+    fn now(&self) -> u64 {
+        now_ms().saturating_add_signed(self.clock_offset_ms.load(Ordering::Relaxed))
+    }
+
+    /// Moves the store's clock by `offset_ms` from the machine's (a fault:
+    /// see [`crate::faults`]; `0` puts it back). Versions never go back: a
+    /// clock moved back leaves the HLC where it was until time catches up.
+    pub fn set_clock_offset(&self, offset_ms: i64) {
+        self.clock_offset_ms.store(offset_ms, Ordering::Relaxed);
+        // Expiries are due by the new clock.
+        self.expiry_changed.notify_one();
+    }
+
+    /// The store's clock offset, milliseconds.
+    pub fn clock_offset(&self) -> i64 {
+        self.clock_offset_ms.load(Ordering::Relaxed)
+    }
+
+    /// Removes `key` now as if it had expired (a fault: see
+    /// [`crate::faults`]): its watchers get DELETE. `false`: no such key.
+    pub fn expire_key(self: &Arc<Self>, key: &[u8]) -> bool {
+        let (fx, wait) = {
+            let mut store = self.store.lock();
+            let Some(mut fx) = store.expire_key(key) else {
+                return false;
+            };
+            crate::metrics::expired(1);
+            let wait = self.persist(std::mem::take(&mut fx.writes));
+            (fx, wait)
+        };
+        self.publish_when_durable(None, notices_only(fx.notices), wait);
+        true
+    }
+
     /// Runs `f` on the store (for tests and tools).
     pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
         f(&mut self.store.lock())
@@ -292,23 +337,27 @@ impl StateStoreService {
         let (fx, next, wait) = {
             let mut store = self.store.lock();
             let before = store.len();
-            let mut fx = store.expire(now_ms());
+            let mut fx = store.expire(self.now());
             crate::metrics::expired(before.saturating_sub(store.len()));
             let wait = self.persist(std::mem::take(&mut fx.writes));
             (fx, store.next_expiry(), wait)
         };
         if !fx.notices.is_empty() {
-            let outcome = Outcome {
-                payload: Vec::new(),
-                timestamp: String::new(),
-                notices: fx.notices,
-                writes: Vec::new(),
-                command: None,
-                error: None,
-            };
-            self.publish_when_durable(None, outcome, wait);
+            self.publish_when_durable(None, notices_only(fx.notices), wait);
         }
         next
+    }
+}
+
+/// An outcome that only notifies (keys expired: no request, no answer).
+fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
+    Outcome {
+        payload: Vec::new(),
+        timestamp: String::new(),
+        notices,
+        writes: Vec::new(),
+        command: None,
+        error: None,
     }
 }
 
@@ -323,7 +372,7 @@ async fn expiry_task(service: std::sync::Weak<StateStoreService>) {
         // Sleep at most a second at a time, so a stopped broker's service is
         // dropped promptly.
         let wait = next.map_or(Duration::from_secs(1), |at: u64| {
-            Duration::from_millis(at.saturating_sub(now_ms())).min(Duration::from_secs(1))
+            Duration::from_millis(at.saturating_sub(svc.now())).min(Duration::from_secs(1))
         });
         tokio::select! {
             () = svc.expiry_changed.notified() => {}

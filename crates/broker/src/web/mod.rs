@@ -13,7 +13,9 @@
 //! - `GET /api/events`: Server-Sent Events, one JSON
 //!   [`crate::activity::Event`] per request answered and notification sent;
 //! - `POST /api/set`, `POST /api/del`: the edit forms, refused unless
-//!   `[http] allow_edit = true` (see `edit.rs`).
+//!   `[http] allow_edit = true` (see `edit.rs`);
+//! - `/api/faults...`: faults on demand, refused unless `[faults] enabled
+//!   = true` (see `faults.rs`).
 //!
 //! Read-only by default: nothing but the edit forms changes the store. The endpoint listens on
 //! loopback by default, where anyone who can reach it sees every key. On
@@ -39,6 +41,7 @@ use serde_json::json;
 use crate::shared::Shared;
 
 mod edit;
+mod faults;
 
 /// The broker the endpoint (view, metrics) describes: set once it has
 /// started (the endpoint itself starts first, so `/readyz` can say "not
@@ -59,6 +62,7 @@ pub(crate) fn routes(broker: Broker, exposed: bool) -> Router {
         .route("/api/events", get(events))
         .route("/api/set", post(edit::set))
         .route("/api/del", post(edit::del))
+        .merge(faults::routes())
         .layer(axum::middleware::from_fn_with_state(guard, guard_view))
         .with_state(broker)
 }
