@@ -47,7 +47,9 @@ pub struct RuleSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drop_response: Option<String>,
     /// The client sending the Nth matching request is disconnected once it
-    /// is executed (before its answer goes out); the count starts again.
+    /// is executed, before its answer is written (a session that outlives
+    /// the connection gets the answer when it comes back); the count
+    /// starts again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disconnect_after: Option<u32>,
     /// The DISCONNECT reason code of `disconnect_after` (MQTT 5), default
