@@ -10,6 +10,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 mod client;
+mod faults;
 mod output;
 mod tls;
 
@@ -43,7 +44,10 @@ const EXIT_NO_ANSWER: u8 = 2;
   statebroker-cli raw SET k v NX PX 5000
   statebroker-cli -h broker.local -p 1883 -u alice -P secret get k
   statebroker-cli -h broker.local -p 8883 --cafile ca.pem -u alice -P secret get k
-  statebroker-cli -p 8883 --cafile ca.pem --cert me.pem --key me.key keys"
+  statebroker-cli -p 8883 --cafile ca.pem --cert me.pem --key me.key keys
+  statebroker-cli faults add --commands GET --keys 'slow*' --delay-ms 50..500
+  statebroker-cli faults disconnect sensor-7 --reason-code 0x98
+  statebroker-cli faults status"
 )]
 struct Cli {
     #[command(flatten)]
@@ -198,6 +202,9 @@ enum Command {
         #[arg(required = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// statebroker only: faults on demand through its HTTP endpoint
+    /// (--http ADDR; the broker needs `[faults] enabled = true`).
+    Faults(faults::Faults),
 }
 
 fn main() -> ExitCode {
@@ -264,6 +271,12 @@ fn target(c: &Connection) -> Result<Target, Failure> {
 
 async fn run(cli: Cli) -> Result<u8, Failure> {
     let target = target(&cli.connection)?;
+    if let Command::Faults(faults) = cli.command {
+        let (login, timeout) = (target.login, target.timeout);
+        return tokio::task::spawn_blocking(move || faults::run(faults, login, timeout))
+            .await
+            .map_err(|e| Failure::Connection(e.to_string()));
+    }
     let mut client = Client::connect(&target).await?;
     let format = if cli.json {
         Format::Json
@@ -334,6 +347,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             let answer = client.request(&args, &[]).await?;
             out.reply(&answer)
         }
+        Command::Faults(_) => unreachable!("answered before connecting"),
     };
     let _ = std::io::stdout().flush();
     client.disconnect().await;
