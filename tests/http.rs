@@ -286,3 +286,26 @@ async fn the_view_edits_keys_only_when_allowed() {
     assert_eq!(watching["in_flight"], 0, "{watching}");
     assert_eq!(connection_of("edit-slow").await["in_flight"], 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injected_faults_are_counted_in_the_metrics() {
+    let broker = start_broker_with(|s| {
+        s.http = Some("127.0.0.1:0".parse().unwrap());
+        s.faults.enabled = true;
+    })
+    .await;
+    let http = broker.http_addr().unwrap();
+    let rule = serde_json::json!({ "keys": "boom*", "error": "the quota has been exceeded" });
+    assert_eq!(post(http, "/api/faults/rules", rule).await.0, 200);
+    let mut c = Raw::connect(broker.local_addr(), "faulty").await;
+    assert_eq!(
+        &c.request(&[b"GET", b"boom"]).await.payload[..],
+        b"-ERR the quota has been exceeded\r\n"
+    );
+    let (_, metrics) = get(http, "/metrics").await;
+    let counted = sample(
+        &metrics,
+        r#"statebroker_faults_injected_total{kind="error"}"#,
+    );
+    assert!(counted.is_some_and(|n| n >= 1.0), "{metrics}");
+}
