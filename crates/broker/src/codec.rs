@@ -171,6 +171,14 @@ pub fn inspect(buf: &[u8], max_packet_size: usize) -> Result<Option<FrameInfo>, 
 }
 
 impl Protocol {
+    /// "MQTT 5" or "MQTT 3.1.1", as people write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::V5 => "MQTT 5",
+            Protocol::V4 => "MQTT 3.1.1",
+        }
+    }
+
     /// Decodes the next packet from `buf`, consuming its bytes.
     /// `Ok(None)`: not enough bytes yet.
     pub fn read(

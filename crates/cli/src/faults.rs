@@ -207,26 +207,25 @@ fn call(
             base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
         format!("Basic {encoded}")
     });
-    let with_auth =
-        |request: ureq::RequestBuilder<ureq::typestate::WithoutBody>| match &authorization {
-            Some(a) => request.header("Authorization", a),
-            None => request,
-        };
-    let with_auth_body =
-        |request: ureq::RequestBuilder<ureq::typestate::WithBody>| match &authorization {
-            Some(a) => request.header("Authorization", a),
-            None => request,
-        };
+    let auth = authorization.as_deref();
     let mut response = match (method, body) {
-        ("GET", _) => with_auth(agent.get(url)).call()?,
-        ("DELETE", _) => with_auth(agent.delete(url)).call()?,
-        ("PUT", Some(body)) => with_auth_body(agent.put(url)).send_json(body)?,
-        (_, body) => with_auth_body(agent.post(url)).send_json(body.unwrap_or(Value::Null))?,
+        ("GET", _) => authorized(agent.get(url), auth).call()?,
+        ("DELETE", _) => authorized(agent.delete(url), auth).call()?,
+        ("PUT", Some(body)) => authorized(agent.put(url), auth).send_json(body)?,
+        (_, body) => authorized(agent.post(url), auth).send_json(body.unwrap_or(Value::Null))?,
     };
     let status = response.status().as_u16();
     let text = response.body_mut().read_to_string()?;
     let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
     Ok((status, value))
+}
+
+/// `request` with the `Authorization` header, if there is one.
+fn authorized<B>(request: ureq::RequestBuilder<B>, auth: Option<&str>) -> ureq::RequestBuilder<B> {
+    match auth {
+        Some(auth) => request.header("Authorization", auth),
+        None => request,
+    }
 }
 
 #[cfg(test)]

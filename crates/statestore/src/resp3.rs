@@ -148,11 +148,7 @@ impl Frame {
                 out.extend_from_slice(s.as_bytes());
                 out.extend_from_slice(b"\r\n");
             }
-            Frame::Error(text) => {
-                out.extend_from_slice(b"-ERR ");
-                out.extend_from_slice(text.as_bytes());
-                out.extend_from_slice(b"\r\n");
-            }
+            Frame::Error(text) => encode_error(text, out),
             Frame::Integer(n) => {
                 out.push(b':');
                 out.extend_from_slice(n.to_string().as_bytes());
@@ -177,6 +173,15 @@ impl Frame {
         self.encode(&mut out);
         out
     }
+}
+
+/// Appends `-ERR <text>\r\n` to `out` (any text: the broker's own
+/// refusals and fault rules answer with texts [`Frame::Error`] does not
+/// hold).
+pub fn encode_error(text: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"-ERR ");
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(b"\r\n");
 }
 
 /// Appends `$<len>\r\n<bytes>\r\n` to `out`.

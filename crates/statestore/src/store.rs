@@ -160,9 +160,7 @@ impl Store {
     /// lower than one already handed out.
     pub fn refuse(&self, text: &str, now_ms: u64) -> Outcome {
         let mut payload = Vec::with_capacity(text.len() + 7);
-        payload.extend_from_slice(b"-ERR ");
-        payload.extend_from_slice(text.as_bytes());
-        payload.extend_from_slice(b"\r\n");
+        resp3::encode_error(text, &mut payload);
         Outcome {
             payload,
             timestamp: self

@@ -171,10 +171,7 @@ pub(crate) async fn serve<S: Stream>(
     let bound = QueueBound::new(broker.max_queued_messages, broker.max_queued_bytes);
     let mailbox = Mailbox::new(direct_tx, Arc::clone(&bound));
     let peer_view = Arc::new(Peer {
-        protocol: match protocol {
-            crate::codec::Protocol::V5 => "MQTT 5",
-            crate::codec::Protocol::V4 => "MQTT 3.1.1",
-        },
+        protocol: protocol.name(),
         address: peer,
         listener: listener.name.clone(),
         in_flight: AtomicUsize::new(0),

@@ -69,26 +69,21 @@ impl<S: Stream> Connection<S> {
                     principal: &self.principal,
                 });
                 request.access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
-                match self.shared.faults.plan(&self.client_id, request.payload) {
-                    None => self.store.serve(&request, caller, Some(reply_to)),
-                    Some(plan) => {
-                        let disconnect = plan.disconnect;
-                        match plan.delay {
-                            None => {
-                                run_planned(&self.store, &request, caller, reply_to, plan.action)
-                            }
-                            Some(delay) => self.run_later(
-                                delay,
-                                &request,
-                                reply_to,
-                                plan.action,
-                                policy.clone(),
-                            ),
-                        }
-                        if let Some(code) = disconnect {
-                            return Err(End::Fault(code));
-                        }
+                // No fault rule matching: the default plan, execute now.
+                let plan = self
+                    .shared
+                    .faults
+                    .plan(&self.client_id, request.payload)
+                    .unwrap_or_default();
+                match plan.delay {
+                    None => run_planned(&self.store, &request, caller, reply_to, plan.action),
+                    Some(delay) => {
+                        let policy = policy.clone();
+                        self.run_later(delay, &request, reply_to, plan.action, policy);
                     }
+                }
+                if let Some(code) = plan.disconnect {
+                    return Err(End::Fault(code));
                 }
             }
             Admission::Refuse(reply_to, text) => {

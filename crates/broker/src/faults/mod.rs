@@ -93,8 +93,9 @@ impl Kind {
     }
 }
 
-/// What to do with one request a rule matched.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What to do with one request a rule matched (the default: execute it
+/// now, as without faults).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// Wait this long before running it.
     pub delay: Option<Duration>,

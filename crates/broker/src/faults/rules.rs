@@ -69,9 +69,10 @@ pub enum DelaySpec {
 }
 
 /// What a matching rule does to the request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum Action {
     /// Execute and answer (after the delay, if any).
+    #[default]
     Execute,
     /// Answer `-ERR <text>` without executing.
     Error(String),

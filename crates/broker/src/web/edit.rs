@@ -72,7 +72,11 @@ async fn run(broker: &Broker, args: &[Vec<u8>]) -> Response {
     let payload = encode_request(args);
     // A SET must carry a timestamp: the broker's own clock, as a client
     // on this machine would send it.
-    let timestamp = format!("{:015}:00000:{EDITOR}", crate::clock::now_ms());
+    let timestamp = statestore::hlc::Version {
+        wall_ms: crate::clock::now_ms(),
+        counter: 0,
+    }
+    .format(EDITOR);
     let request = Request {
         payload: &payload,
         timestamp: Some(&timestamp),

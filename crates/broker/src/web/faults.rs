@@ -17,8 +17,9 @@
 
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::FromRequestParts;
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -46,10 +47,19 @@ pub(super) fn routes() -> Router<Broker> {
         .route("/api/faults/clock", post(clock))
 }
 
-fn control(broker: &Broker) -> Option<FaultControl> {
-    broker
-        .get()
-        .map(|shared| FaultControl::new(std::sync::Arc::clone(shared)))
+/// The broker's [`FaultControl`], as an extractor: 503 "starting" until
+/// the broker has started.
+struct Control(FaultControl);
+
+impl FromRequestParts<Broker> for Control {
+    type Rejection = Response;
+
+    async fn from_request_parts(_: &mut Parts, broker: &Broker) -> Result<Control, Response> {
+        match broker.get() {
+            Some(shared) => Ok(Control(FaultControl::new(std::sync::Arc::clone(shared)))),
+            None => Err(starting()),
+        }
+    }
 }
 
 fn answer<T: serde::Serialize>(result: Result<T, FaultError>) -> Response {
@@ -69,31 +79,19 @@ fn not_found(text: String) -> Response {
     (StatusCode::NOT_FOUND, Json(json!({ "error": text }))).into_response()
 }
 
-async fn status(State(broker): State<Broker>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn status(Control(control): Control) -> Response {
     Json(control.status()).into_response()
 }
 
-async fn set_rules(State(broker): State<Broker>, Json(rules): Json<Vec<RuleSpec>>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn set_rules(Control(control): Control, Json(rules): Json<Vec<RuleSpec>>) -> Response {
     answer(control.set_rules(rules).map(|()| control.status()))
 }
 
-async fn add_rule(State(broker): State<Broker>, Json(rule): Json<RuleSpec>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn add_rule(Control(control): Control, Json(rule): Json<RuleSpec>) -> Response {
     answer(control.add_rule(rule).map(|_| control.status()))
 }
 
-async fn clear_rules(State(broker): State<Broker>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn clear_rules(Control(control): Control) -> Response {
     answer(control.clear_rules().map(|()| control.status()))
 }
 
@@ -110,10 +108,7 @@ fn unspecified() -> u8 {
     0x80
 }
 
-async fn disconnect(State(broker): State<Broker>, Json(form): Json<DisconnectForm>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn disconnect(Control(control): Control, Json(form): Json<DisconnectForm>) -> Response {
     match control.disconnect(&form.client_id, form.reason_code) {
         Ok(false) => not_found(format!("client {} is not connected", form.client_id)),
         other => answer(other.map(|_| json!({ "disconnected": form.client_id }))),
@@ -126,10 +121,7 @@ struct RefuseForm {
     ms: u64,
 }
 
-async fn refuse(State(broker): State<Broker>, Json(form): Json<RefuseForm>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn refuse(Control(control): Control, Json(form): Json<RefuseForm>) -> Response {
     answer(
         control
             .refuse_connections(Duration::from_millis(form.ms))
@@ -143,10 +135,7 @@ struct ExpireForm {
     key: String,
 }
 
-async fn expire(State(broker): State<Broker>, Json(form): Json<ExpireForm>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn expire(Control(control): Control, Json(form): Json<ExpireForm>) -> Response {
     match control.expire_key(form.key.as_bytes()) {
         Ok(false) => not_found(format!("no key {}", form.key)),
         other => answer(other.map(|_| json!({ "expired": form.key }))),
@@ -159,10 +148,7 @@ struct ClockForm {
     offset_ms: i64,
 }
 
-async fn clock(State(broker): State<Broker>, Json(form): Json<ClockForm>) -> Response {
-    let Some(control) = control(&broker) else {
-        return starting();
-    };
+async fn clock(Control(control): Control, Json(form): Json<ClockForm>) -> Response {
     answer(
         control
             .set_clock_offset(form.offset_ms)
