@@ -8,85 +8,71 @@ use std::time::Duration;
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
-use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
 use serde::Serialize;
 use tokio::io::AsyncBufReadExt;
 use tokio::time::Instant;
 
+use crate::wire::Wire;
 use crate::{FillArgs, LoadArgs, Responder};
 
 /// The state store request topic (served in process by statebroker).
 pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 
-/// What a connection's event loop reports.
-enum Msg {
-    Response { correlation: u64, payload: Bytes },
-    SubAck,
+/// A response to a request.
+struct Response {
+    correlation: u64,
+    payload: Bytes,
 }
 
-/// One benchmark connection. Its task polls the client's event loop itself:
-/// one task per connection, no channel between request loop and network.
+/// One benchmark connection, driven by its own task.
 struct Conn {
-    client: AsyncClient,
-    eventloop: EventLoop,
+    wire: Wire,
     response_topic: String,
     client_id: String,
 }
 
 impl Conn {
-    /// The next response or SUBACK; other events are handled by the loop.
-    async fn next(&mut self) -> Result<Msg, String> {
+    /// The next response (its PUBACK queued to go out with the next
+    /// request); other packets (the PUBACKs of requests) are skipped.
+    async fn next(&mut self) -> Result<Response, String> {
         loop {
-            match self.eventloop.poll().await {
-                Ok(Event::Incoming(Packet::Publish(p))) => {
-                    let correlation = p
-                        .properties
-                        .as_ref()
-                        .and_then(|props| props.correlation_data.as_deref())
-                        .and_then(|c| <[u8; 8]>::try_from(c).ok())
-                        .map_or(0, u64::from_be_bytes);
-                    return Ok(Msg::Response {
-                        correlation,
-                        payload: p.payload,
-                    });
-                }
-                Ok(Event::Incoming(Packet::SubAck(_))) => return Ok(Msg::SubAck),
-                Ok(_) => {}
-                Err(e) => return Err(e.to_string()),
+            if let Packet::Publish(p) = self.wire.next().await? {
+                self.wire.ack(&p)?;
+                let correlation = p
+                    .properties
+                    .as_ref()
+                    .and_then(|props| props.correlation_data.as_deref())
+                    .and_then(|c| <[u8; 8]>::try_from(c).ok())
+                    .map_or(0, u64::from_be_bytes);
+                return Ok(Response {
+                    correlation,
+                    payload: p.payload,
+                });
             }
+        }
+    }
+
+    /// Sends the PUBACKs still queued and a DISCONNECT.
+    async fn close(mut self) {
+        if self.wire.disconnect().is_ok() {
+            let _ = self.wire.flush().await;
         }
     }
 }
 
 /// Connects, subscribes to the response topic, and waits for the SUBACK.
 async fn connect(target: SocketAddr, client_id: String) -> Result<Conn, String> {
-    let mut options = MqttOptions::new(client_id.clone(), target.ip().to_string(), target.port());
-    options.set_keep_alive(Duration::from_secs(60));
-    options.set_clean_start(true);
-    options.set_connection_timeout(30);
-    let mut network = rumqttc::NetworkOptions::new();
-    network.set_tcp_nodelay(true);
-    options.set_network_options(network);
-    let (client, eventloop) = AsyncClient::new(options, 256);
+    let mut wire = Wire::connect(target, &client_id).await?;
     let response_topic = format!("bench/{client_id}/response");
-    let mut conn = Conn {
-        client,
-        eventloop,
+    wire.subscribe(&response_topic, QoS::AtLeastOnce)
+        .await
+        .map_err(|e| format!("{client_id}: {e}"))?;
+    Ok(Conn {
+        wire,
         response_topic,
         client_id,
-    };
-    conn.client
-        .try_subscribe(conn.response_topic.clone(), QoS::AtLeastOnce)
-        .map_err(|e| e.to_string())?;
-    match tokio::time::timeout(Duration::from_secs(30), conn.next()).await {
-        Ok(Ok(Msg::SubAck)) => Ok(conn),
-        Ok(Ok(Msg::Response { .. })) => {
-            Err(format!("{}: a publish before the SUBACK", conn.client_id))
-        }
-        Ok(Err(e)) => Err(format!("{}: {e}", conn.client_id)),
-        Err(_) => Err(format!("{}: no SUBACK", conn.client_id)),
-    }
+    })
 }
 
 /// Connects `n` clients, at most 64 handshakes at a time.
@@ -141,18 +127,19 @@ impl Conn {
         }
     }
 
-    /// Queues a request; the event loop sends it when next polled.
-    fn send(
-        &self,
+    /// Writes a request (with the PUBACK of the previous response, if any,
+    /// in the same write).
+    async fn send(
+        &mut self,
         topic: &str,
         payload: Vec<u8>,
         correlation: u64,
         persist: bool,
     ) -> Result<(), String> {
         let properties = self.properties(correlation, persist);
-        self.client
-            .try_publish_with_properties(topic, QoS::AtLeastOnce, false, payload, properties)
-            .map_err(|e| e.to_string())
+        let publish = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties));
+        self.wire.publish(publish)?;
+        self.wire.flush().await
     }
 }
 
@@ -193,7 +180,10 @@ async fn drive(
         };
         let started = Instant::now();
         let measured = started >= warm_end;
-        if let Err(e) = conn.send(&topic, payload, correlation, is_set && args.persist) {
+        if let Err(e) = conn
+            .send(&topic, payload, correlation, is_set && args.persist)
+            .await
+        {
             stats.failure = Some(e);
             stats.lost += u64::from(measured);
             return stats;
@@ -201,7 +191,7 @@ async fn drive(
         let deadline = started + timeout;
         loop {
             match tokio::time::timeout_at(deadline, conn.next()).await {
-                Ok(Ok(Msg::Response {
+                Ok(Ok(Response {
                     correlation: c,
                     payload,
                 })) if c == correlation => {
@@ -221,7 +211,7 @@ async fn drive(
                     }
                     break;
                 }
-                Ok(Ok(Msg::Response { .. } | Msg::SubAck)) => continue, // a late answer to a lost request
+                Ok(Ok(Response { .. })) => continue, // a late answer to a lost request
                 Ok(Err(e)) => {
                     stats.failure = Some(e);
                     stats.lost += u64::from(measured);
@@ -234,8 +224,7 @@ async fn drive(
             }
         }
     }
-    let _ = conn.client.try_disconnect();
-    let _ = tokio::time::timeout(Duration::from_millis(100), conn.next()).await;
+    conn.close().await;
     stats
 }
 
@@ -452,22 +441,24 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
                 while next < range.end && outstanding < pipeline {
                     let payload =
                         statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
-                    conn.send(REQUEST_TOPIC, payload, next + 1, args.persist)?;
+                    let properties = conn.properties(next + 1, args.persist);
+                    let publish =
+                        Publish::new(REQUEST_TOPIC, QoS::AtLeastOnce, payload, Some(properties));
+                    conn.wire.publish(publish)?;
                     next += 1;
                     outstanding += 1;
                 }
+                conn.wire.flush().await?;
                 match tokio::time::timeout(Duration::from_secs(30), conn.next()).await {
-                    Ok(Ok(Msg::Response { payload, .. })) => {
+                    Ok(Ok(Response { payload, .. })) => {
                         outstanding -= 1;
                         errors += u64::from(&payload[..] != b"+OK\r\n");
                     }
-                    Ok(Ok(Msg::SubAck)) => {}
                     Ok(Err(e)) => return Err(e),
                     Err(_) => return Err("fill: no response".to_owned()),
                 }
             }
-            let _ = conn.client.try_disconnect();
-            let _ = tokio::time::timeout(Duration::from_millis(100), conn.next()).await;
+            conn.close().await;
             Ok::<u64, String>(errors)
         }));
     }

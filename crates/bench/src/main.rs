@@ -18,6 +18,7 @@ mod idle;
 mod load;
 mod pubsub;
 mod responder;
+mod wire;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
