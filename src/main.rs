@@ -149,10 +149,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime_builder().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             tracing::error!("cannot start the runtime: {e}");
@@ -160,6 +157,25 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(run(cli, settings, logging))
+}
+
+/// The scheduler: one worker per core the process may use, and on a single
+/// core tokio's current-thread scheduler instead of a multi-thread one with
+/// one worker.
+///
+/// Why: a multi-thread worker keeps at most 256 ready tasks in its local
+/// queue and moves the rest to a global queue that it visits only every
+/// few dozen polls, while connections woken by the network keep refilling
+/// the local queue. Pinned to one core with 1,024 busy connections, the
+/// median request waited 4 ms and the slowest 1 % 173 ms. The current-thread
+/// scheduler polls ready tasks in the order they woke: the same throughput,
+/// p99 24.5 ms, close to the 19.7 ms every request must wait on average when
+/// 1,024 requests share 52,000 answers a second.
+fn runtime_builder() -> tokio::runtime::Builder {
+    match std::thread::available_parallelism() {
+        Ok(cores) if cores.get() == 1 => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    }
 }
 
 /// The configuration file with the command line's overrides.
