@@ -4,8 +4,10 @@
 
 use std::time::Duration;
 
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
 use crate::IdleArgs;
 
@@ -31,8 +33,39 @@ fn connect_packet(client_id: &str) -> Vec<u8> {
     packet
 }
 
+/// Connections per source address: below the 28,232 ephemeral ports Linux
+/// gives one (source, destination) pair by default.
+const PER_SOURCE: usize = 10_000;
+
+/// The source address of connection `i`: towards a loopback target, the
+/// connections after the first [`PER_SOURCE`] are spread over 127.0.0.2,
+/// 127.0.0.3, ... (all of 127/8 is loopback on Linux), [`PER_SOURCE`] each,
+/// so that one machine can open more connections to one port than it has
+/// ephemeral ports. The first ones connect without binding: binding first
+/// makes the kernel search for a port free of every socket on that address,
+/// TIME_WAIT ones included, which after a few runs took seconds.
+fn source(target: SocketAddr, i: usize) -> Option<SocketAddr> {
+    match target.ip() {
+        IpAddr::V4(ip) if ip.is_loopback() && i >= PER_SOURCE => {
+            let n = u32::try_from(1 + i / PER_SOURCE).ok()?;
+            let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 0, 0, 0)) + n);
+            Some(SocketAddr::new(IpAddr::V4(ip), 0))
+        }
+        _ => None,
+    }
+}
+
+async fn tcp(target: SocketAddr, i: usize) -> std::io::Result<TcpStream> {
+    let Some(from) = source(target, i) else {
+        return TcpStream::connect(target).await;
+    };
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(from)?;
+    socket.connect(target).await
+}
+
 async fn open(args: &IdleArgs, i: usize) -> Result<TcpStream, String> {
-    let mut stream = TcpStream::connect(args.target)
+    let mut stream = tcp(args.target, i)
         .await
         .map_err(|e| format!("connect #{i}: {e}"))?;
     stream
@@ -51,12 +84,13 @@ async fn open(args: &IdleArgs, i: usize) -> Result<TcpStream, String> {
 }
 
 pub async fn run(args: IdleArgs) -> Result<(), String> {
+    raise_nofile(args.connections + 64);
     let started = std::time::Instant::now();
     let mut streams = Vec::with_capacity(args.connections);
     let mut pending = tokio::task::JoinSet::new();
     let mut next = 0;
     while streams.len() < args.connections {
-        while next < args.connections && pending.len() < 128 {
+        while next < args.connections && pending.len() < args.parallel.max(1) {
             let args = args.clone();
             pending.spawn(async move { open(&args, next).await });
             next += 1;
@@ -76,4 +110,35 @@ pub async fn run(args: IdleArgs) -> Result<(), String> {
     tokio::time::sleep(Duration::from_secs(args.hold)).await;
     println!("done");
     Ok(())
+}
+
+/// Raises this process's open-file limit to what `need` connections take:
+/// the soft limit up to the hard one, and the hard one too where allowed
+/// (root).
+fn raise_nofile(need: usize) {
+    use rlimit::Resource;
+    let need = need as u64;
+    let Ok((soft, hard)) = Resource::NOFILE.get() else {
+        return;
+    };
+    if soft < need && Resource::NOFILE.set(need, hard.max(need)).is_err() {
+        let _ = Resource::NOFILE.set(hard, hard);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_connections_spread_over_source_addresses() {
+        let target: SocketAddr = "127.0.0.1:1883".parse().unwrap();
+        let ip = |i| source(target, i).unwrap().ip().to_string();
+        assert_eq!(source(target, 0), None);
+        assert_eq!(source(target, PER_SOURCE - 1), None);
+        assert_eq!(ip(PER_SOURCE), "127.0.0.2");
+        assert_eq!(ip(2 * PER_SOURCE - 1), "127.0.0.2");
+        assert_eq!(ip(5 * PER_SOURCE), "127.0.0.6");
+        assert_eq!(source("10.0.0.1:1883".parse().unwrap(), 0), None);
+    }
 }

@@ -208,6 +208,10 @@ pub struct IdleArgs {
     /// Seconds to hold them after all are connected.
     #[arg(long, default_value_t = 10)]
     pub hold: u64,
+    /// Handshakes under way at once (`--parallel 10000 -c 10000`: all
+    /// clients connect at the same moment).
+    #[arg(long, default_value_t = 128)]
+    pub parallel: usize,
 }
 
 fn main() -> ExitCode {

@@ -196,7 +196,7 @@ impl Outbound {
         let mut all = self.direct.take_unacknowledged();
         while let Ok(message) = rx.try_recv() {
             if let ToConnection::Deliver(message) = message {
-                all.push(message);
+                all.push(*message);
             }
         }
         all.retain(|m| m.qos > 0);

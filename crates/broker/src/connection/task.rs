@@ -421,7 +421,7 @@ impl<S: Stream> Connection<S> {
         match message {
             ToConnection::Deliver(direct) => {
                 let protocol = self.socket.protocol;
-                self.out.deliver(direct, protocol, &mut self.socket.wbuf);
+                self.out.deliver(*direct, protocol, &mut self.socket.wbuf);
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),

@@ -13,8 +13,10 @@ use tokio::sync::mpsc;
 // Nearly every message is a delivery: boxing it would cost an allocation each.
 #[allow(clippy::large_enum_variant)]
 pub enum ToConnection {
-    /// Deliver this publish.
-    Deliver(Direct),
+    /// Deliver this publish. Boxed: the channel allocates room for 32
+    /// messages at a time, so the message's size sets what every idle
+    /// connection's mailbox costs (6.8 KB unboxed, 0.6 KB boxed).
+    Deliver(Box<Direct>),
     /// Another connection took the client id over: end with "session taken over".
     TakenOver,
     /// Deliveries waiting for the client passed its queue's bound: end the

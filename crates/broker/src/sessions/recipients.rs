@@ -69,10 +69,10 @@ impl Sessions {
             }
             return Err(Undelivered::Overflow);
         }
-        match tx.send(ToConnection::Deliver(message)) {
+        match tx.send(ToConnection::Deliver(Box::new(message))) {
             Err(tokio::sync::mpsc::error::SendError(ToConnection::Deliver(message))) => {
                 bound.release(size);
-                no_recipient(message)
+                Err(Undelivered::NoRecipient(message))
             }
             _ => Ok(()),
         }
