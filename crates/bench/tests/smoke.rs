@@ -98,3 +98,51 @@ async fn pubsub_smoke_runs() {
         );
     }
 }
+
+/// Runs the benchmark binary with `args`; its standard output.
+async fn bench_text(args: &[&str]) -> String {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("bench runs");
+    assert!(
+        output.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("text")
+}
+
+/// `fill` writes every key (each SET answered +OK), and `idle` holds its
+/// connections all opened at once; the broker sees both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fill_and_idle_smoke_runs() {
+    let settings = broker::Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    let running = broker::Broker::start(settings).await.unwrap();
+    let target = running.local_addr().to_string();
+
+    let out = bench_text(&["fill", "--target", &target, "--keys", "300", "-c", "3"]).await;
+    assert!(out.starts_with("filled 300 keys"), "{out}");
+    assert!(out.trim_end().ends_with(", 0 errors"), "{out}");
+    let last = running
+        .store()
+        .with_store(|store| store.view(&b"0000000000000299"[..]))
+        .expect("the last key was written");
+    assert_eq!(last.value, [b'v'; 32]);
+
+    let out = bench_text(&[
+        "idle",
+        "--target",
+        &target,
+        "-c",
+        "40",
+        "--parallel",
+        "40",
+        "--hold",
+        "0",
+    ])
+    .await;
+    assert!(out.starts_with("connected 40 in "), "{out}");
+}
