@@ -2,16 +2,25 @@
 """Side-by-side comparison: statebroker against mosquitto, rumqttd and Redis.
 
     python3 bench/compare.py [--duration 10] [--connections 1,16,64,256] [--quick]
+                             [--only reqresp,persist,pubsub,connections] [--out DIR]
 
-Runs, on this machine, for each connection count:
-  (1) statebroker, its in-process state store
-  (2) statebroker, with the external responder
-  (3) mosquitto 2.x (Debian), with the external responder
-  (4) rumqttd's own broker binary, with the external responder
-  (5) redis-benchmark GET and SET (no pipelining)
-then the memory checks (bytes per stored key after 1,000,000 SETs for
-statebroker and Redis; 10,000 idle MQTT connections) and 1,024 connections
-with zero lost requests. Writes bench/results/comparison.{md,json,png}.
+Runs, on this machine:
+  request/response, for each connection count:
+    (1) statebroker, its in-process state store
+    (2) statebroker, with the external responder
+    (3) mosquitto 2.x (Debian), with the external responder
+    (4) rumqttd's own broker binary, with the external responder
+    (5) redis-benchmark GET and SET (no pipelining)
+  persisted writes at 64 connections: statebroker SETs in memory and
+    persisted (`fsync` mode), Redis SETs without and with `appendonly yes`
+    + `appendfsync always`
+  publish/subscribe (`statebroker-bench pubsub`) on statebroker, mosquitto
+    and rumqttd, QoS 0 and 1: 64 pairs, fan-in (64 -> 1), fan-out (1 -> 64)
+  connections: bytes per stored key after 1,000,000 SETs (statebroker and
+    Redis), 100,000 idle MQTT connections (as many as the open-file limit
+    allows), 10,000 clients connecting at once, 1,024 busy connections
+Writes comparison.{md,json} and the charts comparison.png (request/response)
+and pubsub.png to --out (default bench/results, which the README shows).
 
 It installs what it needs (mosquitto, redis via apt; rumqttd via cargo
 install; matplotlib via pip) and builds statebroker in release mode.
@@ -42,7 +51,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+RESULTS = os.path.join(ROOT, "bench", "results")  # --out changes it
 TOOLS = os.path.join(ROOT, "bench", ".tools")
 RELEASE = os.path.join(ROOT, "target", "release")
 BENCH = os.path.join(RELEASE, "statebroker-bench")
@@ -97,11 +106,17 @@ def rss_kb(pid):
     raise RuntimeError("no VmRSS")
 
 
-def raise_nofile():
+def raise_nofile(want=250_000):
+    """Open-file limit for this process and its children: `want` if the
+    hard limit can be raised (root, outside a restricted container), else
+    the hard limit. Returns the limit in force."""
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, want), max(hard, want)))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 # ------------------------------------------------------------------ setup
@@ -129,10 +144,11 @@ def install():
 # ------------------------------------------------------------------ servers
 
 class Server:
-    def __init__(self, cmd, port, cwd=None):
+    def __init__(self, cmd, port, cwd=None, env=None):
         self.port = port
         self.proc = subprocess.Popen(PIN_SERVER + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     cwd=cwd, start_new_session=True)
+                                     cwd=cwd, start_new_session=True,
+                                     env=None if env is None else dict(os.environ, **env))
         wait_port(port)
 
     def stop(self):
@@ -144,9 +160,12 @@ class Server:
             self.proc.wait()
 
 
-def statebroker():
+def statebroker(data_dir=None, max_connections=None):
+    """In memory, or with `data_dir` (persistence in its default `fsync` mode)."""
     port = free_port()
-    return Server([BROKER, "--listen", f"127.0.0.1:{port}", "--in-memory"], port)
+    store = ["--data-dir", data_dir] if data_dir else ["--in-memory"]
+    env = {"STATEBROKER__ROUTER__MAX_CONNECTIONS": str(max_connections)} if max_connections else None
+    return Server([BROKER, "--listen", f"127.0.0.1:{port}", "--no-http", *store], port, env=env)
 
 
 def mosquitto(tmp):
@@ -182,28 +201,32 @@ dynamic_filters = true
     return Server([binary, "-c", conf], port)
 
 
-def redis(tmp):
+def redis(tmp, aof=False):
+    """Redis without persistence, or with `appendonly yes` and
+    `appendfsync always` (every write fsynced before the answer)."""
     port = free_port()
-    return Server(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
-                   "--dir", tmp, "--maxclients", "20000"], port)
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if aof else ["--appendonly", "no"]
+    data = tempfile.mkdtemp(dir=tmp)
+    return Server(["redis-server", "--port", str(port), "--save", "", *durability,
+                   "--dir", data, "--maxclients", "20000"], port)
 
 
 # ------------------------------------------------------------------ measurements
 
-def bench(port, connections, duration, warmup, external=False):
+def bench(port, connections, duration, warmup, external=False, extra=()):
     cmd = PIN_CLIENT + [BENCH, "--target", f"127.0.0.1:{port}", "-c", str(connections), "-d", str(duration),
-           "--warmup", str(warmup), "--json"]
+           "--warmup", str(warmup), "--json", *extra]
     if external:
         cmd += ["--responder", "external"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=duration + warmup + 300)
     return json.loads(out.stdout)
 
 
-def redis_benchmark(port, connections, duration):
-    # Size the run to last about `duration` seconds at ~80k ops/s per test.
-    n = max(20000, int(80000 * duration))
+def redis_benchmark(port, connections, duration, tests="get,set", rate=80000):
+    # Size the run to last about `duration` seconds at `rate` ops/s per test.
+    n = max(20000, int(rate * duration))
     out = subprocess.run(PIN_CLIENT + ["redis-benchmark", "-p", str(port), "-c", str(connections), "-n", str(n),
-                          "-t", "get,set", "-d", "32", "-r", "10000", "-P", "1", "--csv"],
+                          "-t", tests, "-d", "32", "-r", "10000", "-P", "1", "--csv"],
                          check=True, capture_output=True, text=True)
     results = {}
     for line in out.stdout.splitlines():
@@ -238,8 +261,9 @@ def memory_per_key(tmp):
     return {"statebroker": sb_bytes, "redis": (after - before) * 1024 / keys}
 
 
-def idle_connections(count=10_000, hold=8):
-    sb = statebroker()
+def idle_connections(count, hold=8):
+    """Resident memory of statebroker holding `count` idle MQTT connections."""
+    sb = statebroker(max_connections=count + 1000)
     try:
         before = rss_kb(sb.proc.pid)
         idle = subprocess.Popen(PIN_CLIENT + [BENCH, "idle", "--target", f"127.0.0.1:{sb.port}", "-c", str(count),
@@ -252,10 +276,174 @@ def idle_connections(count=10_000, hold=8):
         idle.wait()
     finally:
         sb.stop()
-    return {"connections": count, "rss_mb": during / 1024, "rss_before_mb": before / 1024}
+    return {"connections": count, "rss_mb": during / 1024, "rss_before_mb": before / 1024,
+            "bytes_per_connection": (during - before) * 1024 / count}
+
+
+def connect_storm(count=10_000):
+    """`count` clients start their handshakes at the same moment: seconds
+    until the last CONNACK."""
+    sb = statebroker()
+    try:
+        out = subprocess.run(PIN_CLIENT + [BENCH, "idle", "--target", f"127.0.0.1:{sb.port}", "-c", str(count),
+                              "--parallel", str(count), "--hold", "0"],
+                             check=True, capture_output=True, text=True, timeout=300)
+    finally:
+        sb.stop()
+    m = re.search(r"connected (\d+) in ([\d.]+) s", out.stdout)
+    if not m:
+        raise RuntimeError(f"connect storm: {out.stdout} {out.stderr}")
+    return {"clients": int(m.group(1)), "seconds": float(m.group(2))}
+
+
+def persisted_writes(tmp, duration, warmup, connections=64):
+    """SETs at `connections` connections: in memory against kept on disk,
+    for statebroker (fsync mode) and Redis (appendfsync always)."""
+    rows = {}
+    for name, persist in (("statebroker SET, in memory", False), ("statebroker SET, persisted (fsync)", True)):
+        sb = statebroker(data_dir=tempfile.mkdtemp(dir=tmp))
+        try:
+            extra = ["--set-ratio", "1"] + (["--persist"] if persist else [])
+            rows[name] = bench(sb.port, connections, duration, warmup, extra=extra)
+        finally:
+            sb.stop()
+    for name, aof in (("redis SET, no persistence", False), ("redis SET, appendfsync always", True)):
+        r = redis(tmp, aof=aof)
+        try:
+            rows[name] = redis_benchmark(r.port, connections, duration, tests="set",
+                                         rate=20000 if aof else 80000)["SET"]
+        finally:
+            r.stop()
+    for name, r in rows.items():
+        log(f"{name:40} {r['requests_per_sec']:>10,.0f} SET/s  p50 {r['p50_us']:>8,.0f} µs  p99 {r['p99_us']:>8,.0f} µs")
+    return {"connections": connections, "rows": rows}
+
+
+PUBSUB_PATTERNS = (("pairs", "64 pairs"), ("fan-in", "fan-in 64 → 1"), ("fan-out", "fan-out 1 → 64"))
+
+
+def pubsub(port, pattern, qos, duration, warmup):
+    cmd = PIN_CLIENT + [BENCH, "pubsub", "--target", f"127.0.0.1:{port}", "--pattern", pattern, "-n", "64",
+                        "--qos", str(qos), "-d", str(duration), "--warmup", str(warmup), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + warmup + 120)
+    if out.returncode != 0 or not out.stdout.strip():
+        log(f"pubsub {pattern} QoS {qos} failed: {out.stderr.strip()[-300:]}")
+        return None
+    return json.loads(out.stdout)
+
+
+def pubsub_all(rumqttd_bin, tmp, duration, warmup):
+    """Every pattern at QoS 0 and 1 on each broker, a fresh broker per run."""
+    brokers = (("statebroker", lambda: statebroker()), ("mosquitto", lambda: mosquitto(tmp)),
+               ("rumqttd", lambda: rumqttd(rumqttd_bin, tmp)))
+    results = []
+    for qos in (0, 1):
+        for pattern, _ in PUBSUB_PATTERNS:
+            for system, start in brokers:
+                server = start()
+                try:
+                    r = pubsub(server.port, pattern, qos, duration, warmup)
+                finally:
+                    server.stop()
+                if r is not None:
+                    results.append(dict(r, system=system, pattern_name=pattern))
+                    log(f"pubsub {system:12} {pattern:8} QoS {qos}: {r['messages_per_sec']:>10,.0f} msg/s"
+                        f"  p50 {r['p50_us']:>8,} µs  p99 {r['p99_us']:>8,} µs  lost {r['lost']}  dup {r['duplicated']}")
+    return results
 
 
 # ------------------------------------------------------------------ report
+
+def persisted_table(p):
+    if not p:
+        return []
+    rows = p["rows"]
+    md = ["", f"Persisted writes, {p['connections']} connections, one SET in flight each:", "",
+          "| system | SETs/s | p50 µs | p99 µs | vs its in-memory SETs |", "|---|---|---|---|---|"]
+    base = {"statebroker": rows.get("statebroker SET, in memory"), "redis": rows.get("redis SET, no persistence")}
+    for name, r in rows.items():
+        b = base[name.split()[0]]
+        ratio = f"{r['requests_per_sec'] / b['requests_per_sec']:.2f}×" if b else "—"
+        md.append(f"| {name} | {r['requests_per_sec']:,.0f} | {r['p50_us']:,.0f} | {r['p99_us']:,.0f} | {ratio} |")
+    return md
+
+
+def pubsub_table(results):
+    if not results:
+        return []
+    by = {(r["system"], r["pattern_name"], r["qos"]): r for r in results}
+    systems = ["statebroker", "mosquitto", "rumqttd"]
+    md = ["", "Publish/subscribe (`statebroker-bench pubsub`, 64-byte payloads, each publisher keeps 32 messages "
+              "per subscriber on their way): messages delivered/s (p50 / p99 end-to-end µs), lost and duplicated "
+              "deliveries counted exactly:", "",
+          "| workload | QoS | " + " | ".join(systems) + " | statebroker / mosquitto |",
+          "|---|---|" + "---|" * (len(systems) + 1)]
+    for qos in (0, 1):
+        for pattern, label in PUBSUB_PATTERNS:
+            cells = []
+            for system in systems:
+                r = by.get((system, pattern, qos))
+                if r is None:
+                    cells.append("failed")
+                    continue
+                cell = f"{r['messages_per_sec']:,.0f} ({r['p50_us']:,} / {r['p99_us']:,})"
+                if r["lost"] or r["duplicated"]:
+                    cell += f", lost {r['lost']:,}, dup {r['duplicated']:,}"
+                else:
+                    cell += ", 0 lost"
+                cells.append(cell)
+            a, b = by.get(("statebroker", pattern, qos)), by.get(("mosquitto", pattern, qos))
+            ratio = f"{a['messages_per_sec'] / b['messages_per_sec']:.2f}×" if a and b else "—"
+            md.append(f"| {label} | {qos} | " + " | ".join(cells) + f" | {ratio} |")
+    return md
+
+
+def connections_list(extras):
+    md = []
+    if "memory" in extras:
+        m = extras["memory"]
+        md.append(f"- Resident memory per stored key after 1,000,000 SETs (16-byte keys, 32-byte values): "
+                  f"statebroker {m['statebroker']:.0f} bytes, Redis {m['redis']:.0f} bytes.")
+    if "idle" in extras:
+        i = extras["idle"]
+        line = (f"- {i['connections']:,} idle MQTT connections: statebroker resident {i['rss_mb']:.0f} MB "
+                f"({i['rss_before_mb']:.0f} MB before they connected; {i['bytes_per_connection']:,.0f} bytes each")
+        if i["connections"] < 100_000:
+            line += (f"; 100,000 would take about {i['rss_before_mb'] + i['bytes_per_connection'] * 1e5 / 2**20:,.0f} MB, "
+                     f"not measured: this machine's open-file limit is {i['nofile']:,}")
+        md.append(line + ").")
+    if "storm" in extras:
+        st = extras["storm"]
+        md.append(f"- {st['clients']:,} clients starting their handshakes at once: all connected in {st['seconds']:.1f} s.")
+    if "c1024" in extras:
+        r = extras["c1024"]
+        md.append(f"- 1,024 busy connections (one request in flight each): {r['requests_per_sec']:,.0f} requests/s, "
+                  f"{r['lost']} lost, {r['errors']} errors, p50 {r['p50_us']:,.0f} µs, p99 {r['p99_us']:,.0f} µs "
+                  f"(the mean cannot be below 1,024 / throughput = {1024e6 / max(r['requests_per_sec'], 1):,.0f} µs).")
+    return [""] + md if md else []
+
+
+def pubsub_chart(results, now, machine, plt):
+    if not results:
+        return
+    systems = ["statebroker", "mosquitto", "rumqttd"]
+    groups = [(p, q) for q in (0, 1) for p, _ in PUBSUB_PATTERNS]
+    labels = {p: l for p, l in PUBSUB_PATTERNS}
+    by = {(r["system"], r["pattern_name"], r["qos"]): r["messages_per_sec"] for r in results}
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(systems)
+    for k, system in enumerate(systems):
+        xs = [g + (k - 1) * width for g in range(len(groups))]
+        ax.bar(xs, [by.get((system, p, q), 0) for p, q in groups], width, label=system)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{labels[p]}\nQoS {q}" for p, q in groups], fontsize=8)
+    ax.set_ylabel("messages delivered / s")
+    ax.set_title(f"Publish/subscribe, {now}, {machine}")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "pubsub.png"), dpi=110)
+
 
 def report(rows, extras, conns, machine, pinning):
     now = datetime.date.today().isoformat()
@@ -263,8 +451,14 @@ def report(rows, extras, conns, machine, pinning):
     systems = ["statebroker (in-process store)", "statebroker + external responder",
                "mosquitto + external responder", "rumqttd + external responder", "redis GET", "redis SET"]
     md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine, "
-          f"{pinning}.", "",
-          "| system | " + " | ".join(f"C={c} req/s (p50 / p99 µs)" for c in conns) + " |",
+          f"{pinning}.", ""]
+    if rows:
+        md += request_response_tables(by, systems, conns)
+    return finish_report(md, rows, extras, conns, machine, pinning, now, by, systems)
+
+
+def request_response_tables(by, systems, conns):
+    md = ["| system | " + " | ".join(f"C={c} req/s (p50 / p99 µs)" for c in conns) + " |",
           "|---|" + "---|" * len(conns)]
     for s in systems:
         cells = []
@@ -282,20 +476,13 @@ def report(rows, extras, conns, machine, pinning):
             a, b = by.get((systems[0], c)), by.get((s, c))
             cells.append("—" if not a or not b else f"{a['requests_per_sec'] / b['requests_per_sec']:.2f}×")
         md.append(f"| {s} | " + " | ".join(cells) + " |")
-    if extras:
-        md += [""]
-        if "memory" in extras:
-            m = extras["memory"]
-            md.append(f"- Resident memory per stored key after 1,000,000 SETs (16-byte keys, 32-byte values): "
-                      f"statebroker {m['statebroker']:.0f} bytes, Redis {m['redis']:.0f} bytes.")
-        if "idle" in extras:
-            i = extras["idle"]
-            md.append(f"- {i['connections']:,} idle MQTT connections: statebroker resident {i['rss_mb']:.0f} MB "
-                      f"({i['rss_before_mb']:.0f} MB before they connected).")
-        if "c1024" in extras:
-            r = extras["c1024"]
-            md.append(f"- 1,024 connections: {r['requests_per_sec']:,.0f} requests/s, {r['lost']} lost, "
-                      f"{r['errors']} errors, p99 {r['p99_us']:,.0f} µs.")
+    return md
+
+
+def finish_report(md, rows, extras, conns, machine, pinning, now, by, systems):
+    md += persisted_table(extras.get("persisted"))
+    md += pubsub_table(extras.get("pubsub"))
+    md += connections_list(extras)
     text = "\n".join(md) + "\n"
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "comparison.md"), "w") as f:
@@ -320,25 +507,43 @@ def report(rows, extras, conns, machine, pinning):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "comparison.png"), dpi=110)
+        if rows:
+            fig.savefig(os.path.join(RESULTS, "comparison.png"), dpi=110)
+        pubsub_chart(extras.get("pubsub"), now, machine, plt)
     except Exception as e:  # the table matters more than the chart
         log("no chart:", e)
     print(text)
 
 
+SECTIONS = ("reqresp", "persist", "pubsub", "connections")
+
+
 def main():
+    global RESULTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=10)
+    ap.add_argument("--duration", type=float, default=10, help="measured seconds per request/response cell")
     ap.add_argument("--warmup", type=float, default=2)
     ap.add_argument("--connections", default="1,16,64,256")
-    ap.add_argument("--quick", action="store_true", help="skip the memory and 1,024-connection checks")
+    ap.add_argument("--pubsub-duration", type=float, default=5, help="measured seconds per publish/subscribe run")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
+    ap.add_argument("--quick", action="store_true", help="skip the connections section")
+    ap.add_argument("--out", default=RESULTS, help="where the tables and charts go (default: bench/results, "
+                    "the copy the README shows)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin servers and load generators to cores")
     args = ap.parse_args()
+    sections = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.quick:
+        sections.discard("connections")
+    RESULTS = os.path.abspath(args.out)
     global PIN_SERVER, PIN_CLIENT
     PIN_SERVER, PIN_CLIENT, pinning = placement(not args.no_pin)
     log("placement:", pinning)
     conns = [int(c) for c in args.connections.split(",")]
-    raise_nofile()
+    nofile = raise_nofile()
     rumqttd_bin = install()
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     rows, extras = [], {}
@@ -350,7 +555,7 @@ def main():
         log(f"{system:36} C={c:<4} {r['requests_per_sec']:>10,.0f} req/s  p50 {r['p50_us']:>8,.0f} µs"
             f"  p99 {r['p99_us']:>8,.0f} µs  lost {r.get('lost', 0)}")
 
-    for c in conns:
+    for c in conns if "reqresp" in sections else []:
         sb = statebroker()
         try:
             record("statebroker (in-process store)", c, bench(sb.port, c, args.duration, args.warmup))
@@ -374,9 +579,16 @@ def main():
                 record(f"redis {op}", c, rb[op])
         finally:
             r.stop()
-    if not args.quick:
+    if "persist" in sections:
+        extras["persisted"] = persisted_writes(tmp, args.duration, args.warmup)
+    if "pubsub" in sections:
+        extras["pubsub"] = pubsub_all(rumqttd_bin, tmp, args.pubsub_duration, min(args.warmup, 1))
+    if "connections" in sections:
         extras["memory"] = memory_per_key(tmp)
-        extras["idle"] = idle_connections()
+        # Each connection takes a descriptor in the broker and one in the
+        # load generator; keep some for everything else.
+        extras["idle"] = dict(idle_connections(min(100_000, nofile - 1000)), nofile=nofile)
+        extras["storm"] = connect_storm()
         sb = statebroker()
         try:
             extras["c1024"] = bench(sb.port, 1024, args.duration, args.warmup)
