@@ -415,8 +415,7 @@ def connections_list(extras):
     if "storm" in extras:
         st = extras["storm"]
         md.append(f"- {st['clients']:,} clients starting their handshakes at once: all connected in {st['seconds']:.1f} s.")
-    if "c1024" in extras:
-        r = extras["c1024"]
+    if (r := extras.get("c1024")):
         md.append(f"- 1,024 busy connections (one request in flight each): {r['requests_per_sec']:,.0f} requests/s, "
                   f"{r['lost']} lost, {r['errors']} errors, p50 {r['p50_us']:,.0f} µs, p99 {r['p99_us']:,.0f} µs "
                   f"(the mean cannot be below 1,024 / throughput = {1024e6 / max(r['requests_per_sec'], 1):,.0f} µs).")
@@ -519,7 +518,7 @@ SECTIONS = ("reqresp", "persist", "pubsub", "connections")
 
 
 def main():
-    global RESULTS
+    global RESULTS, PIN_SERVER, PIN_CLIENT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=10, help="measured seconds per request/response cell")
     ap.add_argument("--warmup", type=float, default=2)
@@ -539,7 +538,6 @@ def main():
     if args.quick:
         sections.discard("connections")
     RESULTS = os.path.abspath(args.out)
-    global PIN_SERVER, PIN_CLIENT
     PIN_SERVER, PIN_CLIENT, pinning = placement(not args.no_pin)
     log("placement:", pinning)
     conns = [int(c) for c in args.connections.split(",")]
