@@ -127,6 +127,19 @@ impl Conn {
         }
     }
 
+    /// Queues a request; `flush` (or `send`) writes it.
+    fn queue(
+        &mut self,
+        topic: &str,
+        payload: Vec<u8>,
+        correlation: u64,
+        persist: bool,
+    ) -> Result<(), String> {
+        let properties = self.properties(correlation, persist);
+        let publish = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties));
+        self.wire.publish(publish)
+    }
+
     /// Writes a request (with the PUBACK of the previous response, if any,
     /// in the same write).
     async fn send(
@@ -136,9 +149,7 @@ impl Conn {
         correlation: u64,
         persist: bool,
     ) -> Result<(), String> {
-        let properties = self.properties(correlation, persist);
-        let publish = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties));
-        self.wire.publish(publish)?;
+        self.queue(topic, payload, correlation, persist)?;
         self.wire.flush().await
     }
 }
@@ -441,10 +452,7 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
                 while next < range.end && outstanding < pipeline {
                     let payload =
                         statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
-                    let properties = conn.properties(next + 1, args.persist);
-                    let publish =
-                        Publish::new(REQUEST_TOPIC, QoS::AtLeastOnce, payload, Some(properties));
-                    conn.wire.publish(publish)?;
+                    conn.queue(REQUEST_TOPIC, payload, next + 1, args.persist)?;
                     next += 1;
                     outstanding += 1;
                 }

@@ -6,22 +6,7 @@ use std::time::Duration;
 
 /// Runs the benchmark binary with `args`; its one JSON object.
 async fn bench(args: &[&str]) -> serde_json::Value {
-    let output = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
-            .args(args)
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("bench finishes")
-    .expect("bench runs");
-    assert!(
-        output.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("one JSON object")
+    serde_json::from_str(&bench_text(args).await).expect("one JSON object")
 }
 
 async fn run_bench(extra: &[&str]) -> serde_json::Value {
@@ -99,14 +84,19 @@ async fn pubsub_smoke_runs() {
     }
 }
 
-/// Runs the benchmark binary with `args`; its standard output.
+/// Runs the benchmark binary with `args` (within a minute, successfully);
+/// its standard output.
 async fn bench_text(args: &[&str]) -> String {
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
-        .args(args)
-        .kill_on_drop(true)
-        .output()
-        .await
-        .expect("bench runs");
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
+            .args(args)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("bench finishes")
+    .expect("bench runs");
     assert!(
         output.status.success(),
         "{args:?}: {}",
