@@ -15,7 +15,10 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{
+    Counter, Histogram, counter, describe_counter, describe_gauge, describe_histogram, gauge,
+    histogram,
+};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Connections open now.
@@ -113,9 +116,50 @@ pub fn install() -> PrometheusHandle {
                 }
             };
             describe();
+            let _ = HOT.set(Hot::register());
             handle
         })
         .clone()
+}
+
+/// The handles of the metrics every message and request updates,
+/// registered once the recorder is installed. A `counter!` call builds its
+/// key (labels in a fresh `Vec`), hashes it and looks it up in the
+/// registry every time: four lookups per state store request, 2% of the
+/// broker's CPU at 64 busy connections.
+struct Hot {
+    received: [Counter; 3],
+    bytes_received: Counter,
+    sent: [Counter; 3],
+    /// `[ok, error]` counters of each verb, in [`Command::NAMES`] order.
+    ///
+    /// [`Command::NAMES`]: statestore::command::Command::NAMES
+    requests: Vec<(&'static str, [Counter; 2])>,
+    request_seconds: Histogram,
+}
+
+static HOT: OnceLock<Hot> = OnceLock::new();
+
+impl Hot {
+    fn register() -> Hot {
+        let by_qos = |name: &'static str| [0, 1, 2].map(|q| counter!(name, "qos" => qos_label(q)));
+        let requests = statestore::command::Command::NAMES
+            .iter()
+            .map(|&command| {
+                let outcome = |o: &'static str| {
+                    counter!(STORE_REQUESTS, "command" => command, "outcome" => o)
+                };
+                (command, [outcome("ok"), outcome("error")])
+            })
+            .collect();
+        Hot {
+            received: by_qos(MESSAGES_RECEIVED),
+            bytes_received: counter!(BYTES_RECEIVED),
+            sent: by_qos(MESSAGES_SENT),
+            requests,
+            request_seconds: histogram!(STORE_REQUEST_SECONDS),
+        }
+    }
 }
 
 fn describe() {
@@ -269,15 +313,26 @@ pub fn connection_refused(reason: &'static str) {
 pub fn received(qos: u8, payload: usize) {
     MESSAGES_RECEIVED_N.fetch_add(1, Relaxed);
     BYTES_RECEIVED_N.fetch_add(payload as u64, Relaxed);
-    counter!(MESSAGES_RECEIVED, "qos" => qos_label(qos)).increment(1);
-    counter!(BYTES_RECEIVED).increment(payload as u64);
+    match HOT.get() {
+        Some(hot) => {
+            hot.received[usize::from(qos.min(2))].increment(1);
+            hot.bytes_received.increment(payload as u64);
+        }
+        None => {
+            counter!(MESSAGES_RECEIVED, "qos" => qos_label(qos)).increment(1);
+            counter!(BYTES_RECEIVED).increment(payload as u64);
+        }
+    }
 }
 
 /// A PUBLISH packet of `bytes` went to a client.
 pub fn sent(qos: u8, bytes: usize) {
     MESSAGES_SENT_N.fetch_add(1, Relaxed);
     BYTES_SENT_N.fetch_add(bytes as u64, Relaxed);
-    counter!(MESSAGES_SENT, "qos" => qos_label(qos)).increment(1);
+    match HOT.get() {
+        Some(hot) => hot.sent[usize::from(qos.min(2))].increment(1),
+        None => counter!(MESSAGES_SENT, "qos" => qos_label(qos)).increment(1),
+    }
 }
 
 /// `n` keys expired.
@@ -299,9 +354,18 @@ pub fn queued_saved(n: usize) {
 
 /// A state store request was answered.
 pub fn store_request(command: &'static str, ok: bool, took: Duration) {
-    let outcome = if ok { "ok" } else { "error" };
-    counter!(STORE_REQUESTS, "command" => command, "outcome" => outcome).increment(1);
-    histogram!(STORE_REQUEST_SECONDS).record(took.as_secs_f64());
+    let hot = HOT.get();
+    match hot.and_then(|hot| hot.requests.iter().find(|(verb, _)| *verb == command)) {
+        Some((_, counters)) => counters[usize::from(!ok)].increment(1),
+        None => {
+            let outcome = if ok { "ok" } else { "error" };
+            counter!(STORE_REQUESTS, "command" => command, "outcome" => outcome).increment(1);
+        }
+    }
+    match hot {
+        Some(hot) => hot.request_seconds.record(took.as_secs_f64()),
+        None => histogram!(STORE_REQUEST_SECONDS).record(took.as_secs_f64()),
+    }
 }
 
 /// A group commit of `writes` changes took `took`.

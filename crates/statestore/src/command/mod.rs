@@ -123,6 +123,18 @@ impl<'a> Command<'a> {
         Ok(command)
     }
 
+    /// Every verb [`Command::name`] returns.
+    pub const NAMES: [&'static str; 8] = [
+        "SET",
+        "GET",
+        "DEL",
+        "VDEL",
+        "KEYNOTIFY",
+        "SCAN",
+        "PING",
+        "INFO",
+    ];
+
     /// The verb, for logs and metrics.
     pub fn name(&self) -> &'static str {
         match self {
