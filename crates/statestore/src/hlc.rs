@@ -49,11 +49,11 @@ impl FromStr for Hlc {
     /// assert!("1700000000000:+3:n".parse::<Hlc>().is_err());
     /// ```
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let mut parts = s.splitn(3, ':');
-        let wall_ms = parse_digits(parts.next())?;
-        let counter = parse_digits(parts.next())?;
-        let node = parts.next().ok_or(MalformedTimestamp)?;
-        if node.contains(':') {
+        // Every request carries one: bytes, not `splitn` and char searches.
+        let (wall_ms, rest) = s.split_once(':').ok_or(MalformedTimestamp)?;
+        let (counter, node) = rest.split_once(':').ok_or(MalformedTimestamp)?;
+        let (wall_ms, counter) = (parse_digits(wall_ms)?, parse_digits(counter)?);
+        if node.as_bytes().contains(&b':') {
             return Err(MalformedTimestamp);
         }
         Ok(Hlc {
@@ -64,13 +64,20 @@ impl FromStr for Hlc {
     }
 }
 
-/// Plain decimal digits only: `u64::from_str` would also take a leading `+`.
-fn parse_digits(part: Option<&str>) -> Result<u64, MalformedTimestamp> {
-    let part = part.ok_or(MalformedTimestamp)?;
-    if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+/// Plain decimal digits only (`u64::from_str` would also take a leading
+/// `+`), at most `u64::MAX`.
+fn parse_digits(part: &str) -> Result<u64, MalformedTimestamp> {
+    if part.is_empty() {
         return Err(MalformedTimestamp);
     }
-    part.parse().map_err(|_| MalformedTimestamp)
+    part.bytes().try_fold(0u64, |n, b| {
+        if !b.is_ascii_digit() {
+            return Err(MalformedTimestamp);
+        }
+        n.checked_mul(10)
+            .and_then(|n| n.checked_add(u64::from(b - b'0')))
+            .ok_or(MalformedTimestamp)
+    })
 }
 
 impl fmt::Display for Hlc {
@@ -112,14 +119,38 @@ impl Version {
         }
     }
 
-    /// The wire form, `{ms:015}:{counter:05}:{node}`.
+    /// The wire form, `{ms:015}:{counter:05}:{node}`: every answer carries
+    /// one, so the digits are written by hand (`format!` with padding cost
+    /// 1,900 instructions, 7% of a request).
     pub fn format(self, node: &str) -> String {
-        format!("{:015}:{:05}:{}", self.wall_ms, self.counter, node)
+        let mut s = String::with_capacity(23 + node.len());
+        push_padded(&mut s, self.wall_ms, 15);
+        s.push(':');
+        push_padded(&mut s, u64::from(self.counter), 5);
+        s.push(':');
+        s.push_str(node);
+        s
     }
 
     fn time(self) -> (u64, u64) {
         (self.wall_ms, u64::from(self.counter))
     }
+}
+
+/// Appends `n` in decimal, zero-padded to at least `width` digits.
+fn push_padded(s: &mut String, mut n: u64, width: usize) {
+    let mut digits = [b'0'; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let start = start.min(digits.len().saturating_sub(width));
+    s.extend(digits[start..].iter().map(|&d| char::from(d)));
 }
 
 /// The store's clock: hands out strictly increasing [`Version`]s.
@@ -199,6 +230,54 @@ pub fn cmp_version_hlc(v: Version, h: &Hlc) -> Ordering {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The hand-written digits are `format!`'s, padding and all, and
+        /// read back as the same time.
+        #[test]
+        fn format_is_the_padded_wire_form(wall_ms: u64, counter: u32, node in "[a-z0-9-]{0,12}") {
+            let v = Version { wall_ms, counter };
+            let text = v.format(&node);
+            prop_assert_eq!(&text, &format!("{wall_ms:015}:{counter:05}:{node}"));
+            if !node.is_empty() {
+                let back: Hlc = text.parse().unwrap();
+                prop_assert_eq!((back.wall_ms, back.counter), (wall_ms, u64::from(counter)));
+            }
+        }
+    }
+
+    proptest! {
+        /// The byte parser accepts exactly what the old one (`splitn`,
+        /// all-digits check, `u64::from_str`) accepted, with the same value.
+        #[test]
+        fn parse_is_the_strict_wire_form(s in prop_oneof![
+            "[0-9:+a-z-]{0,30}",
+            "[0-9]{0,21}:[+0-9]{0,6}:[a-z:]{0,4}",
+        ]) {
+            let old = || -> Option<(u64, u64, String)> {
+                let mut parts = s.splitn(3, ':');
+                let digits = |p: Option<&str>| {
+                    p.filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))?
+                        .parse::<u64>()
+                        .ok()
+                };
+                let (w, c) = (digits(parts.next())?, digits(parts.next())?);
+                let node = parts.next()?;
+                (!node.contains(':')).then(|| (w, c, node.to_owned()))
+            };
+            let new = s.parse::<Hlc>().ok().map(|h| (h.wall_ms, h.counter, h.node));
+            prop_assert_eq!(new, old());
+        }
+    }
+
+    #[test]
+    fn format_pads_small_and_keeps_large_numbers() {
+        let v = |wall_ms, counter| Version { wall_ms, counter }.format("n");
+        assert_eq!(v(0, 0), "000000000000000:00000:n");
+        assert_eq!(v(1_700_000_000_000, 3), "001700000000000:00003:n");
+        assert_eq!(v(u64::MAX, u32::MAX), "18446744073709551615:4294967295:n");
+    }
 
     fn hlc(s: &str) -> Hlc {
         s.parse().unwrap()

@@ -29,7 +29,12 @@ pub fn granted<'a>(
     let mut granted = None;
     let mut ids = Vec::new();
     for (filter, sub) in filters {
-        if (shared || !filter.starts_with("$share/")) && protocol::matches(topic, bare(filter)) {
+        // An exact filter equal to the topic (a response topic, typically)
+        // matches without splitting both into levels.
+        let bare = bare(filter);
+        if (shared || !filter.starts_with("$share/"))
+            && (bare == topic || protocol::matches(topic, bare))
+        {
             granted = granted.max(Some(sub.qos));
             ids.extend(sub.id);
         }
