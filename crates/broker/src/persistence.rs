@@ -277,6 +277,11 @@ impl Persistence {
         *self.durable.borrow() >= seq
     }
 
+    /// The durable position, to wait on its changes.
+    pub fn durable(&self) -> watch::Receiver<u64> {
+        self.durable.clone()
+    }
+
     /// Waits until batch `seq` (and all before it) is durable.
     pub async fn wait_durable(&self, seq: u64) {
         let mut durable = self.durable.clone();

@@ -50,6 +50,16 @@ pub struct StateStoreService {
     /// Added to the wall clock the store reads (a fault for tests, see
     /// [`crate::faults`]), milliseconds.
     clock_offset_ms: AtomicI64,
+    /// Answers and notifications waiting for the disk, with the batch each
+    /// waits for; the durable task publishes them as the disk catches up.
+    waiting: Mutex<Vec<Waiting>>,
+}
+
+/// An answer (or notifications only) waiting for batch `seq` to be durable.
+struct Waiting {
+    seq: u64,
+    reply: Option<Reply>,
+    outcome: Outcome,
 }
 
 /// Where a response goes, and who asked.
@@ -103,8 +113,15 @@ impl StateStoreService {
             persistence,
             activity,
             clock_offset_ms: AtomicI64::new(0),
+            waiting: Mutex::new(Vec::new()),
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
+        if let Some(persistence) = &service.persistence {
+            tokio::spawn(durable_task(
+                Arc::downgrade(&service),
+                persistence.durable(),
+            ));
+        }
         service
     }
 
@@ -186,18 +203,38 @@ impl StateStoreService {
         persistence.submitted()
     }
 
+    /// Publishes now if batch `wait` is durable, or leaves it to the
+    /// durable task. One task for all that waits, rather than one spawned
+    /// per answer: a group commit releases dozens of answers at once.
     fn publish_when_durable(self: &Arc<Self>, reply: Option<Reply>, outcome: Outcome, wait: u64) {
-        match &self.persistence {
-            Some(persistence) if !persistence.is_durable(wait) => {
-                let service = Arc::clone(self);
-                tokio::spawn(async move {
-                    if let Some(persistence) = &service.persistence {
-                        persistence.wait_durable(wait).await;
-                    }
-                    service.publish_outcome(reply, outcome);
+        if let Some(persistence) = &self.persistence {
+            // Checked under the lock the durable task drains under: either
+            // the task sees this entry, or this sees the disk caught up.
+            let mut waiting = self.waiting.lock();
+            if !persistence.is_durable(wait) {
+                waiting.push(Waiting {
+                    seq: wait,
+                    reply,
+                    outcome,
                 });
+                return;
             }
-            _ => self.publish_outcome(reply, outcome),
+        }
+        self.publish_outcome(reply, outcome);
+    }
+
+    /// Publishes, in batch order, what waited for batches up to `durable`.
+    fn publish_durable(&self, durable: u64) {
+        let mut ready = {
+            let mut waiting = self.waiting.lock();
+            let (ready, still): (Vec<Waiting>, Vec<Waiting>) =
+                waiting.drain(..).partition(|w| w.seq <= durable);
+            *waiting = still;
+            ready
+        };
+        ready.sort_by_key(|w| w.seq);
+        for w in ready {
+            self.publish_outcome(w.reply, w.outcome);
         }
     }
 
@@ -363,6 +400,25 @@ fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
 
 /// Sleeps until the next expiry, expires, repeats; woken early by
 /// [`StateStoreService::rearm_expiry`].
+/// Publishes the answers and notifications that waited for the disk, each
+/// time the durable position moves; ends with the persistence writer.
+async fn durable_task(
+    service: std::sync::Weak<StateStoreService>,
+    mut durable: tokio::sync::watch::Receiver<u64>,
+) {
+    while durable.changed().await.is_ok() {
+        let Some(service) = service.upgrade() else {
+            return;
+        };
+        // Read under the waiting lock (see publish_when_durable).
+        let position = {
+            let _waiting = service.waiting.lock();
+            *durable.borrow_and_update()
+        };
+        service.publish_durable(position);
+    }
+}
+
 async fn expiry_task(service: std::sync::Weak<StateStoreService>) {
     let mut next = None;
     loop {
