@@ -550,6 +550,28 @@ async fn keep_alive_is_enforced() {
     );
 }
 
+/// A client that keeps talking stays connected well past its keep-alive:
+/// the timer moves on with what was last heard.
+#[tokio::test]
+async fn keep_alive_moves_on_while_the_client_talks() {
+    let broker = start_broker().await;
+    let (mut c, _) = Raw::connect_with(broker.local_addr(), "chatty", |c| c.0.keep_alive = 1).await;
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        c.send(Packet::PingReq(v5::PingReq)).await;
+        match c.recv_within(Duration::from_secs(1)).await {
+            Recv::Packet(Packet::PingResp(_)) => {}
+            other => panic!("expected PINGRESP, got {other:?}"),
+        }
+    }
+    // 3.2 s in, more than twice the 1.5 s limit; then silence ends it.
+    let d = c.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::KeepAliveTimeout)
+    );
+}
+
 #[tokio::test]
 async fn max_keep_alive_is_announced_and_enforced() {
     let broker = start_broker_with(|s| s.broker.max_keep_alive_secs = 1).await;

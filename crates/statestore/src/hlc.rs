@@ -150,7 +150,8 @@ fn push_padded(s: &mut String, mut n: u64, width: usize) {
         }
     }
     let start = start.min(digits.len().saturating_sub(width));
-    s.extend(digits[start..].iter().map(|&d| char::from(d)));
+    // ASCII digits: always UTF-8.
+    s.push_str(std::str::from_utf8(&digits[start..]).unwrap_or_default());
 }
 
 /// The store's clock: hands out strictly increasing [`Version`]s.
