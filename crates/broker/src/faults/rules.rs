@@ -10,16 +10,7 @@ use serde::{Deserialize, Serialize};
 use statestore::glob::Pattern;
 
 /// The verbs a rule may name.
-pub const VERBS: &[&str] = &[
-    "SET",
-    "GET",
-    "DEL",
-    "VDEL",
-    "KEYNOTIFY",
-    "SCAN",
-    "PING",
-    "INFO",
-];
+pub const VERBS: &[&str] = &statestore::command::Command::NAMES;
 
 /// A rule as written: every field optional; see the README's fault rules
 /// reference.

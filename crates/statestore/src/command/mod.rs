@@ -265,6 +265,23 @@ mod tests {
         assert_eq!(parse_2023(&[b"scan", b"*"]), Err(Error::UnknownCommand));
     }
 
+    /// `NAMES` lists exactly the verbs the parser knows, under the names
+    /// `name` gives them.
+    #[test]
+    fn names_are_the_known_verbs() {
+        let mut named = Vec::new();
+        for verb in Command::NAMES {
+            let args = [verb.as_bytes(), b"k", b"v"];
+            let known = (1..=3).find_map(|n| parse(&args[..n]).ok());
+            let command = known.unwrap_or_else(|| panic!("{verb} does not parse"));
+            assert_eq!(command.name(), verb);
+            named.push(verb);
+        }
+        named.sort_unstable();
+        named.dedup();
+        assert_eq!(named.len(), Command::NAMES.len());
+    }
+
     #[test]
     fn unknown_verbs_and_empty_requests() {
         assert_eq!(parse(&[b"FLUSHALL"]), Err(Error::UnknownCommand));
