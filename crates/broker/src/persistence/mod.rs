@@ -1,0 +1,312 @@
+//! Durability: persisted keys, retained messages and persistent sessions in
+//! an embedded storage engine, group commit, and the promise every answer
+//! waits for.
+//!
+//! One fjall database, five keyspaces: `keys` (the state store's persisted
+//! keys), `meta` (the clock mark), `retained` (retained messages by topic),
+//! `sessions` (persistent sessions by client id) and `queued` (messages for
+//! persistent sessions, by client id and number). The state store and
+//! the MQTT side ([`crate::durable`]) submit to the same writer, so one
+//! group commit and one fsync carry both.
+//!
+//! Here: opening, reading back, submitting and the durable position; the
+//! writer thread is in `writer.rs`, the journal's corrupt-tail repair in
+//! `repair.rs`.
+//!
+//! # The promise
+//!
+//! In `fsync` mode a SET, DEL or VDEL of a persisted key is acknowledged only
+//! after it is on disk: the writer thread gathers every change waiting at
+//! that moment into one atomic batch, appends it to fjall's journal, fsyncs,
+//! and only then do the responses go out. No response or notification of
+//! any kind is published before the changes it could have observed are
+//! durable, so nobody sees a value that a crash could take back. In
+//! `interval` mode each batch is handed to the operating system at once
+//! (written to the journal file, not fsynced) and fsynced every
+//! `interval_ms`: a crash of the broker process loses nothing, a power loss
+//! or kernel crash loses at most the last `interval_ms` of acknowledged
+//! writes. After a crash, fjall replays its journal on open and cuts a torn
+//! tail (an incomplete last batch) off: a batch is all or nothing. fjall
+//! documents the same for a *corrupt* last batch, but fjall 3 refuses to
+//! open when a complete last batch fails its checksum; the broker then does
+//! what the documentation says (`discard_corrupt_tail`): it keeps a
+//! copy of the journal, cuts that one batch, and opens. Corruption before
+//! the tail is not a crash artifact: the broker refuses to start and says
+//! so. Every repair is logged; the broker logs what it restored. Keys that expired while the
+//! broker was down are gone, and no notification is sent for them.
+//!
+//! # Why fjall
+//!
+//! The store lives in memory; the disk only has to keep persisted keys. An
+//! LSM engine with a journal fits that shape: each group commit is one
+//! sequential append and one fsync, old versions are compacted away in the
+//! background, and its journal recovery is documented and tested for torn
+//! and corrupt tails. redb, the other candidate, rewrites B-tree pages on
+//! every commit, and its documentation warns that a plain open of an
+//! altered file may panic unless the whole file is checked on open.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+use parking_lot::Mutex;
+use statestore::persist::{Record, Write};
+use tokio::sync::watch;
+
+use crate::config::PersistenceSettings;
+
+mod repair;
+mod writer;
+
+const CLOCK_MARK: &[u8] = b"clock_mark";
+
+/// A data directory that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the data directory {dir}: {message}")]
+pub struct OpenError {
+    dir: PathBuf,
+    message: String,
+}
+
+/// The keyspaces of the MQTT side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Space {
+    /// Retained messages, by topic.
+    Retained,
+    /// Persistent sessions, by client id.
+    Sessions,
+    /// Messages for persistent sessions, by client id and number.
+    Queued,
+}
+
+/// A write of the MQTT side: `value: None` deletes `key`.
+#[derive(Debug, Clone)]
+pub struct Put {
+    /// Which keyspace.
+    pub space: Space,
+    /// The key (a topic, a client id).
+    pub key: Vec<u8>,
+    /// The value, or `None` to delete.
+    pub value: Option<Vec<u8>>,
+}
+
+/// A key and its value, as stored.
+pub type Pair = (Vec<u8>, Vec<u8>);
+
+/// What was on disk at start.
+pub struct Loaded {
+    /// Retained messages, as stored (decoded by [`crate::durable`]).
+    pub retained: Vec<Pair>,
+    /// Persistent sessions, as stored.
+    pub sessions: Vec<Pair>,
+    /// Messages for persistent sessions, as stored.
+    pub queued: Vec<Pair>,
+    /// The persisted keys (decodable ones; others are logged and skipped).
+    pub records: Vec<Record>,
+    /// The last clock mark.
+    pub clock_mark: Option<u64>,
+    /// Records that could not be decoded.
+    pub corrupt: usize,
+    /// Time taken to open and read everything.
+    pub elapsed: Duration,
+}
+
+enum Job {
+    Writes(u64, Vec<Write>),
+    Puts(u64, Vec<Put>),
+    Stop,
+}
+
+/// The persistence writer and the durable position responses wait for.
+pub struct Persistence {
+    jobs: Mutex<mpsc::Sender<Job>>,
+    /// Sequence number of the last submitted batch of writes.
+    submitted: AtomicU64,
+    /// Sequence number of the last durable batch.
+    durable: watch::Receiver<u64>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Engine {
+    db: Database,
+    keys: Keyspace,
+    meta: Keyspace,
+    retained: Keyspace,
+    sessions: Keyspace,
+    queued: Keyspace,
+}
+
+impl Engine {
+    fn space(&self, space: Space) -> &Keyspace {
+        match space {
+            Space::Retained => &self.retained,
+            Space::Sessions => &self.sessions,
+            Space::Queued => &self.queued,
+        }
+    }
+}
+
+fn open_database(dir: &Path) -> fjall::Result<Database> {
+    Database::builder(dir)
+        // We persist explicitly (group commit); no fsync per write.
+        .manual_journal_persist(true)
+        .open()
+}
+
+fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
+    let error = |e: &dyn std::fmt::Display| OpenError {
+        dir: dir.to_owned(),
+        message: e.to_string(),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| error(&e))?;
+    let db = match open_database(dir) {
+        Err(fjall::Error::JournalRecovery(fjall::JournalRecoveryError::ChecksumMismatch)) => {
+            repair::discard_corrupt_tail(dir).map_err(|e| error(&e))?
+        }
+        other => other.map_err(|e| error(&e))?,
+    };
+    let keyspace = |name: &str| {
+        db.keyspace(name, KeyspaceCreateOptions::default)
+            .map_err(|e| error(&e))
+    };
+    let (keys, meta, retained) = (keyspace("keys")?, keyspace("meta")?, keyspace("retained")?);
+    let (sessions, queued) = (keyspace("sessions")?, keyspace("queued")?);
+    Ok(Engine {
+        db,
+        keys,
+        meta,
+        retained,
+        sessions,
+        queued,
+    })
+}
+
+impl Persistence {
+    /// Opens (or creates) the data directory, recovering after a crash, and
+    /// reads back what it holds.
+    pub fn open(settings: &PersistenceSettings) -> Result<(Persistence, Loaded), OpenError> {
+        let started = Instant::now();
+        let dir = &settings.data_dir;
+        let engine = open_engine(dir)?;
+        let read_error = |e: fjall::Error| OpenError {
+            dir: dir.clone(),
+            message: e.to_string(),
+        };
+        let clock_mark = engine
+            .meta
+            .get(CLOCK_MARK)
+            .map_err(read_error)?
+            .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+            .map(u64::from_be_bytes);
+        let mut records = Vec::new();
+        let mut corrupt = 0;
+        for item in engine.keys.iter() {
+            let (key, value) = item.into_inner().map_err(read_error)?;
+            match Record::decode(&key, &value) {
+                Ok(record) => records.push(record),
+                Err(_) => {
+                    corrupt += 1;
+                    tracing::error!(
+                        key = hex::encode_upper(&key),
+                        "skipping a persisted key that cannot be decoded"
+                    );
+                }
+            }
+        }
+        let read_all = |space: &Keyspace| -> Result<Vec<Pair>, OpenError> {
+            let mut all = Vec::new();
+            for item in space.iter() {
+                let (key, value) = item.into_inner().map_err(read_error)?;
+                all.push((key.to_vec(), value.to_vec()));
+            }
+            Ok(all)
+        };
+        let loaded = Loaded {
+            retained: read_all(&engine.retained)?,
+            sessions: read_all(&engine.sessions)?,
+            queued: read_all(&engine.queued)?,
+            records,
+            clock_mark,
+            corrupt,
+            elapsed: started.elapsed(),
+        };
+        let (tx, rx) = mpsc::channel();
+        let (durable_tx, durable_rx) = watch::channel(0);
+        let mode = settings.mode;
+        let writer = std::thread::Builder::new()
+            .name("persistence".into())
+            .spawn(move || writer::write_loop(engine, rx, durable_tx, mode))
+            .map_err(|e| OpenError {
+                dir: dir.clone(),
+                message: e.to_string(),
+            })?;
+        let persistence = Persistence {
+            jobs: Mutex::new(tx),
+            submitted: AtomicU64::new(0),
+            durable: durable_rx,
+            writer: Mutex::new(Some(writer)),
+        };
+        Ok((persistence, loaded))
+    }
+
+    /// Queues `writes`; call in the order the store made them (under the
+    /// store's lock). Returns the batch's sequence number.
+    pub fn submit(&self, writes: Vec<Write>) -> u64 {
+        self.send(|seq| Job::Writes(seq, writes))
+    }
+
+    /// Queues writes of the MQTT side. Returns the batch's sequence number.
+    pub fn put(&self, puts: Vec<Put>) -> u64 {
+        self.send(|seq| Job::Puts(seq, puts))
+    }
+
+    /// Numbers a job and queues it, both under the lock: the writer sees
+    /// sequence numbers in order, so "durable up to n" holds for all below.
+    fn send(&self, job: impl FnOnce(u64) -> Job) -> u64 {
+        let jobs = self.jobs.lock();
+        let seq = self.submitted.fetch_add(1, Ordering::AcqRel) + 1;
+        if jobs.send(job(seq)).is_err() {
+            tracing::error!("persistence writer is gone: a write will never be acknowledged");
+        }
+        seq
+    }
+
+    /// The sequence number of the last submitted batch.
+    pub fn submitted(&self) -> u64 {
+        self.submitted.load(Ordering::Acquire)
+    }
+
+    /// Whether batch `seq` (and all before it) is durable.
+    pub fn is_durable(&self, seq: u64) -> bool {
+        *self.durable.borrow() >= seq
+    }
+
+    /// The durable position, to wait on its changes.
+    pub fn durable(&self) -> watch::Receiver<u64> {
+        self.durable.clone()
+    }
+
+    /// Waits until batch `seq` (and all before it) is durable.
+    pub async fn wait_durable(&self, seq: u64) {
+        let mut durable = self.durable.clone();
+        let _ = durable.wait_for(|d| *d >= seq).await;
+    }
+
+    /// Writes and syncs everything queued, then stops the writer and closes
+    /// the engine. Idempotent.
+    pub fn close(&self) {
+        let _ = self.jobs.lock().send(Job::Stop);
+        if let Some(writer) = self.writer.lock().take() {
+            let _ = writer.join();
+        }
+    }
+}
+
+impl Drop for Persistence {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

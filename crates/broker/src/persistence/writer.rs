@@ -1,0 +1,136 @@
+//! The writer thread: group commit, fsync, and the durable position.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use fjall::{Database, PersistMode};
+use statestore::persist::Write;
+use tokio::sync::watch;
+
+use super::{CLOCK_MARK, Engine, Job, Put};
+use crate::config::Mode;
+
+pub(super) fn write_loop(
+    engine: Engine,
+    jobs: mpsc::Receiver<Job>,
+    durable: watch::Sender<u64>,
+    mode: Mode,
+) {
+    let mut last_sync = Instant::now();
+    let mut unsynced = false;
+    loop {
+        let first = match mode {
+            Mode::Fsync => jobs.recv().ok(),
+            Mode::Interval(every) => {
+                match jobs.recv_timeout(every.saturating_sub(last_sync.elapsed())) {
+                    Ok(job) => Some(job),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if unsynced {
+                            sync(&engine.db, PersistMode::SyncAll);
+                            unsynced = false;
+                        }
+                        last_sync = Instant::now();
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                }
+            }
+        };
+        let Some(first) = first else { break };
+        // Group commit: everything waiting now goes into one batch.
+        let mut batch = Vec::new();
+        let mut puts = Vec::new();
+        let mut stop = false;
+        let mut seq = 0;
+        for job in std::iter::once(first).chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
+            match job {
+                Job::Writes(s, writes) => {
+                    seq = s;
+                    batch.extend(writes);
+                }
+                Job::Puts(s, more) => {
+                    seq = s;
+                    puts.extend(more);
+                }
+                Job::Stop => {
+                    stop = true;
+                    break;
+                }
+            }
+            if batch.len() + puts.len() >= 100_000 {
+                break;
+            }
+        }
+        if !batch.is_empty() || !puts.is_empty() {
+            let started = Instant::now();
+            commit(&engine, &batch, &puts);
+            match mode {
+                Mode::Fsync => sync(&engine.db, PersistMode::SyncAll),
+                Mode::Interval(every) => {
+                    // Out of the process, into the OS: a crash of the broker
+                    // loses nothing; a power loss what the OS has not written.
+                    sync(&engine.db, PersistMode::Buffer);
+                    unsynced = true;
+                    if last_sync.elapsed() >= every {
+                        sync(&engine.db, PersistMode::SyncAll);
+                        unsynced = false;
+                        last_sync = Instant::now();
+                    }
+                }
+            }
+            crate::metrics::commit(batch.len() + puts.len(), started.elapsed());
+        }
+        if seq > 0 {
+            durable.send_replace(seq);
+        }
+        if stop {
+            break;
+        }
+    }
+    sync(&engine.db, PersistMode::SyncAll);
+    tracing::debug!("persistence writer stopped");
+}
+
+/// Writes one batch atomically, retrying until the disk takes it: until
+/// then, the writes it holds are not acknowledged.
+fn commit(engine: &Engine, writes: &[Write], puts: &[Put]) {
+    let mut delay = Duration::from_millis(10);
+    loop {
+        let mut batch = engine.db.batch();
+        for write in writes {
+            match write {
+                Write::Put(record) => {
+                    batch.insert(&engine.keys, record.key.as_slice(), record.encode_value())
+                }
+                Write::Delete(key) => batch.remove(&engine.keys, key.as_slice()),
+                Write::ClockMark(mark) => {
+                    batch.insert(&engine.meta, CLOCK_MARK, mark.to_be_bytes().to_vec())
+                }
+            }
+        }
+        for put in puts {
+            let space = engine.space(put.space);
+            match &put.value {
+                Some(value) => batch.insert(space, put.key.as_slice(), value.as_slice()),
+                None => batch.remove(space, put.key.as_slice()),
+            }
+        }
+        match batch.commit() {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot write to the data directory; retrying (writes stay unacknowledged)");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+fn sync(db: &Database, mode: PersistMode) {
+    let mut delay = Duration::from_millis(10);
+    while let Err(e) = db.persist(mode) {
+        tracing::error!(error = %e, "cannot fsync persisted keys; retrying (writes stay unacknowledged)");
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
