@@ -10,8 +10,8 @@
 //! group commit and one fsync carry both.
 //!
 //! Here: opening, reading back, submitting and the durable position; the
-//! writer thread is in `writer.rs`, the journal's corrupt-tail repair in
-//! `repair.rs`.
+//! writer thread is in `writer.rs`, when it wakes in `kick.rs`, the
+//! journal's corrupt-tail repair in `repair.rs`.
 //!
 //! # The promise
 //!
@@ -46,6 +46,7 @@
 //! altered file may panic unless the whole file is checked on open.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -58,6 +59,7 @@ use tokio::sync::watch;
 
 use crate::config::PersistenceSettings;
 
+mod kick;
 mod repair;
 mod writer;
 
@@ -128,6 +130,8 @@ pub struct Persistence {
     /// Sequence number of the last durable batch.
     durable: watch::Receiver<u64>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// Wakes the writer once per round of the runtime.
+    kick: Arc<kick::Kick>,
 }
 
 struct Engine {
@@ -236,18 +240,22 @@ impl Persistence {
         let (tx, rx) = mpsc::channel();
         let (durable_tx, durable_rx) = watch::channel(0);
         let mode = settings.mode;
+        let kick = kick::Kick::new();
+        let writer_kick = Arc::clone(&kick);
         let writer = std::thread::Builder::new()
             .name("persistence".into())
-            .spawn(move || writer::write_loop(engine, rx, durable_tx, mode))
+            .spawn(move || writer::write_loop(engine, rx, durable_tx, mode, writer_kick))
             .map_err(|e| OpenError {
                 dir: dir.clone(),
                 message: e.to_string(),
             })?;
+        kick.set_writer(writer.thread().clone());
         let persistence = Persistence {
             jobs: Mutex::new(tx),
             submitted: AtomicU64::new(0),
             durable: durable_rx,
             writer: Mutex::new(Some(writer)),
+            kick,
         };
         Ok((persistence, loaded))
     }
@@ -266,11 +274,15 @@ impl Persistence {
     /// Numbers a job and queues it, both under the lock: the writer sees
     /// sequence numbers in order, so "durable up to n" holds for all below.
     fn send(&self, job: impl FnOnce(u64) -> Job) -> u64 {
-        let jobs = self.jobs.lock();
-        let seq = self.submitted.fetch_add(1, Ordering::AcqRel) + 1;
-        if jobs.send(job(seq)).is_err() {
-            tracing::error!("persistence writer is gone: a write will never be acknowledged");
-        }
+        let seq = {
+            let jobs = self.jobs.lock();
+            let seq = self.submitted.fetch_add(1, Ordering::AcqRel) + 1;
+            if jobs.send(job(seq)).is_err() {
+                tracing::error!("persistence writer is gone: a write will never be acknowledged");
+            }
+            seq
+        };
+        self.kick.request();
         seq
     }
 
@@ -299,6 +311,7 @@ impl Persistence {
     /// the engine. Idempotent.
     pub fn close(&self) {
         let _ = self.jobs.lock().send(Job::Stop);
+        self.kick.now();
         if let Some(writer) = self.writer.lock().take() {
             let _ = writer.join();
         }

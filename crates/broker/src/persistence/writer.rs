@@ -1,63 +1,72 @@
 //! The writer thread: group commit, fsync, and the durable position.
 
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use fjall::{Database, PersistMode};
 use statestore::persist::Write;
 use tokio::sync::watch;
 
+use super::kick::Kick;
 use super::{CLOCK_MARK, Engine, Job, Put};
 use crate::config::Mode;
+
+/// How long the writer sleeps when nothing wakes it: a safety net only
+/// (every queued job is followed by a wake-up, see [`Kick`]).
+const IDLE: Duration = Duration::from_secs(1);
+
+/// At most this many changes in one group commit.
+const MAX_BATCH: usize = 100_000;
 
 pub(super) fn write_loop(
     engine: Engine,
     jobs: mpsc::Receiver<Job>,
     durable: watch::Sender<u64>,
     mode: Mode,
+    kick: Arc<Kick>,
 ) {
     let mut last_sync = Instant::now();
     let mut unsynced = false;
+    let mut more = false;
     loop {
-        let first = match mode {
-            Mode::Fsync => jobs.recv().ok(),
-            Mode::Interval(every) => {
-                match jobs.recv_timeout(every.saturating_sub(last_sync.elapsed())) {
-                    Ok(job) => Some(job),
-                    Err(mpsc::RecvTimeoutError::Timeout) => {
-                        if unsynced {
-                            sync(&engine.db, PersistMode::SyncAll);
-                            unsynced = false;
-                        }
-                        last_sync = Instant::now();
-                        continue;
-                    }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
-                }
-            }
-        };
-        let Some(first) = first else { break };
-        // Group commit: everything waiting now goes into one batch.
+        if !more {
+            kick.wait(match mode {
+                Mode::Interval(every) if unsynced => every.saturating_sub(last_sync.elapsed()),
+                _ => IDLE,
+            });
+        }
+        if let Mode::Interval(every) = mode
+            && unsynced
+            && last_sync.elapsed() >= every
+        {
+            sync(&engine.db, PersistMode::SyncAll);
+            unsynced = false;
+            last_sync = Instant::now();
+        }
+        // Group commit: everything queued now goes into one batch.
         let mut batch = Vec::new();
         let mut puts = Vec::new();
         let mut stop = false;
         let mut seq = 0;
-        for job in std::iter::once(first).chain(std::iter::from_fn(|| jobs.try_recv().ok())) {
-            match job {
-                Job::Writes(s, writes) => {
+        more = false;
+        loop {
+            match jobs.try_recv() {
+                Ok(Job::Writes(s, writes)) => {
                     seq = s;
                     batch.extend(writes);
                 }
-                Job::Puts(s, more) => {
+                Ok(Job::Puts(s, added)) => {
                     seq = s;
-                    puts.extend(more);
+                    puts.extend(added);
                 }
-                Job::Stop => {
+                Ok(Job::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                     stop = true;
                     break;
                 }
+                Err(mpsc::TryRecvError::Empty) => break,
             }
-            if batch.len() + puts.len() >= 100_000 {
+            if batch.len() + puts.len() >= MAX_BATCH {
+                more = true;
                 break;
             }
         }
