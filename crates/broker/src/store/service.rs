@@ -398,8 +398,6 @@ fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
     }
 }
 
-/// Sleeps until the next expiry, expires, repeats; woken early by
-/// [`StateStoreService::rearm_expiry`].
 /// Publishes the answers and notifications that waited for the disk, each
 /// time the durable position moves; ends with the persistence writer.
 async fn durable_task(
@@ -419,6 +417,8 @@ async fn durable_task(
     }
 }
 
+/// Sleeps until the next expiry, expires, repeats; woken early by
+/// [`StateStoreService::rearm_expiry`].
 async fn expiry_task(service: std::sync::Weak<StateStoreService>) {
     let mut next = None;
     loop {
