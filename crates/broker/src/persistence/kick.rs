@@ -109,7 +109,13 @@ mod tests {
                     "not before the round ends"
                 );
             }
-            tokio::task::yield_now().await;
+            // The scheduled task runs once this round's tasks have run.
+            for _ in 0..10 {
+                if kick.woken.load(Ordering::Acquire) {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
             assert!(kick.woken.load(Ordering::Acquire));
             assert!(!kick.scheduled.load(Ordering::Acquire));
         });
