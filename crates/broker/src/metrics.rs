@@ -134,7 +134,7 @@ struct Hot {
     /// `[ok, error]` counters of each verb, in [`Command::NAMES`] order.
     ///
     /// [`Command::NAMES`]: statestore::command::Command::NAMES
-    requests: Vec<(&'static str, [Counter; 2])>,
+    requests: [(&'static str, [Counter; 2]); statestore::command::Command::NAMES.len()],
     request_seconds: Histogram,
 }
 
@@ -143,15 +143,11 @@ static HOT: OnceLock<Hot> = OnceLock::new();
 impl Hot {
     fn register() -> Hot {
         let by_qos = |name: &'static str| [0, 1, 2].map(|q| counter!(name, "qos" => qos_label(q)));
-        let requests = statestore::command::Command::NAMES
-            .iter()
-            .map(|&command| {
-                let outcome = |o: &'static str| {
-                    counter!(STORE_REQUESTS, "command" => command, "outcome" => o)
-                };
-                (command, [outcome("ok"), outcome("error")])
-            })
-            .collect();
+        let requests = statestore::command::Command::NAMES.map(|command| {
+            let outcome =
+                |o: &'static str| counter!(STORE_REQUESTS, "command" => command, "outcome" => o);
+            (command, [outcome("ok"), outcome("error")])
+        });
         Hot {
             received: by_qos(MESSAGES_RECEIVED),
             bytes_received: counter!(BYTES_RECEIVED),

@@ -35,14 +35,6 @@ pub(super) fn write_loop(
                 _ => IDLE,
             });
         }
-        if let Mode::Interval(every) = mode
-            && unsynced
-            && last_sync.elapsed() >= every
-        {
-            sync(&engine.db, PersistMode::SyncAll);
-            unsynced = false;
-            last_sync = Instant::now();
-        }
         // Group commit: everything queued now goes into one batch.
         let mut batch = Vec::new();
         let mut puts = Vec::new();
@@ -70,24 +62,31 @@ pub(super) fn write_loop(
                 break;
             }
         }
-        if !batch.is_empty() || !puts.is_empty() {
-            let started = Instant::now();
+        let changes = batch.len() + puts.len();
+        let started = Instant::now();
+        if changes > 0 {
             commit(&engine, &batch, &puts);
             match mode {
                 Mode::Fsync => sync(&engine.db, PersistMode::SyncAll),
-                Mode::Interval(every) => {
-                    // Out of the process, into the OS: a crash of the broker
-                    // loses nothing; a power loss what the OS has not written.
+                // Out of the process, into the OS: a crash of the broker
+                // loses nothing; a power loss what the OS has not written.
+                Mode::Interval(_) => {
                     sync(&engine.db, PersistMode::Buffer);
                     unsynced = true;
-                    if last_sync.elapsed() >= every {
-                        sync(&engine.db, PersistMode::SyncAll);
-                        unsynced = false;
-                        last_sync = Instant::now();
-                    }
                 }
             }
-            crate::metrics::commit(batch.len() + puts.len(), started.elapsed());
+        }
+        // The interval's fsync, when due: after a batch, or on waking idle.
+        if let Mode::Interval(every) = mode
+            && unsynced
+            && last_sync.elapsed() >= every
+        {
+            sync(&engine.db, PersistMode::SyncAll);
+            unsynced = false;
+            last_sync = Instant::now();
+        }
+        if changes > 0 {
+            crate::metrics::commit(changes, started.elapsed());
         }
         if seq > 0 {
             durable.send_replace(seq);

@@ -223,10 +223,12 @@ impl StateStoreService {
         self.publish_outcome(reply, outcome);
     }
 
-    /// Publishes, in batch order, what waited for batches up to `durable`.
-    fn publish_durable(&self, durable: u64) {
+    /// Publishes, in batch order, what waited for batches up to the durable
+    /// position, read under the waiting lock (see `publish_when_durable`).
+    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<u64>) {
         let mut ready = {
             let mut waiting = self.waiting.lock();
+            let durable = *durable.borrow_and_update();
             let (ready, still): (Vec<Waiting>, Vec<Waiting>) =
                 waiting.drain(..).partition(|w| w.seq <= durable);
             *waiting = still;
@@ -408,12 +410,7 @@ async fn durable_task(
         let Some(service) = service.upgrade() else {
             return;
         };
-        // Read under the waiting lock (see publish_when_durable).
-        let position = {
-            let _waiting = service.waiting.lock();
-            *durable.borrow_and_update()
-        };
-        service.publish_durable(position);
+        service.publish_durable(&mut durable);
     }
 }
 
