@@ -249,6 +249,72 @@ async fn the_sdk_persist_option_survives_a_restart() {
     broker.shutdown(Duration::from_secs(2)).await;
 }
 
+/// A persisted SET is answered once it is on disk; its PUBACK waits with it
+/// and both leave in one write, so the client reads them at once
+/// (`connection/hold.rs`). A PUBACK whose answer goes to another client's
+/// topic is not kept waiting for an answer that will not come to it.
+#[tokio::test]
+async fn a_persisted_set_is_acknowledged_with_its_answer() {
+    use common::raw::v5::{Packet, Publish};
+    use rumqttc::v5::mqttbytes::QoS;
+    use tokio::io::AsyncReadExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let mut c = Raw::connect(broker.local_addr(), "held").await;
+    c.ensure_response_subscription().await;
+    let mut other = Raw::connect(broker.local_addr(), "listener").await;
+    other.subscribe("answers/elsewhere", QoS::AtLeastOnce).await;
+
+    for (round, elsewhere) in [(1u8, false), (2, true), (3, false)] {
+        let ts = now_hlc("held");
+        let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
+        let mut properties = c.request_properties(&[round], &user);
+        if elsewhere {
+            properties.response_topic = Some("answers/elsewhere".into());
+        }
+        let payload = statestore::resp3::encode_request(&[&b"SET"[..], b"held-key", &[round]]);
+        let mut publish = Publish::new(
+            common::raw::REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            payload,
+            Some(properties),
+        );
+        publish.pkid = c.pkid();
+        let pkid = publish.pkid;
+        c.send(Packet::Publish(publish)).await;
+
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.stream.read(&mut buf))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        let mut bytes = bytes::BytesMut::from(&buf[..n]);
+        let mut packets = Vec::new();
+        while let Ok(packet) = Packet::read(&mut bytes, None) {
+            packets.push(packet);
+        }
+        assert!(bytes.is_empty(), "round {round}: whole packets only");
+        match packets.first() {
+            Some(Packet::PubAck(ack)) => assert_eq!(ack.pkid, pkid, "round {round}"),
+            other => panic!("round {round}: expected the PUBACK first, got {other:?}"),
+        }
+        if elsewhere {
+            assert_eq!(packets.len(), 1, "round {round}: the answer went elsewhere");
+            let answer = other.next_publish().await;
+            assert_eq!(&answer.payload[..], b"+OK\r\n");
+        } else {
+            // Read at once: PUBACK and answer were written together.
+            assert_eq!(packets.len(), 2, "round {round}: {packets:?}");
+            match &packets[1] {
+                Packet::Publish(answer) => assert_eq!(&answer.payload[..], b"+OK\r\n"),
+                other => panic!("round {round}: expected the answer, got {other:?}"),
+            }
+        }
+    }
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -35,6 +35,7 @@
 mod end;
 mod gate;
 mod handshake;
+mod hold;
 mod inbound;
 mod link;
 mod outbound;
@@ -229,6 +230,7 @@ pub(crate) async fn serve<S: Stream>(
         session_expiry: terms.session_expiry,
         legacy_2023: shared.settings.broker.legacy_2023_topic,
         gate: Gate::new(shared.durable.clone()),
+        ack_hold: hold::AckHold::default(),
         principal,
         shared: Arc::clone(&shared),
         saved: Saved::new(shared.durable.clone()),

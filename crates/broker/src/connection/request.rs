@@ -54,6 +54,7 @@ impl<S: Stream> Connection<S> {
         }
         // A QoS 2 duplicate of a request already executed: acknowledge again only.
         let duplicate = self.inbound.is_duplicate(qos, pkid);
+        let unacked = self.socket.wbuf.len();
         self.ack(qos, pkid, true);
         if duplicate {
             return Ok(());
@@ -76,7 +77,13 @@ impl<S: Stream> Connection<S> {
                     .plan(&self.client_id, request.payload)
                     .unwrap_or_default();
                 match plan.delay {
-                    None => run_planned(&self.store, &request, caller, reply_to, plan.action),
+                    None => {
+                        let wait =
+                            run_planned(&self.store, &request, caller, reply_to, plan.action);
+                        // The acknowledgement may wait for the answer (see hold.rs).
+                        self.ack_hold
+                            .acknowledged(unacked, self.socket.wbuf.len(), wait);
+                    }
                     Some(delay) => {
                         let policy = policy.clone();
                         self.run_later(delay, &request, reply_to, plan.action, policy);
@@ -165,18 +172,22 @@ struct OwnedRequest {
 }
 
 /// Runs a request as a fault's plan says: executed and answered, answered
-/// with its `-ERR`, executed and not answered, or neither.
+/// with its `-ERR`, executed and not answered, or neither. Returns the
+/// persistence batch the answer waits for (0: none).
 fn run_planned(
     store: &Arc<StateStoreService>,
     request: &Request<'_>,
     caller: Caller<'_>,
     reply_to: ReplyTo,
     action: Action,
-) {
+) -> u64 {
     match action {
         Action::Execute => store.serve(request, caller, Some(reply_to)),
-        Action::Error(text) => store.refuse(reply_to, caller.client_id, &text),
+        Action::Error(text) => {
+            store.refuse(reply_to, caller.client_id, &text);
+            0
+        }
         Action::DropAfter => store.serve(request, caller, None),
-        Action::DropBefore => {}
+        Action::DropBefore => 0,
     }
 }

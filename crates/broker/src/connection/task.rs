@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::end::End;
 use super::gate::Gate;
+use super::hold::AckHold;
 use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
@@ -64,6 +65,8 @@ pub(super) struct Connection<S> {
     pub(super) legacy_2023: bool,
     /// Changes waiting for the disk (retained messages, session changes).
     pub(super) gate: Gate,
+    /// Acknowledgements that wait to go out with their answers.
+    pub(super) ack_hold: AckHold,
     /// Messages saved for persistent sessions, coming and going.
     pub(super) saved: Saved,
     /// Who the client is, for the authorization policy.
@@ -146,6 +149,10 @@ impl<S: Stream> Connection<S> {
                     }
                 }
                 Some(message) = self.direct_rx.recv() => self.on_broker_message(message)?,
+                // Held acknowledgements whose answers went elsewhere, or
+                // nowhere: the answers are out, the acknowledgements go.
+                () = self.store.wait_answered(self.ack_hold.waiting_for().unwrap_or(0)),
+                    if self.ack_hold.waiting_for().is_some() => {}
                 () = &mut keep_alive, if self.idle_limit.is_some() => {
                     let deadline = self.last_heard + self.idle_limit.unwrap_or_default();
                     if Instant::now() >= deadline {
@@ -163,10 +170,16 @@ impl<S: Stream> Connection<S> {
             // A client that stops reading cannot hold its connection: the
             // write may stall for as long as the client may stay silent.
             let stall = self.idle_limit.unwrap_or(WRITE_STALL);
-            match tokio::time::timeout(stall, self.socket.flush()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(End::Io(e)),
-                Err(_) => return Err(End::WriteStalled),
+            let store = &self.store;
+            if !self
+                .ack_hold
+                .may_wait(self.socket.wbuf.len(), |seq| store.is_answered(seq))
+            {
+                match tokio::time::timeout(stall, self.socket.flush()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(End::Io(e)),
+                    Err(_) => return Err(End::WriteStalled),
+                }
             }
             self.peer
                 .in_flight

@@ -53,6 +53,11 @@ pub struct StateStoreService {
     /// Answers and notifications waiting for the disk, with the batch each
     /// waits for; the durable task publishes them as the disk catches up.
     waiting: Mutex<Vec<Waiting>>,
+    /// The durable position whose answers the durable task has published.
+    /// Set on the runtime, so the connections waiting on it are woken
+    /// without a trip through the operating system (the writer thread's
+    /// own position would wake each from outside).
+    published: tokio::sync::watch::Sender<u64>,
 }
 
 /// An answer (or notifications only) waiting for batch `seq` to be durable.
@@ -114,6 +119,7 @@ impl StateStoreService {
             activity,
             clock_offset_ms: AtomicI64::new(0),
             waiting: Mutex::new(Vec::new()),
+            published: tokio::sync::watch::Sender::new(0),
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
         if let Some(persistence) = &service.persistence {
@@ -127,15 +133,29 @@ impl StateStoreService {
 
     /// Serves one request from `caller` and publishes the answer to
     /// `reply_to` (`None`: no answer, a fault), once what it could have
-    /// observed is durable.
+    /// observed is durable. Returns the persistence batch the answer waits
+    /// for, or 0 if it was published now.
     pub fn serve(
         self: &Arc<Self>,
         request: &Request<'_>,
         caller: Caller<'_>,
         reply_to: Option<ReplyTo>,
-    ) {
+    ) -> u64 {
         let (reply, outcome, wait) = self.run(request, caller, reply_to);
-        self.publish_when_durable(Some(reply), outcome, wait);
+        self.publish_when_durable(Some(reply), outcome, wait)
+    }
+
+    /// Whether the answers that waited for persistence batch `seq` (and
+    /// all before it) are published.
+    pub fn is_answered(&self, seq: u64) -> bool {
+        *self.published.borrow() >= seq
+    }
+
+    /// Waits until the answers that waited for persistence batch `seq` are
+    /// published.
+    pub async fn wait_answered(&self, seq: u64) {
+        let mut published = self.published.subscribe();
+        let _ = published.wait_for(|p| *p >= seq).await;
     }
 
     /// Runs a request for one of the broker's own tools (the web view's
@@ -206,7 +226,13 @@ impl StateStoreService {
     /// Publishes now if batch `wait` is durable, or leaves it to the
     /// durable task. One task for all that waits, rather than one spawned
     /// per answer: a group commit releases dozens of answers at once.
-    fn publish_when_durable(self: &Arc<Self>, reply: Option<Reply>, outcome: Outcome, wait: u64) {
+    /// Returns the batch waited for, or 0 if published now.
+    fn publish_when_durable(
+        self: &Arc<Self>,
+        reply: Option<Reply>,
+        outcome: Outcome,
+        wait: u64,
+    ) -> u64 {
         if let Some(persistence) = &self.persistence {
             // Checked under the lock the durable task drains under: either
             // the task sees this entry, or this sees the disk caught up.
@@ -217,27 +243,29 @@ impl StateStoreService {
                     reply,
                     outcome,
                 });
-                return;
+                return wait;
             }
         }
         self.publish_outcome(reply, outcome);
+        0
     }
 
     /// Publishes, in batch order, what waited for batches up to the durable
     /// position, read under the waiting lock (see `publish_when_durable`).
     fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<u64>) {
-        let mut ready = {
+        let (mut ready, durable) = {
             let mut waiting = self.waiting.lock();
             let durable = *durable.borrow_and_update();
             let (ready, still): (Vec<Waiting>, Vec<Waiting>) =
                 waiting.drain(..).partition(|w| w.seq <= durable);
             *waiting = still;
-            ready
+            (ready, durable)
         };
         ready.sort_by_key(|w| w.seq);
         for w in ready {
             self.publish_outcome(w.reply, w.outcome);
         }
+        self.published.send_replace(durable);
     }
 
     /// Writes and syncs what is queued and closes the storage engine.
