@@ -315,6 +315,68 @@ async fn a_persisted_set_is_acknowledged_with_its_answer() {
     broker.shutdown(Duration::from_secs(2)).await;
 }
 
+/// While the disk stalls (the `stall_disk` fault), a client sending
+/// persisted SETs faster than they can be written is read only until 256
+/// of its answers wait: what waits for the disk stays bounded. When the
+/// disk is back, every SET is written and answered.
+#[tokio::test]
+async fn a_stalled_disk_stops_reading_at_a_bound() {
+    use common::raw::v5::{Packet, Publish};
+    use rumqttc::v5::mqttbytes::QoS;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_broker_with(|s| {
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.path().to_owned(),
+            mode: Mode::Fsync,
+        });
+        s.faults.enabled = true;
+    })
+    .await;
+    let faults = broker.faults();
+    faults.stall_disk(Duration::from_secs(60)).unwrap();
+    let mut c = Raw::connect(broker.local_addr(), "flood").await;
+    c.ensure_response_subscription().await;
+
+    // 1,000 requests in one write, not waiting for acknowledgements.
+    const SENT: usize = 1000;
+    let mut bytes = bytes::BytesMut::new();
+    for i in 0..SENT {
+        let ts = now_hlc("flood");
+        let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
+        let properties = c.request_properties(&(i as u32).to_be_bytes(), &user);
+        let key = format!("flood-{i}");
+        let payload = statestore::resp3::encode_request(&[&b"SET"[..], key.as_bytes(), b"v"]);
+        let mut publish = Publish::new(
+            common::raw::REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            payload,
+            Some(properties),
+        );
+        publish.pkid = c.pkid();
+        Packet::Publish(publish).write(&mut bytes, None).unwrap();
+    }
+    c.send_bytes(&bytes).await;
+
+    let store = broker.store();
+    common::eventually("256 answers wait for the disk", || {
+        store.answers_waiting() == 256
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.answers_waiting(), 256, "no more is read meanwhile");
+    c.no_publish_within(Duration::from_millis(10)).await;
+
+    faults.stall_disk(Duration::ZERO).unwrap();
+    for i in 0..SENT {
+        let answer = c.next_publish().await;
+        assert_eq!(&answer.payload[..], b"+OK\r\n", "answer {i}");
+    }
+    assert_eq!(store.answers_waiting(), 0);
+    assert_eq!(faults.status().injected.get("disk_stall"), Some(&1));
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -143,6 +143,7 @@ async fn health_readiness_and_metrics() {
         ("statebroker_statestore_keys", 1.0),
         ("statebroker_statestore_bytes", 2.0),
         ("statebroker_statestore_watches", 0.0),
+        ("statebroker_statestore_answers_waiting", 0.0),
         // metrics-client and metrics-small.
         ("statebroker_sessions", 2.0),
         // The response topic of metrics-client, big/# of metrics-small.

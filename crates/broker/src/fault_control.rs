@@ -102,6 +102,28 @@ impl FaultControl {
         Ok(expired)
     }
 
+    /// Stalls the disk for `period` (zero: ends a stall): persisted changes
+    /// (state store keys, retained messages, persistent sessions) are not
+    /// written, so their answers and acknowledgements wait, as on a slow
+    /// or saturated disk; at the end everything is written and answered.
+    pub fn stall_disk(&self, period: Duration) -> Result<(), FaultError> {
+        self.check()?;
+        if !self.shared.store.stall_disk(period) {
+            return Err(FaultError::Invalid(
+                "the broker has no data directory: there is no disk to stall".into(),
+            ));
+        }
+        if !period.is_zero() {
+            self.shared.faults.count(crate::faults::Kind::DiskStall);
+        }
+        tracing::info!(
+            fault = "disk_stall",
+            ms = period.as_millis() as u64,
+            "fault injected: the disk stalls"
+        );
+        Ok(())
+    }
+
     /// Moves the store's clock `offset_ms` from the machine's (0: back).
     pub fn set_clock_offset(&self, offset_ms: i64) -> Result<(), FaultError> {
         self.check()?;

@@ -57,6 +57,8 @@ pub const STORE_KEYS: &str = "statebroker_statestore_keys";
 pub const STORE_BYTES: &str = "statebroker_statestore_bytes";
 /// KEYNOTIFY registrations (gauge).
 pub const STORE_WATCHES: &str = "statebroker_statestore_watches";
+/// State store answers waiting for the disk (gauge).
+pub const STORE_ANSWERS_WAITING: &str = "statebroker_statestore_answers_waiting";
 /// Keys removed because their expiry passed.
 pub const STORE_EXPIRED: &str = "statebroker_statestore_expired_keys_total";
 /// Seconds since the broker started (gauge).
@@ -197,6 +199,10 @@ fn describe() {
         "Bytes of keys and values in the state store"
     );
     describe_gauge!(STORE_WATCHES, "KEYNOTIFY registrations");
+    describe_gauge!(
+        STORE_ANSWERS_WAITING,
+        "State store answers waiting for their changes to be on disk"
+    );
     describe_counter!(STORE_EXPIRED, "Keys removed because their expiry passed");
     describe_gauge!(UPTIME, metrics::Unit::Seconds, "Seconds since the start");
     describe_counter!(
@@ -281,6 +287,7 @@ pub fn set_gauges(now: &crate::stats::Snapshot) {
     gauge!(STORE_KEYS).set(now.keys as f64);
     gauge!(STORE_BYTES).set(now.key_bytes as f64);
     gauge!(STORE_WATCHES).set(now.watches as f64);
+    gauge!(STORE_ANSWERS_WAITING).set(now.answers_waiting as f64);
     gauge!(UPTIME).set(now.uptime.as_secs_f64());
     // Counted in atomics on the hot path, handed over here.
     counter!(BYTES_SENT).absolute(now.totals.bytes_sent);

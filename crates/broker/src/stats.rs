@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub key_bytes: u64,
     /// KEYNOTIFY registrations.
     pub watches: usize,
+    /// State store answers waiting for the disk.
+    pub answers_waiting: usize,
     /// Running totals (process-wide).
     pub totals: Totals,
 }
@@ -45,6 +47,7 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
         keys,
         key_bytes,
         watches,
+        answers_waiting: shared.store.answers_waiting(),
         totals: crate::metrics::totals(),
     }
 }

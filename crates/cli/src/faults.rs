@@ -48,6 +48,9 @@ enum Action {
     Refuse { ms: u64 },
     /// Expire KEY now: its watchers get DELETE.
     Expire { key: String },
+    /// Stall the broker's disk for MS milliseconds (0: stop): persisted
+    /// changes are not written, their answers wait.
+    StallDisk { ms: u64 },
     /// Move the state store's clock OFFSET_MS from the machine's
     /// (negative: behind; 0: back to normal).
     Clock {
@@ -160,6 +163,7 @@ pub fn run(faults: Faults, login: Option<(String, String)>, timeout: Duration) -
         ),
         Action::Refuse { ms } => ("POST", "/api/faults/refuse", Some(json!({ "ms": ms }))),
         Action::Expire { key } => ("POST", "/api/faults/expire", Some(json!({ "key": key }))),
+        Action::StallDisk { ms } => ("POST", "/api/faults/stall-disk", Some(json!({ "ms": ms }))),
         Action::Clock { offset_ms } => (
             "POST",
             "/api/faults/clock",

@@ -157,6 +157,47 @@ async fn every_action_changes_what_the_broker_does() {
     assert!(text(&nobody.stderr).contains("not connected"), "{nobody:?}");
 }
 
+/// `stall-disk`: a persisted SET is not answered while the disk stalls,
+/// and is there once it ends; without a data directory there is no disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_disk_holds_persisted_sets() {
+    let no_disk = broker(true).await;
+    let out = faults(&no_disk, &["stall-disk", "1000"]).await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(text(&out.stderr).contains("no data directory"), "{out:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    settings.http = Some("127.0.0.1:0".parse().unwrap());
+    settings.faults.enabled = true;
+    settings.persistence = Some(broker::config::PersistenceSettings {
+        data_dir: dir.path().to_owned(),
+        mode: broker::config::Mode::Fsync,
+    });
+    let broker = Broker::start(settings).await.expect("broker starts");
+    assert!(
+        faults(&broker, &["stall-disk", "60000"])
+            .await
+            .status
+            .success()
+    );
+    let port = broker.local_addr().port().to_string();
+    let late = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"))
+        .args(["-h", "127.0.0.1", "-p", &port, "--timeout", "1"])
+        .args(["set", "--persist", "k", "v"])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(late.status.code(), Some(2), "no answer in time: {late:?}");
+    assert!(faults(&broker, &["stall-disk", "0"]).await.status.success());
+    let got = cli(&broker, &["get", "k"]).await;
+    assert_eq!(text(&got.stdout).trim(), "v", "{got:?}");
+    let status: serde_json::Value =
+        serde_json::from_slice(&faults(&broker, &["status"]).await.stdout).unwrap();
+    assert_eq!(status["injected"]["disk_stall"], 1, "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_without_faults_says_so() {
     let broker = broker(false).await;

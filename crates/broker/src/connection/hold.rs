@@ -1,4 +1,6 @@
-//! Acknowledgements that wait for their answers: one write instead of two.
+//! Answers that wait for the disk, seen from the connection: their
+//! acknowledgements held to leave with them (one write instead of two),
+//! and a bound on how many a connection may wait for.
 //!
 //! A state store request is acknowledged (PUBACK, or PUBREC at QoS 2) when
 //! it is read, and answered when its answer may go out. In memory that is at
@@ -23,6 +25,41 @@
 //! Measured (64 connections, persisted SETs, pinned, alternating runs):
 //! `sendto` per request 2.00 -> 1.00; `fsync` mode 33,300 -> 42,200 SETs/s,
 //! `interval` mode 41,700 -> 62,300.
+
+/// Answers a connection may wait for (its persisted changes not yet on
+/// disk) before it stops reading: however fast a client sends and however
+/// slow the disk, what waits for the disk stays bounded (the store's list
+/// of waiting answers and the writer's queue with it).
+pub(crate) const MAX_AWAITED: usize = 256;
+
+/// The batches this connection's answers wait for, oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct Awaited {
+    seqs: std::collections::VecDeque<u64>,
+}
+
+impl Awaited {
+    /// A request whose answer waits for batch `seq` (0: answered already);
+    /// `answered(seq)` says whose answers are out (in batch order).
+    pub fn push(&mut self, seq: u64, answered: impl Fn(u64) -> bool) {
+        while self.seqs.front().is_some_and(|&s| answered(s)) {
+            self.seqs.pop_front();
+        }
+        if seq > 0 {
+            self.seqs.push_back(seq);
+        }
+    }
+
+    /// When [`MAX_AWAITED`] answers are still to come: the batch to wait
+    /// for before reading again (the oldest one).
+    pub fn full(&self, answered: impl Fn(u64) -> bool) -> Option<u64> {
+        if self.seqs.len() < MAX_AWAITED {
+            return None;
+        }
+        let out = self.seqs.partition_point(|&s| answered(s));
+        (self.seqs.len() - out >= MAX_AWAITED).then(|| self.seqs[out])
+    }
+}
 
 /// What the write buffer holds back, and until when.
 #[derive(Debug, Default)]
@@ -109,6 +146,27 @@ mod tests {
         let mut hold = AckHold::default();
         hold.acknowledged(0, 0, 7);
         assert_eq!(hold.waiting_for(), None);
+    }
+
+    #[test]
+    fn reading_stops_while_too_many_answers_wait() {
+        let mut awaited = Awaited::default();
+        let published = std::cell::Cell::new(0u64);
+        let answered = |seq| seq <= published.get();
+        for seq in 1..=MAX_AWAITED as u64 {
+            assert_eq!(awaited.full(answered), None, "{seq}");
+            awaited.push(seq, answered);
+        }
+        assert_eq!(awaited.full(answered), Some(1), "full: wait for the oldest");
+        awaited.push(0, answered);
+        assert_eq!(awaited.full(answered), Some(1), "an answer given at once");
+        published.set(1);
+        assert_eq!(awaited.full(answered), None, "one answered: read again");
+        awaited.push(MAX_AWAITED as u64 + 1, answered);
+        assert_eq!(awaited.full(answered), Some(2));
+        published.set(u64::MAX);
+        awaited.push(0, answered);
+        assert!(awaited.seqs.is_empty(), "the answered are forgotten");
     }
 
     #[test]

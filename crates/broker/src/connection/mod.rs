@@ -231,6 +231,7 @@ pub(crate) async fn serve<S: Stream>(
         legacy_2023: shared.settings.broker.legacy_2023_topic,
         gate: Gate::new(shared.durable.clone()),
         ack_hold: hold::AckHold::default(),
+        awaited: hold::Awaited::default(),
         principal,
         shared: Arc::clone(&shared),
         saved: Saved::new(shared.durable.clone()),

@@ -80,9 +80,12 @@ impl<S: Stream> Connection<S> {
                     None => {
                         let wait =
                             run_planned(&self.store, &request, caller, reply_to, plan.action);
-                        // The acknowledgement may wait for the answer (see hold.rs).
+                        // The acknowledgement may wait for the answer, and
+                        // reading stops while too many wait (see hold.rs).
                         self.ack_hold
                             .acknowledged(unacked, self.socket.wbuf.len(), wait);
+                        let store = &self.store;
+                        self.awaited.push(wait, |seq| store.is_answered(seq));
                     }
                     Some(delay) => {
                         let policy = policy.clone();

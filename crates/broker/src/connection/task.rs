@@ -15,7 +15,7 @@ use tokio::time::Instant;
 
 use super::end::End;
 use super::gate::Gate;
-use super::hold::AckHold;
+use super::hold::{AckHold, Awaited};
 use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
@@ -67,6 +67,8 @@ pub(super) struct Connection<S> {
     pub(super) gate: Gate,
     /// Acknowledgements that wait to go out with their answers.
     pub(super) ack_hold: AckHold,
+    /// The answers this connection waits for (reading stops at a bound).
+    pub(super) awaited: Awaited,
     /// Messages saved for persistent sessions, coming and going.
     pub(super) saved: Saved,
     /// Who the client is, for the authorization policy.
@@ -109,6 +111,8 @@ impl<S: Stream> Connection<S> {
         let shutdown = shutdown.changed();
         tokio::pin!(shutdown);
         loop {
+            // What waits for answers from the disk (see hold.rs).
+            let (held, resume) = (self.ack_hold.waiting_for(), self.awaited_full());
             tokio::select! {
                 read = self.socket.fill(), if !self.reading_paused() => {
                     match read {
@@ -151,8 +155,13 @@ impl<S: Stream> Connection<S> {
                 Some(message) = self.direct_rx.recv() => self.on_broker_message(message)?,
                 // Held acknowledgements whose answers went elsewhere, or
                 // nowhere: the answers are out, the acknowledgements go.
-                () = self.store.wait_answered(self.ack_hold.waiting_for().unwrap_or(0)),
-                    if self.ack_hold.waiting_for().is_some() => {}
+                () = self.store.wait_answered(held.unwrap_or(0)), if held.is_some() => {}
+                // Reading stopped with too many answers to come: one came.
+                () = self.store.wait_answered(resume.unwrap_or(0)), if resume.is_some() => {
+                    let read = self.read_packets();
+                    self.flush_link().await?;
+                    read?;
+                }
                 () = &mut keep_alive, if self.idle_limit.is_some() => {
                     let deadline = self.last_heard + self.idle_limit.unwrap_or_default();
                     if Instant::now() >= deadline {
@@ -195,7 +204,13 @@ impl<S: Stream> Connection<S> {
     /// closed, what goes to the router waits in the link's batch, up to
     /// [`MAX_HELD`] packets.
     fn reading_paused(&self) -> bool {
-        self.gate.is_closed() && self.link.queued() >= MAX_HELD
+        self.gate.is_closed() && self.link.queued() >= MAX_HELD || self.awaited_full().is_some()
+    }
+
+    /// The batch to wait for when this connection waits for too many
+    /// answers (see [`Awaited`]).
+    fn awaited_full(&self) -> Option<u64> {
+        self.awaited.full(|seq| self.store.is_answered(seq))
     }
 
     /// Decodes and handles every complete packet in the read buffer, until

@@ -2,7 +2,8 @@
 //! lock and failover paths: state store requests delayed, answered with an
 //! `-ERR`, left unanswered (executed or not), clients disconnected after so
 //! many requests, new connections refused for a while. (The store's clock
-//! offset and "expire this key now" belong to the store service; the
+//! offset, "expire this key now" and a stalled disk belong to the store
+//! service and its persistence; the
 //! control surface over all of them is [`crate::fault_control`].)
 //!
 //! Off unless the configuration says `[faults] enabled = true`: a broker
@@ -66,10 +67,12 @@ pub enum Kind {
     RefuseConnection,
     /// A key was expired on demand.
     ExpireKey,
+    /// The disk was stalled (persisted changes wait, unacknowledged).
+    DiskStall,
 }
 
 impl Kind {
-    const ALL: [Kind; 7] = [
+    const ALL: [Kind; 8] = [
         Kind::Delay,
         Kind::Error,
         Kind::DropBefore,
@@ -77,6 +80,7 @@ impl Kind {
         Kind::Disconnect,
         Kind::RefuseConnection,
         Kind::ExpireKey,
+        Kind::DiskStall,
     ];
 
     /// The metric label and log name.
@@ -89,6 +93,7 @@ impl Kind {
             Kind::Disconnect => "disconnect",
             Kind::RefuseConnection => "refuse_connection",
             Kind::ExpireKey => "expire_key",
+            Kind::DiskStall => "disk_stall",
         }
     }
 }
@@ -115,7 +120,7 @@ pub struct Faults {
     /// New connections are being refused (until `State::refuse_until`).
     refusing: AtomicBool,
     state: Mutex<State>,
-    injected: [AtomicU64; 7],
+    injected: [AtomicU64; 8],
 }
 
 #[derive(Debug, Default)]

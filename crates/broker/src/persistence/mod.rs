@@ -32,7 +32,10 @@
 //! what the documentation says (`discard_corrupt_tail`): it keeps a
 //! copy of the journal, cuts that one batch, and opens. Corruption before
 //! the tail is not a crash artifact: the broker refuses to start and says
-//! so. Every repair is logged; the broker logs what it restored. Keys that expired while the
+//! so. Every repair is logged; the broker logs what it restored.
+//! What waits for the disk is bounded: a connection is read only until 256
+//! of its answers wait (`connection/hold.rs`), retained messages and
+//! session changes as `connection/gate.rs` says. Keys that expired while the
 //! broker was down are gone, and no notification is sent for them.
 //!
 //! # Why fjall
@@ -132,6 +135,8 @@ pub struct Persistence {
     writer: Mutex<Option<JoinHandle<()>>>,
     /// Wakes the writer once per round of the runtime.
     kick: Arc<kick::Kick>,
+    /// The `stall_disk` fault.
+    stall: Arc<writer::Stall>,
 }
 
 struct Engine {
@@ -242,9 +247,13 @@ impl Persistence {
         let mode = settings.mode;
         let kick = kick::Kick::new();
         let writer_kick = Arc::clone(&kick);
+        let stall = Arc::new(writer::Stall::default());
+        let writer_stall = Arc::clone(&stall);
         let writer = std::thread::Builder::new()
             .name("persistence".into())
-            .spawn(move || writer::write_loop(engine, rx, durable_tx, mode, writer_kick))
+            .spawn(move || {
+                writer::write_loop(engine, rx, durable_tx, mode, writer_kick, writer_stall)
+            })
             .map_err(|e| OpenError {
                 dir: dir.clone(),
                 message: e.to_string(),
@@ -256,6 +265,7 @@ impl Persistence {
             durable: durable_rx,
             writer: Mutex::new(Some(writer)),
             kick,
+            stall,
         };
         Ok((persistence, loaded))
     }
@@ -307,9 +317,16 @@ impl Persistence {
         let _ = durable.wait_for(|d| *d >= seq).await;
     }
 
+    /// Writes nothing for `period` (zero: ends a stall): the `stall_disk`
+    /// fault.
+    pub fn stall(&self, period: Duration) {
+        self.stall.set(period);
+    }
+
     /// Writes and syncs everything queued, then stops the writer and closes
-    /// the engine. Idempotent.
+    /// the engine (ending a stall). Idempotent.
     pub fn close(&self) {
+        self.stall.set(Duration::ZERO);
         let _ = self.jobs.lock().send(Job::Stop);
         self.kick.now();
         if let Some(writer) = self.writer.lock().take() {

@@ -18,12 +18,44 @@ const IDLE: Duration = Duration::from_secs(1);
 /// At most this many changes in one group commit.
 const MAX_BATCH: usize = 100_000;
 
+/// A disk that takes its time: the `stall_disk` fault (see
+/// [`crate::fault_control`]). Until it ends the writer writes nothing, so
+/// every change waiting for the disk stays unacknowledged, as on a stalled
+/// or saturated disk.
+#[derive(Default)]
+pub(super) struct Stall {
+    until: parking_lot::Mutex<Option<Instant>>,
+}
+
+impl Stall {
+    /// Stalls for `period` from now (zero: no more).
+    pub fn set(&self, period: Duration) {
+        *self.until.lock() = (!period.is_zero()).then(|| Instant::now() + period);
+    }
+
+    /// Waits while stalled, looking again every few milliseconds (a stall
+    /// may be ended early).
+    fn wait(&self) {
+        loop {
+            let left = match *self.until.lock() {
+                Some(until) => until.saturating_duration_since(Instant::now()),
+                None => return,
+            };
+            if left.is_zero() {
+                return;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(5)));
+        }
+    }
+}
+
 pub(super) fn write_loop(
     engine: Engine,
     jobs: mpsc::Receiver<Job>,
     durable: watch::Sender<u64>,
     mode: Mode,
     kick: Arc<Kick>,
+    stall: Arc<Stall>,
 ) {
     let mut last_sync = Instant::now();
     let mut unsynced = false;
@@ -35,6 +67,7 @@ pub(super) fn write_loop(
                 _ => IDLE,
             });
         }
+        stall.wait();
         // Group commit: everything queued now goes into one batch.
         let mut batch = Vec::new();
         let mut puts = Vec::new();

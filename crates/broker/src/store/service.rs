@@ -145,6 +145,23 @@ impl StateStoreService {
         self.publish_when_durable(Some(reply), outcome, wait)
     }
 
+    /// Answers (and notifications) waiting for the disk now.
+    pub fn answers_waiting(&self) -> usize {
+        self.waiting.lock().len()
+    }
+
+    /// Writes nothing to disk for `period` (zero: ends a stall): the
+    /// `stall_disk` fault. `false`: there is no data directory.
+    pub fn stall_disk(&self, period: std::time::Duration) -> bool {
+        match &self.persistence {
+            Some(persistence) => {
+                persistence.stall(period);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Whether the answers that waited for persistence batch `seq` (and
     /// all before it) are published.
     pub fn is_answered(&self, seq: u64) -> bool {

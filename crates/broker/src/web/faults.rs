@@ -11,6 +11,7 @@
 //! | `POST /api/faults/disconnect` | `{"client_id", "reason_code"?}` | disconnects a client now (404: not connected) |
 //! | `POST /api/faults/refuse` | `{"ms"}` | refuses new connections for `ms` (0: stop) |
 //! | `POST /api/faults/expire` | `{"key"}` | expires a key now (404: no such key) |
+//! | `POST /api/faults/stall-disk` | `{"ms"}` | writes nothing to disk for `ms` (0: stop; 400 without a data directory) |
 //! | `POST /api/faults/clock` | `{"offset_ms"}` | moves the store's clock |
 //!
 //! A rule is `[[faults.rules]]`'s table as JSON (see [`crate::faults`]).
@@ -44,6 +45,7 @@ pub(super) fn routes() -> Router<Broker> {
         .route("/api/faults/disconnect", post(disconnect))
         .route("/api/faults/refuse", post(refuse))
         .route("/api/faults/expire", post(expire))
+        .route("/api/faults/stall-disk", post(stall_disk))
         .route("/api/faults/clock", post(clock))
 }
 
@@ -115,17 +117,26 @@ async fn disconnect(Control(control): Control, Json(form): Json<DisconnectForm>)
     }
 }
 
+/// `{"ms"}`: how long (refusing connections, stalling the disk).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RefuseForm {
+struct MsForm {
     ms: u64,
 }
 
-async fn refuse(Control(control): Control, Json(form): Json<RefuseForm>) -> Response {
+async fn refuse(Control(control): Control, Json(form): Json<MsForm>) -> Response {
     answer(
         control
             .refuse_connections(Duration::from_millis(form.ms))
             .map(|()| json!({ "refusing_ms": form.ms })),
+    )
+}
+
+async fn stall_disk(Control(control): Control, Json(form): Json<MsForm>) -> Response {
+    answer(
+        control
+            .stall_disk(Duration::from_millis(form.ms))
+            .map(|()| json!({ "stalling_ms": form.ms })),
     )
 }
 
