@@ -255,6 +255,23 @@ pub struct Report {
     pub errors: u64,
     pub lost: u64,
     pub failed_connections: usize,
+    pub wildcard_subscribers: usize,
+}
+
+/// Clients that only hold a wildcard subscription each
+/// (`--wildcard-subscribers`), connected one after the other and kept
+/// until the run ends.
+async fn wildcard_subscribers(target: SocketAddr, n: usize) -> Result<Vec<Wire>, String> {
+    let mut held = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut wire =
+            Wire::connect(target, &format!("bench-wild-{}-{i}", std::process::id())).await?;
+        wire.subscribe(&format!("bench/wild/{i}/+"), QoS::AtMostOnce)
+            .await
+            .map_err(|e| format!("wildcard subscriber {i}: {e}"))?;
+        held.push(wire);
+    }
+    Ok(held)
 }
 
 /// Starts `statebroker-bench responder` as a child process and waits until it serves.
@@ -379,6 +396,7 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
             args.external_topic.clone(),
         ),
     };
+    let _others = wildcard_subscribers(args.target, args.wildcard_subscribers).await?;
     let shards = run_shards(&args, &topic).await?;
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("bounds");
     let (mut ok, mut errors, mut lost, mut failed) = (0, 0, 0, 0);
@@ -408,6 +426,7 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
         errors,
         lost,
         failed_connections: failed,
+        wildcard_subscribers: args.wildcard_subscribers,
     };
     crate::emit(&report, args.json, &failures, || {
         format!(

@@ -157,6 +157,11 @@ pub struct LoadArgs {
     /// Send SETs with `aio-persistence: true` (the key is kept on disk).
     #[arg(long)]
     pub persist: bool,
+    /// First connect N more clients that each only hold a wildcard
+    /// subscription (`bench/wild/<i>/+`), as a broker's other clients would:
+    /// what they cost the requests' answers.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub wildcard_subscribers: usize,
     /// Request topic for `--responder external`.
     #[arg(long, default_value = responder::EXTERNAL_TOPIC)]
     pub external_topic: String,

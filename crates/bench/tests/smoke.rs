@@ -36,6 +36,13 @@ async fn in_process_store_smoke_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wildcard_subscribers_smoke_run() {
+    let report = run_bench(&["--wildcard-subscribers", "20"]).await;
+    assert_eq!(report["wildcard_subscribers"], 20, "{report}");
+    check(&report);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn external_responder_smoke_run() {
     let report = run_bench(&["--responder", "external"]).await;
     assert_eq!(report["responder"], "external");

@@ -29,6 +29,7 @@
 mod census;
 mod mailbox;
 mod recipients;
+mod wild;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -116,7 +117,7 @@ struct Inner {
     /// Filters without wildcards, by filter, outside the notification namespace.
     exact: HashMap<String, HashSet<Arc<str>>>,
     /// Other filters (wildcards, shared subscriptions), outside the namespace.
-    wild: Vec<(String, Arc<str>)>,
+    wild: wild::WildFilters,
 }
 
 /// The subscription mirror and direct delivery.
@@ -144,7 +145,7 @@ impl Inner {
             return;
         }
         if protocol::has_wildcards(filter) || filter.starts_with("$share/") {
-            self.wild.push((filter.to_owned(), Arc::clone(client)));
+            self.wild.insert(filter, client);
         } else {
             self.exact
                 .entry(filter.to_owned())
@@ -160,7 +161,9 @@ impl Inner {
                 self.exact.remove(filter);
             }
         }
-        self.wild.retain(|(f, c)| !(f == filter && c == client));
+        if protocol::has_wildcards(filter) || filter.starts_with("$share/") {
+            self.wild.remove(filter, client);
+        }
     }
 
     fn clear_filters(&mut self, client: &Arc<str>) {

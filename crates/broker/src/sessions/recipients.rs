@@ -7,15 +7,8 @@ use std::sync::atomic::Ordering;
 
 use rumqttd::protocol;
 
+use super::wild::bare;
 use super::{Direct, Mailbox, Sessions, Sub, ToConnection, Undelivered};
-
-/// `filter` without its `$share/{group}/` prefix.
-fn bare(filter: &str) -> &str {
-    filter
-        .strip_prefix("$share/")
-        .and_then(|rest| rest.split_once('/'))
-        .map_or(filter, |(_, f)| f)
-}
 
 /// What the subscriptions `filters` grant a message on `topic`: the
 /// highest QoS of those that match it, and their Subscription
@@ -103,7 +96,7 @@ impl Sessions {
         if let Some(set) = inner.exact.get(topic) {
             found.extend(set.iter().filter(|c| reaches(c, topic)).cloned());
         }
-        for (filter, client) in &inner.wild {
+        for (filter, client) in inner.wild.candidates(topic) {
             if !filter.starts_with("$share/")
                 && !found.contains(client)
                 && reaches(client, filter)
@@ -124,7 +117,7 @@ impl Sessions {
         {
             return false;
         }
-        !inner.wild.iter().any(|(filter, c)| {
+        !inner.wild.candidates(topic).into_iter().any(|(filter, c)| {
             if &**c == client && !filter.starts_with("$share/") {
                 return false;
             }
