@@ -249,13 +249,35 @@ async fn the_sdk_persist_option_survives_a_restart() {
     broker.shutdown(Duration::from_secs(2)).await;
 }
 
+/// A QoS 1 PUBLISH of `SET key value` with `aio-persistence: true`, its
+/// packet id taken, as the SDK sends it (not sent).
+fn persisted_set(
+    c: &mut Raw,
+    key: &[u8],
+    value: &[u8],
+    correlation: &[u8],
+) -> common::raw::v5::Publish {
+    let ts = now_hlc(&c.client_id);
+    let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
+    let properties = c.request_properties(correlation, &user);
+    let payload = statestore::resp3::encode_request(&[&b"SET"[..], key, value]);
+    let mut publish = common::raw::v5::Publish::new(
+        common::raw::REQUEST_TOPIC,
+        rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+        payload,
+        Some(properties),
+    );
+    publish.pkid = c.pkid();
+    publish
+}
+
 /// A persisted SET is answered once it is on disk; its PUBACK waits with it
 /// and both leave in one write, so the client reads them at once
 /// (`connection/hold.rs`). A PUBACK whose answer goes to another client's
 /// topic is not kept waiting for an answer that will not come to it.
 #[tokio::test]
 async fn a_persisted_set_is_acknowledged_with_its_answer() {
-    use common::raw::v5::{Packet, Publish};
+    use common::raw::v5::Packet;
     use rumqttc::v5::mqttbytes::QoS;
     use tokio::io::AsyncReadExt;
 
@@ -267,20 +289,11 @@ async fn a_persisted_set_is_acknowledged_with_its_answer() {
     other.subscribe("answers/elsewhere", QoS::AtLeastOnce).await;
 
     for (round, elsewhere) in [(1u8, false), (2, true), (3, false)] {
-        let ts = now_hlc("held");
-        let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
-        let mut properties = c.request_properties(&[round], &user);
+        let mut publish = persisted_set(&mut c, b"held-key", &[round], &[round]);
         if elsewhere {
+            let properties = publish.properties.as_mut().unwrap();
             properties.response_topic = Some("answers/elsewhere".into());
         }
-        let payload = statestore::resp3::encode_request(&[&b"SET"[..], b"held-key", &[round]]);
-        let mut publish = Publish::new(
-            common::raw::REQUEST_TOPIC,
-            QoS::AtLeastOnce,
-            payload,
-            Some(properties),
-        );
-        publish.pkid = c.pkid();
         let pkid = publish.pkid;
         c.send(Packet::Publish(publish)).await;
 
@@ -321,8 +334,7 @@ async fn a_persisted_set_is_acknowledged_with_its_answer() {
 /// disk is back, every SET is written and answered.
 #[tokio::test]
 async fn a_stalled_disk_stops_reading_at_a_bound() {
-    use common::raw::v5::{Packet, Publish};
-    use rumqttc::v5::mqttbytes::QoS;
+    use common::raw::v5::Packet;
 
     let dir = tempfile::tempdir().unwrap();
     let broker = start_broker_with(|s| {
@@ -342,18 +354,8 @@ async fn a_stalled_disk_stops_reading_at_a_bound() {
     const SENT: usize = 1000;
     let mut bytes = bytes::BytesMut::new();
     for i in 0..SENT {
-        let ts = now_hlc("flood");
-        let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
-        let properties = c.request_properties(&(i as u32).to_be_bytes(), &user);
         let key = format!("flood-{i}");
-        let payload = statestore::resp3::encode_request(&[&b"SET"[..], key.as_bytes(), b"v"]);
-        let mut publish = Publish::new(
-            common::raw::REQUEST_TOPIC,
-            QoS::AtLeastOnce,
-            payload,
-            Some(properties),
-        );
-        publish.pkid = c.pkid();
+        let publish = persisted_set(&mut c, key.as_bytes(), b"v", &(i as u32).to_be_bytes());
         Packet::Publish(publish).write(&mut bytes, None).unwrap();
     }
     c.send_bytes(&bytes).await;
