@@ -54,7 +54,7 @@ impl<S: Stream> Connection<S> {
         }
         // A QoS 2 duplicate of a request already executed: acknowledge again only.
         let duplicate = self.inbound.is_duplicate(qos, pkid);
-        let unacked = self.socket.wbuf.len();
+        let before_ack = self.socket.wbuf.len();
         self.ack(qos, pkid, true);
         if duplicate {
             return Ok(());
@@ -83,7 +83,7 @@ impl<S: Stream> Connection<S> {
                         // The acknowledgement may wait for the answer, and
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
-                            .acknowledged(unacked, self.socket.wbuf.len(), wait);
+                            .acknowledged(before_ack, self.socket.wbuf.len(), wait);
                         let store = &self.store;
                         self.awaited.push(wait, |seq| store.is_answered(seq));
                     }

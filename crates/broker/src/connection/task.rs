@@ -111,8 +111,13 @@ impl<S: Stream> Connection<S> {
         let shutdown = shutdown.changed();
         tokio::pin!(shutdown);
         loop {
-            // What waits for answers from the disk (see hold.rs).
-            let (held, resume) = (self.ack_hold.waiting_for(), self.awaited_full());
+            // Answers from the disk to wait for (see hold.rs): those of
+            // held acknowledgements, and the one reading waits for at the
+            // bound; the earlier batch first.
+            let answers = match (self.ack_hold.waiting_for(), self.awaited_full()) {
+                (Some(held), Some(resume)) => Some(held.min(resume)),
+                (held, resume) => held.or(resume),
+            };
             tokio::select! {
                 read = self.socket.fill(), if !self.reading_paused() => {
                     match read {
@@ -153,11 +158,10 @@ impl<S: Stream> Connection<S> {
                     }
                 }
                 Some(message) = self.direct_rx.recv() => self.on_broker_message(message)?,
-                // Held acknowledgements whose answers went elsewhere, or
-                // nowhere: the answers are out, the acknowledgements go.
-                () = self.store.wait_answered(held.unwrap_or(0)), if held.is_some() => {}
-                // Reading stopped with too many answers to come: one came.
-                () = self.store.wait_answered(resume.unwrap_or(0)), if resume.is_some() => {
+                // The answers are out: held acknowledgements whose answers
+                // went elsewhere, or nowhere, go below; reading stopped at
+                // the bound goes on.
+                () = self.store.wait_answered(answers.unwrap_or(0)), if answers.is_some() => {
                     let read = self.read_packets();
                     self.flush_link().await?;
                     read?;
