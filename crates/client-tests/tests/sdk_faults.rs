@@ -325,3 +325,49 @@ async fn disconnected_after_n_requests() {
     assert_eq!(broker.faults().status().injected["disconnect"], 1);
     sdk.close().await;
 }
+
+/// A slow disk (`stall_disk`): a persisted SET is made at once but answered
+/// only once it is on disk, so past the SDK's timeout the call fails with a
+/// timeout though the change was made (every answer given after it waits
+/// too: none may show what a crash could take back). When the disk is back,
+/// persisted SETs are answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_persisted_set_on_a_stalled_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = TestBroker::builder().data_dir(dir.path()).start().await;
+    let sdk = Sdk::connect(broker.addr(), "slow-disk").await;
+    let persist = SetOptions {
+        persist: true,
+        ..SetOptions::default()
+    };
+    // The SDK subscribes to its response topic with its first request (a
+    // session change, which waits for the disk too): before the stall.
+    sdk.client.get(b"kept".to_vec(), T).await.unwrap();
+    broker.faults().stall_disk(Duration::from_secs(60)).unwrap();
+    let e = sdk
+        .client
+        .set(
+            b"kept".to_vec(),
+            b"v".to_vec(),
+            Duration::from_secs(1),
+            None,
+            persist.clone(),
+        )
+        .await
+        .unwrap_err();
+    assert!(is_timeout(&e), "{e:?}");
+    assert_eq!(
+        broker.key(b"kept").unwrap().value,
+        b"v",
+        "made, not on disk"
+    );
+    broker.faults().stall_disk(Duration::ZERO).unwrap();
+    let again = sdk
+        .client
+        .set(b"kept".to_vec(), b"w".to_vec(), T, None, persist)
+        .await
+        .unwrap();
+    assert!(again.response);
+    assert_eq!(broker.faults().status().injected["disk_stall"], 1);
+    sdk.close().await;
+}
