@@ -32,11 +32,13 @@
 //! what the documentation says (`discard_corrupt_tail`): it keeps a
 //! copy of the journal, cuts that one batch, and opens. Corruption before
 //! the tail is not a crash artifact: the broker refuses to start and says
-//! so. Every repair is logged; the broker logs what it restored.
+//! so. Every repair is logged; the broker logs what it restored. Keys that
+//! expired while the broker was down are gone, and no notification is sent
+//! for them.
+//!
 //! What waits for the disk is bounded: a connection is read only until 256
 //! of its answers wait (`connection/hold.rs`), retained messages and
-//! session changes as `connection/gate.rs` says. Keys that expired while the
-//! broker was down are gone, and no notification is sent for them.
+//! session changes as `connection/gate.rs` says.
 //!
 //! # Why fjall
 //!

@@ -144,7 +144,7 @@ impl Inner {
         if confined_to_namespace(filter) {
             return;
         }
-        if protocol::has_wildcards(filter) || filter.starts_with("$share/") {
+        if wild::is_wild(filter) {
             self.wild.insert(filter, client);
         } else {
             self.exact
@@ -161,7 +161,7 @@ impl Inner {
                 self.exact.remove(filter);
             }
         }
-        if protocol::has_wildcards(filter) || filter.starts_with("$share/") {
+        if wild::is_wild(filter) {
             self.wild.remove(filter, client);
         }
     }

@@ -15,6 +15,12 @@ use std::collections::HashMap;
 use std::str::Split;
 use std::sync::Arc;
 
+/// Whether `filter` belongs here (a wildcard or a shared subscription)
+/// rather than among the exact filters.
+pub(super) fn is_wild(filter: &str) -> bool {
+    rumqttd::protocol::has_wildcards(filter) || filter.starts_with("$share/")
+}
+
 /// `filter` without its `$share/{group}/` prefix.
 pub(super) fn bare(filter: &str) -> &str {
     filter
