@@ -70,6 +70,17 @@ mod writer;
 
 const CLOCK_MARK: &[u8] = b"clock_mark";
 
+/// How much of each keyspace fjall keeps in memory before it writes it
+/// out as a table (its memtable). fjall's default is 64 MiB per keyspace,
+/// and a memtable keeps every version written, not just the latest: 10,000
+/// keys SET 360,000 times took the broker from 32 to 78 MB resident, for
+/// data the state store already holds in memory. With 4 MiB the same run
+/// stays at 32 MB and SETs are as fast (alternating runs, 64 connections,
+/// fsync mode: 195,500 vs 200,900 in 5 s, within the runs' spread).
+/// fjall stores this with each keyspace when it is created: a data
+/// directory created by an older broker keeps 64 MiB.
+const MEMTABLE_BYTES: u64 = 4 << 20;
+
 /// A data directory that cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot open the data directory {dir}: {message}")]
@@ -180,8 +191,10 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
         other => other.map_err(|e| error(&e))?,
     };
     let keyspace = |name: &str| {
-        db.keyspace(name, KeyspaceCreateOptions::default)
-            .map_err(|e| error(&e))
+        db.keyspace(name, || {
+            KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
+        })
+        .map_err(|e| error(&e))
     };
     let (keys, meta, retained) = (keyspace("keys")?, keyspace("meta")?, keyspace("retained")?);
     let (sessions, queued) = (keyspace("sessions")?, keyspace("queued")?);
@@ -340,5 +353,40 @@ impl Persistence {
 impl Drop for Persistence {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// More than [`MEMTABLE_BYTES`] written to a keyspace is written out
+    /// as a table rather than kept in memory (with fjall's default, 64 MiB,
+    /// all of it would stay in the memtable).
+    #[test]
+    fn a_keyspace_keeps_at_most_its_memtable_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(dir.path()).unwrap();
+        assert_eq!(engine.keys.table_count(), 0);
+        let value = vec![7u8; 1024];
+        for round in 0..6u32 {
+            let mut batch = engine.db.batch();
+            for i in 0..1024u32 {
+                let key = format!("key-{round}-{i}");
+                batch.insert(&engine.keys, key.as_bytes(), value.as_slice());
+            }
+            batch.commit().unwrap();
+        }
+        // The flush runs on fjall's worker thread.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while engine.keys.table_count() == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            engine.keys.table_count() >= 1,
+            "6 MiB written, nothing flushed"
+        );
+        // Everything is still there.
+        assert_eq!(engine.keys.len().unwrap(), 6 * 1024);
     }
 }
