@@ -273,9 +273,8 @@ impl StateStoreService {
         let (mut ready, durable) = {
             let mut waiting = self.waiting.lock();
             let durable = *durable.borrow_and_update();
-            let (ready, still): (Vec<Waiting>, Vec<Waiting>) =
-                waiting.drain(..).partition(|w| w.seq <= durable);
-            *waiting = still;
+            // Only the ready entries move; the rest stay where they are.
+            let ready: Vec<Waiting> = waiting.extract_if(.., |w| w.seq <= durable).collect();
             (ready, durable)
         };
         ready.sort_by_key(|w| w.seq);
