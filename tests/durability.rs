@@ -257,10 +257,23 @@ fn persisted_set(
     value: &[u8],
     correlation: &[u8],
 ) -> common::raw::v5::Publish {
+    request_packet(c, &[&b"SET"[..], key, value], true, correlation)
+}
+
+/// A request as a PUBLISH to send without waiting for its PUBACK.
+fn request_packet(
+    c: &mut Raw,
+    args: &[&[u8]],
+    persist: bool,
+    correlation: &[u8],
+) -> common::raw::v5::Publish {
     let ts = now_hlc(&c.client_id);
-    let user = [("__ts", ts.as_str()), ("aio-persistence", "true")];
+    let mut user = vec![("__ts", ts.as_str())];
+    if persist {
+        user.push(("aio-persistence", "true"));
+    }
     let properties = c.request_properties(correlation, &user);
-    let payload = statestore::resp3::encode_request(&[&b"SET"[..], key, value]);
+    let payload = statestore::resp3::encode_request(args);
     let mut publish = common::raw::v5::Publish::new(
         common::raw::REQUEST_TOPIC,
         rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
@@ -384,4 +397,75 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64
+}
+
+/// While the disk stalls, only the answers that could show a change not on
+/// disk yet wait (`store/pending.rs`): the persisted SET of `held`, a GET
+/// of `held` and a SCAN. A GET and an in-memory SET of another key are
+/// answered at once. When the disk is back, the waiting ones are answered,
+/// the GET showing the value the SET made.
+#[tokio::test]
+async fn a_stalled_disk_holds_only_the_answers_that_could_show_its_changes() {
+    use common::raw::v5::Packet;
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_broker_with(|s| {
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.path().to_owned(),
+            mode: Mode::Fsync,
+        });
+        s.faults.enabled = true;
+    })
+    .await;
+    let mut writer = Raw::connect(broker.local_addr(), "writer").await;
+    let mut reader = Raw::connect(broker.local_addr(), "reader").await;
+    writer.ensure_response_subscription().await;
+    reader.ensure_response_subscription().await;
+    let (set_other, _) = set(&mut reader, &["SET", "other", "1"], false, None, None).await;
+    assert_eq!(set_other, b"+OK\r\n");
+    broker.faults().stall_disk(Duration::from_secs(60)).unwrap();
+
+    let held = persisted_set(&mut writer, b"held", b"new", b"w1");
+    writer.send(Packet::Publish(held)).await;
+    let store = broker.store();
+    common::eventually("the persisted SET waits", || store.answers_waiting() == 1).await;
+
+    let at_once = Duration::from_secs(5);
+    let got = tokio::time::timeout(at_once, get(&mut reader, "other"))
+        .await
+        .expect("a GET of another key is answered during the stall");
+    assert_eq!(got.0, b"$1\r\n1\r\n");
+    let in_memory = set(&mut reader, &["SET", "other", "2"], false, None, None);
+    let in_memory = tokio::time::timeout(at_once, in_memory)
+        .await
+        .expect("an in-memory SET of another key is answered during the stall");
+    assert_eq!(in_memory.0, b"+OK\r\n");
+
+    let get_held = request_packet(&mut reader, &[b"GET", b"held"], false, b"r1");
+    reader.send(Packet::Publish(get_held)).await;
+    let scan = request_packet(&mut reader, &[b"SCAN", b"*"], false, b"r2");
+    reader.send(Packet::Publish(scan)).await;
+    common::eventually("the GET and the SCAN wait too", || {
+        store.answers_waiting() == 3
+    })
+    .await;
+    reader.no_publish_within(Duration::from_millis(300)).await;
+    writer.no_publish_within(Duration::from_millis(10)).await;
+
+    broker.faults().stall_disk(Duration::ZERO).unwrap();
+    let answer = writer.next_publish().await;
+    assert_eq!(&answer.payload[..], b"+OK\r\n");
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let answer = reader.next_publish().await;
+        let correlation = answer.properties.as_ref().unwrap().correlation_data.clone();
+        answers.push((correlation.unwrap().to_vec(), answer.payload.to_vec()));
+    }
+    answers.sort();
+    assert_eq!(answers[0], (b"r1".to_vec(), b"$3\r\nnew\r\n".to_vec()));
+    assert_eq!(answers[1].0, b"r2");
+    let page = String::from_utf8_lossy(&answers[1].1);
+    assert!(page.contains("held") && page.contains("other"), "{page}");
+    assert_eq!(store.answers_waiting(), 0);
+    broker.shutdown(Duration::from_secs(2)).await;
 }

@@ -328,8 +328,8 @@ async fn disconnected_after_n_requests() {
 
 /// A slow disk (`stall_disk`): a persisted SET is made at once but answered
 /// only once it is on disk, so past the SDK's timeout the call fails with a
-/// timeout though the change was made (every answer given after it waits
-/// too: none may show what a crash could take back). When the disk is back,
+/// timeout though the change was made (every answer that could show it
+/// waits too: none may show what a crash could take back). When the disk is back,
 /// persisted SETs are answered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persisted_set_on_a_stalled_disk() {

@@ -13,8 +13,14 @@
 //! wall time that no version it hands out reaches. When the clock comes
 //! within half a lease of the mark, the store raises the mark a lease ahead
 //! ([`Write::ClockMark`]); after a restart the clock starts above the last
-//! mark. Since every response waits for the writes before it, no version
-//! above a mark is ever seen before that mark is on disk.
+//! mark. The broker holds every response until the last mark written is on
+//! disk, so no version above a mark is ever seen before that mark is.
+//!
+//! Each [`crate::Outcome`] also says what its answer can show of the store
+//! ([`Observed`]): one key, every key, or nothing. The broker holds an
+//! answer only until what it can show is durable: a GET of a key nobody
+//! changed since the last fsync is answered at once, however many
+//! persisted changes to other keys wait for the disk.
 
 use crate::glob::Pattern;
 use crate::hlc::{Hlc, Version};
@@ -28,6 +34,33 @@ pub enum Write {
     Delete(Vec<u8>),
     /// No version will reach this wall time (ms) before a new mark is written.
     ClockMark(u64),
+}
+
+/// What an answer can show of the store, and so which durable changes it
+/// must wait for (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Observed {
+    /// Nothing but the clock: PING, and requests that did not parse.
+    #[default]
+    Nothing,
+    /// One key: its value, version, fencing token or absence (GET, SET,
+    /// DEL, VDEL, KEYNOTIFY). The key is `request.payload[range]`, so that
+    /// saying so costs no copy.
+    Key(std::ops::Range<usize>),
+    /// Any key: SCAN (a page of keys) and INFO (how many there are).
+    All,
+}
+
+impl Observed {
+    /// `key`, which must lie within `payload`, as a range of it; [`Observed::All`]
+    /// if it does not (a caller that cannot say which key must wait for all).
+    pub(crate) fn key_in(payload: &[u8], key: &[u8]) -> Observed {
+        let start = (key.as_ptr() as usize).wrapping_sub(payload.as_ptr() as usize);
+        match start.checked_add(key.len()) {
+            Some(end) if end <= payload.len() => Observed::Key(start..end),
+            _ => Observed::All,
+        }
+    }
 }
 
 /// A persisted key as stored.

@@ -26,7 +26,7 @@ use crate::error::Error;
 use crate::hlc::{Hlc, Version};
 use crate::notify::Notice;
 use crate::persist::Record;
-use crate::persist::Write;
+use crate::persist::{Observed, Write};
 use crate::resp3;
 use crate::state::{Caller, Ctx, Effects, Restored, State};
 
@@ -59,6 +59,9 @@ pub struct Outcome {
     pub notices: Vec<Notice>,
     /// What must be durable before the answer and notifications go out.
     pub writes: Vec<Write>,
+    /// What the answer can show of the store, so also what it must wait for
+    /// besides its own writes (see [`crate::persist`]).
+    pub observed: Observed,
     /// The verb, if the request got that far (for logs).
     pub command: Option<&'static str>,
     /// The error answered, if any (for logs).
@@ -111,7 +114,8 @@ impl Store {
     pub fn execute(&mut self, request: &Request<'_>, caller: Caller<'_>, now_ms: u64) -> Outcome {
         self.state.expire(now_ms);
         let mut command = None;
-        let result = self.run(request, caller, now_ms, &mut command);
+        let mut observed = Observed::Nothing;
+        let result = self.run(request, caller, now_ms, &mut command, &mut observed);
         let (frame, version, error) = match result {
             Ok(answer) => (answer.frame, answer.version, None),
             Err(e) => (e.frame(), self.state.clock_now(now_ms), Some(e)),
@@ -122,6 +126,7 @@ impl Store {
             timestamp: version.format(&self.state.config().node_id),
             notices: fx.notices,
             writes: fx.writes,
+            observed,
             command,
             error,
         }
@@ -133,6 +138,7 @@ impl Store {
         caller: Caller<'_>,
         now: u64,
         name: &mut Option<&'static str>,
+        observed: &mut Observed,
     ) -> Result<crate::command::Answer, Error> {
         let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
         let skew = self.state.config().max_clock_skew_ms;
@@ -140,6 +146,11 @@ impl Store {
         let fencing_token = parse_hlc(request.fencing_token, now, skew, Error::FencingTokenSkew)?;
         let command = Command::parse(&args, request.dialect)?;
         *name = Some(command.name());
+        *observed = match command.key() {
+            Some(key) => Observed::key_in(request.payload, key),
+            None if matches!(command, Command::Ping(_)) => Observed::Nothing,
+            None => Observed::All,
+        };
         if let Some(access) = request.access {
             crate::access::check(&command, access)?;
         }
@@ -169,6 +180,7 @@ impl Store {
                 .format(&self.state.config().node_id),
             notices: Vec::new(),
             writes: Vec::new(),
+            observed: Observed::Nothing,
             command: None,
             error: None,
         }
@@ -279,5 +291,72 @@ mod tests {
         // Later on the wall clock, the reading moves on.
         let later = store.refuse("x", now + 60_000).timestamp;
         assert!(later > set_version, "{later} <= {set_version}");
+    }
+
+    /// Each answer says what it can show: the key its command names (found
+    /// in the payload, refused or not), every key for SCAN and INFO,
+    /// nothing for PING and for what did not parse.
+    #[test]
+    fn an_outcome_says_what_its_answer_can_show() {
+        let mut store = Store::new(Config::default());
+        let me = Caller {
+            client_id: "c",
+            connection: 1,
+        };
+        let now = 1_700_000_000_000;
+        let ts = format!("{now}:0:c");
+        let mut observed = |args: &[&str]| {
+            let payload = encode_request(args);
+            let request = Request {
+                payload: &payload,
+                timestamp: Some(&ts),
+                ..Request::default()
+            };
+            match store.execute(&request, me, now).observed {
+                Observed::Key(range) => Some(String::from_utf8(payload[range].to_vec()).unwrap()),
+                Observed::All => Some("*all*".to_owned()),
+                Observed::Nothing => None,
+            }
+        };
+        let key = |k: &str| Some(k.to_owned());
+        assert_eq!(observed(&["SET", "door", "open"]), key("door"));
+        assert_eq!(
+            observed(&["SET", "door", "open", "NX"]),
+            key("door"),
+            "refused"
+        );
+        assert_eq!(observed(&["GET", "door"]), key("door"));
+        assert_eq!(observed(&["get", "gate"]), key("gate"));
+        assert_eq!(observed(&["DEL", "door"]), key("door"));
+        assert_eq!(observed(&["VDEL", "door", "closed"]), key("door"));
+        assert_eq!(observed(&["KEYNOTIFY", "door"]), key("door"));
+        assert_eq!(observed(&["SCAN", "*"]), key("*all*"));
+        assert_eq!(observed(&["INFO"]), key("*all*"));
+        assert_eq!(observed(&["PING"]), None);
+        assert_eq!(observed(&["NOPE", "door"]), None);
+        assert_eq!(observed(&["GET"]), None, "wrong number of arguments");
+        let garbage = store.execute(
+            &Request {
+                payload: b"*1\r\n",
+                ..Request::default()
+            },
+            me,
+            now,
+        );
+        assert_eq!(garbage.observed, Observed::Nothing);
+    }
+
+    #[test]
+    fn a_key_outside_the_payload_counts_as_every_key() {
+        let payload = b"abcdef".to_vec();
+        assert_eq!(
+            Observed::key_in(&payload, &payload[2..4]),
+            Observed::Key(2..4)
+        );
+        assert_eq!(
+            Observed::key_in(&payload, &payload[6..]),
+            Observed::Key(6..6)
+        );
+        assert_eq!(Observed::key_in(&payload, b"cd"), Observed::All);
     }
 }

@@ -453,6 +453,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     timestamp: String::new(),
                     notices: store.expire(model.now).notices,
                     writes: vec![],
+                    observed: statestore::persist::Observed::Nothing,
                     command: None,
                     error: None,
                 };

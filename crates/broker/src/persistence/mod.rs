@@ -20,7 +20,8 @@
 //! that moment into one atomic batch, appends it to fjall's journal, fsyncs,
 //! and only then do the responses go out. No response or notification of
 //! any kind is published before the changes it could have observed are
-//! durable, so nobody sees a value that a crash could take back. In
+//! durable, so nobody sees a value that a crash could take back; answers
+//! that could not have observed them do not wait (`store/pending.rs`). In
 //! `interval` mode each batch is handed to the operating system at once
 //! (written to the journal file, not fsynced) and fsynced every
 //! `interval_ms`: a crash of the broker process loses nothing, a power loss
@@ -286,9 +287,13 @@ impl Persistence {
     }
 
     /// Queues `writes`; call in the order the store made them (under the
-    /// store's lock). Returns the batch's sequence number.
-    pub fn submit(&self, writes: Vec<Write>) -> u64 {
-        self.send(|seq| Job::Writes(seq, writes))
+    /// store's lock). `numbered` learns the batch's sequence number before
+    /// the writer can make it durable. Returns the sequence number.
+    pub fn submit(&self, writes: Vec<Write>, numbered: impl FnOnce(u64, &[Write])) -> u64 {
+        self.send(|seq| {
+            numbered(seq, &writes);
+            Job::Writes(seq, writes)
+        })
     }
 
     /// Queues writes of the MQTT side. Returns the batch's sequence number.

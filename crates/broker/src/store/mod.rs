@@ -4,10 +4,13 @@
 //!   may be served; the properties of responses and notifications.
 //! - [`service`]: the [`statestore::Store`] behind a lock, the expiry timer,
 //!   and the hand-off to persistence before anything is answered.
+//! - `pending`: which changes not on disk yet an answer could show, and so
+//!   must wait for.
 //!
 //! Persisted keys go to disk through [`crate::persistence`].
 
 pub mod binding;
+mod pending;
 pub mod service;
 
 pub use service::StateStoreService;

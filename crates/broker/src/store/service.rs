@@ -17,19 +17,22 @@
 //!
 //! With persistence, the durable changes of a request are queued to the
 //! [`Persistence`] writer while the store is still locked (so they reach the
-//! disk in the order they happened), and the answer waits until everything
-//! queued before it is durable (see [`crate::persistence`]).
+//! disk in the order they happened), and the answer waits until what it
+//! could show is durable: its own changes and everything queued before
+//! them, or the pending changes of the key it reads (see `pending.rs` and
+//! [`crate::persistence`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use statestore::persist::Write;
+use statestore::persist::{Observed, Write};
 use statestore::{Caller, Outcome, Request, Store};
 use tokio::sync::Notify;
 
 use super::binding::{self, ReplyTo};
+use super::pending::Pending;
 use crate::activity::{Activity, Event};
 use crate::clock::now_ms;
 use crate::persistence::{Loaded, Persistence};
@@ -39,6 +42,9 @@ use crate::sessions::Undelivered;
 /// The state store, served in process.
 pub struct StateStoreService {
     store: Mutex<Store>,
+    /// The changes not on disk yet, by key: what an answer waits for.
+    /// Locked only with `store` locked, so always in that order.
+    pending: Mutex<Pending>,
     publisher: Arc<Publisher>,
     /// Wakes the expiry task when an earlier expiry appears.
     expiry_changed: Notify,
@@ -52,12 +58,23 @@ pub struct StateStoreService {
     clock_offset_ms: AtomicI64,
     /// Answers and notifications waiting for the disk, with the batch each
     /// waits for; the durable task publishes them as the disk catches up.
-    waiting: Mutex<Vec<Waiting>>,
+    waiting: Mutex<Waiters>,
     /// The durable position whose answers the durable task has published.
     /// Set on the runtime, so the connections waiting on it are woken
     /// without a trip through the operating system (the writer thread's
     /// own position would wake each from outside).
     published: tokio::sync::watch::Sender<u64>,
+}
+
+/// What waits for the disk.
+#[derive(Default)]
+struct Waiters {
+    list: Vec<Waiting>,
+    /// The durable position up to which the durable task has taken what
+    /// waited: an answer waiting for no more than this goes out at once,
+    /// anything else after what waits (so that, for one key, answers and
+    /// notifications go out in the order they were made).
+    released: u64,
 }
 
 /// An answer (or notifications only) waiting for batch `seq` to be durable.
@@ -105,20 +122,22 @@ impl StateStoreService {
                     "restored persisted keys"
                 );
                 if !restored.expired.is_empty() {
-                    persistence.submit(restored.expired.into_iter().map(Write::Delete).collect());
+                    let deletes = restored.expired.into_iter().map(Write::Delete).collect();
+                    persistence.submit(deletes, |_, _| {});
                 }
                 (store, Some(persistence))
             }
         };
         let service = Arc::new(StateStoreService {
             store: Mutex::new(store),
+            pending: Mutex::new(Pending::default()),
             publisher,
             expiry_changed: Notify::new(),
             expiry_armed: AtomicU64::new(u64::MAX),
             persistence,
             activity,
             clock_offset_ms: AtomicI64::new(0),
-            waiting: Mutex::new(Vec::new()),
+            waiting: Mutex::new(Waiters::default()),
             published: tokio::sync::watch::Sender::new(0),
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
@@ -147,7 +166,7 @@ impl StateStoreService {
 
     /// Answers (and notifications) waiting for the disk now.
     pub fn answers_waiting(&self) -> usize {
-        self.waiting.lock().len()
+        self.waiting.lock().list.len()
     }
 
     /// Writes nothing to disk for `period` (zero: ends a stall): the
@@ -202,7 +221,8 @@ impl StateStoreService {
             let mut store = self.store.lock();
             let mut outcome = store.execute(request, caller, self.now());
             self.rearm_expiry(store.next_expiry());
-            let wait = self.persist(std::mem::take(&mut outcome.writes));
+            let writes = std::mem::take(&mut outcome.writes);
+            let wait = self.persist(writes, &outcome.observed, request.payload);
             (outcome, wait)
         };
         if let Some(error) = outcome.error {
@@ -229,15 +249,22 @@ impl StateStoreService {
     }
 
     /// Queues durable writes (call with the store locked); returns the batch
-    /// an answer given now must wait for.
-    fn persist(&self, writes: Vec<Write>) -> u64 {
+    /// an answer given now must wait for: the writes' own, or, with none,
+    /// that of the changes not on disk yet that it could show (`observed`,
+    /// in the request's `payload`; see `pending.rs`).
+    fn persist(&self, writes: Vec<Write>, observed: &Observed, payload: &[u8]) -> u64 {
         let Some(persistence) = &self.persistence else {
             return 0;
         };
-        if !writes.is_empty() {
-            persistence.submit(writes);
+        let mut pending = self.pending.lock();
+        if writes.is_empty() {
+            // Forget only what was published: a later answer about a key
+            // must not overtake an earlier one still in the waiting list.
+            let published = *self.published.borrow();
+            pending.wait_for(observed, payload, persistence.submitted(), published)
+        } else {
+            persistence.submit(writes, |seq, writes| pending.wrote(seq, writes))
         }
-        persistence.submitted()
     }
 
     /// Publishes now if batch `wait` is durable, or leaves it to the
@@ -250,12 +277,12 @@ impl StateStoreService {
         outcome: Outcome,
         wait: u64,
     ) -> u64 {
-        if let Some(persistence) = &self.persistence {
+        if self.persistence.is_some() {
             // Checked under the lock the durable task drains under: either
-            // the task sees this entry, or this sees the disk caught up.
+            // the task sees this entry, or it has taken all this waits for.
             let mut waiting = self.waiting.lock();
-            if !persistence.is_durable(wait) {
-                waiting.push(Waiting {
+            if wait > waiting.released {
+                waiting.list.push(Waiting {
                     seq: wait,
                     reply,
                     outcome,
@@ -274,7 +301,8 @@ impl StateStoreService {
             let mut waiting = self.waiting.lock();
             let durable = *durable.borrow_and_update();
             // Only the ready entries move; the rest stay where they are.
-            let ready: Vec<Waiting> = waiting.extract_if(.., |w| w.seq <= durable).collect();
+            let ready: Vec<Waiting> = waiting.list.extract_if(.., |w| w.seq <= durable).collect();
+            waiting.released = durable;
             (ready, durable)
         };
         ready.sort_by_key(|w| w.seq);
@@ -396,7 +424,7 @@ impl StateStoreService {
                 return false;
             };
             crate::metrics::expired(1);
-            let wait = self.persist(std::mem::take(&mut fx.writes));
+            let wait = self.persist(std::mem::take(&mut fx.writes), &Observed::All, &[]);
             (fx, wait)
         };
         self.publish_when_durable(None, notices_only(fx.notices), wait);
@@ -422,7 +450,7 @@ impl StateStoreService {
             let before = store.len();
             let mut fx = store.expire(self.now());
             crate::metrics::expired(before.saturating_sub(store.len()));
-            let wait = self.persist(std::mem::take(&mut fx.writes));
+            let wait = self.persist(std::mem::take(&mut fx.writes), &Observed::Nothing, &[]);
             (fx, store.next_expiry(), wait)
         };
         if !fx.notices.is_empty() {
@@ -439,6 +467,7 @@ fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
         timestamp: String::new(),
         notices,
         writes: Vec::new(),
+        observed: Observed::Nothing,
         command: None,
         error: None,
     }

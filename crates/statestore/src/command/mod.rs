@@ -149,6 +149,18 @@ impl<'a> Command<'a> {
         }
     }
 
+    /// The key the command names; `None` for SCAN, PING and INFO.
+    pub fn key(&self) -> Option<&'a [u8]> {
+        match self {
+            Command::Set(c) => Some(c.key),
+            Command::Get(c) => Some(c.key),
+            Command::Del(c) => Some(c.key),
+            Command::VDel(c) => Some(c.key),
+            Command::KeyNotify(c) => Some(c.key),
+            Command::Scan(_) | Command::Ping(_) | Command::Info(_) => None,
+        }
+    }
+
     pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         match self {
             Command::Set(cmd) => cmd.apply(state, ctx),
