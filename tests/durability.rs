@@ -23,6 +23,18 @@ async fn start(dir: &Path, keys: &[&str]) -> RunningBroker {
     .await
 }
 
+/// A broker in fsync mode whose faults (`stall_disk`) tests may inject.
+async fn start_with_faults(dir: &Path) -> RunningBroker {
+    start_broker_with(|s| {
+        s.persistence = Some(PersistenceSettings {
+            data_dir: dir.to_owned(),
+            mode: Mode::Fsync,
+        });
+        s.faults.enabled = true;
+    })
+    .await
+}
+
 async fn restart(broker: RunningBroker, dir: &Path, keys: &[&str]) -> RunningBroker {
     broker.shutdown(Duration::from_secs(2)).await;
     start(dir, keys).await
@@ -350,14 +362,7 @@ async fn a_stalled_disk_stops_reading_at_a_bound() {
     use common::raw::v5::Packet;
 
     let dir = tempfile::tempdir().unwrap();
-    let broker = start_broker_with(|s| {
-        s.persistence = Some(PersistenceSettings {
-            data_dir: dir.path().to_owned(),
-            mode: Mode::Fsync,
-        });
-        s.faults.enabled = true;
-    })
-    .await;
+    let broker = start_with_faults(dir.path()).await;
     let faults = broker.faults();
     faults.stall_disk(Duration::from_secs(60)).unwrap();
     let mut c = Raw::connect(broker.local_addr(), "flood").await;
@@ -409,14 +414,7 @@ async fn a_stalled_disk_holds_only_the_answers_that_could_show_its_changes() {
     use common::raw::v5::Packet;
 
     let dir = tempfile::tempdir().unwrap();
-    let broker = start_broker_with(|s| {
-        s.persistence = Some(PersistenceSettings {
-            data_dir: dir.path().to_owned(),
-            mode: Mode::Fsync,
-        });
-        s.faults.enabled = true;
-    })
-    .await;
+    let broker = start_with_faults(dir.path()).await;
     let mut writer = Raw::connect(broker.local_addr(), "writer").await;
     let mut reader = Raw::connect(broker.local_addr(), "reader").await;
     writer.ensure_response_subscription().await;
