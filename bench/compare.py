@@ -13,14 +13,16 @@ Runs, on this machine:
     (5) redis-benchmark GET and SET (no pipelining)
   persisted writes at 64 connections: statebroker SETs in memory and
     persisted (`fsync` mode), Redis SETs without and with `appendonly yes`
-    + `appendfsync always`
+    + `appendfsync always`; statebroker with 10% SETs and 90% GETs, the
+    SETs in memory and persisted
   publish/subscribe (`statebroker-bench pubsub`) on statebroker, mosquitto
     and rumqttd, QoS 0 and 1: 64 pairs, fan-in (64 -> 1), fan-out (1 -> 64)
   connections: bytes per stored key after 1,000,000 SETs (statebroker and
     Redis), 100,000 idle MQTT connections (as many as the open-file limit
     allows), 10,000 clients connecting at once, 1,024 busy connections
 Writes comparison.{md,json} and the charts comparison.png (request/response)
-and pubsub.png to --out (default bench/results, which the README shows).
+and pubsub.png to --out (default bench/results, which the README shows);
+compare_report.py makes them.
 
 It installs what it needs (mosquitto, redis via apt; rumqttd via cargo
 install; matplotlib via pip) and builds statebroker in release mode.
@@ -37,7 +39,6 @@ turns placement off.
 """
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -49,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from compare_report import MIX_IN_MEMORY, PUBSUB_PATTERNS, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")  # --out changes it
@@ -298,12 +301,15 @@ def connect_storm(count=10_000):
 
 def persisted_writes(tmp, duration, warmup, connections=64):
     """SETs at `connections` connections: in memory against kept on disk,
-    for statebroker (fsync mode) and Redis (appendfsync always)."""
+    for statebroker (fsync mode) and Redis (appendfsync always); and
+    statebroker with 10% SETs, 90% GETs, the SETs in memory or persisted."""
     rows = {}
-    for name, persist in (("statebroker SET, in memory", False), ("statebroker SET, persisted (fsync)", True)):
+    for name, extra in (("statebroker SET, in memory", ["--set-ratio", "1"]),
+                        ("statebroker SET, persisted (fsync)", ["--set-ratio", "1", "--persist"]),
+                        (MIX_IN_MEMORY, ["--set-ratio", "0.1"]),
+                        ("statebroker 10% SETs persisted (fsync), 90% GETs", ["--set-ratio", "0.1", "--persist"])):
         sb = statebroker(data_dir=tempfile.mkdtemp(dir=tmp))
         try:
-            extra = ["--set-ratio", "1"] + (["--persist"] if persist else [])
             rows[name] = bench(sb.port, connections, duration, warmup, extra=extra)
         finally:
             sb.stop()
@@ -315,11 +321,8 @@ def persisted_writes(tmp, duration, warmup, connections=64):
         finally:
             r.stop()
     for name, r in rows.items():
-        log(f"{name:40} {r['requests_per_sec']:>10,.0f} SET/s  p50 {r['p50_us']:>8,.0f} µs  p99 {r['p99_us']:>8,.0f} µs")
+        log(f"{name:40} {r['requests_per_sec']:>10,.0f} req/s  p50 {r['p50_us']:>8,.0f} µs  p99 {r['p99_us']:>8,.0f} µs")
     return {"connections": connections, "rows": rows}
-
-
-PUBSUB_PATTERNS = (("pairs", "64 pairs"), ("fan-in", "fan-in 64 → 1"), ("fan-out", "fan-out 1 → 64"))
 
 
 def pubsub(port, pattern, qos, duration, warmup):
@@ -350,168 +353,6 @@ def pubsub_all(rumqttd_bin, tmp, duration, warmup):
                     log(f"pubsub {system:12} {pattern:8} QoS {qos}: {r['messages_per_sec']:>10,.0f} msg/s"
                         f"  p50 {r['p50_us']:>8,} µs  p99 {r['p99_us']:>8,} µs  lost {r['lost']}  dup {r['duplicated']}")
     return results
-
-
-# ------------------------------------------------------------------ report
-
-def persisted_table(p):
-    if not p:
-        return []
-    rows = p["rows"]
-    md = ["", f"Persisted writes, {p['connections']} connections, one SET in flight each:", "",
-          "| system | SETs/s | p50 µs | p99 µs | vs its in-memory SETs |", "|---|---|---|---|---|"]
-    base = {"statebroker": rows.get("statebroker SET, in memory"), "redis": rows.get("redis SET, no persistence")}
-    for name, r in rows.items():
-        b = base[name.split()[0]]
-        ratio = f"{r['requests_per_sec'] / b['requests_per_sec']:.2f}×" if b else "—"
-        md.append(f"| {name} | {r['requests_per_sec']:,.0f} | {r['p50_us']:,.0f} | {r['p99_us']:,.0f} | {ratio} |")
-    return md
-
-
-def pubsub_table(results):
-    if not results:
-        return []
-    by = {(r["system"], r["pattern_name"], r["qos"]): r for r in results}
-    systems = ["statebroker", "mosquitto", "rumqttd"]
-    md = ["", "Publish/subscribe (`statebroker-bench pubsub`, 64-byte payloads, each publisher keeps 32 messages "
-              "per subscriber on their way): messages delivered/s (p50 / p99 end-to-end µs), lost and duplicated "
-              "deliveries counted exactly:", "",
-          "| workload | QoS | " + " | ".join(systems) + " | statebroker / mosquitto |",
-          "|---|---|" + "---|" * (len(systems) + 1)]
-    for qos in (0, 1):
-        for pattern, label in PUBSUB_PATTERNS:
-            cells = []
-            for system in systems:
-                r = by.get((system, pattern, qos))
-                if r is None:
-                    cells.append("failed")
-                    continue
-                cell = f"{r['messages_per_sec']:,.0f} ({r['p50_us']:,} / {r['p99_us']:,})"
-                if r["lost"] or r["duplicated"]:
-                    cell += f", lost {r['lost']:,}, dup {r['duplicated']:,}"
-                else:
-                    cell += ", 0 lost"
-                cells.append(cell)
-            a, b = by.get(("statebroker", pattern, qos)), by.get(("mosquitto", pattern, qos))
-            ratio = f"{a['messages_per_sec'] / b['messages_per_sec']:.2f}×" if a and b else "—"
-            md.append(f"| {label} | {qos} | " + " | ".join(cells) + f" | {ratio} |")
-    return md
-
-
-def connections_list(extras):
-    md = []
-    if "memory" in extras:
-        m = extras["memory"]
-        md.append(f"- Resident memory per stored key after 1,000,000 SETs (16-byte keys, 32-byte values): "
-                  f"statebroker {m['statebroker']:.0f} bytes, Redis {m['redis']:.0f} bytes.")
-    if "idle" in extras:
-        i = extras["idle"]
-        line = (f"- {i['connections']:,} idle MQTT connections: statebroker resident {i['rss_mb']:.0f} MB "
-                f"({i['rss_before_mb']:.0f} MB before they connected; {i['bytes_per_connection']:,.0f} bytes each")
-        if i["connections"] < 100_000:
-            line += (f"; 100,000 would take about {i['rss_before_mb'] + i['bytes_per_connection'] * 1e5 / 2**20:,.0f} MB, "
-                     f"not measured: this machine's open-file limit is {i['nofile']:,}")
-        md.append(line + ").")
-    if "storm" in extras:
-        st = extras["storm"]
-        md.append(f"- {st['clients']:,} clients starting their handshakes at once: all connected in {st['seconds']:.1f} s.")
-    if (r := extras.get("c1024")):
-        md.append(f"- 1,024 busy connections (one request in flight each): {r['requests_per_sec']:,.0f} requests/s, "
-                  f"{r['lost']} lost, {r['errors']} errors, p50 {r['p50_us']:,.0f} µs, p99 {r['p99_us']:,.0f} µs "
-                  f"(the mean cannot be below 1,024 / throughput = {1024e6 / max(r['requests_per_sec'], 1):,.0f} µs).")
-    return [""] + md if md else []
-
-
-def pubsub_chart(results, now, machine, plt):
-    if not results:
-        return
-    systems = ["statebroker", "mosquitto", "rumqttd"]
-    groups = [(p, q) for q in (0, 1) for p, _ in PUBSUB_PATTERNS]
-    labels = {p: l for p, l in PUBSUB_PATTERNS}
-    by = {(r["system"], r["pattern_name"], r["qos"]): r["messages_per_sec"] for r in results}
-    fig, ax = plt.subplots(figsize=(9, 5))
-    width = 0.8 / len(systems)
-    for k, system in enumerate(systems):
-        xs = [g + (k - 1) * width for g in range(len(groups))]
-        ax.bar(xs, [by.get((system, p, q), 0) for p, q in groups], width, label=system)
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{labels[p]}\nQoS {q}" for p, q in groups], fontsize=8)
-    ax.set_ylabel("messages delivered / s")
-    ax.set_title(f"Publish/subscribe, {now}, {machine}")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "pubsub.png"), dpi=110)
-
-
-def report(rows, extras, conns, machine, pinning):
-    now = datetime.date.today().isoformat()
-    by = {(r["system"], r["connections"]): r for r in rows}
-    systems = ["statebroker (in-process store)", "statebroker + external responder",
-               "mosquitto + external responder", "rumqttd + external responder", "redis GET", "redis SET"]
-    md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine, "
-          f"{pinning}.", ""]
-    if rows:
-        md += request_response_tables(by, systems, conns)
-    return finish_report(md, rows, extras, conns, machine, pinning, now, by, systems)
-
-
-def request_response_tables(by, systems, conns):
-    md = ["| system | " + " | ".join(f"C={c} req/s (p50 / p99 µs)" for c in conns) + " |",
-          "|---|" + "---|" * len(conns)]
-    for s in systems:
-        cells = []
-        for c in conns:
-            r = by.get((s, c))
-            cells.append("—" if r is None else
-                         f"{r['requests_per_sec']:,.0f} ({r['p50_us']:,.0f} / {r['p99_us']:,.0f})"
-                         + (f", lost {r['lost']}" if r.get("lost") else ""))
-        md.append(f"| {s} | " + " | ".join(cells) + " |")
-    md += ["", "Ratios of (1), statebroker's in-process store, to each other row:", "",
-           "| vs | " + " | ".join(f"C={c}" for c in conns) + " |", "|---|" + "---|" * len(conns)]
-    for s in systems[1:]:
-        cells = []
-        for c in conns:
-            a, b = by.get((systems[0], c)), by.get((s, c))
-            cells.append("—" if not a or not b else f"{a['requests_per_sec'] / b['requests_per_sec']:.2f}×")
-        md.append(f"| {s} | " + " | ".join(cells) + " |")
-    return md
-
-
-def finish_report(md, rows, extras, conns, machine, pinning, now, by, systems):
-    md += persisted_table(extras.get("persisted"))
-    md += pubsub_table(extras.get("pubsub"))
-    md += connections_list(extras)
-    text = "\n".join(md) + "\n"
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "comparison.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(RESULTS, "comparison.json"), "w") as f:
-        json.dump({"date": now, "machine": machine, "placement": pinning, "rows": rows, "extras": extras}, f, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for s in systems:
-            pts = [(c, by[(s, c)]["requests_per_sec"]) for c in conns if (s, c) in by]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(conns)
-        ax.set_xticklabels([str(c) for c in conns])
-        ax.set_xlabel("concurrent connections (one request in flight each)")
-        ax.set_ylabel("requests / s")
-        ax.set_title(f"State store request/response, {now}, {machine}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        if rows:
-            fig.savefig(os.path.join(RESULTS, "comparison.png"), dpi=110)
-        pubsub_chart(extras.get("pubsub"), now, machine, plt)
-    except Exception as e:  # the table matters more than the chart
-        log("no chart:", e)
-    print(text)
 
 
 SECTIONS = ("reqresp", "persist", "pubsub", "connections")
@@ -592,7 +433,7 @@ def main():
             extras["c1024"] = bench(sb.port, 1024, args.duration, args.warmup)
         finally:
             sb.stop()
-    report(rows, extras, conns, machine, pinning)
+    report(rows, extras, conns, machine, pinning, RESULTS)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
