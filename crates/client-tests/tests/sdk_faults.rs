@@ -329,7 +329,8 @@ async fn disconnected_after_n_requests() {
 /// A slow disk (`stall_disk`): a persisted SET is made at once but answered
 /// only once it is on disk, so past the SDK's timeout the call fails with a
 /// timeout though the change was made (every answer that could show it
-/// waits too: none may show what a crash could take back). When the disk is back,
+/// waits too: none may show what a crash could take back; a GET of another
+/// key is answered). When the disk is back,
 /// persisted SETs are answered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persisted_set_on_a_stalled_disk() {
@@ -342,7 +343,13 @@ async fn a_persisted_set_on_a_stalled_disk() {
     };
     // The SDK subscribes to its response topic with its first request (a
     // session change, which waits for the disk too): before the stall.
-    sdk.client.get(b"kept".to_vec(), T).await.unwrap();
+    // A SET, which also puts the store's first clock mark on disk (else
+    // every answer would wait for the first mark, see `store/pending.rs`).
+    let other = SetOptions::default();
+    sdk.client
+        .set(b"other".to_vec(), b"o".to_vec(), T, None, other)
+        .await
+        .unwrap();
     broker.faults().stall_disk(Duration::from_secs(60)).unwrap();
     let e = sdk
         .client
@@ -361,6 +368,9 @@ async fn a_persisted_set_on_a_stalled_disk() {
         b"v",
         "made, not on disk"
     );
+    // What cannot show the change is answered meanwhile.
+    let other = sdk.client.get(b"other".to_vec(), T).await.unwrap();
+    assert_eq!(other.response, Some(b"o".to_vec()));
     broker.faults().stall_disk(Duration::ZERO).unwrap();
     let again = sdk
         .client

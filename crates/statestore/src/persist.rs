@@ -13,8 +13,9 @@
 //! wall time that no version it hands out reaches. When the clock comes
 //! within half a lease of the mark, the store raises the mark a lease ahead
 //! ([`Write::ClockMark`]); after a restart the clock starts above the last
-//! mark. The broker holds every response until the last mark written is on
-//! disk, so no version above a mark is ever seen before that mark is.
+//! mark. While the store has handed out a version at or above the last mark
+//! on disk, the broker holds every response until the next mark is on disk
+//! too, so no version above a mark is ever seen before that mark is.
 //!
 //! Each [`crate::Outcome`] also says what its answer can show of the store
 //! ([`Observed`]): one key, every key, or nothing. The broker holds an

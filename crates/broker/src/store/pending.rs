@@ -11,9 +11,13 @@
 //!   submitted before, so it covers the rest too);
 //! - else the newest batch changing the key it shows, for GET, SET, DEL,
 //!   VDEL and KEYNOTIFY; everything submitted so far for SCAN and INFO;
-//! - and always the newest clock mark (see [`statestore::persist`]): any
-//!   answer carries a version or a clock reading, and none may be above a
-//!   mark that is not on disk.
+//! - and the newest clock mark (see [`statestore::persist`]) while the
+//!   store has handed out a version at or above the last mark on disk: an
+//!   answer may show that version, and none may be seen above a mark that
+//!   is not on disk. (Marks are raised half a lease early, so normally
+//!   every version is below the mark on disk and nobody waits for the
+//!   next; after a fresh start, or a client's timestamp ahead of the
+//!   clock, everything waits for one mark.)
 //!
 //! So a GET of a key nobody changed since the last fsync, or a SET of a key
 //! that is not persisted, is answered at once while persisted SETs of other
@@ -39,12 +43,22 @@ pub(super) struct Pending {
     /// (batch, hash of a key) in the order submitted, to forget what the
     /// disk has.
     order: VecDeque<(u64, u64)>,
-    /// The newest batch with a clock mark.
-    mark: u64,
+    /// Clock marks not known to be durable: (batch, mark), in order.
+    marks: VecDeque<(u64, u64)>,
+    /// The last clock mark on disk (ms): versions below it need no wait.
+    durable_mark: u64,
     hasher: RandomState,
 }
 
 impl Pending {
+    /// Nothing pending; `durable_mark`: the clock mark on disk at start.
+    pub fn new(durable_mark: u64) -> Pending {
+        Pending {
+            durable_mark,
+            ..Pending::default()
+        }
+    }
+
     /// Notes that batch `seq` holds `writes` (batches are numbered in the
     /// order submitted).
     pub fn wrote(&mut self, seq: u64, writes: &[Write]) {
@@ -52,8 +66,8 @@ impl Pending {
             let key = match write {
                 Write::Put(record) => &record.key,
                 Write::Delete(key) => key,
-                Write::ClockMark(_) => {
-                    self.mark = seq;
+                Write::ClockMark(mark) => {
+                    self.marks.push_back((seq, *mark));
                     continue;
                 }
             };
@@ -64,15 +78,17 @@ impl Pending {
     }
 
     /// The batch an answer that made no writes must wait for, given what
-    /// it shows of the request `payload`, the last batch `submitted` and
-    /// the `published` position (everything up to it is on disk and its
-    /// answers are out: forgotten here).
+    /// it shows of the request `payload`, the last batch `submitted`, the
+    /// `published` position (everything up to it is on disk and its
+    /// answers are out: forgotten here) and the wall time (ms) of the
+    /// highest version the store has handed out.
     pub fn wait_for(
         &mut self,
         observed: &Observed,
         payload: &[u8],
         submitted: u64,
         published: u64,
+        last_version_ms: u64,
     ) -> u64 {
         self.forget(published);
         let shown = match observed {
@@ -87,11 +103,22 @@ impl Pending {
                 None => submitted,
             },
         };
-        shown.max(self.mark)
+        let mark = match self.marks.back() {
+            Some(&(seq, _)) if last_version_ms >= self.durable_mark => seq,
+            _ => 0,
+        };
+        shown.max(mark)
     }
 
     /// Drops every batch up to `published`.
     fn forget(&mut self, published: u64) {
+        while let Some(&(seq, mark)) = self.marks.front() {
+            if seq > published {
+                break;
+            }
+            self.marks.pop_front();
+            self.durable_mark = mark;
+        }
         while let Some(&(seq, hash)) = self.order.front() {
             if seq > published {
                 break;
@@ -144,7 +171,7 @@ mod tests {
         p.wrote(3, &[put("a"), Write::Delete(b"c".to_vec())]);
         let wait = |p: &mut Pending, key: &str, durable: u64| {
             let (payload, observed) = get(key);
-            p.wait_for(&observed, &payload, 3, durable)
+            p.wait_for(&observed, &payload, 3, durable, 0)
         };
         assert_eq!(wait(&mut p, "a", 0), 3);
         assert_eq!(wait(&mut p, "b", 0), 2);
@@ -163,20 +190,29 @@ mod tests {
     fn scan_and_info_wait_for_everything_and_ping_for_nothing() {
         let mut p = Pending::default();
         p.wrote(4, &[put("a")]);
-        assert_eq!(p.wait_for(&Observed::All, b"", 9, 0), 9);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 9, 0), 0);
+        assert_eq!(p.wait_for(&Observed::All, b"", 9, 0, 0), 9);
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 9, 0, 0), 0);
         // A key that is not where the store said: as if it showed all.
-        assert_eq!(p.wait_for(&Observed::Key(5..50), b"short", 9, 0), 9);
+        assert_eq!(p.wait_for(&Observed::Key(5..50), b"short", 9, 0, 0), 9);
     }
 
     #[test]
-    fn every_answer_waits_for_the_newest_clock_mark() {
-        let mut p = Pending::default();
-        p.wrote(5, &[put("a"), Write::ClockMark(1_000)]);
+    fn a_version_at_or_above_the_mark_on_disk_waits_for_the_next_mark() {
+        // The mark on disk is 1,000 ms; batch 5 raises it to 2,000.
+        let mut p = Pending::new(1_000);
+        p.wrote(5, &[put("a"), Write::ClockMark(2_000)]);
         let (payload, observed) = get("other");
-        assert_eq!(p.wait_for(&observed, &payload, 7, 0), 5);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 0), 5);
-        // Once durable, waiting for it is no wait at all.
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 5), 5);
+        // Every version handed out is below 1,000: nothing to wait for.
+        assert_eq!(p.wait_for(&observed, &payload, 7, 0, 999), 0);
+        // One at 1,000 or above may be shown: wait for the new mark.
+        assert_eq!(p.wait_for(&observed, &payload, 7, 0, 1_000), 5);
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 0, 1_500), 5);
+        // Once batch 5 is published, 2,000 is the mark on disk.
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 5, 1_500), 0);
+        assert_eq!(p.durable_mark, 2_000);
+        // A fresh start has no mark on disk: the first one is waited for.
+        let mut fresh = Pending::new(0);
+        fresh.wrote(1, &[Write::ClockMark(11_000)]);
+        assert_eq!(fresh.wait_for(&Observed::Nothing, b"", 1, 0, 1_000), 1);
     }
 }

@@ -107,8 +107,8 @@ impl StateStoreService {
         publisher: Arc<Publisher>,
         activity: Arc<Activity>,
     ) -> Arc<StateStoreService> {
-        let (store, persistence) = match persistence {
-            None => (Store::new(config), None),
+        let (store, persistence, mark) = match persistence {
+            None => (Store::new(config), None, 0),
             Some((persistence, loaded)) => {
                 let started = std::time::Instant::now();
                 let (store, restored) =
@@ -125,12 +125,12 @@ impl StateStoreService {
                     let deletes = restored.expired.into_iter().map(Write::Delete).collect();
                     persistence.submit(deletes, |_, _| {});
                 }
-                (store, Some(persistence))
+                (store, Some(persistence), loaded.clock_mark.unwrap_or(0))
             }
         };
         let service = Arc::new(StateStoreService {
             store: Mutex::new(store),
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(Pending::new(mark)),
             publisher,
             expiry_changed: Notify::new(),
             expiry_armed: AtomicU64::new(u64::MAX),
@@ -222,7 +222,7 @@ impl StateStoreService {
             let mut outcome = store.execute(request, caller, self.now());
             self.rearm_expiry(store.next_expiry());
             let writes = std::mem::take(&mut outcome.writes);
-            let wait = self.persist(writes, &outcome.observed, request.payload);
+            let wait = self.persist(&store, writes, &outcome.observed, request.payload);
             (outcome, wait)
         };
         if let Some(error) = outcome.error {
@@ -252,7 +252,13 @@ impl StateStoreService {
     /// an answer given now must wait for: the writes' own, or, with none,
     /// that of the changes not on disk yet that it could show (`observed`,
     /// in the request's `payload`; see `pending.rs`).
-    fn persist(&self, writes: Vec<Write>, observed: &Observed, payload: &[u8]) -> u64 {
+    fn persist(
+        &self,
+        store: &Store,
+        writes: Vec<Write>,
+        observed: &Observed,
+        payload: &[u8],
+    ) -> u64 {
         let Some(persistence) = &self.persistence else {
             return 0;
         };
@@ -261,7 +267,14 @@ impl StateStoreService {
             // Forget only what was published: a later answer about a key
             // must not overtake an earlier one still in the waiting list.
             let published = *self.published.borrow();
-            pending.wait_for(observed, payload, persistence.submitted(), published)
+            let last_ms = store.last_version().wall_ms;
+            pending.wait_for(
+                observed,
+                payload,
+                persistence.submitted(),
+                published,
+                last_ms,
+            )
         } else {
             persistence.submit(writes, |seq, writes| pending.wrote(seq, writes))
         }
@@ -424,7 +437,7 @@ impl StateStoreService {
                 return false;
             };
             crate::metrics::expired(1);
-            let wait = self.persist(std::mem::take(&mut fx.writes), &Observed::All, &[]);
+            let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
             (fx, wait)
         };
         self.publish_when_durable(None, notices_only(fx.notices), wait);
@@ -450,7 +463,7 @@ impl StateStoreService {
             let before = store.len();
             let mut fx = store.expire(self.now());
             crate::metrics::expired(before.saturating_sub(store.len()));
-            let wait = self.persist(std::mem::take(&mut fx.writes), &Observed::Nothing, &[]);
+            let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
             (fx, store.next_expiry(), wait)
         };
         if !fx.notices.is_empty() {
