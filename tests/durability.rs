@@ -393,6 +393,15 @@ async fn a_stalled_disk_stops_reading_at_a_bound() {
         assert_eq!(&answer.payload[..], b"+OK\r\n", "answer {i}");
     }
     assert_eq!(store.answers_waiting(), 0);
+    // What the service tracks of changes not on disk is forgotten as
+    // they are published: the next request finds about one batch's worth.
+    let (ok, _) = set(&mut c, &["SET", "after", "v"], true, None, None).await;
+    assert_eq!(ok, b"+OK\r\n");
+    assert!(
+        store.changes_tracked() <= 2,
+        "{} tracked",
+        store.changes_tracked()
+    );
     assert_eq!(faults.status().injected.get("disk_stall"), Some(&1));
     broker.shutdown(Duration::from_secs(2)).await;
 }

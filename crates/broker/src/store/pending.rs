@@ -78,19 +78,16 @@ impl Pending {
     }
 
     /// The batch an answer that made no writes must wait for, given what
-    /// it shows of the request `payload`, the last batch `submitted`, the
-    /// `published` position (everything up to it is on disk and its
-    /// answers are out: forgotten here) and the wall time (ms) of the
-    /// highest version the store has handed out.
+    /// it shows of the request `payload`, the last batch `submitted` and
+    /// the wall time (ms) of the highest version the store has handed out.
+    /// Call [`Pending::forget`] first.
     pub fn wait_for(
         &mut self,
         observed: &Observed,
         payload: &[u8],
         submitted: u64,
-        published: u64,
         last_version_ms: u64,
     ) -> u64 {
-        self.forget(published);
         let shown = match observed {
             Observed::Nothing => 0,
             Observed::All => submitted,
@@ -110,8 +107,10 @@ impl Pending {
         shown.max(mark)
     }
 
-    /// Drops every batch up to `published`.
-    fn forget(&mut self, published: u64) {
+    /// Drops every batch up to `published` (on disk, and its answers
+    /// out). Called before each request's writes are noted or its wait is
+    /// asked, so what is kept never outgrows what waits for the disk.
+    pub fn forget(&mut self, published: u64) {
         while let Some(&(seq, mark)) = self.marks.front() {
             if seq > published {
                 break;
@@ -134,6 +133,11 @@ impl Pending {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.by_key.len()
+    }
+
+    /// Entries kept, keys and marks.
+    pub fn entries(&self) -> usize {
+        self.order.len() + self.marks.len()
     }
 }
 
@@ -169,9 +173,10 @@ mod tests {
         p.wrote(1, &[put("a")]);
         p.wrote(2, &[put("b")]);
         p.wrote(3, &[put("a"), Write::Delete(b"c".to_vec())]);
-        let wait = |p: &mut Pending, key: &str, durable: u64| {
+        let wait = |p: &mut Pending, key: &str, published: u64| {
             let (payload, observed) = get(key);
-            p.wait_for(&observed, &payload, 3, durable, 0)
+            p.forget(published);
+            p.wait_for(&observed, &payload, 3, 0)
         };
         assert_eq!(wait(&mut p, "a", 0), 3);
         assert_eq!(wait(&mut p, "b", 0), 2);
@@ -190,10 +195,10 @@ mod tests {
     fn scan_and_info_wait_for_everything_and_ping_for_nothing() {
         let mut p = Pending::default();
         p.wrote(4, &[put("a")]);
-        assert_eq!(p.wait_for(&Observed::All, b"", 9, 0, 0), 9);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 9, 0, 0), 0);
+        assert_eq!(p.wait_for(&Observed::All, b"", 9, 0), 9);
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 9, 0), 0);
         // A key that is not where the store said: as if it showed all.
-        assert_eq!(p.wait_for(&Observed::Key(5..50), b"short", 9, 0, 0), 9);
+        assert_eq!(p.wait_for(&Observed::Key(5..50), b"short", 9, 0), 9);
     }
 
     #[test]
@@ -203,16 +208,34 @@ mod tests {
         p.wrote(5, &[put("a"), Write::ClockMark(2_000)]);
         let (payload, observed) = get("other");
         // Every version handed out is below 1,000: nothing to wait for.
-        assert_eq!(p.wait_for(&observed, &payload, 7, 0, 999), 0);
+        assert_eq!(p.wait_for(&observed, &payload, 7, 999), 0);
         // One at 1,000 or above may be shown: wait for the new mark.
-        assert_eq!(p.wait_for(&observed, &payload, 7, 0, 1_000), 5);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 0, 1_500), 5);
+        assert_eq!(p.wait_for(&observed, &payload, 7, 1_000), 5);
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 1_500), 5);
         // Once batch 5 is published, 2,000 is the mark on disk.
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 5, 1_500), 0);
+        p.forget(5);
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 1_500), 0);
         assert_eq!(p.durable_mark, 2_000);
         // A fresh start has no mark on disk: the first one is waited for.
         let mut fresh = Pending::new(0);
         fresh.wrote(1, &[Write::ClockMark(11_000)]);
-        assert_eq!(fresh.wait_for(&Observed::Nothing, b"", 1, 0, 1_000), 1);
+        assert_eq!(fresh.wait_for(&Observed::Nothing, b"", 1, 1_000), 1);
+    }
+
+    /// Requests that only write (persisted SETs, nobody reading) keep
+    /// what is kept bounded too: each forgets what was published.
+    #[test]
+    fn writes_alone_keep_only_what_is_not_published() {
+        let mut p = Pending::new(0);
+        for seq in 1..=10_000u64 {
+            p.forget(seq.saturating_sub(3));
+            p.wrote(seq, &[put(&format!("k{seq}")), Write::ClockMark(seq)]);
+        }
+        assert_eq!(
+            p.entries(),
+            2 * 3,
+            "batches 9,998..10,000, a key and a mark each"
+        );
+        assert_eq!(p.len(), 3);
     }
 }

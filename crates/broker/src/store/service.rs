@@ -169,6 +169,12 @@ impl StateStoreService {
         self.waiting.lock().list.len()
     }
 
+    /// Changes the service still tracks as possibly not on disk (see
+    /// `pending.rs`): bounded by what waits for the disk.
+    pub fn changes_tracked(&self) -> usize {
+        self.pending.lock().entries()
+    }
+
     /// Writes nothing to disk for `period` (zero: ends a stall): the
     /// `stall_disk` fault. `false`: there is no data directory.
     pub fn stall_disk(&self, period: std::time::Duration) -> bool {
@@ -263,18 +269,12 @@ impl StateStoreService {
             return 0;
         };
         let mut pending = self.pending.lock();
+        // Forget only what was published: a later answer about a key must
+        // not overtake an earlier one still in the waiting list.
+        pending.forget(*self.published.borrow());
         if writes.is_empty() {
-            // Forget only what was published: a later answer about a key
-            // must not overtake an earlier one still in the waiting list.
-            let published = *self.published.borrow();
             let last_ms = store.last_version().wall_ms;
-            pending.wait_for(
-                observed,
-                payload,
-                persistence.submitted(),
-                published,
-                last_ms,
-            )
+            pending.wait_for(observed, payload, persistence.submitted(), last_ms)
         } else {
             persistence.submit(writes, |seq, writes| pending.wrote(seq, writes))
         }
