@@ -16,7 +16,7 @@
 //! an in-memory answer, another acknowledgement) flushes everything, and so
 //! does the store saying the answers of that batch are out (the answer may
 //! have gone to another client's response topic, or to none: see
-//! `StateStoreService::wait_answered`, woken on the runtime, not by the
+//! `StateStoreService::answered`, woken on the runtime, not by the
 //! writer thread, which would cost a system call per connection). Nothing
 //! is reordered, only delayed, and never past the moment the change is
 //! durable and answered; in `fsync` mode a persisted change is thereby

@@ -232,6 +232,7 @@ pub(crate) async fn serve<S: Stream>(
         gate: Gate::new(shared.durable.clone()),
         ack_hold: hold::AckHold::default(),
         awaited: hold::Awaited::default(),
+        answered: shared.store.answered(),
         principal,
         shared: Arc::clone(&shared),
         saved: Saved::new(shared.durable.clone()),

@@ -69,6 +69,9 @@ pub(super) struct Connection<S> {
     pub(super) ack_hold: AckHold,
     /// The answers this connection waits for (reading stops at a bound).
     pub(super) awaited: Awaited,
+    /// Where the store's published answers are (see `StateStoreService::
+    /// answered`): one subscription for the connection's life.
+    pub(super) answered: tokio::sync::watch::Receiver<u64>,
     /// Messages saved for persistent sessions, coming and going.
     pub(super) saved: Saved,
     /// Who the client is, for the authorization policy.
@@ -161,7 +164,9 @@ impl<S: Stream> Connection<S> {
                 // The answers are out: held acknowledgements whose answers
                 // went elsewhere, or nowhere, go below; reading stopped at
                 // the bound goes on.
-                () = self.store.wait_answered(answers.unwrap_or(0)), if answers.is_some() => {
+                () = async {
+                    let _ = self.answered.wait_for(|&p| p >= answers.unwrap_or(0)).await;
+                }, if answers.is_some() => {
                     let read = self.read_packets();
                     self.flush_link().await?;
                     read?;

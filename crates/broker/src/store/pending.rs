@@ -31,7 +31,7 @@
 //! answers limits (`connection/hold.rs`).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use statestore::persist::{Observed, Write};
 
@@ -39,7 +39,7 @@ use statestore::persist::{Observed, Write};
 #[derive(Default)]
 pub(super) struct Pending {
     /// Hash of a key -> the newest batch that changes it.
-    by_key: HashMap<u64, u64>,
+    by_key: HashMap<u64, u64, BuildHasherDefault<Prehashed>>,
     /// (batch, hash of a key) in the order submitted, to forget what the
     /// disk has.
     order: VecDeque<(u64, u64)>,
@@ -48,6 +48,29 @@ pub(super) struct Pending {
     /// The last clock mark on disk (ms): versions below it need no wait.
     durable_mark: u64,
     hasher: RandomState,
+}
+
+/// The keys of `Pending::by_key` are hashes already (keyed ones, from
+/// `RandomState`): the map uses them as they are rather than hash them a
+/// second time (three SipHash rounds per persisted write, 2% of its
+/// instructions).
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
 }
 
 impl Pending {

@@ -193,11 +193,11 @@ impl StateStoreService {
         *self.published.borrow() >= seq
     }
 
-    /// Waits until the answers that waited for persistence batch `seq` are
-    /// published.
-    pub async fn wait_answered(&self, seq: u64) {
-        let mut published = self.published.subscribe();
-        let _ = published.wait_for(|p| *p >= seq).await;
+    /// The position up to which the answers that waited for the disk are
+    /// published, to wait on (`wait_for(|p| *p >= seq)`): a connection
+    /// keeps one, rather than subscribing anew each time it waits.
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.published.subscribe()
     }
 
     /// Runs a request for one of the broker's own tools (the web view's
