@@ -52,8 +52,8 @@ pub(super) struct Pending {
 
 /// The keys of `Pending::by_key` are hashes already (keyed ones, from
 /// `RandomState`): the map uses them as they are rather than hash them a
-/// second time (three SipHash rounds per persisted write, 2% of its
-/// instructions).
+/// second time (three SipHash rounds per persisted write: about 270
+/// instructions, 1% of the write's, by callgrind).
 #[derive(Default)]
 struct Prehashed(u64);
 
