@@ -391,3 +391,30 @@ async fn messages_queued_for_a_session_survive_a_restart() {
         assert_eq!(summary(&collect(&mut c).await), [], "{id}");
     }
 }
+
+/// MQTT 5 3.1.2.4 across a restart: a session kept without subscriptions
+/// comes back, and one that a clean start discarded stays discarded, also
+/// when that connection never needed the router (it idled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_session_stays_discarded_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path()).await;
+    let addr = broker.local_addr();
+    for id in ["empty-kept", "empty-discarded"] {
+        let (c, connack) = Raw::connect_with(addr, id, session(false, Some(3600))).await;
+        assert!(!connack.session_present);
+        goodbye(c, None).await;
+    }
+    let (c, connack) = Raw::connect_with(addr, "empty-discarded", session(true, None)).await;
+    assert!(!connack.session_present);
+    goodbye(c, None).await;
+
+    let broker = restart(broker, dir.path()).await;
+    let addr = broker.local_addr();
+    let (c, connack) = Raw::connect_with(addr, "empty-kept", session(false, Some(3600))).await;
+    assert!(connack.session_present, "kept without subscriptions");
+    goodbye(c, Some(0)).await;
+    let (c, connack) = Raw::connect_with(addr, "empty-discarded", session(false, Some(3600))).await;
+    assert!(!connack.session_present, "the clean start discarded it");
+    goodbye(c, Some(0)).await;
+}

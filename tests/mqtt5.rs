@@ -840,6 +840,48 @@ async fn clean_start_and_session_expiry_are_separate() {
     c.no_publish_within(Duration::from_millis(200)).await;
 }
 
+/// MQTT 5 3.1.2.4: Clean Start 1 discards the session the server holds,
+/// one without subscriptions too, and also when the new connection never
+/// needs the router (it idles, or only talks to the state store, and so
+/// joins the router lazily, see `connection/link.rs`).
+#[tokio::test]
+async fn a_clean_start_discards_a_session_without_subscriptions() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (c, connack) = Raw::connect_with(addr, "se-empty", session(false, Some(300))).await;
+    assert!(!connack.session_present);
+    goodbye(c, None).await;
+    let (c, connack) = Raw::connect_with(addr, "se-empty", session(false, Some(300))).await;
+    assert!(
+        connack.session_present,
+        "kept, though it has no subscription"
+    );
+    goodbye(c, None).await;
+    let (c, connack) = Raw::connect_with(addr, "se-empty", session(true, None)).await;
+    assert!(!connack.session_present);
+    goodbye(c, None).await;
+    let (c, connack) = Raw::connect_with(addr, "se-empty", session(false, Some(300))).await;
+    assert!(!connack.session_present, "the clean start discarded it");
+
+    // Taken over while connected, by a clean start that only idles.
+    let (taker, connack) = Raw::connect_with(addr, "se-empty", session(true, None)).await;
+    assert!(!connack.session_present);
+    let mut old = c;
+    assert!(matches!(
+        old.recv().await,
+        Recv::Packet(Packet::Disconnect(..))
+    ));
+    goodbye(taker, None).await;
+    // The old connection is gone too (it told the router its expiry).
+    common::eventually("both ended", || broker.connection_count() == 0).await;
+    let (c, connack) = Raw::connect_with(addr, "se-empty", session(false, Some(300))).await;
+    assert!(
+        !connack.session_present,
+        "the takeover's clean start discarded it"
+    );
+    goodbye(c, Some(0)).await;
+}
+
 /// MQTT 5 3.1.2.11.2: a session that expires is removed with what it
 /// holds; connecting after the expiry finds none.
 #[tokio::test]

@@ -150,10 +150,10 @@ pub(crate) async fn serve<S: Stream>(
         terms.clean_start,
         terms.session_expiry,
         // A connection that starts clean, keeps nothing after it ends
-        // and has no kept subscriptions to discard joins on first need.
+        // and has no session to discard joins on first need.
         terms.clean_start
             && terms.session_expiry == 0
-            && !shared.sessions.has_kept_subscriptions(&client_id),
+            && !shared.sessions.has_session_to_discard(&client_id),
     )
     .await
     {

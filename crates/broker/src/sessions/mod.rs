@@ -184,12 +184,15 @@ impl Inner {
 
     /// Removes `client` if it has neither subscriptions nor a connection;
     /// returns what was removed.
+    /// Forgets `client` if nothing of it is left: no subscription, no
+    /// connection, and no session kept after the connection (one without
+    /// subscriptions is remembered too: a clean start must discard it).
     fn forget_if_empty(&mut self, client: &str) -> Option<Client> {
-        if self
-            .clients
-            .get(client)
-            .is_some_and(|c| c.filters.is_empty() && c.live.is_none())
-        {
+        if self.clients.get(client).is_some_and(|c| {
+            c.filters.is_empty()
+                && c.live.is_none()
+                && c.kept_until.is_some_and(|at| at <= Instant::now())
+        }) {
             self.clients.remove(client)
         } else {
             None
@@ -253,14 +256,14 @@ impl Sessions {
         self.set_journaled(state, true);
     }
 
-    /// Whether the router may keep a session with subscriptions for
-    /// `client` (then a clean start must discard it at CONNECT).
-    pub fn has_kept_subscriptions(&self, client: &str) -> bool {
-        self.inner
-            .read()
-            .clients
-            .get(client)
-            .is_some_and(|c| !c.filters.is_empty())
+    /// Whether the router may hold a session of `client` that a clean
+    /// start must discard at CONNECT: one with subscriptions, one kept
+    /// after its connection ended (with or without subscriptions), or one
+    /// whose connection will keep it.
+    pub fn has_session_to_discard(&self, client: &str) -> bool {
+        self.inner.read().clients.get(client).is_some_and(|c| {
+            !c.filters.is_empty() || c.live.as_ref().is_none_or(|live| live.expiry > 0)
+        })
     }
 
     /// A connection of `client` was accepted; its task reads `mailbox`.
