@@ -248,7 +248,7 @@ async fn sessions_expire_across_a_restart_and_clean_ones_are_not_kept() {
 }
 
 /// A retained Last Will is a retained message like any other: it survives
-/// a restart.
+/// a restart, with its QoS (2 here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_will_survives_a_restart() {
     let dir = tempfile::tempdir().unwrap();
@@ -258,7 +258,7 @@ async fn a_retained_will_survives_a_restart() {
         c.1 = Some(v5::LastWill::new(
             "will/ret",
             "offline",
-            QoS::AtLeastOnce,
+            QoS::ExactlyOnce,
             true,
             None,
         ));
@@ -273,12 +273,13 @@ async fn a_retained_will_survives_a_restart() {
         }
     }
     assert_eq!(seen.len(), 1, "the will is retained");
+    assert_eq!(seen[0].qos, QoS::ExactlyOnce);
     let broker = restart(broker, dir.path()).await;
     let after = retained_now(broker.local_addr(), "will-after", "will/#").await;
     assert_eq!(after.len(), 1, "{after:?}");
     assert_eq!(
-        (&after[0].topic[..], &after[0].payload[..]),
-        (&b"will/ret"[..], &b"offline"[..])
+        (&after[0].topic[..], &after[0].payload[..], after[0].qos),
+        (&b"will/ret"[..], &b"offline"[..], QoS::ExactlyOnce)
     );
 }
 

@@ -882,6 +882,32 @@ async fn a_clean_start_discards_a_session_without_subscriptions() {
     goodbye(c, Some(0)).await;
 }
 
+/// MQTT 5 3.1.2.6 and 3.3.1.2: a will keeps its QoS. A QoS 2 will reaches
+/// a QoS 2 subscriber at QoS 2 (once, through the whole exchange) and a
+/// QoS 1 subscriber at QoS 1.
+#[tokio::test]
+async fn a_qos2_will_is_delivered_at_qos2() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut two = Raw::connect(addr, "will-q2-sub2").await;
+    subscribe_with(&mut two, filter("will/q2", QoS::ExactlyOnce, |_| {})).await;
+    let mut one = Raw::connect(addr, "will-q2-sub1").await;
+    subscribe_with(&mut one, filter("will/q2", QoS::AtLeastOnce, |_| {})).await;
+    {
+        let will = v5::LastWill::new("will/q2", "gone", QoS::ExactlyOnce, false, None);
+        let (_c, _) = Raw::connect_with(addr, "will-q2", |c| c.1 = Some(will)).await;
+        // dropped without DISCONNECT: the will goes out
+    }
+    let p = next_raw_publish(&mut two).await;
+    assert_eq!((&p.payload[..], p.qos), (&b"gone"[..], QoS::ExactlyOnce));
+    ack(&mut two, &p).await;
+    let p = next_raw_publish(&mut one).await;
+    assert_eq!((&p.payload[..], p.qos), (&b"gone"[..], QoS::AtLeastOnce));
+    ack(&mut one, &p).await;
+    two.no_publish_within(Duration::from_millis(200)).await;
+    one.no_publish_within(Duration::from_millis(1)).await;
+}
+
 /// MQTT 5 3.1.2.11.2: a session that expires is removed with what it
 /// holds; connecting after the expiry finds none.
 #[tokio::test]

@@ -188,8 +188,8 @@ impl Publisher {
         }
     }
 
-    /// Publishes a client's Last Will. QoS 2 wills are delivered at QoS 1
-    /// at most.
+    /// Publishes a client's Last Will at its QoS (a QoS 2 one is released
+    /// at once, as a client would after the router's PUBREC).
     pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
         let mut link = self.link.lock();
         let pkid = if will.qos == QoS::AtMostOnce {
@@ -198,12 +198,21 @@ impl Publisher {
             link.next_pkid()
         };
         let (publish, properties) = will_publish(&will, properties, pkid);
-        link.send(vec![Packet::Publish(publish, properties)]);
+        let mut packets = vec![Packet::Publish(publish, properties)];
+        if will.qos == QoS::ExactlyOnce {
+            packets.push(Packet::PubRel(
+                PubRel {
+                    pkid,
+                    reason: PubRelReason::Success,
+                },
+                None,
+            ));
+        }
+        link.send(packets);
     }
 }
 
-/// A Last Will as the PUBLISH it becomes (QoS 2 as QoS 1), with packet id
-/// `pkid`.
+/// A Last Will as the PUBLISH it becomes, with packet id `pkid`.
 pub fn will_publish(
     will: &LastWill,
     properties: Option<LastWillProperties>,
@@ -211,7 +220,8 @@ pub fn will_publish(
 ) -> (Publish, Option<PublishProperties>) {
     let qos = match will.qos {
         QoS::AtMostOnce => 0,
-        _ => 1,
+        QoS::AtLeastOnce => 1,
+        QoS::ExactlyOnce => 2,
     };
     let publish = codec::publish(&will.topic, &will.message, qos, pkid, will.retain);
     let properties = properties.map(|p| PublishProperties {
