@@ -246,23 +246,32 @@ async fn a_forced_disconnect_during_an_observed_key() {
         ack.ack().await.unwrap().await.unwrap();
     }
 
+    // The SDK ends its observations when its session monitor goes from
+    // connected to disconnected, looked at again each time its notification
+    // loop has handled something: let that loop go idle first (nothing to
+    // wait on outside the SDK), or a disconnect and reconnect while it is
+    // busy are missed. (For the same reason this test does not wait for
+    // `monitor.disconnected()`: it returns at once only while disconnected.)
+    tokio::time::sleep(Duration::from_millis(150)).await;
     // The broker drops the observer (MQTT 5 DISCONNECT 0x98 administrative
     // action); the SDK's session reconnects by itself.
     assert_eq!(broker.faults().disconnect("observer", 0x98), Ok(true));
     assert_eq!(broker.faults().disconnect("nobody", 0x98), Ok(false));
-    tokio::time::timeout(T, watcher.monitor.disconnected())
-        .await
-        .expect("the SDK saw the disconnect");
-    tokio::time::timeout(T, watcher.monitor.connected())
-        .await
-        .expect("the SDK reconnected");
     // A KEYNOTIFY registration belongs to the connection that made it
     // (the broker drops it when the connection ends), and the SDK knows:
-    // it ends the observation ("must be recreated").
-    let ended = tokio::time::timeout(T, observation.recv_notification())
+    // it ends the observation ("must be recreated"). If the PUBACK for
+    // "open" was still on the wire when the broker dropped the connection,
+    // the redelivery below (MQTT 4.4) may reach this observation before the
+    // SDK ends it: once at most (seen in about 1 run in 10).
+    let mut redelivered = 0;
+    while let Some((n, _)) = tokio::time::timeout(T, observation.recv_notification())
         .await
-        .expect("the observation ends");
-    assert!(ended.is_none(), "the SDK ended the observation");
+        .expect("the observation ends")
+    {
+        assert_eq!(n.operation, Operation::Set(b"open".to_vec()));
+        redelivered += 1;
+        assert_eq!(redelivered, 1, "redelivered once at most");
+    }
     // Observing anew, changes flow again.
     let mut observation = watcher
         .client
@@ -273,8 +282,8 @@ async fn a_forced_disconnect_during_an_observed_key() {
     set(b"shut").await;
     // If the PUBACK for "open" was still on the wire when the broker dropped
     // the connection, MQTT (4.4) makes the broker send that QoS 1 message
-    // again on the resumed session, and the SDK routes it to the new
-    // observation: at most once, then the new change.
+    // again on the resumed session, and the SDK may route it to the new
+    // observation instead: at most once, then the new change.
     let mut operation = None;
     for _ in 0..2 {
         let (n, _) = tokio::time::timeout(T, observation.recv_notification())
@@ -288,7 +297,10 @@ async fn a_forced_disconnect_during_an_observed_key() {
     }
     let operation = operation.expect("the change after the redelivery");
     assert_eq!(operation, Operation::Set(b"shut".to_vec()));
-    // The client still works.
+    // The client still works: its session reconnected.
+    tokio::time::timeout(T, watcher.monitor.connected())
+        .await
+        .expect("the SDK reconnected");
     let got = watcher.client.get(b"door".to_vec(), T).await.unwrap();
     assert_eq!(got.response, Some(b"shut".to_vec()));
     assert_eq!(broker.faults().status().injected["disconnect"], 1);
