@@ -200,3 +200,65 @@ async fn a_clean_connection_takes_over_a_persistent_one_and_joins_the_router_whe
         b"+OK\r\n"
     );
 }
+
+/// MQTT 4.3 and 4.4 for state store requests: a request the client sends
+/// again after reconnecting to its session (DUP 1, the same packet id and
+/// correlation data), because the acknowledgement did not reach it, is
+/// acknowledged again and not run again. The client gets one answer, the
+/// one its session kept; a second run of this `SET NX` would answer `:-1`.
+/// At QoS 2 this is what exactly once means; at QoS 1 it keeps a retried
+/// lock acquisition from moving the key's version (its fencing token).
+#[tokio::test]
+async fn a_request_resent_after_a_reconnect_runs_once() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for (qos, id) in [
+        (QoS::AtLeastOnce, "resend-1"),
+        (QoS::ExactlyOnce, "resend-2"),
+    ] {
+        let (mut c, _) = Raw::connect_with(addr, id, common::mqtt::session(false, Some(600))).await;
+        c.ensure_response_subscription().await;
+        let props = c.request_properties(b"once", &[("__ts", &now_hlc(id))]);
+        let payload = encode_request(&["SET", id, "v", "NX"]);
+        let mut publish = v5::Publish::new(REQUEST_TOPIC, qos, payload, Some(props));
+        publish.pkid = 77;
+        c.send(v5::Packet::Publish(publish.clone())).await;
+        // Acknowledged, so it ran; the client acts as if it never came.
+        loop {
+            match c.recv().await {
+                Recv::Packet(v5::Packet::PubAck(ack)) if ack.pkid == 77 => break,
+                Recv::Packet(v5::Packet::PubRec(rec)) if rec.pkid == 77 => break,
+                Recv::Packet(_) => {}
+                other => panic!("{id}: expected the acknowledgement, got {other:?}"),
+            }
+        }
+        drop(c);
+
+        let (mut c, connack) =
+            Raw::connect_with(addr, id, common::mqtt::session(false, Some(600))).await;
+        assert!(connack.session_present, "{id}");
+        publish.dup = true;
+        c.send(v5::Packet::Publish(publish)).await;
+        let mut answers = Vec::new();
+        let mut acknowledged = false;
+        loop {
+            match c.recv_within(Duration::from_millis(500)).await {
+                Recv::Packet(v5::Packet::PubAck(ack)) if ack.pkid == 77 => acknowledged = true,
+                Recv::Packet(v5::Packet::PubRec(rec)) if rec.pkid == 77 => {
+                    let rel = v5::PubRel::new(77, None);
+                    c.send(v5::Packet::PubRel(rel)).await;
+                }
+                Recv::Packet(v5::Packet::PubComp(comp)) if comp.pkid == 77 => acknowledged = true,
+                Recv::Packet(v5::Packet::Publish(answer)) => {
+                    let ack = v5::PubAck::new(answer.pkid, None);
+                    c.send(v5::Packet::PubAck(ack)).await;
+                    answers.push(answer.payload);
+                }
+                Recv::Packet(_) => {}
+                Recv::Timeout | Recv::Closed => break,
+            }
+        }
+        assert!(acknowledged, "{id}: the resent request is acknowledged");
+        assert_eq!(answers, [Bytes::from_static(b"+OK\r\n")], "{id}");
+    }
+}

@@ -52,6 +52,8 @@ pub struct Incoming {
     pub qos: u8,
     /// For PUBLISH at QoS 1 or 2: the packet identifier.
     pub pkid: u16,
+    /// For PUBLISH: the DUP flag (a resend of an unacknowledged PUBLISH).
+    pub dup: bool,
 }
 
 /// The size of the next frame in `buf`: `Ok(None)` if more bytes are needed.
@@ -143,6 +145,8 @@ pub struct FrameInfo {
     pub qos: u8,
     /// For PUBLISH at QoS 1 or 2: the packet identifier.
     pub pkid: u16,
+    /// For PUBLISH: the DUP flag.
+    pub dup: bool,
 }
 
 /// Checks the next frame in `buf` before decoding: its size, that a client
@@ -152,9 +156,12 @@ pub fn inspect(buf: &[u8], max_packet_size: usize) -> Result<Option<FrameInfo>, 
     let Some((header_len, total)) = frame(buf, max_packet_size)? else {
         return Ok(None);
     };
-    let (mut qos, mut pkid) = (0, 0);
+    let (mut qos, mut pkid, mut dup) = (0, 0, false);
     match buf[0] >> 4 {
-        3 => (qos, pkid) = publish_qos_and_id(&buf[..total], header_len)?,
+        3 => {
+            (qos, pkid) = publish_qos_and_id(&buf[..total], header_len)?;
+            dup = buf[0] & 0b1000 != 0;
+        }
         1 | 4 | 5 | 6 | 7 | 8 | 10 | 12 | 14 => {}
         15 => return Err(CodecError::Protocol("AUTH is not supported".into())),
         other => {
@@ -167,6 +174,7 @@ pub fn inspect(buf: &[u8], max_packet_size: usize) -> Result<Option<FrameInfo>, 
         len: total,
         qos,
         pkid,
+        dup,
     }))
 }
 
@@ -195,6 +203,7 @@ impl Protocol {
                 packet,
                 qos: info.qos,
                 pkid: info.pkid,
+                dup: info.dup,
             })),
             Ok(Err(e)) => Err(CodecError::Malformed(format!("{e:?}"))),
             Err(_) => Err(CodecError::Malformed("decoder failure".into())),

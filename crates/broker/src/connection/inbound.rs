@@ -16,6 +16,7 @@ use rumqttd::protocol::{
 };
 
 use crate::codec::Protocol;
+use crate::sessions::SharedAcknowledged;
 
 /// A rule the client broke: the reason code and why.
 pub(crate) type Violation = (DisconnectReasonCode, String);
@@ -25,8 +26,9 @@ pub(crate) type Violation = (DisconnectReasonCode, String);
 pub(crate) struct Inbound {
     topic_alias_max: u16,
     aliases: HashMap<u16, Bytes>,
-    /// QoS 2 publishes acknowledged here, waiting for PUBREL.
-    awaiting_pubrel: HashSet<u16>,
+    /// The session's record of the requests acknowledged here (QoS 2 ones
+    /// until PUBREL), shared with its other connections.
+    acknowledged: SharedAcknowledged,
     /// The Receive Maximum announced in CONNACK (`u16::MAX` for 3.1.1,
     /// which has none).
     receive_maximum: u16,
@@ -40,12 +42,17 @@ pub(crate) struct Inbound {
 
 impl Inbound {
     /// A client may use topic aliases `1..=topic_alias_max` and have
-    /// `receive_maximum` QoS 1/2 publishes unacknowledged.
-    pub fn new(topic_alias_max: u16, receive_maximum: u16) -> Inbound {
+    /// `receive_maximum` QoS 1/2 publishes unacknowledged; `acknowledged`
+    /// is its session's record.
+    pub fn new(
+        topic_alias_max: u16,
+        receive_maximum: u16,
+        acknowledged: SharedAcknowledged,
+    ) -> Inbound {
         Inbound {
             topic_alias_max,
             aliases: HashMap::new(),
-            awaiting_pubrel: HashSet::new(),
+            acknowledged,
             receive_maximum,
             unacknowledged: 0,
             qos2_received: HashSet::new(),
@@ -119,10 +126,33 @@ impl Inbound {
         }
     }
 
-    /// Whether a QoS 2 publish with `pkid` was received and acknowledged
-    /// already (a retransmission before PUBREL: acknowledge again only).
-    pub fn is_duplicate(&self, qos: u8, pkid: u16) -> bool {
-        qos == 2 && self.awaiting_pubrel.contains(&pkid)
+    /// Whether a request is one this session ran already (on this
+    /// connection or an earlier one): a QoS 2 one acknowledged and not yet
+    /// released, or a QoS 1 one sent again (`dup`) with the packet id and
+    /// `correlation` data of the last one run with that id. Then: the
+    /// persistence batch its answer waits for (0: none); acknowledge it
+    /// again only.
+    pub fn ran_already(
+        &self,
+        qos: u8,
+        pkid: u16,
+        dup: bool,
+        correlation: Option<&[u8]>,
+    ) -> Option<u64> {
+        match (qos, correlation) {
+            (2, _) => self.acknowledged.lock().is_received(pkid).then_some(0),
+            (1, Some(correlation)) if dup => self.acknowledged.lock().resent(pkid, correlation),
+            _ => None,
+        }
+    }
+
+    /// A QoS 1 request with `pkid` and `correlation` data ran; its answer
+    /// waits for persistence batch `seq`. Remembered only where it can be
+    /// sent again: in a session that outlives the connection.
+    pub fn ran(&self, qos: u8, pkid: u16, correlation: Option<&[u8]>, seq: u64, kept: bool) {
+        if let (1, Some(correlation), true) = (qos, correlation, kept) {
+            self.acknowledged.lock().ran(pkid, correlation, seq);
+        }
     }
 
     /// The acknowledgement of a publish handled here; `accepted: false`
@@ -151,7 +181,7 @@ impl Inbound {
                 } else {
                     PubRecReason::NotAuthorized
                 };
-                self.awaiting_pubrel.insert(pkid);
+                self.acknowledged.lock().received(pkid);
                 Some(Packet::PubRec(PubRec { pkid, reason }, None))
             }
             _ => None,
@@ -163,7 +193,7 @@ impl Inbound {
     /// the router's to answer).
     pub fn release(&mut self, pkid: u16) -> Option<Packet> {
         self.qos2_received.remove(&pkid);
-        self.awaiting_pubrel.remove(&pkid).then(|| {
+        self.acknowledged.lock().release(pkid).then(|| {
             Packet::PubComp(
                 PubComp {
                     pkid,
@@ -236,6 +266,7 @@ pub(crate) fn unknown_pubrel(pkid: u16) -> Packet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn publish(topic: &str) -> Publish {
         Publish::new(topic.to_owned(), "x".to_owned(), false)
@@ -243,7 +274,7 @@ mod tests {
 
     #[test]
     fn topic_aliases() {
-        let mut inbound = Inbound::new(10, u16::MAX);
+        let mut inbound = Inbound::new(10, u16::MAX, Default::default());
         let mut p = publish("a/b");
         inbound.resolve_alias(&mut p, 3).unwrap();
         let mut aliased = publish("");
@@ -271,7 +302,7 @@ mod tests {
 
     #[test]
     fn acknowledgements_per_protocol_and_qos() {
-        let mut inbound = Inbound::new(0, u16::MAX);
+        let mut inbound = Inbound::new(0, u16::MAX, Default::default());
         assert!(inbound.ack(Protocol::V5, 0, 0, true).is_none());
         match inbound.ack(Protocol::V5, 1, 7, false) {
             Some(Packet::PubAck(ack, None)) => {
@@ -326,7 +357,7 @@ mod tests {
 
     #[test]
     fn receive_maximum() {
-        let mut inbound = Inbound::new(0, 2);
+        let mut inbound = Inbound::new(0, 2, Default::default());
         inbound.arrived(0, 0).unwrap();
         inbound.arrived(1, 1).unwrap();
         inbound.arrived(2, 2).unwrap();
@@ -354,20 +385,42 @@ mod tests {
 
     #[test]
     fn qos_2_state_by_packet_id() {
-        let mut inbound = Inbound::new(0, u16::MAX);
-        assert!(!inbound.is_duplicate(2, 5));
+        let mut inbound = Inbound::new(0, u16::MAX, Default::default());
+        assert_eq!(inbound.ran_already(2, 5, false, None), None);
         inbound.ack(Protocol::V5, 2, 5, true);
-        assert!(inbound.is_duplicate(2, 5), "retransmitted before PUBREL");
-        assert!(
-            !inbound.is_duplicate(1, 5),
-            "QoS 1 is never a duplicate here"
+        assert_eq!(
+            inbound.ran_already(2, 5, true, None),
+            Some(0),
+            "retransmitted before PUBREL"
         );
         assert!(inbound.release(6).is_none(), "not ours: the router's");
         match inbound.release(5) {
             Some(Packet::PubComp(comp, None)) => assert_eq!(comp.pkid, 5),
             other => panic!("{other:?}"),
         }
-        assert!(!inbound.is_duplicate(2, 5), "released");
+        assert_eq!(inbound.ran_already(2, 5, true, None), None, "released");
         assert!(inbound.release(5).is_none());
+    }
+
+    #[test]
+    fn a_session_knows_its_requests_across_connections() {
+        let session = crate::sessions::SharedAcknowledged::default();
+        let mut old = Inbound::new(0, u16::MAX, Arc::clone(&session));
+        old.ran(1, 7, Some(b"c"), 4, true);
+        old.ran(1, 8, Some(b"c"), 0, false); // a session that ends: not kept
+        old.ran(1, 9, None, 0, true); // no correlation data: nothing to match
+        old.ack(Protocol::V5, 2, 5, true);
+        let mut new = Inbound::new(0, u16::MAX, session);
+        assert_eq!(new.ran_already(1, 7, true, Some(b"c")), Some(4));
+        assert_eq!(
+            new.ran_already(1, 7, false, Some(b"c")),
+            None,
+            "not resent: new"
+        );
+        assert_eq!(new.ran_already(1, 7, true, Some(b"d")), None);
+        assert_eq!(new.ran_already(1, 8, true, Some(b"c")), None);
+        assert_eq!(new.ran_already(1, 9, true, None), None);
+        assert_eq!(new.ran_already(2, 5, true, None), Some(0));
+        assert!(new.release(5).is_some(), "PUBCOMP from the new connection");
     }
 }

@@ -177,7 +177,7 @@ pub(crate) async fn serve<S: Stream>(
         listener: listener.name.clone(),
         in_flight: AtomicUsize::new(0),
     });
-    shared.sessions.connected(
+    let acknowledged = shared.sessions.connected(
         &client_id,
         id,
         terms.clean_start,
@@ -219,6 +219,7 @@ pub(crate) async fn serve<S: Stream>(
                 crate::codec::Protocol::V5 => listener.receive_maximum,
                 crate::codec::Protocol::V4 => u16::MAX,
             },
+            acknowledged,
         ),
         ack_order: AckOrder::default(),
         refused_filters: PendingRefusals::default(),

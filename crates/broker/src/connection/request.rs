@@ -20,13 +20,12 @@ use crate::store::binding::{self, Admission, ReplyTo};
 
 impl<S: Stream> Connection<S> {
     /// A state store request: checked by the binding, acknowledged here,
-    /// executed by the store.
+    /// executed by the store. `(qos, pkid, dup)`: from its fixed header.
     pub(super) fn on_request(
         &mut self,
         publish: Publish,
         properties: Option<PublishProperties>,
-        qos: u8,
-        pkid: u16,
+        (qos, pkid, dup): (u8, u16, bool),
         dialect: Dialect,
     ) -> Result<(), End> {
         let properties = properties.unwrap_or_default();
@@ -52,13 +51,26 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
-        // A QoS 2 duplicate of a request already executed: acknowledge again only.
-        let duplicate = self.inbound.is_duplicate(qos, pkid);
+        // A request this session ran already, sent again (see
+        // `sessions/acknowledged.rs`): acknowledged again only, when its
+        // answer may go out.
+        let correlation = properties.correlation_data.as_deref();
+        let again = self.inbound.ran_already(qos, pkid, dup, correlation);
         let before_ack = self.socket.wbuf.len();
         self.ack(qos, pkid, true);
-        if duplicate {
+        if let Some(wait) = again {
+            tracing::debug!(
+                client_id = self.client_id,
+                pkid,
+                "request sent again: acknowledged, not run again"
+            );
+            let store = &self.store;
+            let wait = if store.is_answered(wait) { 0 } else { wait };
+            self.ack_hold
+                .acknowledged(before_ack, self.socket.wbuf.len(), wait);
             return Ok(());
         }
+        let kept = self.session_expiry > 0;
         match binding::admit(&publish.payload, &properties, qos, dialect) {
             Admission::Serve(mut request, reply_to) => {
                 let caller = Caller {
@@ -80,6 +92,7 @@ impl<S: Stream> Connection<S> {
                     None => {
                         let wait =
                             run_planned(&self.store, &request, caller, reply_to, plan.action);
+                        self.inbound.ran(qos, pkid, correlation, wait, kept);
                         // The acknowledgement may wait for the answer, and
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
@@ -88,6 +101,7 @@ impl<S: Stream> Connection<S> {
                         self.awaited.push(wait, |seq| store.is_answered(seq));
                     }
                     Some(delay) => {
+                        self.inbound.ran(qos, pkid, correlation, 0, kept);
                         let policy = policy.clone();
                         self.run_later(delay, &request, reply_to, plan.action, policy);
                     }

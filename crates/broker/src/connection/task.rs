@@ -242,9 +242,16 @@ impl<S: Stream> Connection<S> {
     }
 
     fn on_packet(&mut self, incoming: Incoming) -> Result<(), End> {
-        let Incoming { packet, qos, pkid } = incoming;
+        let Incoming {
+            packet,
+            qos,
+            pkid,
+            dup,
+        } = incoming;
         match packet {
-            Packet::Publish(publish, properties) => self.on_publish(publish, properties, qos, pkid),
+            Packet::Publish(publish, properties) => {
+                self.on_publish(publish, properties, qos, pkid, dup)
+            }
             Packet::PubRel(pubrel, properties) => {
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
@@ -325,6 +332,7 @@ impl<S: Stream> Connection<S> {
         mut properties: Option<PublishProperties>,
         qos: u8,
         pkid: u16,
+        dup: bool,
     ) -> Result<(), End> {
         // Resolve topic aliases here, so every check below sees the topic.
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
@@ -347,7 +355,7 @@ impl<S: Stream> Connection<S> {
             .arrived(qos, pkid)
             .map_err(|(code, why)| End::Violation(code, why))?;
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
-            return self.on_request(publish, properties, qos, pkid, dialect);
+            return self.on_request(publish, properties, (qos, pkid, dup), dialect);
         }
         if topics::in_notify_namespace(topic) || crate::sys::is_sys_topic(topic) {
             tracing::warn!(

@@ -26,6 +26,7 @@
 //! subscriptions, its expiry, when its connection ended) goes to a
 //! [`Journal`] (see [`crate::durable`]), so the session survives a restart.
 
+mod acknowledged;
 mod census;
 mod mailbox;
 mod recipients;
@@ -39,6 +40,7 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use rumqttd::protocol;
 
+pub use acknowledged::{Acknowledged, SharedAcknowledged};
 pub use census::{Census, ClientView, ConnectionView, Peer};
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 pub use recipients::granted;
@@ -96,6 +98,8 @@ struct Client {
     kept_until: Option<Instant>,
     /// The session is saved in the journal.
     journaled: bool,
+    /// The state store requests its connections acknowledged.
+    acknowledged: SharedAcknowledged,
 }
 
 impl Client {
@@ -182,11 +186,10 @@ impl Inner {
             .map_or_else(|| Arc::from(client), |(k, _)| Arc::clone(k))
     }
 
-    /// Removes `client` if it has neither subscriptions nor a connection;
-    /// returns what was removed.
     /// Forgets `client` if nothing of it is left: no subscription, no
-    /// connection, and no session kept after the connection (one without
+    /// connection, no session kept after one (a kept session without
     /// subscriptions is remembered too: a clean start must discard it).
+    /// Returns what was removed.
     fn forget_if_empty(&mut self, client: &str) -> Option<Client> {
         if self.clients.get(client).is_some_and(|c| {
             c.filters.is_empty()
@@ -256,10 +259,9 @@ impl Sessions {
         self.set_journaled(state, true);
     }
 
-    /// Whether the router may hold a session of `client` that a clean
-    /// start must discard at CONNECT: one with subscriptions, one kept
-    /// after its connection ended (with or without subscriptions), or one
-    /// whose connection will keep it.
+    /// Whether the router may hold a session of `client` that a clean start
+    /// must discard at CONNECT: one with subscriptions, one kept after its
+    /// connection, or one whose live connection will keep it.
     pub fn has_session_to_discard(&self, client: &str) -> bool {
         self.inner.read().clients.get(client).is_some_and(|c| {
             !c.filters.is_empty() || c.live.as_ref().is_none_or(|live| live.expiry > 0)
@@ -268,7 +270,8 @@ impl Sessions {
 
     /// A connection of `client` was accepted; its task reads `mailbox`.
     /// `session_expiry`: how long the session outlives it (seconds); `peer`:
-    /// what the web view shows of it.
+    /// what the web view shows of it. Returns the session's record of the
+    /// requests it acknowledged (see [`Acknowledged`]).
     pub fn connected(
         &self,
         client: &str,
@@ -277,7 +280,7 @@ impl Sessions {
         session_expiry: u32,
         mailbox: Mailbox,
         peer: Arc<Peer>,
-    ) {
+    ) -> SharedAcknowledged {
         let mut inner = self.inner.write();
         let key = inner.key(client);
         // Taking over a session that ends with its connection starts afresh
@@ -297,6 +300,9 @@ impl Sessions {
             // The old session ends with everything saved for it.
             journal.remove(client);
         }
+        if clean_start || ended {
+            state.acknowledged = SharedAcknowledged::default();
+        }
         state.kept_until = None;
         let previous = state.live.replace(Live {
             connection,
@@ -307,7 +313,9 @@ impl Sessions {
         if let Some(previous) = previous {
             let _ = previous.mailbox.tx.send(ToConnection::TakenOver);
         }
+        let acknowledged = Arc::clone(&state.acknowledged);
         self.journal(client, state, session_expiry, None);
+        acknowledged
     }
 
     /// Tells `client`'s connection to end with DISCONNECT `reason` (a
@@ -560,6 +568,25 @@ mod tests {
         assert!(!s.only_subscriber("q", "x"));
         s.disconnected("p", 4, 0);
         assert!(s.only_subscriber("q", "x"));
+        assert_eq!(s.tracked(), 0);
+    }
+
+    #[test]
+    fn a_session_without_subscriptions_is_kept_with_its_record_of_requests() {
+        let s = Sessions::default();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let first = s.connected("r", 1, false, 60, mailbox(tx.clone()), peer());
+        let taken_over = s.connected("r", 2, false, 60, mailbox(tx.clone()), peer());
+        assert!(Arc::ptr_eq(&first, &taken_over), "taken over: shared");
+        s.disconnected("r", 2, 60);
+        assert!(s.has_session_to_discard("r"), "kept without subscriptions");
+        let resumed = s.connected("r", 3, false, 60, mailbox(tx.clone()), peer());
+        assert!(Arc::ptr_eq(&first, &resumed), "resumed");
+        let clean = s.connected("r", 4, true, 0, mailbox(tx.clone()), peer());
+        assert!(!Arc::ptr_eq(&first, &clean), "a clean start starts afresh");
+        assert!(!s.has_session_to_discard("r"), "ends with its connection");
+        s.disconnected("r", 4, 0);
+        assert!(!s.has_session_to_discard("r"));
         assert_eq!(s.tracked(), 0);
     }
 
