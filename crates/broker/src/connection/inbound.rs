@@ -29,6 +29,8 @@ pub(crate) struct Inbound {
     /// The session's record of the requests acknowledged here (QoS 2 ones
     /// until PUBREL), shared with its other connections.
     acknowledged: SharedAcknowledged,
+    /// How many QoS 1 requests the record keeps.
+    remembered: u16,
     /// The Receive Maximum announced in CONNACK (`u16::MAX` for 3.1.1,
     /// which has none).
     receive_maximum: u16,
@@ -43,16 +45,18 @@ pub(crate) struct Inbound {
 impl Inbound {
     /// A client may use topic aliases `1..=topic_alias_max` and have
     /// `receive_maximum` QoS 1/2 publishes unacknowledged; `acknowledged`
-    /// is its session's record.
+    /// is its session's record, which keeps the last `remembered` QoS 1
+    /// requests.
     pub fn new(
         topic_alias_max: u16,
         receive_maximum: u16,
-        acknowledged: SharedAcknowledged,
+        (acknowledged, remembered): (SharedAcknowledged, u16),
     ) -> Inbound {
         Inbound {
             topic_alias_max,
             aliases: HashMap::new(),
             acknowledged,
+            remembered,
             receive_maximum,
             unacknowledged: 0,
             qos2_received: HashSet::new(),
@@ -148,10 +152,14 @@ impl Inbound {
 
     /// A QoS 1 request with `pkid` and `correlation` data ran; its answer
     /// waits for persistence batch `seq`. Remembered only where it can be
-    /// sent again: in a session that outlives the connection.
+    /// sent again: in a session that outlives the connection (the last
+    /// `remembered`, see [`crate::sessions::Acknowledged`]).
     pub fn ran(&self, qos: u8, pkid: u16, correlation: Option<&[u8]>, seq: u64, kept: bool) {
         if let (1, Some(correlation), true) = (qos, correlation, kept) {
-            self.acknowledged.lock().ran(pkid, correlation, seq);
+            let remembered = usize::from(self.remembered);
+            self.acknowledged
+                .lock()
+                .ran(pkid, correlation, seq, remembered);
         }
     }
 
@@ -274,7 +282,7 @@ mod tests {
 
     #[test]
     fn topic_aliases() {
-        let mut inbound = Inbound::new(10, u16::MAX, Default::default());
+        let mut inbound = Inbound::new(10, u16::MAX, (Default::default(), 10));
         let mut p = publish("a/b");
         inbound.resolve_alias(&mut p, 3).unwrap();
         let mut aliased = publish("");
@@ -302,7 +310,7 @@ mod tests {
 
     #[test]
     fn acknowledgements_per_protocol_and_qos() {
-        let mut inbound = Inbound::new(0, u16::MAX, Default::default());
+        let mut inbound = Inbound::new(0, u16::MAX, (Default::default(), 10));
         assert!(inbound.ack(Protocol::V5, 0, 0, true).is_none());
         match inbound.ack(Protocol::V5, 1, 7, false) {
             Some(Packet::PubAck(ack, None)) => {
@@ -357,7 +365,7 @@ mod tests {
 
     #[test]
     fn receive_maximum() {
-        let mut inbound = Inbound::new(0, 2, Default::default());
+        let mut inbound = Inbound::new(0, 2, (Default::default(), 10));
         inbound.arrived(0, 0).unwrap();
         inbound.arrived(1, 1).unwrap();
         inbound.arrived(2, 2).unwrap();
@@ -385,7 +393,7 @@ mod tests {
 
     #[test]
     fn qos_2_state_by_packet_id() {
-        let mut inbound = Inbound::new(0, u16::MAX, Default::default());
+        let mut inbound = Inbound::new(0, u16::MAX, (Default::default(), 10));
         assert_eq!(inbound.ran_already(2, 5, false, None), None);
         inbound.ack(Protocol::V5, 2, 5, true);
         assert_eq!(
@@ -405,12 +413,12 @@ mod tests {
     #[test]
     fn a_session_knows_its_requests_across_connections() {
         let session = crate::sessions::SharedAcknowledged::default();
-        let mut old = Inbound::new(0, u16::MAX, Arc::clone(&session));
+        let mut old = Inbound::new(0, u16::MAX, (Arc::clone(&session), 10));
         old.ran(1, 7, Some(b"c"), 4, true);
         old.ran(1, 8, Some(b"c"), 0, false); // a session that ends: not kept
         old.ran(1, 9, None, 0, true); // no correlation data: nothing to match
         old.ack(Protocol::V5, 2, 5, true);
-        let mut new = Inbound::new(0, u16::MAX, session);
+        let mut new = Inbound::new(0, u16::MAX, (session, 10));
         assert_eq!(new.ran_already(1, 7, true, Some(b"c")), Some(4));
         assert_eq!(
             new.ran_already(1, 7, false, Some(b"c")),

@@ -219,7 +219,8 @@ pub(crate) async fn serve<S: Stream>(
                 crate::codec::Protocol::V5 => listener.receive_maximum,
                 crate::codec::Protocol::V4 => u16::MAX,
             },
-            acknowledged,
+            // As many requests as may be unacknowledged (3.1.1: the same).
+            (acknowledged, listener.receive_maximum),
         ),
         ack_order: AckOrder::default(),
         refused_filters: PendingRefusals::default(),

@@ -23,10 +23,13 @@
 //!
 //! The record is shared by the session's connections (the new connection
 //! may read the resent request before the old one has ended), starts empty
-//! with a new session, and ends with it. It holds at most one entry per
-//! packet id (65,535) of each kind.
+//! with a new session, and ends with it. Only unacknowledged publishes are
+//! resent, and a client may have at most the Receive Maximum of them, so
+//! the QoS 1 part keeps the last that many requests (the listener's
+//! `receive_maximum`, 1,000 by default; the same for 3.1.1 clients); the
+//! QoS 2 part holds at most one entry per packet id.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Arc;
 
@@ -38,8 +41,12 @@ pub type SharedAcknowledged = Arc<Mutex<Acknowledged>>;
 /// What a session remembers of the requests it acknowledged.
 #[derive(Debug, Default)]
 pub struct Acknowledged {
-    /// QoS 1: packet id -> (digest of the correlation data, batch).
-    qos1: HashMap<u16, (u64, u64)>,
+    /// QoS 1: packet id -> (digest of the correlation data, batch, number).
+    qos1: HashMap<u16, (u64, u64, u64)>,
+    /// QoS 1 requests in the order they ran: (packet id, number).
+    order: VecDeque<(u16, u64)>,
+    /// Requests numbered so far.
+    count: u64,
     /// QoS 2: acknowledged with PUBREC, waiting for PUBREL.
     awaiting_pubrel: HashSet<u16>,
 }
@@ -52,9 +59,22 @@ fn digest(correlation: &[u8]) -> u64 {
 
 impl Acknowledged {
     /// A QoS 1 request with `pkid` and `correlation` data ran; its answer
-    /// waits for persistence batch `seq` (0: none).
-    pub fn ran(&mut self, pkid: u16, correlation: &[u8], seq: u64) {
-        self.qos1.insert(pkid, (digest(correlation), seq));
+    /// waits for persistence batch `seq` (0: none). The last `keep` are
+    /// remembered.
+    pub fn ran(&mut self, pkid: u16, correlation: &[u8], seq: u64, keep: usize) {
+        self.count += 1;
+        self.qos1
+            .insert(pkid, (digest(correlation), seq, self.count));
+        self.order.push_back((pkid, self.count));
+        while self.order.len() > keep.max(1) {
+            let Some((old, number)) = self.order.pop_front() else {
+                break;
+            };
+            // Unless the id was used again since.
+            if self.qos1.get(&old).is_some_and(|e| e.2 == number) {
+                self.qos1.remove(&old);
+            }
+        }
     }
 
     /// Whether a QoS 1 PUBLISH with DUP 1, `pkid` and `correlation` is the
@@ -62,7 +82,7 @@ impl Acknowledged {
     /// waits for (0: none).
     pub fn resent(&self, pkid: u16, correlation: &[u8]) -> Option<u64> {
         match self.qos1.get(&pkid) {
-            Some(&(seen, seq)) if seen == digest(correlation) => Some(seq),
+            Some(&(seen, seq, _)) if seen == digest(correlation) => Some(seq),
             _ => None,
         }
     }
@@ -93,13 +113,33 @@ mod tests {
     fn a_qos1_request_is_known_by_packet_id_and_correlation_data() {
         let mut seen = Acknowledged::default();
         assert_eq!(seen.resent(7, b"a"), None);
-        seen.ran(7, b"a", 3);
+        seen.ran(7, b"a", 3, 10);
         assert_eq!(seen.resent(7, b"a"), Some(3));
         assert_eq!(seen.resent(7, b"b"), None, "another request with that id");
         assert_eq!(seen.resent(8, b"a"), None);
-        seen.ran(7, b"b", 0);
+        seen.ran(7, b"b", 0, 10);
         assert_eq!(seen.resent(7, b"a"), None, "the id was used again");
         assert_eq!(seen.resent(7, b"b"), Some(0));
+    }
+
+    #[test]
+    fn only_the_last_requests_are_remembered() {
+        let mut seen = Acknowledged::default();
+        for pkid in 1..=5 {
+            seen.ran(pkid, b"c", 0, 3);
+        }
+        assert_eq!(seen.resent(2, b"c"), None, "older than the last 3");
+        assert_eq!(seen.resent(3, b"c"), Some(0));
+        // An id used again stays with its newer request.
+        seen.ran(3, b"d", 0, 3);
+        seen.ran(6, b"c", 0, 3);
+        seen.ran(7, b"c", 0, 3);
+        assert_eq!(
+            seen.resent(3, b"d"),
+            Some(0),
+            "not evicted with its old use"
+        );
+        assert_eq!((seen.qos1.len(), seen.order.len()), (3, 3));
     }
 
     #[test]
