@@ -16,10 +16,11 @@
 //! - at QoS 2, the packet ids acknowledged with PUBREC and not yet released
 //!   by PUBREL (the session state MQTT 4.3.3 requires): a PUBLISH with one
 //!   of them is the same request, a PUBREL for one gets its PUBCOMP;
-//! - at QoS 1, for each packet id, a digest of the correlation data of the
-//!   last request run with it, and the persistence batch its answer waits
-//!   for: a PUBLISH with DUP 1, that packet id and that correlation data is
-//!   that request again.
+//! - at QoS 1, the last requests run, each with its packet id, its
+//!   correlation data and the persistence batch its answer waits for: a
+//!   PUBLISH with DUP 1 is the newest of them with its packet id if its
+//!   correlation data is the same. Running one costs a ring entry (no
+//!   map: only a resent request looks them through).
 //!
 //! The record is shared by the session's connections (the new connection
 //! may read the resent request before the old one has ended), starts empty
@@ -29,7 +30,7 @@
 //! `receive_maximum`, 1,000 by default; the same for 3.1.1 clients); the
 //! QoS 2 part holds at most one entry per packet id.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Arc;
 
@@ -41,20 +42,49 @@ pub type SharedAcknowledged = Arc<Mutex<Acknowledged>>;
 /// What a session remembers of the requests it acknowledged.
 #[derive(Debug, Default)]
 pub struct Acknowledged {
-    /// QoS 1: packet id -> (digest of the correlation data, batch, number).
-    qos1: HashMap<u16, (u64, u64, u64)>,
-    /// QoS 1 requests in the order they ran: (packet id, number).
-    order: VecDeque<(u16, u64)>,
-    /// Requests numbered so far.
-    count: u64,
+    /// QoS 1: the last requests run, oldest first. Looked through only
+    /// when a request comes with DUP 1, after a reconnect.
+    qos1: VecDeque<Ran>,
     /// QoS 2: acknowledged with PUBREC, waiting for PUBREL.
     awaiting_pubrel: HashSet<u16>,
 }
 
-/// The digest of a request's correlation data (SipHash with fixed keys: a
-/// client can only make its own requests collide).
-fn digest(correlation: &[u8]) -> u64 {
-    BuildHasherDefault::<DefaultHasher>::default().hash_one(correlation)
+/// A QoS 1 request that ran.
+#[derive(Debug, Clone, Copy)]
+struct Ran {
+    pkid: u16,
+    correlation: Correlation,
+    /// The persistence batch its answer waits for (0: none).
+    seq: u64,
+}
+
+/// Correlation data as kept: up to 16 bytes as they are (the SDK's are
+/// 16), longer ones as a digest (SipHash with fixed keys: a client can
+/// only make its own requests collide).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Correlation {
+    len: u8,
+    bytes: [u8; 16],
+}
+
+impl Correlation {
+    fn of(data: &[u8]) -> Correlation {
+        let mut bytes = [0; 16];
+        match u8::try_from(data.len()) {
+            Ok(len) if data.len() <= bytes.len() => {
+                bytes[..data.len()].copy_from_slice(data);
+                Correlation { len, bytes }
+            }
+            _ => {
+                let digest = BuildHasherDefault::<DefaultHasher>::default().hash_one(data);
+                bytes[..8].copy_from_slice(&digest.to_le_bytes());
+                Correlation {
+                    len: u8::MAX,
+                    bytes,
+                }
+            }
+        }
+    }
 }
 
 impl Acknowledged {
@@ -62,29 +92,22 @@ impl Acknowledged {
     /// waits for persistence batch `seq` (0: none). The last `keep` are
     /// remembered.
     pub fn ran(&mut self, pkid: u16, correlation: &[u8], seq: u64, keep: usize) {
-        self.count += 1;
-        self.qos1
-            .insert(pkid, (digest(correlation), seq, self.count));
-        self.order.push_back((pkid, self.count));
-        while self.order.len() > keep.max(1) {
-            let Some((old, number)) = self.order.pop_front() else {
-                break;
-            };
-            // Unless the id was used again since.
-            if self.qos1.get(&old).is_some_and(|e| e.2 == number) {
-                self.qos1.remove(&old);
-            }
+        while self.qos1.len() >= keep.max(1) {
+            self.qos1.pop_front();
         }
+        self.qos1.push_back(Ran {
+            pkid,
+            correlation: Correlation::of(correlation),
+            seq,
+        });
     }
 
     /// Whether a QoS 1 PUBLISH with DUP 1, `pkid` and `correlation` is the
     /// request that ran last with that packet id: then the batch its answer
     /// waits for (0: none).
     pub fn resent(&self, pkid: u16, correlation: &[u8]) -> Option<u64> {
-        match self.qos1.get(&pkid) {
-            Some(&(seen, seq, _)) if seen == digest(correlation) => Some(seq),
-            _ => None,
-        }
+        let last = self.qos1.iter().rev().find(|ran| ran.pkid == pkid)?;
+        (last.correlation == Correlation::of(correlation)).then_some(last.seq)
     }
 
     /// A QoS 2 request with `pkid` was acknowledged with PUBREC.
@@ -139,7 +162,19 @@ mod tests {
             Some(0),
             "not evicted with its old use"
         );
-        assert_eq!((seen.qos1.len(), seen.order.len()), (3, 3));
+        assert_eq!(seen.qos1.len(), 3);
+    }
+
+    #[test]
+    fn long_correlation_data_is_compared_by_digest() {
+        let mut seen = Acknowledged::default();
+        let long = [7u8; 40];
+        let mut other = long;
+        other[39] = 8;
+        seen.ran(1, &long, 0, 10);
+        assert_eq!(seen.resent(1, &long), Some(0));
+        assert_eq!(seen.resent(1, &other), None);
+        assert_eq!(seen.resent(1, &long[..16]), None, "16 bytes as they are");
     }
 
     #[test]
