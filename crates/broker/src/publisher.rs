@@ -174,15 +174,7 @@ impl Publisher {
                 let pkid = if qos == 0 { 0 } else { link.next_pkid() };
                 let publish = codec::publish(&message.topic, &message.payload, qos, pkid, retain);
                 packets.push(Packet::Publish(publish, message.properties.clone()));
-                if qos == 2 {
-                    packets.push(Packet::PubRel(
-                        PubRel {
-                            pkid,
-                            reason: PubRelReason::Success,
-                        },
-                        None,
-                    ));
-                }
+                release_at_once(&mut packets, qos, pkid);
             }
             link.send(packets);
         }
@@ -199,16 +191,20 @@ impl Publisher {
         };
         let (publish, properties) = will_publish(&will, properties, pkid);
         let mut packets = vec![Packet::Publish(publish, properties)];
-        if will.qos == QoS::ExactlyOnce {
-            packets.push(Packet::PubRel(
-                PubRel {
-                    pkid,
-                    reason: PubRelReason::Success,
-                },
-                None,
-            ));
-        }
+        release_at_once(&mut packets, will.qos as u8, pkid);
         link.send(packets);
+    }
+}
+
+/// A QoS 2 publish of the broker's own is released at once (PUBREL after
+/// it), as a client would after the router's PUBREC.
+fn release_at_once(packets: &mut Vec<Packet>, qos: u8, pkid: u16) {
+    if qos == 2 {
+        let release = PubRel {
+            pkid,
+            reason: PubRelReason::Success,
+        };
+        packets.push(Packet::PubRel(release, None));
     }
 }
 
