@@ -242,16 +242,9 @@ impl<S: Stream> Connection<S> {
     }
 
     fn on_packet(&mut self, incoming: Incoming) -> Result<(), End> {
-        let Incoming {
-            packet,
-            qos,
-            pkid,
-            dup,
-        } = incoming;
-        match packet {
-            Packet::Publish(publish, properties) => {
-                self.on_publish(publish, properties, qos, pkid, dup)
-            }
+        let header = (incoming.qos, incoming.pkid, incoming.dup);
+        match incoming.packet {
+            Packet::Publish(publish, properties) => self.on_publish(publish, properties, header),
             Packet::PubRel(pubrel, properties) => {
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
@@ -330,9 +323,7 @@ impl<S: Stream> Connection<S> {
         &mut self,
         mut publish: Publish,
         mut properties: Option<PublishProperties>,
-        qos: u8,
-        pkid: u16,
-        dup: bool,
+        (qos, pkid, dup): (u8, u16, bool),
     ) -> Result<(), End> {
         // Resolve topic aliases here, so every check below sees the topic.
         if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {

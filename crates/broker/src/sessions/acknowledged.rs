@@ -131,6 +131,9 @@ impl Acknowledged {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sessions::Sessions;
+    use crate::sessions::tests::{mailbox, peer};
+    use tokio::sync::mpsc;
 
     #[test]
     fn a_qos1_request_is_known_by_packet_id_and_correlation_data() {
@@ -187,5 +190,24 @@ mod tests {
         assert!(seen.release(5));
         assert!(!seen.is_received(5));
         assert!(!seen.release(5));
+    }
+
+    #[test]
+    fn a_session_without_subscriptions_is_kept_with_its_record_of_requests() {
+        let s = Sessions::default();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let first = s.connected("r", 1, false, 60, mailbox(tx.clone()), peer());
+        let taken_over = s.connected("r", 2, false, 60, mailbox(tx.clone()), peer());
+        assert!(Arc::ptr_eq(&first, &taken_over), "taken over: shared");
+        s.disconnected("r", 2, 60);
+        assert!(s.has_session_to_discard("r"), "kept without subscriptions");
+        let resumed = s.connected("r", 3, false, 60, mailbox(tx.clone()), peer());
+        assert!(Arc::ptr_eq(&first, &resumed), "resumed");
+        let clean = s.connected("r", 4, true, 0, mailbox(tx.clone()), peer());
+        assert!(!Arc::ptr_eq(&first, &clean), "a clean start starts afresh");
+        assert!(!s.has_session_to_discard("r"), "ends with its connection");
+        s.disconnected("r", 4, 0);
+        assert!(!s.has_session_to_discard("r"));
+        assert_eq!(s.tracked(), 0);
     }
 }

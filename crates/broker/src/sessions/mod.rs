@@ -186,10 +186,8 @@ impl Inner {
             .map_or_else(|| Arc::from(client), |(k, _)| Arc::clone(k))
     }
 
-    /// Forgets `client` if nothing of it is left: no subscription, no
-    /// connection, no session kept after one (a kept session without
-    /// subscriptions is remembered too: a clean start must discard it).
-    /// Returns what was removed.
+    /// Forgets `client` (returned) if it has no subscription, no connection
+    /// and no session kept after one (a clean start must discard that).
     fn forget_if_empty(&mut self, client: &str) -> Option<Client> {
         if self.clients.get(client).is_some_and(|c| {
             c.filters.is_empty()
@@ -270,8 +268,7 @@ impl Sessions {
 
     /// A connection of `client` was accepted; its task reads `mailbox`.
     /// `session_expiry`: how long the session outlives it (seconds); `peer`:
-    /// what the web view shows of it. Returns the session's record of the
-    /// requests it acknowledged (see [`Acknowledged`]).
+    /// what the web view shows of it. Returns the session's [`Acknowledged`].
     pub fn connected(
         &self,
         client: &str,
@@ -568,25 +565,6 @@ mod tests {
         assert!(!s.only_subscriber("q", "x"));
         s.disconnected("p", 4, 0);
         assert!(s.only_subscriber("q", "x"));
-        assert_eq!(s.tracked(), 0);
-    }
-
-    #[test]
-    fn a_session_without_subscriptions_is_kept_with_its_record_of_requests() {
-        let s = Sessions::default();
-        let (tx, _rx) = mpsc::unbounded_channel();
-        let first = s.connected("r", 1, false, 60, mailbox(tx.clone()), peer());
-        let taken_over = s.connected("r", 2, false, 60, mailbox(tx.clone()), peer());
-        assert!(Arc::ptr_eq(&first, &taken_over), "taken over: shared");
-        s.disconnected("r", 2, 60);
-        assert!(s.has_session_to_discard("r"), "kept without subscriptions");
-        let resumed = s.connected("r", 3, false, 60, mailbox(tx.clone()), peer());
-        assert!(Arc::ptr_eq(&first, &resumed), "resumed");
-        let clean = s.connected("r", 4, true, 0, mailbox(tx.clone()), peer());
-        assert!(!Arc::ptr_eq(&first, &clean), "a clean start starts afresh");
-        assert!(!s.has_session_to_discard("r"), "ends with its connection");
-        s.disconnected("r", 4, 0);
-        assert!(!s.has_session_to_discard("r"));
         assert_eq!(s.tracked(), 0);
     }
 
