@@ -479,62 +479,75 @@ async fn a_stalled_disk_holds_only_the_answers_that_could_show_its_changes() {
 
 /// A persisted SET whose acknowledgement waits for a stalled disk, and
 /// whose client reconnects to its session and sends it again (DUP 1): the
-/// resent request is not run again, and its PUBACK, like the original's,
-/// waits until the change is on disk. One answer, `+OK`; a second run of
-/// `SET NX` would answer `:-1` (`sessions/acknowledged.rs`).
+/// resent request is not run again, and its PUBACK (PUBREC at QoS 2), like
+/// the original's, waits until the change is on disk. One answer, `+OK`; a
+/// second run of `SET NX` would answer `:-1` (`sessions/acknowledged.rs`).
 #[tokio::test]
 async fn a_persisted_request_resent_while_the_disk_stalls_runs_once() {
     use common::raw::{Recv, v5::Packet};
+    use rumqttc::v5::mqttbytes::QoS;
 
     let dir = tempfile::tempdir().unwrap();
     let broker = start_with_faults(dir.path()).await;
     let faults = broker.faults();
     let addr = broker.local_addr();
-    let persistent = common::mqtt::session(false, Some(600));
-    let (mut c, _) = Raw::connect_with(addr, "resend-disk", persistent).await;
-    c.ensure_response_subscription().await;
-    faults.stall_disk(Duration::from_secs(60)).unwrap();
-    let mut publish = request_packet(&mut c, &[b"SET", b"resend-disk", b"v", b"NX"], true, b"one");
-    c.send(Packet::Publish(publish.clone())).await;
     let store = broker.store();
-    common::eventually("the SET waits for the disk", || {
-        store.answers_waiting() == 1
-    })
-    .await;
-    c.no_publish_within(Duration::from_millis(50)).await;
-    drop(c); // its PUBACK never came
+    for (qos, id) in [
+        (QoS::AtLeastOnce, "resend-disk-1"),
+        (QoS::ExactlyOnce, "resend-disk-2"),
+    ] {
+        let persistent = common::mqtt::session(false, Some(600));
+        let (mut c, _) = Raw::connect_with(addr, id, persistent).await;
+        c.ensure_response_subscription().await;
+        faults.stall_disk(Duration::from_secs(60)).unwrap();
+        let args = [b"SET", id.as_bytes(), b"v", b"NX"];
+        let mut publish = request_packet(&mut c, &args, true, b"one");
+        publish.qos = qos;
+        c.send(Packet::Publish(publish.clone())).await;
+        common::eventually("the SET waits for the disk", || {
+            store.answers_waiting() == 1
+        })
+        .await;
+        c.no_publish_within(Duration::from_millis(50)).await;
+        drop(c); // its acknowledgement never came
 
-    let persistent = common::mqtt::session(false, Some(600));
-    let (mut c, connack) = Raw::connect_with(addr, "resend-disk", persistent).await;
-    assert!(connack.session_present);
-    publish.dup = true;
-    let pkid = publish.pkid;
-    c.send(Packet::Publish(publish)).await;
-    assert!(
-        matches!(
-            c.recv_within(Duration::from_millis(300)).await,
-            Recv::Timeout
-        ),
-        "no PUBACK while the change is not on disk"
-    );
-    assert_eq!(store.answers_waiting(), 1, "not run again");
+        let persistent = common::mqtt::session(false, Some(600));
+        let (mut c, connack) = Raw::connect_with(addr, id, persistent).await;
+        assert!(connack.session_present);
+        publish.dup = true;
+        let pkid = publish.pkid;
+        c.send(Packet::Publish(publish)).await;
+        assert!(
+            matches!(
+                c.recv_within(Duration::from_millis(300)).await,
+                Recv::Timeout
+            ),
+            "{id}: no acknowledgement while the change is not on disk"
+        );
+        assert_eq!(store.answers_waiting(), 1, "{id}: not run again");
 
-    faults.stall_disk(Duration::ZERO).unwrap();
-    let mut answers = Vec::new();
-    let mut acknowledged = false;
-    loop {
-        match c.recv_within(Duration::from_millis(500)).await {
-            Recv::Packet(Packet::PubAck(ack)) if ack.pkid == pkid => acknowledged = true,
-            Recv::Packet(Packet::Publish(answer)) => {
-                let ack = common::raw::v5::PubAck::new(answer.pkid, None);
-                c.send(Packet::PubAck(ack)).await;
-                answers.push(answer.payload);
+        faults.stall_disk(Duration::ZERO).unwrap();
+        let mut answers = Vec::new();
+        let mut acknowledged = false;
+        loop {
+            match c.recv_within(Duration::from_millis(500)).await {
+                Recv::Packet(Packet::PubAck(ack)) if ack.pkid == pkid => acknowledged = true,
+                Recv::Packet(Packet::PubRec(rec)) if rec.pkid == pkid => {
+                    let rel = common::raw::v5::PubRel::new(pkid, None);
+                    c.send(Packet::PubRel(rel)).await;
+                }
+                Recv::Packet(Packet::PubComp(comp)) if comp.pkid == pkid => acknowledged = true,
+                Recv::Packet(Packet::Publish(answer)) => {
+                    let ack = common::raw::v5::PubAck::new(answer.pkid, None);
+                    c.send(Packet::PubAck(ack)).await;
+                    answers.push(answer.payload);
+                }
+                Recv::Packet(_) => {}
+                Recv::Timeout | Recv::Closed => break,
             }
-            Recv::Packet(_) => {}
-            Recv::Timeout | Recv::Closed => break,
         }
+        assert!(acknowledged, "{id}: acknowledged once on disk");
+        assert_eq!(answers, [bytes::Bytes::from_static(b"+OK\r\n")], "{id}");
     }
-    assert!(acknowledged, "acknowledged once on disk");
-    assert_eq!(answers, [bytes::Bytes::from_static(b"+OK\r\n")]);
     broker.shutdown(Duration::from_secs(2)).await;
 }

@@ -144,22 +144,26 @@ impl Inbound {
         correlation: Option<&[u8]>,
     ) -> Option<u64> {
         match (qos, correlation) {
-            (2, _) => self.acknowledged.lock().is_received(pkid).then_some(0),
+            (2, _) => self.acknowledged.lock().received_waiting(pkid),
             (1, Some(correlation)) if dup => self.acknowledged.lock().resent(pkid, correlation),
             _ => None,
         }
     }
 
-    /// A QoS 1 request with `pkid` and `correlation` data ran; its answer
-    /// waits for persistence batch `seq`. Remembered only where it can be
-    /// sent again: in a session that outlives the connection (the last
-    /// `remembered`, see [`crate::sessions::Acknowledged`]).
+    /// A request with `pkid` and `correlation` data ran; its answer waits
+    /// for persistence batch `seq`. At QoS 2 noted with its packet id; at
+    /// QoS 1 remembered only where it can be sent again: in a session that
+    /// outlives the connection (the last `remembered`, see
+    /// [`crate::sessions::Acknowledged`]).
     pub fn ran(&self, qos: u8, pkid: u16, correlation: Option<&[u8]>, seq: u64, kept: bool) {
-        if let (1, Some(correlation), true) = (qos, correlation, kept) {
-            let remembered = usize::from(self.remembered);
-            self.acknowledged
-                .lock()
-                .ran(pkid, correlation, seq, remembered);
+        match (qos, correlation) {
+            (2, _) => self.acknowledged.lock().ran_qos2(pkid, seq),
+            (1, Some(correlation)) if kept => {
+                let remembered = usize::from(self.remembered);
+                let mut acknowledged = self.acknowledged.lock();
+                acknowledged.ran(pkid, correlation, seq, remembered);
+            }
+            _ => {}
         }
     }
 

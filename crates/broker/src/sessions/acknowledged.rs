@@ -30,7 +30,7 @@
 //! `receive_maximum`, 1,000 by default; the same for 3.1.1 clients); the
 //! QoS 2 part holds at most one entry per packet id.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Arc;
 
@@ -45,8 +45,9 @@ pub struct Acknowledged {
     /// QoS 1: the last requests run, oldest first. Looked through only
     /// when a request comes with DUP 1, after a reconnect.
     qos1: VecDeque<Ran>,
-    /// QoS 2: acknowledged with PUBREC, waiting for PUBREL.
-    awaiting_pubrel: HashSet<u16>,
+    /// QoS 2: acknowledged with PUBREC, waiting for PUBREL, with the
+    /// persistence batch the answer waits for.
+    awaiting_pubrel: HashMap<u16, u64>,
 }
 
 /// A QoS 1 request that ran.
@@ -112,19 +113,27 @@ impl Acknowledged {
 
     /// A QoS 2 request with `pkid` was acknowledged with PUBREC.
     pub fn received(&mut self, pkid: u16) {
-        self.awaiting_pubrel.insert(pkid);
+        self.awaiting_pubrel.entry(pkid).or_insert(0);
+    }
+
+    /// The QoS 2 request `pkid` ran; its answer waits for batch `seq`.
+    pub fn ran_qos2(&mut self, pkid: u16, seq: u64) {
+        if let Some(waits_for) = self.awaiting_pubrel.get_mut(&pkid) {
+            *waits_for = seq;
+        }
     }
 
     /// Whether a QoS 2 request with `pkid` was acknowledged and not yet
-    /// released (a PUBLISH with it is a retransmission).
-    pub fn is_received(&self, pkid: u16) -> bool {
-        self.awaiting_pubrel.contains(&pkid)
+    /// released (a PUBLISH with it is a retransmission): then the batch
+    /// its answer waits for (0: none).
+    pub fn received_waiting(&self, pkid: u16) -> Option<u64> {
+        self.awaiting_pubrel.get(&pkid).copied()
     }
 
     /// PUBREL `pkid`: whether it released a request acknowledged here (then
     /// it gets its PUBCOMP here; otherwise it is the router's).
     pub fn release(&mut self, pkid: u16) -> bool {
-        self.awaiting_pubrel.remove(&pkid)
+        self.awaiting_pubrel.remove(&pkid).is_some()
     }
 }
 
@@ -183,12 +192,15 @@ mod tests {
     #[test]
     fn a_qos2_request_is_known_until_released() {
         let mut seen = Acknowledged::default();
-        assert!(!seen.is_received(5));
+        assert_eq!(seen.received_waiting(5), None);
         seen.received(5);
-        assert!(seen.is_received(5));
+        assert_eq!(seen.received_waiting(5), Some(0));
+        seen.ran_qos2(5, 9);
+        seen.received(5); // acknowledged again: still waits for batch 9
+        assert_eq!(seen.received_waiting(5), Some(9));
         assert!(!seen.release(6), "not acknowledged here");
         assert!(seen.release(5));
-        assert!(!seen.is_received(5));
+        assert_eq!(seen.received_waiting(5), None);
         assert!(!seen.release(5));
     }
 
