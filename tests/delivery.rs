@@ -239,25 +239,7 @@ async fn a_request_resent_after_a_reconnect_runs_once() {
         assert!(connack.session_present, "{id}");
         publish.dup = true;
         c.send(v5::Packet::Publish(publish)).await;
-        let mut answers = Vec::new();
-        let mut acknowledged = false;
-        loop {
-            match c.recv_within(Duration::from_millis(500)).await {
-                Recv::Packet(v5::Packet::PubAck(ack)) if ack.pkid == 77 => acknowledged = true,
-                Recv::Packet(v5::Packet::PubRec(rec)) if rec.pkid == 77 => {
-                    let rel = v5::PubRel::new(77, None);
-                    c.send(v5::Packet::PubRel(rel)).await;
-                }
-                Recv::Packet(v5::Packet::PubComp(comp)) if comp.pkid == 77 => acknowledged = true,
-                Recv::Packet(v5::Packet::Publish(answer)) => {
-                    let ack = v5::PubAck::new(answer.pkid, None);
-                    c.send(v5::Packet::PubAck(ack)).await;
-                    answers.push(answer.payload);
-                }
-                Recv::Packet(_) => {}
-                Recv::Timeout | Recv::Closed => break,
-            }
-        }
+        let (acknowledged, answers) = common::mqtt::acknowledgement_and_answers(&mut c, 77).await;
         assert!(acknowledged, "{id}: the resent request is acknowledged");
         assert_eq!(answers, [Bytes::from_static(b"+OK\r\n")], "{id}");
     }

@@ -527,25 +527,7 @@ async fn a_persisted_request_resent_while_the_disk_stalls_runs_once() {
         assert_eq!(store.answers_waiting(), 1, "{id}: not run again");
 
         faults.stall_disk(Duration::ZERO).unwrap();
-        let mut answers = Vec::new();
-        let mut acknowledged = false;
-        loop {
-            match c.recv_within(Duration::from_millis(500)).await {
-                Recv::Packet(Packet::PubAck(ack)) if ack.pkid == pkid => acknowledged = true,
-                Recv::Packet(Packet::PubRec(rec)) if rec.pkid == pkid => {
-                    let rel = common::raw::v5::PubRel::new(pkid, None);
-                    c.send(Packet::PubRel(rel)).await;
-                }
-                Recv::Packet(Packet::PubComp(comp)) if comp.pkid == pkid => acknowledged = true,
-                Recv::Packet(Packet::Publish(answer)) => {
-                    let ack = common::raw::v5::PubAck::new(answer.pkid, None);
-                    c.send(Packet::PubAck(ack)).await;
-                    answers.push(answer.payload);
-                }
-                Recv::Packet(_) => {}
-                Recv::Timeout | Recv::Closed => break,
-            }
-        }
+        let (acknowledged, answers) = common::mqtt::acknowledgement_and_answers(&mut c, pkid).await;
         assert!(acknowledged, "{id}: acknowledged once on disk");
         assert_eq!(answers, [bytes::Bytes::from_static(b"+OK\r\n")], "{id}");
     }

@@ -138,3 +138,28 @@ pub async fn goodbye(mut c: Raw, expiry: Option<u32>) {
     c.send(Packet::Disconnect(disconnect)).await;
     assert!(matches!(c.recv().await, Recv::Closed));
 }
+
+/// After sending request `pkid` again: completes its acknowledgement
+/// (PUBACK, or PUBREC, PUBREL, PUBCOMP) and acknowledges every answer
+/// until half a second passes without a packet. Returns whether it was
+/// acknowledged, and the answers' payloads in order.
+pub async fn acknowledgement_and_answers(c: &mut Raw, pkid: u16) -> (bool, Vec<Bytes>) {
+    let mut answers = Vec::new();
+    let mut acknowledged = false;
+    loop {
+        match c.recv_within(std::time::Duration::from_millis(500)).await {
+            Recv::Packet(Packet::PubAck(ack)) if ack.pkid == pkid => acknowledged = true,
+            Recv::Packet(Packet::PubRec(rec)) if rec.pkid == pkid => {
+                c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
+            }
+            Recv::Packet(Packet::PubComp(comp)) if comp.pkid == pkid => acknowledged = true,
+            Recv::Packet(Packet::Publish(answer)) => {
+                c.send(Packet::PubAck(v5::PubAck::new(answer.pkid, None)))
+                    .await;
+                answers.push(answer.payload);
+            }
+            Recv::Packet(_) => {}
+            Recv::Timeout | Recv::Closed => return (acknowledged, answers),
+        }
+    }
+}
