@@ -214,12 +214,13 @@ pub fn will_publish(
     properties: Option<LastWillProperties>,
     pkid: u16,
 ) -> (Publish, Option<PublishProperties>) {
-    let qos = match will.qos {
-        QoS::AtMostOnce => 0,
-        QoS::AtLeastOnce => 1,
-        QoS::ExactlyOnce => 2,
-    };
-    let publish = codec::publish(&will.topic, &will.message, qos, pkid, will.retain);
+    let publish = codec::publish(
+        &will.topic,
+        &will.message,
+        will.qos as u8,
+        pkid,
+        will.retain,
+    );
     let properties = properties.map(|p| PublishProperties {
         payload_format_indicator: p.payload_format_indicator,
         message_expiry_interval: p.message_expiry_interval,

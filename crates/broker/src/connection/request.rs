@@ -64,8 +64,6 @@ impl<S: Stream> Connection<S> {
                 pkid,
                 "request sent again: acknowledged, not run again"
             );
-            let store = &self.store;
-            let wait = if store.is_answered(wait) { 0 } else { wait };
             self.ack_hold
                 .acknowledged(before_ack, self.socket.wbuf.len(), wait);
             return Ok(());

@@ -286,19 +286,19 @@ impl Sessions {
             Some(live) => live.expiry == 0,
             None => c.kept_until.is_some_and(|at| at <= Instant::now()),
         });
-        if clean_start || ended {
+        let fresh = clean_start || ended;
+        if fresh {
             inner.clear_filters(&key);
         }
         let state = inner.clients.entry(key).or_default();
-        if (clean_start || ended)
-            && self.set_journaled(state, false)
-            && let Some(journal) = self.journal.get()
-        {
-            // The old session ends with everything saved for it.
-            journal.remove(client);
-        }
-        if clean_start || ended {
+        if fresh {
             state.acknowledged = SharedAcknowledged::default();
+            if self.set_journaled(state, false)
+                && let Some(journal) = self.journal.get()
+            {
+                // The old session ends with everything saved for it.
+                journal.remove(client);
+            }
         }
         state.kept_until = None;
         let previous = state.live.replace(Live {
