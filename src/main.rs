@@ -32,7 +32,7 @@ use logging::{Format, Logging};
 /// other hosts: --listen 0.0.0.0:1883, with users in a password file
 /// (`statebroker passwd FILE USER`, `[broker] password_file`) or
 /// --allow-anonymous.
-/// Log filter: `[log] level` (default "info,rumqttd=warn" plus the storage
+/// Log filter: `[log] level` (default "info,router=warn" plus the storage
 /// engine's journal repairs), or RUST_LOG, e.g.
 /// RUST_LOG=debug or RUST_LOG=broker=debug.
 ///

@@ -15,7 +15,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use bytes::BytesMut;
-use rumqttd::protocol::{Packet, Protocol as _, v4::V4, v5::V5};
+use router::protocol::{Packet, Protocol as _, v4::V4, v5::V5};
 
 /// The MQTT version a connection speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,7 +216,7 @@ impl Protocol {
         self,
         buf: &mut BytesMut,
         max_packet_size: usize,
-    ) -> Result<Packet, rumqttd::protocol::Error> {
+    ) -> Result<Packet, router::protocol::Error> {
         match self {
             Protocol::V4 => V4.read_mut(buf, max_packet_size),
             Protocol::V5 => V5.read_mut(buf, max_packet_size),
@@ -249,7 +249,7 @@ pub fn publish(
     qos: u8,
     pkid: u16,
     retain: bool,
-) -> rumqttd::protocol::Publish {
+) -> router::protocol::Publish {
     use bytes::BufMut;
     let mut raw = BytesMut::with_capacity(5 + topic.len() + payload.len());
     raw.put_u8(0b0011_0000 | ((qos & 3) << 1) | u8::from(retain));
@@ -257,7 +257,7 @@ pub fn publish(
     raw.put_u16(topic.len() as u16);
     raw.put_slice(topic);
     raw.put_slice(payload);
-    rumqttd::protocol::Publish::deserialize(raw.freeze())
+    router::protocol::Publish::deserialize(raw.freeze())
 }
 
 /// Encodes a PUBLISH straight from borrowed parts (no intermediate packet,
@@ -268,7 +268,7 @@ pub fn encode_publish(
     payload: &[u8],
     qos: u8,
     pkid: u16,
-    properties: &rumqttd::protocol::PublishProperties,
+    properties: &router::protocol::PublishProperties,
     out: &mut BytesMut,
 ) {
     use bytes::BufMut;
@@ -327,7 +327,7 @@ pub fn encode_publish(
     out.put_slice(payload);
 }
 
-fn properties_len(p: &rumqttd::protocol::PublishProperties) -> usize {
+fn properties_len(p: &router::protocol::PublishProperties) -> usize {
     let string = |s: usize| 1 + 2 + s;
     p.payload_format_indicator.map_or(0, |_| 2)
         + p.message_expiry_interval.map_or(0, |_| 5)
@@ -492,7 +492,7 @@ mod tests {
     #[test]
     fn own_publish_encoding_matches_rumqttds_decoder() {
         use bytes::Bytes;
-        use rumqttd::protocol::PublishProperties;
+        use router::protocol::PublishProperties;
         let properties = PublishProperties {
             payload_format_indicator: Some(1),
             message_expiry_interval: Some(60),

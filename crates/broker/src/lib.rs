@@ -21,7 +21,7 @@
 //!    │ ◄── direct deliveries ─────────────── publisher.rs: straight to the only
 //!    │     (subscription mirror: sessions/)      recipient, or into the router;
 //!    │                                           wills (will.rs) go out here too
-//!    │ other packets, on first need: a rumqttd::local link
+//!    │ other packets, on first need: a router::local link
 //!    ▼
 //!  rumqttd router (router.rs): routing, QoS, sessions, retained messages,
 //!  shared subscriptions
@@ -59,7 +59,6 @@ pub mod metrics;
 pub mod passwords;
 pub mod persistence;
 pub mod publisher;
-pub mod router;
 pub mod sessions;
 mod shared;
 pub mod stats;
@@ -127,7 +126,11 @@ impl Broker {
                 None
             }
         };
-        let router = router::Router::spawn(settings.router_id, settings.router.clone());
+        let router = router::RouterHandle::spawn(
+            settings.router_id,
+            settings.router.clone(),
+            publisher::INTERNAL_LINKS,
+        );
         let sessions = Arc::new(sessions::Sessions::default());
         let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
         let (persistence, durable) = match persistence {

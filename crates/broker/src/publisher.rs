@@ -17,15 +17,21 @@
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use rumqttd::Notification;
-use rumqttd::local::{LinkRx, LinkTx};
-use rumqttd::protocol::{
+use router::Notification;
+use router::local::{LinkRx, LinkTx};
+use router::protocol::{
     LastWill, LastWillProperties, Packet, PubRel, PubRelReason, Publish, PublishProperties, QoS,
 };
 
 use crate::codec;
-use crate::router::{INTERNAL_PREFIX, Router, poll_once};
 use crate::sessions::{Direct, Sessions, Undelivered};
+use router::RouterHandle;
+
+/// Client ids with this prefix belong to the broker itself; clients may not use them.
+pub const INTERNAL_PREFIX: &str = "statebroker:";
+
+/// Links the broker needs besides client connections: the publisher's.
+pub const INTERNAL_LINKS: usize = 1;
 
 /// The router link the broker publishes on, and its packet ids.
 struct Link {
@@ -40,14 +46,9 @@ impl Link {
     }
 
     /// Hands `packets` to the router with one wake-up.
-    fn send(&mut self, mut packets: Vec<Packet>) {
-        let Some(last) = packets.pop() else { return };
-        self.tx.buffer().extend(packets);
-        // `LinkTx::send` is an async fn that never awaits (see `poll_once`).
-        match poll_once(self.tx.send(last)) {
-            Some(Ok(_)) => {}
-            Some(Err(e)) => tracing::error!(error = %e, "router link failed: cannot publish"),
-            None => tracing::error!("router link did not accept a publish"),
+    fn send(&mut self, packets: Vec<Packet>) {
+        if let Err(e) = self.tx.send_all(packets) {
+            tracing::error!(error = %e, "router link failed: cannot publish");
         }
     }
 }
@@ -75,11 +76,11 @@ pub struct Publisher {
 impl Publisher {
     /// Links the publisher to `router`; direct deliveries go through `sessions`.
     pub async fn start(
-        router: &Router,
+        router: &RouterHandle,
         sessions: Arc<Sessions>,
     ) -> std::io::Result<Arc<Publisher>> {
         let (tx, rx, _connack) = router
-            .link_async(format!("{INTERNAL_PREFIX}publisher"), true, 0)
+            .link(&format!("{INTERNAL_PREFIX}publisher"), true, 0)
             .await
             .map_err(|e| {
                 std::io::Error::other(format!("cannot link the broker to the router: {e}"))

@@ -10,7 +10,6 @@ use tokio::sync::{Semaphore, watch};
 use crate::config::Settings;
 use crate::durable::Durable;
 use crate::publisher::Publisher;
-use crate::router::Router;
 use crate::sessions::Sessions;
 use crate::store::StateStoreService;
 use crate::will::WillRegistry;
@@ -18,7 +17,7 @@ use crate::will::WillRegistry;
 /// What every connection task shares.
 pub(crate) struct Shared {
     pub settings: Settings,
-    pub router: Router,
+    pub router: router::RouterHandle,
     pub store: Arc<StateStoreService>,
     pub publisher: Arc<Publisher>,
     pub sessions: Arc<Sessions>,

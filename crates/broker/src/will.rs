@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rumqttd::protocol::{LastWill, LastWillProperties};
+use router::protocol::{LastWill, LastWillProperties};
 
 use crate::durable::Durable;
 use crate::publisher::{Publisher, will_publish};

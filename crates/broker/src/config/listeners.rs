@@ -91,7 +91,7 @@ struct Resolved {
 /// Resolves the listener sections; `listen` (from `--listen`) replaces them
 /// with the first one's settings on each address.
 pub(super) fn resolve(
-    rumqttd: &rumqttd::Config,
+    rumqttd: &router::Config,
     root: &HashMap<String, config::Value>,
     listen: &[SocketAddr],
     base_dir: &Path,
@@ -155,7 +155,7 @@ pub(super) fn resolve(
 
 fn one(
     name: &str,
-    server: &rumqttd::ServerSettings,
+    server: &router::ServerSettings,
     transport: Transport,
     base_dir: &Path,
 ) -> Result<Listener, ConfigError> {
@@ -179,7 +179,7 @@ fn one(
     }
     let tls = match &server.tls {
         None => None,
-        Some(rumqttd::TlsConfig::Rustls {
+        Some(router::TlsConfig::Rustls {
             capath,
             certpath,
             keypath,
@@ -188,7 +188,7 @@ fn one(
             key: base_dir.join(keypath),
             ca: capath.as_ref().map(|ca| base_dir.join(ca)),
         }),
-        Some(rumqttd::TlsConfig::NativeTls { .. }) => {
+        Some(router::TlsConfig::NativeTls { .. }) => {
             return Err(invalid(format!(
                 "{name}.tls: PKCS#12 (pkcs12path) is not supported; give PEM files as certpath, keypath and, for client certificates, capath"
             )));

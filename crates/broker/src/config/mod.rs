@@ -92,7 +92,7 @@ pub struct Settings {
     /// rumqttd's router id.
     pub router_id: usize,
     /// `[router]`
-    pub router: rumqttd::RouterConfig,
+    pub router: router::RouterConfig,
     /// The listeners, at least one.
     pub listeners: Vec<Listener>,
     /// `[broker]`
@@ -216,7 +216,7 @@ impl Settings {
         if let Some((section, why)) = unsupported.first() {
             return Err(invalid(format!("[{section}]: {why}")));
         }
-        let rumqttd: rumqttd::Config = deserialize(&layered)?;
+        let rumqttd: router::Config = deserialize(&layered)?;
         let Sections {
             broker,
             statestore,

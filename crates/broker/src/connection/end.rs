@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use rumqttd::protocol::{DisconnectReasonCode, LastWill, LastWillProperties};
+use router::protocol::{DisconnectReasonCode, LastWill, LastWillProperties};
 
 use super::link::LinkFailure;
 use crate::codec::CodecError;
@@ -185,7 +185,7 @@ mod tests {
             Some(LastWill {
                 topic: "t".into(),
                 message: "bye".into(),
-                qos: rumqttd::protocol::QoS::AtLeastOnce,
+                qos: router::protocol::QoS::AtLeastOnce,
                 retain: false,
             })
         };

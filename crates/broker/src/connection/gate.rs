@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use rumqttd::protocol::Packet;
+use router::protocol::Packet;
 
 use crate::durable::Durable;
 
@@ -83,7 +83,7 @@ mod tests {
     use super::*;
     use crate::config::{Mode, PersistenceSettings};
     use crate::persistence::{Persistence, Put, Space};
-    use rumqttd::protocol::PingResp;
+    use router::protocol::PingResp;
 
     #[test]
     fn without_a_disk_it_never_closes() {

@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rumqttd::protocol::{
+use router::protocol::{
     self, ConnAck, ConnAckProperties, Connect, ConnectProperties, ConnectReturnCode, LastWill,
     LastWillProperties, Login, Packet,
 };
@@ -16,7 +16,7 @@ use rumqttd::protocol::{
 use super::socket::{Socket, Stream};
 use crate::codec::{CodecError, Protocol};
 use crate::config::Listener;
-use crate::router::INTERNAL_PREFIX;
+use crate::publisher::INTERNAL_PREFIX;
 use crate::topics;
 
 /// A CONNECT, in parts.
@@ -244,7 +244,7 @@ pub(crate) fn connack(
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use rumqttd::protocol::QoS;
+    use router::protocol::QoS;
 
     fn listener() -> Listener {
         Listener {

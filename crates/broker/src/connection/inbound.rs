@@ -10,7 +10,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use bytes::Bytes;
-use rumqttd::protocol::{
+use router::protocol::{
     DisconnectReasonCode, Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
     PubRecReason, Publish,
 };

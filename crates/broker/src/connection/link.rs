@@ -6,11 +6,11 @@
 //! idles, costs the router nothing. Packets for the router are gathered
 //! while a read is handled and handed over in one batch, with one wake-up.
 
-use rumqttd::Notification;
-use rumqttd::local::{LinkError, LinkRx, LinkTx};
-use rumqttd::protocol::Packet;
+use router::Notification;
+use router::local::{LinkError, LinkRx, LinkTx};
+use router::protocol::Packet;
 
-use crate::router::{LinkRefused, Router, poll_once};
+use router::{LinkRefused, RouterHandle as Router};
 
 /// Why the router could not be reached.
 #[derive(Debug)]
@@ -71,9 +71,7 @@ impl RouterLink {
         if lazy {
             return Ok((link, false));
         }
-        let (tx, rx, connack) = router
-            .link_async(client_id.to_owned(), clean_start, session_expiry)
-            .await?;
+        let (tx, rx, connack) = router.link(client_id, clean_start, session_expiry).await?;
         let present = matches!(
             Option::<Packet>::from(connack),
             Some(Packet::ConnAck(ack, _)) if ack.session_present
@@ -106,13 +104,13 @@ impl RouterLink {
     /// Sends what was queued, with one wake-up; joins the router first if
     /// the connection has not yet.
     pub async fn flush(&mut self) -> Result<(), LinkFailure> {
-        let Some(last) = self.batch.pop() else {
+        if self.batch.is_empty() {
             return Ok(());
-        };
+        }
         if self.link.is_none() {
             let (tx, rx, _connack) = self
                 .router
-                .link_async(self.client_id.clone(), self.clean_start, self.session_expiry)
+                .link(&self.client_id, self.clean_start, self.session_expiry)
                 .await
                 .map_err(|e| {
                     tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
@@ -123,12 +121,8 @@ impl RouterLink {
         let Some((tx, _)) = &mut self.link else {
             return Err(LinkFailure::Closed);
         };
-        tx.buffer().extend(self.batch.drain(..));
-        // `LinkTx::send` is an async fn that never awaits (see `poll_once`).
-        match poll_once(tx.send(last)) {
-            Some(Ok(_)) => Ok(()),
-            _ => Err(LinkFailure::Closed),
-        }
+        tx.send_all(self.batch.drain(..))
+            .map_err(|_| LinkFailure::Closed)
     }
 
     /// The next notification from the router; never, without a link.
@@ -142,10 +136,7 @@ impl RouterLink {
     /// The next notification if the router has one ready now.
     pub fn next_ready(&mut self) -> Option<Notification> {
         let (_, rx) = self.link.as_mut()?;
-        match poll_once(rx.next()) {
-            Some(Ok(Some(n))) => Some(n),
-            _ => None,
-        }
+        rx.try_next().ok().flatten()
     }
 
     /// Tells the router this connection wants to be scheduled again (after
@@ -161,19 +152,20 @@ impl RouterLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol::Publish;
+    use router::protocol::Publish;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn joins_the_router_only_when_something_is_sent() {
         let router = Router::spawn(
             0,
-            rumqttd::RouterConfig {
+            router::RouterConfig {
                 max_connections: 10,
                 max_segment_size: 1 << 20,
                 max_segment_count: 2,
                 max_outgoing_packet_count: 10,
-                ..rumqttd::RouterConfig::default()
+                ..router::RouterConfig::default()
             },
+            0,
         );
         let (mut link, present) = RouterLink::open(&router, "c", true, 0, true).await.unwrap();
         assert!(!present);

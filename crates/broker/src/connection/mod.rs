@@ -2,7 +2,7 @@
 //!
 //! The task owns the socket. [`serve`] (here) reads CONNECT ([`handshake`])
 //! and registers the client; the [`task`] then moves packets both ways
-//! between the client and rumqttd's router, through a `rumqttd::local` link
+//! between the client and rumqttd's router, through a `router::local` link
 //! ([`link`]: a session kept after the connection joins the router at
 //! CONNECT, a clean one when it first sends something for the router, so
 //! that a connection that only talks to the state store, or idles, costs the

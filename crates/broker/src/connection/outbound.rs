@@ -22,11 +22,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use rumqttd::protocol::{Packet, PubAck, PubAckReason};
+use router::protocol::{Packet, PubAck, PubAckReason};
 
 use crate::codec::{self, Protocol};
-use crate::router::ROUTER_MAX_PKID;
 use crate::sessions::{Direct, QueueBound, ToConnection};
+use router::MAX_ROUTER_PKID as ROUTER_MAX_PKID;
 
 /// The first packet id of direct deliveries.
 pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
@@ -385,7 +385,7 @@ impl DirectWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol::PublishProperties;
+    use router::protocol::PublishProperties;
 
     fn message(n: u8, qos: u8) -> Direct {
         Direct {

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rumqttd::protocol::{Publish, PublishProperties};
+use router::protocol::{Publish, PublishProperties};
 use statestore::{Caller, Dialect, Request};
 
 use super::end::End;

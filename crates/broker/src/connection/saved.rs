@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use rumqttd::protocol::{Publish, PublishProperties};
+use router::protocol::{Publish, PublishProperties};
 
 use crate::durable::{Durable, tag};
 use crate::sessions::Sessions;

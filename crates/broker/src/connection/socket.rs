@@ -7,7 +7,7 @@
 //! connection's loop produced.
 
 use bytes::BytesMut;
-use rumqttd::protocol::Packet;
+use router::protocol::Packet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, Incoming, Protocol};
@@ -139,7 +139,7 @@ impl<S: Stream> Socket<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol::PingResp;
+    use router::protocol::PingResp;
 
     fn connect_v4() -> Vec<u8> {
         let mut b = vec![0x10, 12, 0, 4];

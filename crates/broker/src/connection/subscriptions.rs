@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use rumqttd::protocol::{
+use router::protocol::{
     self, Filter, Packet, QoS, SubAck, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
 };
 
@@ -164,7 +164,7 @@ impl PendingRefusals {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol::RetainForwardRule;
+    use router::protocol::RetainForwardRule;
 
     const OWN: &str = "6331"; // "c1"
 

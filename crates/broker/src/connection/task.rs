@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rumqttd::Notification;
-use rumqttd::protocol::{
+use router::Notification;
+use router::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
     PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
 };

@@ -2,7 +2,7 @@
 //! formats are described in [`crate::durable`]).
 
 use bytes::{Buf, BufMut, BytesMut};
-use rumqttd::protocol::{Packet, Publish, PublishProperties};
+use router::protocol::{Packet, Publish, PublishProperties};
 
 use crate::codec::Protocol;
 use crate::publisher::SavedMessage;

@@ -53,7 +53,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rumqttd::protocol::{
+use router::protocol::{
     Disconnect, DisconnectProperties, DisconnectReasonCode, Filter, Packet, Publish,
     PublishProperties, QoS, RetainForwardRule, Subscribe, SubscribeProperties,
 };
@@ -61,7 +61,6 @@ use rumqttd::protocol::{
 use crate::clock::now_ms;
 use crate::persistence::{Pair, Persistence, Put, Space};
 use crate::publisher::{Publisher, SavedMessage};
-use crate::router::{Router, poll_once};
 use crate::sessions::{Journal, SavedSession, Sessions, granted};
 use crate::topics;
 
@@ -180,7 +179,7 @@ impl Durable {
     pub async fn restore(
         &self,
         saved: Saved,
-        router: &Router,
+        router: &router::RouterHandle,
         publisher: &Publisher,
         sessions: &Sessions,
     ) -> Restored {
@@ -417,7 +416,7 @@ fn remaining(session: &SavedSession, now: u64) -> Option<Option<Duration>> {
 
 /// Rebuilds `client`'s session in the router and the mirror.
 async fn rebuild(
-    router: &Router,
+    router: &router::RouterHandle,
     sessions: &Sessions,
     client: &str,
     session: SavedSession,
@@ -428,7 +427,7 @@ async fn rebuild(
     let expiry = left.map_or(u32::MAX, |d| {
         u32::try_from(d.as_millis().div_ceil(1000)).unwrap_or(u32::MAX - 1)
     });
-    let (mut tx, _rx, _connack) = match router.link_async(client.to_owned(), false, expiry).await {
+    let (mut tx, _rx, _connack) = match router.link(client, false, expiry).await {
         Ok(link) => link,
         Err(e) => {
             tracing::error!(client_id = client, error = %e, "cannot restore a saved session");
@@ -493,11 +492,7 @@ async fn rebuild(
             server_reference: None,
         }),
     ));
-    let last = packets.pop();
-    tx.buffer().extend(packets);
-    if let Some(last) = last
-        && !matches!(poll_once(tx.send(last)), Some(Ok(_)))
-    {
+    if tx.send_all(packets).is_err() {
         tracing::error!(client_id = client, "cannot restore a saved session");
         return;
     }

@@ -11,7 +11,7 @@
 //!   topic and the subscription identifiers it is delivered with.
 
 use bytes::Bytes;
-use rumqttd::protocol::{Publish, PublishProperties};
+use router::protocol::{Publish, PublishProperties};
 
 use crate::topics;
 

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use rumqttd::protocol::DisconnectReasonCode;
+use router::protocol::DisconnectReasonCode;
 use serde::{Deserialize, Serialize};
 
 pub use rules::{Action, DelaySpec, Rule, RuleSpec, VERBS, reason_code};

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use rumqttd::protocol::DisconnectReasonCode;
+use router::protocol::DisconnectReasonCode;
 use serde::{Deserialize, Serialize};
 use statestore::glob::Pattern;
 

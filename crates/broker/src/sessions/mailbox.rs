@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use rumqttd::protocol::PublishProperties;
+use router::protocol::PublishProperties;
 use tokio::sync::mpsc;
 
 /// What the broker tells a connection task.
@@ -23,7 +23,7 @@ pub enum ToConnection {
     /// connection (MQTT 5: 0x97 quota exceeded).
     Overflow,
     /// A fault: end the connection with this reason (see [`crate::faults`]).
-    Disconnect(rumqttd::protocol::DisconnectReasonCode),
+    Disconnect(router::protocol::DisconnectReasonCode),
 }
 
 /// The bound on what waits for one connection: direct deliveries queued,

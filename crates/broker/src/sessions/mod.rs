@@ -38,7 +38,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
-use rumqttd::protocol;
+use router::protocol;
 
 pub use acknowledged::{Acknowledged, SharedAcknowledged};
 pub use census::{Census, ClientView, ConnectionView, Peer};
@@ -441,7 +441,7 @@ impl Sessions {
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use rumqttd::protocol::PublishProperties;
+    use router::protocol::PublishProperties;
     use tokio::sync::mpsc;
 
     fn msg() -> Direct {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use rumqttd::protocol;
+use router::protocol;
 
 use super::wild::bare;
 use super::{Direct, Mailbox, Sessions, Sub, ToConnection, Undelivered};

@@ -18,7 +18,7 @@ use std::sync::Arc;
 /// Whether `filter` belongs here (a wildcard or a shared subscription)
 /// rather than among the exact filters.
 pub(super) fn is_wild(filter: &str) -> bool {
-    rumqttd::protocol::has_wildcards(filter) || filter.starts_with("$share/")
+    router::protocol::has_wildcards(filter) || filter.starts_with("$share/")
 }
 
 /// `filter` without its `$share/{group}/` prefix.
@@ -116,7 +116,7 @@ impl WildFilters {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rumqttd::protocol;
+    use router::protocol;
 
     fn matching(index: &WildFilters, topic: &str) -> Vec<String> {
         let mut found: Vec<String> = index

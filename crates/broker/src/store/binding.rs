@@ -26,7 +26,7 @@
 //! official Rust client requires on every RESP3 answer, `-ERR` ones included.
 
 use bytes::Bytes;
-use rumqttd::protocol::{self, DisconnectReasonCode, PublishProperties};
+use router::protocol::{self, DisconnectReasonCode, PublishProperties};
 use statestore::{Dialect, Notice, Request};
 
 use crate::sessions::Direct;

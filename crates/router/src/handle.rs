@@ -1,0 +1,191 @@
+//! A running router, and how links to it are made (statebroker).
+//!
+//! The router runs on its own thread and does routing, subscriptions, QoS
+//! bookkeeping, sessions, retained messages and shared subscriptions. Its
+//! users talk to it through links ([`crate::local`]), one per client
+//! connection plus the broker's own; [`RouterHandle`] makes them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use flume::Sender;
+
+use crate::local::{LinkBuilder, LinkRx, LinkTx};
+use crate::router::Event;
+use crate::{ConnectionId, Notification, Router, RouterConfig};
+
+/// The router numbers the publishes it sends one connection `1..=100`
+/// (its `MAX_INFLIGHT`) and waits for acknowledgements before it sends
+/// more: packet ids above it are free for the broker's own deliveries to
+/// that connection.
+pub const MAX_ROUTER_PKID: u16 = 100;
+
+/// The router did not register a link (it is full, or it refused the client id).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("router refused the link: {0}")]
+pub struct LinkRefused(String);
+
+/// A registered link: what to send, what to receive, and the router's CONNACK.
+pub type Link = (LinkTx, LinkRx, Notification);
+
+/// A handle to a running router; clones share it.
+#[derive(Clone)]
+pub struct RouterHandle {
+    tx: Sender<(ConnectionId, Event)>,
+    /// Retained messages the router holds (patch 14).
+    retained: Arc<AtomicUsize>,
+}
+
+impl RouterHandle {
+    /// Starts a router on its own thread. `extra_links` is room for links
+    /// besides `config.max_connections` (the broker's own).
+    pub fn spawn(id: usize, mut config: RouterConfig, extra_links: usize) -> RouterHandle {
+        config.max_connections += extra_links;
+        let router = Router::new(id, config);
+        let retained = router.retained_count();
+        RouterHandle {
+            tx: router.spawn(),
+            retained,
+        }
+    }
+
+    /// How many retained messages the router holds now.
+    pub fn retained_messages(&self) -> usize {
+        self.retained.load(Ordering::Relaxed)
+    }
+
+    /// Registers a connection with the router and returns its link and the
+    /// router's CONNACK.
+    /// `clean_start`: discard a session the router keeps for `client_id`;
+    /// `session_expiry`: seconds the router keeps this session after the
+    /// link ends (0: not at all, `u32::MAX`: for ever).
+    pub async fn link(
+        &self,
+        client_id: &str,
+        clean_start: bool,
+        session_expiry: u32,
+    ) -> Result<Link, LinkRefused> {
+        LinkBuilder::new(client_id, self.tx.clone())
+            .clean_session(clean_start)
+            .session_expiry(session_expiry)
+            // A publish to a topic nobody subscribes to is fine (rumqttd
+            // would otherwise disconnect the publisher).
+            .dynamic_filters(true)
+            // No broker-side topic aliases: delivery checks need topics.
+            .topic_alias_max(0)
+            .build_async()
+            .await
+            .map_err(|e| LinkRefused(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{
+        Filter, Packet, PubAck, PubAckReason, Publish, QoS, RetainForwardRule, Subscribe,
+    };
+
+    fn router() -> RouterHandle {
+        let config = RouterConfig {
+            max_connections: 10,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 1 << 20,
+            max_segment_count: 4,
+            ..RouterConfig::default()
+        };
+        RouterHandle::spawn(0, config, 0)
+    }
+
+    /// Collects forwarded publishes' packet ids until `count` arrived or
+    /// nothing more comes for a while.
+    async fn forwarded(rx: &mut LinkRx, count: usize) -> Vec<u16> {
+        let mut pkids = Vec::new();
+        while pkids.len() < count {
+            let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
+            match next.await {
+                Ok(Ok(Some(Notification::Forward(f)))) => pkids.push(f.publish.pkid),
+                Ok(Ok(Some(Notification::Unschedule))) => rx.wake().await.unwrap(),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => panic!("{e}"),
+                Err(_) => break,
+            }
+        }
+        pkids
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_router_numbers_deliveries_within_its_range() {
+        let router = router();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 0).await.unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::AtLeastOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        sub_tx
+            .send_all([Packet::Subscribe(subscribe, None)])
+            .unwrap();
+        // The SUBACK.
+        loop {
+            if let Ok(Some(Notification::DeviceAck(_))) = sub_rx.next().await {
+                break;
+            }
+        }
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0).await.unwrap();
+        let total = usize::from(MAX_ROUTER_PKID) + 50;
+        let publishes = (0..total).map(|n| {
+            let mut publish = Publish::new("t", "x", false);
+            publish.qos = QoS::AtLeastOnce;
+            publish.pkid = (n % 60000 + 1) as u16;
+            Packet::Publish(publish, None)
+        });
+        pub_tx.send_all(publishes).unwrap();
+        let first = forwarded(&mut sub_rx, total).await;
+        assert_eq!(
+            first,
+            (1..=MAX_ROUTER_PKID).collect::<Vec<_>>(),
+            "the router sends 1..=MAX_ROUTER_PKID before it waits for acknowledgements"
+        );
+        // Acknowledge them all: the rest come, numbered from 1 again.
+        let acks = first.into_iter().map(|pkid| {
+            let ack = PubAck {
+                pkid,
+                reason: PubAckReason::Success,
+            };
+            Packet::PubAck(ack, None)
+        });
+        sub_tx.send_all(acks).unwrap();
+        let rest = forwarded(&mut sub_rx, 50).await;
+        assert_eq!(rest.len(), 50);
+        assert!(
+            rest.iter().all(|&p| (1..=MAX_ROUTER_PKID).contains(&p)),
+            "{rest:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn try_next_takes_what_is_ready_and_never_waits() {
+        let router = router();
+        let (mut tx, mut rx, _) = router.link("c", true, 0).await.unwrap();
+        assert!(rx.try_next().unwrap().is_none(), "nothing yet");
+        tx.send_all([Packet::PingReq(crate::protocol::PingReq)])
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match rx.try_next().unwrap() {
+                Some(Notification::DeviceAck(_)) => break,
+                Some(_) => {}
+                None => {
+                    assert!(std::time::Instant::now() < deadline, "no PINGRESP");
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+    }
+}
