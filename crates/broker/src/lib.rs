@@ -126,22 +126,32 @@ impl Broker {
                 None
             }
         };
+        // The router's journal: what of the MQTT side survives a restart.
+        let durable = persistence
+            .as_ref()
+            .map(|(persistence, _)| durable::Durable::new(Arc::clone(persistence)));
         let router = router::RouterHandle::spawn(
             settings.router_id,
             settings.router.clone(),
             publisher::INTERNAL_LINKS,
+            durable
+                .clone()
+                .map(|durable| durable as Arc<dyn router::Journal>),
         );
-        let sessions = Arc::new(sessions::Sessions::default());
+        let sessions = Arc::new(sessions::Sessions::new(Arc::clone(router.subscriptions())));
         let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
-        let (persistence, durable) = match persistence {
-            Some((persistence, mut loaded)) => {
-                let saved = durable::Durable::new(Arc::clone(&persistence));
+        let persistence = match (persistence, &durable) {
+            (Some((persistence, mut loaded)), Some(durable)) => {
                 let kept = durable::Saved {
                     retained: std::mem::take(&mut loaded.retained),
                     sessions: std::mem::take(&mut loaded.sessions),
                     queued: std::mem::take(&mut loaded.queued),
                 };
-                let restored = saved.restore(kept, &router, &publisher, &sessions).await;
+                let (restore, restored) = durable.restore(kept);
+                router
+                    .restore(restore)
+                    .await
+                    .map_err(std::io::Error::other)?;
                 tracing::info!(
                     retained = restored.retained,
                     sessions = restored.sessions,
@@ -150,10 +160,9 @@ impl Broker {
                     unreadable = restored.unreadable,
                     "restored retained messages and persistent sessions"
                 );
-                sessions.set_journal(Arc::clone(&saved) as Arc<dyn sessions::Journal>);
-                (Some((persistence, loaded)), Some(saved))
+                Some((persistence, loaded))
             }
-            None => (None, None),
+            _ => None,
         };
         let activity = Arc::new(activity::Activity::default());
         let store = StateStoreService::start(
@@ -162,7 +171,7 @@ impl Broker {
             Arc::clone(&publisher),
             Arc::clone(&activity),
         );
-        let wills = will::WillRegistry::new(Arc::clone(&publisher), durable.clone());
+        let wills = will::WillRegistry::new(Arc::clone(&publisher));
         let faults = faults::Faults::new(&settings.faults).map_err(std::io::Error::other)?;
         if faults.enabled() {
             tracing::warn!(

@@ -53,20 +53,6 @@ impl Link {
     }
 }
 
-/// A message saved before a restart (retained, or queued for a persistent
-/// session).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SavedMessage {
-    /// Its topic.
-    pub topic: bytes::Bytes,
-    /// Its payload.
-    pub payload: bytes::Bytes,
-    /// The QoS it was published with.
-    pub qos: u8,
-    /// Its MQTT 5 properties.
-    pub properties: Option<PublishProperties>,
-}
-
 /// Publishes as the broker itself.
 pub struct Publisher {
     link: Mutex<Link>,
@@ -152,33 +138,14 @@ impl Publisher {
 
     /// Publishes retained QoS 0 messages of the broker's own (`$SYS`).
     pub fn publish_retained(&self, messages: Vec<(String, String)>) {
-        let messages = messages
+        let packets = messages
             .into_iter()
-            .map(|(topic, payload)| SavedMessage {
-                topic: topic.into(),
-                payload: payload.into(),
-                qos: 0,
-                properties: None,
+            .map(|(topic, payload)| {
+                let publish = codec::publish(topic.as_bytes(), payload.as_bytes(), 0, 0, true);
+                Packet::Publish(publish, None)
             })
             .collect();
-        self.publish_saved(messages, true);
-    }
-
-    /// Gives the router messages saved before a restart, each at its own
-    /// QoS (a QoS 2 one is released at once), as retained messages or not.
-    pub fn publish_saved(&self, messages: Vec<SavedMessage>, retain: bool) {
-        let mut link = self.link.lock();
-        for chunk in messages.chunks(1024) {
-            let mut packets = Vec::with_capacity(chunk.len() * 2);
-            for message in chunk {
-                let qos = message.qos.min(2);
-                let pkid = if qos == 0 { 0 } else { link.next_pkid() };
-                let publish = codec::publish(&message.topic, &message.payload, qos, pkid, retain);
-                packets.push(Packet::Publish(publish, message.properties.clone()));
-                release_at_once(&mut packets, qos, pkid);
-            }
-            link.send(packets);
-        }
+        self.link.lock().send(packets);
     }
 
     /// Publishes a client's Last Will at its QoS (a QoS 2 one is released

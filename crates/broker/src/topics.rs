@@ -36,26 +36,6 @@ pub fn notification_topic(client_id: &str, key: &[u8]) -> String {
     )
 }
 
-/// The topic on which the messages queued for `client_id`'s persistent
-/// session before a restart are given back to it (see
-/// [`crate::durable`]). It lies in the notification namespace, so it is as
-/// private as the client's notifications; the connection puts the
-/// message's own topic back before sending it.
-pub fn restored_topic(client_id: &str) -> String {
-    format!(
-        "{NOTIFY_NAMESPACE}/{}/restored",
-        hex::encode_upper(client_id)
-    )
-}
-
-/// Whether `topic` is where the client `own_hex` gets back its queued
-/// messages after a restart.
-pub fn is_restored_topic(topic: &str, own_hex: &str) -> bool {
-    notify_owner(topic) == Some(own_hex)
-        && topic.len() == NOTIFY_NAMESPACE.len() + own_hex.len() + "//restored".len()
-        && topic.ends_with("/restored")
-}
-
 /// Whether a request may not use `topic` as its Response Topic.
 pub fn is_reserved_response_topic(topic: &str) -> bool {
     topic == REQUEST_TOPIC || topic == LEGACY_REQUEST_TOPIC || topic.starts_with(NOTIFY_NAMESPACE)
@@ -145,19 +125,5 @@ mod tests {
         assert!(may_receive("sensors/temp", OWN));
         assert!(in_notify_namespace(&format!("{ns}/x")));
         assert!(!in_notify_namespace(&format!("{ns}x")));
-    }
-
-    #[test]
-    fn restored_messages_are_private() {
-        let topic = restored_topic("c1");
-        assert!(is_restored_topic(&topic, OWN));
-        assert!(!is_restored_topic(&topic, "6332"));
-        assert!(!may_receive(&topic, "6332"), "another client never gets it");
-        assert!(may_receive(&topic, OWN));
-        assert!(!is_restored_topic(&format!("{topic}/x"), OWN));
-        assert!(!is_restored_topic(
-            &notification_topic("c1", b"restored"),
-            OWN
-        ));
     }
 }

@@ -17,8 +17,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use router::protocol::{LastWill, LastWillProperties};
 
-use crate::durable::Durable;
-use crate::publisher::{Publisher, will_publish};
+use crate::publisher::Publisher;
 
 /// A will waiting to be published.
 #[derive(Debug, Clone)]
@@ -43,28 +42,19 @@ struct ClientWills {
 pub struct WillRegistry {
     clients: Mutex<HashMap<String, ClientWills>>,
     publisher: Arc<Publisher>,
-    durable: Option<Arc<Durable>>,
 }
 
 impl WillRegistry {
-    /// A registry that publishes through `publisher`; a retained will is
-    /// saved through `durable` (with a data directory).
-    pub fn new(publisher: Arc<Publisher>, durable: Option<Arc<Durable>>) -> Arc<WillRegistry> {
+    /// A registry that publishes through `publisher` (the router saves a
+    /// retained will as it saves any retained message).
+    pub fn new(publisher: Arc<Publisher>) -> Arc<WillRegistry> {
         Arc::new(WillRegistry {
             clients: Mutex::new(HashMap::new()),
             publisher,
-            durable,
         })
     }
 
     fn publish(&self, will: Will) {
-        if will.will.retain
-            && let Some(durable) = &self.durable
-        {
-            // Saved as a client's publish would be: with a packet id.
-            let (publish, properties) = will_publish(&will.will, will.properties.clone(), 1);
-            durable.retain(&publish, properties.as_ref());
-        }
         self.publisher.publish_will(will.will, will.properties);
     }
 

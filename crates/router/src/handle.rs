@@ -12,7 +12,7 @@ use flume::Sender;
 
 use crate::local::{LinkBuilder, LinkRx, LinkTx};
 use crate::router::Event;
-use crate::{ConnectionId, Notification, Router, RouterConfig};
+use crate::{ConnectionId, Journal, Notification, Restore, Router, RouterConfig, Subscriptions};
 
 /// The router numbers the publishes it sends one connection `1..=100`
 /// (its `MAX_INFLIGHT`) and waits for acknowledgements before it sends
@@ -34,24 +34,55 @@ pub struct RouterHandle {
     tx: Sender<(ConnectionId, Event)>,
     /// Retained messages the router holds (patch 14).
     retained: Arc<AtomicUsize>,
+    /// Who subscribes to what (patch 16).
+    subscriptions: Arc<Subscriptions>,
 }
 
 impl RouterHandle {
     /// Starts a router on its own thread. `extra_links` is room for links
-    /// besides `config.max_connections` (the broker's own).
-    pub fn spawn(id: usize, mut config: RouterConfig, extra_links: usize) -> RouterHandle {
+    /// besides `config.max_connections` (the broker's own). With a
+    /// `journal`, what a restart must not lose is saved there (see
+    /// [`Journal`]).
+    pub fn spawn(
+        id: usize,
+        mut config: RouterConfig,
+        extra_links: usize,
+        journal: Option<Arc<dyn Journal>>,
+    ) -> RouterHandle {
         config.max_connections += extra_links;
-        let router = Router::new(id, config);
+        let mut router = Router::new(id, config);
+        if let Some(journal) = journal {
+            router.set_journal(journal);
+        }
         let retained = router.retained_count();
+        let subscriptions = router.subscriptions();
         RouterHandle {
             tx: router.spawn(),
             retained,
+            subscriptions,
         }
     }
 
     /// How many retained messages the router holds now.
     pub fn retained_messages(&self) -> usize {
         self.retained.load(Ordering::Relaxed)
+    }
+
+    /// Who subscribes to what, by client id (see [`Subscriptions`]).
+    pub fn subscriptions(&self) -> &Arc<Subscriptions> {
+        &self.subscriptions
+    }
+
+    /// Gives the router back what the journal kept (see [`Restore`]);
+    /// returns once the router has it. Call before any client connects.
+    pub async fn restore(&self, restore: Restore) -> Result<(), LinkRefused> {
+        let (done, restored) = flume::bounded(1);
+        let gone = || LinkRefused("the router is not running".to_owned());
+        self.tx
+            .send_async((0, Event::Restore(restore, done)))
+            .await
+            .map_err(|_| gone())?;
+        restored.recv_async().await.map_err(|_| gone())
     }
 
     /// Registers a connection with the router and returns its link and the
@@ -94,7 +125,7 @@ mod tests {
             max_segment_count: 4,
             ..RouterConfig::default()
         };
-        RouterHandle::spawn(0, config, 0)
+        RouterHandle::spawn(0, config, 0, None)
     }
 
     /// Collects forwarded publishes' packet ids until `count` arrived or

@@ -7,18 +7,23 @@ use std::sync::Arc;
 use std::{collections::HashMap, path::Path};
 
 pub use handle::{Link, LinkRefused, RouterHandle, MAX_ROUTER_PKID};
+pub use journal::{Journal, Message, MessageId, Receipt, Restore, RestoredSession};
 pub use link::local;
 pub use router::{Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router};
 use segments::Storage;
 use serde::{Deserialize, Serialize};
+pub use subscriptions::{granted, Counts, SessionRecord, SubOptions, Subscriptions};
 
 pub use self::router::shared_subs::Strategy;
 
 mod handle;
+mod journal;
 mod link;
 pub mod protocol;
 mod router;
 mod segments;
+mod subscriptions;
+mod topic_tree;
 
 pub type ConnectionId = usize;
 pub type RouterId = usize;

@@ -63,12 +63,6 @@ impl Inbound {
         }
     }
 
-    /// Whether a QoS 2 publish with `pkid` is a retransmission (the
-    /// client's earlier one is not yet released).
-    pub fn is_retransmission(&self, qos: u8, pkid: u16) -> bool {
-        qos == 2 && self.qos2_received.contains(&pkid)
-    }
-
     /// A QoS `qos` publish with `pkid` arrived: one more unacknowledged
     /// (unless it is QoS 0, or a QoS 2 retransmission), unless that passes
     /// the Receive Maximum.

@@ -91,11 +91,6 @@ impl RouterLink {
         self.batch.push(packet);
     }
 
-    /// Packets queued for the next flush.
-    pub fn queued(&self) -> usize {
-        self.batch.len()
-    }
-
     /// The queue, for code that adds several packets.
     pub fn batch(&mut self) -> &mut Vec<Packet> {
         &mut self.batch
@@ -166,6 +161,7 @@ mod tests {
                 ..router::RouterConfig::default()
             },
             0,
+            None,
         );
         let (mut link, present) = RouterLink::open(&router, "c", true, 0, true).await.unwrap();
         assert!(!present);

@@ -40,7 +40,6 @@ mod inbound;
 mod link;
 mod outbound;
 mod request;
-mod saved;
 mod socket;
 mod subscriptions;
 mod task;
@@ -61,7 +60,6 @@ use handshake::{Refusal, Terms};
 use inbound::{AckOrder, Inbound};
 use link::RouterLink;
 use outbound::Outbound;
-use saved::Saved;
 use socket::Socket;
 pub(crate) use socket::Stream;
 use subscriptions::PendingRefusals;
@@ -180,8 +178,7 @@ pub(crate) async fn serve<S: Stream>(
     let acknowledged = shared.sessions.connected(
         &client_id,
         id,
-        terms.clean_start,
-        terms.session_expiry,
+        session_present,
         mailbox,
         Arc::clone(&peer_view),
     );
@@ -237,7 +234,6 @@ pub(crate) async fn serve<S: Stream>(
         answered: shared.store.answered(),
         principal,
         shared: Arc::clone(&shared),
-        saved: Saved::new(shared.durable.clone()),
         peer: peer_view,
     };
     crate::metrics::connection_opened();

@@ -14,12 +14,11 @@
 use std::collections::HashMap;
 
 use router::protocol::{
-    self, Filter, Packet, QoS, SubAck, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
+    self, Filter, Packet, SubAck, SubscribeReasonCode, UnsubAck, UnsubAckReason, Unsubscribe,
 };
 
 use crate::authorization::{Policy, Principal};
 use crate::codec::Protocol;
-use crate::sessions::{Sessions, Sub};
 use crate::topics;
 
 /// Why the broker refuses `filter` for the client whose id hex-encodes to
@@ -94,43 +93,14 @@ pub(crate) fn check(
     checked
 }
 
-/// Records the `allowed` filters (with subscription identifier `id`) in the
-/// broker's subscription mirror, as the router will record them. Returns
-/// what the SUBACK waits for (a persistent session is saved first; 0:
-/// nothing).
-pub(crate) fn mirror(
-    sessions: &Sessions,
-    client_id: &str,
-    allowed: &[Filter],
-    id: Option<usize>,
-) -> u64 {
-    let filters: Vec<(&str, Sub)> = allowed
-        .iter()
-        .map(|filter| {
-            let qos = match filter.qos {
-                QoS::AtMostOnce => 0,
-                QoS::AtLeastOnce => 1,
-                QoS::ExactlyOnce => 2,
-            };
-            let sub = Sub {
-                qos,
-                id,
-                no_local: filter.nolocal,
-                retain_as_published: filter.preserve_retain,
-            };
-            (filter.path.as_str(), sub)
-        })
-        .collect();
-    sessions.subscribe(client_id, &filters)
-}
-
-/// The UNSUBACK the connection answers with itself (rumqttd sends none
-/// for a filter that was not subscribed): success for every filter.
-pub(crate) fn unsuback(unsubscribe: &Unsubscribe) -> Packet {
+/// The UNSUBACK of a connection that has not joined the router: it has no
+/// subscription, so none existed (MQTT 5 0x11; 3.1.1 clients see a plain
+/// UNSUBACK).
+pub(crate) fn unsuback_without_subscriptions(unsubscribe: &Unsubscribe) -> Packet {
     Packet::UnsubAck(
         UnsubAck {
             pkid: unsubscribe.pkid,
-            reasons: vec![UnsubAckReason::Success; unsubscribe.filters.len()],
+            reasons: vec![UnsubAckReason::NoSubscriptionExisted; unsubscribe.filters.len()],
         },
         None,
     )
@@ -164,7 +134,7 @@ impl PendingRefusals {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use router::protocol::RetainForwardRule;
+    use router::protocol::{QoS, RetainForwardRule};
 
     const OWN: &str = "6331"; // "c1"
 

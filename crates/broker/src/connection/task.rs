@@ -14,17 +14,15 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::end::End;
-use super::gate::Gate;
+use super::gate::{Gate, Held};
 use super::hold::{AckHold, Awaited};
 use super::inbound::{self, AckOrder, Inbound};
 use super::link::RouterLink;
 use super::outbound::{self, Outbound};
-use super::saved::Saved;
 use super::socket::{Socket, Stream};
 use super::subscriptions::{self, PendingRefusals};
 use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
-use crate::durable::tag;
 use crate::publisher::Publisher;
 use crate::sessions::{Sessions, ToConnection};
 use crate::shared::Shared;
@@ -63,7 +61,7 @@ pub(super) struct Connection<S> {
     /// for ever); DISCONNECT may change it.
     pub(super) session_expiry: u32,
     pub(super) legacy_2023: bool,
-    /// Changes waiting for the disk (retained messages, session changes).
+    /// Acknowledgements waiting for the disk.
     pub(super) gate: Gate,
     /// Acknowledgements that wait to go out with their answers.
     pub(super) ack_hold: AckHold,
@@ -72,8 +70,6 @@ pub(super) struct Connection<S> {
     /// Where the store's published answers are (see `StateStoreService::
     /// answered`): one subscription for the connection's life.
     pub(super) answered: tokio::sync::watch::Receiver<u64>,
-    /// Messages saved for persistent sessions, coming and going.
-    pub(super) saved: Saved,
     /// Who the client is, for the authorization policy.
     pub(super) principal: Arc<Principal>,
     /// The broker's shared parts (the policy in use among them).
@@ -81,10 +77,6 @@ pub(super) struct Connection<S> {
     /// What the web view shows of this connection.
     pub(super) peer: Arc<crate::sessions::Peer>,
 }
-
-/// Packets for the router a connection may gather while they wait for the
-/// disk (see [`Gate`]) before it stops reading.
-const MAX_HELD: usize = 256;
 
 /// How long a write to a client without keep-alive may stall before the
 /// client is disconnected.
@@ -135,12 +127,19 @@ impl<S: Stream> Connection<S> {
                     }
                 }
                 () = self.gate.durable_now() => {
+                    // In order; what closes the gate again holds the rest.
                     for held in self.gate.open() {
-                        self.socket.queue(held);
+                        match held {
+                            Held::Ack(ack) => {
+                                let socket = &mut self.socket;
+                                self.gate.send(ack, None, |ack| socket.queue(ack));
+                            }
+                            Held::Router(notification) => {
+                                self.on_router_notification(notification)?;
+                            }
+                        }
                     }
-                    // What waited goes to the router; then the rest of
-                    // what was read.
-                    self.flush_link().await?;
+                    // Reading may have stopped while they waited.
                     let read = self.read_packets();
                     self.flush_link().await?;
                     read?;
@@ -209,11 +208,10 @@ impl<S: Stream> Connection<S> {
         }
     }
 
-    /// Whether reading stops until the disk catches up: while the gate is
-    /// closed, what goes to the router waits in the link's batch, up to
-    /// [`MAX_HELD`] packets.
+    /// Whether reading stops until the disk catches up: while too many
+    /// acknowledgements or answers wait for it.
     fn reading_paused(&self) -> bool {
-        self.gate.is_closed() && self.link.queued() >= MAX_HELD || self.awaited_full().is_some()
+        self.gate.is_full() || self.awaited_full().is_some()
     }
 
     /// The batch to wait for when this connection waits for too many
@@ -233,11 +231,9 @@ impl<S: Stream> Connection<S> {
         Ok(())
     }
 
-    /// Hands the router what was queued for it, unless that waits for the disk.
+    /// Hands the router what was queued for it.
     async fn flush_link(&mut self) -> Result<(), End> {
-        if !self.gate.is_closed() {
-            self.link.flush().await?;
-        }
+        self.link.flush().await?;
         Ok(())
     }
 
@@ -341,7 +337,6 @@ impl<S: Stream> Connection<S> {
             }
         };
         crate::metrics::received(qos, publish.payload.len());
-        let retransmission = self.inbound.is_retransmission(qos, pkid);
         self.inbound
             .arrived(qos, pkid)
             .map_err(|(code, why)| End::Violation(code, why))?;
@@ -368,25 +363,8 @@ impl<S: Stream> Connection<S> {
             self.ack(qos, pkid, false);
             return Ok(());
         }
-        tag::strip(&mut properties);
-        if publish.retain
-            && let Some(durable) = self.gate.durable()
-        {
-            let seq = durable.retain(&publish, properties.as_ref());
-            self.gate.close(seq);
-        }
-        // A retransmission reaches the router, which knows it (and does
-        // not deliver it again): it is not saved again either.
-        if qos > 0 && !retransmission {
-            let seq = self.saved.publishing(
-                &self.sessions,
-                &self.client_id,
-                topic,
-                &publish,
-                &mut properties,
-            );
-            self.gate.close(seq);
-        }
+        // The router saves what a restart must not lose of it (its PUBACK
+        // waits for the disk, see gate.rs); a retransmission it knows.
         self.link.push(Packet::Publish(publish, properties));
         if qos > 0 {
             self.ack_order.routed();
@@ -399,7 +377,8 @@ impl<S: Stream> Connection<S> {
         if let Some(ack) = self.inbound.ack(self.socket.protocol, qos, pkid, accepted) {
             self.inbound.completed(&ack);
             if let Some(ack) = self.ack_order.local(ack) {
-                self.socket.queue(ack);
+                let socket = &mut self.socket;
+                self.gate.send(ack, None, |ack| socket.queue(ack));
             }
         }
     }
@@ -421,9 +400,6 @@ impl<S: Stream> Connection<S> {
             return;
         }
         self.refused_filters.hold(pkid, checked.refused);
-        let id = properties.as_ref().and_then(|p| p.id);
-        let saved = subscriptions::mirror(&self.sessions, &self.client_id, &checked.allowed, id);
-        self.gate.close(saved);
         self.link.push(Packet::Subscribe(
             Subscribe {
                 pkid,
@@ -438,15 +414,14 @@ impl<S: Stream> Connection<S> {
         unsubscribe: Unsubscribe,
         properties: Option<UnsubscribeProperties>,
     ) {
-        let filters: Vec<&str> = unsubscribe.filters.iter().map(String::as_str).collect();
-        let saved = self.sessions.unsubscribe(&self.client_id, &filters);
-        self.gate.close(saved);
-        if let Some(unsuback) = self.gate.hold(subscriptions::unsuback(&unsubscribe)) {
-            self.socket.queue(unsuback);
-        }
-        // Without a link the router holds no subscription to remove.
+        // The router answers (one reason per filter); without a link it
+        // holds no subscription of this connection.
         if self.link.is_linked() {
             self.link.push(Packet::Unsubscribe(unsubscribe, properties));
+        } else {
+            let unsuback = subscriptions::unsuback_without_subscriptions(&unsubscribe);
+            let socket = &mut self.socket;
+            self.gate.send(unsuback, None, |ack| socket.queue(ack));
         }
     }
 
@@ -454,7 +429,6 @@ impl<S: Stream> Connection<S> {
     /// The client acknowledged the router's delivery `pkid` with `ack`
     /// (PUBACK, or PUBREC: `qos2`).
     fn on_router_ack(&mut self, pkid: u16, qos2: bool, ack: Packet) {
-        self.saved.acknowledged(&self.client_id, pkid);
         self.link.push(ack);
         let protocol = self.socket.protocol;
         let out = &mut self.socket.wbuf;
@@ -477,56 +451,72 @@ impl<S: Stream> Connection<S> {
 
     /// Handles one notification from the router.
     fn on_router_notification(&mut self, notification: Notification) -> Result<(), End> {
+        let Some(notification) = self.gate.defer(notification) else {
+            return Ok(());
+        };
         match notification {
             Notification::Forward(forward) => {
-                let (mut publish, mut properties) = (forward.publish, forward.properties);
-                let topic = std::str::from_utf8(&publish.topic).unwrap_or("");
+                let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
                 // Another client's notification, reached through a wildcard.
                 let withheld = !topics::may_receive(topic, &self.own_hex);
-                let (seq, again) =
-                    self.saved
-                        .delivering(&mut publish, &mut properties, &self.own_hex);
                 let protocol = self.socket.protocol;
-                let pkid = self.out.forward(
-                    Packet::Publish(publish, properties),
-                    withheld || again,
+                self.out.forward(
+                    Packet::Publish(forward.publish, forward.properties),
+                    withheld,
                     protocol,
                     &mut self.socket.wbuf,
                     self.link.batch(),
                 );
-                if let Some(seq) = seq {
-                    self.saved.sent(&self.client_id, seq, pkid);
-                }
             }
             Notification::Unschedule => self.unscheduled = true,
-            other => match Option::<Packet>::from(other) {
-                Some(Packet::SubAck(mut suback, properties)) => {
-                    self.refused_filters.complete(&mut suback);
-                    self.socket.queue(Packet::SubAck(suback, properties));
+            Notification::DurableAck(receipt, ack) => {
+                self.on_router_answer(ack.into(), Some(receipt))?
+            }
+            other => {
+                if let Some(packet) = Option::<Packet>::from(other) {
+                    self.on_router_answer(packet, None)?;
                 }
-                // Answered here already.
-                Some(Packet::UnsubAck(..) | Packet::PingResp(_) | Packet::ConnAck(..)) | None => {}
-                Some(Packet::Disconnect(disconnect, properties)) => {
-                    let reason = properties.and_then(|p| p.reason_string).unwrap_or_default();
-                    return Err(End::Violation(
-                        disconnect.reason_code,
-                        format!("router: {reason}"),
-                    ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A packet the router answers the client with: an acknowledgement,
+    /// held while `receipt` is not durable (see gate.rs), or its DISCONNECT.
+    fn on_router_answer(
+        &mut self,
+        packet: Packet,
+        receipt: Option<router::Receipt>,
+    ) -> Result<(), End> {
+        let socket = &mut self.socket;
+        match packet {
+            Packet::SubAck(mut suback, properties) => {
+                self.refused_filters.complete(&mut suback);
+                let suback = Packet::SubAck(suback, properties);
+                self.gate.send(suback, receipt, |ack| socket.queue(ack));
+            }
+            // Answered here already.
+            Packet::PingResp(_) | Packet::ConnAck(..) => {}
+            Packet::Disconnect(disconnect, properties) => {
+                let reason = properties.and_then(|p| p.reason_string).unwrap_or_default();
+                return Err(End::Violation(
+                    disconnect.reason_code,
+                    format!("router: {reason}"),
+                ));
+            }
+            // The router's acknowledgement of a publish: then those made
+            // here that waited for it.
+            ack @ (Packet::PubAck(..) | Packet::PubRec(..)) => {
+                self.inbound.completed(&ack);
+                self.gate.send(ack, receipt, |ack| socket.queue(ack));
+                for held in self.ack_order.router_acknowledged() {
+                    self.gate.send(held, None, |ack| socket.queue(ack));
                 }
-                // The router's acknowledgement of a publish: then those
-                // made here that waited for it.
-                Some(ack @ (Packet::PubAck(..) | Packet::PubRec(..))) => {
-                    self.inbound.completed(&ack);
-                    self.socket.queue(ack);
-                    for held in self.ack_order.router_acknowledged() {
-                        self.socket.queue(held);
-                    }
-                }
-                Some(packet) => {
-                    self.inbound.completed(&packet);
-                    self.socket.queue(packet);
-                }
-            },
+            }
+            packet => {
+                self.inbound.completed(&packet);
+                self.gate.send(packet, receipt, |ack| socket.queue(ack));
+            }
         }
         Ok(())
     }

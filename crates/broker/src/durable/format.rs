@@ -4,9 +4,9 @@
 use bytes::{Buf, BufMut, BytesMut};
 use router::protocol::{Packet, Publish, PublishProperties};
 
+use router::{Message, SessionRecord, SubOptions};
+
 use crate::codec::Protocol;
-use crate::publisher::SavedMessage;
-use crate::sessions::{SavedSession, Sub};
 
 const VERSION: u8 = 1;
 /// Larger than any packet a listener accepts.
@@ -32,7 +32,7 @@ pub(super) fn encode_message(
 
 /// A saved retained message, with its Message Expiry Interval reduced by
 /// the time it waited; `Ok(None)` if it has expired.
-pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<SavedMessage>, String> {
+pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, String> {
     let mut cursor = value;
     if cursor.len() < 9 || cursor.get_u8() != VERSION {
         return Err("unknown format".into());
@@ -56,15 +56,13 @@ pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<SavedMessa
             _ => return Ok(None),
         }
     }
-    Ok(Some(SavedMessage {
-        topic: publish.topic,
-        payload: publish.payload,
-        qos: incoming.qos,
+    Ok(Some(Message {
+        publish,
         properties,
     }))
 }
 
-pub(super) fn encode_session(session: &SavedSession) -> Vec<u8> {
+pub(super) fn encode_session(session: &SessionRecord) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + session.filters.len() * 32);
     out.put_u8(VERSION);
     out.put_u32(session.expiry);
@@ -88,7 +86,7 @@ pub(super) fn encode_session(session: &SavedSession) -> Vec<u8> {
     out
 }
 
-pub(super) fn decode_session(value: &[u8]) -> Result<SavedSession, String> {
+pub(super) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
     fn need(cursor: &[u8], n: usize) -> Result<(), String> {
         if cursor.len() < n {
             Err("truncated".into())
@@ -126,7 +124,7 @@ pub(super) fn decode_session(value: &[u8]) -> Result<SavedSession, String> {
         };
         filters.push((
             filter,
-            Sub {
+            SubOptions {
                 qos,
                 id,
                 no_local: flags & 1 != 0,
@@ -137,7 +135,7 @@ pub(super) fn decode_session(value: &[u8]) -> Result<SavedSession, String> {
     if !cursor.is_empty() {
         return Err("trailing bytes".into());
     }
-    Ok(SavedSession {
+    Ok(SessionRecord {
         expiry,
         disconnected_at_ms,
         filters,
@@ -150,14 +148,14 @@ mod tests {
 
     #[test]
     fn sessions_round_trip_and_garbage_is_refused() {
-        let session = SavedSession {
+        let session = SessionRecord {
             expiry: 3600,
             disconnected_at_ms: Some(1_700_000_000_000),
             filters: vec![
-                ("a/+/c".into(), Sub::default()),
+                ("a/+/c".into(), SubOptions::default()),
                 (
                     "$share/g/jobs/#".into(),
-                    Sub {
+                    SubOptions {
                         qos: 2,
                         id: Some(268_435_455),
                         no_local: true,
@@ -168,7 +166,7 @@ mod tests {
         };
         let encoded = encode_session(&session);
         assert_eq!(decode_session(&encoded), Ok(session.clone()));
-        let connected = SavedSession {
+        let connected = SessionRecord {
             disconnected_at_ms: None,
             ..session
         };
@@ -200,8 +198,13 @@ mod tests {
         let value = encode_message(&publish, Some(&properties), at).unwrap();
         let got = decode_message(&value, at + 20_500).unwrap().unwrap();
         assert_eq!(
-            (&got.topic[..], &got.payload[..], got.qos),
-            (&b"sensors/1"[..], &b"21.5"[..], 2)
+            (
+                &got.publish.topic[..],
+                &got.publish.payload[..],
+                got.publish.qos as u8,
+                got.publish.retain
+            ),
+            (&b"sensors/1"[..], &b"21.5"[..], 2, true)
         );
         let props = got.properties.unwrap();
         assert_eq!(props.message_expiry_interval, Some(40), "20 s waited");

@@ -1,13 +1,13 @@
 //! What of the MQTT side survives a restart: retained messages, persistent
 //! sessions, and the messages queued for them.
 //!
-//! With a data directory, they are kept in the same fjall database as the
-//! state store's persisted keys and go through the same group commit (see
-//! [`crate::persistence`]), so they are crash-safe as the keys are:
+//! The router decides what must survive (see [`router::Journal`]); this is
+//! its journal. With a data directory, everything goes into the same fjall
+//! database as the state store's persisted keys, through the same group
+//! commit (see [`crate::persistence`]), so it is crash-safe as the keys are:
 //!
 //! - a **retained message** is saved when a client publishes it (an empty
-//!   retained publish removes it), and the publish reaches the router, and
-//!   so its PUBACK the client, only once it is durable;
+//!   retained publish removes it), and its PUBACK waits for the disk;
 //! - a **persistent session** (Session Expiry Interval above 0) is saved at
 //!   CONNECT, at every SUBSCRIBE and UNSUBSCRIBE (the SUBACK and UNSUBACK
 //!   wait for it), and when its connection ends (with the time, so its
@@ -16,23 +16,20 @@
 //! - a **QoS 1/2 message for a persistent session** (`queue.rs`) is saved,
 //!   once per session it reaches, before the publisher's PUBACK / PUBREC,
 //!   and removed when that session's client acknowledges it (PUBACK, or
-//!   PUBREC at QoS 2), when it is discarded for it, or with the session.
-//!   It travels through the router marked with its number ([`tag`]).
+//!   PUBREC at QoS 2), gets it at QoS 0, or with the session.
 //!
-//! At start, before any listener opens, retained messages are given back to
-//! the router (with their Message Expiry Interval reduced by the time they
-//! waited; expired ones are removed), then each session is rebuilt in the
-//! router: a link with the client id joins without Clean Start, subscribes
-//! to the saved filters with their options (Retain Handling "never", so the
-//! restore itself sends nothing), and leaves with the remaining expiry. A
-//! session that still waited for messages also subscribes to its own
-//! restore topic ([`crate::topics::restored_topic`], private like its
-//! notifications), and once every session is back those messages are
-//! published there, in their order, each at the QoS and with the
-//! subscription identifiers of the session's subscriptions that match it;
-//! the client's connection gives each its own topic back. A client
-//! reconnecting finds its session (Session Present 1) and receives what
-//! waited for it, then what was published since the restart.
+//! The broker's own retained messages (`$SYS`) are not saved: they are
+//! published afresh by the running broker.
+//!
+//! At start, before any listener opens, [`Durable::restore`] reads it all
+//! back into a [`router::Restore`]: retained messages with their Message
+//! Expiry Interval reduced by the time they waited (expired ones are
+//! removed), and each session with its subscriptions, its remaining
+//! expiry, and the messages it still waits for, each at the QoS and with
+//! the Subscription Identifiers of the session's subscriptions that match
+//! it now (expired ones, and those no subscription matches, are removed).
+//! The router gives the session those messages first when its client
+//! comes back.
 //!
 //! Not kept (see the README's known limitations): where an outgoing QoS 2
 //! delivery stood after PUBREC (the PUBREL is not sent again after a
@@ -53,20 +50,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use router::protocol::{
-    Disconnect, DisconnectProperties, DisconnectReasonCode, Filter, Packet, Publish,
-    PublishProperties, QoS, RetainForwardRule, Subscribe, SubscribeProperties,
+use router::protocol::{self, QoS};
+use router::{
+    Journal, Message, MessageId, Receipt, Restore, RestoredSession, SessionRecord, granted,
 };
 
 use crate::clock::now_ms;
 use crate::persistence::{Pair, Persistence, Put, Space};
-use crate::publisher::{Publisher, SavedMessage};
-use crate::sessions::{Journal, SavedSession, Sessions, granted};
-use crate::topics;
 
 mod format;
 mod queue;
-pub mod tag;
 
 use format::{decode_message, decode_session, encode_message, encode_session};
 use queue::Queue;
@@ -93,6 +86,17 @@ pub struct Restored {
     pub unreadable: usize,
 }
 
+/// What the MQTT side saved, as read at start.
+#[derive(Default)]
+pub struct Saved {
+    /// Retained messages.
+    pub retained: Vec<Pair>,
+    /// Persistent sessions.
+    pub sessions: Vec<Pair>,
+    /// Messages queued for persistent sessions.
+    pub queued: Vec<Pair>,
+}
+
 impl Durable {
     /// Writes through `persistence`.
     pub fn new(persistence: Arc<Persistence>) -> Arc<Durable> {
@@ -100,33 +104,6 @@ impl Durable {
             persistence,
             queue: Queue::default(),
         })
-    }
-
-    /// `publish` (a client's, QoS 1/2) reaches the persistent sessions of
-    /// `clients`: save it for each of them until it is delivered. Returns
-    /// the number to mark the publish with ([`tag::mark`]) and the sequence
-    /// number to wait for before the publish goes on.
-    pub fn queue(
-        &self,
-        clients: &[Arc<str>],
-        publish: &Publish,
-        properties: Option<&PublishProperties>,
-    ) -> Option<(u64, u64)> {
-        let Some(value) = encode_message(publish, properties, now_ms()) else {
-            tracing::error!(topic = %String::from_utf8_lossy(&publish.topic), "cannot save a message for persistent sessions: it will not survive a restart");
-            return None;
-        };
-        let seq = self.queue.number();
-        let puts = self.queue.add(clients.iter().map(|c| &**c), seq, &value);
-        Some((seq, self.persistence.put(puts)))
-    }
-
-    /// `client` has message `seq` (acknowledged, or discarded for it): its
-    /// copy is no longer needed.
-    pub fn delivered(&self, client: &str, seq: u64) {
-        if let Some(put) = self.queue.done(client, seq) {
-            self.persistence.put(vec![put]);
-        }
     }
 
     /// Saved messages `client`'s session still waits for.
@@ -139,129 +116,88 @@ impl Durable {
         self.queue.total()
     }
 
-    /// `publish` (a client's, with RETAIN, and a packet id if QoS 1/2) is
-    /// retained: save it (an empty payload removes the topic's retained
-    /// message). Returns the sequence number
-    /// to wait for before the publish goes on.
-    pub fn retain(&self, publish: &Publish, properties: Option<&PublishProperties>) -> u64 {
-        let value = if publish.payload.is_empty() {
-            None
-        } else {
-            match encode_message(publish, properties, now_ms()) {
-                Some(value) => Some(value),
-                None => {
-                    tracing::error!(topic = %String::from_utf8_lossy(&publish.topic), "cannot save a retained message: it will not survive a restart");
-                    return 0;
-                }
-            }
-        };
-        self.persistence.put(vec![Put {
-            space: Space::Retained,
-            key: publish.topic.to_vec(),
-            value,
-        }])
+    /// Whether everything up to `receipt` is durable.
+    pub fn is_durable(&self, receipt: Receipt) -> bool {
+        self.persistence.is_durable(receipt.get())
     }
 
-    /// Whether everything up to `seq` is durable.
-    pub fn is_durable(&self, seq: u64) -> bool {
-        self.persistence.is_durable(seq)
+    /// Waits until everything up to `receipt` is durable.
+    pub async fn wait(&self, receipt: Receipt) {
+        self.persistence.wait_durable(receipt.get()).await;
     }
 
-    /// Waits until everything up to `seq` is durable.
-    pub async fn wait(&self, seq: u64) {
-        self.persistence.wait_durable(seq).await;
+    /// Queues `puts`; the receipt of the batch.
+    fn put(&self, puts: Vec<Put>) -> Option<Receipt> {
+        Receipt::new(self.persistence.put(puts))
     }
 
-    /// Gives the router back what was saved: retained messages through
-    /// `publisher`, sessions through links of their own (and into the
-    /// `sessions` mirror), then the messages each session still waited
-    /// for, through its restore topic. Call before any client connects.
-    pub async fn restore(
-        &self,
-        saved: Saved,
-        router: &router::RouterHandle,
-        publisher: &Publisher,
-        sessions: &Sessions,
-    ) -> Restored {
+    /// What was saved, for the router to take back (see the module's
+    /// documentation), and what of it was kept, expired or unreadable.
+    /// Records that expired or cannot be read are removed from the disk.
+    pub fn restore(&self, saved: Saved) -> (Restore, Restored) {
         let now = now_ms();
         let mut restored = Restored::default();
         let mut removals = Vec::new();
-        let mut messages = Vec::new();
+        let mut retained = Vec::new();
         for (topic, value) in saved.retained {
-            let kept = match decode_message(&value, now) {
+            match decode_message(&value, now) {
                 Ok(Some(message)) => {
-                    messages.push(message);
-                    true
+                    retained.push(message);
+                    continue;
                 }
-                Ok(None) => {
-                    restored.expired += 1;
-                    false
-                }
+                Ok(None) => restored.expired += 1,
                 Err(why) => {
                     restored.unreadable += 1;
                     tracing::error!(topic = %String::from_utf8_lossy(&topic), why, "skipping a saved retained message that cannot be read");
-                    false
                 }
-            };
-            if !kept {
-                removals.push(Put {
-                    space: Space::Retained,
-                    key: topic,
-                    value: None,
-                });
             }
+            removals.push(Put {
+                space: Space::Retained,
+                key: topic,
+                value: None,
+            });
         }
-        restored.retained = messages.len();
-        publisher.publish_saved(messages, true);
+        restored.retained = retained.len();
         let mut queued = self.group_queued(saved.queued, &mut restored, &mut removals);
-        let mut backlog = Vec::new();
+        let mut sessions = Vec::new();
         for (client, value) in saved.sessions {
             let session = std::str::from_utf8(&client)
                 .map_err(|_| "the client id is not UTF-8".to_owned())
                 .and_then(|c| decode_session(&value).map(|s| (c, s)));
-            let kept = match session {
-                Ok((client, session)) => match remaining(&session, now) {
-                    Some(left) => {
-                        let waiting = queued.remove(client).unwrap_or_default();
-                        let messages = self.waiting_for(
-                            client,
+            match session {
+                Ok((client_id, session)) => match remaining(&session, now) {
+                    Some(expires_in) => {
+                        let waiting = queued.remove(client_id).unwrap_or_default();
+                        let waiting = self.waiting_for(
+                            client_id,
                             &session,
                             waiting,
                             now,
                             &mut restored,
                             &mut removals,
                         );
-                        rebuild(
-                            router,
-                            sessions,
-                            client,
-                            session,
-                            left,
-                            !messages.is_empty(),
-                        )
-                        .await;
-                        backlog.extend(messages);
+                        restored.queued += waiting.len();
                         restored.sessions += 1;
-                        true
+                        sessions.push(RestoredSession {
+                            client_id: client_id.to_owned(),
+                            filters: session.filters,
+                            expires_in,
+                            waiting,
+                        });
+                        continue;
                     }
-                    None => {
-                        restored.expired += 1;
-                        false
-                    }
+                    None => restored.expired += 1,
                 },
                 Err(why) => {
                     restored.unreadable += 1;
                     tracing::error!(client_id = %String::from_utf8_lossy(&client), why, "skipping a saved session that cannot be read");
-                    false
                 }
-            };
-            if !kept {
-                removals.push(Put {
-                    space: Space::Sessions,
-                    key: client,
-                    value: None,
-                });
             }
+            removals.push(Put {
+                space: Space::Sessions,
+                key: client,
+                value: None,
+            });
         }
         // Messages of sessions that are gone.
         for (client, waiting) in queued {
@@ -274,9 +210,7 @@ impl Durable {
         if !removals.is_empty() {
             self.persistence.put(removals);
         }
-        restored.queued = backlog.len();
-        publisher.publish_saved(backlog, false);
-        restored
+        (Restore { retained, sessions }, restored)
     }
 
     /// The saved queued messages by client id, in the order they arrived;
@@ -312,21 +246,20 @@ impl Durable {
         by_client
     }
 
-    /// What `client`'s restored `session` still waits for, as publishes on
-    /// its restore topic: each at the QoS and with the subscription
-    /// identifiers of the subscriptions that match it now, its Message
-    /// Expiry Interval reduced by the wait. Expired messages, and those no
-    /// subscription matches any more, are removed.
+    /// What `client`'s restored `session` still waits for: each message at
+    /// the QoS and with the subscription identifiers of the subscriptions
+    /// that match it now, its Message Expiry Interval reduced by the wait.
+    /// Expired messages, and those no subscription matches any more, are
+    /// removed.
     fn waiting_for(
         &self,
         client: &str,
-        session: &SavedSession,
+        session: &SessionRecord,
         waiting: Vec<(u64, Vec<u8>)>,
         now: u64,
         restored: &mut Restored,
         removals: &mut Vec<Put>,
-    ) -> Vec<SavedMessage> {
-        let restore_topic = bytes::Bytes::from(topics::restored_topic(client));
+    ) -> Vec<(MessageId, Message)> {
         let mut messages = Vec::new();
         for (seq, value) in waiting {
             let mut message = match decode_message(&value, now) {
@@ -347,7 +280,7 @@ impl Durable {
                     continue;
                 }
             };
-            let topic = std::str::from_utf8(&message.topic).unwrap_or("");
+            let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
             // Saved only for QoS 1/2 subscriptions, not shared ones.
             let filters = session.filters.iter().map(|(f, s)| (f, s));
             let Some((granted, ids)) = granted(filters, topic, false).filter(|(q, _)| *q > 0)
@@ -355,55 +288,88 @@ impl Durable {
                 removals.push(queue::removal(client, seq));
                 continue;
             };
-            message.qos = message.qos.min(granted);
-            let mut properties = message.properties.take().unwrap_or_default();
-            tag::mark_restored(&mut properties, &message.topic, &ids);
-            let mut properties = Some(properties);
-            tag::mark(&mut properties, seq);
-            message.properties = properties;
-            message.topic = restore_topic.clone();
+            let qos = (message.publish.qos as u8).min(granted);
+            message.publish.qos = protocol::qos(qos).unwrap_or(QoS::AtLeastOnce);
+            message
+                .properties
+                .get_or_insert_with(Default::default)
+                .subscription_identifiers = ids;
             self.queue.restore(client, seq);
-            messages.push(message);
+            messages.push((MessageId(seq), message));
         }
         messages
     }
 }
 
-/// What the MQTT side saved, as read at start.
-#[derive(Default)]
-pub struct Saved {
-    /// Retained messages.
-    pub retained: Vec<Pair>,
-    /// Persistent sessions.
-    pub sessions: Vec<Pair>,
-    /// Messages queued for persistent sessions.
-    pub queued: Vec<Pair>,
-}
-
 impl Journal for Durable {
-    fn save(&self, client: &str, session: &SavedSession) -> u64 {
-        self.persistence.put(vec![Put {
-            space: Space::Sessions,
-            key: client.as_bytes().to_vec(),
-            value: Some(encode_session(session)),
+    fn session(&self, client: &str, session: Option<&SessionRecord>) -> Option<Receipt> {
+        match session {
+            Some(session) => self.put(vec![Put {
+                space: Space::Sessions,
+                key: client.as_bytes().to_vec(),
+                value: Some(encode_session(session)),
+            }]),
+            None => {
+                let mut puts = self.queue.forget(client);
+                puts.push(Put {
+                    space: Space::Sessions,
+                    key: client.as_bytes().to_vec(),
+                    value: None,
+                });
+                self.put(puts)
+            }
+        }
+    }
+
+    fn retained(&self, topic: &str, message: Option<&Message>) -> Option<Receipt> {
+        if crate::sys::is_sys_topic(topic) {
+            return None;
+        }
+        let value = match message {
+            None => None,
+            Some(message) => {
+                let encoded =
+                    encode_message(&message.publish, message.properties.as_ref(), now_ms());
+                if encoded.is_none() {
+                    tracing::error!(
+                        topic,
+                        "cannot save a retained message: it will not survive a restart"
+                    );
+                    return None;
+                }
+                encoded
+            }
+        };
+        self.put(vec![Put {
+            space: Space::Retained,
+            key: topic.as_bytes().to_vec(),
+            value,
         }])
     }
 
-    fn remove(&self, client: &str) {
-        let mut puts = self.queue.forget(client);
-        puts.push(Put {
-            space: Space::Sessions,
-            key: client.as_bytes().to_vec(),
-            value: None,
-        });
-        self.persistence.put(puts);
+    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Receipt)> {
+        let Some(value) = encode_message(&message.publish, message.properties.as_ref(), now_ms())
+        else {
+            tracing::error!(topic = %String::from_utf8_lossy(&message.publish.topic), "cannot save a message for persistent sessions: it will not survive a restart");
+            return None;
+        };
+        let number = self.queue.number();
+        let puts = self.queue.add(clients.iter().copied(), number, &value);
+        crate::metrics::queued_saved(clients.len());
+        Some((MessageId(number), self.put(puts)?))
+    }
+
+    fn delivered(&self, client: &str, message: MessageId) {
+        if let Some(put) = self.queue.done(client, message.0) {
+            self.persistence.put(vec![put]);
+        }
     }
 }
 
 /// How long a saved session is still kept, as of `now` (Unix ms): `None`
 /// when it has expired, `Some(None)` when it never expires. A session saved
 /// while connected (the broker stopped without ending it) counts from now.
-fn remaining(session: &SavedSession, now: u64) -> Option<Option<Duration>> {
+fn remaining(session: &SessionRecord, now: u64) -> Option<Option<Duration>> {
     if session.expiry == u32::MAX {
         return Some(None);
     }
@@ -414,98 +380,13 @@ fn remaining(session: &SavedSession, now: u64) -> Option<Option<Duration>> {
     (left > 0).then_some(Some(Duration::from_millis(left)))
 }
 
-/// Rebuilds `client`'s session in the router and the mirror.
-async fn rebuild(
-    router: &router::RouterHandle,
-    sessions: &Sessions,
-    client: &str,
-    session: SavedSession,
-    left: Option<Duration>,
-    restore_topic: bool,
-) {
-    // Round up: a session with 300 ms left is kept one second, not none.
-    let expiry = left.map_or(u32::MAX, |d| {
-        u32::try_from(d.as_millis().div_ceil(1000)).unwrap_or(u32::MAX - 1)
-    });
-    let (mut tx, _rx, _connack) = match router.link(client, false, expiry).await {
-        Ok(link) => link,
-        Err(e) => {
-            tracing::error!(client_id = client, error = %e, "cannot restore a saved session");
-            return;
-        }
-    };
-    let mut packets: Vec<Packet> = session
-        .filters
-        .iter()
-        .enumerate()
-        .map(|(n, (path, sub))| {
-            let filter = Filter {
-                path: path.clone(),
-                qos: match sub.qos {
-                    0 => QoS::AtMostOnce,
-                    1 => QoS::AtLeastOnce,
-                    _ => QoS::ExactlyOnce,
-                },
-                nolocal: sub.no_local,
-                preserve_retain: sub.retain_as_published,
-                // Retained messages were sent when the client subscribed.
-                retain_forward_rule: RetainForwardRule::Never,
-            };
-            let properties = sub.id.map(|id| SubscribeProperties {
-                id: Some(id),
-                user_properties: Vec::new(),
-            });
-            let pkid = u16::try_from(n % usize::from(u16::MAX)).unwrap_or(0) + 1;
-            Packet::Subscribe(
-                Subscribe {
-                    pkid,
-                    filters: vec![filter],
-                },
-                properties,
-            )
-        })
-        .collect();
-    if restore_topic {
-        // Where what the session waited for comes back (see `waiting_for`).
-        packets.push(Packet::Subscribe(
-            Subscribe {
-                pkid: 1,
-                filters: vec![Filter {
-                    path: topics::restored_topic(client),
-                    qos: QoS::ExactlyOnce,
-                    nolocal: false,
-                    preserve_retain: false,
-                    retain_forward_rule: RetainForwardRule::Never,
-                }],
-            },
-            None,
-        ));
-    }
-    packets.push(Packet::Disconnect(
-        Disconnect {
-            reason_code: DisconnectReasonCode::NormalDisconnection,
-        },
-        Some(DisconnectProperties {
-            session_expiry_interval: Some(expiry),
-            reason_string: None,
-            user_properties: Vec::new(),
-            server_reference: None,
-        }),
-    ));
-    if tx.send_all(packets).is_err() {
-        tracing::error!(client_id = client, "cannot restore a saved session");
-        return;
-    }
-    sessions.restore(client, session.filters, left);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn what_is_left_of_a_session() {
-        let at = |expiry, disconnected_at_ms| SavedSession {
+        let at = |expiry, disconnected_at_ms| SessionRecord {
             expiry,
             disconnected_at_ms,
             filters: Vec::new(),

@@ -3,11 +3,11 @@
 //! A QoS 1/2 publish that reaches a persistent session (a subscription of
 //! QoS 1 or 2, not a shared one) is saved once per such session before the
 //! publisher's PUBACK / PUBREC, under one number that travels with the
-//! message through the router (see [`super::tag`]). A session's copy is
-//! removed when its client acknowledges the delivery (PUBACK, or PUBREC at
-//! QoS 2), when the delivery is discarded for it, and with the session.
-//! What is left at a restart is given back to each session through its
-//! restore topic.
+//! message through the router's logs ([`router::MessageId`]). A session's
+//! copy is removed when its client acknowledges the delivery (PUBACK, or
+//! PUBREC at QoS 2) or gets it at QoS 0, and with the session. What is left
+//! at a restart is given back to each session by the router, before
+//! anything newer.
 //!
 //! Key: `[client id length u16 BE][client id][number u64 BE]`; value: the
 //! message as a retained one is stored ([`super::format`]).

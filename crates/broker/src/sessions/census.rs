@@ -69,48 +69,69 @@ impl Sessions {
     /// How many clients, connections, subscriptions and queued deliveries
     /// there are now (one pass over the clients: for /metrics and `$SYS`).
     pub fn census(&self) -> Census {
-        let inner = self.inner.read();
+        let counts = self.subscriptions.counts();
+        let clients = self.clients.read();
         let mut census = Census {
-            clients: inner.clients.len(),
+            subscriptions: counts.subscriptions,
             ..Census::default()
         };
-        for client in inner.clients.values() {
-            census.subscriptions += client.filters.len();
+        let mut only_here = 0;
+        for (id, client) in clients.iter() {
             if let Some(live) = &client.live {
                 census.connected += 1;
                 let (messages, bytes) = live.mailbox.bound.held();
                 census.queued_messages += messages;
                 census.queued_bytes += bytes;
+                // A connection without subscriptions or a kept session is
+                // not in the router's count.
+                if !self.subscriptions.knows(id) {
+                    only_here += 1;
+                }
             }
         }
+        census.clients = counts.clients + only_here;
         census
     }
 
     /// Every client (connected, or with a kept session), sorted by id, for
     /// the web view.
     pub fn clients(&self) -> Vec<ClientView> {
-        let inner = self.inner.read();
-        let mut clients: Vec<ClientView> = inner
-            .clients
-            .iter()
-            .map(|(id, client)| {
-                let mut subscriptions: Vec<String> = client.filters.keys().cloned().collect();
-                subscriptions.sort();
-                ClientView {
-                    client_id: id.to_string(),
-                    connected: client.live.is_some(),
-                    connection: client.live.as_ref().map(|l| ConnectionView {
-                        protocol: l.peer.protocol,
-                        address: l.peer.address.to_string(),
-                        listener: l.peer.listener.clone(),
-                        in_flight: l.peer.in_flight.load(Ordering::Relaxed),
-                    }),
-                    subscriptions,
-                    queued: client.live.as_ref().map_or(0, |l| l.mailbox.bound.held().0),
-                }
-            })
-            .collect();
-        clients.sort_by(|a, b| a.client_id.cmp(&b.client_id));
-        clients
+        let clients = self.clients.read();
+        let mut views: Vec<ClientView> = Vec::with_capacity(clients.len());
+        let mut seen = std::collections::HashSet::new();
+        for (id, client) in clients.iter() {
+            let live = client.live.as_ref();
+            if live.is_none() && !self.subscriptions.has_kept_session(id) {
+                continue;
+            }
+            seen.insert(id.to_string());
+            views.push(ClientView {
+                client_id: id.to_string(),
+                connected: live.is_some(),
+                connection: live.map(|l| ConnectionView {
+                    protocol: l.peer.protocol,
+                    address: l.peer.address.to_string(),
+                    listener: l.peer.listener.clone(),
+                    in_flight: l.peer.in_flight.load(Ordering::Relaxed),
+                }),
+                subscriptions: self.subscriptions.filters(id),
+                queued: live.map_or(0, |l| l.mailbox.bound.held().0),
+            });
+        }
+        // Sessions the router keeps for clients the broker has not seen
+        // since a restart.
+        for (id, filters, kept) in self.subscriptions.clients() {
+            if kept && !seen.contains(&id) {
+                views.push(ClientView {
+                    client_id: id,
+                    connected: false,
+                    connection: None,
+                    subscriptions: filters,
+                    queued: 0,
+                });
+            }
+        }
+        views.sort_by(|a, b| a.client_id.cmp(&b.client_id));
+        views
     }
 }

@@ -1,39 +1,8 @@
-//! Who receives a message, asked of the subscription mirror: direct
-//! delivery to one client, whether a client is a topic's only subscriber,
-//! and which persistent sessions a publish reaches.
+//! Direct delivery: a message straight to one client's connection, at what
+//! its subscriptions grant (the router's [`router::Subscriptions`] says), and
+//! whether a client is a topic's only subscriber.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-
-use router::protocol;
-
-use super::wild::bare;
-use super::{Direct, Mailbox, Sessions, Sub, ToConnection, Undelivered};
-
-/// What the subscriptions `filters` grant a message on `topic`: the
-/// highest QoS of those that match it, and their Subscription
-/// Identifiers; `None` if none matches. Shared subscriptions count only
-/// with `shared`.
-pub fn granted<'a>(
-    filters: impl IntoIterator<Item = (&'a String, &'a Sub)>,
-    topic: &str,
-    shared: bool,
-) -> Option<(u8, Vec<usize>)> {
-    let mut granted = None;
-    let mut ids = Vec::new();
-    for (filter, sub) in filters {
-        // An exact filter equal to the topic (a response topic, typically)
-        // matches without splitting both into levels.
-        let bare = bare(filter);
-        if (shared || !filter.starts_with("$share/"))
-            && (bare == topic || protocol::matches(topic, bare))
-        {
-            granted = granted.max(Some(sub.qos));
-            ids.extend(sub.id);
-        }
-    }
-    granted.map(|qos| (qos, ids))
-}
+use super::{Direct, Mailbox, Sessions, ToConnection, Undelivered};
 
 impl Sessions {
     /// Delivers to `client` if it is connected and one of its subscriptions
@@ -43,17 +12,14 @@ impl Sessions {
     /// full.
     pub fn deliver(&self, client: &str, mut message: Direct) -> Result<(), Undelivered> {
         let no_recipient = |message| Err(Undelivered::NoRecipient(Box::new(message)));
-        let inner = self.inner.read();
-        let Some(state) = inner.clients.get(client) else {
-            return no_recipient(message);
-        };
-        let Some(live) = &state.live else {
-            return no_recipient(message);
-        };
         let Ok(topic) = std::str::from_utf8(&message.topic) else {
             return no_recipient(message);
         };
-        let Some((granted, ids)) = granted(&state.filters, topic, true) else {
+        let Some((granted, ids)) = self.subscriptions.granted(client, topic) else {
+            return no_recipient(message);
+        };
+        let clients = self.clients.read();
+        let Some(live) = clients.get(client).and_then(|c| c.live.as_ref()) else {
             return no_recipient(message);
         };
         message.qos = message.qos.min(granted).min(1);
@@ -76,112 +42,131 @@ impl Sessions {
         }
     }
 
-    /// The clients with a saved persistent session that a QoS 1/2 publish
-    /// of `publisher` on `topic` reaches: through a subscription of QoS 1
-    /// or 2 (not a shared one; not with No Local if they published it).
-    pub fn persistent_recipients(&self, publisher: &str, topic: &str) -> Vec<Arc<str>> {
-        if self.journaled.load(Ordering::Acquire) == 0 {
-            return Vec::new();
-        }
-        let inner = self.inner.read();
-        let reaches = |client: &Arc<str>, filter: &str| {
-            inner.clients.get(client).is_some_and(|c| {
-                c.journaled
-                    && c.filters
-                        .get(filter)
-                        .is_some_and(|sub| sub.qos > 0 && !(sub.no_local && &**client == publisher))
-            })
-        };
-        let mut found: Vec<Arc<str>> = Vec::new();
-        if let Some(set) = inner.exact.get(topic) {
-            found.extend(set.iter().filter(|c| reaches(c, topic)).cloned());
-        }
-        for (filter, client) in inner.wild.candidates(topic) {
-            if !filter.starts_with("$share/")
-                && !found.contains(client)
-                && reaches(client, filter)
-                && protocol::matches(topic, filter)
-            {
-                found.push(Arc::clone(client));
-            }
-        }
-        found
-    }
-
     /// Whether `client` is the only one whose subscriptions could match
-    /// `topic` (outside the notification namespace).
+    /// `topic`.
     pub fn only_subscriber(&self, client: &str, topic: &str) -> bool {
-        let inner = self.inner.read();
-        if let Some(set) = inner.exact.get(topic)
-            && set.iter().any(|c| &**c != client)
-        {
-            return false;
-        }
-        !inner.wild.candidates(topic).into_iter().any(|(filter, c)| {
-            if &**c == client && !filter.starts_with("$share/") {
-                return false;
-            }
-            protocol::matches(topic, bare(filter))
-        })
+        self.subscriptions.only_subscriber(client, topic)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::sessions::tests::{mailbox, peer, sub};
-    use crate::sessions::{Journal, SavedSession};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use router::protocol::PublishProperties;
     use tokio::sync::mpsc;
 
-    /// A journal that keeps nothing.
-    struct NoDisk;
-    impl Journal for NoDisk {
-        fn save(&self, _: &str, _: &SavedSession) -> u64 {
-            0
+    use super::*;
+    use crate::sessions::QueueBound;
+    use crate::sessions::tests::{mailbox, peer};
+
+    fn msg() -> Direct {
+        Direct {
+            topic: Bytes::from_static(b"resp/a"),
+            payload: Bytes::new(),
+            properties: PublishProperties::default(),
+            qos: 1,
         }
-        fn remove(&self, _: &str) {}
     }
 
-    #[test]
-    fn persistent_recipients_follow_the_journal() {
-        let s = Sessions::default();
-        s.set_journal(Arc::new(NoDisk));
-        let (tx, _rx) = mpsc::unbounded_channel();
-        let reached = |publisher, topic| {
-            let mut names: Vec<String> = s
-                .persistent_recipients(publisher, topic)
-                .iter()
-                .map(|c| c.to_string())
-                .collect();
-            names.sort();
-            names
+    /// A router whose subscriptions the tests set up through real links.
+    fn router() -> router::RouterHandle {
+        let config = router::RouterConfig {
+            max_connections: 10,
+            max_segment_size: 1 << 20,
+            max_segment_count: 2,
+            max_outgoing_packet_count: 10,
+            ..router::RouterConfig::default()
         };
-        s.connected("clean", 1, true, 0, mailbox(tx.clone()), peer());
-        s.subscribe("clean", &[("a/#", sub(1))]);
+        router::RouterHandle::spawn(0, config, 0, None)
+    }
+
+    /// `client` subscribes to `filter` at `qos` with identifier `id`, on a
+    /// link of its own (kept open: the subscription lives with it).
+    async fn subscribe(
+        router: &router::RouterHandle,
+        client: &str,
+        filter: &str,
+        qos: u8,
+        id: Option<usize>,
+    ) -> router::Link {
+        use router::protocol::{Filter, Packet, RetainForwardRule, Subscribe, SubscribeProperties};
+        let (mut tx, mut rx, connack) = router.link(client, true, 0).await.unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: filter.into(),
+                qos: router::protocol::qos(qos).unwrap(),
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        let properties = id.map(|id| SubscribeProperties {
+            id: Some(id),
+            user_properties: Vec::new(),
+        });
+        tx.send_all([Packet::Subscribe(subscribe, properties)])
+            .unwrap();
+        // The SUBACK: the router has applied it.
+        loop {
+            if let Ok(Some(router::Notification::DeviceAck(_))) = rx.next().await {
+                break;
+            }
+        }
+        (tx, rx, connack)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn delivers_only_to_live_matching_subscribers() {
+        let router = router();
+        let s = Sessions::new(Arc::clone(router.subscriptions()));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        assert!(s.deliver("a", msg()).is_err(), "unknown client");
+        s.connected("a", 1, false, mailbox(tx), peer());
+        assert!(s.deliver("a", msg()).is_err(), "no subscription");
+        let _link = subscribe(&router, "a", "resp/+", 0, Some(7)).await;
+        s.deliver("a", msg()).unwrap();
+        let Ok(ToConnection::Deliver(got)) = rx.try_recv() else {
+            panic!("not delivered")
+        };
+        assert_eq!(
+            (got.qos, got.properties.subscription_identifiers),
+            (0, vec![7]),
+            "QoS capped by the subscription, with its identifier"
+        );
+        assert!(s.only_subscriber("a", "resp/a"));
+        let _spy = subscribe(&router, "spy", "#", 0, None).await;
         assert!(
-            reached("p", "a/1").is_empty(),
-            "a clean session is never saved for"
+            !s.only_subscriber("a", "resp/a"),
+            "the router knows the spy"
         );
-        // Restored after a restart, not reconnected yet.
-        s.restore(
-            "r",
-            vec![("a/+".into(), sub(2)), ("zero/#".into(), sub(0))],
-            None,
-        );
-        assert_eq!(reached("p", "a/1"), ["r"]);
-        assert!(reached("p", "zero/x").is_empty(), "a QoS 0 subscription");
-        s.connected("n", 2, true, 60, mailbox(tx.clone()), peer());
-        let no_local = Sub {
-            no_local: true,
-            ..sub(1)
-        };
-        s.subscribe("n", &[("a/1", no_local), ("$share/g/a/1", sub(1))]);
-        assert_eq!(reached("p", "a/1"), ["n", "r"]);
-        assert_eq!(reached("n", "a/1"), ["r"], "No Local: not its own publish");
-        // Clean starts end both sessions: nobody is left to save for.
-        s.connected("r", 3, true, 0, mailbox(tx.clone()), peer());
-        s.connected("n", 4, true, 0, mailbox(tx.clone()), peer());
-        assert!(reached("p", "a/1").is_empty());
-        assert_eq!(s.journaled.load(Ordering::Acquire), 0);
+        s.disconnected("a", 1, 0);
+        assert!(s.deliver("a", msg()).is_err(), "not connected");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_queue_drops_and_tells_the_connection_once() {
+        let router = router();
+        let s = Sessions::new(Arc::clone(router.subscriptions()));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let bound = QueueBound::new(2, 1000);
+        s.connected("q", 1, false, Mailbox::new(tx, Arc::clone(&bound)), peer());
+        let _link = subscribe(&router, "q", "resp/+", 1, None).await;
+        s.deliver("q", msg()).unwrap();
+        s.deliver("q", msg()).unwrap();
+        assert!(matches!(s.deliver("q", msg()), Err(Undelivered::Overflow)));
+        assert!(matches!(s.deliver("q", msg()), Err(Undelivered::Overflow)));
+        let received: Vec<_> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        assert_eq!(received.len(), 3, "two deliveries and one overflow notice");
+        assert!(matches!(received[2], ToConnection::Overflow));
+        assert_eq!(bound.held(), (2, 2 * msg().size()));
+        bound.release(msg().size());
+        assert_eq!(bound.held(), (1, msg().size()));
+        // Bytes count too.
+        let big = QueueBound::new(100, 10);
+        assert!(big.reserve(10));
+        assert!(!big.reserve(1));
     }
 }

@@ -1,12 +1,12 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
+use super::logs::Recorded;
 use super::{
     iobufs::Replay,
     scheduler::{PauseReason, Tracker},
     ConnectionEvents,
 };
-use crate::protocol::{Publish, PublishProperties};
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
@@ -61,7 +61,7 @@ impl Graveyard {
         subscription_ids: HashMap<String, usize>,
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
-        incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
+        incoming_qos2: VecDeque<Recorded>,
         replay: Replay,
         expires_at: Option<Instant>,
     ) {
@@ -121,7 +121,7 @@ pub struct SessionState {
     pub unacked_pubrels: VecDeque<u16>,
     /// QoS 2 publishes from the client waiting for its PUBREL (statebroker
     /// patch 6).
-    pub incoming_qos2: VecDeque<(Publish, Option<PublishProperties>)>,
+    pub incoming_qos2: VecDeque<Recorded>,
     /// Deliveries to send again as they were (statebroker patch 11).
     pub replay: Replay,
 }

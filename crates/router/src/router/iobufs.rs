@@ -10,8 +10,13 @@ use tracing::{error, warn};
 use crate::{
     protocol::Packet,
     router::{FilterIdx, MAX_CHANNEL_CAPACITY},
-    Cursor, Notification,
+    Cursor, MessageId, Notification,
 };
+
+/// A QoS 1/2 publish in flight: its packet id, the log it was read from and
+/// where (`None`: a retained message), and the number the journal keeps it
+/// under (statebroker patch 16).
+type InFlight = (u16, FilterIdx, Option<Cursor>, Option<MessageId>);
 
 use super::{Forward, IncomingMeter, OutgoingMeter};
 
@@ -36,17 +41,13 @@ pub struct Replay {
 
 /// The next packet id: 1..=MAX_PKID in turn; after a reconnect, skipping
 /// those still in flight or to be sent again.
-fn next_pkid(
-    last_pkid: &mut u16,
-    replay: &Replay,
-    inflight: &VecDeque<(u16, FilterIdx, Option<Cursor>)>,
-) -> u16 {
+fn next_pkid(last_pkid: &mut u16, replay: &Replay, inflight: &VecDeque<InFlight>) -> u16 {
     for _ in 0..MAX_PKID {
         *last_pkid = *last_pkid % MAX_PKID + 1;
         let pkid = *last_pkid;
         let taken = replay.irregular
             && (replay.pkids.values().any(|&p| p == pkid)
-                || inflight.iter().any(|(p, _, _)| *p == pkid));
+                || inflight.iter().any(|(p, ..)| *p == pkid));
         if !taken {
             break;
         }
@@ -136,7 +137,7 @@ pub struct Outgoing {
     /// Handle which is given to router to allow router to communicate with this connection
     pub(crate) handle: Sender<()>,
     /// The buffer to keep track of inflight packets.
-    inflight_buffer: VecDeque<(u16, FilterIdx, Option<Cursor>)>,
+    inflight_buffer: VecDeque<InFlight>,
     /// PubRels waiting for PubComp
     pub(crate) unacked_pubrels: VecDeque<u16>,
     /// Last packet id
@@ -191,12 +192,15 @@ impl Outgoing {
     /// Push packets to the outgoing buffer. Each publish goes out at its own
     /// QoS (statebroker: the smaller of the publish's and the
     /// subscription's, set by the caller); only QoS 1 and 2 publishes take a
-    /// packet id and an inflight slot.
+    /// packet id and an inflight slot. Saved messages sent at QoS 0 are
+    /// delivered as they go: their numbers are added to `delivered`
+    /// (statebroker patch 16).
     pub fn push_forwards(
         &mut self,
         publishes: impl Iterator<Item = Forward>,
         _qos: u8,
         filter_idx: usize,
+        delivered: &mut Vec<MessageId>,
     ) -> (usize, usize) {
         let mut buffer = self.data_buffer.lock();
 
@@ -213,6 +217,7 @@ impl Outgoing {
                     continue;
                 }
                 p.publish.pkid = 0;
+                delivered.extend(p.queued);
                 buffer.push_back(Notification::Forward(p));
                 continue;
             }
@@ -227,7 +232,8 @@ impl Outgoing {
             };
             p.publish.pkid = pkid;
 
-            self.inflight_buffer.push_back((pkid, filter_idx, p.cursor));
+            self.inflight_buffer
+                .push_back((pkid, filter_idx, p.cursor, p.queued));
 
             self.meter.total_size += p.publish.topic.len() + p.publish.payload.len();
             buffer.push_back(Notification::Forward(p));
@@ -252,8 +258,8 @@ impl Outgoing {
         let pkids = self
             .inflight_buffer
             .iter()
-            .filter(|(_, idx, _)| *idx != usize::MAX)
-            .filter_map(|(pkid, idx, cursor)| cursor.map(|c| ((*idx, c), *pkid)))
+            .filter(|(_, idx, ..)| *idx != usize::MAX)
+            .filter_map(|(pkid, idx, cursor, _)| cursor.map(|c| ((*idx, c), *pkid)))
             .collect();
         Replay {
             pkids,
@@ -271,8 +277,11 @@ impl Outgoing {
 
     // Returns (unsolicited, outoforder) flags
     // Return: Out of order or unsolicited acks
-    pub fn register_ack(&mut self, pkid: u16) -> Option<()> {
-        let (head, _filter_idx, _cursor) = self.inflight_buffer.pop_front()?;
+    /// `Some`: the acknowledgement was in order; with the number the journal
+    /// keeps the acknowledged message under, if it does (statebroker
+    /// patch 16).
+    pub fn register_ack(&mut self, pkid: u16) -> Option<Option<MessageId>> {
+        let (head, _filter_idx, _cursor, queued) = self.inflight_buffer.pop_front()?;
         if self.inflight_buffer.is_empty() && self.replay.sent_up_to.is_empty() {
             self.replay.irregular = false;
         }
@@ -283,7 +292,7 @@ impl Outgoing {
             return None;
         }
 
-        Some(())
+        Some(queued)
     }
 
     pub fn register_pubrec(&mut self, pkid: u16) {
@@ -314,7 +323,7 @@ impl Outgoing {
     pub fn forget_filter(&mut self, filter_idx: FilterIdx) {
         self.replay.sent_up_to.remove(&filter_idx);
         self.replay.pkids.retain(|(idx, _), _| *idx != filter_idx);
-        for (_, idx, cursor) in self.inflight_buffer.iter_mut() {
+        for (_, idx, cursor, _) in self.inflight_buffer.iter_mut() {
             if *idx == filter_idx {
                 *idx = usize::MAX;
                 *cursor = None;
@@ -326,7 +335,7 @@ impl Outgoing {
     // least corresponding cursor because of the way we insert into the inflight_buffer
     pub fn retransmission_map(&self) -> HashMap<FilterIdx, Cursor> {
         let mut o = HashMap::new();
-        for (_, filter_idx, cursor) in self.inflight_buffer.iter() {
+        for (_, filter_idx, cursor, _) in self.inflight_buffer.iter() {
             // if cursor in None, it means it was a retained publish
             if !o.contains_key(filter_idx) && cursor.is_some() {
                 o.insert(*filter_idx, cursor.unwrap());
@@ -352,17 +361,17 @@ mod test {
         result.insert(3, (1, 0));
 
         let buf = vec![
-            (1, 0, Some((0, 8))),
-            (1, 0, Some((0, 10))),
-            (1, 1, Some((0, 1))),
-            (3, 1, Some((0, 4))),
-            (2, 2, Some((1, 1))),
-            (1, 2, Some((2, 6))),
-            (1, 2, Some((2, 1))),
-            (1, 3, Some((1, 0))),
-            (1, 3, Some((1, 1))),
-            (1, 3, Some((1, 3))),
-            (1, 3, Some((1, 3))),
+            (1, 0, Some((0, 8)), None),
+            (1, 0, Some((0, 10)), None),
+            (1, 1, Some((0, 1)), None),
+            (3, 1, Some((0, 4)), None),
+            (2, 2, Some((1, 1)), None),
+            (1, 2, Some((2, 6)), None),
+            (1, 2, Some((2, 1)), None),
+            (1, 3, Some((1, 0)), None),
+            (1, 3, Some((1, 1)), None),
+            (1, 3, Some((1, 3)), None),
+            (1, 3, Some((1, 3)), None),
         ];
 
         outgoing.inflight_buffer.extend(buf);

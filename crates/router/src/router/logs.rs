@@ -7,7 +7,7 @@ use crate::protocol::{
     Publish, PublishProperties, SubAck, UnsubAck,
 };
 use crate::router::{DataRequest, FilterIdx, SubscriptionMeter, Waiters};
-use crate::{ConnectionId, Filter, Offset, RouterConfig, Topic};
+use crate::{ConnectionId, Filter, MessageId, Offset, Receipt, RouterConfig, Topic};
 
 use crate::segments::{CommitLog, Position};
 use crate::Storage;
@@ -16,6 +16,10 @@ use std::io;
 use std::time::Instant;
 
 type PubWithProp = (Publish, Option<PublishProperties>);
+
+/// A message read from a log: the publish, and the number the journal
+/// keeps it under, if it does (statebroker patch 16).
+pub type ReadMessage = (PubWithProp, Option<MessageId>);
 
 /// Topics whose matching filters are cached at most (statebroker patch 8).
 const MAX_CACHED_TOPICS: usize = 100_000;
@@ -27,6 +31,9 @@ pub struct PublishData {
     pub timestamp: Instant,
     /// Client id of the publisher, for No Local (statebroker patch 2).
     pub origin: Option<std::sync::Arc<str>>,
+    /// The number the journal keeps it under for persistent sessions
+    /// (statebroker patch 16).
+    pub queued: Option<MessageId>,
 }
 
 impl From<PubWithProp> for PublishData {
@@ -36,6 +43,7 @@ impl From<PubWithProp> for PublishData {
             properties,
             timestamp: Instant::now(),
             origin: None,
+            queued: None,
         }
     }
 }
@@ -70,6 +78,9 @@ pub struct DataLog {
     pub retained_count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// List of filters associated with a topic
     publish_filters: HashMap<Topic, Vec<FilterIdx>>,
+    /// Logs that no topic matches, by name: the messages a restored session
+    /// still waited for (statebroker patch 16).
+    private_logs: HashMap<Filter, FilterIdx>,
 }
 
 impl DataLog {
@@ -97,6 +108,7 @@ impl DataLog {
             filter_indexes,
             retained_publishes,
             retained_count: Default::default(),
+            private_logs: HashMap::new(),
         })
     }
 
@@ -116,10 +128,7 @@ impl DataLog {
         id: ConnectionId,
         filter: &Filter,
     ) -> Option<DataRequest> {
-        let data = self
-            .native
-            .get_mut(*self.filter_indexes.get(filter)?)
-            .unwrap();
+        let data = self.native.get_mut(self.index_of(filter)?).unwrap();
         let waiters = data.waiters.get_mut();
 
         waiters
@@ -162,11 +171,48 @@ impl DataLog {
     /// Frees the log of `filter` (no subscription uses it any more);
     /// returns the index it had (statebroker patch 8).
     pub fn remove_filter(&mut self, filter: &str) -> Option<FilterIdx> {
-        let idx = self.filter_indexes.remove(filter)?;
+        let idx = match self.filter_indexes.remove(filter) {
+            Some(idx) => idx,
+            None => self.private_logs.remove(filter)?,
+        };
         self.native.try_remove(idx);
         // The topic -> filters cache may name it: rebuilt on demand.
         self.publish_filters.clear();
         Some(idx)
+    }
+
+    /// The log of `filter`, or the private log of that name.
+    fn index_of(&self, filter: &str) -> Option<FilterIdx> {
+        self.filter_indexes
+            .get(filter)
+            .or_else(|| self.private_logs.get(filter))
+            .copied()
+    }
+
+    /// A log that no topic matches, named `name` (a name that is not a
+    /// valid filter, so that no subscription can share it), holding
+    /// `messages`; returns its index and the position of its first message
+    /// (statebroker patch 16).
+    pub fn private_log(
+        &mut self,
+        name: &str,
+        messages: impl IntoIterator<Item = PublishData>,
+    ) -> (FilterIdx, Offset) {
+        let idx = match self.private_logs.get(name) {
+            Some(&idx) => idx,
+            None => {
+                let idx = self.native.insert(Data::new(name, &self.config));
+                self.private_logs.insert(name.to_owned(), idx);
+                idx
+            }
+        };
+        let data = self.native.get_mut(idx).expect("just made");
+        let start = data.log.next_offset();
+        let mut woken = VecDeque::new();
+        for message in messages {
+            data.append(message, &mut woken);
+        }
+        (idx, start)
     }
 
     pub fn next_native_offset(&mut self, filter: &str) -> (FilterIdx, Offset) {
@@ -205,7 +251,7 @@ impl DataLog {
         offset: Offset,
         len: u64,
         exclude_origin: Option<&str>,
-    ) -> io::Result<(Position, Vec<(PubWithProp, Offset)>)> {
+    ) -> io::Result<(Position, Vec<(ReadMessage, Offset)>)> {
         // unwrap to get index of `self.native` is fine here, because when a new subscribe packet
         // arrives in `Router::handle_device_payload`, it first calls the function
         // `next_native_offset` which creates a new commitlog if one doesn't exist. So any new
@@ -252,7 +298,10 @@ impl DataLog {
         // no need to include timestamp when returning
         let o = o
             .into_iter()
-            .map(|(pubdata, offset)| ((pubdata.publish, pubdata.properties), offset))
+            .map(|(pubdata, offset)| {
+                let read = ((pubdata.publish, pubdata.properties), pubdata.queued);
+                (read, offset)
+            })
             .collect();
 
         Ok((next, o))
@@ -330,10 +379,10 @@ impl DataLog {
             .filter(|(topic, _)| matches(topic, filter))
             .map(|(_, p)| {
                 let mut properties = p.properties.clone();
-                if let Some(left) = remaining_expiry(p, now) {
-                    if let Some(props) = properties.as_mut() {
-                        props.message_expiry_interval = Some(left);
-                    }
+                if let Some(left) = remaining_expiry(p, now)
+                    && let Some(props) = properties.as_mut()
+                {
+                    props.message_expiry_interval = Some(left);
                 }
                 (p.publish.clone(), properties)
             })
@@ -408,13 +457,18 @@ where
     }
 }
 
+/// A QoS 2 publish waiting for its PUBREL, with the number the journal
+/// keeps it under (statebroker patch 16).
+pub type Recorded = (Publish, Option<PublishProperties>, Option<MessageId>);
+
 /// Acks log for a subscription
 #[derive(Debug)]
 pub struct AckLog {
-    // Committed acks per connection. First pkid, last pkid, data
-    committed: VecDeque<Ack>,
+    // Committed acks per connection, each with what it waits for in the
+    // journal, if anything (statebroker patch 16).
+    committed: VecDeque<(Ack, Option<Receipt>)>,
     // Recorded qos 2 publishes
-    recorded: VecDeque<(Publish, Option<PublishProperties>)>,
+    recorded: VecDeque<Recorded>,
 }
 
 impl AckLog {
@@ -428,43 +482,52 @@ impl AckLog {
 
     pub fn connack(&mut self, id: ConnectionId, ack: ConnAck, props: Option<ConnAckProperties>) {
         let ack = Ack::ConnAck(id, ack, props);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, None));
     }
 
-    pub fn suback(&mut self, ack: SubAck) {
+    /// A SUBACK, to hold until `receipt` is durable (statebroker patch 16).
+    pub fn suback(&mut self, ack: SubAck, receipt: Option<Receipt>) {
         let ack = Ack::SubAck(ack);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, receipt));
     }
 
-    pub fn puback(&mut self, ack: PubAck) {
+    /// A PUBACK, to hold until `receipt` is durable (statebroker patch 16).
+    pub fn puback(&mut self, ack: PubAck, receipt: Option<Receipt>) {
         let ack = Ack::PubAck(ack);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, receipt));
+    }
+
+    /// Whether a QoS 2 publish with packet id `pkid` is recorded (its
+    /// PUBREL has not come yet).
+    pub fn is_recorded(&self, pkid: u16) -> bool {
+        self.recorded.iter().any(|(p, _, _)| p.pkid == pkid)
     }
 
     /// Records a QoS 2 publish until its PUBREL. A retransmission of a
     /// publish still recorded (same packet id) is acknowledged again but
     /// not recorded twice, so it is delivered once (statebroker patch 6).
-    pub fn pubrec(&mut self, publish: Publish, props: Option<PublishProperties>, ack: PubRec) {
-        if !self.recorded.iter().any(|(p, _)| p.pkid == publish.pkid) {
-            self.recorded.push_back((publish, props));
+    /// The PUBREC is held until `receipt` is durable (patch 16).
+    pub fn pubrec(&mut self, recorded: Recorded, ack: PubRec, receipt: Option<Receipt>) {
+        if !self.is_recorded(recorded.0.pkid) {
+            self.recorded.push_back(recorded);
         }
-        self.committed.push_back(Ack::PubRec(ack));
+        self.committed.push_back((Ack::PubRec(ack), receipt));
     }
 
     /// The QoS 2 publishes waiting for PUBREL (kept for a persistent
     /// session across connections, statebroker patch 6).
-    pub fn take_recorded(&mut self) -> VecDeque<(Publish, Option<PublishProperties>)> {
+    pub fn take_recorded(&mut self) -> VecDeque<Recorded> {
         std::mem::take(&mut self.recorded)
     }
 
     /// Restores what [`AckLog::take_recorded`] took.
-    pub fn restore_recorded(&mut self, recorded: VecDeque<(Publish, Option<PublishProperties>)>) {
+    pub fn restore_recorded(&mut self, recorded: VecDeque<Recorded>) {
         self.recorded = recorded;
     }
 
     pub fn pubrel(&mut self, ack: PubRel) {
         let ack = Ack::PubRel(ack);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, None));
     }
 
     /// PUBREL `pkid`: releases the publish recorded with that packet id
@@ -472,28 +535,29 @@ impl AckLog {
     /// answers PUBCOMP, with "packet identifier not found" when there is
     /// none (statebroker patch 6; the router used to release the oldest
     /// publish whatever the packet id, and disconnect when there was none).
-    pub fn pubcomp(&mut self, pkid: u16) -> Option<(Publish, Option<PublishProperties>)> {
-        let at = self.recorded.iter().position(|(p, _)| p.pkid == pkid);
+    pub fn pubcomp(&mut self, pkid: u16) -> Option<Recorded> {
+        let at = self.recorded.iter().position(|(p, _, _)| p.pkid == pkid);
         let reason = match at {
             Some(_) => PubCompReason::Success,
             None => PubCompReason::PacketIdentifierNotFound,
         };
         self.committed
-            .push_back(Ack::PubComp(PubComp { pkid, reason }));
+            .push_back((Ack::PubComp(PubComp { pkid, reason }), None));
         self.recorded.remove(at?)
     }
 
     pub fn pingresp(&mut self, ack: PingResp) {
         let ack = Ack::PingResp(ack);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, None));
     }
 
-    pub fn unsuback(&mut self, ack: UnsubAck) {
+    /// An UNSUBACK, to hold until `receipt` is durable (statebroker patch 16).
+    pub fn unsuback(&mut self, ack: UnsubAck, receipt: Option<Receipt>) {
         let ack = Ack::UnsubAck(ack);
-        self.committed.push_back(ack);
+        self.committed.push_back((ack, receipt));
     }
 
-    pub fn readv(&mut self) -> &mut VecDeque<Ack> {
+    pub fn readv(&mut self) -> &mut VecDeque<(Ack, Option<Receipt>)> {
         &mut self.committed
     }
 }

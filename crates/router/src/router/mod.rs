@@ -65,6 +65,9 @@ pub enum Event {
     PrintStatus(Print),
     /// Publish Will message
     PublishWill((String, Option<String>)),
+    /// What the journal kept, given back at start; the sender hears when
+    /// it is done (statebroker patch 16).
+    Restore(crate::Restore, flume::Sender<()>),
 }
 
 /// Notification from router to connection
@@ -74,6 +77,9 @@ pub enum Notification {
     Forward(Forward),
     /// Acks reply for connection data
     DeviceAck(Ack),
+    /// An acknowledgement to hold until the journal has made `Receipt`
+    /// durable (statebroker patch 16).
+    DurableAck(crate::Receipt, Ack),
     /// Data reply
     ReplicaData {
         cursor: (u64, u64),
@@ -98,11 +104,14 @@ impl From<Notification> for MaybePacket {
     fn from(notification: Notification) -> Self {
         let packet: Packet = match notification {
             Notification::Forward(forward) => Packet::Publish(forward.publish, forward.properties),
-            Notification::DeviceAck(ack) => ack.into(),
+            Notification::DeviceAck(ack) | Notification::DurableAck(_, ack) => ack.into(),
             Notification::Unschedule => return None,
             Notification::Disconnect(disconnect, props) => Packet::Disconnect(disconnect, props),
             v => {
-                tracing::error!("Unexpected notification here, it cannot be converted into Packet, Notification: {:?}", v);
+                tracing::error!(
+                    "Unexpected notification here, it cannot be converted into Packet, Notification: {:?}",
+                    v
+                );
                 return None;
             }
         };
@@ -116,6 +125,9 @@ pub struct Forward {
     pub size: usize,
     pub publish: Publish,
     pub properties: Option<PublishProperties>,
+    /// The number the journal keeps the message under for persistent
+    /// sessions, if it does (statebroker patch 16).
+    pub queued: Option<crate::MessageId>,
 }
 
 #[derive(Debug, Clone)]
@@ -382,7 +394,7 @@ impl IncomingMeter {
         self.subscribes.insert(filter)
     }
 
-    pub fn unregister_subscription(&mut self, filter: &Filter) -> bool {
+    pub fn unregister_subscription(&mut self, filter: &str) -> bool {
         self.subscribes.remove(filter)
     }
 

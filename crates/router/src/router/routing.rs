@@ -9,6 +9,7 @@ use crate::router::logs::PublishData;
 use crate::router::scheduler::{PauseReason, Tracker};
 use crate::router::{ConnectionEvents, Forward};
 use crate::segments::Position;
+use crate::subscriptions::{SubOptions, Subscriptions};
 use crate::*;
 use flume::{bounded, Receiver, RecvError, Sender, TryRecvError};
 use slab::Slab;
@@ -107,6 +108,11 @@ pub struct Router {
     shared_subscriptions: HashMap<String, SharedGroup>,
     /// Will messages per client_id
     last_wills: HashMap<String, (LastWill, Option<LastWillProperties>)>,
+    /// Who subscribes to what, by client id, readable from other threads
+    /// (statebroker patch 16).
+    subscriptions: std::sync::Arc<Subscriptions>,
+    /// Where the changes a restart must not lose go (statebroker patch 16).
+    journal: Option<std::sync::Arc<dyn Journal>>,
 }
 
 impl Router {
@@ -149,7 +155,20 @@ impl Router {
             cache: Some(VecDeque::with_capacity(MAX_CHANNEL_CAPACITY)),
             shared_subscriptions: HashMap::new(),
             last_wills: HashMap::new(),
+            subscriptions: Default::default(),
+            journal: None,
         }
+    }
+
+    /// Saves durable changes to `journal` (statebroker patch 16).
+    pub fn set_journal(&mut self, journal: std::sync::Arc<dyn Journal>) {
+        self.journal = Some(journal);
+    }
+
+    /// The subscriptions by client id, kept up to date by the router once
+    /// spawned (statebroker patch 16).
+    pub fn subscriptions(&self) -> std::sync::Arc<Subscriptions> {
+        std::sync::Arc::clone(&self.subscriptions)
     }
 
     /// Gets handle to the router. This is not a public method to ensure that link
@@ -213,7 +232,7 @@ impl Router {
                 Ok((id, data)) => self.events(id, data),
                 Err(flume::RecvTimeoutError::Timeout) => {}
                 Err(flume::RecvTimeoutError::Disconnected) => {
-                    return Err(RouterError::Disconnected)
+                    return Err(RouterError::Disconnected);
                 }
             }
         }
@@ -280,6 +299,10 @@ impl Router {
                 #[cfg(feature = "validate-tenant-prefix")]
                 _tenant_id,
             ),
+            Event::Restore(restore, done) => {
+                self.restore(restore);
+                let _ = done.send(());
+            }
         }
     }
 
@@ -338,6 +361,7 @@ impl Router {
                     self.release_filter(&filter);
                 }
             }
+            self.forget_session(&client_id);
         }
         let previous_session = saved.as_ref().is_some_and(|s| s.session_state.is_some());
         // for qos2 pending pubrels
@@ -394,6 +418,22 @@ impl Router {
                 client_id.clone(),
                 (will, connection.last_will_properties.take()),
             );
+        }
+
+        // A session that outlives this connection is saved now, one that
+        // ends with it is no longer (statebroker patch 16).
+        let kept = connection.session_expiry > 0;
+        let was_kept = self.subscriptions.has_kept_session(&client_id);
+        self.subscriptions.set_kept(&client_id, kept);
+        if let Some(journal) = &self.journal {
+            if kept {
+                let record = self
+                    .subscriptions
+                    .record(&client_id, connection.session_expiry, None);
+                journal.session(&client_id, Some(&record));
+            } else if was_kept {
+                journal.session(&client_id, None);
+            }
         }
 
         let connection_id = self.connections.insert(connection);
@@ -570,6 +610,16 @@ impl Router {
                 }
             }
 
+            // Saved with the time, so that its expiry keeps counting while
+            // the broker is down (statebroker patch 16).
+            if let Some(journal) = &self.journal {
+                let record = self.subscriptions.record(
+                    &client_id,
+                    connection.session_expiry,
+                    Some(unix_ms()),
+                );
+                journal.session(&client_id, Some(&record));
+            }
             self.graveyard.save_state(
                 tracker,
                 connection.subscriptions,
@@ -589,6 +639,7 @@ impl Router {
             for filter in connection.subscriptions.iter() {
                 self.release_filter(filter);
             }
+            self.forget_session(&client_id);
         }
         self.router_meters.total_connections -= 1;
     }
@@ -643,6 +694,17 @@ impl Router {
                     // Currently as we don't have replication, we just use a single offset, even when appending to
                     // multiple commit logs.
 
+                    // What a restart must not lose is saved first, and the
+                    // acknowledgement waits for it (statebroker patch 16). A
+                    // QoS 2 publish sent again before its PUBREL is recorded
+                    // already: acknowledged again, nothing else (patch 6).
+                    let again = qos == QoS::ExactlyOnce && self.ackslog[id].is_recorded(pkid);
+                    let (queued, receipt) = if again {
+                        (None, None)
+                    } else {
+                        self.save_publish(id, &publish, properties.as_ref())
+                    };
+
                     match qos {
                         QoS::AtLeastOnce => {
                             let puback = PubAck {
@@ -651,7 +713,7 @@ impl Router {
                             };
 
                             let ackslog = self.ackslog.get_mut(id).unwrap();
-                            ackslog.puback(puback);
+                            ackslog.puback(puback, receipt);
                             force_ack = true;
                         }
                         QoS::ExactlyOnce => {
@@ -661,7 +723,7 @@ impl Router {
                             };
 
                             let ackslog = self.ackslog.get_mut(id).unwrap();
-                            ackslog.pubrec(publish, properties, pubrec);
+                            ackslog.pubrec((publish, properties, queued), pubrec, receipt);
                             force_ack = true;
                             continue;
                         }
@@ -677,6 +739,7 @@ impl Router {
                         id,
                         publish.clone(),
                         properties,
+                        queued,
                         &mut self.datalog,
                         &mut self.notifications,
                         &mut self.connections,
@@ -754,6 +817,11 @@ impl Router {
                         // and create DataRequest, while using the same datalog of "topic"
                         // NOTE: topic & $share/group/topic will have same filteridx!
                         self.prepare_filter(id, cursor, idx, f, group, subscription_id);
+                        self.subscriptions.subscribe(
+                            &client_id,
+                            &f.path,
+                            SubOptions::of(f, subscription_id),
+                        );
 
                         let code = match f.qos {
                             QoS::AtMostOnce => SubscribeReasonCode::QoS0,
@@ -768,73 +836,37 @@ impl Router {
                     // meter.total_size += len;
 
                     let suback = SubAck { pkid, return_codes };
+                    // A persistent session's SUBACK waits for the disk
+                    // (statebroker patch 16).
+                    let receipt = self.save_session(id);
                     let ackslog = self.ackslog.get_mut(id).unwrap();
-                    ackslog.suback(suback);
+                    ackslog.suback(suback, receipt);
                     force_ack = true;
                 }
                 Packet::Unsubscribe(unsubscribe, _) => {
-                    let connection = self.connections.get_mut(id).unwrap();
+                    // One UNSUBACK per UNSUBSCRIBE, with a reason per filter:
+                    // "no subscription existed" for a filter the client did
+                    // not have (statebroker patch 16; the router sent one
+                    // UNSUBACK per removed filter and none for the others).
                     let pkid = unsubscribe.pkid;
-                    let mut released = Vec::new();
+                    let mut reasons = Vec::with_capacity(unsubscribe.filters.len());
                     for filter in &unsubscribe.filters {
                         let span = tracing::info_span!("unsubscribe", topic = filter, pkid);
                         let _guard = span.enter();
 
                         debug!("Removing subscription on filter {}", filter);
-                        if let Some(connection_ids) = self.subscription_map.get_mut(filter) {
-                            let removed = connection_ids.remove(&id);
-                            if !removed {
-                                continue;
-                            }
-                            if connection_ids.is_empty() {
-                                self.subscription_map.remove(filter);
-                            }
-
-                            let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
-                            meter.unregister_subscription(filter);
-
-                            if !connection.subscriptions.remove(filter) {
-                                warn!(
-                                    pkid = unsubscribe.pkid,
-                                    "Unsubscribe failed as filter was not subscribed previously"
-                                );
-                                continue;
-                            }
-
-                            // Remove connections from all groups
-                            // discard empty group ( group with no client )
-                            // note: can we do this in better way?
-                            self.shared_subscriptions.retain(|_, group| {
-                                group.remove_client(&client_id);
-                                !group.is_empty()
-                            });
-
-                            if let Some(broker_aliases) = connection.broker_topic_aliases.as_mut() {
-                                broker_aliases.remove_alias(filter);
-                            }
-
-                            // remove the subscription id
-                            connection.subscription_ids.remove(filter);
-
-                            let unsuback = UnsubAck {
-                                pkid,
-                                // reasons are used in MQTTv5
-                                reasons: vec![UnsubAckReason::Success],
-                            };
-                            let ackslog = self.ackslog.get_mut(id).unwrap();
-                            ackslog.unsuback(unsuback);
-                            self.scheduler.untrack(id, filter);
-                            let bare = bare_filter(filter);
-                            self.datalog.remove_waiters_for_id(id, &bare);
-                            self.notifications
-                                .retain(|(cid, r)| !(*cid == id && r.filter == *filter));
-                            released.push(filter.clone());
-                            force_ack = true;
-                        }
+                        let removed = self.unsubscribe(id, &client_id, filter);
+                        reasons.push(if removed {
+                            UnsubAckReason::Success
+                        } else {
+                            UnsubAckReason::NoSubscriptionExisted
+                        });
                     }
-                    for filter in released {
-                        self.release_filter(&filter);
-                    }
+                    let receipt = self.save_session(id);
+                    let unsuback = UnsubAck { pkid, reasons };
+                    let ackslog = self.ackslog.get_mut(id).unwrap();
+                    ackslog.unsuback(unsuback, receipt);
+                    force_ack = true;
                 }
                 Packet::PubAck(puback, _) => {
                     let span = tracing::info_span!("puback", pkid = puback.pkid);
@@ -842,11 +874,12 @@ impl Router {
 
                     let outgoing = self.obufs.get_mut(id).unwrap();
                     let pkid = puback.pkid;
-                    if outgoing.register_ack(pkid).is_none() {
+                    let Some(queued) = outgoing.register_ack(pkid) else {
                         error!(pkid, "Unsolicited/ooo ack received for pkid {}", pkid);
                         disconnect = true;
                         break;
-                    }
+                    };
+                    self.delivered(&client_id, queued);
 
                     self.scheduler.reschedule(id, ScheduleReason::IncomingAck);
                 }
@@ -856,11 +889,15 @@ impl Router {
 
                     let outgoing = self.obufs.get_mut(id).unwrap();
                     let pkid = pubrec.pkid;
-                    if outgoing.register_ack(pkid).is_none() {
+                    let Some(queued) = outgoing.register_ack(pkid) else {
                         error!(pkid, "Unsolicited/ooo ack received for pkid {}", pkid);
                         disconnect = true;
                         break;
-                    }
+                    };
+                    // At QoS 2 the client has the message once it PUBRECs
+                    // (statebroker patch 16).
+                    self.delivered(&client_id, queued);
+                    let outgoing = self.obufs.get_mut(id).unwrap();
 
                     let ackslog = self.ackslog.get_mut(id).unwrap();
                     let pubrel = PubRel {
@@ -882,7 +919,7 @@ impl Router {
                     // to a persistent session: the recorded publishes come back
                     // from the graveyard. A PUBREL for a packet id not recorded
                     // (released already) gets PUBCOMP 0x92 (statebroker patch 6).
-                    let Some((publish, props)) = ackslog.pubcomp(pubrel.pkid) else {
+                    let Some((publish, props, queued)) = ackslog.pubcomp(pubrel.pkid) else {
                         force_ack = true;
                         continue;
                     };
@@ -893,6 +930,7 @@ impl Router {
                         id,
                         publish,
                         props,
+                        queued,
                         &mut self.datalog,
                         &mut self.notifications,
                         &mut self.connections,
@@ -941,10 +979,10 @@ impl Router {
                     let _guard = span.enter();
                     // MQTT 5 3.14.2.2.2: DISCONNECT may change the Session
                     // Expiry Interval (statebroker patch 9).
-                    if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval) {
-                        if let Some(connection) = self.connections.get_mut(id) {
-                            connection.session_expiry = expiry;
-                        }
+                    if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval)
+                        && let Some(connection) = self.connections.get_mut(id)
+                    {
+                        connection.session_expiry = expiry;
                     }
                     disconnect = true;
                     // delete the last will message
@@ -1105,6 +1143,7 @@ impl Router {
             for filter in state.subscriptions {
                 self.release_filter(&filter);
             }
+            self.forget_session(&state.tracker.id);
         }
     }
 
@@ -1127,6 +1166,212 @@ impl Router {
                 outgoing.forget_filter(idx);
             }
         }
+    }
+
+    /// Removes connection `id`'s subscription to `filter`; whether it had
+    /// one.
+    fn unsubscribe(&mut self, id: ConnectionId, client_id: &str, filter: &str) -> bool {
+        let Some(connection_ids) = self.subscription_map.get_mut(filter) else {
+            return false;
+        };
+        if !connection_ids.remove(&id) {
+            return false;
+        }
+        if connection_ids.is_empty() {
+            self.subscription_map.remove(filter);
+        }
+        let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
+        meter.unregister_subscription(filter);
+        let connection = self.connections.get_mut(id).unwrap();
+        if !connection.subscriptions.remove(filter) {
+            warn!("Unsubscribe failed as filter was not subscribed previously");
+            return false;
+        }
+        // Remove connections from all groups
+        // discard empty group ( group with no client )
+        // note: can we do this in better way?
+        self.shared_subscriptions.retain(|_, group| {
+            group.remove_client(client_id);
+            !group.is_empty()
+        });
+        if let Some(broker_aliases) = connection.broker_topic_aliases.as_mut() {
+            broker_aliases.remove_alias(filter);
+        }
+        // remove the subscription id
+        connection.subscription_ids.remove(filter);
+        self.scheduler.untrack(id, filter);
+        let bare = bare_filter(filter);
+        self.datalog.remove_waiters_for_id(id, &bare);
+        self.notifications
+            .retain(|(cid, r)| !(*cid == id && r.filter == *filter));
+        self.subscriptions.unsubscribe(client_id, filter);
+        self.release_filter(filter);
+        true
+    }
+
+    /// Saves connection `id`'s session if it is persistent; returns what
+    /// an acknowledgement of the change waits for (statebroker patch 16).
+    fn save_session(&self, id: ConnectionId) -> Option<Receipt> {
+        let journal = self.journal.as_ref()?;
+        let connection = self.connections.get(id)?;
+        if connection.session_expiry == 0 {
+            return None;
+        }
+        let record =
+            self.subscriptions
+                .record(&connection.client_id, connection.session_expiry, None);
+        journal.session(&connection.client_id, Some(&record))
+    }
+
+    /// Saves what a restart must not lose of connection `id`'s publish: a
+    /// retained message, and a copy for each kept session a QoS 1/2
+    /// publish reaches. Returns the number the copy is kept under and what
+    /// the acknowledgement waits for (statebroker patch 16).
+    fn save_publish(
+        &self,
+        id: ConnectionId,
+        publish: &Publish,
+        properties: Option<&PublishProperties>,
+    ) -> (Option<MessageId>, Option<Receipt>) {
+        let Some(journal) = &self.journal else {
+            return (None, None);
+        };
+        let Some(connection) = self.connections.get(id) else {
+            return (None, None);
+        };
+        let Ok(topic) = std::str::from_utf8(&publish.topic) else {
+            return (None, None);
+        };
+        let message = || Message {
+            publish: publish.clone(),
+            properties: properties.cloned(),
+        };
+        let mut receipt = None;
+        if publish.retain {
+            let kept = (!publish.payload.is_empty()).then(message);
+            receipt = journal.retained(topic, kept.as_ref());
+        }
+        let mut queued = None;
+        if publish.qos != QoS::AtMostOnce && self.subscriptions.any_kept() {
+            let clients = self
+                .subscriptions
+                .kept_recipients(&connection.client_id, topic);
+            if !clients.is_empty() {
+                let clients: Vec<&str> = clients.iter().map(|c| &**c).collect();
+                if let Some((number, saved)) = journal.queued(&clients, &message()) {
+                    queued = Some(number);
+                    receipt = receipt.max(Some(saved));
+                }
+            }
+        }
+        (queued, receipt)
+    }
+
+    /// `client_id` has message `queued` (acknowledged, or sent at QoS 0):
+    /// the journal forgets its copy (statebroker patch 16).
+    fn delivered(&self, client_id: &str, queued: Option<MessageId>) {
+        if let (Some(journal), Some(message)) = (&self.journal, queued) {
+            journal.delivered(client_id, message);
+        }
+    }
+
+    /// `client_id`'s session ends: its subscriptions leave the index, and
+    /// what the journal saved of it goes (statebroker patch 16).
+    fn forget_session(&self, client_id: &str) {
+        let kept = self.subscriptions.has_kept_session(client_id);
+        self.subscriptions.end_session(client_id);
+        if let (true, Some(journal)) = (kept, &self.journal) {
+            journal.session(client_id, None);
+        }
+    }
+
+    /// Gives back what the journal kept (statebroker patch 16): retained
+    /// messages, and each persistent session as a kept session, with its
+    /// subscriptions (their logs read from where they end now) and, read
+    /// first, a private log of the messages it still waited for. Nothing is
+    /// saved again.
+    fn restore(&mut self, restore: Restore) {
+        for message in restore.retained {
+            if let Ok(topic) = std::str::from_utf8(&message.publish.topic) {
+                let topic = topic.to_owned();
+                self.datalog.insert_to_retained_publishes(
+                    message.publish,
+                    message.properties,
+                    topic,
+                );
+            }
+        }
+        for session in restore.sessions {
+            self.restore_session(session);
+        }
+    }
+
+    fn restore_session(&mut self, session: RestoredSession) {
+        let client_id = session.client_id;
+        let mut tracker = Tracker::new(client_id.clone());
+        let mut subscriptions = HashSet::new();
+        let mut subscription_ids = HashMap::new();
+        let request = |filter: &str, filter_idx, cursor, options: &SubOptions, group| DataRequest {
+            filter: filter.to_owned(),
+            filter_idx,
+            qos: options.qos,
+            cursor,
+            read_count: 0,
+            max_count: 100,
+            forward_retained: false,
+            group,
+            nolocal: options.no_local,
+            preserve_retain: options.retain_as_published,
+            retained: VecDeque::new(),
+        };
+        if !session.waiting.is_empty() {
+            let name = format!("#restored/{client_id}");
+            let messages = session
+                .waiting
+                .into_iter()
+                .map(|(number, message)| PublishData {
+                    publish: message.publish,
+                    properties: message.properties,
+                    timestamp: Instant::now(),
+                    origin: None,
+                    queued: Some(number),
+                });
+            let (filter_idx, cursor) = self.datalog.private_log(&name, messages);
+            // Each message at its own QoS (the caller set it), RETAIN 0.
+            let options = SubOptions {
+                qos: 2,
+                ..SubOptions::default()
+            };
+            tracker.register_data_request(request(&name, filter_idx, cursor, &options, None));
+            *self.filter_users.entry(name.clone()).or_default() += 1;
+            subscriptions.insert(name);
+        }
+        self.subscriptions.set_kept(&client_id, true);
+        for (filter, options) in &session.filters {
+            let (group, bare) = match extract_group(filter) {
+                Some((group, bare)) => (Some(group), bare),
+                None => (None, filter.clone()),
+            };
+            let (filter_idx, cursor) = self.datalog.next_native_offset(&bare);
+            tracker.register_data_request(request(filter, filter_idx, cursor, options, group));
+            *self.filter_users.entry(bare).or_default() += 1;
+            subscriptions.insert(filter.clone());
+            if let Some(id) = options.id {
+                subscription_ids.insert(filter.clone(), id);
+            }
+            self.subscriptions.subscribe(&client_id, filter, *options);
+        }
+        let expires_at = session.expires_in.map(|left| Instant::now() + left);
+        self.graveyard.save_state(
+            tracker,
+            subscriptions,
+            subscription_ids,
+            ConnectionEvents::default(),
+            VecDeque::new(),
+            VecDeque::new(),
+            Default::default(),
+            expires_at,
+        );
     }
 
     /// When a connection is ready, it should sweep native data from 'datalog',
@@ -1196,6 +1441,7 @@ impl Router {
                 alertlog,
                 connection,
                 shared_group,
+                self.journal.as_deref(),
             ) {
                 ConsumeStatus::BufferFull => {
                     requests.push_back(request);
@@ -1327,6 +1573,7 @@ fn append_to_commitlog(
     id: ConnectionId,
     mut publish: Publish,
     mut properties: Option<PublishProperties>,
+    queued: Option<MessageId>,
     datalog: &mut DataLog,
     notifications: &mut VecDeque<(ConnectionId, DataRequest)>,
     connections: &mut Slab<Connection>,
@@ -1343,7 +1590,9 @@ fn append_to_commitlog(
         .as_ref()
         .is_some_and(|p| !p.subscription_identifiers.is_empty())
     {
-        error!("A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier");
+        error!(
+            "A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier"
+        );
         return Err(RouterError::Disconnect(
             DisconnectReasonCode::MalformedPacket,
         ));
@@ -1405,6 +1654,7 @@ fn append_to_commitlog(
             properties: properties.clone(),
             timestamp: std::time::Instant::now(),
             origin: Some(connection.origin.clone()),
+            queued,
         };
         let (offset, filter) = datalog.append(publish_data, notifications);
         debug!(
@@ -1431,7 +1681,9 @@ fn append_will_message(
         .as_ref()
         .is_some_and(|p| !p.subscription_identifiers.is_empty())
     {
-        error!("A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier");
+        error!(
+            "A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier"
+        );
         return Err(RouterError::Disconnect(
             DisconnectReasonCode::MalformedPacket,
         ));
@@ -1542,10 +1794,13 @@ fn ack_device_data(ackslog: &mut AckLog, outgoing: &mut Outgoing) -> bool {
 
     // Unlike forwards, we are reading all the pending acks for a given connection.
     // At any given point of time, there can be a max of connection's buffer size
-    for ack in acks.drain(..) {
+    for (ack, receipt) in acks.drain(..) {
         let pkid = packetid(&ack);
         trace!(pkid, "Ack added for pkid {}", pkid);
-        let message = Notification::DeviceAck(ack);
+        let message = match receipt {
+            Some(receipt) => Notification::DurableAck(receipt, ack),
+            None => Notification::DeviceAck(ack),
+        };
         buffer.push_back(message);
         count += 1;
     }
@@ -1582,6 +1837,7 @@ fn forward_device_data(
     alertlog: &mut AlertLog,
     connection: &mut Connection,
     shared_group: Option<&mut SharedGroup>,
+    journal: Option<&dyn Journal>,
 ) -> ConsumeStatus {
     let span = tracing::info_span!("outgoing_publish", client_id = outgoing.client_id);
     let _guard = span.enter();
@@ -1632,7 +1888,7 @@ fn forward_device_data(
     }
     if !request.retained.is_empty() {
         let count = request.retained.len().min(inflight_slots as usize);
-        publishes.extend(request.retained.drain(..count).map(|p| (p, None)));
+        publishes.extend(request.retained.drain(..count).map(|p| ((p, None), None)));
         inflight_slots -= count as u64;
     }
 
@@ -1731,47 +1987,57 @@ fn forward_device_data(
     let subscription_id = connection.subscription_ids.get(&request.filter);
 
     // Fill and notify device data
-    let forwards = publishes
-        .into_iter()
-        .map(|((mut publish, mut properties), offset)| {
-            // MQTT 5 3.8.4: delivered at the smaller of the publish's QoS and
-            // the subscription's (statebroker patch 1).
-            publish.qos = protocol::qos(qos.min(publish.qos as u8)).unwrap();
-            // Retained messages sent for the subscription keep RETAIN (they
-            // come without an offset); others keep it only with Retain As
-            // Published (statebroker patch 2).
-            if offset.is_some() && !preserve_retain {
-                publish.retain = false;
-            }
+    let forwards =
+        publishes
+            .into_iter()
+            .map(|(((mut publish, mut properties), queued), offset)| {
+                // MQTT 5 3.8.4: delivered at the smaller of the publish's QoS and
+                // the subscription's (statebroker patch 1).
+                publish.qos = protocol::qos(qos.min(publish.qos as u8)).unwrap();
+                // Retained messages sent for the subscription keep RETAIN (they
+                // come without an offset); others keep it only with Retain As
+                // Published (statebroker patch 2).
+                if offset.is_some() && !preserve_retain {
+                    publish.retain = false;
+                }
 
-            // if there is some topic alias to use, set it in publish properties
-            if topic_alias.is_some() {
-                let mut props = properties.unwrap_or_default();
-                props.topic_alias = topic_alias;
-                properties = Some(props);
-            }
+                // if there is some topic alias to use, set it in publish properties
+                if topic_alias.is_some() {
+                    let mut props = properties.unwrap_or_default();
+                    props.topic_alias = topic_alias;
+                    properties = Some(props);
+                }
 
-            // We want to clear topic if we are using an existing alias
-            if topic_alias_already_exists {
-                publish.topic.clear()
-            }
+                // We want to clear topic if we are using an existing alias
+                if topic_alias_already_exists {
+                    publish.topic.clear()
+                }
 
-            if let Some(&subscription_id) = subscription_id {
-                // create new props if not already exists
-                let mut props = properties.unwrap_or_default();
-                props.subscription_identifiers.push(subscription_id);
-                properties = Some(props);
-            }
+                if let Some(&subscription_id) = subscription_id {
+                    // create new props if not already exists
+                    let mut props = properties.unwrap_or_default();
+                    props.subscription_identifiers.push(subscription_id);
+                    properties = Some(props);
+                }
 
-            Forward {
-                cursor: offset,
-                size: 0,
-                publish,
-                properties,
-            }
-        });
+                Forward {
+                    cursor: offset,
+                    size: 0,
+                    publish,
+                    properties,
+                    queued,
+                }
+            });
 
-    let (len, inflight) = outgoing.push_forwards(forwards, qos, filter_idx);
+    let mut delivered = Vec::new();
+    let (len, inflight) = outgoing.push_forwards(forwards, qos, filter_idx, &mut delivered);
+    // Saved messages sent at QoS 0 are delivered as they go (statebroker
+    // patch 16).
+    if let Some(journal) = journal {
+        for message in delivered {
+            journal.delivered(&outgoing.client_id, message);
+        }
+    }
 
     debug!(
         inflight_count = inflight,
@@ -2585,3 +2851,10 @@ fn extract_group(filter: &str) -> Option<(String, String)> {
 // //         dbg!(trackers);
 // //     }
 // // }
+
+/// Now, in milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

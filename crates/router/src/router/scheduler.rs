@@ -59,9 +59,9 @@ impl Scheduler {
             .find(|request| request.filter == filter)
     }
 
-    pub fn untrack(&mut self, id: ConnectionId, filter: &Filter) {
+    pub fn untrack(&mut self, id: ConnectionId, filter: &str) {
         let tracker = self.trackers.get_mut(id).unwrap();
-        tracker.unregister_data_request(filter.clone());
+        tracker.unregister_data_request(filter.to_owned());
     }
 
     pub fn trackv(&mut self, id: ConnectionId, requests: VecDeque<DataRequest>) {

@@ -31,7 +31,7 @@ impl SharedGroup {
         self.clients.push(client)
     }
 
-    pub fn remove_client(&mut self, client: &String) {
+    pub fn remove_client(&mut self, client: &str) {
         // remove client from vec
         self.clients.retain(|c| c != client);
 
@@ -99,7 +99,7 @@ mod tests {
             cursor: (0, 0),
             strategy: Strategy::RoundRobin,
         };
-        group.remove_client(&"A".into());
+        group.remove_client("A");
         assert_eq!(group.current_client_index, 0);
         group.update_next_client();
         assert_eq!(group.current_client_index, 1);
@@ -122,7 +122,7 @@ mod tests {
         assert_eq!(group.current_client_index, 1);
         group.update_next_client();
         assert_eq!(group.current_client_index, 2);
-        group.remove_client(&"C".into());
+        group.remove_client("C");
         assert_eq!(group.current_client_index, 0);
     }
 }

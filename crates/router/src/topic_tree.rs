@@ -1,15 +1,12 @@
 //! Wildcard and shared subscriptions in a tree of topic levels: a topic is
 //! matched against the filters along its own levels (and the `+` and `#`
 //! branches beside them), not against every wildcard filter of every
-//! client. Each state store answer asks whether its requester is the only
-//! subscriber of its response topic; with every wildcard filter scanned,
-//! 1,000 unrelated `sensors/<i>/+` subscriptions took 64 connections from
-//! 87,500 to 24,300 requests/s, and 10,000 filters under the response
-//! topics' own first level (`bench/wild/<i>/+`) to 1,700.
-//!
-//! (rumqttd's router, which routes the publishes, keeps its own
-//! structures; this mirror serves the broker's direct deliveries and
-//! persistent sessions.)
+//! client (statebroker patch 16; moved here from the broker's subscription
+//! mirror, which it served). Each state store answer asks whether its
+//! requester is the only subscriber of its response topic; with every
+//! wildcard filter scanned, 1,000 unrelated `sensors/<i>/+` subscriptions
+//! took 64 connections from 87,500 to 24,300 requests/s, and 10,000 filters
+//! under the response topics' own first level (`bench/wild/<i>/+`) to 1,700.
 
 use std::collections::HashMap;
 use std::str::Split;
@@ -17,12 +14,12 @@ use std::sync::Arc;
 
 /// Whether `filter` belongs here (a wildcard or a shared subscription)
 /// rather than among the exact filters.
-pub(super) fn is_wild(filter: &str) -> bool {
-    router::protocol::has_wildcards(filter) || filter.starts_with("$share/")
+pub(crate) fn is_wild(filter: &str) -> bool {
+    crate::protocol::has_wildcards(filter) || filter.starts_with("$share/")
 }
 
 /// `filter` without its `$share/{group}/` prefix.
-pub(super) fn bare(filter: &str) -> &str {
+pub(crate) fn bare(filter: &str) -> &str {
     filter
         .strip_prefix("$share/")
         .and_then(|rest| rest.split_once('/'))
@@ -31,12 +28,12 @@ pub(super) fn bare(filter: &str) -> &str {
 
 /// Filters with wildcards, and shared ones, with their clients: each
 /// stored at the node its (bare) levels lead to.
-#[derive(Default)]
-pub(super) struct WildFilters {
+#[derive(Debug, Default)]
+pub(crate) struct WildFilters {
     root: Node,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Node {
     /// By the next level: a name, `+` or `#`.
     children: HashMap<String, Node>,
@@ -116,7 +113,7 @@ impl WildFilters {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use router::protocol;
+    use crate::protocol;
 
     fn matching(index: &WildFilters, topic: &str) -> Vec<String> {
         let mut found: Vec<String> = index
