@@ -426,7 +426,16 @@ impl Protocol for V5 {
                 let (pubcomp, properties) = pubcomp::read(fixed_header, packet)?;
                 Packet::PubComp(pubcomp, properties)
             }
-            _ => unreachable!(),
+            // statebroker patch 17: every packet this codec writes, it
+            // reads (these two were an `unreachable!()` panic).
+            PacketType::ConnAck => {
+                let (connack, properties) = connack::read(fixed_header, packet)?;
+                Packet::ConnAck(connack, properties)
+            }
+            PacketType::UnsubAck => {
+                let (unsuback, properties) = unsuback::read(fixed_header, packet)?;
+                Packet::UnsubAck(unsuback, properties)
+            }
         };
 
         Ok(packet)
@@ -472,5 +481,41 @@ impl Protocol for V5 {
             _ => unreachable!(),
         };
         Ok(size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{ConnAck, ConnectReturnCode, UnsubAck, UnsubAckReason};
+
+    /// statebroker patch 17: a CONNACK and an UNSUBACK (what a client
+    /// reads) decode; they were an `unreachable!()` panic.
+    #[test]
+    fn what_a_client_reads_decodes() {
+        let packets = [
+            Packet::ConnAck(
+                ConnAck {
+                    session_present: true,
+                    code: ConnectReturnCode::Success,
+                },
+                None,
+            ),
+            Packet::UnsubAck(
+                UnsubAck {
+                    pkid: 3,
+                    reasons: vec![
+                        UnsubAckReason::Success,
+                        UnsubAckReason::NoSubscriptionExisted,
+                    ],
+                },
+                None,
+            ),
+        ];
+        for packet in packets {
+            let mut buf = BytesMut::new();
+            V5.write(packet.clone(), &mut buf).unwrap();
+            assert_eq!(V5.read_mut(&mut buf, 1024).unwrap(), packet);
+        }
     }
 }
