@@ -72,10 +72,10 @@ pub mod will;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
 pub use config::Settings;
 use shared::Shared;
@@ -126,65 +126,6 @@ impl Broker {
                 None
             }
         };
-        // The router's journal: what of the MQTT side survives a restart.
-        let durable = persistence
-            .as_ref()
-            .map(|(persistence, _)| durable::Durable::new(Arc::clone(persistence)));
-        let router = router::RouterHandle::spawn(
-            settings.router_id,
-            settings.router.clone(),
-            publisher::INTERNAL_LINKS,
-            durable
-                .clone()
-                .map(|durable| durable as Arc<dyn router::Journal>),
-        );
-        let sessions = Arc::new(sessions::Sessions::new(Arc::clone(router.subscriptions())));
-        let publisher = publisher::Publisher::start(&router, Arc::clone(&sessions)).await?;
-        let persistence = match (persistence, &durable) {
-            (Some((persistence, mut loaded)), Some(durable)) => {
-                let kept = durable::Saved {
-                    retained: std::mem::take(&mut loaded.retained),
-                    sessions: std::mem::take(&mut loaded.sessions),
-                    queued: std::mem::take(&mut loaded.queued),
-                };
-                let (restore, restored) = durable.restore(kept);
-                router
-                    .restore(restore)
-                    .await
-                    .map_err(std::io::Error::other)?;
-                tracing::info!(
-                    retained = restored.retained,
-                    sessions = restored.sessions,
-                    queued_messages = restored.queued,
-                    expired_while_down = restored.expired,
-                    unreadable = restored.unreadable,
-                    "restored retained messages and persistent sessions"
-                );
-                Some((persistence, loaded))
-            }
-            _ => None,
-        };
-        let activity = Arc::new(activity::Activity::default());
-        let store = StateStoreService::start(
-            settings.store_config(),
-            persistence,
-            Arc::clone(&publisher),
-            Arc::clone(&activity),
-        );
-        let wills = will::WillRegistry::new(Arc::clone(&publisher));
-        let faults = faults::Faults::new(&settings.faults).map_err(std::io::Error::other)?;
-        if faults.enabled() {
-            tracing::warn!(
-                rules = settings.faults.rules.len(),
-                clock_offset_ms = settings.faults.clock_offset_ms,
-                "faults may be injected ([faults] enabled): a broker for tests only"
-            );
-            store.set_clock_offset(settings.faults.clock_offset_ms);
-        }
-        let authenticator = authentication::Authenticator::load(settings.password_file.as_deref())
-            .map_err(std::io::Error::other)?;
-        let authorizer = authorization::Authorizer::load(settings.authorization.as_deref())
-            .map_err(std::io::Error::other)?;
         let mut sockets = Vec::new();
         let mut tls_configs = Vec::new();
         for listener in &settings.listeners {
@@ -221,25 +162,7 @@ impl Broker {
             };
             sockets.push((socket, Arc::new(listener.clone()), tls));
         }
-        let shared = Arc::new(Shared {
-            permits: Arc::new(Semaphore::new(settings.router.max_connections)),
-            settings,
-            router,
-            store,
-            publisher,
-            sessions,
-            durable,
-            wills,
-            next_connection: AtomicU64::new(1),
-            started_nanos: clock::now_nanos(),
-            started: std::time::Instant::now(),
-            activity,
-            shutdown,
-            authenticator,
-            authorizer,
-            tls: tls_configs,
-            faults,
-        });
+        let shared = Shared::build(settings, persistence, tls_configs, shutdown).await?;
         let _ = described.set(Arc::clone(&shared));
         let sys_interval = shared.settings.broker.sys_interval;
         if sys_interval > 0 {

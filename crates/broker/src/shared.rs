@@ -1,17 +1,23 @@
 //! What every connection task shares: the settings, the router, the state
-//! store, the session mirror, the wills, the connection limit and the
-//! shutdown signal.
+//! store, the clients, the wills, the connection limit and the shutdown
+//! signal; and how they are put together at start.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use tokio::sync::{Semaphore, watch};
 
+use crate::activity::Activity;
+use crate::authentication::Authenticator;
+use crate::authorization::Authorizer;
 use crate::config::Settings;
 use crate::durable::Durable;
-use crate::publisher::Publisher;
+use crate::faults::Faults;
+use crate::persistence::{Loaded, Persistence};
+use crate::publisher::{INTERNAL_LINKS, Publisher};
 use crate::sessions::Sessions;
 use crate::store::StateStoreService;
+use crate::tls::Tls;
 use crate::will::WillRegistry;
 
 /// What every connection task shares.
@@ -33,15 +39,107 @@ pub(crate) struct Shared {
     /// When the broker started (for its uptime).
     pub started: std::time::Instant,
     /// Requests and notifications as they happen (the web view's live list).
-    pub activity: Arc<crate::activity::Activity>,
+    pub activity: Arc<Activity>,
     /// Becomes `true` when the broker stops.
     pub shutdown: watch::Receiver<bool>,
     /// The password file and the throttle of failed attempts.
-    pub authenticator: crate::authentication::Authenticator,
+    pub authenticator: Authenticator,
     /// The authorization policy.
-    pub authorizer: crate::authorization::Authorizer,
+    pub authorizer: Authorizer,
     /// The TLS configurations of the listeners (reloaded on SIGHUP).
-    pub tls: Vec<Arc<crate::tls::Tls>>,
+    pub tls: Vec<Arc<Tls>>,
     /// Faults on demand (none unless `[faults] enabled`).
-    pub faults: crate::faults::Faults,
+    pub faults: Faults,
+}
+
+impl Shared {
+    /// Starts the router (with the MQTT side's journal, given a data
+    /// directory), gives it back what was saved, starts the state store
+    /// service and loads the password file and the policy: all a
+    /// connection needs, before any listener accepts one.
+    pub async fn build(
+        settings: Settings,
+        persistence: Option<(Arc<Persistence>, Loaded)>,
+        tls: Vec<Arc<Tls>>,
+        shutdown: watch::Receiver<bool>,
+    ) -> std::io::Result<Arc<Shared>> {
+        // The router's journal: what of the MQTT side survives a restart.
+        let durable = persistence
+            .as_ref()
+            .map(|(persistence, _)| Durable::new(Arc::clone(persistence)));
+        let router = router::RouterHandle::spawn(
+            settings.router_id,
+            settings.router.clone(),
+            INTERNAL_LINKS,
+            durable
+                .clone()
+                .map(|durable| durable as Arc<dyn router::Journal>),
+        );
+        let sessions = Arc::new(Sessions::new(Arc::clone(router.subscriptions())));
+        let publisher = Publisher::start(&router, Arc::clone(&sessions)).await?;
+        let persistence = match (persistence, &durable) {
+            (Some((persistence, mut loaded)), Some(durable)) => {
+                let kept = crate::durable::Saved {
+                    retained: std::mem::take(&mut loaded.retained),
+                    sessions: std::mem::take(&mut loaded.sessions),
+                    queued: std::mem::take(&mut loaded.queued),
+                };
+                let (restore, restored) = durable.restore(kept);
+                router
+                    .restore(restore)
+                    .await
+                    .map_err(std::io::Error::other)?;
+                tracing::info!(
+                    retained = restored.retained,
+                    sessions = restored.sessions,
+                    queued_messages = restored.queued,
+                    expired_while_down = restored.expired,
+                    unreadable = restored.unreadable,
+                    "restored retained messages and persistent sessions"
+                );
+                Some((persistence, loaded))
+            }
+            _ => None,
+        };
+        let activity = Arc::new(Activity::default());
+        let store = StateStoreService::start(
+            settings.store_config(),
+            persistence,
+            Arc::clone(&publisher),
+            Arc::clone(&activity),
+        );
+        let wills = WillRegistry::new(Arc::clone(&publisher));
+        let faults = Faults::new(&settings.faults).map_err(std::io::Error::other)?;
+        if faults.enabled() {
+            tracing::warn!(
+                rules = settings.faults.rules.len(),
+                clock_offset_ms = settings.faults.clock_offset_ms,
+                "faults may be injected ([faults] enabled): a broker for tests only"
+            );
+            store.set_clock_offset(settings.faults.clock_offset_ms);
+        }
+        let authenticator = Authenticator::load(settings.password_file.as_deref())
+            .map_err(std::io::Error::other)?;
+        let authorizer =
+            Authorizer::load(settings.authorization.as_deref()).map_err(std::io::Error::other)?;
+        Ok(Arc::new(Shared {
+            permits: Arc::new(Semaphore::new(settings.router.max_connections)),
+            settings,
+            router,
+            store,
+            publisher,
+            sessions,
+            durable,
+            wills,
+            next_connection: AtomicU64::new(1),
+            started_nanos: crate::clock::now_nanos(),
+            started: std::time::Instant::now(),
+            activity,
+            shutdown,
+            authenticator,
+            authorizer,
+            tls,
+            faults,
+        }))
+    }
 }

@@ -49,6 +49,18 @@ impl Receipt {
     }
 }
 
+impl From<NonZeroU64> for Receipt {
+    fn from(n: NonZeroU64) -> Receipt {
+        Receipt(n)
+    }
+}
+
+impl From<Receipt> for NonZeroU64 {
+    fn from(receipt: Receipt) -> NonZeroU64 {
+        receipt.0
+    }
+}
+
 /// The number a saved message is kept under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MessageId(pub u64);

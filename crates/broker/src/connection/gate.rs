@@ -4,7 +4,7 @@
 //! copy of a publish for persistent sessions, a persistent session's
 //! subscriptions; see [`router::Journal`]) as it applies it, and hands the
 //! acknowledgement the change asked for (PUBACK, PUBREC, SUBACK, UNSUBACK)
-//! back with the journal's receipt. Until the receipt is durable, the gate
+//! back with the journal's receipt (a [`Batch`]). Until it is durable, the gate
 //! holds that acknowledgement, and every acknowledgement after it (the
 //! client must see them in order, MQTT 4.6): so an acknowledgement still
 //! means "on disk". Deliveries to the client go on meanwhile, but for
@@ -18,22 +18,20 @@
 //! reading: however fast a client sends and however slow the disk, what
 //! waits stays bounded.
 
-use std::sync::Arc;
-
+use router::Notification;
 use router::protocol::Packet;
-use router::{Notification, Receipt};
 
-use crate::durable::Durable;
+use crate::persistence::{Batch, Position};
 
 /// Acknowledgements a connection may hold for the disk before it stops
 /// reading.
 pub(crate) const MAX_HELD: usize = 256;
 
 /// What waits for the disk.
+#[derive(Default)]
 pub(crate) struct Gate {
-    durable: Option<Arc<Durable>>,
-    /// The receipt to wait for; `None`: open.
-    waiting_for: Option<Receipt>,
+    /// The batch to wait for; `None`: open.
+    waiting_for: Option<Batch>,
     held: Vec<Held>,
     /// A SUBACK is among what is held.
     holds_suback: bool,
@@ -47,23 +45,18 @@ pub(crate) enum Held {
 }
 
 impl Gate {
-    /// An open gate; without `durable` (no data directory) it never closes.
-    pub fn new(durable: Option<Arc<Durable>>) -> Gate {
-        Gate {
-            durable,
-            waiting_for: None,
-            held: Vec::new(),
-            holds_suback: false,
-        }
-    }
-
     /// Queues `ack` for the client with `out` unless it must wait: its own
-    /// `receipt` is not durable yet, or an earlier acknowledgement waits.
-    pub fn send(&mut self, ack: Packet, receipt: Option<Receipt>, out: impl FnOnce(Packet)) {
-        if let (Some(receipt), Some(durable)) = (receipt, &self.durable)
-            && !durable.is_durable(receipt)
-        {
-            self.waiting_for = self.waiting_for.max(Some(receipt));
+    /// `batch` is not done at `position` yet, or an earlier acknowledgement
+    /// waits.
+    pub fn send(
+        &mut self,
+        ack: Packet,
+        batch: Option<Batch>,
+        position: Position,
+        out: impl FnOnce(Packet),
+    ) {
+        if !position.covers_all(batch) {
+            self.waiting_for = self.waiting_for.max(batch);
         }
         if self.waiting_for.is_some() {
             self.holds_suback |= matches!(ack, Packet::SubAck(..));
@@ -84,17 +77,14 @@ impl Gate {
         }
     }
 
+    /// The batch the gate waits for, while it is closed.
+    pub fn waiting_for(&self) -> Option<Batch> {
+        self.waiting_for
+    }
+
     /// Whether the connection must stop reading until the disk catches up.
     pub fn is_full(&self) -> bool {
         self.held.len() >= MAX_HELD
-    }
-
-    /// Resolves when what the gate waits for is durable (never while open).
-    pub async fn durable_now(&self) {
-        match (&self.durable, self.waiting_for) {
-            (Some(durable), Some(receipt)) => durable.wait(receipt).await,
-            _ => std::future::pending().await,
-        }
     }
 
     /// Opens the gate: what it held, in order.
@@ -108,9 +98,7 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Mode, PersistenceSettings};
-    use crate::persistence::{Persistence, Put, Space};
-    use router::protocol::{PingResp, PubAck, PubAckReason};
+    use router::protocol::{PingResp, PubAck, PubAckReason, SubAck};
 
     fn ack(pkid: u16) -> Packet {
         Packet::PubAck(
@@ -122,46 +110,26 @@ mod tests {
         )
     }
 
-    #[test]
-    fn without_a_disk_it_never_closes() {
-        let mut gate = Gate::new(None);
-        let mut sent = Vec::new();
-        gate.send(ack(1), Receipt::new(7), |p| sent.push(p));
-        assert_eq!(sent.len(), 1);
-        assert!(!gate.is_full());
+    fn at(n: u64) -> Position {
+        Position::after(Batch::new(n))
     }
 
-    #[tokio::test]
-    async fn holds_until_durable_and_keeps_the_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let (persistence, _) = Persistence::open(&PersistenceSettings {
-            data_dir: dir.path().to_owned(),
-            mode: Mode::Fsync,
-        })
-        .unwrap();
-        let persistence = Arc::new(persistence);
-        let mut gate = Gate::new(Some(Durable::new(Arc::clone(&persistence))));
-        let put = |n: u8| Put {
-            space: Space::Retained,
-            key: vec![n],
-            value: Some(vec![n]),
-        };
-        let seq = persistence.put(vec![put(1)]);
+    #[test]
+    fn holds_until_its_batch_is_done_and_keeps_the_order() {
+        let mut gate = Gate::default();
         let mut sent = Vec::new();
-        // A batch not submitted yet cannot be durable.
-        gate.send(ack(1), Receipt::new(seq + 3), |p| sent.push(p));
-        gate.send(Packet::PingResp(PingResp), None, |p| sent.push(p));
-        assert!(sent.is_empty(), "held, and what follows it too");
-        let wait = std::time::Duration::from_millis(200);
-        let waited = tokio::time::timeout(wait, gate.durable_now()).await;
-        assert!(waited.is_err(), "not durable: the gate stays closed");
-        for n in 2..5 {
-            persistence.put(vec![put(n)]);
-        }
-        let wait = std::time::Duration::from_secs(10);
-        tokio::time::timeout(wait, gate.durable_now())
-            .await
-            .expect("durable once written");
+        gate.send(ack(1), None, at(0), |p| sent.push(p));
+        gate.send(ack(2), Batch::new(3), at(3), |p| sent.push(p));
+        assert_eq!(sent.len(), 2, "nothing to wait for, or done already");
+        assert_eq!(gate.waiting_for(), None);
+        gate.send(ack(3), Batch::new(5), at(4), |p| sent.push(p));
+        gate.send(Packet::PingResp(PingResp), None, at(4), |p| sent.push(p));
+        assert_eq!(sent.len(), 2, "held, and what follows it too");
+        assert_eq!(gate.waiting_for(), Batch::new(5));
+        assert!(
+            gate.defer(Notification::Unschedule).is_some(),
+            "no SUBACK held"
+        );
         let released = gate.open();
         assert!(matches!(
             released[..],
@@ -170,7 +138,41 @@ mod tests {
                 Held::Ack(Packet::PingResp(_))
             ]
         ));
-        gate.send(ack(2), Receipt::new(seq), |p| sent.push(p));
-        assert_eq!(sent.len(), 1, "durable already: at once");
+        assert_eq!(gate.waiting_for(), None);
+    }
+
+    #[test]
+    fn what_the_router_sends_waits_behind_a_suback() {
+        let mut gate = Gate::default();
+        let suback = Packet::SubAck(
+            SubAck {
+                pkid: 1,
+                return_codes: Vec::new(),
+            },
+            None,
+        );
+        gate.send(suback, Batch::new(2), at(1), |_| panic!("held"));
+        assert!(gate.defer(Notification::Unschedule).is_none(), "behind it");
+        let released = gate.open();
+        assert!(matches!(
+            released[..],
+            [
+                Held::Ack(Packet::SubAck(..)),
+                Held::Router(Notification::Unschedule)
+            ]
+        ));
+        assert!(gate.defer(Notification::Unschedule).is_some(), "open again");
+    }
+
+    #[test]
+    fn reading_stops_while_full() {
+        let mut gate = Gate::default();
+        for pkid in 1..=MAX_HELD as u16 {
+            assert!(!gate.is_full());
+            gate.send(ack(pkid), Batch::new(9), at(0), |_| panic!("held"));
+        }
+        assert!(gate.is_full());
+        gate.open();
+        assert!(!gate.is_full());
     }
 }

@@ -26,6 +26,8 @@
 //! `sendto` per request 2.00 -> 1.00; `fsync` mode 33,300 -> 42,200 SETs/s,
 //! `interval` mode 41,700 -> 62,300.
 
+use crate::persistence::{Batch, Position};
+
 /// Answers a connection may wait for (its persisted changes not yet on
 /// disk) before it stops reading: however fast a client sends and however
 /// slow the disk, what waits for the disk stays bounded (the store's list
@@ -35,65 +37,69 @@ pub(crate) const MAX_AWAITED: usize = 256;
 /// The batches this connection's answers wait for, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct Awaited {
-    seqs: std::collections::VecDeque<u64>,
+    batches: std::collections::VecDeque<Batch>,
 }
 
 impl Awaited {
-    /// A request whose answer waits for batch `seq` (0: answered already);
-    /// `answered(seq)` says whose answers are out (in batch order).
-    pub fn push(&mut self, seq: u64, answered: impl Fn(u64) -> bool) {
-        while self.seqs.front().is_some_and(|&s| answered(s)) {
-            self.seqs.pop_front();
+    /// A request whose answer waits for `batch` (`None`: answered
+    /// already); `answered` is how far the answers are out.
+    pub fn push(&mut self, batch: Option<Batch>, answered: Position) {
+        while self.batches.front().is_some_and(|&b| answered.covers(b)) {
+            self.batches.pop_front();
         }
-        if seq > 0 {
-            self.seqs.push_back(seq);
-        }
+        self.batches.extend(batch);
     }
 
     /// When [`MAX_AWAITED`] answers are still to come: the batch to wait
     /// for before reading again (the oldest one).
-    pub fn full(&self, answered: impl Fn(u64) -> bool) -> Option<u64> {
-        if self.seqs.len() < MAX_AWAITED {
+    pub fn full(&self, answered: Position) -> Option<Batch> {
+        if self.batches.len() < MAX_AWAITED {
             return None;
         }
-        let out = self.seqs.partition_point(|&s| answered(s));
-        (self.seqs.len() - out >= MAX_AWAITED).then(|| self.seqs[out])
+        let out = self.batches.partition_point(|&b| answered.covers(b));
+        (self.batches.len() - out >= MAX_AWAITED).then(|| self.batches[out])
     }
 }
 
 /// What the write buffer holds back, and until when.
 #[derive(Debug, Default)]
 pub(crate) struct AckHold {
-    /// The persistence batch the held answers wait for; 0: nothing held.
-    seq: u64,
+    /// The batch the held answers wait for; `None`: nothing held.
+    batch: Option<Batch>,
     /// The buffer's length when the last held acknowledgement was queued.
     len: usize,
 }
 
 impl AckHold {
     /// An acknowledgement took the write buffer from `before` to `after`
-    /// bytes, and its request's answer waits for batch `seq` (0: it was
+    /// bytes, and its request's answer waits for `batch` (`None`: it was
     /// answered at once). It is held if nothing but held acknowledgements
     /// precede it.
-    pub fn acknowledged(&mut self, before: usize, after: usize, seq: u64) {
-        let held = if self.seq > 0 { self.len } else { 0 };
-        if seq > 0 && after > before && before == held {
-            self.seq = self.seq.max(seq);
+    pub fn acknowledged(&mut self, before: usize, after: usize, batch: Option<Batch>) {
+        let held = if self.batch.is_some() { self.len } else { 0 };
+        if let Some(batch) = batch
+            && after > before
+            && before == held
+        {
+            self.batch = self.batch.max(Some(batch));
             self.len = after;
         }
     }
 
     /// The batch to wait for, while something is held.
-    pub fn waiting_for(&self) -> Option<u64> {
-        (self.seq > 0).then_some(self.seq)
+    pub fn waiting_for(&self) -> Option<Batch> {
+        self.batch
     }
 
     /// Whether a write buffer of `len` bytes may stay unwritten for now: it
     /// holds only acknowledgements whose answers have not come, and the
-    /// answers of batch `seq` are not `answered(seq)` yet. Otherwise the
-    /// hold ends: write it all.
-    pub fn may_wait(&mut self, len: usize, answered: impl FnOnce(u64) -> bool) -> bool {
-        if self.seq > 0 && len == self.len && !answered(self.seq) {
+    /// answers are not out at `answered` yet. Otherwise the hold ends:
+    /// write it all.
+    pub fn may_wait(&mut self, len: usize, answered: Position) -> bool {
+        if let Some(batch) = self.batch
+            && len == self.len
+            && !answered.covers(batch)
+        {
             return true;
         }
         *self = AckHold::default();
@@ -105,13 +111,21 @@ impl AckHold {
 mod tests {
     use super::*;
 
-    const NOT_YET: fn(u64) -> bool = |_| false;
+    fn b(n: u64) -> Option<Batch> {
+        Batch::new(n)
+    }
+
+    fn at(n: u64) -> Position {
+        Position::after(Batch::new(n))
+    }
+
+    const NOT_YET: Position = Position::after_nothing();
 
     #[test]
     fn an_acknowledgement_alone_waits_for_its_answer() {
         let mut hold = AckHold::default();
-        hold.acknowledged(0, 4, 7);
-        assert_eq!(hold.waiting_for(), Some(7));
+        hold.acknowledged(0, 4, b(7));
+        assert_eq!(hold.waiting_for(), b(7));
         assert!(hold.may_wait(4, NOT_YET), "only the PUBACK: it waits");
         // The answer arrives: the buffer grew, everything goes.
         assert!(!hold.may_wait(60, NOT_YET));
@@ -121,59 +135,58 @@ mod tests {
     #[test]
     fn acknowledgements_of_pipelined_requests_wait_together() {
         let mut hold = AckHold::default();
-        hold.acknowledged(0, 4, 7);
-        hold.acknowledged(4, 8, 9);
-        assert_eq!(hold.waiting_for(), Some(9), "until the later batch");
+        hold.acknowledged(0, 4, b(7));
+        hold.acknowledged(4, 8, b(9));
+        assert_eq!(hold.waiting_for(), b(9), "until the later batch");
         assert!(hold.may_wait(8, NOT_YET));
-        assert!(!hold.may_wait(8, |seq| seq >= 9), "answered: written");
+        assert!(!hold.may_wait(8, at(9)), "answered: written");
     }
 
     #[test]
     fn nothing_else_is_held() {
         // Something (a PINGRESP) was queued before the acknowledgement.
         let mut hold = AckHold::default();
-        hold.acknowledged(2, 6, 7);
+        hold.acknowledged(2, 6, b(7));
         assert_eq!(hold.waiting_for(), None);
         assert!(!hold.may_wait(6, NOT_YET));
 
         // An acknowledgement answered at once follows a held one.
         let mut hold = AckHold::default();
-        hold.acknowledged(0, 4, 7);
-        hold.acknowledged(4, 8, 0);
+        hold.acknowledged(0, 4, b(7));
+        hold.acknowledged(4, 8, None);
         assert!(!hold.may_wait(8, NOT_YET), "its answer is ready: all goes");
 
         // An acknowledgement that was not queued (held behind the router's).
         let mut hold = AckHold::default();
-        hold.acknowledged(0, 0, 7);
+        hold.acknowledged(0, 0, b(7));
         assert_eq!(hold.waiting_for(), None);
     }
 
     #[test]
     fn reading_stops_while_too_many_answers_wait() {
         let mut awaited = Awaited::default();
-        let published = std::cell::Cell::new(0u64);
-        let answered = |seq| seq <= published.get();
-        for seq in 1..=MAX_AWAITED as u64 {
-            assert_eq!(awaited.full(answered), None, "{seq}");
-            awaited.push(seq, answered);
+        let mut published = at(0);
+        for n in 1..=MAX_AWAITED as u64 {
+            assert_eq!(awaited.full(published), None, "{n}");
+            awaited.push(b(n), published);
         }
-        assert_eq!(awaited.full(answered), Some(1), "full: wait for the oldest");
-        awaited.push(0, answered);
-        assert_eq!(awaited.full(answered), Some(1), "an answer given at once");
-        published.set(1);
-        assert_eq!(awaited.full(answered), None, "one answered: read again");
-        awaited.push(MAX_AWAITED as u64 + 1, answered);
-        assert_eq!(awaited.full(answered), Some(2));
-        published.set(u64::MAX);
-        awaited.push(0, answered);
-        assert!(awaited.seqs.is_empty(), "the answered are forgotten");
+        assert_eq!(awaited.full(published), b(1), "full: wait for the oldest");
+        awaited.push(None, published);
+        assert_eq!(awaited.full(published), b(1), "an answer given at once");
+        published = at(1);
+        assert_eq!(awaited.full(published), None, "one answered: read again");
+        awaited.push(b(MAX_AWAITED as u64 + 1), published);
+        assert_eq!(awaited.full(published), b(2));
+        published = at(u64::MAX);
+        awaited.push(None, published);
+        assert!(awaited.batches.is_empty(), "the answered are forgotten");
     }
 
     #[test]
     fn a_hold_ends_once_answered() {
         let mut hold = AckHold::default();
-        hold.acknowledged(0, 4, 7);
-        assert!(!hold.may_wait(4, |seq| seq <= 7));
+        hold.acknowledged(0, 4, b(7));
+        assert!(!hold.may_wait(4, at(7)));
         assert_eq!(hold.waiting_for(), None);
         assert!(!hold.may_wait(0, NOT_YET), "nothing held: nothing waits");
     }

@@ -16,7 +16,7 @@ use router::protocol::{
 };
 
 use crate::codec::Protocol;
-use crate::sessions::SharedAcknowledged;
+use crate::sessions::{SharedAcknowledged, Wait};
 
 /// A rule the client broke: the reason code and why.
 pub(crate) type Violation = (DisconnectReasonCode, String);
@@ -127,16 +127,15 @@ impl Inbound {
     /// Whether a request is one this session ran already (on this
     /// connection or an earlier one): a QoS 2 one acknowledged and not yet
     /// released, or a QoS 1 one sent again (`dup`) with the packet id and
-    /// `correlation` data of the last one run with that id. Then: the
-    /// persistence batch its answer waits for (0: none); acknowledge it
-    /// again only.
+    /// `correlation` data of the last one run with that id. Then: what its
+    /// answer waits for; acknowledge it again only.
     pub fn ran_already(
         &self,
         qos: u8,
         pkid: u16,
         dup: bool,
         correlation: Option<&[u8]>,
-    ) -> Option<u64> {
+    ) -> Option<Wait> {
         match (qos, correlation) {
             (2, _) => self.acknowledged.lock().received_waiting(pkid),
             (1, Some(correlation)) if dup => self.acknowledged.lock().resent(pkid, correlation),
@@ -145,17 +144,17 @@ impl Inbound {
     }
 
     /// A request with `pkid` and `correlation` data ran; its answer waits
-    /// for persistence batch `seq`. At QoS 2 noted with its packet id; at
+    /// for `wait`. At QoS 2 noted with its packet id; at
     /// QoS 1 remembered only where it can be sent again: in a session that
     /// outlives the connection (the last `remembered`, see
     /// [`crate::sessions::Acknowledged`]).
-    pub fn ran(&self, qos: u8, pkid: u16, correlation: Option<&[u8]>, seq: u64, kept: bool) {
+    pub fn ran(&self, qos: u8, pkid: u16, correlation: Option<&[u8]>, wait: Wait, kept: bool) {
         match (qos, correlation) {
-            (2, _) => self.acknowledged.lock().ran_qos2(pkid, seq),
+            (2, _) => self.acknowledged.lock().ran_qos2(pkid, wait),
             (1, Some(correlation)) if kept => {
                 let remembered = usize::from(self.remembered);
                 let mut acknowledged = self.acknowledged.lock();
-                acknowledged.ran(pkid, correlation, seq, remembered);
+                acknowledged.ran(pkid, correlation, wait, remembered);
             }
             _ => {}
         }
@@ -272,7 +271,13 @@ pub(crate) fn unknown_pubrel(pkid: u16) -> Packet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persistence::Batch;
     use std::sync::Arc;
+
+    /// Waits for batch `n` (0: for nothing).
+    fn b(n: u64) -> Wait {
+        Batch::new(n)
+    }
 
     fn publish(topic: &str) -> Publish {
         Publish::new(topic.to_owned(), "x".to_owned(), false)
@@ -396,7 +401,7 @@ mod tests {
         inbound.ack(Protocol::V5, 2, 5, true);
         assert_eq!(
             inbound.ran_already(2, 5, true, None),
-            Some(0),
+            Some(b(0)),
             "retransmitted before PUBREL"
         );
         assert!(inbound.release(6).is_none(), "not ours: the router's");
@@ -412,12 +417,12 @@ mod tests {
     fn a_session_knows_its_requests_across_connections() {
         let session = crate::sessions::SharedAcknowledged::default();
         let mut old = Inbound::new(0, u16::MAX, (Arc::clone(&session), 10));
-        old.ran(1, 7, Some(b"c"), 4, true);
-        old.ran(1, 8, Some(b"c"), 0, false); // a session that ends: not kept
-        old.ran(1, 9, None, 0, true); // no correlation data: nothing to match
+        old.ran(1, 7, Some(b"c"), b(4), true);
+        old.ran(1, 8, Some(b"c"), b(0), false); // a session that ends: not kept
+        old.ran(1, 9, None, b(0), true); // no correlation data: nothing to match
         old.ack(Protocol::V5, 2, 5, true);
         let mut new = Inbound::new(0, u16::MAX, (session, 10));
-        assert_eq!(new.ran_already(1, 7, true, Some(b"c")), Some(4));
+        assert_eq!(new.ran_already(1, 7, true, Some(b"c")), Some(b(4)));
         assert_eq!(
             new.ran_already(1, 7, false, Some(b"c")),
             None,
@@ -426,7 +431,7 @@ mod tests {
         assert_eq!(new.ran_already(1, 7, true, Some(b"d")), None);
         assert_eq!(new.ran_already(1, 8, true, Some(b"c")), None);
         assert_eq!(new.ran_already(1, 9, true, None), None);
-        assert_eq!(new.ran_already(2, 5, true, None), Some(0));
+        assert_eq!(new.ran_already(2, 5, true, None), Some(b(0)));
         assert!(new.release(5).is_some(), "PUBCOMP from the new connection");
     }
 }

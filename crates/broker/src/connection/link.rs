@@ -1,16 +1,14 @@
-//! A connection's link to the rumqttd router, made on first need.
+//! A connection's link to the router, made on first need.
 //!
 //! A persistent session links at CONNECT (the router knows whether the
 //! session exists); a clean one when it first sends something for the
 //! router, so that a connection that only talks to the state store, or
-//! idles, costs the router nothing. Packets for the router are gathered
-//! while a read is handled and handed over in one batch, with one wake-up.
+//! idles, costs the router nothing. What one turn of the connection's loop
+//! has for the router is handed over in one batch, with one wake-up.
 
-use router::Notification;
 use router::local::{LinkError, LinkRx, LinkTx};
 use router::protocol::Packet;
-
-use router::{LinkRefused, RouterHandle as Router};
+use router::{LinkRefused, Notification, RouterHandle};
 
 /// Why the router could not be reached.
 #[derive(Debug)]
@@ -21,53 +19,35 @@ pub(crate) enum LinkFailure {
     Closed,
 }
 
-/// The link, if made, and what waits to go through it.
+/// The link, once made.
 pub(crate) struct RouterLink {
-    router: Router,
+    router: RouterHandle,
     client_id: String,
     clean_start: bool,
     session_expiry: u32,
     link: Option<(LinkTx, LinkRx)>,
-    /// Packets for the router from the current read, sent in one batch.
-    batch: Vec<Packet>,
 }
 
 impl RouterLink {
-    /// A link for `client_id` that is not made yet.
-    fn new(
-        router: Router,
-        client_id: String,
-        clean_start: bool,
-        session_expiry: u32,
-    ) -> RouterLink {
-        RouterLink {
-            router,
-            client_id,
-            clean_start,
-            session_expiry,
-            link: None,
-            batch: Vec::new(),
-        }
-    }
-
     /// The link of a new connection, and whether the router had a session
     /// for it. A connection that starts clean, keeps nothing after it ends
     /// and has no session to discard (`lazy`) links on first need; others
     /// link now: the router knows whether the session exists, discards it
     /// on a clean start, and keeps the new one for `session_expiry` seconds.
     pub async fn open(
-        router: &Router,
+        router: &RouterHandle,
         client_id: &str,
         clean_start: bool,
         session_expiry: u32,
         lazy: bool,
     ) -> Result<(RouterLink, bool), LinkRefused> {
-        let mut link = RouterLink::new(
-            router.clone(),
-            client_id.to_owned(),
+        let mut link = RouterLink {
+            router: router.clone(),
+            client_id: client_id.to_owned(),
             clean_start,
             session_expiry,
-        );
+            link: None,
+        };
         if lazy {
             return Ok((link, false));
         }
@@ -80,26 +60,15 @@ impl RouterLink {
         Ok((link, present))
     }
 
-    /// Whether the connection has joined the router (only then has the
-    /// router anything of it to acknowledge or remove).
+    /// Whether the connection has joined the router.
     pub fn is_linked(&self) -> bool {
         self.link.is_some()
     }
 
-    /// Queues `packet` for the next [`RouterLink::flush`].
-    pub fn push(&mut self, packet: Packet) {
-        self.batch.push(packet);
-    }
-
-    /// The queue, for code that adds several packets.
-    pub fn batch(&mut self) -> &mut Vec<Packet> {
-        &mut self.batch
-    }
-
-    /// Sends what was queued, with one wake-up; joins the router first if
-    /// the connection has not yet.
-    pub async fn flush(&mut self) -> Result<(), LinkFailure> {
-        if self.batch.is_empty() {
+    /// Hands `packets` to the router with one wake-up (emptying it); joins
+    /// the router first if the connection has not yet.
+    pub async fn send(&mut self, packets: &mut Vec<Packet>) -> Result<(), LinkFailure> {
+        if packets.is_empty() {
             return Ok(());
         }
         if self.link.is_none() {
@@ -116,7 +85,7 @@ impl RouterLink {
         let Some((tx, _)) = &mut self.link else {
             return Err(LinkFailure::Closed);
         };
-        tx.send_all(self.batch.drain(..))
+        tx.send_all(packets.drain(..))
             .map_err(|_| LinkFailure::Closed)
     }
 
@@ -151,7 +120,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn joins_the_router_only_when_something_is_sent() {
-        let router = Router::spawn(
+        let router = RouterHandle::spawn(
             0,
             router::RouterConfig {
                 max_connections: 10,
@@ -165,14 +134,16 @@ mod tests {
         );
         let (mut link, present) = RouterLink::open(&router, "c", true, 0, true).await.unwrap();
         assert!(!present);
-        link.flush().await.unwrap();
+        link.send(&mut Vec::new()).await.unwrap();
         assert!(!link.is_linked(), "nothing to send: no link");
         assert!(link.next_ready().is_none());
-        link.push(Packet::Publish(Publish::new("t", "x", false), None));
-        link.push(Packet::Publish(Publish::new("t", "y", false), None));
-        link.flush().await.unwrap();
+        let mut batch = vec![
+            Packet::Publish(Publish::new("t", "x", false), None),
+            Packet::Publish(Publish::new("t", "y", false), None),
+        ];
+        link.send(&mut batch).await.unwrap();
         assert!(link.is_linked());
-        assert!(link.batch().is_empty(), "the batch went out");
+        assert!(batch.is_empty(), "the batch went out");
         // A persistent session links at once.
         let (link, present) = RouterLink::open(&router, "p", false, 60, false)
             .await

@@ -1,10 +1,10 @@
 //! MQTT framing over any byte stream.
 //!
 //! [`Socket`] owns the stream (a `TcpStream` today; a TLS or WebSocket stream
-//! is just another `AsyncRead + AsyncWrite`), a read buffer that packets are
-//! decoded from and a write buffer that everything sent to the client is
-//! encoded into, so that one flush writes all that one turn of the
-//! connection's loop produced.
+//! is just another `AsyncRead + AsyncWrite`) and a read buffer that packets
+//! are decoded from; what goes to the client is encoded by the connection's
+//! machine into a buffer of its own, written in one go per turn of the
+//! connection's loop.
 
 use bytes::BytesMut;
 use router::protocol::Packet;
@@ -21,12 +21,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for S {}
 /// a connection is idle).
 const READ_ROOM: usize = 1024;
 
-/// A stream with its buffers and codec.
+/// A stream with its read buffer and codec.
 pub(crate) struct Socket<S> {
     stream: S,
     rbuf: BytesMut,
-    /// Encoded packets not yet written.
-    pub wbuf: BytesMut,
     /// The protocol the client speaks (known after CONNECT).
     pub protocol: Protocol,
 }
@@ -36,7 +34,6 @@ impl<S: Stream> Socket<S> {
         Socket {
             stream,
             rbuf: BytesMut::with_capacity(READ_ROOM),
-            wbuf: BytesMut::new(),
             protocol: Protocol::V5,
         }
     }
@@ -80,18 +77,11 @@ impl<S: Stream> Socket<S> {
         self.protocol.read(&mut self.rbuf, max_packet_size)
     }
 
-    /// Encodes `packet` for sending with the next flush.
-    pub fn queue(&mut self, packet: Packet) {
-        if let Err(e) = self.protocol.write(packet, &mut self.wbuf) {
-            tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
-        }
-    }
-
-    /// Writes everything queued.
-    pub async fn flush(&mut self) -> std::io::Result<()> {
-        if !self.wbuf.is_empty() {
-            self.stream.write_all(&self.wbuf).await?;
-            self.wbuf.clear();
+    /// Writes all of `out` and empties it.
+    pub async fn write_all(&mut self, out: &mut BytesMut) -> std::io::Result<()> {
+        if !out.is_empty() {
+            self.stream.write_all(out).await?;
+            out.clear();
             // A no-op on TCP; TLS and WebSocket streams send here.
             self.stream.flush().await?;
         }
@@ -130,8 +120,10 @@ impl<S: Stream> Socket<S> {
 
     /// Sends `packet`, then closes.
     pub async fn send_and_close(mut self, packet: Packet) {
-        self.queue(packet);
-        let _ = self.flush().await;
+        let mut out = BytesMut::new();
+        if self.protocol.write(packet, &mut out).is_ok() {
+            let _ = self.write_all(&mut out).await;
+        }
         self.shutdown().await;
     }
 }
@@ -178,8 +170,11 @@ mod tests {
                 None => assert!(socket.fill().await.unwrap() > 0),
             }
         }
-        socket.queue(Packet::PingResp(PingResp));
-        socket.flush().await.unwrap();
+        let mut out = BytesMut::new();
+        Protocol::V4
+            .write(Packet::PingResp(PingResp), &mut out)
+            .unwrap();
+        socket.write_all(&mut out).await.unwrap();
         let mut answer = [0; 2];
         client_read.read_exact(&mut answer).await.unwrap();
         assert_eq!(answer, [0xD0, 0]);

@@ -116,19 +116,9 @@ impl Durable {
         self.queue.total()
     }
 
-    /// Whether everything up to `receipt` is durable.
-    pub fn is_durable(&self, receipt: Receipt) -> bool {
-        self.persistence.is_durable(receipt.get())
-    }
-
-    /// Waits until everything up to `receipt` is durable.
-    pub async fn wait(&self, receipt: Receipt) {
-        self.persistence.wait_durable(receipt.get()).await;
-    }
-
     /// Queues `puts`; the receipt of the batch.
     fn put(&self, puts: Vec<Put>) -> Option<Receipt> {
-        Receipt::new(self.persistence.put(puts))
+        Some(self.persistence.put(puts).into())
     }
 
     /// What was saved, for the router to take back (see the module's

@@ -65,9 +65,12 @@ use tokio::sync::watch;
 
 use crate::config::PersistenceSettings;
 
+mod batch;
 mod kick;
 mod repair;
 mod writer;
+
+pub use batch::{Batch, Position};
 
 const CLOCK_MARK: &[u8] = b"clock_mark";
 
@@ -144,8 +147,8 @@ pub struct Persistence {
     jobs: Mutex<mpsc::Sender<Job>>,
     /// Sequence number of the last submitted batch of writes.
     submitted: AtomicU64,
-    /// Sequence number of the last durable batch.
-    durable: watch::Receiver<u64>,
+    /// The last durable batch.
+    durable: watch::Receiver<Position>,
     writer: Mutex<Option<JoinHandle<()>>>,
     /// Wakes the writer once per round of the runtime.
     kick: Arc<kick::Kick>,
@@ -259,7 +262,7 @@ impl Persistence {
             elapsed: started.elapsed(),
         };
         let (tx, rx) = mpsc::channel();
-        let (durable_tx, durable_rx) = watch::channel(0);
+        let (durable_tx, durable_rx) = watch::channel(Position::default());
         let mode = settings.mode;
         let kick = kick::Kick::new();
         let writer_kick = Arc::clone(&kick);
@@ -287,54 +290,54 @@ impl Persistence {
     }
 
     /// Queues `writes`; call in the order the store made them (under the
-    /// store's lock). `numbered` learns the batch's sequence number before
-    /// the writer can make it durable. Returns the sequence number.
-    pub fn submit(&self, writes: Vec<Write>, numbered: impl FnOnce(u64, &[Write])) -> u64 {
-        self.send(|seq| {
-            numbered(seq, &writes);
-            Job::Writes(seq, writes)
+    /// store's lock). `numbered` learns the batch before the writer can
+    /// make it durable. Returns the batch.
+    pub fn submit(&self, writes: Vec<Write>, numbered: impl FnOnce(Batch, &[Write])) -> Batch {
+        self.send(|batch| {
+            numbered(batch, &writes);
+            Job::Writes(batch.number(), writes)
         })
     }
 
-    /// Queues writes of the MQTT side. Returns the batch's sequence number.
-    pub fn put(&self, puts: Vec<Put>) -> u64 {
-        self.send(|seq| Job::Puts(seq, puts))
+    /// Queues writes of the MQTT side. Returns the batch.
+    pub fn put(&self, puts: Vec<Put>) -> Batch {
+        self.send(|batch| Job::Puts(batch.number(), puts))
     }
 
     /// Numbers a job and queues it, both under the lock: the writer sees
-    /// sequence numbers in order, so "durable up to n" holds for all below.
-    fn send(&self, job: impl FnOnce(u64) -> Job) -> u64 {
-        let seq = {
+    /// batches in order, so "durable up to n" holds for all below.
+    fn send(&self, job: impl FnOnce(Batch) -> Job) -> Batch {
+        let batch = {
             let jobs = self.jobs.lock();
-            let seq = self.submitted.fetch_add(1, Ordering::AcqRel) + 1;
-            if jobs.send(job(seq)).is_err() {
+            let batch = Batch::after(self.submitted.fetch_add(1, Ordering::AcqRel));
+            if jobs.send(job(batch)).is_err() {
                 tracing::error!("persistence writer is gone: a write will never be acknowledged");
             }
-            seq
+            batch
         };
         self.kick.request();
-        seq
+        batch
     }
 
-    /// The sequence number of the last submitted batch.
-    pub fn submitted(&self) -> u64 {
-        self.submitted.load(Ordering::Acquire)
+    /// The last submitted batch, if any.
+    pub fn submitted(&self) -> Option<Batch> {
+        Batch::new(self.submitted.load(Ordering::Acquire))
     }
 
-    /// Whether batch `seq` (and all before it) is durable.
-    pub fn is_durable(&self, seq: u64) -> bool {
-        *self.durable.borrow() >= seq
+    /// Whether `batch` (and all before it) is durable.
+    pub fn is_durable(&self, batch: Batch) -> bool {
+        self.durable.borrow().covers(batch)
     }
 
     /// The durable position, to wait on its changes.
-    pub fn durable(&self) -> watch::Receiver<u64> {
+    pub fn durable(&self) -> watch::Receiver<Position> {
         self.durable.clone()
     }
 
-    /// Waits until batch `seq` (and all before it) is durable.
-    pub async fn wait_durable(&self, seq: u64) {
+    /// Waits until `batch` (and all before it) is durable.
+    pub async fn wait_durable(&self, batch: Batch) {
         let mut durable = self.durable.clone();
-        let _ = durable.wait_for(|d| *d >= seq).await;
+        let _ = durable.wait_for(|d| d.covers(batch)).await;
     }
 
     /// Writes nothing for `period` (zero: ends a stall): the `stall_disk`

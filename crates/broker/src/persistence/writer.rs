@@ -8,7 +8,7 @@ use statestore::persist::Write;
 use tokio::sync::watch;
 
 use super::kick::Kick;
-use super::{CLOCK_MARK, Engine, Job, Put};
+use super::{Batch, CLOCK_MARK, Engine, Job, Position, Put};
 use crate::config::Mode;
 
 /// How long the writer sleeps when nothing wakes it: a safety net only
@@ -52,7 +52,7 @@ impl Stall {
 pub(super) fn write_loop(
     engine: Engine,
     jobs: mpsc::Receiver<Job>,
-    durable: watch::Sender<u64>,
+    durable: watch::Sender<Position>,
     mode: Mode,
     kick: Arc<Kick>,
     stall: Arc<Stall>,
@@ -121,8 +121,8 @@ pub(super) fn write_loop(
         if changes > 0 {
             crate::metrics::commit(changes, started.elapsed());
         }
-        if seq > 0 {
-            durable.send_replace(seq);
+        if let Some(batch) = Batch::new(seq) {
+            durable.send_replace(Position::after(Some(batch)));
         }
         if stop {
             break;

@@ -36,6 +36,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::persistence::Batch;
+
+/// What a request's answer waits for: a batch, or nothing (it is out).
+pub type Wait = Option<Batch>;
+
 /// A session's record, shared by its connections.
 pub type SharedAcknowledged = Arc<Mutex<Acknowledged>>;
 
@@ -45,9 +50,9 @@ pub struct Acknowledged {
     /// QoS 1: the last requests run, oldest first. Looked through only
     /// when a request comes with DUP 1, after a reconnect.
     qos1: VecDeque<Ran>,
-    /// QoS 2: acknowledged with PUBREC, waiting for PUBREL, with the
-    /// persistence batch the answer waits for.
-    awaiting_pubrel: HashMap<u16, u64>,
+    /// QoS 2: acknowledged with PUBREC, waiting for PUBREL, with what the
+    /// answer waits for.
+    awaiting_pubrel: HashMap<u16, Wait>,
 }
 
 /// A QoS 1 request that ran.
@@ -55,8 +60,8 @@ pub struct Acknowledged {
 struct Ran {
     pkid: u16,
     correlation: Correlation,
-    /// The persistence batch its answer waits for (0: none).
-    seq: u64,
+    /// What its answer waits for.
+    wait: Wait,
 }
 
 /// Correlation data as kept: up to 16 bytes as they are (the SDK's are
@@ -90,43 +95,42 @@ impl Correlation {
 
 impl Acknowledged {
     /// A QoS 1 request with `pkid` and `correlation` data ran; its answer
-    /// waits for persistence batch `seq` (0: none). The last `keep` are
-    /// remembered.
-    pub fn ran(&mut self, pkid: u16, correlation: &[u8], seq: u64, keep: usize) {
+    /// waits for `wait`. The last `keep` are remembered.
+    pub fn ran(&mut self, pkid: u16, correlation: &[u8], wait: Wait, keep: usize) {
         while self.qos1.len() >= keep.max(1) {
             self.qos1.pop_front();
         }
         self.qos1.push_back(Ran {
             pkid,
             correlation: Correlation::of(correlation),
-            seq,
+            wait,
         });
     }
 
     /// Whether a QoS 1 PUBLISH with DUP 1, `pkid` and `correlation` is the
-    /// request that ran last with that packet id: then the batch its answer
-    /// waits for (0: none).
-    pub fn resent(&self, pkid: u16, correlation: &[u8]) -> Option<u64> {
+    /// request that ran last with that packet id: then what its answer
+    /// waits for.
+    pub fn resent(&self, pkid: u16, correlation: &[u8]) -> Option<Wait> {
         let last = self.qos1.iter().rev().find(|ran| ran.pkid == pkid)?;
-        (last.correlation == Correlation::of(correlation)).then_some(last.seq)
+        (last.correlation == Correlation::of(correlation)).then_some(last.wait)
     }
 
     /// A QoS 2 request with `pkid` was acknowledged with PUBREC.
     pub fn received(&mut self, pkid: u16) {
-        self.awaiting_pubrel.entry(pkid).or_insert(0);
+        self.awaiting_pubrel.entry(pkid).or_insert(None);
     }
 
-    /// The QoS 2 request `pkid` ran; its answer waits for batch `seq`.
-    pub fn ran_qos2(&mut self, pkid: u16, seq: u64) {
+    /// The QoS 2 request `pkid` ran; its answer waits for `wait`.
+    pub fn ran_qos2(&mut self, pkid: u16, wait: Wait) {
         if let Some(waits_for) = self.awaiting_pubrel.get_mut(&pkid) {
-            *waits_for = seq;
+            *waits_for = wait;
         }
     }
 
     /// Whether a QoS 2 request with `pkid` was acknowledged and not yet
-    /// released (a PUBLISH with it is a retransmission): then the batch
-    /// its answer waits for (0: none).
-    pub fn received_waiting(&self, pkid: u16) -> Option<u64> {
+    /// released (a PUBLISH with it is a retransmission): then what its
+    /// answer waits for.
+    pub fn received_waiting(&self, pkid: u16) -> Option<Wait> {
         self.awaiting_pubrel.get(&pkid).copied()
     }
 
@@ -144,34 +148,39 @@ mod tests {
     use crate::sessions::tests::{mailbox, peer};
     use tokio::sync::mpsc;
 
+    /// Waits for batch `n` (0: for nothing).
+    fn b(n: u64) -> Wait {
+        Batch::new(n)
+    }
+
     #[test]
     fn a_qos1_request_is_known_by_packet_id_and_correlation_data() {
         let mut seen = Acknowledged::default();
         assert_eq!(seen.resent(7, b"a"), None);
-        seen.ran(7, b"a", 3, 10);
-        assert_eq!(seen.resent(7, b"a"), Some(3));
+        seen.ran(7, b"a", b(3), 10);
+        assert_eq!(seen.resent(7, b"a"), Some(b(3)));
         assert_eq!(seen.resent(7, b"b"), None, "another request with that id");
         assert_eq!(seen.resent(8, b"a"), None);
-        seen.ran(7, b"b", 0, 10);
+        seen.ran(7, b"b", b(0), 10);
         assert_eq!(seen.resent(7, b"a"), None, "the id was used again");
-        assert_eq!(seen.resent(7, b"b"), Some(0));
+        assert_eq!(seen.resent(7, b"b"), Some(b(0)));
     }
 
     #[test]
     fn only_the_last_requests_are_remembered() {
         let mut seen = Acknowledged::default();
         for pkid in 1..=5 {
-            seen.ran(pkid, b"c", 0, 3);
+            seen.ran(pkid, b"c", b(0), 3);
         }
         assert_eq!(seen.resent(2, b"c"), None, "older than the last 3");
-        assert_eq!(seen.resent(3, b"c"), Some(0));
+        assert_eq!(seen.resent(3, b"c"), Some(b(0)));
         // An id used again stays with its newer request.
-        seen.ran(3, b"d", 0, 3);
-        seen.ran(6, b"c", 0, 3);
-        seen.ran(7, b"c", 0, 3);
+        seen.ran(3, b"d", b(0), 3);
+        seen.ran(6, b"c", b(0), 3);
+        seen.ran(7, b"c", b(0), 3);
         assert_eq!(
             seen.resent(3, b"d"),
-            Some(0),
+            Some(b(0)),
             "not evicted with its old use"
         );
         assert_eq!(seen.qos1.len(), 3);
@@ -183,8 +192,8 @@ mod tests {
         let long = [7u8; 40];
         let mut other = long;
         other[39] = 8;
-        seen.ran(1, &long, 0, 10);
-        assert_eq!(seen.resent(1, &long), Some(0));
+        seen.ran(1, &long, b(0), 10);
+        assert_eq!(seen.resent(1, &long), Some(b(0)));
         assert_eq!(seen.resent(1, &other), None);
         assert_eq!(seen.resent(1, &long[..16]), None, "16 bytes as they are");
     }
@@ -194,10 +203,10 @@ mod tests {
         let mut seen = Acknowledged::default();
         assert_eq!(seen.received_waiting(5), None);
         seen.received(5);
-        assert_eq!(seen.received_waiting(5), Some(0));
-        seen.ran_qos2(5, 9);
+        assert_eq!(seen.received_waiting(5), Some(b(0)));
+        seen.ran_qos2(5, b(9));
         seen.received(5); // acknowledged again: still waits for batch 9
-        assert_eq!(seen.received_waiting(5), Some(9));
+        assert_eq!(seen.received_waiting(5), Some(b(9)));
         assert!(!seen.release(6), "not acknowledged here");
         assert!(seen.release(5));
         assert_eq!(seen.received_waiting(5), None);

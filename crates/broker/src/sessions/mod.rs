@@ -31,7 +31,7 @@ use parking_lot::RwLock;
 use router::Subscriptions;
 use router::protocol;
 
-pub use acknowledged::{Acknowledged, SharedAcknowledged};
+pub use acknowledged::{Acknowledged, SharedAcknowledged, Wait};
 pub use census::{Census, ClientView, ConnectionView, Peer};
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 

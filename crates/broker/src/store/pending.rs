@@ -35,16 +35,18 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 
 use statestore::persist::{Observed, Write};
 
+use crate::persistence::{Batch, Position};
+
 /// Changes not known to be durable, by key.
 #[derive(Default)]
 pub(super) struct Pending {
     /// Hash of a key -> the newest batch that changes it.
-    by_key: HashMap<u64, u64, BuildHasherDefault<Prehashed>>,
+    by_key: HashMap<u64, Batch, BuildHasherDefault<Prehashed>>,
     /// (batch, hash of a key) in the order submitted, to forget what the
     /// disk has.
-    order: VecDeque<(u64, u64)>,
+    order: VecDeque<(Batch, u64)>,
     /// Clock marks not known to be durable: (batch, mark), in order.
-    marks: VecDeque<(u64, u64)>,
+    marks: VecDeque<(Batch, u64)>,
     /// The last clock mark on disk (ms): versions below it need no wait.
     durable_mark: u64,
     hasher: RandomState,
@@ -82,21 +84,21 @@ impl Pending {
         }
     }
 
-    /// Notes that batch `seq` holds `writes` (batches are numbered in the
+    /// Notes that `batch` holds `writes` (batches are numbered in the
     /// order submitted).
-    pub fn wrote(&mut self, seq: u64, writes: &[Write]) {
+    pub fn wrote(&mut self, batch: Batch, writes: &[Write]) {
         for write in writes {
             let key = match write {
                 Write::Put(record) => &record.key,
                 Write::Delete(key) => key,
                 Write::ClockMark(mark) => {
-                    self.marks.push_back((seq, *mark));
+                    self.marks.push_back((batch, *mark));
                     continue;
                 }
             };
             let hash = self.hasher.hash_one(key.as_slice());
-            self.by_key.insert(hash, seq);
-            self.order.push_back((seq, hash));
+            self.by_key.insert(hash, batch);
+            self.order.push_back((batch, hash));
         }
     }
 
@@ -108,45 +110,45 @@ impl Pending {
         &mut self,
         observed: &Observed,
         payload: &[u8],
-        submitted: u64,
+        submitted: Option<Batch>,
         last_version_ms: u64,
-    ) -> u64 {
+    ) -> Option<Batch> {
         let shown = match observed {
-            Observed::Nothing => 0,
+            Observed::Nothing => None,
             Observed::All => submitted,
             Observed::Key(range) => match payload.get(range.clone()) {
                 Some(key) if !self.by_key.is_empty() => {
                     let hash = self.hasher.hash_one(key);
-                    self.by_key.get(&hash).copied().unwrap_or(0)
+                    self.by_key.get(&hash).copied()
                 }
-                Some(_) => 0,
+                Some(_) => None,
                 None => submitted,
             },
         };
         let mark = match self.marks.back() {
-            Some(&(seq, _)) if last_version_ms >= self.durable_mark => seq,
-            _ => 0,
+            Some(&(batch, _)) if last_version_ms >= self.durable_mark => Some(batch),
+            _ => None,
         };
         shown.max(mark)
     }
 
-    /// Drops every batch up to `published` (on disk, and its answers
+    /// Drops every batch `published` covers (on disk, and its answers
     /// out). Called before each request's writes are noted or its wait is
     /// asked, so what is kept never outgrows what waits for the disk.
-    pub fn forget(&mut self, published: u64) {
-        while let Some(&(seq, mark)) = self.marks.front() {
-            if seq > published {
+    pub fn forget(&mut self, published: Position) {
+        while let Some(&(batch, mark)) = self.marks.front() {
+            if !published.covers(batch) {
                 break;
             }
             self.marks.pop_front();
             self.durable_mark = mark;
         }
-        while let Some(&(seq, hash)) = self.order.front() {
-            if seq > published {
+        while let Some(&(batch, hash)) = self.order.front() {
+            if !published.covers(batch) {
                 break;
             }
             self.order.pop_front();
-            if self.by_key.get(&hash) == Some(&seq) {
+            if self.by_key.get(&hash) == Some(&batch) {
                 self.by_key.remove(&hash);
             }
         }
@@ -169,6 +171,14 @@ mod tests {
     use super::*;
     use statestore::hlc::Version;
     use statestore::persist::Record;
+
+    fn b(n: u64) -> Batch {
+        Batch::new(n).unwrap()
+    }
+
+    fn at(n: u64) -> Position {
+        Position::after(Batch::new(n))
+    }
 
     fn put(key: &str) -> Write {
         Write::Put(Record {
@@ -193,13 +203,14 @@ mod tests {
     #[test]
     fn an_answer_waits_for_the_newest_change_to_its_key_only() {
         let mut p = Pending::default();
-        p.wrote(1, &[put("a")]);
-        p.wrote(2, &[put("b")]);
-        p.wrote(3, &[put("a"), Write::Delete(b"c".to_vec())]);
+        p.wrote(b(1), &[put("a")]);
+        p.wrote(b(2), &[put("b")]);
+        p.wrote(b(3), &[put("a"), Write::Delete(b"c".to_vec())]);
         let wait = |p: &mut Pending, key: &str, published: u64| {
             let (payload, observed) = get(key);
-            p.forget(published);
-            p.wait_for(&observed, &payload, 3, 0)
+            p.forget(at(published));
+            p.wait_for(&observed, &payload, Some(b(3)), 0)
+                .map_or(0, Batch::number)
         };
         assert_eq!(wait(&mut p, "a", 0), 3);
         assert_eq!(wait(&mut p, "b", 0), 2);
@@ -217,32 +228,44 @@ mod tests {
     #[test]
     fn scan_and_info_wait_for_everything_and_ping_for_nothing() {
         let mut p = Pending::default();
-        p.wrote(4, &[put("a")]);
-        assert_eq!(p.wait_for(&Observed::All, b"", 9, 0), 9);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 9, 0), 0);
+        p.wrote(b(4), &[put("a")]);
+        assert_eq!(p.wait_for(&Observed::All, b"", Some(b(9)), 0), Some(b(9)));
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", Some(b(9)), 0), None);
         // A key that is not where the store said: as if it showed all.
-        assert_eq!(p.wait_for(&Observed::Key(5..50), b"short", 9, 0), 9);
+        assert_eq!(
+            p.wait_for(&Observed::Key(5..50), b"short", Some(b(9)), 0),
+            Some(b(9))
+        );
     }
 
     #[test]
     fn a_version_at_or_above_the_mark_on_disk_waits_for_the_next_mark() {
         // The mark on disk is 1,000 ms; batch 5 raises it to 2,000.
         let mut p = Pending::new(1_000);
-        p.wrote(5, &[put("a"), Write::ClockMark(2_000)]);
+        p.wrote(b(5), &[put("a"), Write::ClockMark(2_000)]);
         let (payload, observed) = get("other");
         // Every version handed out is below 1,000: nothing to wait for.
-        assert_eq!(p.wait_for(&observed, &payload, 7, 999), 0);
+        assert_eq!(p.wait_for(&observed, &payload, Some(b(7)), 999), None);
         // One at 1,000 or above may be shown: wait for the new mark.
-        assert_eq!(p.wait_for(&observed, &payload, 7, 1_000), 5);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 1_500), 5);
+        assert_eq!(
+            p.wait_for(&observed, &payload, Some(b(7)), 1_000),
+            Some(b(5))
+        );
+        assert_eq!(
+            p.wait_for(&Observed::Nothing, b"", Some(b(7)), 1_500),
+            Some(b(5))
+        );
         // Once batch 5 is published, 2,000 is the mark on disk.
-        p.forget(5);
-        assert_eq!(p.wait_for(&Observed::Nothing, b"", 7, 1_500), 0);
+        p.forget(at(5));
+        assert_eq!(p.wait_for(&Observed::Nothing, b"", Some(b(7)), 1_500), None);
         assert_eq!(p.durable_mark, 2_000);
         // A fresh start has no mark on disk: the first one is waited for.
         let mut fresh = Pending::new(0);
-        fresh.wrote(1, &[Write::ClockMark(11_000)]);
-        assert_eq!(fresh.wait_for(&Observed::Nothing, b"", 1, 1_000), 1);
+        fresh.wrote(b(1), &[Write::ClockMark(11_000)]);
+        assert_eq!(
+            fresh.wait_for(&Observed::Nothing, b"", Some(b(1)), 1_000),
+            Some(b(1))
+        );
     }
 
     /// Requests that only write (persisted SETs, nobody reading) keep
@@ -251,8 +274,8 @@ mod tests {
     fn writes_alone_keep_only_what_is_not_published() {
         let mut p = Pending::new(0);
         for seq in 1..=10_000u64 {
-            p.forget(seq.saturating_sub(3));
-            p.wrote(seq, &[put(&format!("k{seq}")), Write::ClockMark(seq)]);
+            p.forget(at(seq.saturating_sub(3)));
+            p.wrote(b(seq), &[put(&format!("k{seq}")), Write::ClockMark(seq)]);
         }
         assert_eq!(
             p.entries(),

@@ -35,7 +35,7 @@ use super::binding::{self, ReplyTo};
 use super::pending::Pending;
 use crate::activity::{Activity, Event};
 use crate::clock::now_ms;
-use crate::persistence::{Loaded, Persistence};
+use crate::persistence::{Batch, Loaded, Persistence, Position};
 use crate::publisher::Publisher;
 use crate::sessions::Undelivered;
 
@@ -63,7 +63,7 @@ pub struct StateStoreService {
     /// Set on the runtime, so the connections waiting on it are woken
     /// without a trip through the operating system (the writer thread's
     /// own position would wake each from outside).
-    published: tokio::sync::watch::Sender<u64>,
+    published: tokio::sync::watch::Sender<Position>,
 }
 
 /// What waits for the disk.
@@ -74,12 +74,12 @@ struct Waiters {
     /// waited: an answer waiting for no more than this goes out at once,
     /// anything else after what waits (so that, for one key, answers and
     /// notifications go out in the order they were made).
-    released: u64,
+    released: Position,
 }
 
-/// An answer (or notifications only) waiting for batch `seq` to be durable.
+/// An answer (or notifications only) waiting for its batch to be durable.
 struct Waiting {
-    seq: u64,
+    batch: Batch,
     reply: Option<Reply>,
     outcome: Outcome,
 }
@@ -138,7 +138,7 @@ impl StateStoreService {
             activity,
             clock_offset_ms: AtomicI64::new(0),
             waiting: Mutex::new(Waiters::default()),
-            published: tokio::sync::watch::Sender::new(0),
+            published: tokio::sync::watch::Sender::new(Position::default()),
         });
         tokio::spawn(expiry_task(Arc::downgrade(&service)));
         if let Some(persistence) = &service.persistence {
@@ -152,14 +152,14 @@ impl StateStoreService {
 
     /// Serves one request from `caller` and publishes the answer to
     /// `reply_to` (`None`: no answer, a fault), once what it could have
-    /// observed is durable. Returns the persistence batch the answer waits
-    /// for, or 0 if it was published now.
+    /// observed is durable. Returns the batch the answer waits for, if it
+    /// was not published now.
     pub fn serve(
         self: &Arc<Self>,
         request: &Request<'_>,
         caller: Caller<'_>,
         reply_to: Option<ReplyTo>,
-    ) -> u64 {
+    ) -> Option<Batch> {
         let (reply, outcome, wait) = self.run(request, caller, reply_to);
         self.publish_when_durable(Some(reply), outcome, wait)
     }
@@ -187,16 +187,18 @@ impl StateStoreService {
         }
     }
 
-    /// Whether the answers that waited for persistence batch `seq` (and
-    /// all before it) are published.
-    pub fn is_answered(&self, seq: u64) -> bool {
-        *self.published.borrow() >= seq
+    /// Whether `batch` (and all before it) is durable and the answers that
+    /// waited for it are published.
+    pub fn is_answered(&self, batch: Batch) -> bool {
+        self.published.borrow().covers(batch)
     }
 
-    /// The position up to which the answers that waited for the disk are
-    /// published, to wait on (`wait_for(|p| *p >= seq)`): a connection
-    /// keeps one, rather than subscribing anew each time it waits.
-    pub fn answered(&self) -> tokio::sync::watch::Receiver<u64> {
+    /// The position up to which the disk has everything and the answers
+    /// that waited for it are published, to wait on (`wait_for(|p|
+    /// p.covers(batch))`): a connection keeps one, rather than subscribing
+    /// anew each time it waits. It covers every batch, the MQTT side's
+    /// (the router's journal) included.
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<Position> {
         self.published.subscribe()
     }
 
@@ -206,8 +208,8 @@ impl StateStoreService {
     /// the change is durable.
     pub async fn execute(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>) -> Vec<u8> {
         let (reply, outcome, wait) = self.run(request, caller, None);
-        if let Some(persistence) = &self.persistence {
-            persistence.wait_durable(wait).await;
+        if let (Some(persistence), Some(batch)) = (&self.persistence, wait) {
+            persistence.wait_durable(batch).await;
         }
         let payload = outcome.payload.clone();
         self.publish_outcome(Some(reply), outcome);
@@ -221,7 +223,7 @@ impl StateStoreService {
         request: &Request<'_>,
         caller: Caller<'_>,
         reply_to: Option<ReplyTo>,
-    ) -> (Reply, Outcome, u64) {
+    ) -> (Reply, Outcome, Option<Batch>) {
         let started = std::time::Instant::now();
         let (outcome, wait) = {
             let mut store = self.store.lock();
@@ -264,10 +266,8 @@ impl StateStoreService {
         writes: Vec<Write>,
         observed: &Observed,
         payload: &[u8],
-    ) -> u64 {
-        let Some(persistence) = &self.persistence else {
-            return 0;
-        };
+    ) -> Option<Batch> {
+        let persistence = self.persistence.as_ref()?;
         let mut pending = self.pending.lock();
         // Forget only what was published: a later answer about a key must
         // not overtake an earlier one still in the waiting list.
@@ -276,49 +276,52 @@ impl StateStoreService {
             let last_ms = store.last_version().wall_ms;
             pending.wait_for(observed, payload, persistence.submitted(), last_ms)
         } else {
-            persistence.submit(writes, |seq, writes| pending.wrote(seq, writes))
+            Some(persistence.submit(writes, |batch, writes| pending.wrote(batch, writes)))
         }
     }
 
     /// Publishes now if batch `wait` is durable, or leaves it to the
     /// durable task. One task for all that waits, rather than one spawned
     /// per answer: a group commit releases dozens of answers at once.
-    /// Returns the batch waited for, or 0 if published now.
+    /// Returns the batch waited for, if the answer was not published now.
     fn publish_when_durable(
         self: &Arc<Self>,
         reply: Option<Reply>,
         outcome: Outcome,
-        wait: u64,
-    ) -> u64 {
-        if self.persistence.is_some() {
+        wait: Option<Batch>,
+    ) -> Option<Batch> {
+        if let Some(batch) = wait {
             // Checked under the lock the durable task drains under: either
             // the task sees this entry, or it has taken all this waits for.
             let mut waiting = self.waiting.lock();
-            if wait > waiting.released {
+            if !waiting.released.covers(batch) {
                 waiting.list.push(Waiting {
-                    seq: wait,
+                    batch,
                     reply,
                     outcome,
                 });
-                return wait;
+                return Some(batch);
             }
         }
         self.publish_outcome(reply, outcome);
-        0
+        None
     }
 
     /// Publishes, in batch order, what waited for batches up to the durable
     /// position, read under the waiting lock (see `publish_when_durable`).
-    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<u64>) {
+    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<Position>) {
         let (mut ready, durable) = {
             let mut waiting = self.waiting.lock();
             let durable = *durable.borrow_and_update();
             // Only the ready entries move; the rest stay where they are.
-            let ready: Vec<Waiting> = waiting.list.extract_if(.., |w| w.seq <= durable).collect();
+            let ready: Vec<Waiting> = waiting
+                .list
+                .extract_if(.., |w| durable.covers(w.batch))
+                .collect();
             waiting.released = durable;
             (ready, durable)
         };
-        ready.sort_by_key(|w| w.seq);
+        ready.sort_by_key(|w| w.batch);
         for w in ready {
             self.publish_outcome(w.reply, w.outcome);
         }
@@ -490,7 +493,7 @@ fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
 /// time the durable position moves; ends with the persistence writer.
 async fn durable_task(
     service: std::sync::Weak<StateStoreService>,
-    mut durable: tokio::sync::watch::Receiver<u64>,
+    mut durable: tokio::sync::watch::Receiver<Position>,
 ) {
     while durable.changed().await.is_ok() {
         let Some(service) = service.upgrade() else {

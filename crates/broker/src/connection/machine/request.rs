@@ -10,15 +10,16 @@ use std::time::Duration;
 use router::protocol::{Publish, PublishProperties};
 use statestore::{Caller, Dialect, Request};
 
-use super::end::End;
-use super::socket::Stream;
-use super::task::Connection;
-use crate::authorization::{KeyRules, Policy};
+use super::Machine;
+use crate::authorization::{KeyRules, Policy, Principal};
+use crate::connection::end::End;
 use crate::faults::Action;
+use crate::persistence::Batch;
+use crate::shared::Shared;
 use crate::store::StateStoreService;
 use crate::store::binding::{self, Admission, ReplyTo};
 
-impl<S: Stream> Connection<S> {
+impl Machine {
     /// A state store request: checked by the binding, acknowledged here,
     /// executed by the store. `(qos, pkid, dup)`: from its fixed header.
     pub(super) fn on_request(
@@ -56,7 +57,7 @@ impl<S: Stream> Connection<S> {
         // answer may go out.
         let correlation = properties.correlation_data.as_deref();
         let again = self.inbound.ran_already(qos, pkid, dup, correlation);
-        let before_ack = self.socket.wbuf.len();
+        let before_ack = self.wbuf.len();
         self.ack(qos, pkid, true);
         if let Some(wait) = again {
             tracing::debug!(
@@ -65,7 +66,7 @@ impl<S: Stream> Connection<S> {
                 "request sent again: acknowledged, not run again"
             );
             self.ack_hold
-                .acknowledged(before_ack, self.socket.wbuf.len(), wait);
+                .acknowledged(before_ack, self.wbuf.len(), wait);
             return Ok(());
         }
         let kept = self.session_expiry > 0;
@@ -88,20 +89,33 @@ impl<S: Stream> Connection<S> {
                     .unwrap_or_default();
                 match plan.delay {
                     None => {
-                        let wait =
-                            run_planned(&self.store, &request, caller, reply_to, plan.action);
+                        let wait = run_planned(
+                            &self.shared.store,
+                            &request,
+                            caller,
+                            reply_to,
+                            plan.action,
+                        );
                         self.inbound.ran(qos, pkid, correlation, wait, kept);
                         // The acknowledgement may wait for the answer, and
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
-                            .acknowledged(before_ack, self.socket.wbuf.len(), wait);
-                        let store = &self.store;
-                        self.awaited.push(wait, |seq| store.is_answered(seq));
+                            .acknowledged(before_ack, self.wbuf.len(), wait);
+                        let position = self.position();
+                        self.awaited.push(wait, position);
                     }
                     Some(delay) => {
-                        self.inbound.ran(qos, pkid, correlation, 0, kept);
-                        let policy = policy.clone();
-                        self.run_later(delay, &request, reply_to, plan.action, policy);
+                        self.inbound.ran(qos, pkid, correlation, None, kept);
+                        self.later.push(Delayed {
+                            delay,
+                            request: OwnedRequest::of(&request),
+                            reply_to,
+                            action: plan.action,
+                            policy: policy.clone(),
+                            principal: Arc::clone(&self.principal),
+                            client_id: self.client_id.clone(),
+                            connection: self.id,
+                        });
                     }
                 }
                 if let Some(code) = plan.disconnect {
@@ -114,7 +128,7 @@ impl<S: Stream> Connection<S> {
                     reason = text,
                     "request not executed"
                 );
-                self.store.refuse(reply_to, &self.client_id, text);
+                self.shared.store.refuse(reply_to, &self.client_id, text);
             }
             Admission::Ignore => {
                 tracing::info!(
@@ -125,55 +139,51 @@ impl<S: Stream> Connection<S> {
         }
         Ok(())
     }
+}
 
-    /// A request a fault delays: it runs `delay` from now, as if it had
-    /// arrived then, unless this connection ended meanwhile (the request is
-    /// lost with it, as it would be on the network).
-    fn run_later(
-        &self,
-        delay: Duration,
-        request: &Request<'_>,
-        reply_to: ReplyTo,
-        action: Action,
-        policy: Option<Arc<Policy>>,
-    ) {
-        let owned = OwnedRequest {
-            payload: request.payload.to_vec(),
-            timestamp: request.timestamp.map(str::to_owned),
-            fencing_token: request.fencing_token.map(str::to_owned),
-            persist: request.persist,
-            dialect: request.dialect,
-        };
-        let (store, sessions) = (Arc::clone(&self.store), Arc::clone(&self.sessions));
-        let (client_id, connection) = (self.client_id.clone(), self.id);
-        let principal = Arc::clone(&self.principal);
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            if !sessions.is_live(&client_id, connection) {
-                tracing::info!(
-                    client_id,
-                    "a delayed request is lost: its connection ended meanwhile"
-                );
-                return;
-            }
-            let rules = policy.as_deref().map(|policy| KeyRules {
-                policy,
-                principal: &principal,
-            });
-            let request = Request {
-                payload: &owned.payload,
-                timestamp: owned.timestamp.as_deref(),
-                fencing_token: owned.fencing_token.as_deref(),
-                persist: owned.persist,
-                dialect: owned.dialect,
-                access: rules.as_ref().map(|r| r as &dyn statestore::KeyAccess),
-            };
-            let caller = Caller {
-                client_id: &client_id,
-                connection,
-            };
-            run_planned(&store, &request, caller, reply_to, action);
+/// A request a fault delays: it runs `delay` from now, as if it had
+/// arrived then, unless its connection ended meanwhile (the request is
+/// lost with it, as it would be on the network).
+pub(crate) struct Delayed {
+    delay: Duration,
+    request: OwnedRequest,
+    reply_to: ReplyTo,
+    action: Action,
+    policy: Option<Arc<Policy>>,
+    principal: Arc<Principal>,
+    client_id: String,
+    connection: u64,
+}
+
+impl Delayed {
+    /// Waits, then runs the request (the driver spawns this).
+    pub async fn run(self, shared: Arc<Shared>) {
+        tokio::time::sleep(self.delay).await;
+        if !shared.sessions.is_live(&self.client_id, self.connection) {
+            tracing::info!(
+                client_id = self.client_id,
+                "a delayed request is lost: its connection ended meanwhile"
+            );
+            return;
+        }
+        let rules = self.policy.as_deref().map(|policy| KeyRules {
+            policy,
+            principal: &self.principal,
         });
+        let owned = &self.request;
+        let request = Request {
+            payload: &owned.payload,
+            timestamp: owned.timestamp.as_deref(),
+            fencing_token: owned.fencing_token.as_deref(),
+            persist: owned.persist,
+            dialect: owned.dialect,
+            access: rules.as_ref().map(|r| r as &dyn statestore::KeyAccess),
+        };
+        let caller = Caller {
+            client_id: &self.client_id,
+            connection: self.connection,
+        };
+        run_planned(&shared.store, &request, caller, self.reply_to, self.action);
     }
 }
 
@@ -186,23 +196,35 @@ struct OwnedRequest {
     dialect: Dialect,
 }
 
+impl OwnedRequest {
+    fn of(request: &Request<'_>) -> OwnedRequest {
+        OwnedRequest {
+            payload: request.payload.to_vec(),
+            timestamp: request.timestamp.map(str::to_owned),
+            fencing_token: request.fencing_token.map(str::to_owned),
+            persist: request.persist,
+            dialect: request.dialect,
+        }
+    }
+}
+
 /// Runs a request as a fault's plan says: executed and answered, answered
 /// with its `-ERR`, executed and not answered, or neither. Returns the
-/// persistence batch the answer waits for (0: none).
+/// batch the answer waits for, if any.
 fn run_planned(
     store: &Arc<StateStoreService>,
     request: &Request<'_>,
     caller: Caller<'_>,
     reply_to: ReplyTo,
     action: Action,
-) -> u64 {
+) -> Option<Batch> {
     match action {
         Action::Execute => store.serve(request, caller, Some(reply_to)),
         Action::Error(text) => {
             store.refuse(reply_to, caller.client_id, &text);
-            0
+            None
         }
         Action::DropAfter => store.serve(request, caller, None),
-        Action::DropBefore => 0,
+        Action::DropBefore => None,
     }
 }

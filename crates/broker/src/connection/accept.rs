@@ -1,0 +1,144 @@
+//! Whether a CONNECT is accepted, and on what terms: an [`Accepted`]
+//! value, or the CONNACK that refuses it.
+//!
+//! In order: the packet's own checks ([`handshake::check_connect`]), the
+//! terms ([`Terms::negotiate`]), who the client is (certificate, password
+//! or anonymous: [`crate::authentication`]), whether the policy lets it
+//! connect, refusals a fault asks for, a connection slot, and the router's
+//! session (a persistent session joins the router now; a clean one that
+//! has no session to discard joins on first need).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use router::protocol::Packet;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::handshake::{self, Hello, Refusal, Terms};
+use super::link::RouterLink;
+use crate::authentication::{Failure, Presented};
+use crate::authorization::Principal;
+use crate::codec::Protocol;
+use crate::config::Listener;
+use crate::shared::Shared;
+use crate::tls::CertIdentity;
+
+/// A CONNECT the broker accepted.
+pub(crate) struct Accepted {
+    pub terms: Terms,
+    pub principal: Arc<Principal>,
+    pub link: RouterLink,
+    /// The router resumed a session (Session Present 1).
+    pub session_present: bool,
+    /// The connection's slot among `router.max_connections`.
+    pub permit: OwnedSemaphorePermit,
+}
+
+/// Where a CONNECT came from.
+pub(crate) struct Origin<'a> {
+    /// The connection's number.
+    pub id: u64,
+    pub peer: SocketAddr,
+    pub protocol: Protocol,
+    pub listener: &'a Listener,
+    pub identity: Option<&'a CertIdentity>,
+}
+
+/// Decides on `hello` (see the module's documentation). `Err`: the
+/// CONNACK that refuses it (logged and counted already).
+pub(crate) async fn accept(
+    hello: &Hello,
+    origin: Origin<'_>,
+    shared: &Shared,
+) -> Result<Accepted, Packet> {
+    let Origin {
+        id,
+        peer,
+        protocol,
+        listener,
+        identity,
+    } = origin;
+    let refuse = |refusal: Refusal, why: &str| {
+        tracing::info!(%peer, client_id = hello.connect.client_id, ?protocol, why, "CONNECT refused");
+        crate::metrics::connection_refused(refusal.label());
+        handshake::refusal(protocol, refusal)
+    };
+    handshake::check_connect(&hello.connect, hello.will.as_ref())
+        .map_err(|(refusal, why)| refuse(refusal, why))?;
+    let terms = Terms::negotiate(
+        hello,
+        protocol,
+        shared.settings.broker.max_keep_alive_secs,
+        || format!("statebroker-{:x}-{id}", shared.started_nanos),
+    );
+    let client_id = terms.client_id.as_str();
+    // Who it is, and whether it may connect (the policy sees an assigned
+    // client id).
+    let presented = Presented {
+        client_id,
+        login: hello
+            .login
+            .as_ref()
+            .map(|l| (l.username.as_str(), l.password.as_str())),
+        certificate: identity,
+        allow_anonymous: listener.allow_anonymous,
+        source: peer.ip(),
+    };
+    let principal = match shared.authenticator.authenticate(presented).await {
+        Ok(principal) => Arc::new(principal),
+        Err(Failure::BadCredentials) => {
+            return Err(refuse(Refusal::BadCredentials, "bad username or password"));
+        }
+        Err(Failure::Anonymous) => {
+            return Err(refuse(
+                Refusal::NotAuthorized,
+                "anonymous clients are not allowed on this listener",
+            ));
+        }
+    };
+    if let Some(policy) = shared.authorizer.current()
+        && !policy.may_connect(&principal)
+    {
+        return Err(refuse(
+            Refusal::NotAuthorized,
+            "the authorization policy denies Connect",
+        ));
+    }
+    if shared.faults.refusing() {
+        return Err(refuse(
+            Refusal::Busy,
+            "fault injected: refusing connections",
+        ));
+    }
+    let Ok(permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
+        return Err(refuse(Refusal::Busy, "connection limit reached"));
+    };
+    // A connection that starts clean, keeps nothing after it ends and has
+    // no session to discard joins on first need.
+    let lazy = terms.clean_start
+        && terms.session_expiry == 0
+        && !shared.sessions.has_session_to_discard(client_id);
+    let opened = RouterLink::open(
+        &shared.router,
+        client_id,
+        terms.clean_start,
+        terms.session_expiry,
+        lazy,
+    )
+    .await;
+    let (link, session_present) = match opened {
+        Ok(opened) => opened,
+        Err(e) => {
+            tracing::error!(%peer, client_id, error = %e, "router refused the connection");
+            crate::metrics::connection_refused(Refusal::Busy.label());
+            return Err(handshake::refusal(protocol, Refusal::Busy));
+        }
+    };
+    Ok(Accepted {
+        terms,
+        principal,
+        link,
+        session_present,
+        permit,
+    })
+}

@@ -1,0 +1,177 @@
+//! The connection's loop: the I/O around the [`Machine`].
+//!
+//! It waits for whichever comes first (bytes from the client, a
+//! notification from the router, a delivery from the broker, the disk
+//! moving on, the keep-alive timer, the broker stopping), hands it to the
+//! machine, then hands what the machine produced to the router (joining it
+//! on first need), starts the requests a fault delays, and writes to the
+//! client in one write per turn. It stops reading while the machine says
+//! too much waits for the disk, and gives up on a client that stops
+//! reading (a write stalled as long as the client may stay silent).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::end::End;
+use super::link::RouterLink;
+use super::machine::Machine;
+use super::socket::{Socket, Stream};
+use crate::persistence::Position;
+use crate::sessions::{Peer, ToConnection};
+use crate::shared::Shared;
+
+/// How long a write to a client without keep-alive may stall before the
+/// client is disconnected.
+const WRITE_STALL: Duration = Duration::from_secs(60);
+
+/// The connection's I/O.
+pub(crate) struct Driver<S> {
+    pub socket: Socket<S>,
+    pub link: RouterLink,
+    /// Direct deliveries and takeover notices (see [`crate::sessions`]).
+    pub direct_rx: mpsc::UnboundedReceiver<ToConnection>,
+    /// How long the client may stay silent (1.5 times its keep-alive).
+    pub idle_limit: Option<Duration>,
+    /// The largest packet the listener accepts.
+    pub max_packet_size: usize,
+    /// What the web view shows of this connection.
+    pub peer: Arc<Peer>,
+    pub shared: Arc<Shared>,
+}
+
+impl<S: Stream> Driver<S> {
+    /// Runs `machine` until the connection ends; returns how.
+    pub async fn run(&mut self, machine: &mut Machine) -> End {
+        match self.serve(machine).await {
+            Err(end) => end,
+            Ok(never) => match never {},
+        }
+    }
+
+    async fn serve(&mut self, machine: &mut Machine) -> Result<std::convert::Infallible, End> {
+        let mut last_heard = Instant::now();
+        // The keep-alive timer is set once and moved on only when it fires
+        // (to the last time the client was heard, plus the limit), and the
+        // shutdown signal is awaited by one future: making both anew on
+        // every turn registered and removed a timer and a waiter per
+        // request (1,400 instructions, 6% of a request).
+        let keep_alive = tokio::time::sleep_until(
+            last_heard + self.idle_limit.unwrap_or(Duration::from_secs(86_400)),
+        );
+        tokio::pin!(keep_alive);
+        let mut shutdown = self.shared.shutdown.clone();
+        let shutdown = shutdown.changed();
+        tokio::pin!(shutdown);
+        // One subscription to the disk's position for the connection's life.
+        let mut disk: watch::Receiver<Position> = self.shared.store.answered();
+        loop {
+            let waiting_for = machine.waiting_for();
+            tokio::select! {
+                read = self.socket.fill(), if !machine.reading_paused() => {
+                    match read {
+                        Ok(0) => return Err(End::Closed),
+                        Err(e) => return Err(End::Io(e)),
+                        Ok(_) => {
+                            last_heard = Instant::now();
+                            self.read_packets(machine)?;
+                        }
+                    }
+                }
+                // The disk moved past what something here waits for:
+                // held acknowledgements go, reading stopped at a bound
+                // goes on.
+                _ = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
+                    machine.on_disk()?;
+                    self.read_packets(machine)?;
+                }
+                notification = self.link.next() => {
+                    match notification {
+                        Ok(Some(n)) => {
+                            machine.on_router(n)?;
+                            // Everything else the router has ready, before writing.
+                            while let Some(n) = self.link.next_ready() {
+                                machine.on_router(n)?;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(_) => return Err(End::RouterClosed),
+                    }
+                }
+                Some(message) = self.direct_rx.recv() => machine.on_broker(message)?,
+                () = &mut keep_alive, if self.idle_limit.is_some() => {
+                    let deadline = last_heard + self.idle_limit.unwrap_or_default();
+                    if Instant::now() >= deadline {
+                        return Err(End::KeepAlive);
+                    }
+                    keep_alive.as_mut().reset(deadline);
+                }
+                _ = &mut shutdown => return Err(End::Shutdown),
+            }
+            self.link.send(&mut machine.to_router).await?;
+            // Direct deliveries that are ready (the answers to what was just
+            // read among them) go out with the same write.
+            while let Ok(message) = self.direct_rx.try_recv() {
+                machine.on_broker(message)?;
+            }
+            for delayed in machine.later.drain(..) {
+                tokio::spawn(delayed.run(Arc::clone(&self.shared)));
+            }
+            if !machine.may_hold_output() {
+                self.write(machine).await?;
+            }
+            self.peer.in_flight.store(
+                machine.out.in_flight(),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            if std::mem::take(&mut machine.unscheduled) {
+                self.link.wake().await?;
+            }
+        }
+    }
+
+    /// Decodes and hands the machine every complete packet read, until too
+    /// much waits for the disk.
+    fn read_packets(&mut self, machine: &mut Machine) -> Result<(), End> {
+        while !machine.reading_paused()
+            && let Some(incoming) = self.socket.next_packet(self.max_packet_size)?
+        {
+            machine.on_packet(incoming)?;
+        }
+        Ok(())
+    }
+
+    /// Writes what the machine encoded for the client. A client that stops
+    /// reading cannot hold its connection: the write may stall for as long
+    /// as the client may stay silent.
+    async fn write(&mut self, machine: &mut Machine) -> Result<(), End> {
+        let stall = self.idle_limit.unwrap_or(WRITE_STALL);
+        match tokio::time::timeout(stall, self.socket.write_all(&mut machine.wbuf)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(End::Io(e)),
+            Err(_) => Err(End::WriteStalled),
+        }
+    }
+
+    /// After the connection ended with `end`: tells the client why (MQTT 5),
+    /// closes the socket (letting the client read why first), and tells the
+    /// router the connection's part of the session is over.
+    pub async fn finish(&mut self, machine: &mut Machine, end: &End) {
+        machine.end(end);
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            self.socket.write_all(&mut machine.wbuf),
+        )
+        .await;
+        self.socket.shutdown().await;
+        if end.reason().0.is_some() {
+            // The broker ended it: let the client read why before closing.
+            self.socket.linger(Duration::from_millis(500)).await;
+        }
+        if self.link.is_linked() {
+            let _ = self.link.send(&mut machine.to_router).await;
+        }
+    }
+}

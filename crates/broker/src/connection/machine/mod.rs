@@ -1,0 +1,557 @@
+//! The connection as a machine: what the client sends, what the router and
+//! the broker deliver, and what the disk finished go in; what goes to the
+//! client, to the router, and the connection's end come out. No I/O: the
+//! driver (`driver.rs`) owns the socket, the router link and the timers,
+//! feeds the machine and writes what it produced; the machine is tested
+//! here on its own, packet in, bytes out.
+//!
+//! What the machine decides, by the file that knows:
+//!
+//! - a client's publish: topic aliases and QoS state (`inbound.rs`); a
+//!   state store request goes to the store (`machine/request.rs`); the
+//!   notification namespace and `$SYS` are refused; the authorization
+//!   policy; the rest goes to the router, which acknowledges it;
+//! - SUBSCRIBE: the broker's refusals (`subscriptions.rs`), the rest to the
+//!   router; UNSUBSCRIBE to the router, or answered here when the
+//!   connection never joined it;
+//! - what goes to the client at QoS 1/2 from the router and the broker
+//!   together, within the client's limits (`outbound.rs`);
+//! - acknowledgements in order (`inbound::AckOrder`), held while what they
+//!   acknowledge is not on disk (`gate.rs`), or to leave with their
+//!   answers (`hold.rs`);
+//! - how the connection ends (`end.rs`).
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use router::Notification;
+use router::protocol::{
+    self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
+};
+use tokio::sync::watch;
+
+use super::end::End;
+use super::gate::{Gate, Held};
+use super::hold::{AckHold, Awaited};
+use super::inbound::{self, AckOrder, Inbound};
+use super::outbound::{self, Outbound};
+use super::subscriptions::{self, PendingRefusals};
+
+mod request;
+
+use crate::authorization::Principal;
+use crate::codec::{Incoming, Protocol};
+use crate::persistence::{Batch, Position};
+use crate::sessions::{SharedAcknowledged, ToConnection};
+use crate::shared::Shared;
+use crate::store::binding;
+use crate::topics;
+pub(crate) use request::Delayed;
+
+/// What a connection starts with, once its CONNECT is accepted.
+pub(crate) struct Start {
+    /// The connection's number (never reused).
+    pub id: u64,
+    pub client_id: String,
+    pub protocol: Protocol,
+    /// The session outlives the connection this long, seconds (`u32::MAX`:
+    /// for ever).
+    pub session_expiry: u32,
+    /// The client's Receive Maximum and Maximum Packet Size.
+    pub receive_maximum: u16,
+    pub max_packet_size: usize,
+    /// The Receive Maximum the broker announced (`u16::MAX` for 3.1.1),
+    /// and the topic aliases it allows.
+    pub broker_receive_maximum: u16,
+    pub topic_alias_max: u16,
+    /// The session's record of requests run (and how many it keeps).
+    pub acknowledged: (SharedAcknowledged, u16),
+    /// The connection has joined the router already (a persistent session
+    /// joins at CONNECT).
+    pub joined: bool,
+    /// The bound on the broker's own deliveries queued for this client.
+    pub bound: Arc<crate::sessions::QueueBound>,
+    pub principal: Arc<Principal>,
+    /// How far the disk and the answers waiting for it are (the store's
+    /// `StateStoreService::answered`).
+    pub disk: watch::Receiver<Position>,
+}
+
+/// One connection's protocol state; see the module's documentation.
+pub(crate) struct Machine {
+    pub id: u64,
+    pub client_id: String,
+    pub own_hex: String,
+    pub protocol: Protocol,
+    /// Encoded packets for the client, not yet written.
+    pub wbuf: BytesMut,
+    /// Packets for the router, not yet handed over.
+    pub to_router: Vec<Packet>,
+    /// Requests a fault delays, to start.
+    pub later: Vec<Delayed>,
+    /// The router asked to be told when this connection can take more.
+    pub unscheduled: bool,
+    /// The connection has joined the router, or will with the next
+    /// hand-over: only then has the router anything of it.
+    joined: bool,
+    /// Topic aliases and QoS state of the client's publishes.
+    pub(super) inbound: Inbound,
+    /// Acknowledgements in the order the publishes arrived.
+    ack_order: AckOrder,
+    /// Refused filters waiting for the router's SUBACK.
+    refused_filters: PendingRefusals,
+    /// Acks owed and windows: what goes to the client at QoS 1/2.
+    pub(super) out: Outbound,
+    /// Acknowledgements waiting for the disk.
+    gate: Gate,
+    /// Acknowledgements that wait to go out with their answers.
+    pub(super) ack_hold: AckHold,
+    /// The answers this connection waits for (reading stops at a bound).
+    pub(super) awaited: Awaited,
+    /// How far the disk and the answers waiting for it are (see
+    /// `StateStoreService::answered`).
+    answered: watch::Receiver<Position>,
+    /// How long the session outlives the connection, seconds (`u32::MAX`:
+    /// for ever); DISCONNECT may change it.
+    pub session_expiry: u32,
+    pub(super) legacy_2023: bool,
+    /// Who the client is, for the authorization policy.
+    pub(super) principal: Arc<Principal>,
+    /// The broker's shared parts: the store, the policy, the faults.
+    pub(super) shared: Arc<Shared>,
+}
+
+impl Machine {
+    pub fn new(start: Start, shared: Arc<Shared>) -> Machine {
+        Machine {
+            id: start.id,
+            own_hex: hex::encode_upper(&start.client_id),
+            out: Outbound::new(
+                &start.client_id,
+                start.receive_maximum,
+                start.max_packet_size,
+                start.bound,
+            ),
+            client_id: start.client_id,
+            protocol: start.protocol,
+            wbuf: BytesMut::new(),
+            to_router: Vec::new(),
+            later: Vec::new(),
+            unscheduled: false,
+            joined: start.joined,
+            inbound: Inbound::new(
+                start.topic_alias_max,
+                start.broker_receive_maximum,
+                start.acknowledged,
+            ),
+            ack_order: AckOrder::default(),
+            refused_filters: PendingRefusals::default(),
+            gate: Gate::default(),
+            ack_hold: AckHold::default(),
+            awaited: Awaited::default(),
+            answered: start.disk,
+            session_expiry: start.session_expiry,
+            legacy_2023: shared.settings.broker.legacy_2023_topic,
+            principal: start.principal,
+            shared,
+        }
+    }
+
+    /// How far the disk and its answers are now.
+    pub(super) fn position(&self) -> Position {
+        *self.answered.borrow()
+    }
+
+    /// Encodes `packet` for the client.
+    pub(super) fn queue(&mut self, packet: Packet) {
+        if let Err(e) = self.protocol.write(packet, &mut self.wbuf) {
+            tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
+        }
+    }
+
+    /// Queues `packet` for the router (the connection joins it with the
+    /// next hand-over, if it has not yet).
+    fn route(&mut self, packet: Packet) {
+        self.joined = true;
+        self.to_router.push(packet);
+    }
+
+    /// Queues an acknowledgement for the client, behind those that wait
+    /// for the disk (`batch`: what this one waits for itself).
+    fn acknowledge(&mut self, ack: Packet, batch: Option<Batch>) {
+        let position = self.position();
+        let (protocol, wbuf) = (self.protocol, &mut self.wbuf);
+        self.gate.send(ack, batch, position, |ack| {
+            if let Err(e) = protocol.write(ack, wbuf) {
+                tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
+            }
+        });
+    }
+
+    /// Whether reading stops until the disk catches up: while too many
+    /// acknowledgements or answers wait for it.
+    pub fn reading_paused(&self) -> bool {
+        self.gate.is_full() || self.awaited.full(self.position()).is_some()
+    }
+
+    /// The earliest batch something here waits for: acknowledgements held
+    /// for the disk or for their answers, and reading stopped at the bound.
+    pub fn waiting_for(&self) -> Option<Batch> {
+        let position = self.position();
+        [
+            self.gate.waiting_for(),
+            self.ack_hold.waiting_for(),
+            self.awaited.full(position),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Whether what is encoded for the client may stay unwritten for now:
+    /// it holds only acknowledgements that will leave with their answers
+    /// (see `hold.rs`).
+    pub fn may_hold_output(&mut self) -> bool {
+        let position = self.position();
+        self.ack_hold.may_wait(self.wbuf.len(), position)
+    }
+
+    /// The disk moved on: what the gate held for it goes, in order.
+    pub fn on_disk(&mut self) -> Result<(), End> {
+        if self
+            .gate
+            .waiting_for()
+            .is_some_and(|batch| self.position().covers(batch))
+        {
+            // What closes the gate again holds the rest.
+            for held in self.gate.open() {
+                match held {
+                    Held::Ack(ack) => self.acknowledge(ack, None),
+                    Held::Router(notification) => self.on_router(notification)?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A packet from the client.
+    pub fn on_packet(&mut self, incoming: Incoming) -> Result<(), End> {
+        let header = (incoming.qos, incoming.pkid, incoming.dup);
+        match incoming.packet {
+            Packet::Publish(publish, properties) => self.on_publish(publish, properties, header),
+            Packet::PubRel(pubrel, properties) => {
+                if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
+                    self.inbound.completed(&pubcomp);
+                    self.queue(pubcomp);
+                } else if self.joined {
+                    self.route(Packet::PubRel(pubrel, properties));
+                } else {
+                    // Nothing of this connection is waiting for it.
+                    self.queue(inbound::unknown_pubrel(pubrel.pkid));
+                }
+                Ok(())
+            }
+            Packet::Subscribe(subscribe, properties) => {
+                self.on_subscribe(subscribe, properties);
+                Ok(())
+            }
+            Packet::Unsubscribe(unsubscribe, properties) => {
+                self.on_unsubscribe(unsubscribe, properties);
+                Ok(())
+            }
+            Packet::PingReq(_) => {
+                self.queue(Packet::PingResp(PingResp));
+                Ok(())
+            }
+            Packet::Disconnect(disconnect, properties) => {
+                // MQTT 5 3.14.2.2.2: DISCONNECT may change the Session
+                // Expiry Interval, but not from 0 to more.
+                if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval) {
+                    if self.session_expiry == 0 && expiry > 0 {
+                        return Err(End::Violation(
+                            DisconnectReasonCode::ProtocolError,
+                            "a session that ends with its connection cannot be given an expiry at DISCONNECT".into(),
+                        ));
+                    }
+                    self.session_expiry = expiry;
+                }
+                Err(End::Goodbye {
+                    will: disconnect.reason_code == DisconnectReasonCode::DisconnectWithWillMessage,
+                })
+            }
+            Packet::Connect(..) => Err(End::Violation(
+                DisconnectReasonCode::ProtocolError,
+                "second CONNECT".into(),
+            )),
+            Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
+                self.out
+                    .direct_acknowledged(ack.pkid, self.protocol, &mut self.wbuf);
+                Ok(())
+            }
+            Packet::PubAck(ack, properties) if self.joined => {
+                self.on_router_ack(ack.pkid, false, Packet::PubAck(ack, properties));
+                Ok(())
+            }
+            Packet::PubRec(rec, properties) if self.joined => {
+                self.on_router_ack(rec.pkid, true, Packet::PubRec(rec, properties));
+                Ok(())
+            }
+            Packet::PubComp(comp, properties) if self.joined => {
+                self.out
+                    .router_completed(comp.pkid, self.protocol, &mut self.wbuf);
+                self.route(Packet::PubComp(comp, properties));
+                Ok(())
+            }
+            // Without a link the router sent nothing: nothing to acknowledge.
+            Packet::PubAck(..) | Packet::PubRec(..) | Packet::PubComp(..) => Ok(()),
+            other => Err(End::Violation(
+                DisconnectReasonCode::ProtocolError,
+                format!("unexpected packet {other:?}"),
+            )),
+        }
+    }
+
+    fn on_publish(
+        &mut self,
+        mut publish: Publish,
+        mut properties: Option<PublishProperties>,
+        (qos, pkid, dup): (u8, u16, bool),
+    ) -> Result<(), End> {
+        // Resolve topic aliases here, so every check below sees the topic.
+        if let Some(alias) = properties.as_mut().and_then(|p| p.topic_alias.take()) {
+            self.inbound
+                .resolve_alias(&mut publish, alias)
+                .map_err(|(code, why)| End::Violation(code, why))?;
+        }
+        let topic = match std::str::from_utf8(&publish.topic) {
+            Ok(t) if !t.is_empty() && protocol::valid_topic(t) => t,
+            _ => {
+                return Err(End::Violation(
+                    DisconnectReasonCode::TopicNameInvalid,
+                    "invalid topic name".into(),
+                ));
+            }
+        };
+        crate::metrics::received(qos, publish.payload.len());
+        self.inbound
+            .arrived(qos, pkid)
+            .map_err(|(code, why)| End::Violation(code, why))?;
+        if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
+            return self.on_request(publish, properties, (qos, pkid, dup), dialect);
+        }
+        if topics::in_notify_namespace(topic) || crate::sys::is_sys_topic(topic) {
+            tracing::warn!(
+                client_id = self.client_id,
+                topic,
+                "publish refused: the notification namespace and $SYS are the broker's"
+            );
+            self.ack(qos, pkid, false);
+            return Ok(());
+        }
+        if let Some(policy) = self.shared.authorizer.current()
+            && !policy.may_publish(&self.principal, topic)
+        {
+            tracing::info!(
+                client_id = self.client_id,
+                topic,
+                "publish refused: the authorization policy denies it"
+            );
+            self.ack(qos, pkid, false);
+            return Ok(());
+        }
+        // The router saves what a restart must not lose of it (its PUBACK
+        // waits for the disk, see gate.rs); a retransmission it knows.
+        self.route(Packet::Publish(publish, properties));
+        if qos > 0 {
+            self.ack_order.routed();
+        }
+        Ok(())
+    }
+
+    /// Acknowledges a publish handled here (not by the router).
+    pub(super) fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
+        if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, accepted) {
+            self.inbound.completed(&ack);
+            if let Some(ack) = self.ack_order.local(ack) {
+                self.acknowledge(ack, None);
+            }
+        }
+    }
+
+    fn on_subscribe(&mut self, subscribe: Subscribe, properties: Option<SubscribeProperties>) {
+        let pkid = subscribe.pkid;
+        let policy = self.shared.authorizer.current();
+        let checked = subscriptions::check(
+            subscribe.filters,
+            &self.own_hex,
+            self.protocol,
+            &self.client_id,
+            policy.as_deref().map(|p| (p, &*self.principal)),
+        );
+        if checked.allowed.is_empty() {
+            let return_codes = checked.refused.into_iter().map(|(_, c)| c).collect();
+            self.queue(Packet::SubAck(SubAck { pkid, return_codes }, None));
+            return;
+        }
+        self.refused_filters.hold(pkid, checked.refused);
+        self.route(Packet::Subscribe(
+            Subscribe {
+                pkid,
+                filters: checked.allowed,
+            },
+            properties,
+        ));
+    }
+
+    fn on_unsubscribe(
+        &mut self,
+        unsubscribe: Unsubscribe,
+        properties: Option<UnsubscribeProperties>,
+    ) {
+        // The router answers (one reason per filter); without a link it
+        // holds no subscription of this connection.
+        if self.joined {
+            self.route(Packet::Unsubscribe(unsubscribe, properties));
+        } else {
+            let unsuback = subscriptions::unsuback_without_subscriptions(&unsubscribe);
+            self.acknowledge(unsuback, None);
+        }
+    }
+
+    /// The client acknowledged the router's delivery `pkid` with `ack`
+    /// (PUBACK, or PUBREC: `qos2`).
+    fn on_router_ack(&mut self, pkid: u16, qos2: bool, ack: Packet) {
+        self.route(ack);
+        self.out.router_acknowledged(
+            pkid,
+            qos2,
+            &mut self.to_router,
+            self.protocol,
+            &mut self.wbuf,
+        );
+    }
+
+    /// What the broker tells this connection.
+    pub fn on_broker(&mut self, message: ToConnection) -> Result<(), End> {
+        match message {
+            ToConnection::Deliver(direct) => {
+                self.out.deliver(*direct, self.protocol, &mut self.wbuf);
+                Ok(())
+            }
+            ToConnection::TakenOver => Err(End::TakenOver),
+            ToConnection::Overflow => Err(End::Overflow),
+            ToConnection::Disconnect(code) => Err(End::Fault(code)),
+        }
+    }
+
+    /// A notification from the router.
+    pub fn on_router(&mut self, notification: Notification) -> Result<(), End> {
+        let Some(notification) = self.gate.defer(notification) else {
+            return Ok(());
+        };
+        match notification {
+            Notification::Forward(forward) => {
+                let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
+                // Another client's notification, reached through a wildcard.
+                let withheld = !topics::may_receive(topic, &self.own_hex);
+                self.out.forward(
+                    Packet::Publish(forward.publish, forward.properties),
+                    withheld,
+                    self.protocol,
+                    &mut self.wbuf,
+                    &mut self.to_router,
+                );
+            }
+            Notification::Unschedule => self.unscheduled = true,
+            Notification::DurableAck(receipt, ack) => {
+                self.on_router_answer(ack.into(), Some(receipt.into()))?;
+            }
+            other => {
+                if let Some(packet) = Option::<Packet>::from(other) {
+                    self.on_router_answer(packet, None)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A packet the router answers the client with: an acknowledgement
+    /// (held while `batch` is not on disk, see gate.rs), or its DISCONNECT.
+    fn on_router_answer(&mut self, packet: Packet, batch: Option<Batch>) -> Result<(), End> {
+        match packet {
+            Packet::SubAck(mut suback, properties) => {
+                self.refused_filters.complete(&mut suback);
+                self.acknowledge(Packet::SubAck(suback, properties), batch);
+            }
+            // Answered here already.
+            Packet::PingResp(_) | Packet::ConnAck(..) => {}
+            Packet::Disconnect(disconnect, properties) => {
+                let reason = properties.and_then(|p| p.reason_string).unwrap_or_default();
+                return Err(End::Violation(
+                    disconnect.reason_code,
+                    format!("router: {reason}"),
+                ));
+            }
+            // The router's acknowledgement of a publish: then those made
+            // here that waited for it.
+            ack @ (Packet::PubAck(..) | Packet::PubRec(..)) => {
+                self.inbound.completed(&ack);
+                self.acknowledge(ack, batch);
+                for held in self.ack_order.router_acknowledged() {
+                    self.acknowledge(held, None);
+                }
+            }
+            packet => {
+                self.inbound.completed(&packet);
+                self.acknowledge(packet, batch);
+            }
+        }
+        Ok(())
+    }
+
+    /// The connection ended with `end`: the DISCONNECT that tells an MQTT 5
+    /// client why (where the broker ended it) goes to the client, and the
+    /// one that ends the connection's part of the session (with its
+    /// possibly updated expiry) to the router, which keeps the session as
+    /// long as that says.
+    pub fn end(&mut self, end: &End) {
+        let (reason, text) = end.reason();
+        tracing::info!(
+            client_id = self.client_id,
+            connection = self.id,
+            reason = text,
+            discarded_too_large = self.out.discarded(),
+            "client disconnected"
+        );
+        if let Some(reason_code) = reason
+            && self.protocol == Protocol::V5
+        {
+            self.queue(Packet::Disconnect(
+                Disconnect { reason_code },
+                Some(DisconnectProperties {
+                    session_expiry_interval: None,
+                    reason_string: Some(text),
+                    user_properties: Vec::new(),
+                    server_reference: None,
+                }),
+            ));
+        }
+        if self.joined && !matches!(end, End::RouterClosed) {
+            self.to_router.push(Packet::Disconnect(
+                Disconnect {
+                    reason_code: DisconnectReasonCode::NormalDisconnection,
+                },
+                Some(DisconnectProperties {
+                    session_expiry_interval: Some(self.session_expiry),
+                    reason_string: None,
+                    user_properties: Vec::new(),
+                    server_reference: None,
+                }),
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
