@@ -85,7 +85,7 @@ pub(crate) async fn start(
 
 async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
     if let Some(shared) = served.broker.get() {
-        crate::metrics::set_gauges(&crate::stats::sample(shared));
+        crate::stats::set_gauges(&crate::stats::sample(shared));
     }
     (
         [(

@@ -43,32 +43,32 @@
 
 #![warn(missing_docs)]
 
-pub mod activity;
-pub mod authentication;
-pub mod authorization;
-pub mod clock;
+pub(crate) mod activity;
+pub(crate) mod authentication;
+pub(crate) mod authorization;
+pub(crate) mod clock;
 pub mod codec;
 pub mod config;
 mod connection;
-pub mod durable;
+pub(crate) mod durable;
 pub mod fault_control;
 pub mod faults;
-pub mod http;
+pub(crate) mod http;
 mod listener;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod passwords;
-pub mod persistence;
-pub mod publisher;
-pub mod sessions;
+pub(crate) mod persistence;
+pub(crate) mod publisher;
+pub(crate) mod sessions;
 mod shared;
-pub mod stats;
-pub mod store;
+pub(crate) mod stats;
+pub(crate) mod store;
 pub mod sys;
-pub mod tls;
-pub mod topics;
+pub(crate) mod tls;
+pub(crate) mod topics;
 mod web;
 pub mod websocket;
-pub mod will;
+pub(crate) mod will;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -275,10 +275,10 @@ impl RunningBroker {
     pub async fn shutdown(self, grace: Duration) {
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
-        let deadline = tokio::time::Instant::now() + grace;
-        while self.connection_count() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        // Every connection holds a permit until it has ended: all of them
+        // back means every connection is gone.
+        let all = u32::try_from(self.shared.settings.router.max_connections).unwrap_or(u32::MAX);
+        let _ = tokio::time::timeout(grace, self.shared.permits.acquire_many(all)).await;
         let store = Arc::clone(&self.shared.store);
         let _ = tokio::task::spawn_blocking(move || store.close()).await;
     }

@@ -275,25 +275,6 @@ pub fn totals() -> Totals {
     }
 }
 
-/// Values sampled from the broker's state, set as gauges just before
-/// `/metrics` is rendered (see [`crate::stats`]).
-pub fn set_gauges(now: &crate::stats::Snapshot) {
-    gauge!(SESSIONS).set(now.census.clients as f64);
-    gauge!(SUBSCRIPTIONS).set(now.census.subscriptions as f64);
-    gauge!(RETAINED).set(now.retained as f64);
-    gauge!(QUEUED_DELIVERIES).set(now.census.queued_messages as f64);
-    gauge!(QUEUED_DELIVERY_BYTES).set(now.census.queued_bytes as f64);
-    gauge!(QUEUED_WAITING).set(now.queued_waiting as f64);
-    gauge!(STORE_KEYS).set(now.keys as f64);
-    gauge!(STORE_BYTES).set(now.key_bytes as f64);
-    gauge!(STORE_WATCHES).set(now.watches as f64);
-    gauge!(STORE_ANSWERS_WAITING).set(now.answers_waiting as f64);
-    gauge!(UPTIME).set(now.uptime.as_secs_f64());
-    // Counted in atomics on the hot path, handed over here.
-    counter!(BYTES_SENT).absolute(now.totals.bytes_sent);
-    counter!(STORE_EXPIRED).absolute(now.totals.keys_expired);
-}
-
 /// A client connected.
 pub fn connection_opened() {
     ACCEPTED_N.fetch_add(1, Relaxed);

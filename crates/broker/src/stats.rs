@@ -1,5 +1,5 @@
 //! The broker's state in numbers, sampled on demand: the gauges of
-//! `/metrics` ([`crate::metrics::set_gauges`]) and the `$SYS` topics
+//! `/metrics` ([`set_gauges`]) and the `$SYS` topics
 //! ([`crate::sys`]) read the same [`Snapshot`].
 //!
 //! Sampling walks the session mirror once (a read lock) and reads a few
@@ -7,7 +7,13 @@
 
 use std::time::Duration;
 
-use crate::metrics::Totals;
+use metrics::{counter, gauge};
+
+use crate::metrics::{
+    BYTES_SENT, QUEUED_DELIVERIES, QUEUED_DELIVERY_BYTES, QUEUED_WAITING, RETAINED, SESSIONS,
+    STORE_ANSWERS_WAITING, STORE_BYTES, STORE_EXPIRED, STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS,
+    Totals, UPTIME,
+};
 use crate::sessions::Census;
 use crate::shared::Shared;
 
@@ -50,4 +56,23 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
         answers_waiting: shared.store.answers_waiting(),
         totals: crate::metrics::totals(),
     }
+}
+
+/// Values sampled from the broker's state, set as gauges just before
+/// `/metrics` is rendered.
+pub fn set_gauges(now: &Snapshot) {
+    gauge!(SESSIONS).set(now.census.clients as f64);
+    gauge!(SUBSCRIPTIONS).set(now.census.subscriptions as f64);
+    gauge!(RETAINED).set(now.retained as f64);
+    gauge!(QUEUED_DELIVERIES).set(now.census.queued_messages as f64);
+    gauge!(QUEUED_DELIVERY_BYTES).set(now.census.queued_bytes as f64);
+    gauge!(QUEUED_WAITING).set(now.queued_waiting as f64);
+    gauge!(STORE_KEYS).set(now.keys as f64);
+    gauge!(STORE_BYTES).set(now.key_bytes as f64);
+    gauge!(STORE_WATCHES).set(now.watches as f64);
+    gauge!(STORE_ANSWERS_WAITING).set(now.answers_waiting as f64);
+    gauge!(UPTIME).set(now.uptime.as_secs_f64());
+    // Counted in atomics on the hot path, handed over here.
+    counter!(BYTES_SENT).absolute(now.totals.bytes_sent);
+    counter!(STORE_EXPIRED).absolute(now.totals.keys_expired);
 }

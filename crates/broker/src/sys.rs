@@ -30,13 +30,7 @@ use std::time::Duration;
 use crate::shared::Shared;
 use crate::stats::Snapshot;
 
-/// Where `$SYS` topics start.
-pub const PREFIX: &str = "$SYS/";
-
-/// Whether `topic` is one of the broker's `$SYS` topics.
-pub fn is_sys_topic(topic: &str) -> bool {
-    topic.starts_with(PREFIX)
-}
+use crate::topics::SYS_PREFIX;
 
 /// The messages for `now`.
 pub fn messages(now: &Snapshot) -> Vec<(String, String)> {
@@ -66,7 +60,7 @@ pub fn messages(now: &Snapshot) -> Vec<(String, String)> {
         ("store/expired", t.keys_expired.to_string()),
     ]
     .into_iter()
-    .map(|(name, value)| (format!("{PREFIX}broker/{name}"), value))
+    .map(|(name, value)| (format!("{SYS_PREFIX}broker/{name}"), value))
     .collect()
 }
 
@@ -88,6 +82,7 @@ pub(crate) async fn publish_every(shared: Arc<Shared>, interval: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::topics::is_sys_topic;
 
     #[test]
     fn names_and_values() {

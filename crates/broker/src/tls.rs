@@ -51,11 +51,6 @@ impl Tls {
     pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(Arc::clone(&self.config.read()))
     }
-
-    /// Whether clients must present a certificate.
-    pub fn requires_client_certificates(&self) -> bool {
-        self.files.ca.is_some()
-    }
 }
 
 fn server_config(files: &TlsFiles) -> Result<ServerConfig, String> {

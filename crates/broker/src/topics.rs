@@ -20,20 +20,23 @@ pub const LEGACY_REQUEST_TOPIC: &str = "$services/statestore/_any_/command/invok
 /// The notification namespace (without the trailing `/`).
 pub const NOTIFY_NAMESPACE: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8";
 
-/// The topic on which `client_id` hears about `key`.
-///
-/// ```
-/// assert_eq!(
-///     broker::topics::notification_topic("c1", b"k\x00"),
-///     "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/6331/command/notify/6B00",
-/// );
-/// ```
+/// The topic on which `client_id` hears about `key`: the namespace, then
+/// both in upper-case hex (`c1` and `k\0`: `.../6331/command/notify/6B00`).
 pub fn notification_topic(client_id: &str, key: &[u8]) -> String {
     format!(
         "{NOTIFY_NAMESPACE}/{}/command/notify/{}",
         hex::encode_upper(client_id),
         hex::encode_upper(key)
     )
+}
+
+/// Where the broker's `$SYS` topics start.
+pub const SYS_PREFIX: &str = "$SYS/";
+
+/// Whether `topic` is one of the broker's `$SYS` topics (see
+/// [`crate::sys`]).
+pub fn is_sys_topic(topic: &str) -> bool {
+    topic.starts_with(SYS_PREFIX)
 }
 
 /// Whether a request may not use `topic` as its Response Topic.
@@ -115,6 +118,14 @@ mod tests {
         assert!(may_subscribe("#", OWN));
         assert!(may_subscribe("clients/+/v1/#", OWN));
         assert!(may_subscribe("sensors/temp", OWN));
+    }
+
+    #[test]
+    fn notification_topics_name_client_and_key_in_hex() {
+        assert_eq!(
+            notification_topic("c1", b"k\x00"),
+            "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/6331/command/notify/6B00",
+        );
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode
         Some(SubscribeReasonCode::TopicFilterInvalid)
     } else if filter.starts_with('$')
         && !filter.starts_with("$share/")
-        && !crate::sys::is_sys_topic(filter)
+        && !crate::topics::is_sys_topic(filter)
         || !topics::may_subscribe(filter, own_hex)
     {
         Some(SubscribeReasonCode::NotAuthorized)

@@ -106,11 +106,6 @@ impl Durable {
         })
     }
 
-    /// Saved messages `client`'s session still waits for.
-    pub fn waiting(&self, client: &str) -> usize {
-        self.queue.waiting(client)
-    }
-
     /// Saved messages all persistent sessions still wait for.
     pub fn waiting_total(&self) -> usize {
         self.queue.total()
@@ -312,7 +307,7 @@ impl Journal for Durable {
     }
 
     fn retained(&self, topic: &str, message: Option<&Message>) -> Option<Receipt> {
-        if crate::sys::is_sys_topic(topic) {
+        if crate::topics::is_sys_topic(topic) {
             return None;
         }
         let value = match message {

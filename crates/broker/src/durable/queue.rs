@@ -90,6 +90,7 @@ impl Queue {
     }
 
     /// Messages `client` waits for.
+    #[cfg(test)]
     pub fn waiting(&self, client: &str) -> usize {
         self.waiting.lock().get(client).map_or(0, BTreeSet::len)
     }

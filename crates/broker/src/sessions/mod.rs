@@ -31,8 +31,8 @@ use parking_lot::RwLock;
 use router::Subscriptions;
 use router::protocol;
 
-pub use acknowledged::{Acknowledged, SharedAcknowledged, Wait};
-pub use census::{Census, ClientView, ConnectionView, Peer};
+pub use acknowledged::{SharedAcknowledged, Wait};
+pub use census::{Census, Peer};
 pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
 
 struct Live {

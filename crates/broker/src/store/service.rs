@@ -46,10 +46,10 @@ pub struct StateStoreService {
     /// Locked only with `store` locked, so always in that order.
     pending: Mutex<Pending>,
     publisher: Arc<Publisher>,
-    /// Wakes the expiry task when an earlier expiry appears.
-    expiry_changed: Notify,
-    /// The expiry time the expiry task sleeps until (u64::MAX: none).
-    expiry_armed: AtomicU64,
+    /// The expiry task's alarm, shared with the task (which holds no
+    /// reference to the service while it sleeps, and ends when the service
+    /// is dropped: see [`Alarm`]).
+    expiry: Arc<Alarm>,
     persistence: Option<Arc<Persistence>>,
     /// The live list of requests and notifications (web view).
     activity: Arc<Activity>,
@@ -132,15 +132,21 @@ impl StateStoreService {
             store: Mutex::new(store),
             pending: Mutex::new(Pending::new(mark)),
             publisher,
-            expiry_changed: Notify::new(),
-            expiry_armed: AtomicU64::new(u64::MAX),
+            expiry: Arc::new(Alarm {
+                changed: Notify::new(),
+                armed: AtomicU64::new(u64::MAX),
+                dropped: tokio::sync::watch::Sender::new(()),
+            }),
             persistence,
             activity,
             clock_offset_ms: AtomicI64::new(0),
             waiting: Mutex::new(Waiters::default()),
             published: tokio::sync::watch::Sender::new(Position::default()),
         });
-        tokio::spawn(expiry_task(Arc::downgrade(&service)));
+        tokio::spawn(expiry_task(
+            Arc::downgrade(&service),
+            Arc::clone(&service.expiry),
+        ));
         if let Some(persistence) = &service.persistence {
             tokio::spawn(durable_task(
                 Arc::downgrade(&service),
@@ -423,7 +429,7 @@ impl StateStoreService {
     pub fn set_clock_offset(&self, offset_ms: i64) {
         self.clock_offset_ms.store(offset_ms, Ordering::Relaxed);
         // Expiries are due by the new clock.
-        self.expiry_changed.notify_one();
+        self.expiry.changed.notify_one();
     }
 
     /// The store's clock offset, milliseconds.
@@ -454,8 +460,8 @@ impl StateStoreService {
 
     fn rearm_expiry(&self, next: Option<u64>) {
         let next = next.unwrap_or(u64::MAX);
-        if next < self.expiry_armed.load(Ordering::Relaxed) {
-            self.expiry_changed.notify_one();
+        if next < self.expiry.armed.load(Ordering::Relaxed) {
+            self.expiry.changed.notify_one();
         }
     }
 
@@ -503,23 +509,51 @@ async fn durable_task(
     }
 }
 
+/// What the expiry task sleeps on: woken early when an earlier expiry
+/// appears, and for good when the service is dropped.
+struct Alarm {
+    changed: Notify,
+    /// The expiry time the task sleeps until (u64::MAX: none).
+    armed: AtomicU64,
+    /// Closed when the service (its only sender) is dropped.
+    dropped: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for StateStoreService {
+    fn drop(&mut self) {
+        // The expiry task ends (the alarm outlives the service: the task
+        // holds it).
+        self.expiry.dropped.send_replace(());
+    }
+}
+
 /// Sleeps until the next expiry, expires, repeats; woken early by
-/// [`StateStoreService::rearm_expiry`].
-async fn expiry_task(service: std::sync::Weak<StateStoreService>) {
-    let mut next = None;
+/// [`StateStoreService::rearm_expiry`]. It holds the service only while it
+/// expires keys, and ends when the service is dropped.
+async fn expiry_task(service: std::sync::Weak<StateStoreService>, alarm: Arc<Alarm>) {
+    let mut dropped = alarm.dropped.subscribe();
+    let mut next: Option<u64> = None;
     loop {
-        let Some(svc) = service.upgrade() else { return };
-        svc.expiry_armed
+        alarm
+            .armed
             .store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
-        // Sleep at most a second at a time, so a stopped broker's service is
-        // dropped promptly.
-        let wait = next.map_or(Duration::from_secs(1), |at: u64| {
-            Duration::from_millis(at.saturating_sub(svc.now())).min(Duration::from_secs(1))
-        });
+        let until = match (next, service.upgrade()) {
+            (_, None) => return,
+            (None, Some(_)) => None,
+            (Some(at), Some(svc)) => Some(Duration::from_millis(at.saturating_sub(svc.now()))),
+        };
+        let sleep = async {
+            match until {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            () = svc.expiry_changed.notified() => {}
-            () = tokio::time::sleep(wait) => {}
+            () = alarm.changed.notified() => {}
+            () = sleep => {}
+            _ = dropped.changed() => return,
         }
+        let Some(svc) = service.upgrade() else { return };
         next = svc.expire_now();
     }
 }

@@ -340,7 +340,7 @@ impl Machine {
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
             return self.on_request(publish, properties, (qos, pkid, dup), dialect);
         }
-        if topics::in_notify_namespace(topic) || crate::sys::is_sys_topic(topic) {
+        if topics::in_notify_namespace(topic) || crate::topics::is_sys_topic(topic) {
             tracing::warn!(
                 client_id = self.client_id,
                 topic,

@@ -1,5 +1,3 @@
-use crate::router::Ack;
-
 use super::*;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::{

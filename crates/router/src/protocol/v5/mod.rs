@@ -1,7 +1,5 @@
 use std::slice::Iter;
 
-use crate::router::Ack;
-
 use super::*;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
