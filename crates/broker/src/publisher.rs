@@ -88,24 +88,16 @@ impl Publisher {
     /// of the message's topic, through the router otherwise (and when the
     /// client's connection cannot take it).
     pub fn publish_for(&self, client: &str, message: Direct) {
-        let direct = std::str::from_utf8(&message.topic)
-            .is_ok_and(|topic| self.sessions.only_subscriber(client, topic));
-        let message = if direct {
-            match self.sessions.deliver(client, message) {
-                Ok(()) => return,
-                Err(Undelivered::NoRecipient(message)) => *message,
-                Err(Undelivered::Overflow) => {
-                    tracing::debug!(
-                        client_id = client,
-                        "answer dropped: the client's queue is full"
-                    );
-                    return;
-                }
+        match self.sessions.deliver_to_only_subscriber(client, message) {
+            Ok(()) => {}
+            Err(Undelivered::NoRecipient(message)) => self.route(vec![*message]),
+            Err(Undelivered::Overflow) => {
+                tracing::debug!(
+                    client_id = client,
+                    "answer dropped: the client's queue is full"
+                );
             }
-        } else {
-            message
-        };
-        self.route(vec![message]);
+        }
     }
 
     /// Publishes through the router, as the broker, at QoS 1 (QoS 0 stays 0).

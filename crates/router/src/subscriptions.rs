@@ -181,23 +181,42 @@ pub struct Counts {
     pub subscriptions: usize,
 }
 
-impl Subscriptions {
+impl Index {
     /// Whether `client` is the only one whose subscriptions could match
     /// `topic` (a shared subscription, its own included, may deliver to
     /// others).
-    pub fn only_subscriber(&self, client: &str, topic: &str) -> bool {
-        let index = self.index.read();
-        if let Some(set) = index.exact.get(topic)
+    fn only_subscriber(&self, client: &str, topic: &str) -> bool {
+        if let Some(set) = self.exact.get(topic)
             && set.iter().any(|c| &**c != client)
         {
             return false;
         }
-        !index.wild.candidates(topic).into_iter().any(|(filter, c)| {
+        !self.wild.candidates(topic).into_iter().any(|(filter, c)| {
             if &**c == client && !filter.starts_with("$share/") {
                 return false;
             }
             protocol::matches(topic, bare(filter))
         })
+    }
+}
+
+impl Subscriptions {
+    /// Whether `client` is the only one whose subscriptions could match
+    /// `topic` (a shared subscription, its own included, may deliver to
+    /// others).
+    pub fn only_subscriber(&self, client: &str, topic: &str) -> bool {
+        self.index.read().only_subscriber(client, topic)
+    }
+
+    /// What `client`'s subscriptions grant a message on `topic` (see
+    /// [`granted`]) when `client` is its only subscriber: one look at the
+    /// index for the question every state store answer asks.
+    pub fn sole_grant(&self, client: &str, topic: &str) -> Option<(u8, Vec<usize>)> {
+        let index = self.index.read();
+        if !index.only_subscriber(client, topic) {
+            return None;
+        }
+        granted(&index.clients.get(client)?.filters, topic, true)
     }
 
     /// What `client`'s subscriptions grant a message on `topic` (see
@@ -405,6 +424,10 @@ mod tests {
         s.unsubscribe("a", "$share/g/clients/a/response");
         assert!(s.only_subscriber("a", "clients/a/response"));
         assert!(s.only_subscriber("x", "nobody/listens"), "vacuously");
+        assert_eq!(s.sole_grant("a", "clients/a/response"), Some((1, vec![])));
+        assert_eq!(s.sole_grant("x", "nobody/listens"), None, "no grant");
+        s.subscribe("b", "clients/+/response", sub(0));
+        assert_eq!(s.sole_grant("a", "clients/a/response"), None, "b too");
     }
 
     #[test]

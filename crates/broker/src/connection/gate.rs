@@ -21,7 +21,7 @@
 use router::Notification;
 use router::protocol::Packet;
 
-use crate::persistence::{Batch, Position};
+use crate::persistence::Batch;
 
 /// Acknowledgements a connection may hold for the disk before it stops
 /// reading.
@@ -45,19 +45,11 @@ pub(crate) enum Held {
 }
 
 impl Gate {
-    /// Queues `ack` for the client with `out` unless it must wait: its own
-    /// `batch` is not done at `position` yet, or an earlier acknowledgement
-    /// waits.
-    pub fn send(
-        &mut self,
-        ack: Packet,
-        batch: Option<Batch>,
-        position: Position,
-        out: impl FnOnce(Packet),
-    ) {
-        if !position.covers_all(batch) {
-            self.waiting_for = self.waiting_for.max(batch);
-        }
+    /// Queues `ack` for the client with `out` unless it must wait: for its
+    /// own batch `not_done` (one the disk does not have yet), or behind an
+    /// earlier acknowledgement that waits.
+    pub fn send(&mut self, ack: Packet, not_done: Option<Batch>, out: impl FnOnce(Packet)) {
+        self.waiting_for = self.waiting_for.max(not_done);
         if self.waiting_for.is_some() {
             self.holds_suback |= matches!(ack, Packet::SubAck(..));
             self.held.push(Held::Ack(ack));
@@ -110,21 +102,16 @@ mod tests {
         )
     }
 
-    fn at(n: u64) -> Position {
-        Position::after(Batch::new(n))
-    }
-
     #[test]
     fn holds_until_its_batch_is_done_and_keeps_the_order() {
         let mut gate = Gate::default();
         let mut sent = Vec::new();
-        gate.send(ack(1), None, at(0), |p| sent.push(p));
-        gate.send(ack(2), Batch::new(3), at(3), |p| sent.push(p));
-        assert_eq!(sent.len(), 2, "nothing to wait for, or done already");
+        gate.send(ack(1), None, |p| sent.push(p));
+        assert_eq!(sent.len(), 1, "nothing to wait for");
         assert_eq!(gate.waiting_for(), None);
-        gate.send(ack(3), Batch::new(5), at(4), |p| sent.push(p));
-        gate.send(Packet::PingResp(PingResp), None, at(4), |p| sent.push(p));
-        assert_eq!(sent.len(), 2, "held, and what follows it too");
+        gate.send(ack(3), Batch::new(5), |p| sent.push(p));
+        gate.send(Packet::PingResp(PingResp), None, |p| sent.push(p));
+        assert_eq!(sent.len(), 1, "held, and what follows it too");
         assert_eq!(gate.waiting_for(), Batch::new(5));
         assert!(
             gate.defer(Notification::Unschedule).is_some(),
@@ -151,7 +138,7 @@ mod tests {
             },
             None,
         );
-        gate.send(suback, Batch::new(2), at(1), |_| panic!("held"));
+        gate.send(suback, Batch::new(2), |_| panic!("held"));
         assert!(gate.defer(Notification::Unschedule).is_none(), "behind it");
         let released = gate.open();
         assert!(matches!(
@@ -169,7 +156,7 @@ mod tests {
         let mut gate = Gate::default();
         for pkid in 1..=MAX_HELD as u16 {
             assert!(!gate.is_full());
-            gate.send(ack(pkid), Batch::new(9), at(0), |_| panic!("held"));
+            gate.send(ack(pkid), Batch::new(9), |_| panic!("held"));
         }
         assert!(gate.is_full());
         gate.open();

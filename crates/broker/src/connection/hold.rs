@@ -50,6 +50,17 @@ impl Awaited {
         self.batches.extend(batch);
     }
 
+    /// Whether no answer waits.
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    /// Whether [`Awaited::full`] may find it full (cheap, without the
+    /// disk's position).
+    pub fn may_be_full(&self) -> bool {
+        self.batches.len() >= MAX_AWAITED
+    }
+
     /// When [`MAX_AWAITED`] answers are still to come: the batch to wait
     /// for before reading again (the oldest one).
     pub fn full(&self, answered: Position) -> Option<Batch> {

@@ -10,12 +10,37 @@ impl Sessions {
     /// the subscription's. Returns `Err` with the message when it could not
     /// be delivered, or that it was dropped because the client's queue is
     /// full.
-    pub fn deliver(&self, client: &str, mut message: Direct) -> Result<(), Undelivered> {
+    pub fn deliver(&self, client: &str, message: Direct) -> Result<(), Undelivered> {
+        let grant = std::str::from_utf8(&message.topic)
+            .ok()
+            .and_then(|topic| self.subscriptions.granted(client, topic));
+        self.deliver_granted(client, message, grant)
+    }
+
+    /// Delivers to `client` if it is the only subscriber of the message's
+    /// topic (and connected, and its queue has room); otherwise gives it
+    /// back (see [`Sessions::deliver`]).
+    pub fn deliver_to_only_subscriber(
+        &self,
+        client: &str,
+        message: Direct,
+    ) -> Result<(), Undelivered> {
+        let grant = std::str::from_utf8(&message.topic)
+            .ok()
+            .and_then(|topic| self.subscriptions.sole_grant(client, topic));
+        self.deliver_granted(client, message, grant)
+    }
+
+    /// Delivers to `client`'s connection at what its subscriptions
+    /// `grant` (none: no recipient).
+    fn deliver_granted(
+        &self,
+        client: &str,
+        mut message: Direct,
+        grant: Option<(u8, Vec<usize>)>,
+    ) -> Result<(), Undelivered> {
         let no_recipient = |message| Err(Undelivered::NoRecipient(Box::new(message)));
-        let Ok(topic) = std::str::from_utf8(&message.topic) else {
-            return no_recipient(message);
-        };
-        let Some((granted, ids)) = self.subscriptions.granted(client, topic) else {
+        let Some((granted, ids)) = grant else {
             return no_recipient(message);
         };
         let clients = self.clients.read();
@@ -40,12 +65,6 @@ impl Sessions {
             }
             _ => Ok(()),
         }
-    }
-
-    /// Whether `client` is the only one whose subscriptions could match
-    /// `topic`.
-    pub fn only_subscriber(&self, client: &str, topic: &str) -> bool {
-        self.subscriptions.only_subscriber(client, topic)
     }
 }
 
@@ -136,11 +155,15 @@ mod tests {
             (0, vec![7]),
             "QoS capped by the subscription, with its identifier"
         );
-        assert!(s.only_subscriber("a", "resp/a"));
+        assert!(s.deliver_to_only_subscriber("a", msg()).is_ok());
         let _spy = subscribe(&router, "spy", "#", 0, None).await;
         assert!(
-            !s.only_subscriber("a", "resp/a"),
+            s.deliver_to_only_subscriber("a", msg()).is_err(),
             "the router knows the spy"
+        );
+        assert!(
+            s.deliver("a", msg()).is_ok(),
+            "delivered to it all the same"
         );
         s.disconnected("a", 1, 0);
         assert!(s.deliver("a", msg()).is_err(), "not connected");

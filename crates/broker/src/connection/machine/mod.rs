@@ -180,9 +180,11 @@ impl Machine {
     /// Queues an acknowledgement for the client, behind those that wait
     /// for the disk (`batch`: what this one waits for itself).
     fn acknowledge(&mut self, ack: Packet, batch: Option<Batch>) {
-        let position = self.position();
+        // (The disk's position is read only when there is a batch: it is a
+        // lock, on every request's path otherwise.)
+        let not_done = batch.filter(|&batch| !self.position().covers(batch));
         let (protocol, wbuf) = (self.protocol, &mut self.wbuf);
-        self.gate.send(ack, batch, position, |ack| {
+        self.gate.send(ack, not_done, |ack| {
             if let Err(e) = protocol.write(ack, wbuf) {
                 tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
             }
@@ -192,17 +194,25 @@ impl Machine {
     /// Whether reading stops until the disk catches up: while too many
     /// acknowledgements or answers wait for it.
     pub fn reading_paused(&self) -> bool {
-        self.gate.is_full() || self.awaited.full(self.position()).is_some()
+        self.gate.is_full() || self.awaited_full().is_some()
+    }
+
+    /// When too many answers wait for the disk, the batch to wait for.
+    fn awaited_full(&self) -> Option<Batch> {
+        if self.awaited.may_be_full() {
+            self.awaited.full(self.position())
+        } else {
+            None
+        }
     }
 
     /// The earliest batch something here waits for: acknowledgements held
     /// for the disk or for their answers, and reading stopped at the bound.
     pub fn waiting_for(&self) -> Option<Batch> {
-        let position = self.position();
         [
             self.gate.waiting_for(),
             self.ack_hold.waiting_for(),
-            self.awaited.full(position),
+            self.awaited_full(),
         ]
         .into_iter()
         .flatten()
@@ -213,6 +223,9 @@ impl Machine {
     /// it holds only acknowledgements that will leave with their answers
     /// (see `hold.rs`).
     pub fn may_hold_output(&mut self) -> bool {
+        if self.ack_hold.waiting_for().is_none() {
+            return false;
+        }
         let position = self.position();
         self.ack_hold.may_wait(self.wbuf.len(), position)
     }

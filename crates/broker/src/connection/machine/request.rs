@@ -101,8 +101,10 @@ impl Machine {
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
                             .acknowledged(before_ack, self.wbuf.len(), wait);
-                        let position = self.position();
-                        self.awaited.push(wait, position);
+                        if wait.is_some() || !self.awaited.is_empty() {
+                            let position = self.position();
+                            self.awaited.push(wait, position);
+                        }
                     }
                     Some(delay) => {
                         self.inbound.ran(qos, pkid, correlation, None, kept);
