@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use broker::config::{Mode, PersistenceSettings};
-use broker::{Broker, Settings};
+use broker::{Broker, RunningBroker, Settings};
 use clap::Parser;
 
 mod logging;
@@ -240,13 +240,9 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut settings = settings;
     let signal = loop {
         match signals.next().await {
-            Signal::Reload => {
-                running.reload();
-                reload(&cli, &mut settings, &logging);
-            }
+            Signal::Reload => reload(&cli, &running, &logging),
             Signal::Stop(name) => break name,
         }
     };
@@ -256,34 +252,38 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// SIGHUP: re-reads the configuration; a file with an error changes
+/// SIGHUP: re-reads the configuration and applies what a running broker
+/// can (the log level here, the password file, the policy and the TLS
+/// certificates in the broker: see `broker::reload`); every setting it
+/// cannot apply is named in an ERROR line. A file with an error changes
 /// nothing.
-fn reload(cli: &Cli, running: &mut Settings, logging: &Logging) {
+fn reload(cli: &Cli, running: &RunningBroker, logging: &Logging) {
     let new = match load(cli) {
         Ok(new) => new,
         Err(e) => {
-            tracing::warn!("SIGHUP: configuration not reloaded, the running one stays: {e}");
+            tracing::error!("SIGHUP: configuration not reloaded, the running one stays: {e}");
             return;
         }
     };
     let level = match logging.set_level(&new.log.level) {
         Ok(what) => what,
         Err(e) => {
-            tracing::warn!("SIGHUP: configuration not reloaded, the running one stays: {e}");
+            tracing::error!("SIGHUP: configuration not reloaded, the running one stays: {e}");
             return;
         }
     };
-    let restart = running.needs_restart(&new);
-    if restart.is_empty() {
+    let done = running.reload_with(&new);
+    let refused = done.refused.len();
+    if done.is_complete() {
         tracing::info!(level, "SIGHUP: configuration reloaded");
     } else {
         tracing::warn!(
             level,
-            needs_restart = restart.join(", "),
-            "SIGHUP: configuration reloaded; these changes take effect only after a restart"
+            refused,
+            needs_restart = done.needs_restart.join(", "),
+            "SIGHUP: configuration reloaded in part; what was not applied is named above"
         );
     }
-    running.log = new.log;
 }
 
 enum Signal {

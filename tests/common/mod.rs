@@ -26,12 +26,29 @@ pub struct BrokerProcess {
 /// Starts the `statebroker` binary on a free loopback port with its data in
 /// `data_dir` (its address read from its log).
 pub async fn spawn_broker(data_dir: &std::path::Path, extra: &[&str]) -> BrokerProcess {
-    use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"))
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"));
+    command
         .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
         .arg("--data-dir")
         .arg(data_dir)
-        .args(extra)
+        .args(extra);
+    let (child, addr, log) = spawn_command(command).await;
+    BrokerProcess { child, addr, log }
+}
+
+/// Runs `command` (the `statebroker` binary with its arguments) and reads
+/// the address of its first listener from its log; its log lines keep
+/// coming into the returned list.
+#[allow(dead_code)] // not every test binary uses every helper
+pub async fn spawn_command(
+    mut command: tokio::process::Command,
+) -> (
+    tokio::process::Child,
+    SocketAddr,
+    Arc<parking_lot::Mutex<Vec<String>>>,
+) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = command
         .env_remove("RUST_LOG")
         .stderr(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
@@ -59,7 +76,7 @@ pub async fn spawn_broker(data_dir: &std::path::Path, extra: &[&str]) -> BrokerP
             sink.lock().push(line);
         }
     });
-    BrokerProcess { child, addr, log }
+    (child, addr, log)
 }
 
 /// Waits for `cond` to hold, polling.

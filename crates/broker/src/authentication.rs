@@ -58,42 +58,51 @@ pub struct Presented<'a> {
 /// The password file in use, and the throttle of failed attempts.
 #[derive(Default)]
 pub struct Authenticator {
-    path: Option<PathBuf>,
-    passwords: RwLock<Option<Arc<Passwords>>>,
+    /// The file and what it holds, changed together.
+    file: RwLock<PasswordFile>,
     throttle: Mutex<Throttle>,
+}
+
+#[derive(Default)]
+struct PasswordFile {
+    path: Option<PathBuf>,
+    passwords: Option<Arc<Passwords>>,
 }
 
 impl Authenticator {
     /// Loads the password file, if any.
     pub fn load(path: Option<&Path>) -> Result<Authenticator, String> {
+        let authenticator = Authenticator::default();
+        authenticator.switch(path)?;
+        Ok(authenticator)
+    }
+
+    /// Uses the password file at `path` from now on (`None`: none, so
+    /// credentials are not checked), read now; on error the file in use
+    /// stays as it was. Returns the number of users.
+    pub fn switch(&self, path: Option<&Path>) -> Result<Option<usize>, String> {
         let passwords = path.map(Passwords::load).transpose()?.map(Arc::new);
-        Ok(Authenticator {
+        let users = passwords.as_ref().map(|p| p.len());
+        *self.file.write() = PasswordFile {
             path: path.map(Path::to_owned),
-            passwords: RwLock::new(passwords),
-            throttle: Mutex::default(),
-        })
-    }
-
-    /// Reads the password file again (SIGHUP); on error the old one stays.
-    /// Returns the number of users.
-    pub fn reload(&self) -> Result<Option<usize>, String> {
-        let Some(path) = &self.path else {
-            return Ok(None);
+            passwords,
         };
-        let passwords = Passwords::load(path)?;
-        let users = passwords.len();
-        *self.passwords.write() = Some(Arc::new(passwords));
-        Ok(Some(users))
+        Ok(users)
     }
 
-    /// Whether a password file is configured.
+    /// The password file in use.
+    pub fn path(&self) -> Option<PathBuf> {
+        self.file.read().path.clone()
+    }
+
+    /// Whether a password file is in use.
     pub fn has_password_file(&self) -> bool {
-        self.path.is_some()
+        self.file.read().path.is_some()
     }
 
     /// Checks a username and password directly (for the HTTP endpoint).
     pub async fn verify(&self, source: IpAddr, user: &str, password: &str) -> bool {
-        let Some(passwords) = self.passwords.read().clone() else {
+        let Some(passwords) = self.file.read().passwords.clone() else {
             return false;
         };
         self.checked(source, passwords, user, password).await
@@ -139,7 +148,7 @@ impl Authenticator {
             principal.attributes = cert.attributes.clone();
             return Ok(principal);
         }
-        let passwords = self.passwords.read().clone();
+        let passwords = self.file.read().passwords.clone();
         if let (Some((user, password)), Some(passwords)) = (presented.login, passwords) {
             if self
                 .checked(presented.source, passwords, user, password)
@@ -349,7 +358,7 @@ mod tests {
         );
         // Reload: a broken file keeps the old users.
         std::fs::write(&file, "alice:plain\n").unwrap();
-        assert!(auth.reload().is_err());
+        assert!(auth.switch(Some(&file)).is_err());
         assert!(
             auth.authenticate(presented(Some(("alice", "pw")), false))
                 .await

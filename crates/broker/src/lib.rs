@@ -59,6 +59,7 @@ pub(crate) mod metrics;
 pub mod passwords;
 pub(crate) mod persistence;
 pub(crate) mod publisher;
+pub mod reload;
 pub(crate) mod sessions;
 mod shared;
 pub(crate) mod stats;
@@ -218,40 +219,21 @@ impl RunningBroker {
         self.http
     }
 
-    /// SIGHUP: reads the password file, the authorization policy and the
-    /// TLS certificates again. Each that fails keeps what it had and is
+    /// Reads the password file, the authorization policy and the TLS
+    /// certificates in use again. Each that fails keeps what it had and is
     /// logged; the others apply. Returns whether all succeeded.
     pub fn reload(&self) -> bool {
-        let shared = &self.shared;
-        let mut ok = true;
-        match shared.authenticator.reload() {
-            Ok(Some(users)) => tracing::info!(users, "SIGHUP: password file reloaded"),
-            Ok(None) => {}
-            Err(e) => {
-                ok = false;
-                tracing::error!("SIGHUP: password file not reloaded, the old one stays: {e}");
-            }
-        }
-        match shared.authorizer.reload() {
-            Ok(Some(rules)) => tracing::info!(rules, "SIGHUP: authorization policy reloaded"),
-            Ok(None) => {}
-            Err(e) => {
-                ok = false;
-                tracing::error!(
-                    "SIGHUP: authorization policy not reloaded, the old one stays: {e}"
-                );
-            }
-        }
-        for tls in &shared.tls {
-            match tls.reload() {
-                Ok(()) => tracing::info!("SIGHUP: TLS certificate reloaded"),
-                Err(e) => {
-                    ok = false;
-                    tracing::error!("SIGHUP: TLS certificate not reloaded, the old one stays: {e}");
-                }
-            }
-        }
-        ok
+        let mut same = self.shared.settings.clone();
+        same.password_file = self.shared.authenticator.path();
+        same.authorization = self.shared.authorizer.path();
+        self.reload_with(&same).is_complete()
+    }
+
+    /// SIGHUP: applies `new` (the configuration read again) as far as a
+    /// running broker can (see [`reload::Reloaded`]); every setting it
+    /// cannot change is refused with an ERROR line naming it.
+    pub fn reload_with(&self, new: &Settings) -> reload::Reloaded {
+        reload::reload(&self.shared, &self.shared.settings, new)
     }
 
     /// The addresses of every listener.

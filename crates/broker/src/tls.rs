@@ -47,6 +47,11 @@ impl Tls {
         Ok(())
     }
 
+    /// Which files it reads, for the log.
+    pub fn describe(&self) -> String {
+        self.files.cert.display().to_string()
+    }
+
     /// An acceptor with the current configuration.
     pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(Arc::clone(&self.config.read()))

@@ -400,35 +400,36 @@ impl KeyAccess for KeyRules<'_> {
 /// The policy in use, reloadable.
 #[derive(Debug, Default)]
 pub struct Authorizer {
-    path: Option<PathBuf>,
-    policy: RwLock<Option<Arc<Policy>>>,
+    /// The file and the policy it holds, changed together.
+    file: RwLock<(Option<PathBuf>, Option<Arc<Policy>>)>,
 }
 
 impl Authorizer {
     /// Loads the policy file, if any.
     pub fn load(path: Option<&Path>) -> Result<Authorizer, String> {
-        let policy = path.map(Policy::load).transpose()?.map(Arc::new);
-        Ok(Authorizer {
-            path: path.map(Path::to_owned),
-            policy: RwLock::new(policy),
-        })
+        let authorizer = Authorizer::default();
+        authorizer.switch(path)?;
+        Ok(authorizer)
     }
 
-    /// Reads the policy file again (SIGHUP); on error the old policy stays.
+    /// Uses the policy file at `path` from now on (`None`: no policy,
+    /// everything is allowed), read now; on error the policy in use stays.
     /// Returns the number of rules.
-    pub fn reload(&self) -> Result<Option<usize>, String> {
-        let Some(path) = &self.path else {
-            return Ok(None);
-        };
-        let policy = Policy::load(path)?;
-        let rules = policy.rules.len();
-        *self.policy.write() = Some(Arc::new(policy));
-        Ok(Some(rules))
+    pub fn switch(&self, path: Option<&Path>) -> Result<Option<usize>, String> {
+        let policy = path.map(Policy::load).transpose()?.map(Arc::new);
+        let rules = policy.as_ref().map(|p| p.rules.len());
+        *self.file.write() = (path.map(Path::to_owned), policy);
+        Ok(rules)
+    }
+
+    /// The policy file in use.
+    pub fn path(&self) -> Option<PathBuf> {
+        self.file.read().0.clone()
     }
 
     /// The policy in use; `None`: everything is allowed.
     pub fn current(&self) -> Option<Arc<Policy>> {
-        self.policy.read().clone()
+        self.file.read().1.clone()
     }
 }
 

@@ -188,11 +188,16 @@ fn a_reload_with_an_error_keeps_the_policy_in_use() {
     let allows = |id: &str| authorizer.current().unwrap().may_connect(&sensor(id));
     assert!(allows("first"));
     std::fs::write(&path, rule("second")).unwrap();
-    assert_eq!(authorizer.reload(), Ok(Some(1)));
+    assert_eq!(authorizer.switch(Some(&path)), Ok(Some(1)));
     assert!(allows("second") && !allows("first"));
     std::fs::write(&path, "rules: [{ principals: {} }]").unwrap();
-    let e = authorizer.reload().unwrap_err();
+    let e = authorizer.switch(Some(&path)).unwrap_err();
     assert!(e.contains("policy.yaml") && e.contains("principals"), "{e}");
     assert!(allows("second"), "the old policy stays");
+    assert_eq!(authorizer.switch(None), Ok(None));
+    assert!(
+        authorizer.current().is_none(),
+        "disabled: everything allowed"
+    );
     assert!(Authorizer::load(None).unwrap().current().is_none());
 }
