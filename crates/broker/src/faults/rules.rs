@@ -12,7 +12,7 @@ use statestore::glob::Pattern;
 /// The verbs a rule may name.
 pub const VERBS: &[&str] = &statestore::command::Command::NAMES;
 
-/// A rule as written: every field optional; see the README's fault rules
+/// A rule as written: every field optional; see docs/faults.md's rule
 /// reference.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
