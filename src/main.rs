@@ -67,6 +67,15 @@ struct Cli {
     #[arg(long)]
     in_memory: bool,
 
+    /// Start even though the data directory has lost data: its journal
+    /// (*.jnl) was deleted, or holds less than the last clean shutdown
+    /// left. Without it such a start is refused, naming what is missing;
+    /// with it the broker goes on with what the storage engine can still
+    /// read and logs what was accepted. For one start: the next one checks
+    /// again.
+    #[arg(long, conflicts_with = "in_memory")]
+    accept_data_loss: bool,
+
     /// Serve /metrics, /healthz and /readyz on this address instead of the
     /// configured `[http] listen` (default 127.0.0.1:9883).
     #[arg(long, value_name = "ADDR", conflicts_with = "no_http")]
@@ -220,7 +229,16 @@ fn load(cli: &Cli) -> Result<Settings, String> {
         settings.persistence = Some(PersistenceSettings {
             data_dir: dir.clone(),
             mode,
+            accept_data_loss: false,
         });
+    }
+    if cli.accept_data_loss {
+        match settings.persistence.as_mut() {
+            Some(persistence) => persistence.accept_data_loss = true,
+            None => {
+                return Err("--accept-data-loss: there is no data directory (--in-memory, or [persistence] data_dir = \"\")".into());
+            }
+        }
     }
     Ok(settings)
 }

@@ -178,6 +178,7 @@ impl Builder {
         self.settings.persistence = Some(PersistenceSettings {
             data_dir: PathBuf::from(dir),
             mode: Mode::Fsync,
+            accept_data_loss: false,
         });
         self
     }

@@ -17,6 +17,7 @@ async fn start(dir: &Path, keys: &[&str]) -> RunningBroker {
         s.persistence = Some(PersistenceSettings {
             data_dir: dir.to_owned(),
             mode: Mode::Fsync,
+            accept_data_loss: false,
         });
         s.persist_policy = statestore::persist::PersistPolicy::parse(&keys).unwrap();
     })
@@ -29,6 +30,7 @@ async fn start_with_faults(dir: &Path) -> RunningBroker {
         s.persistence = Some(PersistenceSettings {
             data_dir: dir.to_owned(),
             mode: Mode::Fsync,
+            accept_data_loss: false,
         });
         s.faults.enabled = true;
     })

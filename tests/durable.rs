@@ -23,6 +23,7 @@ async fn start(dir: &Path) -> RunningBroker {
         s.persistence = Some(PersistenceSettings {
             data_dir: dir.to_owned(),
             mode: Mode::Fsync,
+            accept_data_loss: false,
         });
     })
     .await

@@ -77,6 +77,7 @@ async fn health_readiness_and_metrics() {
         s.persistence = Some(PersistenceSettings {
             data_dir: dir.path().to_owned(),
             mode: Mode::Fsync,
+            accept_data_loss: false,
         });
     })
     .await;

@@ -106,6 +106,7 @@ async fn persist_keeps_a_key_across_a_restart() {
         s.persistence = Some(broker::config::PersistenceSettings {
             data_dir: dir.path().to_owned(),
             mode: broker::config::Mode::Fsync,
+            accept_data_loss: false,
         });
     };
     let broker = broker_with(on_disk).await;

@@ -173,6 +173,7 @@ async fn a_stalled_disk_holds_persisted_sets() {
     settings.persistence = Some(broker::config::PersistenceSettings {
         data_dir: dir.path().to_owned(),
         mode: broker::config::Mode::Fsync,
+        accept_data_loss: false,
     });
     let broker = Broker::start(settings).await.expect("broker starts");
     assert!(

@@ -51,6 +51,9 @@ pub struct PersistenceSettings {
     pub data_dir: PathBuf,
     /// The durability mode.
     pub mode: Mode,
+    /// Start even when the data directory has lost data (its journal
+    /// deleted or damaged): `--accept-data-loss`, for one start.
+    pub accept_data_loss: bool,
 }
 
 /// A configuration that cannot be used.
@@ -257,6 +260,7 @@ impl Settings {
         let persistence = (!persistence_section.data_dir.is_empty()).then(|| PersistenceSettings {
             data_dir: base_dir.join(&persistence_section.data_dir),
             mode,
+            accept_data_loss: false,
         });
 
         let router = rumqttd.router.clone();

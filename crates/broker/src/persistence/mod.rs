@@ -66,6 +66,7 @@ use tokio::sync::watch;
 use crate::config::PersistenceSettings;
 
 mod batch;
+mod check;
 mod kick;
 mod repair;
 mod writer;
@@ -157,6 +158,8 @@ pub struct Persistence {
 }
 
 struct Engine {
+    /// The data directory.
+    dir: PathBuf,
     db: Database,
     keys: Keyspace,
     meta: Keyspace,
@@ -203,6 +206,7 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
     let (keys, meta, retained) = (keyspace("keys")?, keyspace("meta")?, keyspace("retained")?);
     let (sessions, queued) = (keyspace("sessions")?, keyspace("queued")?);
     Ok(Engine {
+        dir: dir.to_owned(),
         db,
         keys,
         meta,
@@ -212,13 +216,40 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
     })
 }
 
+/// [`open_engine`] after the checks of `check.rs`: a lost journal, or
+/// less than the last clean shutdown left, is refused unless `accept`.
+fn open_checked(dir: &Path, accept: bool) -> Result<Engine, OpenError> {
+    let error = |message: String| OpenError {
+        dir: dir.to_owned(),
+        message,
+    };
+    let io = |e: std::io::Error| error(e.to_string());
+    std::fs::create_dir_all(dir).map_err(io)?;
+    if let Some(loss) = check::journal_missing(dir).map_err(io)? {
+        check::judge(dir, loss, accept).map_err(error)?;
+    }
+    let mark = check::read_mark(dir).map_err(io)?;
+    if mark.is_none() {
+        check::warn_of_a_torn_tail(dir);
+    }
+    let engine = open_engine(dir)?;
+    if let Some(expected) = mark {
+        let found = engine.db.seqno();
+        if found < expected {
+            check::judge(dir, check::Loss::Behind { expected, found }, accept).map_err(error)?;
+        }
+    }
+    check::remove_mark(dir).map_err(io)?;
+    Ok(engine)
+}
+
 impl Persistence {
     /// Opens (or creates) the data directory, recovering after a crash, and
     /// reads back what it holds.
     pub fn open(settings: &PersistenceSettings) -> Result<(Persistence, Loaded), OpenError> {
         let started = Instant::now();
         let dir = &settings.data_dir;
-        let engine = open_engine(dir)?;
+        let engine = open_checked(dir, settings.accept_data_loss)?;
         let read_error = |e: fjall::Error| OpenError {
             dir: dir.clone(),
             message: e.to_string(),

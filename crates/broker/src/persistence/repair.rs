@@ -1,6 +1,6 @@
 //! Journal repair: a corrupt last batch is cut off, as fjall documents.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use fjall::Database;
 
@@ -14,15 +14,7 @@ use super::open_database;
 /// again. If the engine still refuses, the corruption is not in the tail:
 /// the original journal is put back and the error stands.
 pub(super) fn discard_corrupt_tail(dir: &Path) -> std::io::Result<Database> {
-    let mut journals: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "jnl"))
-        .collect();
-    journals.sort_by_key(|p| {
-        p.file_stem()
-            .and_then(|s| s.to_str())
-            .and_then(|s| s.parse::<u64>().ok())
-    });
+    let mut journals = super::check::journals(dir)?;
     let refuse = |why: String| {
         std::io::Error::other(format!(
             "journal recovery failed (checksum mismatch): {why}"
@@ -63,12 +55,34 @@ pub(super) fn discard_corrupt_tail(dir: &Path) -> std::io::Result<Database> {
     }
 }
 
-/// Offsets of the last complete batch in a fjall 3 journal: entries are
-/// Start `[1][u32 items][u64 seqno]`, Item `[2][type][compression][u64
-/// keyspace][u16 key len][u32 value len][u32 stored len][key][value]`, End
-/// `[3][u64 checksum]FJL\x03`, Clear `[4][u64 keyspace]`; the file is
-/// zero-filled past the data.
+/// Offsets of the last complete batch in a fjall 3 journal (see [`scan`]).
 fn last_complete_batch(bytes: &[u8]) -> Option<(usize, usize)> {
+    scan(bytes).last
+}
+
+/// A tail of the journal past its last complete entry that is not zero: a
+/// batch that was being written when the process ended (fjall cuts it off
+/// on open).
+pub(super) fn torn_tail(bytes: &[u8]) -> Option<std::ops::Range<usize>> {
+    let from = scan(bytes).clean_end;
+    let to = bytes.iter().rposition(|&b| b != 0)? + 1;
+    (to > from).then_some(from..to)
+}
+
+/// What a pass over a journal finds.
+struct Scan {
+    /// The last complete batch.
+    last: Option<(usize, usize)>,
+    /// Where the last complete entry outside a batch ends (after a batch's
+    /// End or a Clear).
+    clean_end: usize,
+}
+
+/// Reads a fjall 3 journal: entries are Start `[1][u32 items][u64 seqno]`,
+/// Item `[2][type][compression][u64 keyspace][u16 key len][u32 value
+/// len][u32 stored len][key][value]`, End `[3][u64 checksum]FJL\x03`, Clear
+/// `[4][u64 keyspace]`; the file is zero-filled past the data.
+fn scan(bytes: &[u8]) -> Scan {
     let u16_at = |at: usize| {
         bytes
             .get(at..at + 2)
@@ -79,7 +93,7 @@ fn last_complete_batch(bytes: &[u8]) -> Option<(usize, usize)> {
             .get(at..at + 4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
     };
-    let (mut pos, mut open, mut last) = (0usize, None, None);
+    let (mut pos, mut open, mut last, mut clean_end) = (0usize, None, None, 0usize);
     while let Some(&tag) = bytes.get(pos) {
         let next = match tag {
             1 => {
@@ -107,8 +121,11 @@ fn last_complete_batch(bytes: &[u8]) -> Option<(usize, usize)> {
             break;
         }
         pos = next;
+        if open.is_none() {
+            clean_end = pos;
+        }
     }
-    last
+    Scan { last, clean_end }
 }
 
 #[cfg(test)]
@@ -148,6 +165,14 @@ mod tests {
         );
         assert_eq!(last_complete_batch(&[0; 32]), None);
         assert_eq!(last_complete_batch(&[]), None);
+        // Torn: what follows the second batch, up to its last byte that is
+        // not zero.
+        let last = journal.iter().rposition(|&b| b != 0).unwrap() + 1;
+        assert!(last > one.len() + two.len());
+        assert_eq!(torn_tail(&journal), Some(one.len() + two.len()..last));
+        let whole = [one.clone(), two.clone(), vec![0; 64]].concat();
+        assert_eq!(torn_tail(&whole), None);
+        assert_eq!(torn_tail(&[0; 32]), None);
         // Garbage never panics.
         for len in 0..one.len() {
             let _ = last_complete_batch(&one[..len]);

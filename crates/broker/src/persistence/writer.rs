@@ -129,6 +129,10 @@ pub(super) fn write_loop(
         }
     }
     sync(&engine.db, PersistMode::SyncAll);
+    // What the next start must find again (see check.rs).
+    if let Err(e) = super::check::write_mark(&engine.dir, engine.db.seqno()) {
+        tracing::warn!(error = %e, dir = %engine.dir.display(), "cannot leave the clean-shutdown mark: the next start cannot check for a lost journal");
+    }
     tracing::debug!("persistence writer stopped");
 }
 
