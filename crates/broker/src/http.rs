@@ -6,7 +6,10 @@
 //! - `GET /healthz`: 200 while the process serves HTTP at all;
 //! - `GET /readyz`: 200 once persisted state is restored and every MQTT
 //!   listener accepts, 503 before (and while stopping);
-//! - `GET /` and `/api/...`: the live web view ([`crate::web`]).
+//! - `GET /` and `/api/...`: the live web view ([`crate::web`]), only
+//!   for the host names it serves (`localhost`, IP literals, `[http]
+//!   allowed_hosts`); the three above answer any `Host`: scrapers and
+//!   probes use many names, and they reveal no key.
 //!
 //! axum (on hyper) serves it: a well-kept server rather than a hand-written
 //! HTTP parser facing the network.
@@ -24,7 +27,8 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
-use crate::web::Broker;
+use crate::config::HttpOptions;
+use crate::web::{AllowedHosts, Broker};
 
 /// What the endpoint serves from.
 #[derive(Clone)]
@@ -38,6 +42,7 @@ struct Served {
 /// and serves until `shutdown`. `ready` answers `/readyz`.
 pub(crate) async fn start(
     addr: SocketAddr,
+    options: &HttpOptions,
     ready: Arc<AtomicBool>,
     broker: Broker,
     mut shutdown: watch::Receiver<bool>,
@@ -66,7 +71,11 @@ pub(crate) async fn start(
             ready,
             broker: Arc::clone(&broker),
         })
-        .merge(crate::web::routes(broker, !local.ip().is_loopback()));
+        .merge(crate::web::routes(
+            broker,
+            !local.ip().is_loopback(),
+            AllowedHosts::new(&options.allowed_hosts),
+        ));
     tokio::spawn(async move {
         let stop = async move {
             let _ = shutdown.changed().await;

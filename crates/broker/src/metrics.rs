@@ -78,6 +78,10 @@ pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
 pub const PERSISTENCE_SYNC_SECONDS: &str = "statebroker_persistence_commit_duration_seconds";
 
+/// Requests to the web view refused before being looked at, by `reason`
+/// (`host`: a `Host` not served; `origin`: a change from another site).
+pub const HTTP_REQUESTS_REFUSED: &str = "statebroker_http_requests_refused_total";
+
 /// Faults injected on demand (see `crate::faults`), by `kind`.
 pub const FAULTS_INJECTED: &str = "statebroker_faults_injected_total";
 
@@ -164,6 +168,10 @@ fn describe() {
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
+    );
+    describe_counter!(
+        HTTP_REQUESTS_REFUSED,
+        "Web view requests refused for their Host or Origin, by reason"
     );
     describe_gauge!(CONNECTIONS, "Client connections open now");
     describe_counter!(CONNECTIONS_ACCEPTED, "Client connections accepted");
@@ -361,4 +369,9 @@ pub fn commit(writes: usize, took: Duration) {
 /// A fault of `kind` was injected.
 pub fn fault_injected(kind: &'static str) {
     counter!(FAULTS_INJECTED, "kind" => kind).increment(1);
+}
+
+/// A web view request was refused for `reason` (`host`, `origin`).
+pub fn http_request_refused(reason: &'static str) {
+    counter!(HTTP_REQUESTS_REFUSED, "reason" => reason).increment(1);
 }

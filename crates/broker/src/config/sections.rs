@@ -75,6 +75,10 @@ pub struct HttpSection {
     /// The web view offers set and delete forms.
     #[serde(default)]
     pub allow_edit: bool,
+    /// Host names the web view answers under besides `localhost` and IP
+    /// literals (DNS rebinding: see `web/hosts.rs`).
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
 }
 
 /// `[persistence]`
