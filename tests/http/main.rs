@@ -1,12 +1,13 @@
 //! The HTTP endpoint: health, readiness and Prometheus metrics that count
 //! what clients did, including what was dropped and why; the web view's
-//! host checks (`hosts.rs`).
+//! host checks (`hosts.rs`); the endpoint's bounds (`limits.rs`).
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod client;
 mod hosts;
+mod limits;
 
 use client::{get, post, send};
 

@@ -53,12 +53,22 @@ pub struct PersistenceSettings {
     pub mode: Mode,
 }
 
-/// `[http]` beyond `listen` and `allow_edit`.
+/// `[http]` beyond `listen` and `allow_edit`: the endpoint's bounds and
+/// names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpOptions {
     /// `allowed_hosts`: names the web view answers under besides
     /// `localhost` and IP literals; lower case, without a trailing dot.
     pub allowed_hosts: Vec<String>,
+    /// `max_connections`: HTTP connections open at once (apart from
+    /// MQTT's); more are closed at accept.
+    pub max_connections: usize,
+    /// `header_timeout_ms`: a request's headers must arrive within this
+    /// of its first byte (the first request's: of the connection).
+    pub header_timeout: Duration,
+    /// `idle_timeout_ms`: a connection with no byte either way this long
+    /// is closed.
+    pub idle_timeout: Duration,
 }
 
 /// A configured host name (`allowed_hosts`), lower case and without a
@@ -138,7 +148,8 @@ pub struct Settings {
     pub http: Option<SocketAddr>,
     /// `[http] allow_edit`: the web view may set and delete keys.
     pub http_allow_edit: bool,
-    /// `[http]`: the names the web view is served under.
+    /// `[http]`: the endpoint's bounds, the names the web view is served
+    /// under.
     pub http_options: HttpOptions,
     /// `[log]`: applied by the binary, which owns logging.
     pub log: LogSection,
@@ -411,7 +422,7 @@ impl Settings {
     }
 }
 
-/// `[http]`'s names, checked.
+/// `[http]`'s bounds and names, checked.
 fn http_options(http: &sections::HttpSection) -> Result<HttpOptions, ConfigError> {
     let mut allowed_hosts = Vec::new();
     for entry in &http.allowed_hosts {
@@ -419,7 +430,23 @@ fn http_options(http: &sections::HttpSection) -> Result<HttpOptions, ConfigError
             allowed_hosts.push(name);
         }
     }
-    Ok(HttpOptions { allowed_hosts })
+    if http.max_connections == 0 {
+        return Err(invalid("http.max_connections must be at least 1"));
+    }
+    for (key, ms) in [
+        ("header_timeout_ms", http.header_timeout_ms),
+        ("idle_timeout_ms", http.idle_timeout_ms),
+    ] {
+        if ms == 0 {
+            return Err(invalid(format!("http.{key} must be at least 1")));
+        }
+    }
+    Ok(HttpOptions {
+        allowed_hosts,
+        max_connections: http.max_connections,
+        header_timeout: Duration::from_millis(http.header_timeout_ms),
+        idle_timeout: Duration::from_millis(http.idle_timeout_ms),
+    })
 }
 
 #[cfg(test)]

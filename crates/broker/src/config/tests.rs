@@ -341,3 +341,31 @@ fn allowed_hosts_are_names_in_lower_case() {
     let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
     assert_eq!(running.needs_restart(&new), vec!["[http]"]);
 }
+
+#[test]
+fn http_bounds() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    let o = &s.http_options;
+    assert_eq!(
+        (o.max_connections, o.header_timeout, o.idle_timeout),
+        (256, Duration::from_secs(10), Duration::from_secs(60))
+    );
+    let env = vec![
+        (
+            "STATEBROKER__HTTP__MAX_CONNECTIONS".to_owned(),
+            "8".to_owned(),
+        ),
+        (
+            "STATEBROKER__HTTP__IDLE_TIMEOUT_MS".to_owned(),
+            "500".to_owned(),
+        ),
+    ];
+    let new = Settings::load_with_env(None, &[], env).unwrap();
+    assert_eq!(new.http_options.max_connections, 8);
+    assert_eq!(new.http_options.idle_timeout, Duration::from_millis(500));
+    assert_eq!(s.needs_restart(&new), vec!["[http]"]);
+    for key in ["max_connections", "header_timeout_ms", "idle_timeout_ms"] {
+        let e = error_of(&format!("[http]\n{key} = 0\n"));
+        assert!(e.contains(&format!("http.{key}")), "{e}");
+    }
+}

@@ -394,14 +394,31 @@ async fn events(State(broker): State<Broker>) -> Response {
             }
         }
     });
+    let every = keep_alive_interval(shared.settings.http_options.idle_timeout);
     Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .keep_alive(KeepAlive::new().interval(every))
         .into_response()
+}
+
+/// How often the event stream sends a keep-alive comment: every 15 s, and
+/// often enough that the connection never counts as idle (`[http]
+/// idle_timeout_ms`).
+fn keep_alive_interval(idle_timeout: Duration) -> Duration {
+    (idle_timeout / 2).clamp(Duration::from_millis(10), Duration::from_secs(15))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_event_stream_is_never_idle() {
+        let every = |ms| keep_alive_interval(Duration::from_millis(ms)).as_millis();
+        assert_eq!(every(60_000), 15_000);
+        assert_eq!(every(20_000), 10_000);
+        assert_eq!(every(300), 150);
+        assert_eq!(every(1), 10);
+    }
 
     #[test]
     fn the_view_asks_for_a_password_only_when_exposed() {

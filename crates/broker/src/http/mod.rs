@@ -11,8 +11,10 @@
 //!   allowed_hosts`); the three above answer any `Host`: scrapers and
 //!   probes use many names, and they reveal no key.
 //!
-//! axum (on hyper) serves it: a well-kept server rather than a hand-written
-//! HTTP parser facing the network.
+//! axum's router on hyper's HTTP/1.1 server serves it: a well-kept parser
+//! rather than a hand-written one facing the network; our accept loop
+//! (`serve.rs`) bounds the connections and their timeouts (`timeouts.rs`,
+//! `[http] max_connections`, `header_timeout_ms`, `idle_timeout_ms`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,6 +31,11 @@ use tokio::sync::watch;
 
 use crate::config::HttpOptions;
 use crate::web::{AllowedHosts, Broker};
+use serve::Bounds;
+use timeouts::Limits;
+
+mod serve;
+mod timeouts;
 
 /// What the endpoint serves from.
 #[derive(Clone)]
@@ -45,7 +52,7 @@ pub(crate) async fn start(
     options: &HttpOptions,
     ready: Arc<AtomicBool>,
     broker: Broker,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -76,19 +83,21 @@ pub(crate) async fn start(
             !local.ip().is_loopback(),
             AllowedHosts::new(&options.allowed_hosts),
         ));
-    tokio::spawn(async move {
-        let stop = async move {
-            let _ = shutdown.changed().await;
-        };
-        let app = app.into_make_service_with_connect_info::<SocketAddr>();
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-        {
-            tracing::error!(error = %e, "HTTP endpoint failed");
-        }
-    });
-    tracing::info!(addr = %local, "HTTP endpoint: / (live view) /metrics /healthz /readyz");
+    let bounds = Bounds {
+        max_connections: options.max_connections,
+        limits: Limits {
+            header: options.header_timeout,
+            idle: options.idle_timeout,
+        },
+    };
+    tokio::spawn(serve::run(listener, app, bounds, shutdown));
+    tracing::info!(
+        addr = %local,
+        max_connections = options.max_connections,
+        header_timeout_ms = options.header_timeout.as_millis(),
+        idle_timeout_ms = options.idle_timeout.as_millis(),
+        "HTTP endpoint: / (live view) /metrics /healthz /readyz"
+    );
     Ok(local)
 }
 
