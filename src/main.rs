@@ -76,8 +76,11 @@ struct Cli {
     #[arg(long, conflicts_with = "in_memory")]
     accept_data_loss: bool,
 
-    /// Serve /metrics, /healthz and /readyz on this address instead of the
-    /// configured `[http] listen` (default 127.0.0.1:9883).
+    /// Serve /metrics, /healthz, /readyz and the web view on this address
+    /// instead of the configured `[http] listen` (default 127.0.0.1:9883).
+    /// The web view answers only for localhost and IP addresses; to open
+    /// it under a DNS name, list the name in `[http] allowed_hosts` (or
+    /// STATEBROKER__HTTP__ALLOWED_HOSTS=broker.example,other.example).
     #[arg(long, value_name = "ADDR", conflicts_with = "no_http")]
     http: Option<SocketAddr>,
 

@@ -105,6 +105,7 @@ impl Broker {
             Some(addr) => Some(
                 http::start(
                     addr,
+                    &settings.http_options,
                     Arc::clone(&ready),
                     Arc::clone(&described),
                     shutdown.clone(),

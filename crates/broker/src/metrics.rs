@@ -78,6 +78,17 @@ pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
 pub const PERSISTENCE_SYNC_SECONDS: &str = "statebroker_persistence_commit_duration_seconds";
 
+/// HTTP connections open now (gauge).
+pub const HTTP_CONNECTIONS: &str = "statebroker_http_connections";
+/// HTTP connections closed at accept: `[http] max_connections` were open.
+pub const HTTP_CONNECTIONS_REFUSED: &str = "statebroker_http_connections_refused_total";
+/// HTTP connections the endpoint closed for a timeout, by `reason`
+/// (`header_timeout`, `idle_timeout`).
+pub const HTTP_CONNECTIONS_TIMED_OUT: &str = "statebroker_http_connections_timed_out_total";
+/// Requests to the web view refused before being looked at, by `reason`
+/// (`host`: a `Host` not served; `origin`: a change from another site).
+pub const HTTP_REQUESTS_REFUSED: &str = "statebroker_http_requests_refused_total";
+
 /// Faults injected on demand (see `crate::faults`), by `kind`.
 pub const FAULTS_INJECTED: &str = "statebroker_faults_injected_total";
 
@@ -164,6 +175,19 @@ fn describe() {
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
+    );
+    describe_gauge!(HTTP_CONNECTIONS, "HTTP connections open now");
+    describe_counter!(
+        HTTP_CONNECTIONS_REFUSED,
+        "HTTP connections closed at accept: [http] max_connections were open"
+    );
+    describe_counter!(
+        HTTP_CONNECTIONS_TIMED_OUT,
+        "HTTP connections closed for a timeout, by reason"
+    );
+    describe_counter!(
+        HTTP_REQUESTS_REFUSED,
+        "Web view requests refused for their Host or Origin, by reason"
     );
     describe_gauge!(CONNECTIONS, "Client connections open now");
     describe_counter!(CONNECTIONS_ACCEPTED, "Client connections accepted");
@@ -361,4 +385,28 @@ pub fn commit(writes: usize, took: Duration) {
 /// A fault of `kind` was injected.
 pub fn fault_injected(kind: &'static str) {
     counter!(FAULTS_INJECTED, "kind" => kind).increment(1);
+}
+
+/// An HTTP connection was accepted.
+pub fn http_connection_opened() {
+    gauge!(HTTP_CONNECTIONS).increment(1.0);
+}
+
+/// An HTTP connection ended; `timed_out`: the endpoint closed it, for
+/// that reason.
+pub fn http_connection_closed(timed_out: Option<&'static str>) {
+    gauge!(HTTP_CONNECTIONS).decrement(1.0);
+    if let Some(reason) = timed_out {
+        counter!(HTTP_CONNECTIONS_TIMED_OUT, "reason" => reason).increment(1);
+    }
+}
+
+/// An HTTP connection was closed at accept (the endpoint was full).
+pub fn http_connection_refused() {
+    counter!(HTTP_CONNECTIONS_REFUSED).increment(1);
+}
+
+/// A web view request was refused for `reason` (`host`, `origin`).
+pub fn http_request_refused(reason: &'static str) {
+    counter!(HTTP_REQUESTS_REFUSED, "reason" => reason).increment(1);
 }

@@ -56,6 +56,47 @@ pub struct PersistenceSettings {
     pub accept_data_loss: bool,
 }
 
+/// `[http]` beyond `listen` and `allow_edit`: the endpoint's bounds and
+/// names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpOptions {
+    /// `allowed_hosts`: names the web view answers under besides
+    /// `localhost` and IP literals; lower case, without a trailing dot.
+    pub allowed_hosts: Vec<String>,
+    /// `max_connections`: HTTP connections open at once (apart from
+    /// MQTT's); more are closed at accept.
+    pub max_connections: usize,
+    /// `header_timeout_ms`: a request's headers must arrive within this
+    /// of its first byte (the first request's: of the connection).
+    pub header_timeout: Duration,
+    /// `idle_timeout_ms`: a connection with no byte either way this long
+    /// is closed.
+    pub idle_timeout: Duration,
+}
+
+/// A configured host name (`allowed_hosts`), lower case and without a
+/// trailing dot; `None` for an empty entry.
+fn host_name(entry: &str) -> Result<Option<String>, ConfigError> {
+    let trimmed = entry.trim();
+    let name = trimmed.strip_suffix('.').unwrap_or(trimmed);
+    if trimmed.is_empty() {
+        return Ok(None);
+    }
+    let valid = !name.is_empty()
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    if !valid {
+        return Err(invalid(format!(
+            "http.allowed_hosts: `{entry}` is not a host name like broker.example (the name only: no scheme, port, path or wildcard; localhost and IP addresses are always served)"
+        )));
+    }
+    Ok(Some(name.to_ascii_lowercase()))
+}
+
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -110,6 +151,9 @@ pub struct Settings {
     pub http: Option<SocketAddr>,
     /// `[http] allow_edit`: the web view may set and delete keys.
     pub http_allow_edit: bool,
+    /// `[http]`: the endpoint's bounds, the names the web view is served
+    /// under.
+    pub http_options: HttpOptions,
     /// `[log]`: applied by the binary, which owns logging.
     pub log: LogSection,
     /// `[broker] password_file`, resolved; reloaded on SIGHUP.
@@ -185,6 +229,7 @@ impl Settings {
                 .try_parsing(true)
                 .list_separator(",")
                 .with_list_parse_key("persistence.keys")
+                .with_list_parse_key("http.allowed_hosts")
                 .source(Some(env)),
         );
         let layered = builder.build().map_err(|e| invalid(e.to_string()))?;
@@ -243,6 +288,7 @@ impl Settings {
                 ))
             })?),
         };
+        let http_options = http_options(&http_section)?;
         let persist_policy = PersistPolicy::parse(&persistence_section.keys)
             .map_err(|e| invalid(format!("persistence.keys: {e}")))?;
         let mode = match persistence_section.mode.as_str() {
@@ -305,6 +351,7 @@ impl Settings {
             persist_policy,
             http,
             http_allow_edit: http_section.allow_edit,
+            http_options,
             log,
             password_file,
             authorization,
@@ -344,7 +391,10 @@ impl Settings {
         if self.faults != new.faults {
             names.push("[faults]");
         }
-        if self.http != new.http || self.http_allow_edit != new.http_allow_edit {
+        if self.http != new.http
+            || self.http_allow_edit != new.http_allow_edit
+            || self.http_options != new.http_options
+        {
             names.push("[http]");
         }
         if self.log.format != new.log.format {
@@ -374,6 +424,33 @@ impl Settings {
             clock_lease_ms: self.persistence.as_ref().map(|_| CLOCK_LEASE_MS),
         }
     }
+}
+
+/// `[http]`'s bounds and names, checked.
+fn http_options(http: &sections::HttpSection) -> Result<HttpOptions, ConfigError> {
+    let mut allowed_hosts = Vec::new();
+    for entry in &http.allowed_hosts {
+        if let Some(name) = host_name(entry)? {
+            allowed_hosts.push(name);
+        }
+    }
+    if http.max_connections == 0 {
+        return Err(invalid("http.max_connections must be at least 1"));
+    }
+    for (key, ms) in [
+        ("header_timeout_ms", http.header_timeout_ms),
+        ("idle_timeout_ms", http.idle_timeout_ms),
+    ] {
+        if ms == 0 {
+            return Err(invalid(format!("http.{key} must be at least 1")));
+        }
+    }
+    Ok(HttpOptions {
+        allowed_hosts,
+        max_connections: http.max_connections,
+        header_timeout: Duration::from_millis(http.header_timeout_ms),
+        idle_timeout: Duration::from_millis(http.idle_timeout_ms),
+    })
 }
 
 #[cfg(test)]

@@ -75,6 +75,17 @@ pub struct HttpSection {
     /// The web view offers set and delete forms.
     #[serde(default)]
     pub allow_edit: bool,
+    /// Host names the web view answers under besides `localhost` and IP
+    /// literals (DNS rebinding: see `web/hosts.rs`).
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// HTTP connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// A request's headers must arrive within this, milliseconds.
+    pub header_timeout_ms: u64,
+    /// A connection with no byte either way this long is closed,
+    /// milliseconds.
+    pub idle_timeout_ms: u64,
 }
 
 /// `[persistence]`

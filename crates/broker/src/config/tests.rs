@@ -308,3 +308,64 @@ drop_response = "after"
     let e = error_of("[faults]\nenabled = true\n[[faults.rules]]\ndelay = 5\n");
     assert!(e.contains("delay"), "{e}");
 }
+
+#[test]
+fn allowed_hosts_are_names_in_lower_case() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    assert!(s.http_options.allowed_hosts.is_empty(), "none by default");
+    let f = file("[http]\nallowed_hosts = [\"Broker.Example.\", \"\", \"view-1.lan\"]\n");
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(
+        s.http_options.allowed_hosts,
+        ["broker.example", "view-1.lan"]
+    );
+    let env = vec![(
+        "STATEBROKER__HTTP__ALLOWED_HOSTS".to_owned(),
+        "a.example,B.example".to_owned(),
+    )];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    assert_eq!(s.http_options.allowed_hosts, ["a.example", "b.example"]);
+    for bad in [
+        "broker.example:9883",
+        "http://broker.example",
+        "*.example",
+        "a..example",
+        "a b",
+    ] {
+        let e = error_of(&format!("[http]\nallowed_hosts = [\"{bad}\"]\n"));
+        assert!(e.contains("http.allowed_hosts") && e.contains(bad), "{e}");
+    }
+    // Only a restart applies it: SIGHUP refuses it by name.
+    let running = Settings::load_with_env(Some(&file("")), &[], no_env()).unwrap();
+    let f = file("[http]\nallowed_hosts = [\"broker.example\"]\n");
+    let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(running.needs_restart(&new), vec!["[http]"]);
+}
+
+#[test]
+fn http_bounds() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    let o = &s.http_options;
+    assert_eq!(
+        (o.max_connections, o.header_timeout, o.idle_timeout),
+        (256, Duration::from_secs(10), Duration::from_secs(60))
+    );
+    let env = vec![
+        (
+            "STATEBROKER__HTTP__MAX_CONNECTIONS".to_owned(),
+            "8".to_owned(),
+        ),
+        (
+            "STATEBROKER__HTTP__IDLE_TIMEOUT_MS".to_owned(),
+            "500".to_owned(),
+        ),
+    ];
+    let new = Settings::load_with_env(None, &[], env).unwrap();
+    assert_eq!(new.http_options.max_connections, 8);
+    assert_eq!(new.http_options.idle_timeout, Duration::from_millis(500));
+    assert_eq!(s.needs_restart(&new), vec!["[http]"]);
+    for key in ["max_connections", "header_timeout_ms", "idle_timeout_ms"] {
+        let e = error_of(&format!("[http]\n{key} = 0\n"));
+        assert!(e.contains(&format!("http.{key}")), "{e}");
+    }
+}

@@ -17,7 +17,12 @@
 //! - `/api/faults...`: faults on demand, refused unless `[faults] enabled
 //!   = true` (see `faults.rs`).
 //!
-//! Read-only by default: nothing but the edit forms changes the store. The endpoint listens on
+//! Read-only by default: nothing but the edit forms changes the store.
+//!
+//! Before anything else the guard refuses a request whose `Host` the
+//! endpoint does not serve (421; see `hosts.rs`: DNS rebinding), and a
+//! change (any method but GET and HEAD) whose `Origin` names another host
+//! (403). The endpoint listens on
 //! loopback by default, where anyone who can reach it sees every key. On
 //! any other address the view asks for a user of the broker's password file
 //! (HTTP Basic; failures slowed per address as for MQTT), and is refused
@@ -42,17 +47,22 @@ use crate::shared::Shared;
 
 mod edit;
 mod faults;
+mod hosts;
+
+pub(crate) use hosts::AllowedHosts;
 
 /// The broker the endpoint (view, metrics) describes: set once it has
 /// started (the endpoint itself starts first, so `/readyz` can say "not
 /// ready").
 pub(crate) type Broker = Arc<std::sync::OnceLock<Arc<Shared>>>;
 
-/// The view's routes; `exposed`: the endpoint is on a non-loopback address.
-pub(crate) fn routes(broker: Broker, exposed: bool) -> Router {
+/// The view's routes; `exposed`: the endpoint is on a non-loopback
+/// address; `hosts`: the names it is served under.
+pub(crate) fn routes(broker: Broker, exposed: bool, hosts: AllowedHosts) -> Router {
     let guard = Guard {
         broker: Arc::clone(&broker),
         exposed,
+        hosts: Arc::new(hosts),
     };
     Router::new()
         .route("/", get(page))
@@ -71,6 +81,7 @@ pub(crate) fn routes(broker: Broker, exposed: bool) -> Router {
 struct Guard {
     broker: Broker,
     exposed: bool,
+    hosts: Arc<AllowedHosts>,
 }
 
 /// What the guard decides before looking at the password.
@@ -113,6 +124,11 @@ async fn guard_view(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    if let Err(refused) = served(&guard.hosts, &request) {
+        tracing::info!(%peer, host = %refused.host, origin = %refused.origin, method = %request.method(), path = %request.uri().path(), "web view: {}", refused.why);
+        crate::metrics::http_request_refused(refused.reason);
+        return (refused.status, refused.text).into_response();
+    }
     let shared = guard.broker.get().cloned();
     let header = request
         .headers()
@@ -153,6 +169,97 @@ async fn guard_view(
             }
         }
     }
+}
+
+/// Why the guard turned a request away before looking at it.
+#[derive(Debug)]
+struct Misdirected {
+    status: StatusCode,
+    /// For the metric: `host` or `origin`.
+    reason: &'static str,
+    why: &'static str,
+    text: &'static str,
+    /// What the request said (for the log line).
+    host: String,
+    origin: String,
+}
+
+/// Whether the request names a host the endpoint serves (its `Host`, and
+/// the authority of an absolute-form target), and, for a change, comes
+/// from no page or a page of such a host (`Origin`).
+fn served(hosts: &AllowedHosts, request: &axum::extract::Request) -> Result<(), Misdirected> {
+    let headers = request.headers();
+    let authority = request.uri().authority().map(|a| a.as_str());
+    // For the log line: every value (an absolute-form target's authority
+    // too), each cut at 100 characters.
+    let shown = |name: header::HeaderName| {
+        let values: Vec<String> = headers
+            .get_all(&name)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .chain(
+                authority
+                    .filter(|_| name == header::HOST)
+                    .map(str::to_owned),
+            )
+            .map(|v| v.chars().take(100).collect())
+            .collect();
+        if values.is_empty() {
+            "-".to_owned()
+        } else {
+            values.join(", ")
+        }
+    };
+    let refuse = |status, reason, why, text| Misdirected {
+        status,
+        reason,
+        why,
+        text,
+        host: shown(header::HOST),
+        origin: shown(header::ORIGIN),
+    };
+    let sent: Vec<_> = headers.get_all(header::HOST).iter().collect();
+    if sent.is_empty() && authority.is_none() {
+        return Err(refuse(
+            StatusCode::MISDIRECTED_REQUEST,
+            "host",
+            "request without a Host header refused",
+            "the web view needs a Host header (HTTP/1.1)\n",
+        ));
+    }
+    let host_ok = sent.len() <= 1
+        && sent
+            .iter()
+            .all(|v| v.to_str().is_ok_and(|h| hosts.allows_host(h)))
+        && authority.is_none_or(|a| hosts.allows_host(a));
+    if !host_ok {
+        return Err(refuse(
+            StatusCode::MISDIRECTED_REQUEST,
+            "host",
+            "request for a host not served refused (DNS rebinding?)",
+            "this host name is not served here: to open the web view under it, add it to [http] allowed_hosts\n",
+        ));
+    }
+    let reads = matches!(
+        *request.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    );
+    let mut origins = headers.get_all(header::ORIGIN).iter();
+    let origin_ok = reads
+        || origins.all(|origin| {
+            origin
+                .to_str()
+                .is_ok_and(|origin| hosts.allows_origin(origin))
+        });
+    if !origin_ok {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            "origin",
+            "change from a page of another host refused",
+            "a page of another site may not change anything here (Origin refused)\n",
+        ));
+    }
+    Ok(())
 }
 
 async fn page() -> impl IntoResponse {
@@ -287,14 +394,31 @@ async fn events(State(broker): State<Broker>) -> Response {
             }
         }
     });
+    let every = keep_alive_interval(shared.settings.http_options.idle_timeout);
     Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .keep_alive(KeepAlive::new().interval(every))
         .into_response()
+}
+
+/// How often the event stream sends a keep-alive comment: every 15 s, and
+/// often enough that the connection never counts as idle (`[http]
+/// idle_timeout_ms`).
+fn keep_alive_interval(idle_timeout: Duration) -> Duration {
+    (idle_timeout / 2).clamp(Duration::from_millis(10), Duration::from_secs(15))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_event_stream_is_never_idle() {
+        let every = |ms| keep_alive_interval(Duration::from_millis(ms)).as_millis();
+        assert_eq!(every(60_000), 15_000);
+        assert_eq!(every(20_000), 10_000);
+        assert_eq!(every(300), 150);
+        assert_eq!(every(1), 10);
+    }
 
     #[test]
     fn the_view_asks_for_a_password_only_when_exposed() {

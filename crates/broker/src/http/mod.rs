@@ -6,10 +6,15 @@
 //! - `GET /healthz`: 200 while the process serves HTTP at all;
 //! - `GET /readyz`: 200 once persisted state is restored and every MQTT
 //!   listener accepts, 503 before (and while stopping);
-//! - `GET /` and `/api/...`: the live web view ([`crate::web`]).
+//! - `GET /` and `/api/...`: the live web view ([`crate::web`]), only
+//!   for the host names it serves (`localhost`, IP literals, `[http]
+//!   allowed_hosts`); the three above answer any `Host`: scrapers and
+//!   probes use many names, and they reveal no key.
 //!
-//! axum (on hyper) serves it: a well-kept server rather than a hand-written
-//! HTTP parser facing the network.
+//! axum's router on hyper's HTTP/1.1 server serves it: a well-kept parser
+//! rather than a hand-written one facing the network; our accept loop
+//! (`serve.rs`) bounds the connections and their timeouts (`timeouts.rs`,
+//! `[http] max_connections`, `header_timeout_ms`, `idle_timeout_ms`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,7 +29,13 @@ use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::watch;
 
-use crate::web::Broker;
+use crate::config::HttpOptions;
+use crate::web::{AllowedHosts, Broker};
+use serve::Bounds;
+use timeouts::Limits;
+
+mod serve;
+mod timeouts;
 
 /// What the endpoint serves from.
 #[derive(Clone)]
@@ -38,9 +49,10 @@ struct Served {
 /// and serves until `shutdown`. `ready` answers `/readyz`.
 pub(crate) async fn start(
     addr: SocketAddr,
+    options: &HttpOptions,
     ready: Arc<AtomicBool>,
     broker: Broker,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -66,20 +78,26 @@ pub(crate) async fn start(
             ready,
             broker: Arc::clone(&broker),
         })
-        .merge(crate::web::routes(broker, !local.ip().is_loopback()));
-    tokio::spawn(async move {
-        let stop = async move {
-            let _ = shutdown.changed().await;
-        };
-        let app = app.into_make_service_with_connect_info::<SocketAddr>();
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-        {
-            tracing::error!(error = %e, "HTTP endpoint failed");
-        }
-    });
-    tracing::info!(addr = %local, "HTTP endpoint: / (live view) /metrics /healthz /readyz");
+        .merge(crate::web::routes(
+            broker,
+            !local.ip().is_loopback(),
+            AllowedHosts::new(&options.allowed_hosts),
+        ));
+    let bounds = Bounds {
+        max_connections: options.max_connections,
+        limits: Limits {
+            header: options.header_timeout,
+            idle: options.idle_timeout,
+        },
+    };
+    tokio::spawn(serve::run(listener, app, bounds, shutdown));
+    tracing::info!(
+        addr = %local,
+        max_connections = options.max_connections,
+        header_timeout_ms = options.header_timeout.as_millis(),
+        idle_timeout_ms = options.idle_timeout.as_millis(),
+        "HTTP endpoint: / (live view) /metrics /healthz /readyz"
+    );
     Ok(local)
 }
 

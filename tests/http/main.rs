@@ -1,9 +1,16 @@
 //! The HTTP endpoint: health, readiness and Prometheus metrics that count
-//! what clients did, including what was dropped and why.
+//! what clients did, including what was dropped and why; the web view's
+//! host checks (`hosts.rs`); the endpoint's bounds (`limits.rs`).
 
+#[path = "../common/mod.rs"]
 mod common;
 
-use std::net::SocketAddr;
+mod client;
+mod hosts;
+mod limits;
+
+use client::{get, post, send};
+
 use std::time::Duration;
 
 use broker::config::{Mode, PersistenceSettings};
@@ -12,57 +19,9 @@ use common::mqtt::publish_complete;
 use common::raw::{NOTIFY_NAMESPACE, Raw, Recv, v5};
 use common::start_broker_with;
 use rumqttc::v5::mqttbytes::QoS;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// GET `path`: the status code and the body.
-async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    send(addr, "GET", path, None).await
-}
-
-/// POST a JSON `body` to `path`: the status code and the body.
-async fn post(addr: SocketAddr, path: &str, body: serde_json::Value) -> (u16, String) {
-    let body = body.to_string();
-    send(addr, "POST", path, Some(("application/json", &body))).await
-}
-
-/// `method path` with an optional (content type, body).
-async fn send(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    content: Option<(&str, &str)>,
-) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (content, body) = match content {
-        Some((kind, body)) => (
-            format!("Content-Type: {kind}\r\nContent-Length: {}\r\n", body.len()),
-            body,
-        ),
-        None => (String::new(), ""),
-    };
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{content}\r\n{body}"
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
-        .await
-        .unwrap()
-        .unwrap();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
 
 /// The value of the sample `series` (name with labels, as rendered).
-fn sample(metrics: &str, series: &str) -> Option<f64> {
+pub(crate) fn sample(metrics: &str, series: &str) -> Option<f64> {
     metrics.lines().find_map(|line| {
         let (name, value) = line.rsplit_once(' ')?;
         (name == series).then(|| value.parse().ok())?
