@@ -331,6 +331,7 @@ async fn the_policy_guards_topics_and_keys() {
             let me = statestore::Caller {
                 client_id: "admin",
                 connection: 0,
+                owner: "admin",
             };
             store.execute(&request, me, statebroker_now());
         }

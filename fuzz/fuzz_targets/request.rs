@@ -15,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
         scan_page_size: 3,
         ..Config::default()
     });
-    let me = Caller { client_id: "fuzz", connection: 1 };
+    let me = Caller { client_id: "fuzz", connection: 1, owner: "fuzz" };
     let ts = format!("{NOW}:0:fuzz");
     for (i, args) in [
         vec!["SET", "a", "1"],

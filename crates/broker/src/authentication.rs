@@ -12,6 +12,10 @@
 //!    (default: loopback listeners only), else refused "not authorized"
 //!    (0x87 / 0x05).
 //!
+//! Whom a client's state store quotas count against (its KEYNOTIFY
+//! registrations): [`quota_owner`], the verified username, or the source
+//! address of a client without one.
+//!
 //! Failed attempts are slowed per source address ([`Throttle`]): after a
 //! failure each further attempt from that address waits its turn, longer
 //! with every failure (up to 5 s), so guessing runs at a few attempts a
@@ -172,6 +176,22 @@ impl Authenticator {
     }
 }
 
+/// Whom a client's state store quotas count against
+/// (`statestore::Caller::owner`): the verified username (password file or
+/// client certificate), or for a client without one (anonymous) the
+/// address it connects from, without the port. Every connection and client
+/// id of one user, or of one anonymous address, shares that user's quota.
+/// The two kinds are told apart by their prefix, so no username can pass
+/// for an address.
+pub fn quota_owner(principal: &Principal, source: IpAddr) -> String {
+    match &principal.username {
+        Some(user) => format!("user:{user}"),
+        // An IPv4 client on a dual-stack socket (::ffff:a.b.c.d) is the
+        // same address as over IPv4.
+        None => format!("addr:{}", source.to_canonical()),
+    }
+}
+
 /// The most source addresses remembered (oldest forgotten first).
 const MAX_SOURCES: usize = 65_536;
 /// A source's failures are forgotten after this long without one.
@@ -280,6 +300,28 @@ mod tests {
             t.turn(b, now + FORGET_AFTER * 2),
             Duration::ZERO,
             "forgotten"
+        );
+    }
+
+    #[test]
+    fn quotas_count_against_the_user_or_the_address() {
+        let named = |username: Option<&str>| Principal {
+            client_id: "any".into(),
+            username: username.map(str::to_owned),
+            ..Principal::default()
+        };
+        let v4: IpAddr = "192.0.2.7".parse().unwrap();
+        let mapped: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
+        let v6: IpAddr = "2001:db8::1".parse().unwrap();
+        assert_eq!(quota_owner(&named(Some("alice")), v4), "user:alice");
+        assert_eq!(quota_owner(&named(Some("alice")), v6), "user:alice");
+        assert_eq!(quota_owner(&named(None), v4), "addr:192.0.2.7");
+        assert_eq!(quota_owner(&named(None), mapped), "addr:192.0.2.7");
+        assert_eq!(quota_owner(&named(None), v6), "addr:2001:db8::1");
+        // A username that looks like an address is still a user.
+        assert_ne!(
+            quota_owner(&named(Some("192.0.2.7")), v6),
+            quota_owner(&named(None), v4)
         );
     }
 

@@ -64,6 +64,7 @@ mod tests {
         let me = Caller {
             client_id: "c",
             connection: 1,
+            owner: "c",
         };
         store.execute(&request, me, 1_700_000_000_000).payload
     }

@@ -94,6 +94,7 @@ mod tests {
         let caller = Caller {
             client_id: "c1",
             connection: 1,
+            owner: "c1",
         };
         let out = store.execute(&request, caller, 1_700_000_000_000);
         assert!(out.error.is_none(), "{args:?}: {:?}", out.error);

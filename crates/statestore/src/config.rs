@@ -42,6 +42,11 @@ pub struct Config {
     pub max_watches_per_client: usize,
     /// Bytes of key names one client's KEYNOTIFY registrations may hold.
     pub max_watch_bytes_per_client: usize,
+    /// KEYNOTIFY registrations of one user: all the connections and client
+    /// ids counted against one [`crate::Caller::owner`] together.
+    pub max_watches_per_user: usize,
+    /// Bytes of key names of one user's KEYNOTIFY registrations.
+    pub max_watch_bytes_per_user: usize,
     /// KEYNOTIFY registrations of all clients.
     pub max_watches: usize,
     /// Bytes of key names of all KEYNOTIFY registrations.
@@ -62,6 +67,10 @@ impl Default for Config {
             quota: Quota::default(),
             max_watches_per_client: 10_000,
             max_watch_bytes_per_client: 1 << 20,
+            // A tenth of the registrations and an eighth of the bytes of
+            // the totals: no user takes more.
+            max_watches_per_user: 100_000,
+            max_watch_bytes_per_user: 32 << 20,
             max_watches: 1_000_000,
             max_watch_bytes: 256 << 20,
             persist_policy: PersistPolicy::default(),

@@ -41,7 +41,11 @@
 //! The caller is the MQTT client id of the connection the request came in on
 //! ([`Caller`]); an identity written in the payload or in user properties is
 //! never trusted. KEYNOTIFY registrations belong to that client id and die
-//! with its connection (see [`notify`]).
+//! with its connection (see [`notify`]). They also count against the
+//! caller's **owner** ([`Caller::owner`]), the user behind the connection
+//! (the broker gives the authenticated username, or the network address of
+//! an anonymous client), so that one user cannot take every registration by
+//! opening many connections or cycling client ids.
 //!
 //! # Versions, fencing, expiry
 //!
@@ -57,7 +61,7 @@
 //! use statestore::{Caller, Config, Request, Store, resp3::encode_request};
 //!
 //! let mut store = Store::new(Config::default());
-//! let alice = Caller { client_id: "alice", connection: 1 };
+//! let alice = Caller { client_id: "alice", connection: 1, owner: "alice" };
 //! let now = 1_700_000_000_000;
 //!
 //! // alice watches "door", then sets it

@@ -22,6 +22,13 @@
 //! register again. Each registration remembers the connection that made it,
 //! so the late clean-up of a connection that was taken over by a new one
 //! (same client id) never removes the new connection's registrations.
+//!
+//! Registrations count against three limits ([`WatchLimits`]): the client's,
+//! its **owner's** (the user the broker counts the connection against: its
+//! authenticated username, or for an anonymous client its network address;
+//! see [`crate::Caller::owner`]), and everyone's. The owner's limit is what
+//! keeps one user, whatever number of connections or client ids it uses,
+//! from taking the whole of the global limit.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -77,30 +84,70 @@ pub struct Watchers {
     by_key: HashMap<Box<[u8]>, Vec<Arc<str>>>,
     /// client id -> its registrations
     by_client: HashMap<Arc<str>, ClientWatches>,
-    /// Registrations in all.
-    total: usize,
-    /// Key bytes of all registrations.
-    total_bytes: usize,
+    /// owner -> what its registrations hold (owners holding none are
+    /// removed)
+    by_owner: HashMap<Arc<str>, Usage>,
+    /// What all registrations hold.
+    total: Usage,
+}
+
+/// Registrations, and the bytes of key names they keep.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Usage {
+    count: usize,
+    bytes: usize,
+}
+
+impl Usage {
+    /// Whether one more registration of `key_len` bytes stays within
+    /// `count` registrations and `bytes` bytes.
+    fn has_room(self, key_len: usize, count: usize, bytes: usize) -> bool {
+        self.count < count && self.bytes.saturating_add(key_len) <= bytes
+    }
+
+    fn add(&mut self, key_len: usize) {
+        self.count += 1;
+        self.bytes += key_len;
+    }
+
+    fn remove(&mut self, key_len: usize) {
+        self.count -= 1;
+        self.bytes -= key_len;
+    }
 }
 
 /// One client's registrations.
 #[derive(Debug, Default)]
 struct ClientWatches {
-    /// key -> connection that registered it
-    keys: HashMap<Box<[u8]>, u64>,
-    /// Sum of the lengths of those keys.
-    bytes: usize,
+    /// key -> who registered it
+    keys: HashMap<Box<[u8]>, Registration>,
+    /// What those registrations hold.
+    usage: Usage,
+}
+
+/// Who made one registration.
+#[derive(Debug)]
+struct Registration {
+    /// The connection that made it.
+    connection: u64,
+    /// Whom it counts against (see [`crate::Caller::owner`]).
+    owner: Arc<str>,
 }
 
 /// How many registrations there may be, and how many bytes of key names
-/// they may hold, per client and in all: every registration keeps its key,
-/// so a quota in bytes is what bounds the memory one client can take.
+/// they may hold, per client, per user (owner) and in all: every
+/// registration keeps its key, so a quota in bytes is what bounds the
+/// memory one client or user can take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WatchLimits {
     /// Registrations of one client.
     pub per_client: usize,
     /// Key bytes of one client's registrations.
     pub per_client_bytes: usize,
+    /// Registrations of one user: all the clients of one owner together.
+    pub per_user: usize,
+    /// Key bytes of one user's registrations.
+    pub per_user_bytes: usize,
     /// Registrations of all clients.
     pub total: usize,
     /// Key bytes of all registrations.
@@ -108,10 +155,14 @@ pub struct WatchLimits {
 }
 
 impl Default for WatchLimits {
+    /// The defaults of [`crate::Config`]: one user may take at most a tenth
+    /// of all registrations, and an eighth of their bytes.
     fn default() -> Self {
         WatchLimits {
             per_client: 10_000,
             per_client_bytes: 1 << 20,
+            per_user: 100_000,
+            per_user_bytes: 32 << 20,
             total: 1_000_000,
             total_bytes: 256 << 20,
         }
@@ -123,30 +174,50 @@ impl Default for WatchLimits {
 pub struct TooManyWatches;
 
 impl Watchers {
-    /// Registers `client` (on `connection`) for changes of `key`, within
-    /// `limits`. Registering again is not an error; it moves the
-    /// registration to `connection`.
+    /// Registers `client` (on `connection`, counted against `owner`) for
+    /// changes of `key`, within `limits`. Registering again is not an error
+    /// and costs nothing more; it moves the registration to `connection`
+    /// (and to `owner`, if the client now counts against another one: then
+    /// only if that owner has room).
     pub fn register(
         &mut self,
         client: &str,
+        owner: &str,
         connection: u64,
         key: &[u8],
         limits: &WatchLimits,
     ) -> Result<(), TooManyWatches> {
+        let user_has_room = |by_owner: &HashMap<Arc<str>, Usage>| {
+            by_owner.get(owner).copied().unwrap_or_default().has_room(
+                key.len(),
+                limits.per_user,
+                limits.per_user_bytes,
+            )
+        };
         if let Some(watches) = self.by_client.get_mut(client)
-            && let Some(conn) = watches.keys.get_mut(key)
+            && let Some(registration) = watches.keys.get_mut(key)
         {
-            *conn = connection;
+            if &*registration.owner != owner {
+                if !user_has_room(&self.by_owner) {
+                    return Err(TooManyWatches);
+                }
+                let (new_owner, usage) = owner_entry(&mut self.by_owner, owner);
+                usage.add(key.len());
+                let old_owner = std::mem::replace(&mut registration.owner, new_owner);
+                release(&mut self.by_owner, &old_owner, key.len());
+            }
+            registration.connection = connection;
             return Ok(());
         }
-        let (count, bytes) = self
+        let client_usage = self
             .by_client
             .get(client)
-            .map_or((0, 0), |w| (w.keys.len(), w.bytes));
-        if count + 1 > limits.per_client
-            || bytes + key.len() > limits.per_client_bytes
-            || self.total + 1 > limits.total
-            || self.total_bytes + key.len() > limits.total_bytes
+            .map_or_else(Usage::default, |w| w.usage);
+        if !client_usage.has_room(key.len(), limits.per_client, limits.per_client_bytes)
+            || !user_has_room(&self.by_owner)
+            || !self
+                .total
+                .has_room(key.len(), limits.total, limits.total_bytes)
         {
             return Err(TooManyWatches);
         }
@@ -154,11 +225,14 @@ impl Watchers {
             Some((id, _)) => id.clone(),
             None => Arc::from(client),
         };
+        let (owner, owner_usage) = owner_entry(&mut self.by_owner, owner);
+        owner_usage.add(key.len());
         let watches = self.by_client.entry(client_id.clone()).or_default();
-        watches.keys.insert(key.into(), connection);
-        watches.bytes += key.len();
-        self.total += 1;
-        self.total_bytes += key.len();
+        watches
+            .keys
+            .insert(key.into(), Registration { connection, owner });
+        watches.usage.add(key.len());
+        self.total.add(key.len());
         self.by_key.entry(key.into()).or_default().push(client_id);
         Ok(())
     }
@@ -168,15 +242,15 @@ impl Watchers {
         let Some(watches) = self.by_client.get_mut(client) else {
             return false;
         };
-        if watches.keys.remove(key).is_none() {
+        let Some(registration) = watches.keys.remove(key) else {
             return false;
-        }
-        watches.bytes -= key.len();
+        };
+        watches.usage.remove(key.len());
         if watches.keys.is_empty() {
             self.by_client.remove(client);
         }
-        self.total -= 1;
-        self.total_bytes -= key.len();
+        release(&mut self.by_owner, &registration.owner, key.len());
+        self.total.remove(key.len());
         self.remove_from_key(client, key);
         true
     }
@@ -199,7 +273,7 @@ impl Watchers {
         let gone: Vec<Box<[u8]>> = watches
             .keys
             .iter()
-            .filter(|&(_, &conn)| conn == connection)
+            .filter(|(_, registration)| registration.connection == connection)
             .map(|(key, _)| key.clone())
             .collect();
         for key in &gone {
@@ -215,17 +289,54 @@ impl Watchers {
 
     /// Number of registrations in all.
     pub fn len(&self) -> usize {
-        self.total
+        self.total.count
     }
 
     /// Key bytes of all registrations.
     pub fn bytes(&self) -> usize {
-        self.total_bytes
+        self.total.bytes
     }
 
     /// Whether there are no registrations.
     pub fn is_empty(&self) -> bool {
-        self.total == 0
+        self.total.count == 0
+    }
+
+    /// Registrations counted against `owner`, and their key bytes.
+    pub fn of_owner(&self, owner: &str) -> (usize, usize) {
+        self.by_owner
+            .get(owner)
+            .map_or((0, 0), |usage| (usage.count, usage.bytes))
+    }
+
+    /// Number of owners holding registrations.
+    pub fn owners(&self) -> usize {
+        self.by_owner.len()
+    }
+}
+
+/// `owner`'s entry (made if it has none), with the shared name to keep in
+/// registrations.
+fn owner_entry<'m>(
+    by_owner: &'m mut HashMap<Arc<str>, Usage>,
+    owner: &str,
+) -> (Arc<str>, &'m mut Usage) {
+    let name = match by_owner.get_key_value(owner) {
+        Some((name, _)) => Arc::clone(name),
+        None => Arc::from(owner),
+    };
+    let usage = by_owner.entry(Arc::clone(&name)).or_default();
+    (name, usage)
+}
+
+/// Takes one registration of `key_len` bytes off `owner`'s usage, and
+/// forgets the owner when it holds none.
+fn release(by_owner: &mut HashMap<Arc<str>, Usage>, owner: &str, key_len: usize) {
+    if let Some(usage) = by_owner.get_mut(owner) {
+        usage.remove(key_len);
+        if usage.count == 0 {
+            by_owner.remove(owner);
+        }
     }
 }
 
@@ -249,9 +360,9 @@ mod tests {
     #[test]
     fn register_unregister() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"k", &count_limit(10)).unwrap();
-        w.register("a", 1, b"k", &count_limit(10)).unwrap();
-        w.register("b", 2, b"k", &count_limit(10)).unwrap();
+        w.register("a", "a", 1, b"k", &count_limit(10)).unwrap();
+        w.register("a", "a", 1, b"k", &count_limit(10)).unwrap();
+        w.register("b", "b", 2, b"k", &count_limit(10)).unwrap();
         assert_eq!(ids(&w, b"k"), ["a", "b"]);
         assert!(w.unregister("a", b"k"));
         assert!(!w.unregister("a", b"k"));
@@ -263,11 +374,11 @@ mod tests {
     #[test]
     fn a_closed_connection_only_drops_its_own_registrations() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"old", &count_limit(10)).unwrap();
-        w.register("a", 1, b"both", &count_limit(10)).unwrap();
+        w.register("a", "a", 1, b"old", &count_limit(10)).unwrap();
+        w.register("a", "a", 1, b"both", &count_limit(10)).unwrap();
         // The client reconnects (connection 2) before connection 1's clean-up ran.
-        w.register("a", 2, b"both", &count_limit(10)).unwrap();
-        w.register("a", 2, b"new", &count_limit(10)).unwrap();
+        w.register("a", "a", 2, b"both", &count_limit(10)).unwrap();
+        w.register("a", "a", 2, b"new", &count_limit(10)).unwrap();
         assert_eq!(w.connection_closed("a", 1), 1);
         assert!(w.of_key(b"old").is_empty());
         assert_eq!(ids(&w, b"both"), ["a"]);
@@ -280,16 +391,16 @@ mod tests {
     #[test]
     fn per_client_limit() {
         let mut w = Watchers::default();
-        w.register("a", 1, b"1", &count_limit(2)).unwrap();
-        w.register("a", 1, b"2", &count_limit(2)).unwrap();
+        w.register("a", "a", 1, b"1", &count_limit(2)).unwrap();
+        w.register("a", "a", 1, b"2", &count_limit(2)).unwrap();
         assert_eq!(
-            w.register("a", 1, b"3", &count_limit(2)),
+            w.register("a", "a", 1, b"3", &count_limit(2)),
             Err(TooManyWatches)
         );
-        w.register("a", 1, b"2", &count_limit(2)).unwrap();
-        w.register("b", 1, b"3", &count_limit(2)).unwrap();
+        w.register("a", "a", 1, b"2", &count_limit(2)).unwrap();
+        w.register("b", "b", 1, b"3", &count_limit(2)).unwrap();
         assert_eq!(
-            w.register("c", 1, b"3", &count_limit(0)),
+            w.register("c", "c", 1, b"3", &count_limit(0)),
             Err(TooManyWatches)
         );
     }
@@ -299,34 +410,120 @@ mod tests {
         let limits = WatchLimits {
             per_client: 100,
             per_client_bytes: 10,
+            per_user: 100,
+            per_user_bytes: 100,
             total: 3,
             total_bytes: 15,
         };
         let mut w = Watchers::default();
-        w.register("a", 1, b"123456", &limits).unwrap();
+        w.register("a", "a", 1, b"123456", &limits).unwrap();
         assert_eq!(
-            w.register("a", 1, b"12345", &limits),
+            w.register("a", "a", 1, b"12345", &limits),
             Err(TooManyWatches),
             "11 key bytes for one client"
         );
-        w.register("a", 1, b"1234", &limits).unwrap();
+        w.register("a", "a", 1, b"1234", &limits).unwrap();
         assert_eq!(w.bytes(), 10);
         assert_eq!(
-            w.register("b", 1, b"123456", &limits),
+            w.register("b", "b", 1, b"123456", &limits),
             Err(TooManyWatches),
             "16 key bytes in all"
         );
-        w.register("b", 1, b"x", &limits).unwrap();
+        w.register("b", "b", 1, b"x", &limits).unwrap();
         assert_eq!(
-            w.register("c", 1, b"y", &limits),
+            w.register("c", "c", 1, b"y", &limits),
             Err(TooManyWatches),
             "4 in all"
         );
         // Registering again costs nothing; ending frees the room.
-        w.register("a", 2, b"1234", &limits).unwrap();
+        w.register("a", "a", 2, b"1234", &limits).unwrap();
         assert_eq!(w.connection_closed("a", 2), 1);
         assert_eq!((w.len(), w.bytes()), (2, 7));
-        w.register("c", 1, b"y", &limits).unwrap();
+        w.register("c", "c", 1, b"y", &limits).unwrap();
+    }
+
+    fn user_limit(per_user: usize, per_user_bytes: usize) -> WatchLimits {
+        WatchLimits {
+            per_client: 5,
+            per_user,
+            per_user_bytes,
+            ..WatchLimits::default()
+        }
+    }
+
+    /// Two clients of one user share its limit; unregistering and the end
+    /// of a connection give the room back, to the last registration.
+    #[test]
+    fn per_user_limit_spans_clients_and_follows_releases() {
+        let limits = user_limit(3, 1 << 20);
+        let mut w = Watchers::default();
+        w.register("a", "u", 1, b"k1", &limits).unwrap();
+        w.register("a", "u", 1, b"k2", &limits).unwrap();
+        w.register("b", "u", 2, b"k3", &limits).unwrap();
+        assert_eq!(w.register("b", "u", 2, b"k4", &limits), Err(TooManyWatches));
+        assert_eq!(w.register("c", "u", 3, b"k4", &limits), Err(TooManyWatches));
+        // Registering again costs nothing, at the limit too.
+        w.register("a", "u", 1, b"k1", &limits).unwrap();
+        w.register("b", "u", 2, b"k3", &limits).unwrap();
+        assert_eq!(w.of_owner("u"), (3, 6));
+        // Another user has its own room.
+        w.register("d", "v", 4, b"k4", &limits).unwrap();
+        // One unregisters: room again, once.
+        assert!(w.unregister("a", b"k1"));
+        assert_eq!(w.of_owner("u"), (2, 4));
+        w.register("b", "u", 2, b"k4", &limits).unwrap();
+        assert_eq!(w.register("a", "u", 1, b"k5", &limits), Err(TooManyWatches));
+        // b's connection ends: its two registrations are released.
+        assert_eq!(w.connection_closed("b", 2), 2);
+        assert_eq!(w.of_owner("u"), (1, 2));
+        w.register("a", "u", 1, b"k5", &limits).unwrap();
+        w.register("c", "u", 3, b"k6", &limits).unwrap();
+        assert_eq!(w.register("c", "u", 3, b"k7", &limits), Err(TooManyWatches));
+        assert_eq!(w.of_owner("u"), (3, 6));
+        assert_eq!(w.connection_closed("a", 1), 2);
+        assert_eq!(w.connection_closed("c", 3), 1);
+        assert_eq!(w.of_owner("u"), (0, 0));
+        assert_eq!(w.owners(), 1, "only v is left");
+        assert!(w.unregister("d", b"k4"));
+        assert_eq!((w.owners(), w.len(), w.bytes()), (0, 0, 0));
+    }
+
+    #[test]
+    fn per_user_limit_in_bytes() {
+        let limits = user_limit(100, 10);
+        let mut w = Watchers::default();
+        w.register("a", "u", 1, b"123456", &limits).unwrap();
+        assert_eq!(
+            w.register("b", "u", 2, b"12345", &limits),
+            Err(TooManyWatches),
+            "11 key bytes for one user"
+        );
+        w.register("b", "u", 2, b"1234", &limits).unwrap();
+        w.register("c", "v", 3, b"12345", &limits).unwrap();
+        assert_eq!(w.of_owner("u"), (2, 10));
+        assert_eq!(w.connection_closed("a", 1), 1);
+        w.register("b", "u", 2, b"12345", &limits).unwrap();
+        assert_eq!(w.of_owner("u"), (2, 9));
+    }
+
+    /// A client that comes back counted against another owner (another
+    /// user, or another address) takes its registration along, if the
+    /// new owner has room; the old connection's late clean-up leaves it.
+    #[test]
+    fn registering_again_under_another_owner_moves_the_count() {
+        let limits = user_limit(1, 1 << 20);
+        let mut w = Watchers::default();
+        w.register("a", "u", 1, b"k", &limits).unwrap();
+        w.register("a", "v", 2, b"k", &limits).unwrap();
+        assert_eq!((w.of_owner("u"), w.of_owner("v")), ((0, 0), (1, 1)));
+        assert_eq!(w.connection_closed("a", 1), 0);
+        // The new owner is full: refused, and the registration stays as it was.
+        w.register("x", "u", 3, b"other", &limits).unwrap();
+        assert_eq!(w.register("a", "u", 4, b"k", &limits), Err(TooManyWatches));
+        assert_eq!(w.of_owner("v"), (1, 1));
+        assert_eq!(w.connection_closed("a", 2), 1);
+        assert_eq!(w.of_owner("v"), (0, 0));
+        assert_eq!((w.len(), w.owners()), (1, 1));
     }
 
     #[test]

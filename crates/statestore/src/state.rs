@@ -22,6 +22,12 @@ pub struct Caller<'a> {
     pub client_id: &'a str,
     /// A number the broker gives each network connection (never reused).
     pub connection: u64,
+    /// Who this caller's quotas count against: the user behind the
+    /// connection, shared by all its connections and client ids. The broker
+    /// gives the authenticated username, or for an anonymous client its
+    /// network address (see the broker's `authentication::quota_owner`).
+    /// Used by the per-user KEYNOTIFY limit ([`Config::max_watches_per_user`]).
+    pub owner: &'a str,
 }
 
 /// What a command sees of its request besides its arguments.
@@ -242,17 +248,26 @@ impl State {
         self.db.next_expiry()
     }
 
-    /// Registers `caller` for changes of `key`, within its watch quota.
+    /// Registers `caller` for changes of `key`, within its client's, its
+    /// owner's and everyone's watch quotas.
     pub(crate) fn watch(&mut self, caller: Caller<'_>, key: &[u8]) -> Result<(), Error> {
         let config = &self.config;
         let limits = WatchLimits {
             per_client: config.max_watches_per_client,
             per_client_bytes: config.max_watch_bytes_per_client,
+            per_user: config.max_watches_per_user,
+            per_user_bytes: config.max_watch_bytes_per_user,
             total: config.max_watches,
             total_bytes: config.max_watch_bytes,
         };
         self.watchers
-            .register(caller.client_id, caller.connection, key, &limits)
+            .register(
+                caller.client_id,
+                caller.owner,
+                caller.connection,
+                key,
+                &limits,
+            )
             .map_err(|_| Error::QuotaExceeded)
     }
 

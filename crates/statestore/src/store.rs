@@ -3,7 +3,8 @@
 //! [`Store::execute`] takes one request (its RESP3 payload and the user
 //! properties that matter), the identity of the caller as the broker knows it
 //! (the MQTT client id of the connection the request came in on, never one
-//! written in the payload), and the broker's wall clock. It returns the
+//! written in the payload, and the user its quotas count against), and the
+//! broker's wall clock. It returns the
 //! response payload, the `__ts` to send with it, and the notifications the
 //! change causes. Nothing here knows about MQTT, so everything is testable
 //! without a network.
@@ -99,7 +100,7 @@ impl Store {
     /// ```
     /// use statestore::{Caller, Config, Request, Store, resp3::encode_request};
     /// let mut store = Store::new(Config::default());
-    /// let me = Caller { client_id: "client-1", connection: 1 };
+    /// let me = Caller { client_id: "client-1", connection: 1, owner: "user-1" };
     /// let set = encode_request(&["SET", "greeting", "hello"]);
     /// let ts = "1700000000000:0:client-1";
     /// let req = Request { payload: &set, timestamp: Some(ts), ..Request::default() };
@@ -271,6 +272,7 @@ mod tests {
         let me = Caller {
             client_id: "c",
             connection: 1,
+            owner: "c",
         };
         let now = 1_700_000_000_000;
         let set = encode_request(&["SET", "k", "v"]);
@@ -302,6 +304,7 @@ mod tests {
         let me = Caller {
             client_id: "c",
             connection: 1,
+            owner: "c",
         };
         let now = 1_700_000_000_000;
         let ts = format!("{now}:0:c");

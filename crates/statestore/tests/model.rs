@@ -17,7 +17,18 @@ const CLIENTS: [&str; 3] = ["c0", "c1", "c2"];
 const KEYS: [&str; 4] = ["a", "b", "c", "ab"];
 const VALUES: [&str; 3] = ["x", "y", ""];
 const MAX_KEYS: usize = 3;
+/// KEYNOTIFY limits: per client, per user (owner), in all.
 const MAX_WATCHES: usize = 3;
+const MAX_WATCHES_PER_USER: usize = 4;
+const MAX_WATCHES_TOTAL: usize = 5;
+/// Who the clients' quotas count against: c0 and c1 always share an
+/// owner; c2 changes sides each time it reconnects.
+const OWNERS: [&str; 2] = ["u0", "u1"];
+
+fn owner(client: &str, connection: u64) -> &'static str {
+    let i = CLIENTS.iter().position(|c| *c == client).unwrap();
+    OWNERS[(i / 2 + connection as usize) % 2]
+}
 /// SCAN patterns and the keys of KEYS each matches (worked out by hand).
 const PATTERNS: [(&str, &[&str]); 7] = [
     ("*", &["a", "b", "c", "ab"]),
@@ -332,12 +343,16 @@ impl Model {
                     .watchers
                     .get(key)
                     .is_some_and(|ws| ws.contains_key(name));
-                let count = self
-                    .watchers
-                    .values()
-                    .filter(|ws| ws.contains_key(name))
-                    .count();
-                if !registered && count >= MAX_WATCHES {
+                let me = owner(name, self.connection[*client]);
+                let all = || self.watchers.values().flatten();
+                let count = all().filter(|(c, _)| c.as_str() == name).count();
+                let of_owner = all().filter(|(c, conn)| owner(c, **conn) == me).count();
+                let total = all().count();
+                if !registered
+                    && (count >= MAX_WATCHES
+                        || of_owner >= MAX_WATCHES_PER_USER
+                        || total >= MAX_WATCHES_TOTAL)
+                {
                     return (err("the quota has been exceeded"), clock);
                 }
                 self.watchers
@@ -421,6 +436,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             ..Quota::default()
         },
         max_watches_per_client: MAX_WATCHES,
+        max_watches_per_user: MAX_WATCHES_PER_USER,
+        max_watches: MAX_WATCHES_TOTAL,
         ..Config::default()
     });
     let mut model = Model {
@@ -469,6 +486,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 let caller = Caller {
                     client_id: CLIENTS[*client],
                     connection: model.connection[*client],
+                    owner: owner(CLIENTS[*client], model.connection[*client]),
                 };
                 for page in 0.. {
                     prop_assert!(page < 100, "SCAN does not end");
@@ -540,6 +558,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         let caller = Caller {
             client_id: CLIENTS[client],
             connection: model.connection[client],
+            owner: owner(CLIENTS[client], model.connection[client]),
         };
         let out = store.execute(&request, caller, model.now);
         let mut expected_notes = Vec::new();

@@ -9,6 +9,7 @@ const T0: u64 = 1_700_000_000_000;
 const ME: Caller<'static> = Caller {
     client_id: "me",
     connection: 1,
+    owner: "me",
 };
 
 fn run(store: &mut Store, args: &[&str], persist: bool, now: u64) -> Outcome {

@@ -19,6 +19,7 @@ struct Req<'h> {
     args: Vec<Vec<u8>>,
     client: &'static str,
     connection: u64,
+    owner: &'static str,
     ts: Option<String>,
     ft: Option<String>,
     persist: bool,
@@ -38,7 +39,8 @@ impl Harness {
         }
     }
 
-    /// A request from client "c1" on connection 1 with a `__ts` of now.
+    /// A request from client "c1" on connection 1 (its own owner) with a
+    /// `__ts` of now.
     fn req<A: AsRef<[u8]>>(&mut self, args: &[A]) -> Req<'_> {
         let ts = Some(format!("{}:0:c1", self.now));
         Req {
@@ -46,6 +48,7 @@ impl Harness {
             args: args.iter().map(|a| a.as_ref().to_vec()).collect(),
             client: "c1",
             connection: 1,
+            owner: "c1",
             ts,
             ft: None,
             persist: false,
@@ -61,9 +64,16 @@ impl Harness {
 }
 
 impl Req<'_> {
+    /// From `client` on `connection`, counted against itself as owner.
     fn from(mut self, client: &'static str, connection: u64) -> Self {
         self.client = client;
         self.connection = connection;
+        self.owner = client;
+        self
+    }
+    /// Counted against `owner` (a user's several clients share one).
+    fn owner(mut self, owner: &'static str) -> Self {
+        self.owner = owner;
         self
     }
     fn ts(mut self, ts: Option<&str>) -> Self {
@@ -95,6 +105,7 @@ impl Req<'_> {
         let caller = Caller {
             client_id: self.client,
             connection: self.connection,
+            owner: self.owner,
         };
         self.h.store.execute(&request, caller, self.h.now)
     }
@@ -547,6 +558,48 @@ fn watch_quota_in_bytes() {
     assert_eq!(h.run(&["KEYNOTIFY", &other]), b"+OK\r\n");
 }
 
+/// The clients of one user (owner) share its limit: one client cannot
+/// take the room of others by opening connections or changing client id;
+/// unregistering and the end of a connection give it back.
+#[test]
+fn watch_quota_per_user() {
+    let mut h = Harness::with(Config {
+        max_watches_per_client: 2,
+        max_watches_per_user: 3,
+        ..Config::default()
+    });
+    let full = err("the quota has been exceeded");
+    let watch = |h: &mut Harness, client, conn, owner, key: &str| {
+        let out = h.req(&["KEYNOTIFY", key]).from(client, conn).owner(owner);
+        out.send().payload
+    };
+    assert_eq!(watch(&mut h, "c1", 1, "u", "a"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c1", 1, "u", "b"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c2", 2, "u", "c"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c2", 2, "u", "d"), full, "the user's limit");
+    assert_eq!(watch(&mut h, "c9", 9, "u", "d"), full, "a new client id");
+    // Registering a key again does not count twice.
+    assert_eq!(watch(&mut h, "c1", 1, "u", "b"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c2", 2, "u", "c"), b"+OK\r\n");
+    // Another user is not affected.
+    assert_eq!(watch(&mut h, "c3", 3, "v", "d"), b"+OK\r\n");
+    // c1 unregisters a key: room for one more, and only one.
+    let stop = h.req(&["KEYNOTIFY", "a", "STOP"]).from("c1", 1).owner("u");
+    assert_eq!(stop.send().payload, b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c2", 2, "u", "d"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c1", 1, "u", "e"), full);
+    // c2's connection ends: its two registrations are given back.
+    assert_eq!(h.store.connection_closed("c2", 2), 2);
+    assert_eq!(watch(&mut h, "c1", 1, "u", "e"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c4", 4, "u", "f"), b"+OK\r\n");
+    assert_eq!(watch(&mut h, "c4", 4, "u", "g"), full);
+    // The notifications go to whoever holds a registration.
+    let out = h.req(&["SET", "d", "x"]).send();
+    let watchers: Vec<&str> = out.notices[0].watchers.iter().map(|w| &**w).collect();
+    assert_eq!(watchers, ["c3"]);
+    assert_eq!(h.store.watch_count(), 4);
+}
+
 // ---------------------------------------------------------------- SCAN
 
 fn scan_all(h: &mut Harness, pattern: &str) -> (Vec<Vec<u8>>, usize) {
@@ -800,6 +853,10 @@ fn info_describes_the_store_by_section() {
         "bytes:6",
         "watches:1",
         "# Quota",
+        "max_watches_per_client:10000",
+        "max_watches_per_user:100000",
+        "max_watch_bytes_per_user:33554432",
+        "max_watches:1000000",
     ] {
         assert!(
             all.split("\r\n").any(|l| l == line),

@@ -412,6 +412,8 @@ impl Settings {
             scan_page_size: s.scan_page_size,
             max_watches_per_client: s.max_watches_per_client,
             max_watch_bytes_per_client: s.max_watch_bytes_per_client,
+            max_watches_per_user: s.max_watches_per_user,
+            max_watch_bytes_per_user: s.max_watch_bytes_per_user,
             max_watches: s.max_watches,
             max_watch_bytes: s.max_watch_bytes,
             quota: statestore::Quota {

@@ -140,6 +140,11 @@ pub struct StoreSection {
     pub max_watches_per_client: usize,
     /// Bytes of key names one client's registrations may hold.
     pub max_watch_bytes_per_client: usize,
+    /// KEYNOTIFY registrations per user: the verified username, or the
+    /// address of an anonymous client (all its connections and client ids).
+    pub max_watches_per_user: usize,
+    /// Bytes of key names one user's registrations may hold.
+    pub max_watch_bytes_per_user: usize,
     /// KEYNOTIFY registrations of all clients.
     pub max_watches: usize,
     /// Bytes of key names of all registrations.

@@ -118,6 +118,41 @@ fn a_file_changes_only_what_it_names() {
     assert_eq!(s.listeners[0].addr, "127.0.0.1:1883".parse().unwrap());
 }
 
+/// The embedded defaults of the KEYNOTIFY limits are the store's own (a
+/// user's: a tenth of all registrations, an eighth of their bytes);
+/// `[statestore]` sets each.
+#[test]
+fn watch_limits_default_to_the_stores_and_a_file_sets_them() {
+    let c = Settings::load_with_env(None, &[], no_env())
+        .unwrap()
+        .store_config();
+    let d = statestore::Config::default();
+    let limits = |c: &statestore::Config| {
+        [
+            c.max_watches_per_client,
+            c.max_watch_bytes_per_client,
+            c.max_watches_per_user,
+            c.max_watch_bytes_per_user,
+            c.max_watches,
+            c.max_watch_bytes,
+        ]
+    };
+    assert_eq!(limits(&c), limits(&d));
+    assert_eq!(
+        (c.max_watches_per_user, c.max_watch_bytes_per_user),
+        (c.max_watches / 10, c.max_watch_bytes / 8)
+    );
+    let f = file("[statestore]\nmax_watches_per_user = 10\nmax_watch_bytes_per_user = 1000\n");
+    let c = Settings::load_with_env(Some(&f), &[], no_env())
+        .unwrap()
+        .store_config();
+    assert_eq!(
+        (c.max_watches_per_user, c.max_watch_bytes_per_user),
+        (10, 1000)
+    );
+    assert_eq!(c.max_watches_per_client, 10_000, "the others stay");
+}
+
 #[test]
 fn file_listeners_replace_the_default() {
     let f = file(

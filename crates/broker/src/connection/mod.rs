@@ -112,6 +112,7 @@ pub(crate) async fn serve<S: Stream>(
         Arc::clone(&peer_view),
     );
     let topic_alias_max = shared.settings.broker.topic_alias_max;
+    let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
     let start = Start {
         id,
         client_id: client_id.clone(),
@@ -130,6 +131,7 @@ pub(crate) async fn serve<S: Stream>(
         joined: link.is_linked(),
         bound,
         principal,
+        owner,
         disk: shared.store.answered(),
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));

@@ -240,7 +240,7 @@ impl StateStoreService {
             (outcome, wait)
         };
         if let Some(error) = outcome.error {
-            tracing::debug!(client_id = caller.client_id, command = outcome.command, %error, "request refused");
+            tracing::debug!(client_id = caller.client_id, owner = caller.owner, command = outcome.command, %error, "request refused");
         }
         let shown = self.activity.watched().then(|| {
             let key = statestore::resp3::parse_request(request.payload)

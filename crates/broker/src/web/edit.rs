@@ -85,6 +85,7 @@ async fn run(broker: &Broker, args: &[Vec<u8>]) -> Response {
     let caller = Caller {
         client_id: EDITOR,
         connection: u64::MAX,
+        owner: EDITOR,
     };
     let answer = shared.store.execute(&request, caller).await;
     tracing::info!(command = %String::from_utf8_lossy(&args[0]), key = %String::from_utf8_lossy(&args[1]), answer = %String::from_utf8_lossy(&answer).trim_end(), "web view edit");

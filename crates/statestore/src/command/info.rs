@@ -60,8 +60,15 @@ impl<'a> Info<'a> {
         if wanted("quota") {
             let q = &config.quota;
             sections.push(format!(
-                "# Quota\r\nmax_keys:{}\r\nmax_bytes:{}\r\nmax_key_size:{}\r\nmax_value_size:{}\r\nmax_watches_per_client:{}\r\n",
-                q.max_keys, q.max_bytes, q.max_key_size, q.max_value_size, config.max_watches_per_client,
+                "# Quota\r\nmax_keys:{}\r\nmax_bytes:{}\r\nmax_key_size:{}\r\nmax_value_size:{}\r\nmax_watches_per_client:{}\r\nmax_watches_per_user:{}\r\nmax_watch_bytes_per_user:{}\r\nmax_watches:{}\r\n",
+                q.max_keys,
+                q.max_bytes,
+                q.max_key_size,
+                q.max_value_size,
+                config.max_watches_per_client,
+                config.max_watches_per_user,
+                config.max_watch_bytes_per_user,
+                config.max_watches,
             ));
         }
         Ok(Answer {

@@ -73,6 +73,9 @@ pub(crate) struct Start {
     /// The bound on the broker's own deliveries queued for this client.
     pub bound: Arc<crate::sessions::QueueBound>,
     pub principal: Arc<Principal>,
+    /// Whom the client's state store quotas count against
+    /// ([`crate::authentication::quota_owner`]).
+    pub owner: Arc<str>,
     /// How far the disk and the answers waiting for it are (the store's
     /// `StateStoreService::answered`).
     pub disk: watch::Receiver<Position>,
@@ -118,6 +121,8 @@ pub(crate) struct Machine {
     pub(super) legacy_2023: bool,
     /// Who the client is, for the authorization policy.
     pub(super) principal: Arc<Principal>,
+    /// Whom its state store quotas count against.
+    pub(super) owner: Arc<str>,
     /// The broker's shared parts: the store, the policy, the faults.
     pub(super) shared: Arc<Shared>,
 }
@@ -154,6 +159,7 @@ impl Machine {
             session_expiry: start.session_expiry,
             legacy_2023: shared.settings.broker.legacy_2023_topic,
             principal: start.principal,
+            owner: start.owner,
             shared,
         }
     }

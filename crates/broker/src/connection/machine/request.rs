@@ -75,6 +75,7 @@ impl Machine {
                 let caller = Caller {
                     client_id: &self.client_id,
                     connection: self.id,
+                    owner: &self.owner,
                 };
                 let rules = policy.as_deref().map(|policy| KeyRules {
                     policy,
@@ -117,6 +118,7 @@ impl Machine {
                             principal: Arc::clone(&self.principal),
                             client_id: self.client_id.clone(),
                             connection: self.id,
+                            owner: Arc::clone(&self.owner),
                         });
                     }
                 }
@@ -155,6 +157,7 @@ pub(crate) struct Delayed {
     principal: Arc<Principal>,
     client_id: String,
     connection: u64,
+    owner: Arc<str>,
 }
 
 impl Delayed {
@@ -184,6 +187,7 @@ impl Delayed {
         let caller = Caller {
             client_id: &self.client_id,
             connection: self.connection,
+            owner: &self.owner,
         };
         run_planned(&shared.store, &request, caller, self.reply_to, self.action);
     }

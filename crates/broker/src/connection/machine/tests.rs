@@ -56,6 +56,7 @@ async fn machine(joined: bool) -> (Machine, watch::Sender<Position>) {
             client_id: "c1".into(),
             ..Principal::default()
         }),
+        owner: "addr:127.0.0.1".into(),
         disk: position,
     };
     (Machine::new(start, shared), disk)
