@@ -21,6 +21,10 @@ use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use crate::persistence::Position;
 use crate::sessions::{Peer, ToConnection};
+
+/// How long a closing connection waits for the router to end its session
+/// before it closes the socket anyway.
+const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
 use crate::shared::Shared;
 
 /// How long a write to a client without keep-alive may stall before the
@@ -165,13 +169,23 @@ impl<S: Stream> Driver<S> {
             self.socket.write_all(&mut machine.wbuf),
         )
         .await;
+        if self.link.is_linked() && self.link.send(&mut machine.to_router).await.is_ok() {
+            // The router ends the session as the DISCONNECT says (kept with
+            // its expiry, or discarded) and closes the link once its journal
+            // has the change. Only then is the socket closed: a client that
+            // reconnects after seeing it close finds the session as this
+            // connection left it, also across a restart (MQTT 5 3.1.2.11.2:
+            // a Session Expiry Interval of 0 ends the session with the
+            // connection). Bounded, for a router that is stopping.
+            let _ = tokio::time::timeout(ROUTER_GOODBYE, async {
+                while let Ok(Some(_)) = self.link.next().await {}
+            })
+            .await;
+        }
         self.socket.shutdown().await;
         if end.reason().0.is_some() {
             // The broker ended it: let the client read why before closing.
             self.socket.linger(Duration::from_millis(500)).await;
-        }
-        if self.link.is_linked() {
-            let _ = self.link.send(&mut machine.to_router).await;
         }
     }
 }

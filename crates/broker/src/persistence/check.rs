@@ -43,10 +43,9 @@ pub(super) enum Loss {
 impl Loss {
     pub(super) fn describe(&self, dir: &Path) -> String {
         match self {
-            Loss::JournalMissing => format!(
-                "it has been used (fjall's `version` file is there) but holds no journal file (*.jnl): \
+            Loss::JournalMissing => "it has been used (fjall's `version` file is there) but holds no journal file (*.jnl): \
                  every change not yet written to a table is lost, and the storage engine would start empty"
-            ),
+                .to_owned(),
             Loss::Behind { expected, found } => format!(
                 "its last clean shutdown left the storage engine at sequence number {expected}, \
                  and it opens at {found}: the journal ({}) was damaged or replaced since",
