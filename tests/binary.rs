@@ -5,6 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::raw::{Raw, disconnect_reason, v5};
+use common::signal;
 use common::spawn_broker as start;
 use tokio::process::Command;
 
@@ -77,17 +78,6 @@ fn noisy(log: &[String]) -> Vec<&String> {
                 .any(|lvl| l.contains(lvl))
         })
         .collect()
-}
-
-fn signal(child: &tokio::process::Child, name: &str) {
-    let pid = child.id().unwrap().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args([&format!("-{name}"), &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
 }
 
 #[tokio::test]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, user_property, v5};
-use common::spawn_broker;
+use common::{spawn_broker, write_sequentially};
 use parking_lot::Mutex;
 use rumqttc::v5::mqttbytes::QoS;
 use statestore::command::Page;
@@ -408,27 +408,6 @@ async fn acknowledged_writes_survive_sigkill_fsync_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_writes_survive_sigkill_interval_mode() {
     crash_loop("interval", Duration::from_secs(15), 8).await;
-}
-
-/// Writes `n` persisted keys one at a time (each its own batch) and returns
-/// their versions.
-async fn write_sequentially(addr: std::net::SocketAddr, prefix: &str, n: usize) -> Vec<String> {
-    let mut c = Raw::connect(addr, "sequential").await;
-    let mut versions = Vec::new();
-    for i in 0..n {
-        let key = format!("{prefix}{i:03}");
-        let ts = now_hlc("sequential");
-        let r = c
-            .request_raw(
-                REQUEST_TOPIC,
-                &encode_request(&[b"SET".as_slice(), key.as_bytes(), b"v"]),
-                &[("__ts", &ts), ("aio-persistence", "true")],
-            )
-            .await;
-        assert_eq!(&r.payload[..], b"+OK\r\n");
-        versions.push(user_property(&r, "__ts").unwrap().to_owned());
-    }
-    versions
 }
 
 /// The journal files and the end of the data in the newest one.

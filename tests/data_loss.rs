@@ -8,27 +8,14 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::raw::{REQUEST_TOPIC, Raw, now_hlc};
-use common::spawn_broker;
-use statestore::resp3::encode_request;
+use common::raw::Raw;
+use common::{signal, spawn_broker, write_sequentially};
 
 const KEYS: usize = 20;
 
 /// Writes `KEYS` persisted keys, one request each.
 async fn write_keys(addr: std::net::SocketAddr) {
-    let mut c = Raw::connect(addr, "writer").await;
-    for i in 0..KEYS {
-        let key = format!("k{i:03}");
-        let ts = now_hlc("writer");
-        let r = c
-            .request_raw(
-                REQUEST_TOPIC,
-                &encode_request(&[b"SET".as_slice(), key.as_bytes(), b"v"]),
-                &[("__ts", &ts), ("aio-persistence", "true")],
-            )
-            .await;
-        assert_eq!(&r.payload[..], b"+OK\r\n", "{key}");
-    }
+    write_sequentially(addr, "k", KEYS).await;
 }
 
 /// How many of the keys are there.
@@ -42,17 +29,6 @@ async fn count_keys(addr: std::net::SocketAddr) -> usize {
         }
     }
     found
-}
-
-fn signal(child: &tokio::process::Child, name: &str) {
-    let pid = child.id().unwrap().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args([&format!("-{name}"), &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
 }
 
 /// Starts the broker on `dir`, writes the keys, stops it with SIGTERM and

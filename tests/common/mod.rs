@@ -90,3 +90,41 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Sends signal `name` (TERM, HUP, ...) to `child`.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn signal(child: &tokio::process::Child, name: &str) {
+    let pid = child.id().unwrap().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args([&format!("-{name}"), &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+/// Writes `n` persisted keys `{prefix}000`, `{prefix}001`, ... with value
+/// `v`, one request at a time (each its own batch on disk), and returns
+/// their versions.
+#[allow(dead_code)]
+pub async fn write_sequentially(addr: SocketAddr, prefix: &str, n: usize) -> Vec<String> {
+    use raw::{REQUEST_TOPIC, Raw, now_hlc, user_property};
+    use statestore::resp3::encode_request;
+    let mut c = Raw::connect(addr, "sequential").await;
+    let mut versions = Vec::new();
+    for i in 0..n {
+        let key = format!("{prefix}{i:03}");
+        let ts = now_hlc("sequential");
+        let r = c
+            .request_raw(
+                REQUEST_TOPIC,
+                &encode_request(&[b"SET".as_slice(), key.as_bytes(), b"v"]),
+                &[("__ts", &ts), ("aio-persistence", "true")],
+            )
+            .await;
+        assert_eq!(&r.payload[..], b"+OK\r\n", "{key}");
+        versions.push(user_property(&r, "__ts").unwrap().to_owned());
+    }
+    versions
+}
