@@ -53,7 +53,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -155,6 +155,9 @@ pub struct Persistence {
     kick: Arc<kick::Kick>,
     /// The `stall_disk` fault.
     stall: Arc<writer::Stall>,
+    /// Set by [`Persistence::close`]: a writer retrying against a disk that
+    /// refuses writes gives up.
+    stopping: Arc<AtomicBool>,
 }
 
 struct Engine {
@@ -299,10 +302,20 @@ impl Persistence {
         let writer_kick = Arc::clone(&kick);
         let stall = Arc::new(writer::Stall::default());
         let writer_stall = Arc::clone(&stall);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let writer_stopping = Arc::clone(&stopping);
         let writer = std::thread::Builder::new()
             .name("persistence".into())
             .spawn(move || {
-                writer::write_loop(engine, rx, durable_tx, mode, writer_kick, writer_stall)
+                writer::write_loop(
+                    engine,
+                    rx,
+                    durable_tx,
+                    mode,
+                    writer_kick,
+                    writer_stall,
+                    writer_stopping,
+                )
             })
             .map_err(|e| OpenError {
                 dir: dir.clone(),
@@ -316,6 +329,7 @@ impl Persistence {
             writer: Mutex::new(Some(writer)),
             kick,
             stall,
+            stopping,
         };
         Ok((persistence, loaded))
     }
@@ -381,6 +395,7 @@ impl Persistence {
     /// the engine (ending a stall). Idempotent.
     pub fn close(&self) {
         self.stall.set(Duration::ZERO);
+        self.stopping.store(true, Ordering::Release);
         let _ = self.jobs.lock().send(Job::Stop);
         self.kick.now();
         if let Some(writer) = self.writer.lock().take() {

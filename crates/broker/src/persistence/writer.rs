@@ -1,5 +1,6 @@
 //! The writer thread: group commit, fsync, and the durable position.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,7 @@ pub(super) fn write_loop(
     mode: Mode,
     kick: Arc<Kick>,
     stall: Arc<Stall>,
+    stopping: Arc<AtomicBool>,
 ) {
     let mut last_sync = Instant::now();
     let mut unsynced = false;
@@ -98,15 +100,18 @@ pub(super) fn write_loop(
         let changes = batch.len() + puts.len();
         let started = Instant::now();
         if changes > 0 {
-            commit(&engine, &batch, &puts);
-            match mode {
-                Mode::Fsync => sync(&engine.db, PersistMode::SyncAll),
-                // Out of the process, into the OS: a crash of the broker
-                // loses nothing; a power loss what the OS has not written.
-                Mode::Interval(_) => {
-                    sync(&engine.db, PersistMode::Buffer);
-                    unsynced = true;
-                }
+            let written = commit(&engine, &batch, &puts, &stopping)
+                && match mode {
+                    Mode::Fsync => sync(&engine.db, PersistMode::SyncAll, &stopping),
+                    // Out of the process, into the OS: a crash of the broker
+                    // loses nothing; a power loss what the OS has not written.
+                    Mode::Interval(_) => {
+                        unsynced = true;
+                        sync(&engine.db, PersistMode::Buffer, &stopping)
+                    }
+                };
+            if !written {
+                return gave_up(changes);
             }
         }
         // The interval's fsync, when due: after a batch, or on waking idle.
@@ -114,7 +119,9 @@ pub(super) fn write_loop(
             && unsynced
             && last_sync.elapsed() >= every
         {
-            sync(&engine.db, PersistMode::SyncAll);
+            if !sync(&engine.db, PersistMode::SyncAll, &stopping) {
+                return gave_up(0);
+            }
             unsynced = false;
             last_sync = Instant::now();
         }
@@ -128,7 +135,9 @@ pub(super) fn write_loop(
             break;
         }
     }
-    sync(&engine.db, PersistMode::SyncAll);
+    if !sync(&engine.db, PersistMode::SyncAll, &stopping) {
+        return gave_up(0);
+    }
     // What the next start must find again (see check.rs).
     if let Err(e) = super::check::write_mark(&engine.dir, engine.db.seqno()) {
         tracing::warn!(error = %e, dir = %engine.dir.display(), "cannot leave the clean-shutdown mark: the next start cannot check for a lost journal");
@@ -136,9 +145,20 @@ pub(super) fn write_loop(
     tracing::debug!("persistence writer stopped");
 }
 
+/// The broker is stopping and the disk still refuses writes: what was not
+/// written was never acknowledged; say so and end (no clean-shutdown
+/// mark: the next start checks the journal as after a crash).
+fn gave_up(changes: usize) {
+    tracing::error!(
+        changes,
+        "stopping while the data directory refuses writes: the changes not on disk were never acknowledged and are not kept"
+    );
+}
+
 /// Writes one batch atomically, retrying until the disk takes it: until
-/// then, the writes it holds are not acknowledged.
-fn commit(engine: &Engine, writes: &[Write], puts: &[Put]) {
+/// then, the writes it holds are not acknowledged. `false`: the broker
+/// began stopping while the disk still refused it (given up).
+fn commit(engine: &Engine, writes: &[Write], puts: &[Put], stopping: &AtomicBool) -> bool {
     let mut delay = Duration::from_millis(10);
     loop {
         let mut batch = engine.db.batch();
@@ -161,21 +181,39 @@ fn commit(engine: &Engine, writes: &[Write], puts: &[Put]) {
             }
         }
         match batch.commit() {
-            Ok(()) => return,
+            Ok(()) => return true,
             Err(e) => {
                 tracing::error!(error = %e, "cannot write to the data directory; retrying (writes stay unacknowledged)");
-                std::thread::sleep(delay);
-                delay = (delay * 2).min(Duration::from_secs(5));
+                if !back_off(&mut delay, stopping) {
+                    return false;
+                }
             }
         }
     }
 }
 
-fn sync(db: &Database, mode: PersistMode) {
+/// Persists the journal as `mode` says, retrying like [`commit`].
+fn sync(db: &Database, mode: PersistMode, stopping: &AtomicBool) -> bool {
     let mut delay = Duration::from_millis(10);
     while let Err(e) = db.persist(mode) {
         tracing::error!(error = %e, "cannot fsync persisted keys; retrying (writes stay unacknowledged)");
-        std::thread::sleep(delay);
-        delay = (delay * 2).min(Duration::from_secs(5));
+        if !back_off(&mut delay, stopping) {
+            return false;
+        }
     }
+    true
+}
+
+/// Waits `delay` before the next try (doubling it up to 5 s), looking
+/// every 10 ms whether the broker is stopping. `false`: it is.
+fn back_off(delay: &mut Duration, stopping: &AtomicBool) -> bool {
+    let until = Instant::now() + *delay;
+    *delay = (*delay * 2).min(Duration::from_secs(5));
+    while Instant::now() < until {
+        if stopping.load(Ordering::Acquire) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    !stopping.load(Ordering::Acquire)
 }
