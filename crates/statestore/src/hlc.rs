@@ -167,6 +167,12 @@ impl HybridClock {
         HybridClock { last: floor }
     }
 
+    /// Takes in a version seen elsewhere (another node's): every version
+    /// handed out after this is greater.
+    pub fn observe(&mut self, seen: Version) {
+        self.last = self.last.max(seen);
+    }
+
     /// The last version handed out.
     pub fn last(&self) -> Version {
         self.last

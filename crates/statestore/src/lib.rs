@@ -92,6 +92,7 @@ pub mod glob;
 pub mod hlc;
 pub mod notify;
 pub mod persist;
+pub mod plan;
 pub mod resp3;
 pub mod state;
 pub mod store;

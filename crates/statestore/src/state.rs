@@ -7,6 +7,7 @@
 //! sits above both, turning a request into a command and the command's
 //! answer into a response. Nothing here parses requests.
 
+use crate::command::Answer;
 use crate::config::Config;
 use crate::db::{Db, Entry, Extras};
 use crate::error::Error;
@@ -14,6 +15,7 @@ use crate::glob::Pattern;
 use crate::hlc::{Hlc, HybridClock, Version};
 use crate::notify::{Event, Notice, WatchLimits, Watchers};
 use crate::persist::{Record, Write};
+use crate::plan::{Change, Context, Plan, Planner, Stamp};
 
 /// Who sent a request: the connection it came in on.
 #[derive(Debug, Clone, Copy)]
@@ -139,6 +141,11 @@ impl State {
         self.clock.now(now)
     }
 
+    /// Takes in a version another node handed out.
+    pub(crate) fn observe(&mut self, seen: Version) {
+        self.clock.observe(seen);
+    }
+
     /// The highest version handed out so far.
     pub(crate) fn last_version(&self) -> Version {
         self.clock.last()
@@ -146,8 +153,8 @@ impl State {
 
     /// Hands out a new version for a change, raising the clock mark first
     /// when the version comes near it.
-    pub(crate) fn new_version(&mut self, now: u64, received: &Hlc) -> Version {
-        let version = self.clock.next(now, Some(received));
+    pub(crate) fn new_version(&mut self, now: u64, received: Option<&Hlc>) -> Version {
+        let version = self.clock.next(now, received);
         if let Some(lease) = self.config.clock_lease_ms
             && version.wall_ms.saturating_add(lease / 2) >= self.clock_mark
         {
@@ -156,15 +163,11 @@ impl State {
         }
         version
     }
+}
 
-    /// Whether writing `value` under `key` (replacing `existing`) stays
-    /// within the quota.
-    pub(crate) fn check_quota(
-        &self,
-        key: &[u8],
-        value: &[u8],
-        existing: Option<&Entry>,
-    ) -> Result<(), Error> {
+impl Planner for State {
+    /// Sizes of keys and values, and the number and bytes of all keys.
+    fn check_quota(&self, key: &[u8], value: &[u8], existing: Option<&Entry>) -> Result<(), Error> {
         let quota = &self.config.quota;
         if key.len() > quota.max_key_size || value.len() > quota.max_value_size {
             return Err(Error::QuotaExceeded);
@@ -180,9 +183,40 @@ impl State {
         Ok(())
     }
 
-    /// Writes `entry`, replacing the key's old one.
-    pub(crate) fn put(&mut self, entry: Entry) {
-        self.db.insert(entry);
+    fn persists_by_policy(&self, key: &[u8]) -> bool {
+        self.config.persist_policy.persists(key)
+    }
+}
+
+impl State {
+    /// Commits a key command's plan (see [`crate::plan`]) into this
+    /// node's keys: a new version for a write, the durable write, the
+    /// watchers' notifications. Returns the answer.
+    pub(crate) fn commit(&mut self, key: &[u8], plan: Plan<'_>, ctx: &Context<'_>) -> Answer {
+        let version = match (plan.change, plan.stamp) {
+            (Some(Change::Put { key, value, extras }), _) => {
+                let version = self.new_version(ctx.now, ctx.timestamp);
+                if extras.persisted {
+                    self.persist(Write::Put(Record {
+                        key: key.to_vec(),
+                        value: value.to_vec(),
+                        version,
+                        fencing_token: extras.fencing_token.clone(),
+                        expires_at: extras.expires_at,
+                    }));
+                }
+                self.db.insert(Entry::new(key, value, version, extras));
+                self.changed(key, Event::Set(value.to_vec()), version);
+                version
+            }
+            (Some(Change::Delete), _) => self.delete(key),
+            (None, Stamp::Of(version)) => version,
+            (None, Stamp::ClockNow | Stamp::New) => self.clock_now(ctx.now),
+        };
+        Answer {
+            frame: plan.frame,
+            version,
+        }
     }
 
     /// Deletes `key` (which must exist), tells its watchers, and returns the
@@ -194,6 +228,23 @@ impl State {
         }
         self.changed(key, Event::Delete, entry.version());
         entry.version()
+    }
+
+    /// Notifications of a change made elsewhere (another node), for this
+    /// node's watchers of `key`; `version` as the change's node wrote it.
+    pub(crate) fn changed_elsewhere(
+        &self,
+        key: &[u8],
+        event: Event,
+        version: String,
+    ) -> Option<Notice> {
+        let watchers = self.watchers.of_key(key);
+        (!watchers.is_empty()).then(|| Notice {
+            key: key.to_vec(),
+            event,
+            version,
+            watchers: watchers.to_vec(),
+        })
     }
 
     /// Records a notification for the watchers of `key`, if there are any.

@@ -69,6 +69,51 @@ pub struct Outcome {
     pub error: Option<Error>,
 }
 
+/// A request taken apart for a backend that keeps the keys elsewhere (a
+/// cluster's shared engine; see [`crate::plan`]): [`Store::prepare`].
+pub enum Prepared<'a> {
+    /// Served by this store: refused, or a command that touches no key's
+    /// entry (KEYNOTIFY, PING, INFO).
+    Done(Outcome),
+    /// A command on one key's entry, to plan and commit.
+    Key(Keyed<'a>),
+    /// SCAN, to run over the backend's keys.
+    Scan(Scanned<'a>),
+}
+
+/// A key command and what it sees of its request.
+#[derive(Debug)]
+pub struct Keyed<'a> {
+    /// The command.
+    pub command: crate::plan::KeyCommand<'a>,
+    /// `__ts`, checked.
+    pub timestamp: Option<Hlc>,
+    /// `__ft`, checked.
+    pub fencing_token: Option<Hlc>,
+    /// `aio-persistence: true`.
+    pub persist: bool,
+}
+
+impl Keyed<'_> {
+    /// The context to plan with at `now`.
+    pub fn context(&self, now: u64) -> crate::plan::Context<'_> {
+        crate::plan::Context {
+            now,
+            timestamp: self.timestamp.as_ref(),
+            fencing_token: self.fencing_token.as_ref(),
+            persist: self.persist,
+        }
+    }
+}
+
+/// A SCAN and which keys its caller may see.
+pub struct Scanned<'a> {
+    /// The glob and the token.
+    pub scan: crate::command::Scan<'a>,
+    /// Which keys the caller may read; `None`: all.
+    pub access: Option<&'a dyn KeyAccess>,
+}
+
 /// The state store.
 pub struct Store {
     pub(crate) state: State,
@@ -133,6 +178,90 @@ impl Store {
         }
     }
 
+    /// Checks a request as [`Store::execute`] does (RESP3, `__ts` and
+    /// `__ft`, the verb and its arguments, access) and hands back what a
+    /// backend keeping the keys elsewhere must serve; serves the rest here.
+    pub fn prepare<'a>(
+        &mut self,
+        request: &Request<'a>,
+        caller: Caller<'_>,
+        now_ms: u64,
+    ) -> Prepared<'a> {
+        let checked = self.check(request, now_ms).and_then(|checked| {
+            if let Some(access) = request.access {
+                crate::access::check(&checked.0, access)?;
+            }
+            Ok(checked)
+        });
+        match checked {
+            Ok((Command::Scan(scan), _, _)) => Prepared::Scan(Scanned {
+                scan,
+                access: request.access,
+            }),
+            Ok((command, timestamp, fencing_token)) => match crate::plan::KeyCommand::of(command) {
+                Some(command) => Prepared::Key(Keyed {
+                    command,
+                    timestamp,
+                    fencing_token,
+                    persist: request.persist,
+                }),
+                None => Prepared::Done(self.execute(request, caller, now_ms)),
+            },
+            Err(_) => Prepared::Done(self.execute(request, caller, now_ms)),
+        }
+    }
+
+    /// The checks before a command runs but access (which needs the
+    /// command's name and key for logs first); the command and its
+    /// timestamps.
+    fn check<'a>(
+        &self,
+        request: &Request<'a>,
+        now: u64,
+    ) -> Result<(Command<'a>, Option<Hlc>, Option<Hlc>), Error> {
+        let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
+        let skew = self.state.config().max_clock_skew_ms;
+        let timestamp = parse_hlc(request.timestamp, now, skew, Error::TimestampSkew)?;
+        let fencing_token = parse_hlc(request.fencing_token, now, skew, Error::FencingTokenSkew)?;
+        let command = Command::parse(&args, request.dialect)?;
+        Ok((command, timestamp, fencing_token))
+    }
+
+    /// Hands out a new version at `now_ms`: greater than `received` and
+    /// every version handed out or observed before.
+    pub fn mint(&mut self, now_ms: u64, received: Option<&Hlc>) -> Version {
+        self.state.new_version(now_ms, received)
+    }
+
+    /// Takes in a version handed out elsewhere (another node): every
+    /// version minted after it is greater.
+    pub fn observe(&mut self, seen: Version) {
+        self.state.observe(seen);
+    }
+
+    /// The clock's reading at `now_ms`: the `__ts` of answers that show no
+    /// version.
+    pub fn clock_now(&self, now_ms: u64) -> Version {
+        self.state.clock_now(now_ms)
+    }
+
+    /// How the store was configured.
+    pub fn config(&self) -> &Config {
+        self.state.config()
+    }
+
+    /// The notification of a change made elsewhere (another node) for this
+    /// store's watchers of `key`, if it has any; `version` is the change's,
+    /// as its node wrote it.
+    pub fn changed_elsewhere(
+        &self,
+        key: &[u8],
+        event: crate::notify::Event,
+        version: String,
+    ) -> Option<Notice> {
+        self.state.changed_elsewhere(key, event, version)
+    }
+
     fn run(
         &mut self,
         request: &Request<'_>,
@@ -141,11 +270,7 @@ impl Store {
         name: &mut Option<&'static str>,
         observed: &mut Observed,
     ) -> Result<crate::command::Answer, Error> {
-        let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
-        let skew = self.state.config().max_clock_skew_ms;
-        let timestamp = parse_hlc(request.timestamp, now, skew, Error::TimestampSkew)?;
-        let fencing_token = parse_hlc(request.fencing_token, now, skew, Error::FencingTokenSkew)?;
-        let command = Command::parse(&args, request.dialect)?;
+        let (command, timestamp, fencing_token) = self.check(request, now)?;
         *name = Some(command.name());
         *observed = match command.key() {
             Some(key) => Observed::key_in(request.payload, key),

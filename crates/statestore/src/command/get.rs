@@ -5,7 +5,7 @@
 
 use super::{Answer, Parse};
 use crate::error::Error;
-use crate::resp3::Frame;
+use crate::plan::KeyCommand;
 use crate::state::{Ctx, State};
 
 /// A parsed GET.
@@ -23,15 +23,6 @@ impl<'a> Get<'a> {
     }
 
     pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
-        Ok(match state.get(self.key) {
-            Some(entry) => Answer {
-                frame: Frame::Bulk(entry.value().to_vec()),
-                version: entry.version(),
-            },
-            None => Answer {
-                frame: Frame::Null,
-                version: state.clock_now(ctx.now),
-            },
-        })
+        super::apply_key(KeyCommand::Get(self), state, ctx)
     }
 }

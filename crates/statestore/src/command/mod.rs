@@ -37,6 +37,7 @@ pub use vdel::VDel;
 
 use crate::error::Error;
 use crate::hlc::Version;
+use crate::plan::KeyCommand;
 use crate::resp3::Frame;
 use crate::state::{Ctx, State};
 
@@ -173,6 +174,19 @@ impl<'a> Command<'a> {
             Command::Info(cmd) => cmd.apply(state, ctx),
         }
     }
+}
+
+/// Serves a key command on the single node: planned against the key's
+/// entry (see [`crate::plan`]) and committed into the node's own keys.
+fn apply_key(command: KeyCommand<'_>, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
+    let context = crate::plan::Context {
+        now: ctx.now,
+        timestamp: ctx.timestamp.as_ref(),
+        fencing_token: ctx.fencing_token.as_ref(),
+        persist: ctx.persist,
+    };
+    let plan = command.plan(state.get(command.key()), &context, state)?;
+    Ok(state.commit(command.key(), plan, &context))
 }
 
 /// A cursor over a command's arguments (after the verb).

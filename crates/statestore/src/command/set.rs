@@ -18,12 +18,8 @@
 //! key on disk, and later SETs keep it there until it is deleted.
 
 use super::{Answer, Parse};
-use crate::db::{Entry, Extras};
 use crate::error::Error;
-use crate::fencing;
-use crate::notify::Event;
-use crate::persist::{Record, Write};
-use crate::resp3::Frame;
+use crate::plan::KeyCommand;
 use crate::state::{Ctx, State};
 
 /// When a SET applies.
@@ -84,52 +80,7 @@ impl<'a> Set<'a> {
     }
 
     pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
-        let timestamp = ctx.timestamp.as_ref().ok_or(Error::TimestampMissing)?;
-        let existing = state.get(self.key);
-        fencing::check(
-            existing.and_then(Entry::fencing_token),
-            ctx.fencing_token.as_ref(),
-        )?;
-        if let Some(old) = existing {
-            let applies = match self.condition {
-                Condition::Always => true,
-                Condition::IfAbsent => false,
-                Condition::IfAbsentOrEqual => old.value() == self.value,
-            };
-            if !applies {
-                return Ok(Answer {
-                    frame: Frame::Integer(-1),
-                    version: old.version(),
-                });
-            }
-        }
-        state.check_quota(self.key, self.value, existing)?;
-        let extras = Extras {
-            expires_at: self.expires_in_ms.map(|ms| ctx.now.saturating_add(ms)),
-            fencing_token: fencing::kept_after_set(
-                existing.and_then(Entry::fencing_token),
-                ctx.fencing_token.as_ref(),
-            ),
-            persisted: ctx.persist
-                || existing.is_some_and(Entry::persisted)
-                || state.config().persist_policy.persists(self.key),
-        };
-        let version = state.new_version(ctx.now, timestamp);
-        if extras.persisted {
-            state.persist(Write::Put(Record {
-                key: self.key.to_vec(),
-                value: self.value.to_vec(),
-                version,
-                fencing_token: extras.fencing_token.clone(),
-                expires_at: extras.expires_at,
-            }));
-        }
-        state.put(Entry::new(self.key, self.value, version, extras));
-        state.changed(self.key, Event::Set(self.value.to_vec()), version);
-        Ok(Answer {
-            frame: Frame::Simple("OK"),
-            version,
-        })
+        super::apply_key(KeyCommand::Set(self), state, ctx)
     }
 }
 

@@ -7,6 +7,7 @@
 
 use super::{Answer, Parse};
 use crate::error::Error;
+use crate::plan::KeyCommand;
 use crate::state::{Ctx, State};
 
 /// A parsed VDEL.
@@ -27,6 +28,6 @@ impl<'a> VDel<'a> {
     }
 
     pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
-        super::del::delete(state, ctx, self.key, Some(self.value))
+        super::apply_key(KeyCommand::VDel(self), state, ctx)
     }
 }
