@@ -98,6 +98,18 @@ struct Cli {
     #[arg(long)]
     allow_anonymous: bool,
 
+    /// Join a cluster as node ID: several nodes sharing one state store in
+    /// etcd (with --etcd-endpoints; sets `[clustering] node_id`, also the
+    /// node id of the versions this node hands out). Needs a binary built
+    /// with `--features cluster`.
+    #[arg(long, value_name = "ID")]
+    cluster_node_id: Option<String>,
+
+    /// etcd's client URLs, comma-separated (sets `[clustering]
+    /// etcd_endpoints`), e.g. http://10.0.0.1:2379,http://10.0.0.2:2379.
+    #[arg(long, value_name = "URL,URL,...")]
+    etcd_endpoints: Option<String>,
+
     /// Print the embedded default configuration and exit.
     #[arg(long)]
     print_default_config: bool,
@@ -210,7 +222,20 @@ fn load(cli: &Cli) -> Result<Settings, String> {
             }
         }
     }
-    let mut settings = Settings::load(cli.config.as_deref(), &listen).map_err(|e| e.to_string())?;
+    // The clustering flags are the environment's overrides, given last.
+    let mut flags = Vec::new();
+    if let Some(id) = &cli.cluster_node_id {
+        flags.push(("STATEBROKER__CLUSTERING__NODE_ID".to_owned(), id.clone()));
+    }
+    if let Some(endpoints) = &cli.etcd_endpoints {
+        flags.push((
+            "STATEBROKER__CLUSTERING__ETCD_ENDPOINTS".to_owned(),
+            endpoints.clone(),
+        ));
+    }
+    let env = std::env::vars().chain(flags);
+    let mut settings =
+        Settings::load_with_env(cli.config.as_deref(), &listen, env).map_err(|e| e.to_string())?;
     if cli.in_memory {
         settings.persistence = None;
     }

@@ -47,6 +47,8 @@ pub(crate) mod activity;
 pub(crate) mod authentication;
 pub(crate) mod authorization;
 pub(crate) mod clock;
+#[cfg(feature = "cluster")]
+pub(crate) mod cluster;
 pub mod codec;
 pub mod config;
 mod connection;

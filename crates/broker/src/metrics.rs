@@ -21,6 +21,16 @@ use metrics::{
 };
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
+/// Clustering: state store requests refused for etcd's limits, by reason.
+pub const CLUSTER_REFUSED: &str = "statebroker_cluster_requests_refused_total";
+/// Clustering: writes that found the key changed by another node first,
+/// and were planned again.
+pub const CLUSTER_CONFLICTS: &str = "statebroker_cluster_write_conflicts_total";
+/// Clustering: state store requests left unanswered, by reason
+/// (`unreachable`: etcd did not answer; `in_doubt`: a write etcd could
+/// not confirm; `contended`: the key kept changing).
+pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_total";
+
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
 /// Connections accepted (CONNACK success).
@@ -172,6 +182,18 @@ impl Hot {
 }
 
 fn describe() {
+    describe_counter!(
+        CLUSTER_REFUSED,
+        "Clustering: state store requests refused for etcd's limits, by reason"
+    );
+    describe_counter!(
+        CLUSTER_CONFLICTS,
+        "Clustering: writes planned again because another node changed the key first"
+    );
+    describe_counter!(
+        CLUSTER_UNANSWERED,
+        "Clustering: state store requests left unanswered, by reason"
+    );
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
@@ -341,6 +363,24 @@ pub fn sent(qos: u8, bytes: usize) {
         Some(hot) => hot.sent[usize::from(qos.min(2))].increment(1),
         None => counter!(MESSAGES_SENT, "qos" => qos_label(qos)).increment(1),
     }
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a request refused for etcd's limits.
+pub fn cluster_refused(reason: &'static str) {
+    counter!(CLUSTER_REFUSED, "reason" => reason).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a write planned again after another node's.
+pub fn cluster_conflict() {
+    counter!(CLUSTER_CONFLICTS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a request left unanswered.
+pub fn cluster_unanswered(reason: &'static str) {
+    counter!(CLUSTER_UNANSWERED, "reason" => reason).increment(1);
 }
 
 /// `n` keys expired.

@@ -102,12 +102,41 @@ impl Shared {
             _ => None,
         };
         let activity = Arc::new(Activity::default());
-        let store = StateStoreService::start(
-            settings.store_config(),
-            persistence,
-            Arc::clone(&publisher),
-            Arc::clone(&activity),
-        );
+        let store = match &settings.clustering {
+            None => StateStoreService::start(
+                settings.store_config(),
+                persistence,
+                Arc::clone(&publisher),
+                Arc::clone(&activity),
+            ),
+            #[cfg(feature = "cluster")]
+            Some(clustering) => {
+                if let Some(p) = &settings.persistence {
+                    tracing::info!(
+                        data_dir = %p.data_dir.display(),
+                        "clustering: the data directory keeps MQTT sessions and retained messages; the state store's keys are in etcd"
+                    );
+                }
+                let cluster = crate::cluster::Cluster::connect(clustering.clone())
+                    .await
+                    .map_err(std::io::Error::other)?;
+                StateStoreService::start_clustered(
+                    settings.store_config(),
+                    persistence,
+                    Arc::clone(&publisher),
+                    Arc::clone(&activity),
+                    cluster,
+                )
+                .await
+                .map_err(std::io::Error::other)?
+            }
+            #[cfg(not(feature = "cluster"))]
+            Some(_) => {
+                return Err(std::io::Error::other(
+                    "[clustering] is configured, but this statebroker was built without clustering: build it with `cargo build --release --features cluster` (building needs protoc: apt-get install protobuf-compiler libprotobuf-dev)",
+                ));
+            }
+        };
         let wills = WillRegistry::new(Arc::clone(&publisher));
         let faults = Faults::new(&settings.faults).map_err(std::io::Error::other)?;
         if faults.enabled() {

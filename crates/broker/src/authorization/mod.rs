@@ -380,20 +380,20 @@ fn push_escaped(out: &mut String, text: &str) {
 }
 
 /// A policy applied to one client's state store requests.
-#[derive(Debug)]
-pub struct KeyRules<'a> {
+#[derive(Debug, Clone)]
+pub struct KeyRules {
     /// The policy.
-    pub policy: &'a Policy,
+    pub policy: Arc<Policy>,
     /// The caller.
-    pub principal: &'a Principal,
+    pub principal: Arc<Principal>,
 }
 
-impl KeyAccess for KeyRules<'_> {
+impl KeyAccess for KeyRules {
     fn may_read(&self, key: &[u8]) -> bool {
-        self.policy.may_read(self.principal, key)
+        self.policy.may_read(&self.principal, key)
     }
     fn may_write(&self, key: &[u8]) -> bool {
-        self.policy.may_write(self.principal, key)
+        self.policy.may_write(&self.principal, key)
     }
 }
 

@@ -168,8 +168,8 @@ fn keys_by_type_and_method() {
     assert!(p.may_read(&star, b"sensor-*-x"));
     assert!(!p.may_read(&star, b"sensor-7-x"));
     let rules = KeyRules {
-        policy: &p,
-        principal: &s,
+        policy: std::sync::Arc::new(p),
+        principal: std::sync::Arc::new(s),
     };
     assert!(KeyAccess::may_read(&rules, b"sensor-7-a"));
 }

@@ -22,7 +22,9 @@ mod listeners;
 mod sections;
 
 pub use listeners::{Listener, TlsFiles, Transport};
-pub use sections::{BrokerSection, LogSection, PersistenceSection, QuotaSection, StoreSection};
+pub use sections::{
+    BrokerSection, ClusteringSection, LogSection, PersistenceSection, QuotaSection, StoreSection,
+};
 use sections::{KNOWN_SECTIONS, Sections, UNSUPPORTED};
 
 /// How far ahead of the clock the persisted clock mark runs (see
@@ -54,6 +56,94 @@ pub struct PersistenceSettings {
     /// Start even when the data directory has lost data (its journal
     /// deleted or damaged): `--accept-data-loss`, for one start.
     pub accept_data_loss: bool,
+}
+
+/// `[clustering]`, resolved: present when `etcd_endpoints` is not empty.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusteringSettings {
+    /// This node's name; the node id of its versions.
+    pub node_id: String,
+    /// etcd's client URLs.
+    pub etcd_endpoints: Vec<String>,
+    /// The prefix of every key in etcd, ending in `/`.
+    pub etcd_prefix: String,
+    /// How long one etcd request may take.
+    pub request_timeout: Duration,
+    /// How long a deleted key's last version is kept.
+    pub tombstone_ttl: Duration,
+    /// etcd's largest request, bytes.
+    pub max_request_bytes: usize,
+}
+
+impl ClusteringSettings {
+    /// Checks and resolves `[clustering]`; `None`: a single node.
+    fn resolve(
+        section: sections::ClusteringSection,
+        max_clock_skew_ms: u64,
+    ) -> Result<Option<ClusteringSettings>, ConfigError> {
+        let endpoints: Vec<String> = section
+            .etcd_endpoints
+            .iter()
+            .map(|e| e.trim().to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+        let node_id = section.node_id.trim().to_owned();
+        if endpoints.is_empty() {
+            if !node_id.is_empty() {
+                return Err(invalid(
+                    "clustering.node_id is set but clustering.etcd_endpoints is empty: give etcd's client URLs (--etcd-endpoints http://HOST:2379,...), or remove node_id for a single node",
+                ));
+            }
+            return Ok(None);
+        }
+        for endpoint in &endpoints {
+            let valid = endpoint
+                .strip_prefix("http://")
+                .or_else(|| endpoint.strip_prefix("https://"))
+                .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
+            if !valid {
+                return Err(invalid(format!(
+                    "clustering.etcd_endpoints: `{endpoint}` is not an etcd client URL like http://127.0.0.1:2379"
+                )));
+            }
+        }
+        if node_id.is_empty() || node_id.contains(':') || node_id.contains('/') {
+            return Err(invalid(
+                "clustering.node_id must be set (unique per node, without ':' or '/') when clustering.etcd_endpoints is: --cluster-node-id NAME",
+            ));
+        }
+        let mut prefix = section.etcd_prefix.trim().to_owned();
+        if prefix.is_empty() {
+            return Err(invalid("clustering.etcd_prefix must not be empty"));
+        }
+        if !prefix.ends_with('/') {
+            prefix.push('/');
+        }
+        if section.etcd_request_timeout_ms == 0 {
+            return Err(invalid(
+                "clustering.etcd_request_timeout_ms must be at least 1",
+            ));
+        }
+        let min_ttl = max_clock_skew_ms / 1000 + 10;
+        if section.tombstone_ttl_s < min_ttl {
+            return Err(invalid(format!(
+                "clustering.tombstone_ttl_s must be at least statestore.max_clock_skew_ms / 1000 + 10 = {min_ttl}"
+            )));
+        }
+        if section.etcd_max_request_bytes < 4096 {
+            return Err(invalid(
+                "clustering.etcd_max_request_bytes must be at least 4096 (etcd's --max-request-bytes)",
+            ));
+        }
+        Ok(Some(ClusteringSettings {
+            node_id,
+            etcd_endpoints: endpoints,
+            etcd_prefix: prefix,
+            request_timeout: Duration::from_millis(section.etcd_request_timeout_ms),
+            tombstone_ttl: Duration::from_secs(section.tombstone_ttl_s),
+            max_request_bytes: section.etcd_max_request_bytes,
+        }))
+    }
 }
 
 /// `[http]` beyond `listen` and `allow_edit`: the endpoint's bounds and
@@ -162,6 +252,8 @@ pub struct Settings {
     pub authorization: Option<PathBuf>,
     /// `[faults]`: off unless `enabled` (see [`crate::faults`]).
     pub faults: crate::faults::FaultsSection,
+    /// `[clustering]`; `None`: a single node with its own store.
+    pub clustering: Option<ClusteringSettings>,
 }
 
 impl Settings {
@@ -230,6 +322,7 @@ impl Settings {
                 .list_separator(",")
                 .with_list_parse_key("persistence.keys")
                 .with_list_parse_key("http.allowed_hosts")
+                .with_list_parse_key("clustering.etcd_endpoints")
                 .source(Some(env)),
         );
         let layered = builder.build().map_err(|e| invalid(e.to_string()))?;
@@ -272,6 +365,7 @@ impl Settings {
             http: http_section,
             log,
             faults,
+            clustering,
         } = deserialize(&layered)?;
         crate::faults::Faults::new(&faults).map_err(|e| invalid(e.to_string()))?;
         if !matches!(log.format.as_str(), "text" | "json") {
@@ -334,6 +428,7 @@ impl Settings {
                 "statestore.node_id must be non-empty and without ':'",
             ));
         }
+        let clustering = ClusteringSettings::resolve(clustering, statestore.max_clock_skew_ms)?;
         let listeners = listeners::resolve(&rumqttd, &root, listen, base_dir)?;
         let file_setting = |value: &str| {
             let value = value.trim();
@@ -356,6 +451,7 @@ impl Settings {
             password_file,
             authorization,
             faults,
+            clustering,
         })
     }
 
@@ -391,6 +487,9 @@ impl Settings {
         if self.faults != new.faults {
             names.push("[faults]");
         }
+        if self.clustering != new.clustering {
+            names.push("[clustering]");
+        }
         if self.http != new.http
             || self.http_allow_edit != new.http_allow_edit
             || self.http_options != new.http_options
@@ -407,7 +506,10 @@ impl Settings {
     pub fn store_config(&self) -> statestore::Config {
         let s = &self.statestore;
         statestore::Config {
-            node_id: s.node_id.clone(),
+            node_id: self
+                .clustering
+                .as_ref()
+                .map_or_else(|| s.node_id.clone(), |c| c.node_id.clone()),
             max_clock_skew_ms: s.max_clock_skew_ms,
             scan_page_size: s.scan_page_size,
             max_watches_per_client: s.max_watches_per_client,
@@ -423,7 +525,13 @@ impl Settings {
                 max_value_size: s.quota.max_value_size,
             },
             persist_policy: self.persist_policy.clone(),
-            clock_lease_ms: self.persistence.as_ref().map(|_| CLOCK_LEASE_MS),
+            // A cluster's keys are in etcd, not in the data directory: no
+            // clock marks (versions come after every version in etcd).
+            clock_lease_ms: self
+                .persistence
+                .as_ref()
+                .filter(|_| self.clustering.is_none())
+                .map(|_| CLOCK_LEASE_MS),
         }
     }
 }

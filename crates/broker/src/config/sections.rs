@@ -22,13 +22,17 @@ pub(super) const KNOWN_SECTIONS: &[&str] = &[
     "http",
     "log",
     "faults",
+    "clustering",
 ];
 
 /// Sections of rumqttd's format that statebroker does not implement: a
 /// configuration with one is refused at start rather than silently ignored.
 pub(super) const UNSUPPORTED: &[(&str, &str)] = &[
     ("bridge", "bridges are not supported by statebroker"),
-    ("cluster", "clustering is not supported by statebroker"),
+    (
+        "cluster",
+        "rumqttd's [cluster] is not supported; statebroker's clustering is configured in [clustering]",
+    ),
     (
         "console",
         "rumqttd's console is not supported by statebroker; remove the section",
@@ -53,6 +57,25 @@ pub(super) struct Sections {
     pub log: LogSection,
     #[serde(default)]
     pub faults: crate::faults::FaultsSection,
+    pub clustering: ClusteringSection,
+}
+
+/// `[clustering]`
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusteringSection {
+    /// This node's name, and the node id of the versions it hands out.
+    pub node_id: String,
+    /// etcd's client URLs; empty: a single node.
+    pub etcd_endpoints: Vec<String>,
+    /// The prefix of every key statebroker writes in etcd.
+    pub etcd_prefix: String,
+    /// How long one etcd request may take, milliseconds.
+    pub etcd_request_timeout_ms: u64,
+    /// How long a deleted key's last version is kept, seconds.
+    pub tombstone_ttl_s: u64,
+    /// etcd's largest request, bytes.
+    pub etcd_max_request_bytes: usize,
 }
 
 /// `[log]`

@@ -115,9 +115,15 @@ async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
 }
 
 async fn readyz(State(served): State<Served>) -> impl IntoResponse {
-    if served.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    if !served.ready.load(Ordering::Acquire) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n");
+    }
+    // A cluster node is ready while etcd answers.
+    match served.broker.get() {
+        Some(shared) if !shared.store.is_ready() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: etcd does not answer\n",
+        ),
+        _ => (StatusCode::OK, "ready\n"),
     }
 }

@@ -10,7 +10,18 @@
 //! Persisted keys go to disk through [`crate::persistence`].
 
 pub mod binding;
+#[cfg(feature = "cluster")]
+mod clustered;
 mod pending;
 pub mod service;
+
+/// What a cluster node's service adds (nothing without the `cluster`
+/// feature).
+#[cfg(feature = "cluster")]
+pub(crate) type ClusterPart = clustered::Clustered;
+/// What a cluster node's service adds (nothing without the `cluster`
+/// feature).
+#[cfg(not(feature = "cluster"))]
+pub(crate) type ClusterPart = std::convert::Infallible;
 
 pub use service::StateStoreService;

@@ -59,6 +59,9 @@ pub struct StateStoreService {
     /// Answers and notifications waiting for the disk, with the batch each
     /// waits for; the durable task publishes them as the disk catches up.
     waiting: Mutex<Waiters>,
+    /// On a cluster node: the keys are in etcd (see `clustered.rs`).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    clustered: Option<super::ClusterPart>,
     /// The durable position whose answers the durable task has published.
     /// Set on the runtime, so the connections waiting on it are woken
     /// without a trip through the operating system (the writer thread's
@@ -86,12 +89,12 @@ struct Waiting {
 
 /// Where a response goes, and who asked.
 #[derive(Debug, Clone)]
-struct Reply {
+pub(super) struct Reply {
     /// `None`: the caller is the broker's own tool, answered directly.
-    to: Option<ReplyTo>,
-    requester: String,
+    pub(super) to: Option<ReplyTo>,
+    pub(super) requester: String,
     /// For metrics: the command, whether it succeeded, when it arrived.
-    command: &'static str,
+    pub(super) command: &'static str,
     ok: bool,
     started: std::time::Instant,
     /// For the live list, when someone watches: the key and the outcome.
@@ -106,6 +109,42 @@ impl StateStoreService {
         persistence: Option<(Arc<Persistence>, Loaded)>,
         publisher: Arc<Publisher>,
         activity: Arc<Activity>,
+    ) -> Arc<StateStoreService> {
+        Self::build(config, persistence, publisher, activity, None)
+    }
+
+    /// Starts the service of a cluster node: its keys are in etcd, and a
+    /// data directory keeps only the MQTT side.
+    #[cfg(feature = "cluster")]
+    pub(crate) async fn start_clustered(
+        config: statestore::Config,
+        persistence: Option<(Arc<Persistence>, Loaded)>,
+        publisher: Arc<Publisher>,
+        activity: Arc<Activity>,
+        cluster: Arc<crate::cluster::Cluster>,
+    ) -> Result<Arc<StateStoreService>, String> {
+        let persistence = persistence.map(|(persistence, mut loaded)| {
+            let left = std::mem::take(&mut loaded.records).len();
+            if left > 0 {
+                tracing::warn!(
+                    keys = left,
+                    "clustering: the data directory holds state store keys of a single-node run; they are not served (the cluster's keys are in etcd) and stay on disk"
+                );
+            }
+            (persistence, loaded)
+        });
+        let clustered = super::clustered::Clustered::new(cluster);
+        let service = Self::build(config, persistence, publisher, activity, Some(clustered));
+        super::clustered::Clustered::start(&service).await?;
+        Ok(service)
+    }
+
+    fn build(
+        config: statestore::Config,
+        persistence: Option<(Arc<Persistence>, Loaded)>,
+        publisher: Arc<Publisher>,
+        activity: Arc<Activity>,
+        clustered: Option<super::ClusterPart>,
     ) -> Arc<StateStoreService> {
         let (store, persistence, mark) = match persistence {
             None => (Store::new(config), None, 0),
@@ -141,6 +180,7 @@ impl StateStoreService {
             activity,
             clock_offset_ms: AtomicI64::new(0),
             waiting: Mutex::new(Waiters::default()),
+            clustered,
             published: tokio::sync::watch::Sender::new(Position::default()),
         });
         tokio::spawn(expiry_task(
@@ -160,12 +200,22 @@ impl StateStoreService {
     /// `reply_to` (`None`: no answer, a fault), once what it could have
     /// observed is durable. Returns the batch the answer waits for, if it
     /// was not published now.
+    ///
+    /// `access` is the caller's key rules, kept by a cluster node's SCAN
+    /// until etcd answers (`request.access` is the same rules, borrowed).
     pub fn serve(
         self: &Arc<Self>,
         request: &Request<'_>,
         caller: Caller<'_>,
         reply_to: Option<ReplyTo>,
+        access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
     ) -> Option<Batch> {
+        #[cfg(feature = "cluster")]
+        if let Some(clustered) = &self.clustered {
+            self.serve_clustered(clustered, request, caller, reply_to, access);
+            return None;
+        }
+        let _ = access;
         let (reply, outcome, wait) = self.run(request, caller, reply_to);
         self.publish_when_durable(Some(reply), outcome, wait)
     }
@@ -239,27 +289,121 @@ impl StateStoreService {
             let wait = self.persist(&store, writes, &outcome.observed, request.payload);
             (outcome, wait)
         };
+        let mut reply = self.reply_pending(
+            request,
+            caller,
+            reply_to,
+            outcome.command.unwrap_or("unknown"),
+        );
+        reply.started = started;
+        settle(&mut reply, outcome.error);
         if let Some(error) = outcome.error {
             tracing::debug!(client_id = caller.client_id, owner = caller.owner, command = outcome.command, %error, "request refused");
         }
+        (reply, outcome, wait)
+    }
+
+    /// Where the answer of `request` goes, before it is known; with the
+    /// key for the live list when someone watches (the outcome is filled
+    /// in by [`settle`]).
+    pub(super) fn reply_pending(
+        &self,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+        reply_to: Option<ReplyTo>,
+        command: &'static str,
+    ) -> Reply {
         let shown = self.activity.watched().then(|| {
             let key = statestore::resp3::parse_request(request.payload)
                 .ok()
                 .and_then(|args| args.get(1).map(|k| String::from_utf8_lossy(k).into_owned()));
-            let result = outcome
-                .error
-                .map_or_else(|| "ok".to_owned(), |e| e.to_string());
-            (key, result)
+            (key, String::new())
         });
-        let reply = Reply {
+        Reply {
             to: reply_to,
             requester: caller.client_id.to_owned(),
-            command: outcome.command.unwrap_or("unknown"),
-            ok: outcome.error.is_none(),
-            started,
+            command,
+            ok: true,
+            started: std::time::Instant::now(),
             shown,
+        }
+    }
+
+    /// The reply of an outcome served at once.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(super) fn reply(
+        &self,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+        reply_to: Option<ReplyTo>,
+        outcome: &Outcome,
+    ) -> Reply {
+        let mut reply = self.reply_pending(
+            request,
+            caller,
+            reply_to,
+            outcome.command.unwrap_or("unknown"),
+        );
+        settle(&mut reply, outcome.error);
+        reply
+    }
+
+    /// Publishes an answer decided elsewhere (a cluster node's etcd).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(super) fn answer(
+        &self,
+        mut reply: Reply,
+        frame: statestore::resp3::Frame,
+        version: String,
+        error: Option<statestore::Error>,
+    ) {
+        settle(&mut reply, error);
+        let mut payload = Vec::new();
+        frame.encode(&mut payload);
+        let version = if version.is_empty() {
+            let store = self.store.lock();
+            store.clock_now(self.now()).format(&store.config().node_id)
+        } else {
+            version
         };
-        (reply, outcome, wait)
+        let outcome = Outcome {
+            payload,
+            timestamp: version,
+            notices: Vec::new(),
+            writes: Vec::new(),
+            observed: Observed::Nothing,
+            command: Some(reply.command),
+            error,
+        };
+        self.publish_outcome(Some(reply), outcome);
+    }
+
+    /// Publishes an answer served at once.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(super) fn publish_answer(&self, reply: Reply, outcome: Outcome) {
+        self.publish_outcome(Some(reply), outcome);
+    }
+
+    /// Publishes notifications without an answer.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(super) fn publish_notices(&self, notices: Vec<statestore::Notice>) {
+        self.publish_outcome(None, notices_only(notices));
+    }
+
+    /// The cluster side, on a cluster node.
+    #[cfg(feature = "cluster")]
+    pub(super) fn clustered(&self) -> Option<&super::clustered::Clustered> {
+        self.clustered.as_ref()
+    }
+
+    /// Whether the state store can serve: on a cluster node, whether etcd
+    /// answers.
+    pub fn is_ready(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(clustered) = &self.clustered {
+            return clustered.is_ready();
+        }
+        true
     }
 
     /// Queues durable writes (call with the store locked); returns the batch
@@ -419,6 +563,12 @@ impl StateStoreService {
     }
 
     /// The wall clock the store reads: the machine's, plus the offset.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(super) fn wall_ms(&self) -> u64 {
+        self.now()
+    }
+
+    /// The wall clock the store reads: the machine's, plus the offset.
     fn now(&self) -> u64 {
         now_ms().saturating_add_signed(self.clock_offset_ms.load(Ordering::Relaxed))
     }
@@ -479,6 +629,14 @@ impl StateStoreService {
             self.publish_when_durable(None, notices_only(fx.notices), wait);
         }
         next
+    }
+}
+
+/// Fills in how a request ended: for metrics and the live list.
+fn settle(reply: &mut Reply, error: Option<statestore::Error>) {
+    reply.ok = error.is_none();
+    if let Some((_, result)) = &mut reply.shown {
+        *result = error.map_or_else(|| "ok".to_owned(), |e| e.to_string());
     }
 }
 

@@ -77,11 +77,13 @@ impl Machine {
                     connection: self.id,
                     owner: &self.owner,
                 };
-                let rules = policy.as_deref().map(|policy| KeyRules {
-                    policy,
-                    principal: &self.principal,
+                let rules = policy.clone().map(|policy| {
+                    Arc::new(KeyRules {
+                        policy,
+                        principal: Arc::clone(&self.principal),
+                    })
                 });
-                request.access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
+                request.access = rules.as_deref().map(|r| r as &dyn statestore::KeyAccess);
                 // No fault rule matching: the default plan, execute now.
                 let plan = self
                     .shared
@@ -96,6 +98,9 @@ impl Machine {
                             caller,
                             reply_to,
                             plan.action,
+                            rules
+                                .clone()
+                                .map(|r| r as Arc<dyn statestore::KeyAccess + Send + Sync>),
                         );
                         self.inbound.ran(qos, pkid, correlation, wait, kept);
                         // The acknowledgement may wait for the answer, and
@@ -171,9 +176,11 @@ impl Delayed {
             );
             return;
         }
-        let rules = self.policy.as_deref().map(|policy| KeyRules {
-            policy,
-            principal: &self.principal,
+        let rules = self.policy.clone().map(|policy| {
+            Arc::new(KeyRules {
+                policy,
+                principal: Arc::clone(&self.principal),
+            })
         });
         let owned = &self.request;
         let request = Request {
@@ -182,14 +189,24 @@ impl Delayed {
             fencing_token: owned.fencing_token.as_deref(),
             persist: owned.persist,
             dialect: owned.dialect,
-            access: rules.as_ref().map(|r| r as &dyn statestore::KeyAccess),
+            access: rules.as_deref().map(|r| r as &dyn statestore::KeyAccess),
         };
         let caller = Caller {
             client_id: &self.client_id,
             connection: self.connection,
             owner: &self.owner,
         };
-        run_planned(&shared.store, &request, caller, self.reply_to, self.action);
+        let owned_rules = rules
+            .clone()
+            .map(|r| r as Arc<dyn statestore::KeyAccess + Send + Sync>);
+        run_planned(
+            &shared.store,
+            &request,
+            caller,
+            self.reply_to,
+            self.action,
+            owned_rules,
+        );
     }
 }
 
@@ -223,14 +240,15 @@ fn run_planned(
     caller: Caller<'_>,
     reply_to: ReplyTo,
     action: Action,
+    access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
 ) -> Option<Batch> {
     match action {
-        Action::Execute => store.serve(request, caller, Some(reply_to)),
+        Action::Execute => store.serve(request, caller, Some(reply_to), access),
         Action::Error(text) => {
             store.refuse(reply_to, caller.client_id, &text);
             None
         }
-        Action::DropAfter => store.serve(request, caller, None),
+        Action::DropAfter => store.serve(request, caller, None, access),
         Action::DropBefore => None,
     }
 }

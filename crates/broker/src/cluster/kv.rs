@@ -1,0 +1,363 @@
+//! Serving the state store's commands against etcd.
+//!
+//! A key command reads the key's record with a linearizable read, plans
+//! against it (`statestore::plan`: the answers and errors are the single
+//! node's) and, if it changes the key, commits with one transaction:
+//! `If mod_revision(key) == m Then Put(record)`. When another node changed
+//! the key first, it reads again and plans again.
+//!
+//! **Answers etcd cannot confirm.** A transaction that times out may still
+//! commit. Every record carries the id of the request that wrote it, and
+//! every attempt compares on the revision it read, so at most one attempt
+//! of a request commits; the next read tells which: the request's own
+//! record (answered as done), the same revision (nothing committed: try
+//! again), or another writer's record after an attempt in doubt, which
+//! gets **no answer**: the client times out, as it would if the network had
+//! lost the answer. A wrong answer is never sent.
+
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+use statestore::command::Scan;
+use statestore::db::Entry;
+use statestore::glob::Pattern;
+use statestore::hlc::{Hlc, Version};
+use statestore::plan::{Change, Planner, Stamp};
+use statestore::resp3::Frame;
+use statestore::store::Keyed;
+use statestore::{Error, KeyAccess, Quota};
+
+use super::Cluster;
+use super::record::Record;
+
+/// A node's hybrid logical clock (kept in its `statestore::Store`).
+pub trait NodeClock: Send + Sync {
+    /// Takes in a version another node handed out.
+    fn observe(&self, seen: Version);
+    /// Hands out a new version.
+    fn mint(&self, now_ms: u64, received: Option<&Hlc>) -> Version;
+    /// The clock's reading: for answers that show no version.
+    fn clock_now(&self, now_ms: u64) -> Version;
+    /// The wall clock, milliseconds since the Unix epoch.
+    fn wall_ms(&self) -> u64;
+}
+
+/// An answer to send.
+#[derive(Debug)]
+pub struct Answer {
+    /// The RESP3 answer.
+    pub frame: Frame,
+    /// `__ts`.
+    pub version: String,
+    /// The error answered, if any (for logs and metrics).
+    pub error: Option<Error>,
+}
+
+/// Why a request gets no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Unanswered {
+    /// etcd did not answer (no quorum, or unreachable).
+    #[error("etcd did not answer: {0}")]
+    Unreachable(String),
+    /// A write whose outcome etcd could not confirm, and the key changed
+    /// since: whether it committed cannot be told.
+    #[error("a write etcd could not confirm, and the key changed since")]
+    InDoubt,
+    /// Other nodes kept changing the key.
+    #[error("the key kept changing ({0} attempts)")]
+    Contended(usize),
+}
+
+/// Conflicts with other nodes' writes retried before giving up.
+const ATTEMPTS: usize = 32;
+
+/// The cluster's quotas: the sizes of one key and one value (the store-wide
+/// totals are not counted across nodes), and etcd's request limit.
+struct Sizes<'a> {
+    quota: &'a Quota,
+    max_record: usize,
+}
+
+impl Planner for Sizes<'_> {
+    fn check_quota(&self, key: &[u8], value: &[u8], _: Option<&Entry>) -> Result<(), Error> {
+        if key.len() > self.quota.max_key_size || value.len() > self.quota.max_value_size {
+            return Err(Error::QuotaExceeded);
+        }
+        // The record's header and token, the key twice (compare and put),
+        // and etcd's own framing: 512 bytes is more than all of them.
+        if key.len() * 2 + value.len() + 512 > self.max_record {
+            crate::metrics::cluster_refused("value_over_etcd_limit");
+            tracing::info!(
+                key_bytes = key.len(),
+                value_bytes = value.len(),
+                limit = self.max_record,
+                "SET refused: the record would pass etcd's request limit (clustering.etcd_max_request_bytes)"
+            );
+            return Err(Error::QuotaExceeded);
+        }
+        Ok(())
+    }
+
+    fn persists_by_policy(&self, _: &[u8]) -> bool {
+        false
+    }
+}
+
+/// A key's record as read, with its etcd mod revision (0: no record).
+struct Read {
+    record: Option<Record>,
+    revision: i64,
+}
+
+impl Cluster {
+    /// Serves a key command (SET, GET, DEL, VDEL) of request `request`
+    /// (see [`super::record::request_id`]).
+    pub async fn serve_key(
+        &self,
+        keyed: &Keyed<'_>,
+        request: u64,
+        quota: &Quota,
+        clock: &dyn NodeClock,
+    ) -> Result<Answer, Unanswered> {
+        let key = keyed.command.key();
+        let sizes = Sizes {
+            quota,
+            max_record: self.settings.max_request_bytes,
+        };
+        // The revision compared by an attempt whose outcome is unknown.
+        let mut in_doubt: Option<i64> = None;
+        for _ in 0..ATTEMPTS {
+            let read = self.read(key).await?;
+            if let Some(record) = &read.record {
+                clock.observe(record.version);
+                if in_doubt.is_some() && record.request == request {
+                    return Ok(done_earlier(record));
+                }
+            }
+            if in_doubt.is_some_and(|m| m != read.revision) {
+                return Err(Unanswered::InDoubt);
+            }
+            let now = clock.wall_ms();
+            let entry = read.record.as_ref().and_then(|r| r.entry(key, now));
+            let plan = match keyed
+                .command
+                .plan(entry.as_ref(), &keyed.context(now), &sizes)
+            {
+                Ok(plan) => plan,
+                Err(error) => {
+                    return Ok(Answer {
+                        frame: error.frame(),
+                        version: clock.clock_now(now).format(self.node_id()),
+                        error: Some(error),
+                    });
+                }
+            };
+            let Some(change) = plan.change else {
+                let version = match (plan.stamp, &read.record) {
+                    (Stamp::Of(_), Some(record)) => record.version_text(),
+                    _ => clock.clock_now(now).format(self.node_id()),
+                };
+                return Ok(Answer {
+                    frame: plan.frame,
+                    version,
+                    error: None,
+                });
+            };
+            let (record, answer_version) = match change {
+                Change::Put { value, extras, .. } => {
+                    let version = clock.mint(now, keyed.timestamp.as_ref());
+                    let record = Record {
+                        tombstone: false,
+                        version,
+                        node: self.node_id().to_owned(),
+                        expires_at: extras.expires_at,
+                        fencing_token: extras.fencing_token,
+                        request,
+                        value: value.to_vec(),
+                    };
+                    let text = record.version_text();
+                    (record, text)
+                }
+                Change::Delete => {
+                    // The tombstone keeps the deleted entry's version: the
+                    // next SET on any node gets a greater one.
+                    let Some(old) = &read.record else {
+                        return Err(Unanswered::Contended(0));
+                    };
+                    let record = Record {
+                        tombstone: true,
+                        version: old.version,
+                        node: old.node.clone(),
+                        expires_at: None,
+                        fencing_token: None,
+                        request,
+                        value: Vec::new(),
+                    };
+                    let text = record.version_text();
+                    (record, text)
+                }
+            };
+            match self
+                .compare_and_put(key, read.revision, record.encode())
+                .await
+            {
+                Ok(true) => {
+                    return Ok(Answer {
+                        frame: plan.frame,
+                        version: answer_version,
+                        error: None,
+                    });
+                }
+                Ok(false) => crate::metrics::cluster_conflict(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "clustering: a write's outcome is unknown; reading again");
+                    in_doubt = Some(read.revision);
+                }
+            }
+        }
+        Err(Unanswered::Contended(ATTEMPTS))
+    }
+
+    /// A page of SCAN over the keys in etcd, in key order; the token
+    /// (`k` and the last key looked at) resumes after that key.
+    pub async fn scan(
+        &self,
+        scan: &Scan<'_>,
+        access: Option<&(dyn KeyAccess + Sync)>,
+        page_size: usize,
+        now: u64,
+    ) -> Result<Result<Frame, Error>, Unanswered> {
+        let mut from = self.keys_prefix.clone();
+        if let Some(token) = scan.token {
+            let Some(last) = token.strip_prefix(b"k") else {
+                return Ok(Err(Error::Syntax));
+            };
+            from.extend_from_slice(last);
+            from.push(0);
+        }
+        let end = prefix_end(&self.keys_prefix);
+        let pattern = Pattern::new(scan.pattern);
+        let page_size = page_size.max(1);
+        let budget = page_size.saturating_mul(16);
+        let mut keys = Vec::new();
+        let mut looked = 0usize;
+        loop {
+            let limit = i64::try_from(budget - looked).unwrap_or(i64::MAX);
+            let mut client = self.client.clone();
+            let options = GetOptions::new().with_range(end.clone()).with_limit(limit);
+            let response = client
+                .get(from.clone(), Some(options))
+                .await
+                .map_err(|e| Unanswered::Unreachable(e.to_string()))?;
+            let mut last = None;
+            let mut full = false;
+            for kv in response.kvs() {
+                looked += 1;
+                let key = &kv.key()[self.keys_prefix.len()..];
+                last = Some(key.to_vec());
+                let live = Record::decode(kv.value())
+                    .ok()
+                    .is_some_and(|r| r.entry(key, now).is_some());
+                if live && pattern.matches(key) && access.is_none_or(|a| a.may_read(key)) {
+                    keys.push(Frame::Bulk(key.to_vec()));
+                    if keys.len() >= page_size {
+                        full = true;
+                        break;
+                    }
+                }
+            }
+            let Some(last) = last else {
+                return Ok(Ok(page(keys, None)));
+            };
+            let rest_seen = !full && !response.more();
+            if rest_seen {
+                return Ok(Ok(page(keys, None)));
+            }
+            if full || looked >= budget {
+                let mut token = b"k".to_vec();
+                token.extend_from_slice(&last);
+                return Ok(Ok(page(keys, Some(token))));
+            }
+            from = self.key(&last);
+            from.push(0);
+        }
+    }
+
+    async fn read(&self, key: &[u8]) -> Result<Read, Unanswered> {
+        let mut client = self.client.clone();
+        let response = client
+            .get(self.key(key), None)
+            .await
+            .map_err(|e| Unanswered::Unreachable(e.to_string()))?;
+        let Some(kv) = response.kvs().first() else {
+            return Ok(Read {
+                record: None,
+                revision: 0,
+            });
+        };
+        let record = match Record::decode(kv.value()) {
+            Ok(record) => Some(record),
+            Err(e) => {
+                tracing::warn!(key = %String::from_utf8_lossy(key), "clustering: {e}; it reads as absent");
+                None
+            }
+        };
+        Ok(Read {
+            record,
+            revision: kv.mod_revision(),
+        })
+    }
+
+    /// `Ok(true)`: committed; `Ok(false)`: the key changed since
+    /// `revision`; `Err`: unknown.
+    async fn compare_and_put(
+        &self,
+        key: &[u8],
+        revision: i64,
+        value: Vec<u8>,
+    ) -> Result<bool, etcd_client::Error> {
+        let full = self.key(key);
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                full.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::put(full, value, None)]);
+        let mut client = self.client.clone();
+        Ok(client.txn(txn).await?.succeeded())
+    }
+}
+
+/// The answer of a request whose write committed in an attempt that got
+/// no confirmation: found again by its id in `record`.
+fn done_earlier(record: &Record) -> Answer {
+    let frame = if record.tombstone {
+        Frame::Integer(1)
+    } else {
+        Frame::Simple("OK")
+    };
+    Answer {
+        frame,
+        version: record.version_text(),
+        error: None,
+    }
+}
+
+fn page(keys: Vec<Frame>, token: Option<Vec<u8>>) -> Frame {
+    let mut parts = vec![Frame::Array(keys)];
+    if let Some(token) = token {
+        parts.push(Frame::Bulk(token));
+    }
+    Frame::Array(parts)
+}
+
+/// The first key after every key that starts with `prefix`.
+pub(super) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}

@@ -1,0 +1,176 @@
+//! Several statebroker nodes sharing one state store kept in **etcd**.
+//!
+//! etcd is the only engine: each state store key is one etcd key under
+//! `<etcd_prefix>K/` ([`record`]); each command is one etcd transaction
+//! that compares the key's mod revision with the one the command was
+//! planned against (the `statestore::plan` seam) and plans again when
+//! another node got there first. There is no consensus code here.
+//!
+//! - [`kv`]: serving a key command and SCAN against etcd.
+//! - [`watch`]: one etcd watch over every key, resumed by revision: the
+//!   changes any node makes, for this node's KEYNOTIFY watchers, and the
+//!   index of what expires.
+//! - [`reaper`]: the node elected (etcd election) to delete expired keys
+//!   and old tombstones.
+//! - readiness: a linearizable read every second; `/readyz` is 503 while it
+//!   fails (no etcd quorum).
+//!
+//! Registrations (KEYNOTIFY) stay with the node of their connection, in
+//! its own `statestore::Store`, which also holds the node's hybrid logical
+//! clock.
+
+pub mod kv;
+mod reaper;
+pub mod record;
+pub mod watch;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, GetOptions};
+use parking_lot::Mutex;
+
+use crate::config::ClusteringSettings;
+pub use kv::{NodeClock, Unanswered};
+pub use watch::Change;
+
+/// A node's connection to the cluster.
+pub struct Cluster {
+    settings: ClusteringSettings,
+    client: Client,
+    /// `<etcd_prefix>K/`: where the store's keys are.
+    keys_prefix: Vec<u8>,
+    /// The last linearizable read succeeded.
+    ready: AtomicBool,
+    /// What expires and which tombstones to drop, as the watch saw them.
+    index: Mutex<watch::Index>,
+    /// Dropped with the cluster: its tasks end.
+    stop: tokio::sync::watch::Sender<()>,
+}
+
+impl Cluster {
+    /// Connects to etcd and checks that a quorum answers (a linearizable
+    /// read), within a few request timeouts.
+    pub async fn connect(settings: ClusteringSettings) -> Result<Arc<Cluster>, String> {
+        let endpoints = settings.etcd_endpoints.join(",");
+        let timeout = settings.request_timeout;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout)
+            .with_keep_alive(Duration::from_secs(2), timeout);
+        let deadline = timeout.saturating_mul(3).max(Duration::from_secs(5));
+        let keys_prefix = format!("{}K/", settings.etcd_prefix).into_bytes();
+        let connect = async {
+            let mut client = Client::connect(&settings.etcd_endpoints, Some(options))
+                .await
+                .map_err(|e| e.to_string())?;
+            client
+                .get(
+                    keys_prefix.clone(),
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(client)
+        };
+        let client = match tokio::time::timeout(deadline, connect).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => return Err(format!("cannot reach etcd at {endpoints}: {e}")),
+            Err(_) => {
+                return Err(format!(
+                    "cannot reach etcd at {endpoints}: no quorum answered within {} ms",
+                    deadline.as_millis()
+                ));
+            }
+        };
+        tracing::info!(
+            node_id = settings.node_id,
+            etcd = endpoints,
+            prefix = settings.etcd_prefix,
+            "clustering: the state store is kept in etcd"
+        );
+        Ok(Arc::new(Cluster {
+            settings,
+            client,
+            keys_prefix,
+            ready: AtomicBool::new(true),
+            index: Mutex::new(watch::Index::default()),
+            stop: tokio::sync::watch::Sender::new(()),
+        }))
+    }
+
+    /// This node's name.
+    pub fn node_id(&self) -> &str {
+        &self.settings.node_id
+    }
+
+    /// Whether the last linearizable read reached a quorum.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Starts the node's tasks: the readiness probe, the watch (changes go
+    /// to `changes`, versions into `clock`) and the reaper. They end when
+    /// the cluster is dropped.
+    pub async fn start(
+        self: &Arc<Self>,
+        clock: Arc<dyn NodeClock>,
+        changes: tokio::sync::mpsc::UnboundedSender<Change>,
+    ) -> Result<(), String> {
+        let revision = watch::load(self, clock.as_ref())
+            .await
+            .map_err(|e| format!("cannot read the state store's keys from etcd: {e}"))?;
+        tokio::spawn(readiness(Arc::downgrade(self), self.stop.subscribe()));
+        tokio::spawn(watch::run(
+            Arc::downgrade(self),
+            self.client.clone(),
+            revision + 1,
+            clock,
+            changes,
+            self.stop.subscribe(),
+        ));
+        tokio::spawn(reaper::run(Arc::downgrade(self), self.stop.subscribe()));
+        Ok(())
+    }
+
+    fn key(&self, key: &[u8]) -> Vec<u8> {
+        let mut full = Vec::with_capacity(self.keys_prefix.len() + key.len());
+        full.extend_from_slice(&self.keys_prefix);
+        full.extend_from_slice(key);
+        full
+    }
+}
+
+/// A linearizable read every second: `/readyz` follows it.
+async fn readiness(cluster: std::sync::Weak<Cluster>, mut stop: tokio::sync::watch::Receiver<()>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let Some(c) = cluster.upgrade() else { return };
+        let mut client = c.client.clone();
+        let read = client.get(
+            c.keys_prefix.clone(),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        );
+        let ok = matches!(
+            tokio::time::timeout(c.settings.request_timeout, read).await,
+            Ok(Ok(_))
+        );
+        let was = c.ready.swap(ok, Ordering::AcqRel);
+        if was != ok {
+            if ok {
+                tracing::info!("clustering: etcd answers again: ready");
+            } else {
+                tracing::warn!(
+                    etcd = c.settings.etcd_endpoints.join(","),
+                    "clustering: etcd does not answer (no quorum?): not ready; state store requests wait or go unanswered"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! One etcd watch over every key of the store: what any node changes
+//! reaches this node's KEYNOTIFY watchers, in etcd's revision order, once.
+//!
+//! At start the node reads every record (building the [`Index`] of what
+//! expires) and watches from the revision after that read. After a broken
+//! stream it watches again from the revision after the last event it
+//! handled, so nothing is missed or repeated. If etcd compacted past that
+//! revision (the watch fell too far behind), the changes in between are
+//! lost to this node's watchers; it logs that, reads every record again
+//! and goes on from there.
+//!
+//! A record gives SET (with its value and version), a tombstone DELETE
+//! (with the deleted entry's version); removing a tombstone notifies
+//! nobody.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Weak;
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use statestore::Event;
+
+use super::record::Record;
+use super::{Cluster, NodeClock};
+
+/// A change made on some node, for this node's watchers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// The key.
+    pub key: Vec<u8>,
+    /// SET with the value, or DELETE.
+    pub event: Event,
+    /// The version, as its node wrote it.
+    pub version: String,
+}
+
+/// What the reaper has to do and when: for each key, the time it expires
+/// (a record with PX) or its tombstone may go, and the revision that must
+/// still be the key's for that to hold.
+#[derive(Default)]
+pub struct Index {
+    due: BTreeSet<(u64, Vec<u8>)>,
+    by_key: HashMap<Vec<u8>, Tracked>,
+}
+
+/// One key the reaper will visit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tracked {
+    /// When.
+    pub at: u64,
+    /// The key's mod revision when it was indexed.
+    pub revision: i64,
+    /// A tombstone (to remove) rather than a record (to expire).
+    pub tombstone: bool,
+}
+
+impl Index {
+    fn forget(&mut self, key: &[u8]) {
+        if let Some(old) = self.by_key.remove(key) {
+            self.due.remove(&(old.at, key.to_vec()));
+        }
+    }
+
+    /// Indexes `record` of `key` at `revision` (or forgets the key).
+    fn record(&mut self, key: &[u8], record: &Record, revision: i64, tombstone_ttl_ms: u64) {
+        self.forget(key);
+        let at = if record.tombstone {
+            Some(record.version.wall_ms.saturating_add(tombstone_ttl_ms))
+        } else {
+            record.expires_at
+        };
+        if let Some(at) = at {
+            self.due.insert((at, key.to_vec()));
+            self.by_key.insert(
+                key.to_vec(),
+                Tracked {
+                    at,
+                    revision,
+                    tombstone: record.tombstone,
+                },
+            );
+        }
+    }
+
+    /// Up to `max` keys due by `now`.
+    pub fn due(&self, now: u64, max: usize) -> Vec<(Vec<u8>, Tracked)> {
+        self.due
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(max)
+            .filter_map(|(_, key)| self.by_key.get(key).map(|t| (key.clone(), *t)))
+            .collect()
+    }
+
+    /// Keys tracked.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+}
+
+/// Reads every record into the index, taking in their versions; returns
+/// the revision read at.
+pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64, String> {
+    let mut client = cluster.client.clone();
+    let end = super::kv::prefix_end(&cluster.keys_prefix);
+    let ttl = ttl_ms(cluster);
+    let mut from = cluster.keys_prefix.clone();
+    let mut revision = 0;
+    let mut index = Index::default();
+    loop {
+        let mut options = GetOptions::new().with_range(end.clone()).with_limit(1000);
+        if revision > 0 {
+            options = options.with_revision(revision);
+        }
+        let response = client
+            .get(from.clone(), Some(options))
+            .await
+            .map_err(|e| e.to_string())?;
+        if revision == 0 {
+            revision = response.header().map_or(0, |h| h.revision());
+        }
+        for kv in response.kvs() {
+            let key = &kv.key()[cluster.keys_prefix.len()..];
+            if let Ok(record) = Record::decode(kv.value()) {
+                clock.observe(record.version);
+                index.record(key, &record, kv.mod_revision(), ttl);
+            }
+        }
+        match response.kvs().last() {
+            Some(kv) if response.more() => {
+                from = kv.key().to_vec();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    tracing::info!(
+        revision,
+        tracked = index.len(),
+        "clustering: read the state store's records"
+    );
+    *cluster.index.lock() = index;
+    Ok(revision)
+}
+
+fn ttl_ms(cluster: &Cluster) -> u64 {
+    u64::try_from(cluster.settings.tombstone_ttl.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Watches every key from revision `from`, sending each change to
+/// `changes`; ends when the cluster is dropped or nobody takes changes.
+pub(super) async fn run(
+    cluster: Weak<Cluster>,
+    mut client: Client,
+    mut from: i64,
+    clock: std::sync::Arc<dyn NodeClock>,
+    changes: tokio::sync::mpsc::UnboundedSender<Change>,
+    mut stop: tokio::sync::watch::Receiver<()>,
+) {
+    let Some(c) = cluster.upgrade() else { return };
+    let prefix = c.keys_prefix.clone();
+    let ttl = ttl_ms(&c);
+    drop(c);
+    loop {
+        let options = WatchOptions::new().with_prefix().with_start_revision(from);
+        let stream = tokio::select! {
+            s = client.watch(prefix.clone(), Some(options)) => s,
+            _ = stop.changed() => return,
+        };
+        let mut stream = match stream {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!(error = %e, "clustering: cannot watch etcd; trying again");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                    _ = stop.changed() => return,
+                }
+            }
+        };
+        loop {
+            let message = tokio::select! {
+                m = stream.message() => m,
+                _ = stop.changed() => return,
+            };
+            let response = match message {
+                Ok(Some(response)) => response,
+                Ok(None) | Err(_) => break,
+            };
+            if response.canceled() {
+                let compacted = response.compact_revision();
+                if compacted > 0 {
+                    tracing::warn!(
+                        from,
+                        compacted,
+                        "clustering: the watch fell behind etcd's compaction; changes in between are not notified on this node"
+                    );
+                    let Some(c) = cluster.upgrade() else { return };
+                    match load(&c, clock.as_ref()).await {
+                        Ok(revision) => from = revision + 1,
+                        Err(_) => from = compacted,
+                    }
+                }
+                break;
+            }
+            let Some(c) = cluster.upgrade() else { return };
+            for event in response.events() {
+                let Some(kv) = event.kv() else { continue };
+                from = from.max(kv.mod_revision() + 1);
+                let Some(key) = kv.key().get(prefix.len()..) else {
+                    continue;
+                };
+                match event.event_type() {
+                    EventType::Put => {
+                        let Ok(record) = Record::decode(kv.value()) else {
+                            continue;
+                        };
+                        clock.observe(record.version);
+                        c.index.lock().record(key, &record, kv.mod_revision(), ttl);
+                        let event = if record.tombstone {
+                            Event::Delete
+                        } else {
+                            Event::Set(record.value.clone())
+                        };
+                        let change = Change {
+                            key: key.to_vec(),
+                            event,
+                            version: record.version_text(),
+                        };
+                        if changes.send(change).is_err() {
+                            return;
+                        }
+                    }
+                    EventType::Delete => c.index.lock().forget(key),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use statestore::hlc::Version;
+
+    fn record(tombstone: bool, wall_ms: u64, expires_at: Option<u64>) -> Record {
+        Record {
+            tombstone,
+            version: Version {
+                wall_ms,
+                counter: 0,
+            },
+            node: "n".into(),
+            expires_at,
+            fencing_token: None,
+            request: 0,
+            value: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_index_holds_expiries_and_tombstones_until_replaced() {
+        let mut index = Index::default();
+        index.record(b"a", &record(false, 10, Some(500)), 7, 1000);
+        index.record(b"b", &record(true, 20, None), 8, 1000);
+        index.record(b"c", &record(false, 30, None), 9, 1000);
+        assert_eq!(index.len(), 2);
+        assert!(index.due(499, 10).is_empty());
+        let due = index.due(1020, 10);
+        assert_eq!(due.len(), 2);
+        assert_eq!((due[0].0.as_slice(), due[0].1.revision), (&b"a"[..], 7));
+        assert!(due[1].1.tombstone);
+        // A new record without PX replaces the expiry.
+        index.record(b"a", &record(false, 40, None), 11, 1000);
+        assert_eq!(index.due(u64::MAX, 10).len(), 1);
+        index.forget(b"b");
+        assert_eq!(index.len(), 0);
+    }
+}
