@@ -229,19 +229,22 @@ impl Proc {
         self.kill()
     }
 
-    /// SIGSTOP.
+    /// SIGSTOP, then wait (up to 2 s) until the kernel shows it stopped:
+    /// a thread in uninterruptible sleep (an fsync) stops only after it.
     pub(crate) fn pause(&mut self, what: &str) -> io::Result<()> {
         let pid = self.live_pid(what)?;
         signal(pid, libc::SIGSTOP)?;
         self.paused = true;
+        wait_stopped(pid, true);
         Ok(())
     }
 
-    /// SIGCONT.
+    /// SIGCONT, then wait (up to 2 s) until it is no longer shown stopped.
     pub(crate) fn resume(&mut self, what: &str) -> io::Result<()> {
         let pid = self.live_pid(what)?;
         signal(pid, libc::SIGCONT)?;
         self.paused = false;
+        wait_stopped(pid, false);
         Ok(())
     }
 
@@ -257,6 +260,25 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.kill();
+    }
+}
+
+/// Polls /proc/PID/stat until the process is (or is no longer) stopped, for
+/// at most 2 s; gives up quietly where there is no /proc.
+fn wait_stopped(pid: u32, stopped: bool) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return;
+        };
+        // The state letter follows the parenthesised command name.
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].trim_start().chars().next());
+        if matches!(state, Some('T' | 't')) == stopped {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
