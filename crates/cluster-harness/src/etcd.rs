@@ -92,7 +92,10 @@ impl std::fmt::Debug for EtcdCluster {
             .field("dir", &self.dir())
             .field("token", &self.token)
             .field("endpoints", &self.endpoints())
-            .field("pids", &(0..self.len()).map(|i| self.pid(i)).collect::<Vec<_>>())
+            .field(
+                "pids",
+                &(0..self.len()).map(|i| self.pid(i)).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -118,7 +121,10 @@ impl EtcdCluster {
     /// [`EtcdCluster::start`] with options.
     pub fn start_with(members: usize, options: EtcdOptions) -> io::Result<EtcdCluster> {
         if members == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "an etcd cluster needs at least one member"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "an etcd cluster needs at least one member",
+            ));
         }
         let etcd = process::find_on_path("etcd", ETCD_HINT)?;
         let etcdctl = process::find_on_path("etcdctl", ETCD_HINT)?;
@@ -210,8 +216,18 @@ impl EtcdCluster {
             .arg(&m.name)
             .arg("--data-dir")
             .arg(&m.data_dir)
-            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args([
+                "--listen-client-urls",
+                &client,
+                "--advertise-client-urls",
+                &client,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
             .args(["--initial-cluster", &self.initial_cluster])
             .args(["--initial-cluster-token", &self.token])
             .args(["--initial-cluster-state", "new"])
@@ -253,7 +269,10 @@ impl EtcdCluster {
     /// The temp dir holding the members' data dirs (`m1/`, …) and logs
     /// (`m1.log`, …).
     pub fn dir(&self) -> &Path {
-        self.dir.as_ref().expect("the dir lives as long as the cluster").path()
+        self.dir
+            .as_ref()
+            .expect("the dir lives as long as the cluster")
+            .path()
     }
 
     /// The member's name in etcd: `m{i+1}`.
@@ -386,7 +405,14 @@ impl EtcdCluster {
             return Vec::new();
         }
         let mut cmd = self.etcdctl_on(&running);
-        cmd.args(["--dial-timeout=1s", "--command-timeout=1s", "endpoint", "status", "-w", "json"]);
+        cmd.args([
+            "--dial-timeout=1s",
+            "--command-timeout=1s",
+            "endpoint",
+            "status",
+            "-w",
+            "json",
+        ]);
         // It exits non-zero when some endpoint failed, yet prints the others.
         let Ok(out) = cmd.output() else {
             return Vec::new();
@@ -491,7 +517,10 @@ impl EtcdCluster {
         let statuses = self.status();
         for &i in &running {
             if !statuses.iter().any(|s| s.member == i) {
-                return Err(format!("{} does not answer endpoint status", self.members[i].name));
+                return Err(format!(
+                    "{} does not answer endpoint status",
+                    self.members[i].name
+                ));
             }
         }
         let leader_id = statuses[0].leader_id;
@@ -502,12 +531,23 @@ impl EtcdCluster {
                 .collect();
             return Err(format!("no agreed leader ({})", seen.join(", ")));
         }
-        let Some(leader) = statuses.iter().find(|s| s.id == leader_id).map(|s| s.member) else {
+        let Some(leader) = statuses
+            .iter()
+            .find(|s| s.id == leader_id)
+            .map(|s| s.member)
+        else {
             return Err(format!("the leader {leader_id:x} is not a running member"));
         };
         // `endpoint health` reads a key (linearizably) on every endpoint at once.
         let mut cmd = self.etcdctl_on(&running);
-        cmd.args(["--dial-timeout=1s", "--command-timeout=2s", "endpoint", "health", "-w", "json"]);
+        cmd.args([
+            "--dial-timeout=1s",
+            "--command-timeout=2s",
+            "endpoint",
+            "health",
+            "-w",
+            "json",
+        ]);
         let out = cmd.output().map_err(|e| format!("etcdctl: {e}"))?;
         if !out.status.success() {
             return Err(format!(

@@ -62,13 +62,15 @@ impl NodeSpec {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        self.args.extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self.args
+            .extend(args.into_iter().map(|a| a.as_ref().to_owned()));
         self
     }
 
     /// Sets an environment variable (the rest is inherited).
     pub fn env(mut self, key: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> NodeSpec {
-        self.env.push((key.as_ref().to_owned(), Some(value.as_ref().to_owned())));
+        self.env
+            .push((key.as_ref().to_owned(), Some(value.as_ref().to_owned())));
         self
     }
 
@@ -124,7 +126,13 @@ impl Node {
                 let safe: String = spec
                     .name
                     .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || c == '-' {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
                     .collect();
                 let temp = tempfile::Builder::new()
                     .prefix(&format!("statebroker-{safe}-"))
@@ -256,7 +264,11 @@ impl Node {
             if e.kind() == io::ErrorKind::TimedOut {
                 io::Error::new(
                     e.kind(),
-                    format!("node {name}: {e}; log {}:\n{}", log.display(), tail_file(&log, 30)),
+                    format!(
+                        "node {name}: {e}; log {}:\n{}",
+                        log.display(),
+                        tail_file(&log, 30)
+                    ),
                 )
             } else {
                 e

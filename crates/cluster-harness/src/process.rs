@@ -68,12 +68,17 @@ pub(crate) fn wait_tcp_while(
     let deadline = Instant::now() + timeout;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&addr, left.clamp(Duration::from_millis(1), Duration::from_millis(500))) {
+        match TcpStream::connect_timeout(
+            &addr,
+            left.clamp(Duration::from_millis(1), Duration::from_millis(500)),
+        ) {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("nothing accepts connections on {addr} after {timeout:?} (last error: {e})"),
+                    format!(
+                        "nothing accepts connections on {addr} after {timeout:?} (last error: {e})"
+                    ),
                 ));
             }
             Err(_) => {}
@@ -163,7 +168,10 @@ impl Proc {
             .stdout(file.try_clone()?)
             .stderr(file);
         let child = cmd.spawn().map_err(|e| {
-            io::Error::new(e.kind(), format!("cannot start {:?}: {e}", cmd.get_program()))
+            io::Error::new(
+                e.kind(),
+                format!("cannot start {:?}: {e}", cmd.get_program()),
+            )
         })?;
         self.child = Some(child);
         self.paused = false;
@@ -187,7 +195,9 @@ impl Proc {
     /// The exit status if the child has exited (it is then reaped; the
     /// status stays available until the next spawn or kill).
     pub(crate) fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// SIGKILL and wait for it (works on a paused process too). A no-op if
@@ -298,7 +308,10 @@ pub(crate) fn signal(pid: u32, sig: libc::c_int) -> io::Result<()> {
 pub(crate) fn finish_dir(dir: tempfile::TempDir, what: &str) {
     if keep_files() {
         let path = dir.keep();
-        eprintln!("statebroker-cluster-harness: kept {what} files in {}", path.display());
+        eprintln!(
+            "statebroker-cluster-harness: kept {what} files in {}",
+            path.display()
+        );
     } else if std::thread::panicking() {
         eprintln!(
             "statebroker-cluster-harness: removing {what} files in {} (set {KEEP_ENV}=1 to keep them)",

@@ -50,32 +50,66 @@ fn others(cluster: &EtcdCluster, i: usize) -> Vec<usize> {
 fn three_members_survive_a_leader_kill_and_the_member_rejoins() {
     let mut cluster = start(3);
     assert_eq!(cluster.endpoints().len(), 3);
-    assert!(cluster.endpoints().iter().all(|e| e.starts_with("http://127.0.0.1:")));
+    assert!(
+        cluster
+            .endpoints()
+            .iter()
+            .all(|e| e.starts_with("http://127.0.0.1:"))
+    );
 
     // Write and read with a plain etcdctl command line.
     let endpoints = cluster.endpoints().join(",");
     let put = Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
-        .args([format!("--endpoints={endpoints}").as_str(), "put", "greeting", "hello"])
+        .args([
+            format!("--endpoints={endpoints}").as_str(),
+            "put",
+            "greeting",
+            "hello",
+        ])
         .output()
         .unwrap();
-    assert!(put.status.success(), "put: {}", String::from_utf8_lossy(&put.stderr));
+    assert!(
+        put.status.success(),
+        "put: {}",
+        String::from_utf8_lossy(&put.stderr)
+    );
     let get = Command::new("etcdctl")
         .env("ETCDCTL_API", "3")
-        .args([format!("--endpoints={endpoints}").as_str(), "get", "greeting", "--print-value-only"])
+        .args([
+            format!("--endpoints={endpoints}").as_str(),
+            "get",
+            "greeting",
+            "--print-value-only",
+        ])
         .output()
         .unwrap();
-    assert!(get.status.success(), "get: {}", String::from_utf8_lossy(&get.stderr));
+    assert!(
+        get.status.success(),
+        "get: {}",
+        String::from_utf8_lossy(&get.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&get.stdout).trim(), "hello");
     // And with the helpers.
-    assert_eq!(cluster.get("greeting").unwrap().as_deref(), Some(&b"hello"[..]));
+    assert_eq!(
+        cluster.get("greeting").unwrap().as_deref(),
+        Some(&b"hello"[..])
+    );
     assert_eq!(cluster.get("missing").unwrap(), None);
 
     let leader = cluster.leader().expect("a leader");
     let statuses = cluster.status();
     assert_eq!(statuses.len(), 3, "{statuses:?}");
-    assert_eq!(statuses.iter().filter(|s| s.is_leader()).count(), 1, "{statuses:?}");
-    println!("leader: {} (pid {:?})", cluster.name(leader), cluster.pid(leader));
+    assert_eq!(
+        statuses.iter().filter(|s| s.is_leader()).count(),
+        1,
+        "{statuses:?}"
+    );
+    println!(
+        "leader: {} (pid {:?})",
+        cluster.name(leader),
+        cluster.pid(leader)
+    );
 
     let t = Instant::now();
     cluster.kill(leader).unwrap();
@@ -108,8 +142,16 @@ fn three_members_survive_a_leader_kill_and_the_member_rejoins() {
     );
     let statuses = cluster.status();
     assert_eq!(statuses.len(), 3, "{statuses:?}");
-    assert!(statuses.iter().all(|s| s.leader_id == statuses[0].leader_id && s.leader_id != 0));
-    assert!(statuses.iter().all(|s| s.cluster_id == statuses[0].cluster_id));
+    assert!(
+        statuses
+            .iter()
+            .all(|s| s.leader_id == statuses[0].leader_id && s.leader_id != 0)
+    );
+    assert!(
+        statuses
+            .iter()
+            .all(|s| s.cluster_id == statuses[0].cluster_id)
+    );
     // A linearizable read through the restarted member alone sees the write
     // made while it was down.
     let out = cluster
@@ -117,10 +159,18 @@ fn three_members_survive_a_leader_kill_and_the_member_rejoins() {
         .args(["get", "after-kill", "--print-value-only"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1");
     let log = std::fs::read_to_string(cluster.log_path(leader)).unwrap();
-    assert!(log.contains("restarting local member"), "{}", cluster.log_tail(leader));
+    assert!(
+        log.contains("restarting local member"),
+        "{}",
+        cluster.log_tail(leader)
+    );
 }
 
 #[test]
@@ -148,7 +198,11 @@ fn a_paused_leader_is_replaced_and_rejoins_when_resumed() {
     cluster.wait_healthy(HEALTHY).unwrap();
     let statuses = cluster.status();
     assert_eq!(statuses.len(), 3, "{statuses:?}");
-    assert_eq!(statuses.iter().filter(|s| s.is_leader()).count(), 1, "{statuses:?}");
+    assert_eq!(
+        statuses.iter().filter(|s| s.is_leader()).count(),
+        1,
+        "{statuses:?}"
+    );
 
     // Pausing a follower leaves the leader alone.
     let leader = cluster.leader().unwrap();
@@ -181,9 +235,15 @@ fn two_clusters_started_in_parallel_do_not_collide() {
     }
     assert_ne!(clusters[0].dir(), clusters[1].dir());
     for (n, c) in clusters.iter().enumerate() {
-        assert_eq!(c.get("who").unwrap(), Some(format!("cluster {n}").into_bytes()));
+        assert_eq!(
+            c.get("who").unwrap(),
+            Some(format!("cluster {n}").into_bytes())
+        );
     }
-    let ids: Vec<u64> = clusters.iter_mut().map(|c| c.status()[0].cluster_id).collect();
+    let ids: Vec<u64> = clusters
+        .iter_mut()
+        .map(|c| c.status()[0].cluster_id)
+        .collect();
     assert_ne!(ids[0], ids[1]);
     for c in &mut clusters {
         assert_eq!(c.status().len(), 3);
@@ -208,7 +268,11 @@ fn drop_kills_every_member_and_removes_the_dir() {
     for pid in pids.iter().chain([&first_pid]) {
         assert!(!mentions(*pid, &dir), "etcd pid {pid} survived the drop");
     }
-    assert!(processes_mentioning(&dir).is_empty(), "left behind: {:?}", processes_mentioning(&dir));
+    assert!(
+        processes_mentioning(&dir).is_empty(),
+        "left behind: {:?}",
+        processes_mentioning(&dir)
+    );
     if statebroker_cluster_harness::keep_files() {
         assert!(dir.exists());
     } else {

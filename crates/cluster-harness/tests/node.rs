@@ -12,7 +12,10 @@ fn server(port: u16) -> NodeSpec {
         .arg("--data-dir={dir}/data")
         .arg(format!("--listen-client-urls=http://127.0.0.1:{port}"))
         .arg(format!("--advertise-client-urls=http://127.0.0.1:{port}"))
-        .arg(format!("--listen-peer-urls=http://127.0.0.1:{}", free_port()))
+        .arg(format!(
+            "--listen-peer-urls=http://127.0.0.1:{}",
+            free_port()
+        ))
         .env_remove("ETCD_NAME")
 }
 
@@ -21,14 +24,20 @@ fn etcd_path() -> String {
     std::env::split_paths(&path)
         .map(|d| d.join("etcd"))
         .find(|p| p.is_file())
-        .expect("etcd is not on PATH: the cluster tests need etcd 3.4 (apt-get install etcd-server)")
+        .expect(
+            "etcd is not on PATH: the cluster tests need etcd 3.4 (apt-get install etcd-server)",
+        )
         .to_string_lossy()
         .into_owned()
 }
 
 fn stat_state(pid: u32) -> char {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    stat[stat.rfind(')').unwrap() + 1..].trim_start().chars().next().unwrap()
+    stat[stat.rfind(')').unwrap() + 1..]
+        .trim_start()
+        .chars()
+        .next()
+        .unwrap()
 }
 
 /// Whether a live process `pid` has `dir` on its command line.
@@ -66,7 +75,10 @@ fn a_node_is_killed_paused_resumed_and_restarted() {
     assert_eq!(node.starts(), 2);
     node.wait_tcp(port, Duration::from_secs(20)).unwrap();
     let log = std::fs::read_to_string(node.log_path()).unwrap();
-    assert_eq!(log.matches("statebroker-cluster-harness: start #").count(), 2);
+    assert_eq!(
+        log.matches("statebroker-cluster-harness: start #").count(),
+        2
+    );
     assert!(!node.log_tail(5).is_empty());
 
     // SIGTERM: etcd exits by itself.
@@ -92,12 +104,21 @@ fn wait_tcp_gives_up_when_the_node_exits() {
         .start()
         .unwrap();
     let t = Instant::now();
-    let err = node.wait_tcp(free_port(), Duration::from_secs(20)).unwrap_err();
-    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    let err = node
+        .wait_tcp(free_port(), Duration::from_secs(20))
+        .unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
     let message = err.to_string();
     assert!(message.contains("exit status: 3"), "{message}");
     let dir = node.dir().to_string_lossy().into_owned();
-    assert!(message.contains(&format!("boom in {dir} with hi from {dir}")), "{message}");
+    assert!(
+        message.contains(&format!("boom in {dir} with hi from {dir}")),
+        "{message}"
+    );
     assert!(node.exit_status().is_some());
     assert_eq!(node.state(), ProcState::Down);
 }
