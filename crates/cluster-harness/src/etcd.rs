@@ -452,6 +452,23 @@ impl EtcdCluster {
             .map(|s| s.member)
     }
 
+    /// Polls [`EtcdCluster::leader`] until there is one.
+    pub fn wait_leader(&mut self, timeout: Duration) -> io::Result<usize> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(leader) = self.leader() {
+                return Ok(leader);
+            }
+            if Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no etcd member says it leads after {timeout:?}"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Waits until every running member (not paused, not killed) answers
     /// status, they all see the same leader, which is one of them, and
     /// each answers a linearizable read (`etcdctl endpoint health`).

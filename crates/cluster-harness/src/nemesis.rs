@@ -52,6 +52,10 @@ impl Cluster {
     }
 }
 
+/// How long [`Fault::KillEtcdLeader`] and [`Fault::PauseEtcdLeader`] wait
+/// for a member to lead (e.g. during an election) before giving up.
+pub const LEADER_WAIT: Duration = Duration::from_secs(10);
+
 /// One fault. Nodes and etcd members are indexes into [`Cluster::nodes`]
 /// and the etcd cluster's members (member `i` is named `m{i+1}`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,7 +70,8 @@ pub enum Fault {
     ResumeNode(usize),
     /// SIGKILL etcd member `i`.
     KillEtcd(usize),
-    /// SIGKILL the member that is etcd's leader at that moment.
+    /// SIGKILL the member that is etcd's leader at that moment (waiting up
+    /// to [`LEADER_WAIT`] for one, holding the lock).
     KillEtcdLeader,
     /// Start etcd member `i` again (same data dir and flags).
     RestartEtcd(usize),
@@ -75,7 +80,8 @@ pub enum Fault {
     RestartEtcdDown,
     /// SIGSTOP etcd member `i`.
     PauseEtcd(usize),
-    /// SIGSTOP the member that is etcd's leader at that moment.
+    /// SIGSTOP the member that is etcd's leader at that moment (waiting up
+    /// to [`LEADER_WAIT`] for one, holding the lock).
     PauseEtcdLeader,
     /// SIGCONT etcd member `i`.
     ResumeEtcd(usize),
@@ -84,7 +90,8 @@ pub enum Fault {
 }
 
 impl Fault {
-    /// Applies the fault now. Ok: what was done ("killed etcd m2 (leader,
+    /// Applies the fault now (the nemesis does so holding the cluster's
+    /// lock). Ok: what was done ("killed etcd m2 (leader,
     /// pid 4242)"); Err: why not.
     pub fn apply(&self, cluster: &mut Cluster) -> Result<String, String> {
         let e = |e: std::io::Error| e.to_string();
@@ -125,7 +132,7 @@ impl Fault {
             Fault::KillEtcd(i) => kill_etcd(cluster.etcd()?, i, ""),
             Fault::KillEtcdLeader => {
                 let etcd = cluster.etcd()?;
-                let leader = etcd.leader().ok_or("no etcd leader right now")?;
+                let leader = etcd.wait_leader(LEADER_WAIT).map_err(e)?;
                 kill_etcd(etcd, leader, "leader, ")
             }
             Fault::RestartEtcd(i) => {
@@ -152,7 +159,7 @@ impl Fault {
             Fault::PauseEtcd(i) => pause_etcd(cluster.etcd()?, i, ""),
             Fault::PauseEtcdLeader => {
                 let etcd = cluster.etcd()?;
-                let leader = etcd.leader().ok_or("no etcd leader right now")?;
+                let leader = etcd.wait_leader(LEADER_WAIT).map_err(e)?;
                 pause_etcd(etcd, leader, "leader, ")
             }
             Fault::ResumeEtcd(i) => {

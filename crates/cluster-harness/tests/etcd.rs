@@ -27,7 +27,7 @@ fn write_until_ok(cluster: &EtcdCluster, members: &[usize], key: &str, value: &s
     loop {
         let out = cluster
             .etcdctl_on(members)
-            .args(["--command-timeout=1s", "put", key, value])
+            .args(["--command-timeout=500ms", "put", key, value])
             .output()
             .expect("run etcdctl");
         if out.status.success() {
