@@ -130,7 +130,8 @@ impl EtcdCluster {
         let etcdctl = process::find_on_path("etcdctl", ETCD_HINT)?;
         let mut last = None;
         for _ in 0..options.attempts.max(1) {
-            match Self::try_start(members, &options, &etcd, &etcdctl) {
+            let ports: Vec<(u16, u16)> = (0..members).map(|_| (free_port(), free_port())).collect();
+            match Self::try_start(&ports, &options, &etcd, &etcdctl) {
                 Ok(cluster) => return Ok(cluster),
                 Err(StartError::PortClash(e)) => last = Some(e),
                 Err(StartError::Other(e)) => return Err(e),
@@ -139,8 +140,9 @@ impl EtcdCluster {
         Err(last.expect("at least one attempt"))
     }
 
+    /// One start on the given (client, peer) ports, one pair per member.
     fn try_start(
-        members: usize,
+        ports: &[(u16, u16)],
         options: &EtcdOptions,
         etcd: &Path,
         etcdctl: &Path,
@@ -159,12 +161,12 @@ impl EtcdCluster {
             std::process::id(),
             CLUSTERS.fetch_add(1, Ordering::Relaxed)
         );
-        let members: Vec<Member> = (0..members)
-            .map(|i| {
+        let members: Vec<Member> = (ports.iter().enumerate())
+            .map(|(i, &(client_port, peer_port))| {
                 let name = format!("m{}", i + 1);
                 Member {
-                    client_port: free_port(),
-                    peer_port: free_port(),
+                    client_port,
+                    peer_port,
                     data_dir: dir.path().join(&name),
                     log: dir.path().join(format!("{name}.log")),
                     proc: Proc::default(),
@@ -637,7 +639,31 @@ fn base64_decode(text: &str) -> io::Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::base64_decode;
+    use super::*;
+
+    #[test]
+    fn a_taken_port_is_a_clash_to_retry() {
+        let etcd = process::find_on_path("etcd", ETCD_HINT).unwrap();
+        let etcdctl = process::find_on_path("etcdctl", ETCD_HINT).unwrap();
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let options = EtcdOptions::default();
+        let ports = [
+            (free_port(), free_port()),
+            (port, free_port()),
+            (free_port(), free_port()),
+        ];
+        let t = Instant::now();
+        match EtcdCluster::try_start(&ports, &options, &etcd, &etcdctl) {
+            Err(StartError::PortClash(e)) => {
+                assert!(e.to_string().contains("etcd member m2 exited"), "{e}");
+                println!("clash seen after {:?}: {e}", t.elapsed());
+            }
+            Err(StartError::Other(e)) => panic!("not seen as a clash: {e}"),
+            Ok(_) => panic!("started on a taken port"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(20));
+    }
 
     #[test]
     fn base64() {
