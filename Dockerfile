@@ -3,6 +3,9 @@
 #   docker build -t statebroker .
 #   docker run -p 1883:1883 -p 9883:9883 -v statebroker-data:/var/lib/statebroker statebroker
 FROM rust:1.95-bookworm AS build
+# etcd's client (clustering, `--features cluster`) is built with protoc.
+RUN apt-get update && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # The registry and the target directory are cached between builds
@@ -13,7 +16,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols \
-    cargo build --release --locked --bin statebroker \
+    cargo build --release --locked --bin statebroker --features cluster \
  && cp target/release/statebroker /statebroker
 
 FROM debian:bookworm-slim

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-mod client;
 mod faults;
 mod output;
-mod tls;
+
+use statebroker_cli::{client, tls};
 
 use client::{Client, Failure, Target};
 use output::{EXIT_ERR, Format, Printer};

@@ -1,0 +1,136 @@
+//! Three etcd members and N statebroker nodes on loopback, each test its
+//! own, and a state store client for each node.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use statebroker_cli::client::{Answer, Client, Target};
+use statebroker_cluster_harness::{EtcdCluster, Node, NodeSpec, free_port};
+use statestore::resp3::Reply;
+
+/// The broker binary, built with clustering.
+pub const BROKER: &str = env!("CARGO_BIN_EXE_statebroker-node");
+
+/// How long a start or an answer may take on a loaded CI machine.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// etcd and the nodes.
+pub struct Setup {
+    pub etcd: EtcdCluster,
+    pub nodes: Vec<Node>,
+    pub ports: Vec<u16>,
+    pub http: Vec<u16>,
+}
+
+impl Setup {
+    /// `members` etcd members and `nodes` broker nodes, all ready.
+    pub fn start(members: usize, nodes: usize) -> Setup {
+        let etcd = EtcdCluster::start(members).expect("etcd starts");
+        let endpoints = etcd.endpoints().join(",");
+        let mut setup = Setup {
+            etcd,
+            nodes: Vec::new(),
+            ports: Vec::new(),
+            http: Vec::new(),
+        };
+        for i in 0..nodes {
+            let (port, http) = (free_port(), free_port());
+            let mut node = NodeSpec::new(BROKER)
+                .name(format!("sb{}", i + 1))
+                .arg(format!("--listen=127.0.0.1:{port}"))
+                .arg(format!("--http=127.0.0.1:{http}"))
+                .arg("--in-memory")
+                .arg(format!("--cluster-node-id=sb{}", i + 1))
+                .arg(format!("--etcd-endpoints={endpoints}"))
+                .env("RUST_LOG", "info,broker::cluster=debug")
+                .start()
+                .expect("the node starts");
+            node.wait_tcp(port, PATIENCE).expect("the node listens");
+            setup.nodes.push(node);
+            setup.ports.push(port);
+            setup.http.push(http);
+        }
+        setup
+    }
+}
+
+/// A client of node `port`.
+pub async fn client(port: u16, client_id: &str) -> Client {
+    let target = Target {
+        host: "127.0.0.1".into(),
+        port,
+        client_id: client_id.into(),
+        login: None,
+        timeout: PATIENCE,
+        tls: None,
+    };
+    Client::connect(&target).await.expect("connects")
+}
+
+/// Sends a request; panics without an answer.
+pub async fn ask(client: &mut Client, args: &[&str]) -> Answer {
+    ask_with(client, args, &[]).await
+}
+
+/// Sends a request with extra user properties (`__ft`).
+pub async fn ask_with(client: &mut Client, args: &[&str], extra: &[(&str, String)]) -> Answer {
+    let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+    client
+        .request(&args, extra)
+        .await
+        .unwrap_or_else(|e| panic!("no answer to {args:?}: {e}"))
+}
+
+/// The answer as text: `+OK`, `:1`, `$value`, `$-1`, `-ERR text`, or the
+/// keys of a SCAN page (`*k1,k2|token`).
+pub fn text(answer: &Answer) -> String {
+    reply_text(&answer.reply)
+}
+
+fn reply_text(reply: &Reply) -> String {
+    match reply {
+        Reply::Simple(s) => format!("+{s}"),
+        Reply::Error(e) => format!("-{e}"),
+        Reply::Integer(n) => format!(":{n}"),
+        Reply::Bulk(b) => format!("${}", String::from_utf8_lossy(b)),
+        Reply::Null => "$-1".into(),
+        Reply::Array(parts) => {
+            let parts: Vec<String> = parts.iter().map(reply_text).collect();
+            format!("*{}", parts.join("|"))
+        }
+    }
+}
+
+/// `(wall, counter)` of a version `WWW:CCCCC:node`.
+pub fn time_of(version: &str) -> (u64, u64) {
+    let mut parts = version.splitn(3, ':');
+    let wall = parts.next().and_then(|w| w.parse().ok()).expect("wall");
+    let counter = parts.next().and_then(|c| c.parse().ok()).expect("counter");
+    (wall, counter)
+}
+
+/// The HTTP status of `GET path` on `port`.
+pub fn http_status(port: u16, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), PATIENCE).ok()?;
+    stream.set_read_timeout(Some(PATIENCE)).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Polls `cond` until it holds; panics after [`PATIENCE`] naming `what`.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,320 @@
+//! The state store on three nodes and three etcd members: every node
+//! serves the same keys, versions increase across nodes, KEYNOTIFY reaches
+//! watchers on every node, fencing tokens hold across nodes, expiry, SCAN,
+//! readiness without a quorum, a node killed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_serves_the_same_keys_and_versions_increase_across_nodes() {
+    let setup = Setup::start(3, 3);
+    let mut c: Vec<_> = Vec::new();
+    for (i, port) in setup.ports.iter().enumerate() {
+        c.push(client(*port, &format!("c{i}")).await);
+    }
+    let set = ask(&mut c[0], &["SET", "door", "open"]).await;
+    assert_eq!(text(&set), "+OK");
+    let v1 = set.version.clone().unwrap();
+    assert!(v1.ends_with(":sb1"), "{v1}");
+    for client in c.iter_mut().skip(1) {
+        let got = ask(client, &["GET", "door"]).await;
+        assert_eq!(text(&got), "$open");
+        assert_eq!(
+            got.version.as_deref(),
+            Some(v1.as_str()),
+            "GET shows the SET's version"
+        );
+    }
+    // Each SET, on any node, after the answer of another: a greater version.
+    let mut last = time_of(&v1);
+    for round in 0..6 {
+        let node = round % 3;
+        let set = ask(&mut c[node], &["SET", "door", &format!("v{round}")]).await;
+        assert_eq!(text(&set), "+OK");
+        let now = time_of(set.version.as_deref().unwrap());
+        assert!(now > last, "round {round}: {now:?} <= {last:?}");
+        last = now;
+    }
+    // Conditions are decided on the key's current record, whichever node
+    // wrote it.
+    assert_eq!(
+        text(&ask(&mut c[1], &["SET", "door", "x", "NX"]).await),
+        ":-1"
+    );
+    assert_eq!(
+        text(&ask(&mut c[2], &["SET", "door", "v5", "NEX"]).await),
+        "+OK"
+    );
+    assert_eq!(
+        text(&ask(&mut c[0], &["VDEL", "door", "nope"]).await),
+        ":-1"
+    );
+    let deleted = ask(&mut c[1], &["DEL", "door"]).await;
+    assert_eq!(text(&deleted), ":1");
+    assert_eq!(text(&ask(&mut c[2], &["GET", "door"]).await), "$-1");
+    assert_eq!(text(&ask(&mut c[0], &["DEL", "door"]).await), ":0");
+    // A SET after the delete, on another node: still a greater version
+    // (the tombstone keeps the last one).
+    let again = ask(&mut c[2], &["SET", "door", "new", "NX"]).await;
+    assert_eq!(text(&again), "+OK");
+    let after = time_of(again.version.as_deref().unwrap());
+    let at_delete = time_of(deleted.version.as_deref().unwrap());
+    assert!(after > at_delete, "{after:?} <= {at_delete:?}");
+    // Errors are the single node's.
+    assert_eq!(
+        text(&ask(&mut c[0], &["SET", "k"]).await),
+        "-ERR wrong number of arguments"
+    );
+    assert_eq!(
+        text(&ask(&mut c[1], &["GET", ""]).await),
+        "-ERR the key length is zero"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keynotify_reaches_watchers_on_every_node_in_order_once() {
+    let setup = Setup::start(3, 3);
+    let mut writer = client(setup.ports[0], "writer").await;
+    let mut watchers = Vec::new();
+    for node in [0, 1, 2] {
+        let mut w = client(setup.ports[node], &format!("watcher{node}")).await;
+        assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "counter"]).await), "+OK");
+        let notes = w.notifications().expect("notifications");
+        watchers.push((w, notes));
+    }
+    let n = 40;
+    let mut versions = Vec::new();
+    for i in 0..n {
+        // Writes from every node, in this order.
+        let node = i % 3;
+        let target = if node == 0 {
+            &mut writer
+        } else {
+            &mut watchers[node].0
+        };
+        let set = ask(target, &["SET", "counter", &i.to_string()]).await;
+        versions.push(set.version.unwrap());
+    }
+    let deleted = ask(&mut watchers[1].0, &["DEL", "counter"]).await;
+    assert_eq!(text(&deleted), ":1");
+    for (node, (_, notes)) in watchers.iter_mut().enumerate() {
+        for (i, version) in versions.iter().enumerate() {
+            let note = tokio::time::timeout(PATIENCE, notes.recv())
+                .await
+                .unwrap_or_else(|_| panic!("watcher on node {node}: notification {i} missing"))
+                .expect("open");
+            assert_eq!(
+                note.value.as_deref(),
+                Some(i.to_string().as_bytes()),
+                "node {node}, #{i}"
+            );
+            assert_eq!(note.version.as_ref(), Some(version), "node {node}, #{i}");
+        }
+        let last = tokio::time::timeout(PATIENCE, notes.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(last.value, None, "DELETE last, on node {node}");
+        // Nothing more (no duplicate).
+        let extra = tokio::time::timeout(Duration::from_millis(500), notes.recv()).await;
+        assert!(
+            extra.is_err(),
+            "node {node}: an extra notification {extra:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_and_expiry_hold_across_nodes() {
+    let setup = Setup::start(3, 3);
+    let mut a = client(setup.ports[0], "holder-a").await;
+    let mut b = client(setup.ports[1], "holder-b").await;
+    let mut watcher = client(setup.ports[2], "watcher").await;
+    assert_eq!(
+        text(&ask(&mut watcher, &["KEYNOTIFY", "lock"]).await),
+        "+OK"
+    );
+    let mut notes = watcher.notifications().unwrap();
+    // A acquires the lock on node 1 for 1.5 s and fences the resource with
+    // the lock's version.
+    let lock_a = ask(&mut a, &["SET", "lock", "a", "NX", "PX", "1500"]).await;
+    assert_eq!(text(&lock_a), "+OK");
+    let token_a = lock_a.version.unwrap();
+    let ft = |t: &str| [("__ft", t.to_owned())];
+    let write = ask_with(&mut a, &["SET", "resource", "from-a"], &ft(&token_a)).await;
+    assert_eq!(text(&write), "+OK");
+    // B cannot take the lock while it is held, on another node.
+    assert_eq!(
+        text(&ask(&mut b, &["SET", "lock", "b", "NX", "PX", "1500"]).await),
+        ":-1"
+    );
+    // The lock expires: exactly on read everywhere, and its watcher gets
+    // DELETE from the reaper.
+    let set_note = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(set_note.value.as_deref(), Some(&b"a"[..]));
+    let delete_note = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(delete_note.value, None, "expiry notifies DELETE");
+    assert_eq!(text(&ask(&mut b, &["GET", "lock"]).await), "$-1");
+    // B takes it on node 2: a greater token, and writes with it.
+    let lock_b = ask(&mut b, &["SET", "lock", "b", "NX", "PX", "60000"]).await;
+    assert_eq!(text(&lock_b), "+OK");
+    let token_b = lock_b.version.unwrap();
+    assert!(time_of(&token_b) > time_of(&token_a));
+    let write = ask_with(&mut b, &["SET", "resource", "from-b"], &ft(&token_b)).await;
+    assert_eq!(text(&write), "+OK");
+    // A, paused past its lease, comes back with its old token: refused on
+    // every node.
+    for client in [&mut a, &mut b, &mut watcher] {
+        let stale = ask_with(client, &["SET", "resource", "late-a"], &ft(&token_a)).await;
+        assert_eq!(
+            text(&stale),
+            "-ERR the request fencing token is a lower version than the fencing token protecting the resource"
+        );
+    }
+    assert_eq!(text(&ask(&mut a, &["GET", "resource"]).await), "$from-b");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scan_pages_through_keys_written_on_every_node() {
+    let setup = Setup::start(1, 2);
+    let mut c0 = client(setup.ports[0], "c0").await;
+    let mut c1 = client(setup.ports[1], "c1").await;
+    let mut expected = Vec::new();
+    for i in 0..250 {
+        let key = format!("scan-{i:03}");
+        let target = if i % 2 == 0 { &mut c0 } else { &mut c1 };
+        assert_eq!(text(&ask(target, &["SET", &key, "v"]).await), "+OK");
+        expected.push(key);
+    }
+    for i in 0..30 {
+        ask(&mut c0, &["SET", &format!("other-{i}"), "v"]).await;
+    }
+    ask(&mut c1, &["DEL", "scan-007"]).await;
+    expected.retain(|k| k != "scan-007");
+    let mut seen = Vec::new();
+    let mut token: Option<Vec<u8>> = None;
+    let mut pages = 0;
+    loop {
+        let mut args: Vec<&[u8]> = vec![b"SCAN", b"scan-*"];
+        if let Some(t) = &token {
+            args.push(t);
+        }
+        let answer = c1.request(&args, &[]).await.expect("SCAN answer");
+        let page = statestore::command::Page::decode(&encode(&answer.reply)).expect("a page");
+        seen.extend(page.keys.into_iter().map(|k| String::from_utf8(k).unwrap()));
+        pages += 1;
+        assert!(pages < 100, "SCAN does not end");
+        match page.token {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    assert!(pages >= 3, "250 keys in pages of 100: {pages} pages");
+    seen.sort();
+    assert_eq!(seen, expected);
+}
+
+fn encode(reply: &statestore::resp3::Reply) -> Vec<u8> {
+    use statestore::resp3::Reply;
+    let mut out = Vec::new();
+    match reply {
+        Reply::Array(parts) => {
+            out.extend_from_slice(format!("*{}\r\n", parts.len()).as_bytes());
+            for p in parts {
+                out.extend(encode(p));
+            }
+        }
+        Reply::Bulk(b) => {
+            out.extend_from_slice(format!("${}\r\n", b.len()).as_bytes());
+            out.extend_from_slice(b);
+            out.extend_from_slice(b"\r\n");
+        }
+        other => panic!("not in a SCAN page: {other:?}"),
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_etcd_quorum_is_not_ready_and_recovers_and_a_killed_node_loses_nothing() {
+    let mut setup = Setup::start(3, 2);
+    let mut c0 = client(setup.ports[0], "c0").await;
+    for i in 0..20 {
+        let set = ask(&mut c0, &["SET", &format!("k{i}"), &i.to_string()]).await;
+        assert_eq!(text(&set), "+OK");
+    }
+    // The node the client used is killed: another serves every key.
+    setup.nodes[0].kill().unwrap();
+    let mut c1 = client(setup.ports[1], "c0").await;
+    for i in 0..20 {
+        assert_eq!(
+            text(&ask(&mut c1, &["GET", &format!("k{i}")]).await),
+            format!("${i}")
+        );
+    }
+    // Two of three members gone: no quorum, not ready.
+    let http = setup.http[1];
+    assert_eq!(http_status(http, "/readyz"), Some(200));
+    setup.etcd.kill(0).unwrap();
+    setup.etcd.kill(1).unwrap();
+    eventually("/readyz 503 without quorum", || {
+        http_status(http, "/readyz") == Some(503)
+    })
+    .await;
+    // Back: ready again by itself, and the keys are there.
+    setup.etcd.restart(0).unwrap();
+    setup.etcd.restart(1).unwrap();
+    eventually("/readyz 200 with quorum back", || {
+        http_status(http, "/readyz") == Some(200)
+    })
+    .await;
+    assert_eq!(text(&ask(&mut c1, &["GET", "k7"]).await), "$7");
+}
+
+#[test]
+fn etcd_unreachable_at_start_is_a_clear_error() {
+    let dead = statebroker_cluster_harness::free_port();
+    let output = std::process::Command::new(BROKER)
+        .args([
+            "--listen=127.0.0.1:0",
+            "--no-http",
+            "--in-memory",
+            "--cluster-node-id=lonely",
+            &format!("--etcd-endpoints=http://127.0.0.1:{dead}"),
+        ])
+        .env("STATEBROKER__CLUSTERING__ETCD_REQUEST_TIMEOUT_MS", "500")
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    let log = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    assert!(
+        log.contains(&format!("cannot reach etcd at http://127.0.0.1:{dead}")),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_node_id_without_endpoints_is_refused() {
+    let output = std::process::Command::new(BROKER)
+        .args([
+            "--listen=127.0.0.1:0",
+            "--no-http",
+            "--in-memory",
+            "--cluster-node-id=sb1",
+        ])
+        .output()
+        .expect("runs");
+    assert_eq!(output.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("clustering.etcd_endpoints is empty"), "{err}");
+}
