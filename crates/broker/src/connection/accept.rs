@@ -45,12 +45,13 @@ pub(crate) struct Origin<'a> {
 }
 
 /// Decides on `hello` (see the module's documentation). `Err`: the
-/// CONNACK that refuses it (logged and counted already).
+/// CONNACK that refuses it, or `None` where the connection is closed
+/// without one (logged and counted already).
 pub(crate) async fn accept(
     hello: &Hello,
     origin: Origin<'_>,
     shared: &Shared,
-) -> Result<Accepted, Packet> {
+) -> Result<Accepted, Option<Packet>> {
     let Origin {
         id,
         peer,
@@ -63,8 +64,13 @@ pub(crate) async fn accept(
         crate::metrics::connection_refused(refusal.label());
         handshake::refusal(protocol, refusal)
     };
-    handshake::check_connect(&hello.connect, hello.will.as_ref())
-        .map_err(|(refusal, why)| refuse(refusal, why))?;
+    handshake::check_connect(
+        &hello.connect,
+        hello.will.as_ref(),
+        hello.properties.as_ref(),
+        protocol,
+    )
+    .map_err(|(refusal, why)| refuse(refusal, why))?;
     let terms = Terms::negotiate(
         hello,
         protocol,

@@ -70,6 +70,18 @@ pub(crate) enum Refusal {
     NotAuthorized,
     Busy,
     BadWill,
+    /// An Authentication Method: statebroker supports none (no AUTH
+    /// exchange), so it must refuse and close, MQTT 5 [MQTT-4.12.0-1].
+    BadAuthenticationMethod,
+    /// A rule of the CONNECT packet broken that the decoder cannot see
+    /// (MQTT 5 4.13: CONNACK 0x82; 3.1.1: close without CONNACK).
+    ProtocolError,
+    /// A CONNECT that does not conform to 3.1 (MQTT 5 4.13: CONNACK 0x81;
+    /// 3.1.1 [MQTT-3.1.4-1]: close without CONNACK).
+    Malformed,
+    /// The client's Maximum Packet Size leaves no room for a CONNACK with
+    /// what it must carry (see [`connack_within`]).
+    ConnAckTooLarge,
 }
 
 impl Refusal {
@@ -81,13 +93,29 @@ impl Refusal {
             Refusal::NotAuthorized => "not_authorized",
             Refusal::Busy => "server_busy",
             Refusal::BadWill => "will_not_valid",
+            Refusal::BadAuthenticationMethod => "bad_authentication_method",
+            Refusal::ProtocolError => "protocol_error",
+            Refusal::Malformed => "malformed_packet",
+            Refusal::ConnAckTooLarge => "connack_too_large",
         }
     }
 }
 
-/// The CONNACK that refuses a connection, in the client's protocol.
-pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
+/// The CONNACK that refuses a connection, in the client's protocol;
+/// `None`: the connection is closed without one (3.1.1 has no CONNACK for
+/// a CONNECT that breaks the protocol, [MQTT-3.1.4-1]).
+pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
     let code = match (protocol, refusal) {
+        (Protocol::V4, Refusal::Malformed | Refusal::ProtocolError) => return None,
+        (Protocol::V5, Refusal::Malformed) => ConnectReturnCode::MalformedPacket,
+        (Protocol::V5, Refusal::ProtocolError) => ConnectReturnCode::ProtocolError,
+        // 3.1.1 has neither (and its encoder knows only codes 0-5).
+        (Protocol::V4, Refusal::BadAuthenticationMethod) => ConnectReturnCode::NotAuthorized,
+        (Protocol::V4, Refusal::ConnAckTooLarge) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V5, Refusal::BadAuthenticationMethod) => {
+            ConnectReturnCode::BadAuthenticationMethod
+        }
+        (Protocol::V5, Refusal::ConnAckTooLarge) => ConnectReturnCode::ImplementationSpecificError,
         (_, Refusal::BadClientId) => ConnectReturnCode::ClientIdentifierNotValid,
         (_, Refusal::BadCredentials) => ConnectReturnCode::BadUserNamePassword,
         (_, Refusal::NotAuthorized) => ConnectReturnCode::NotAuthorized,
@@ -96,13 +124,13 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
         (Protocol::V4, Refusal::BadWill) => ConnectReturnCode::NotAuthorized,
         (Protocol::V5, Refusal::BadWill) => ConnectReturnCode::TopicNameInvalid,
     };
-    Packet::ConnAck(
+    Some(Packet::ConnAck(
         ConnAck {
             session_present: false,
             code,
         },
         None,
-    )
+    ))
 }
 
 /// Checks a CONNECT before the client is registered.
@@ -112,7 +140,23 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
 pub(crate) fn check_connect(
     connect: &Connect,
     will: Option<&LastWill>,
+    properties: Option<&ConnectProperties>,
+    protocol: Protocol,
 ) -> Result<(), (Refusal, &'static str)> {
+    if let Some(p) = properties {
+        if p.authentication_method.is_some() {
+            return Err((
+                Refusal::BadAuthenticationMethod,
+                "authentication methods are not supported [MQTT-4.12.0-1]",
+            ));
+        }
+        if p.authentication_data.is_some() {
+            return Err((
+                Refusal::ProtocolError,
+                "Authentication Data without an Authentication Method (3.1.2.11.10)",
+            ));
+        }
+    }
     let id = &connect.client_id;
     if id.is_empty() && !connect.clean_session {
         return Err((
@@ -126,6 +170,14 @@ pub(crate) fn check_connect(
     }
     if let Some(will) = will {
         let topic = std::str::from_utf8(&will.topic).unwrap_or("");
+        // 3.1.1: not a topic name at all, so not a CONNECT of 3.1
+        // ([MQTT-4.7.3-1], [MQTT-4.7.1-1]); MQTT 5 names the reason (0x90).
+        if protocol == Protocol::V4 && (topic.is_empty() || !protocol::valid_topic(topic)) {
+            return Err((
+                Refusal::Malformed,
+                "will topic empty or with wildcards [MQTT-4.7.3-1]",
+            ));
+        }
         if topic.is_empty()
             || !protocol::valid_topic(topic)
             || topics::is_reserved_response_topic(topic)
@@ -288,7 +340,11 @@ mod tests {
 
     #[test]
     fn client_ids() {
-        let refused = |c: Connect| check_connect(&c, None).err().map(|e| e.0);
+        let refused = |c: Connect| {
+            check_connect(&c, None, None, Protocol::V5)
+                .err()
+                .map(|e| e.0)
+        };
         assert_eq!(refused(connect("", true, 0)), None);
         assert_eq!(refused(connect("", false, 0)), Some(Refusal::BadClientId));
         for bad in ["a/b", "a+", "#", "$sys", "statebroker:publisher"] {
@@ -304,18 +360,59 @@ mod tests {
     #[test]
     fn will_topics() {
         let c = connect("c", true, 0);
-        let check = |topic: &str| check_connect(&c, Some(&will(topic))).is_ok();
-        assert!(check("devices/c/status"));
-        assert!(!check(""));
-        assert!(!check("a/+"));
-        assert!(!check(topics::REQUEST_TOPIC));
-        assert!(!check(&format!("{}/x", topics::NOTIFY_NAMESPACE)));
+        let check = |topic: &str, p| {
+            check_connect(&c, Some(&will(topic)), None, p)
+                .err()
+                .map(|e| e.0)
+        };
+        for p in [Protocol::V5, Protocol::V4] {
+            assert_eq!(check("devices/c/status", p), None);
+            assert_eq!(check(topics::REQUEST_TOPIC, p), Some(Refusal::BadWill));
+            let notify = format!("{}/x", topics::NOTIFY_NAMESPACE);
+            assert_eq!(check(&notify, p), Some(Refusal::BadWill));
+        }
+        // Not a topic name: MQTT 5 says so (0x90), 3.1.1 closes.
+        for bad in ["", "a/+"] {
+            assert_eq!(check(bad, Protocol::V5), Some(Refusal::BadWill));
+            assert_eq!(check(bad, Protocol::V4), Some(Refusal::Malformed));
+        }
+    }
+
+    #[test]
+    fn authentication_methods_are_refused() {
+        let c = connect("c", true, 0);
+        let props = |method: Option<&str>, data: Option<&[u8]>| ConnectProperties {
+            session_expiry_interval: None,
+            receive_maximum: None,
+            max_packet_size: None,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: Vec::new(),
+            authentication_method: method.map(str::to_owned),
+            authentication_data: data.map(Bytes::copy_from_slice),
+        };
+        let check = |p: ConnectProperties| {
+            check_connect(&c, None, Some(&p), Protocol::V5)
+                .err()
+                .map(|e| e.0)
+        };
+        assert_eq!(check(props(None, None)), None);
+        assert_eq!(
+            check(props(Some("SCRAM-SHA-1"), None)),
+            Some(Refusal::BadAuthenticationMethod)
+        );
+        assert_eq!(
+            check(props(Some("SCRAM-SHA-1"), Some(b"x"))),
+            Some(Refusal::BadAuthenticationMethod)
+        );
+        assert_eq!(check(props(None, Some(b"x"))), Some(Refusal::ProtocolError));
     }
 
     #[test]
     fn refusal_codes_per_protocol() {
         let code = |p, r| match refusal(p, r) {
-            Packet::ConnAck(ack, None) => {
+            Some(Packet::ConnAck(ack, None)) => {
                 assert!(!ack.session_present);
                 ack.code
             }
@@ -326,6 +423,15 @@ mod tests {
         assert_eq!(code(Protocol::V5, Refusal::Busy), C::ServerBusy);
         assert_eq!(code(Protocol::V4, Refusal::BadWill), C::NotAuthorized);
         assert_eq!(code(Protocol::V5, Refusal::BadWill), C::TopicNameInvalid);
+        assert_eq!(code(Protocol::V5, Refusal::Malformed), C::MalformedPacket);
+        assert_eq!(code(Protocol::V5, Refusal::ProtocolError), C::ProtocolError);
+        assert_eq!(
+            code(Protocol::V5, Refusal::ConnAckTooLarge),
+            C::ImplementationSpecificError
+        );
+        for r in [Refusal::Malformed, Refusal::ProtocolError] {
+            assert_eq!(refusal(Protocol::V4, r), None, "{r:?}: 3.1.1 closes");
+        }
         for p in [Protocol::V4, Protocol::V5] {
             assert_eq!(code(p, Refusal::BadClientId), C::ClientIdentifierNotValid);
             assert_eq!(code(p, Refusal::BadCredentials), C::BadUserNamePassword);

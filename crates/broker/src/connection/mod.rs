@@ -90,7 +90,8 @@ pub(crate) async fn serve<S: Stream>(
         permit,
     } = match accept::accept(&hello, origin, &shared).await {
         Ok(accepted) => accepted,
-        Err(connack) => return socket.send_and_close(connack).await,
+        Err(Some(connack)) => return socket.send_and_close(connack).await,
+        Err(None) => return socket.shutdown().await,
     };
     let client_id = terms.client_id.clone();
     shared.wills.connected(&client_id, id, terms.clean_start);
