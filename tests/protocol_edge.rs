@@ -194,3 +194,73 @@ async fn empty_will_topic() {
         refusal(0x90)
     );
 }
+
+// ------------------------------------------------------------ group 8: CONNACK size
+
+/// The CONNACK as it arrives, with the client's Maximum Packet Size.
+async fn connack_for(addr: SocketAddr, client_id: &str, max: u32) -> Vec<u8> {
+    let mut props = vec![0x27];
+    props.extend(max.to_be_bytes());
+    let bytes = connect(5, 0x02, &props, &fields(&[client_id.as_bytes()]));
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(&bytes).await.unwrap();
+    let mut head = [0u8; 2];
+    stream.read_exact(&mut head).await.unwrap();
+    let mut rest = vec![0u8; usize::from(head[1])];
+    stream.read_exact(&mut rest).await.unwrap();
+    let mut all = head.to_vec();
+    all.extend(rest);
+    all
+}
+
+fn connack_properties(bytes: &[u8]) -> (v5::ConnAck, v5::ConnAckProperties) {
+    let mut buf = BytesMut::from(bytes);
+    match Packet::read(&mut buf, None).unwrap() {
+        Packet::ConnAck(ack) => {
+            let props = ack.properties.clone().expect("CONNACK properties");
+            (ack, props)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// [MQTT-3.1.2-24]: no packet, CONNACK included, larger than the client's
+/// Maximum Packet Size. What the broker leaves out first, as far as
+/// needed, are the four "available" properties, whose absence means what
+/// they say (3.2.2.3.5, 3.2.2.3.11-13), then the Topic Alias Maximum (absent: 0, the client
+/// uses no aliases); Receive Maximum, Maximum Packet Size, Server Keep
+/// Alive and an Assigned Client Identifier stay, and a CONNACK that cannot
+/// carry them refuses the connection (0x83 Implementation specific error).
+#[tokio::test]
+async fn connack_fits_the_clients_maximum_packet_size() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let full = connack_for(addr, "big", 1 << 20).await;
+    let (ack, props) = connack_properties(&full);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(full.len(), 24, "{full:02x?}");
+    assert_eq!(props.retain_available, Some(1));
+
+    let small = connack_for(addr, "small", 20).await;
+    assert!(small.len() <= 20, "{} bytes: {small:02x?}", small.len());
+    let (ack, props) = connack_properties(&small);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(props.receive_max, Some(1000));
+    assert!(props.max_packet_size.is_some());
+    assert!(props.topic_alias_max.is_some());
+    assert_eq!(props.retain_available, Some(1), "left out only as needed");
+    assert_eq!(props.shared_subscription_available, None);
+    assert_eq!(props.wildcard_subscription_available, None);
+
+    let smaller = connack_for(addr, "smaller", 15).await;
+    assert!(smaller.len() <= 15, "{smaller:02x?}");
+    let (ack, props) = connack_properties(&smaller);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(props.receive_max, Some(1000));
+    assert!(props.max_packet_size.is_some());
+    assert_eq!(props.topic_alias_max, None);
+
+    // An assigned client id does not fit in 20 bytes.
+    let assigned = connack_for(addr, "", 20).await;
+    assert_eq!(assigned, refusal(0x83));
+}

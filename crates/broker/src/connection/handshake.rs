@@ -267,17 +267,45 @@ impl Terms {
 }
 
 /// The CONNACK that accepts a connection, with what the broker announces.
-pub(crate) fn connack(
-    terms: &Terms,
-    session_present: bool,
-    listener: &Listener,
-    topic_alias_max: u16,
-) -> Packet {
+///
+/// Its properties are [`connack_properties`]'s: call that first, it
+/// decides whether the client can take a CONNACK at all.
+pub(crate) fn connack(session_present: bool, properties: ConnAckProperties) -> Packet {
     let ack = ConnAck {
         session_present,
         code: ConnectReturnCode::Success,
     };
-    let properties = ConnAckProperties {
+    Packet::ConnAck(ack, Some(properties))
+}
+
+/// The properties of the CONNACK that accepts a connection (MQTT 5), within
+/// the client's Maximum Packet Size ([MQTT-3.1.2-24]: no packet larger than
+/// it goes to the client, the CONNACK included). `None`: not even what
+/// the CONNACK must carry fits; the connection is refused
+/// ([`Refusal::ConnAckTooLarge`]).
+///
+/// What is left out first, until the packet fits:
+///
+/// 1. Retain Available, Wildcard Subscription Available, Subscription
+///    Identifiers Available, Shared Subscription Available: all 1, which
+///    is what their absence means (3.2.2.3.5, 3.2.2.3.11-13); nothing is
+///    lost;
+/// 2. Topic Alias Maximum: absent means 0 (3.2.2.3.8), so the client
+///    sends no aliases (the broker still resolves any it gets).
+///
+/// What stays, as the client must know it: the Assigned Client Identifier
+/// (the client has no other way to learn its id, 3.2.2.3.7), the Server
+/// Keep Alive (the broker's timeout follows it, 3.2.2.3.14), the Receive
+/// Maximum and Maximum Packet Size (absent they mean 65,535 and no limit,
+/// and the broker enforces its own: a client that believed them would be
+/// disconnected). The broker sends no Reason String or User Property in
+/// CONNACK, which 3.2.2.3.9 and 3.2.2.3.10 allow to leave out.
+pub(crate) fn connack_properties(
+    terms: &Terms,
+    listener: &Listener,
+    topic_alias_max: u16,
+) -> Option<ConnAckProperties> {
+    let mut properties = ConnAckProperties {
         assigned_client_identifier: terms.assigned.then(|| terms.client_id.clone()),
         topic_alias_max: Some(topic_alias_max),
         receive_max: Some(listener.receive_maximum),
@@ -289,7 +317,25 @@ pub(crate) fn connack(
         subscription_identifiers_available: Some(1),
         ..ConnAckProperties::default()
     };
-    Packet::ConnAck(ack, Some(properties))
+    let fits = |p: &ConnAckProperties| {
+        let mut out = bytes::BytesMut::new();
+        Protocol::V5
+            .write(connack(false, p.clone()), &mut out)
+            .is_ok_and(|()| out.len() <= terms.max_packet_size)
+    };
+    type Leave = fn(&mut ConnAckProperties);
+    let optional: [Leave; 5] = [
+        |p| p.shared_subscription_available = None,
+        |p| p.wildcard_subscription_available = None,
+        |p| p.subscription_identifiers_available = None,
+        |p| p.retain_available = None,
+        |p| p.topic_alias_max = None,
+    ];
+    let mut left_out = optional.iter();
+    while !fits(&properties) {
+        left_out.next()?(&mut properties);
+    }
+    Some(properties)
 }
 
 #[cfg(test)]
@@ -513,7 +559,7 @@ mod tests {
             ("statebroker-1-7", true)
         );
         let l = listener();
-        match connack(&t, false, &l, 1024) {
+        match connack(false, connack_properties(&t, &l, 1024).unwrap()) {
             Packet::ConnAck(ack, Some(p)) => {
                 assert_eq!(ack.code, ConnectReturnCode::Success);
                 assert_eq!(
@@ -533,12 +579,83 @@ mod tests {
             0,
             || unreachable!(),
         );
-        match connack(&named, true, &l, 0) {
+        match connack(true, connack_properties(&named, &l, 0).unwrap()) {
             Packet::ConnAck(ack, Some(p)) => {
                 assert!(ack.session_present);
                 assert_eq!(p.assigned_client_identifier, None);
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// [MQTT-3.1.2-24]: the CONNACK fits the client's Maximum Packet Size,
+    /// leaving out what matters least first.
+    #[test]
+    fn connack_within_the_clients_maximum_packet_size() {
+        let l = listener();
+        let size = |t: &Terms| {
+            let mut out = bytes::BytesMut::new();
+            let p = connack_properties(t, &l, 1024).unwrap();
+            Protocol::V5
+                .write(connack(false, p.clone()), &mut out)
+                .unwrap();
+            (out.len(), p)
+        };
+        let terms = |max: u32, id: &str| {
+            let props = ConnectProperties {
+                session_expiry_interval: None,
+                receive_maximum: None,
+                max_packet_size: Some(max),
+                topic_alias_max: None,
+                request_response_info: None,
+                request_problem_info: None,
+                user_properties: Vec::new(),
+                authentication_method: None,
+                authentication_data: None,
+            };
+            let h = hello(connect(id, true, 0), Some(props));
+            Terms::negotiate(&h, Protocol::V5, 0, || "statebroker-1-7".into())
+        };
+        let (full, p) = size(&terms(1 << 20, "c"));
+        assert_eq!(full, 24);
+        assert_eq!(p.retain_available, Some(1));
+        let (len, p) = size(&terms(20, "c"));
+        assert_eq!(len, 20, "two 'available' flags left out");
+        assert_eq!(
+            (
+                p.shared_subscription_available,
+                p.wildcard_subscription_available
+            ),
+            (None, None)
+        );
+        assert_eq!(p.retain_available, Some(1));
+        let (len, p) = size(&terms(16, "c"));
+        assert_eq!(len, 16, "the four 'available' flags left out");
+        assert_eq!(
+            (p.retain_available, p.subscription_identifiers_available),
+            (None, None)
+        );
+        assert_eq!(p.topic_alias_max, Some(1024));
+        let (len, p) = size(&terms(22, "c"));
+        assert_eq!(len, 22, "only as much left out as needed");
+        assert_eq!(p.retain_available, Some(1));
+        assert_eq!(p.shared_subscription_available, None);
+        let (len, p) = size(&terms(13, "c"));
+        assert_eq!(len, 13);
+        assert_eq!(p.topic_alias_max, None);
+        assert_eq!(
+            (p.receive_max, p.max_packet_size),
+            (Some(1000), Some(1 << 20))
+        );
+        // Receive Maximum and Maximum Packet Size never left out.
+        assert!(connack_properties(&terms(12, "c"), &l, 1024).is_none());
+        // Nor an assigned client id.
+        assert!(connack_properties(&terms(20, ""), &l, 1024).is_none());
+        let (len, p) = size(&terms(31, ""));
+        assert_eq!(len, 31);
+        assert_eq!(
+            p.assigned_client_identifier.as_deref(),
+            Some("statebroker-1-7")
+        );
     }
 }
