@@ -176,6 +176,74 @@ async fn an_authentication_method_is_refused() {
 
 // ------------------------------------------------------------ group 7: malformed
 
+/// [MQTT-3.1.2-3]: the reserved bit of the Connect Flags must be 0.
+#[tokio::test]
+async fn connect_with_the_reserved_flag_set() {
+    let broker = start_broker().await;
+    for level in [5, 4] {
+        let bytes = connect(level, 0x03, &[], &fields(&[b"reserved"]));
+        refused_as_malformed(broker.local_addr(), level, &bytes, "reserved flag").await;
+    }
+}
+
+/// MQTT 5 [MQTT-3.1.2-16], [MQTT-3.1.2-18] (3.1.1: [MQTT-3.1.2-18],
+/// [MQTT-3.1.2-20]): a User Name or Password whose flag is 0 must not be
+/// present. 3.1.1 also wants no Password without a User Name
+/// ([MQTT-3.1.2-22]).
+#[tokio::test]
+async fn username_or_password_without_its_flag() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for level in [5, 4] {
+        let user = fields(&[b"flags", b"alice"]);
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x02, &[], &user),
+            "user name, flag 0",
+        )
+        .await;
+        let both = fields(&[b"flags", b"alice", b"secret"]);
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x82, &[], &both),
+            "password, flag 0",
+        )
+        .await;
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x02, &[], &both),
+            "both, flags 0",
+        )
+        .await;
+    }
+    let password = fields(&[b"flags", b"secret"]);
+    refused_as_malformed(addr, 4, &connect(4, 0x42, &[], &password), "password alone").await;
+}
+
+/// [MQTT-1.5.4-2] (3.1.1: [MQTT-1.5.3-2]): a UTF-8 string must not hold
+/// U+0000, in a client id, a user name, a will topic.
+#[tokio::test]
+async fn null_character_in_connect() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for level in [5, 4] {
+        let id = fields(&[b"nul\0id"]);
+        refused_as_malformed(addr, level, &connect(level, 0x02, &[], &id), "client id").await;
+        let user = fields(&[b"nul-user", b"ali\0ce", b"pw"]);
+        refused_as_malformed(addr, level, &connect(level, 0xC2, &[], &user), "user name").await;
+        // Will flag, QoS 0.
+        let mut will = s(b"nul-will");
+        if level == 5 {
+            will.push(0); // will properties
+        }
+        will.extend(fields(&[b"will/\0topic", b"bye"]));
+        refused_as_malformed(addr, level, &connect(level, 0x06, &[], &will), "will topic").await;
+    }
+}
+
 /// 3.1.1 [MQTT-4.7.3-1]: a topic name is at least one character long; an
 /// empty will topic makes a malformed CONNECT, closed without CONNACK
 /// (3.1.4). MQTT 5 answers CONNACK 0x90 Topic Name invalid, as before (a
@@ -193,6 +261,150 @@ async fn empty_will_topic() {
         answer(addr, &connect(5, 0x06, &[], &will)).await,
         refusal(0x90)
     );
+}
+
+/// After CONNECT: U+0000 in a topic or a filter ([MQTT-1.5.4-2]).
+#[tokio::test]
+async fn null_character_in_topics_and_filters() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    // PUBLISH QoS 0 "a\0b" "x": MQTT 5 has a property length.
+    let mut publish5 = s(b"a\0b");
+    publish5.extend([0, b'x']);
+    let mut publish4 = s(b"a\0b");
+    publish4.push(b'x');
+    // SUBSCRIBE id 1 "a\0b" QoS 0.
+    let mut subscribe5 = vec![0, 1, 0];
+    subscribe5.extend(s(b"a\0b"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 1];
+    subscribe4.extend(s(b"a\0b"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 1, 0];
+    unsubscribe5.extend(s(b"a\0b"));
+    let mut unsubscribe4 = vec![0, 1];
+    unsubscribe4.extend(s(b"a\0b"));
+    for (byte0, five, four, what) in [
+        (0x30, publish5, publish4, "PUBLISH topic"),
+        (0x82, subscribe5, subscribe4, "SUBSCRIBE filter"),
+        (0xA2, unsubscribe5, unsubscribe4, "UNSUBSCRIBE filter"),
+    ] {
+        v5_malformed_on(addr, &packet(byte0, &five), what).await;
+        v4_closes_on(addr, &packet(byte0, &four), what).await;
+    }
+}
+
+/// [MQTT-3.10.3-2]: an UNSUBSCRIBE holds at least one filter.
+#[tokio::test]
+async fn unsubscribe_without_a_filter() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    v5_malformed_on(addr, &packet(0xA2, &[0, 1, 0]), "MQTT 5").await;
+    v4_closes_on(addr, &packet(0xA2, &[0, 1]), "3.1.1").await;
+}
+
+/// [MQTT-2.2.1-3]: SUBSCRIBE and UNSUBSCRIBE carry a non-zero packet id.
+#[tokio::test]
+async fn subscribe_and_unsubscribe_with_packet_id_0() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut subscribe5 = vec![0, 0, 0];
+    subscribe5.extend(s(b"a"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 0];
+    subscribe4.extend(s(b"a"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 0, 0];
+    unsubscribe5.extend(s(b"a"));
+    let mut unsubscribe4 = vec![0, 0];
+    unsubscribe4.extend(s(b"a"));
+    v5_malformed_on(addr, &packet(0x82, &subscribe5), "SUBSCRIBE").await;
+    v4_closes_on(addr, &packet(0x82, &subscribe4), "SUBSCRIBE").await;
+    v5_malformed_on(addr, &packet(0xA2, &unsubscribe5), "UNSUBSCRIBE").await;
+    v4_closes_on(addr, &packet(0xA2, &unsubscribe4), "UNSUBSCRIBE").await;
+}
+
+/// [MQTT-3.8.1-1], [MQTT-3.10.1-1]: the fixed-header flags of SUBSCRIBE
+/// and UNSUBSCRIBE are 0010; anything else is malformed.
+#[tokio::test]
+async fn subscribe_and_unsubscribe_with_other_header_flags() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut subscribe5 = vec![0, 1, 0];
+    subscribe5.extend(s(b"a"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 1];
+    subscribe4.extend(s(b"a"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 1, 0];
+    unsubscribe5.extend(s(b"a"));
+    let mut unsubscribe4 = vec![0, 1];
+    unsubscribe4.extend(s(b"a"));
+    for flags in [0x0, 0x3, 0xA] {
+        v5_malformed_on(addr, &packet(0x80 | flags, &subscribe5), "SUBSCRIBE").await;
+        v4_closes_on(addr, &packet(0x80 | flags, &subscribe4), "SUBSCRIBE").await;
+        v5_malformed_on(addr, &packet(0xA0 | flags, &unsubscribe5), "UNSUBSCRIBE").await;
+        v4_closes_on(addr, &packet(0xA0 | flags, &unsubscribe4), "UNSUBSCRIBE").await;
+    }
+}
+
+/// MQTT 5 [MQTT-3.8.3-5]: bits 6 and 7 of the Subscription Options are
+/// reserved, 0 (3.1.1 [MQTT-3-8.3-4]: bits 2 to 7).
+#[tokio::test]
+async fn subscription_options_with_reserved_bits() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for bit in [0x40u8, 0x80] {
+        let mut subscribe = vec![0, 1, 0];
+        subscribe.extend(s(b"a"));
+        subscribe.push(bit | 1);
+        v5_malformed_on(addr, &packet(0x82, &subscribe), "MQTT 5").await;
+    }
+    for bit in [0x04u8, 0x10, 0x80] {
+        let mut subscribe = vec![0, 1];
+        subscribe.extend(s(b"a"));
+        subscribe.push(bit | 1);
+        v4_closes_on(addr, &packet(0x82, &subscribe), "3.1.1").await;
+    }
+}
+
+/// The checks above refuse nothing a conforming client sends: the same
+/// packets, well formed, are answered.
+#[tokio::test]
+async fn well_formed_edge_packets_are_answered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    // User name and password with their flags, in both versions.
+    for level in [5, 4] {
+        let both = fields(&[b"flags-ok", b"alice", b"secret"]);
+        let got = answer_first(addr, &connect(level, 0xC2, &[], &both)).await;
+        assert_eq!((got[0], got[3]), (0x20, 0x00), "level {level}");
+    }
+    let mut c = Raw::connect(addr, "options-ok").await;
+    // No Local, Retain As Published, Retain Handling 2: all allowed bits.
+    let mut subscribe = vec![0, 7, 0];
+    subscribe.extend(s(b"a"));
+    subscribe.push(0x2D);
+    c.send_bytes(&packet(0x82, &subscribe)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => assert_eq!(ack.pkid, 7),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Sends `bytes` and returns the first packet's first bytes.
+async fn answer_first(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    let mut buf = BytesMut::new();
+    while buf.len() < 4 {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read_buf(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed after {buf:02x?}");
+    }
+    buf.to_vec()
 }
 
 // ------------------------------------------------------------ group 8: CONNACK size

@@ -44,9 +44,21 @@ pub(crate) async fn read_connect<S: Stream>(
         }
         Ok(Err(e)) => {
             tracing::info!(%peer, error = %e, "bad CONNECT: closing");
-            if let CodecError::UnsupportedLevel(_) = e {
-                // "unacceptable protocol version", understood by every version.
-                let _ = socket.write_raw(&[0x20, 0x02, 0x00, 0x01]).await;
+            match e {
+                CodecError::UnsupportedLevel(_) => {
+                    // "unacceptable protocol version", understood by every version.
+                    let _ = socket.write_raw(&[0x20, 0x02, 0x00, 0x01]).await;
+                }
+                // MQTT 5 3.1.4 and 4.13: CONNACK 0x81 Malformed Packet, then
+                // close; 3.1.1 closes without CONNACK ([MQTT-3.1.4-1]).
+                CodecError::Malformed(_) if socket.detected && socket.protocol == Protocol::V5 => {
+                    crate::metrics::connection_refused(Refusal::Malformed.label());
+                    let _ = socket.write_raw(&[0x20, 0x03, 0x00, 0x81, 0x00]).await;
+                }
+                CodecError::Malformed(_) if socket.detected => {
+                    crate::metrics::connection_refused(Refusal::Malformed.label());
+                }
+                _ => {}
             }
             None
         }
