@@ -476,3 +476,46 @@ async fn connack_fits_the_clients_maximum_packet_size() {
     let assigned = connack_for(addr, "", 20).await;
     assert_eq!(assigned, refusal(0x83));
 }
+
+// ------------------------------------------------------------ group 9: UNSUBACK
+
+/// 3.11.2.2: UNSUBACK 0x11 "No subscription existed" for a filter never
+/// subscribed, 0x00 for one that was, with or without a router link.
+#[tokio::test]
+async fn unsuback_tells_which_subscriptions_existed() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let unsubscribe = |filters: &[&str], pkid| {
+        let mut u = v5::Unsubscribe::new(filters[0], None);
+        u.filters = filters.iter().map(|f| f.to_string()).collect();
+        u.pkid = pkid;
+        Packet::Unsubscribe(u)
+    };
+    // Never joined the router: answered by the connection.
+    let mut fresh = Raw::connect(addr, "unsub-fresh").await;
+    fresh.send(unsubscribe(&["never"], 3)).await;
+    match fresh.recv().await {
+        Recv::Packet(Packet::UnsubAck(ack)) => {
+            assert_eq!(ack.pkid, 3);
+            assert_eq!(ack.reasons, vec![UnsubAckReason::NoSubscriptionExisted]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Subscribed to something else: answered by the router.
+    let mut c = Raw::connect(addr, "unsub-joined").await;
+    c.subscribe("a/+", QoS::AtLeastOnce).await;
+    c.send(unsubscribe(&["never", "a/+"], 4)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::UnsubAck(ack)) => {
+            assert_eq!(ack.pkid, 4);
+            assert_eq!(
+                ack.reasons,
+                vec![
+                    UnsubAckReason::NoSubscriptionExisted,
+                    UnsubAckReason::Success,
+                ]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
