@@ -519,3 +519,111 @@ async fn unsuback_tells_which_subscriptions_existed() {
         other => panic!("{other:?}"),
     }
 }
+
+// ------------------------------------------------------------ group 6: QoS flows
+
+/// A subscriber on `topic` at `qos` without acknowledging anything, and a
+/// publisher that published `payload` at `qos` (QoS 2: through PUBCOMP).
+/// Returns the subscriber and the delivery it got.
+async fn delivered(
+    addr: SocketAddr,
+    name: &str,
+    qos: QoS,
+    payload: &'static [u8],
+) -> (Raw, v5::Publish) {
+    let mut sub = Raw::connect(addr, &format!("{name}-sub")).await;
+    sub.subscribe(name, qos).await;
+    let mut publisher = Raw::connect(addr, &format!("{name}-pub")).await;
+    let mut publish = v5::Publish::new(name, qos, payload, None);
+    publish.pkid = publisher.pkid();
+    publisher.send(Packet::Publish(publish.clone())).await;
+    if qos == QoS::ExactlyOnce {
+        match publisher.recv().await {
+            Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, publish.pkid),
+            other => panic!("{other:?}"),
+        }
+        publisher
+            .send(Packet::PubRel(v5::PubRel::new(publish.pkid, None)))
+            .await;
+    }
+    match sub.recv().await {
+        Recv::Packet(Packet::Publish(p)) => {
+            assert_eq!((p.qos, &p.payload[..]), (qos, payload));
+            (sub, p)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// 4.3.3: a PUBREC with a reason code of 0x80 or more ends the QoS 2 flow:
+/// no PUBREL follows, the message is not sent again, and the next one
+/// comes.
+#[tokio::test]
+async fn a_failed_pubrec_ends_the_qos2_flow() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, p) = delivered(addr, "failed-pubrec", QoS::ExactlyOnce, b"one").await;
+    let mut rec = v5::PubRec::new(p.pkid, None);
+    rec.reason = v5::PubRecReason::UnspecifiedError;
+    sub.send(Packet::PubRec(rec)).await;
+    match sub.recv_within(Duration::from_millis(500)).await {
+        Recv::Timeout => {}
+        other => panic!("nothing may follow a failed PUBREC, got {other:?}"),
+    }
+    let mut publisher = Raw::connect(addr, "failed-pubrec-again").await;
+    publisher
+        .publish("failed-pubrec", &b"two"[..], QoS::AtMostOnce, None)
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::Publish(p)) => assert_eq!(&p.payload[..], b"two"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// 4.3.2: a QoS 1 delivery is acknowledged with PUBACK; a PUBREC for it
+/// is a Protocol Error (DISCONNECT 0x82), not the start of a QoS 2 flow.
+#[tokio::test]
+async fn pubrec_for_a_qos1_delivery_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let (mut sub, p) = delivered(broker.local_addr(), "qos1-pubrec", QoS::AtLeastOnce, b"x").await;
+    sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError)
+    );
+}
+
+/// 4.3.3: a QoS 2 delivery is acknowledged with PUBREC, then PUBCOMP; a
+/// PUBACK for it, before or after the PUBREC, is a Protocol Error
+/// (DISCONNECT 0x82).
+#[tokio::test]
+async fn puback_in_a_qos2_flow_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, p) = delivered(addr, "qos2-puback", QoS::ExactlyOnce, b"x").await;
+    sub.send(Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError),
+        "PUBACK instead of PUBREC"
+    );
+    let (mut sub, p) = delivered(addr, "qos2-puback-late", QoS::ExactlyOnce, b"x").await;
+    sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
+        other => panic!("{other:?}"),
+    }
+    sub.send(Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError),
+        "PUBACK instead of PUBCOMP"
+    );
+}

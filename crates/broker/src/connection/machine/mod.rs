@@ -303,6 +303,41 @@ impl Machine {
                 DisconnectReasonCode::ProtocolError,
                 "second CONNECT".into(),
             )),
+            // 4.3.2, 4.3.3: a delivery is acknowledged as its QoS says.
+            Packet::PubAck(ack, _) if self.out.delivery_qos(ack.pkid) == Some(2) => {
+                Err(End::Violation(
+                    DisconnectReasonCode::ProtocolError,
+                    format!(
+                        "PUBACK for QoS 2 delivery {} (4.3.3: PUBREC, then PUBCOMP)",
+                        ack.pkid
+                    ),
+                ))
+            }
+            Packet::PubRec(rec, _) if self.out.delivery_qos(rec.pkid) == Some(1) => {
+                Err(End::Violation(
+                    DisconnectReasonCode::ProtocolError,
+                    format!("PUBREC for QoS 1 delivery {} (4.3.2: PUBACK)", rec.pkid),
+                ))
+            }
+            // 4.3.3: a PUBREC of 0x80 or more ends the flow, no PUBREL: the
+            // router is told the delivery is done as by a PUBACK.
+            Packet::PubRec(rec, _) if self.joined && failed(&rec.reason) => {
+                tracing::debug!(
+                    client_id = self.client_id,
+                    pkid = rec.pkid,
+                    reason = ?rec.reason,
+                    "QoS 2 delivery refused by the client (PUBREC >= 0x80): flow ended"
+                );
+                let done = Packet::PubAck(
+                    protocol::PubAck {
+                        pkid: rec.pkid,
+                        reason: protocol::PubAckReason::Success,
+                    },
+                    None,
+                );
+                self.on_router_ack(rec.pkid, false, done);
+                Ok(())
+            }
             Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
                 self.out
                     .direct_acknowledged(ack.pkid, self.protocol, &mut self.wbuf);
@@ -570,6 +605,14 @@ impl Machine {
             ));
         }
     }
+}
+
+/// A PUBREC reason code of 0x80 or more.
+fn failed(reason: &protocol::PubRecReason) -> bool {
+    !matches!(
+        reason,
+        protocol::PubRecReason::Success | protocol::PubRecReason::NoMatchingSubscribers
+    )
 }
 
 #[cfg(test)]
