@@ -627,3 +627,28 @@ async fn puback_in_a_qos2_flow_is_a_protocol_error() {
         "PUBACK instead of PUBCOMP"
     );
 }
+
+/// 3.14.2.2.3: the DISCONNECT that ends a connection leaves out its Reason
+/// String where it would pass the client's Maximum Packet Size.
+#[tokio::test]
+async fn disconnect_fits_the_clients_maximum_packet_size() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut c, connack) = Raw::connect_with(addr, "small-disconnect", |c| {
+        c.0.properties.as_mut().unwrap().max_packet_size = Some(20);
+    })
+    .await;
+    assert_eq!(connack.code, ConnectReturnCode::Success);
+    c.send_bytes(&packet(0xA2, &[0, 1, 0])).await;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 512];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), c.stream.read(&mut buf)).await {
+            Err(_) => panic!("the broker kept the connection open"),
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    assert!(got.len() <= 20, "{got:02x?}");
+    assert_eq!(got, [0xE0, 0x02, 0x81, 0x00], "{got:02x?}");
+}

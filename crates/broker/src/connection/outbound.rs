@@ -81,6 +81,11 @@ impl Outbound {
         }
     }
 
+    /// The client's Maximum Packet Size.
+    pub fn max_packet_size(&self) -> usize {
+        self.max_packet_size
+    }
+
     /// QoS 1/2 publishes written and not yet acknowledged, from both sources.
     pub fn in_flight(&self) -> usize {
         self.router_in_flight + self.direct.in_flight()

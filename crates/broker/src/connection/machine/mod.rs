@@ -581,15 +581,29 @@ impl Machine {
         if let Some(reason_code) = reason
             && self.protocol == Protocol::V5
         {
-            self.queue(Packet::Disconnect(
-                Disconnect { reason_code },
-                Some(DisconnectProperties {
-                    session_expiry_interval: None,
-                    reason_string: Some(text),
-                    user_properties: Vec::new(),
-                    server_reference: None,
-                }),
-            ));
+            let disconnect = |reason_string| {
+                Packet::Disconnect(
+                    Disconnect { reason_code },
+                    Some(DisconnectProperties {
+                        session_expiry_interval: None,
+                        reason_string,
+                        user_properties: Vec::new(),
+                        server_reference: None,
+                    }),
+                )
+            };
+            // 3.14.2.2.3: no Reason String that would make the packet
+            // larger than the client's Maximum Packet Size.
+            let mut with_text = BytesMut::new();
+            let fits = self
+                .protocol
+                .write(disconnect(Some(text)), &mut with_text)
+                .is_ok_and(|()| with_text.len() <= self.out.max_packet_size());
+            if fits {
+                self.wbuf.extend_from_slice(&with_text);
+            } else {
+                self.queue(disconnect(None));
+            }
         }
         if self.joined && !matches!(end, End::RouterClosed) {
             self.to_router.push(Packet::Disconnect(
