@@ -459,13 +459,10 @@ async fn mqtt311_and_mqtt5_clients_exchange_messages_on_one_port() {
     let mut five = Raw::connect(broker.local_addr(), "five").await;
     let mut four = Raw4::connect(broker.local_addr(), "four").await;
 
-    let pkid = four.pkid();
-    four.send(v4::Packet::Subscribe(v4::Subscribe::new(
-        "to/four",
-        rumqttc::mqttbytes::QoS::AtLeastOnce,
-    )))
-    .await;
-    let _ = pkid;
+    // A SUBSCRIBE with packet id 0 is malformed ([MQTT-2.2.1-3]).
+    let mut subscribe = v4::Subscribe::new("to/four", rumqttc::mqttbytes::QoS::AtLeastOnce);
+    subscribe.pkid = four.pkid();
+    four.send(v4::Packet::Subscribe(subscribe)).await;
     assert!(matches!(four.recv().await, Some(v4::Packet::SubAck(_))));
     five.subscribe("to/five", QoS::AtLeastOnce).await;
 

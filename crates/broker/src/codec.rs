@@ -205,7 +205,7 @@ impl Protocol {
                 pkid: info.pkid,
                 dup: info.dup,
             })),
-            Ok(Err(e)) => Err(CodecError::Malformed(format!("{e:?}"))),
+            Ok(Err(e)) => Err(CodecError::Malformed(e.to_string())),
             Err(_) => Err(CodecError::Malformed("decoder failure".into())),
         }
     }

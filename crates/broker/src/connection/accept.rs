@@ -11,7 +11,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use router::protocol::Packet;
+use router::protocol::{ConnAckProperties, Packet};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::handshake::{self, Hello, Refusal, Terms};
@@ -28,6 +28,9 @@ pub(crate) struct Accepted {
     pub terms: Terms,
     pub principal: Arc<Principal>,
     pub link: RouterLink,
+    /// The properties of the CONNACK that accepts it (MQTT 5), within the
+    /// client's Maximum Packet Size.
+    pub connack: ConnAckProperties,
     /// The router resumed a session (Session Present 1).
     pub session_present: bool,
     /// The connection's slot among `router.max_connections`.
@@ -45,12 +48,13 @@ pub(crate) struct Origin<'a> {
 }
 
 /// Decides on `hello` (see the module's documentation). `Err`: the
-/// CONNACK that refuses it (logged and counted already).
+/// CONNACK that refuses it, or `None` where the connection is closed
+/// without one (logged and counted already).
 pub(crate) async fn accept(
     hello: &Hello,
     origin: Origin<'_>,
     shared: &Shared,
-) -> Result<Accepted, Packet> {
+) -> Result<Accepted, Option<Packet>> {
     let Origin {
         id,
         peer,
@@ -58,13 +62,20 @@ pub(crate) async fn accept(
         listener,
         identity,
     } = origin;
+    // The smallest CONNACK (MQTT 5: 5 bytes) may be too large for the client.
+    let max_packet_size = hello.properties.as_ref().and_then(|p| p.max_packet_size);
     let refuse = |refusal: Refusal, why: &str| {
         tracing::info!(%peer, client_id = hello.connect.client_id, ?protocol, why, "CONNECT refused");
         crate::metrics::connection_refused(refusal.label());
-        handshake::refusal(protocol, refusal)
+        handshake::refusal(protocol, refusal).filter(|_| max_packet_size.is_none_or(|max| max >= 5))
     };
-    handshake::check_connect(&hello.connect, hello.will.as_ref())
-        .map_err(|(refusal, why)| refuse(refusal, why))?;
+    handshake::check_connect(
+        &hello.connect,
+        hello.will.as_ref(),
+        hello.properties.as_ref(),
+        protocol,
+    )
+    .map_err(|(refusal, why)| refuse(refusal, why))?;
     let terms = Terms::negotiate(
         hello,
         protocol,
@@ -72,6 +83,13 @@ pub(crate) async fn accept(
         || format!("statebroker-{:x}-{id}", shared.started_nanos),
     );
     let client_id = terms.client_id.as_str();
+    let topic_alias_max = shared.settings.broker.topic_alias_max;
+    let Some(connack) = handshake::connack_properties(&terms, listener, topic_alias_max) else {
+        return Err(refuse(
+            Refusal::ConnAckTooLarge,
+            "a CONNACK with what it must carry is larger than the client's Maximum Packet Size",
+        ));
+    };
     // Who it is, and whether it may connect (the policy sees an assigned
     // client id).
     let presented = Presented {
@@ -138,6 +156,7 @@ pub(crate) async fn accept(
         terms,
         principal,
         link,
+        connack,
         session_present,
         permit,
     })

@@ -44,9 +44,21 @@ pub(crate) async fn read_connect<S: Stream>(
         }
         Ok(Err(e)) => {
             tracing::info!(%peer, error = %e, "bad CONNECT: closing");
-            if let CodecError::UnsupportedLevel(_) = e {
-                // "unacceptable protocol version", understood by every version.
-                let _ = socket.write_raw(&[0x20, 0x02, 0x00, 0x01]).await;
+            match e {
+                CodecError::UnsupportedLevel(_) => {
+                    // "unacceptable protocol version", understood by every version.
+                    let _ = socket.write_raw(&[0x20, 0x02, 0x00, 0x01]).await;
+                }
+                // MQTT 5 3.1.4 and 4.13: CONNACK 0x81 Malformed Packet, then
+                // close; 3.1.1 closes without CONNACK ([MQTT-3.1.4-1]).
+                CodecError::Malformed(_) if socket.detected && socket.protocol == Protocol::V5 => {
+                    crate::metrics::connection_refused(Refusal::Malformed.label());
+                    let _ = socket.write_raw(&[0x20, 0x03, 0x00, 0x81, 0x00]).await;
+                }
+                CodecError::Malformed(_) if socket.detected => {
+                    crate::metrics::connection_refused(Refusal::Malformed.label());
+                }
+                _ => {}
             }
             None
         }
@@ -70,6 +82,18 @@ pub(crate) enum Refusal {
     NotAuthorized,
     Busy,
     BadWill,
+    /// An Authentication Method: statebroker supports none (no AUTH
+    /// exchange), so it must refuse and close, MQTT 5 [MQTT-4.12.0-1].
+    BadAuthenticationMethod,
+    /// A rule of the CONNECT packet broken that the decoder cannot see
+    /// (MQTT 5 4.13: CONNACK 0x82; 3.1.1: close without CONNACK).
+    ProtocolError,
+    /// A CONNECT that does not conform to 3.1 (MQTT 5 4.13: CONNACK 0x81;
+    /// 3.1.1 [MQTT-3.1.4-1]: close without CONNACK).
+    Malformed,
+    /// The client's Maximum Packet Size leaves no room for a CONNACK with
+    /// what it must carry (see [`connack_within`]).
+    ConnAckTooLarge,
 }
 
 impl Refusal {
@@ -81,13 +105,29 @@ impl Refusal {
             Refusal::NotAuthorized => "not_authorized",
             Refusal::Busy => "server_busy",
             Refusal::BadWill => "will_not_valid",
+            Refusal::BadAuthenticationMethod => "bad_authentication_method",
+            Refusal::ProtocolError => "protocol_error",
+            Refusal::Malformed => "malformed_packet",
+            Refusal::ConnAckTooLarge => "connack_too_large",
         }
     }
 }
 
-/// The CONNACK that refuses a connection, in the client's protocol.
-pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
+/// The CONNACK that refuses a connection, in the client's protocol;
+/// `None`: the connection is closed without one (3.1.1 has no CONNACK for
+/// a CONNECT that breaks the protocol, [MQTT-3.1.4-1]).
+pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
     let code = match (protocol, refusal) {
+        (Protocol::V4, Refusal::Malformed | Refusal::ProtocolError) => return None,
+        (Protocol::V5, Refusal::Malformed) => ConnectReturnCode::MalformedPacket,
+        (Protocol::V5, Refusal::ProtocolError) => ConnectReturnCode::ProtocolError,
+        // 3.1.1 has neither (and its encoder knows only codes 0-5).
+        (Protocol::V4, Refusal::BadAuthenticationMethod) => ConnectReturnCode::NotAuthorized,
+        (Protocol::V4, Refusal::ConnAckTooLarge) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V5, Refusal::BadAuthenticationMethod) => {
+            ConnectReturnCode::BadAuthenticationMethod
+        }
+        (Protocol::V5, Refusal::ConnAckTooLarge) => ConnectReturnCode::ImplementationSpecificError,
         (_, Refusal::BadClientId) => ConnectReturnCode::ClientIdentifierNotValid,
         (_, Refusal::BadCredentials) => ConnectReturnCode::BadUserNamePassword,
         (_, Refusal::NotAuthorized) => ConnectReturnCode::NotAuthorized,
@@ -96,13 +136,13 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
         (Protocol::V4, Refusal::BadWill) => ConnectReturnCode::NotAuthorized,
         (Protocol::V5, Refusal::BadWill) => ConnectReturnCode::TopicNameInvalid,
     };
-    Packet::ConnAck(
+    Some(Packet::ConnAck(
         ConnAck {
             session_present: false,
             code,
         },
         None,
-    )
+    ))
 }
 
 /// Checks a CONNECT before the client is registered.
@@ -112,7 +152,23 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Packet {
 pub(crate) fn check_connect(
     connect: &Connect,
     will: Option<&LastWill>,
+    properties: Option<&ConnectProperties>,
+    protocol: Protocol,
 ) -> Result<(), (Refusal, &'static str)> {
+    if let Some(p) = properties {
+        if p.authentication_method.is_some() {
+            return Err((
+                Refusal::BadAuthenticationMethod,
+                "authentication methods are not supported [MQTT-4.12.0-1]",
+            ));
+        }
+        if p.authentication_data.is_some() {
+            return Err((
+                Refusal::ProtocolError,
+                "Authentication Data without an Authentication Method (3.1.2.11.10)",
+            ));
+        }
+    }
     let id = &connect.client_id;
     if id.is_empty() && !connect.clean_session {
         return Err((
@@ -126,6 +182,14 @@ pub(crate) fn check_connect(
     }
     if let Some(will) = will {
         let topic = std::str::from_utf8(&will.topic).unwrap_or("");
+        // 3.1.1: not a topic name at all, so not a CONNECT of 3.1
+        // ([MQTT-4.7.3-1], [MQTT-4.7.1-1]); MQTT 5 names the reason (0x90).
+        if protocol == Protocol::V4 && (topic.is_empty() || !protocol::valid_topic(topic)) {
+            return Err((
+                Refusal::Malformed,
+                "will topic empty or with wildcards [MQTT-4.7.3-1]",
+            ));
+        }
         if topic.is_empty()
             || !protocol::valid_topic(topic)
             || topics::is_reserved_response_topic(topic)
@@ -215,17 +279,45 @@ impl Terms {
 }
 
 /// The CONNACK that accepts a connection, with what the broker announces.
-pub(crate) fn connack(
-    terms: &Terms,
-    session_present: bool,
-    listener: &Listener,
-    topic_alias_max: u16,
-) -> Packet {
+///
+/// Its properties are [`connack_properties`]'s: call that first, it
+/// decides whether the client can take a CONNACK at all.
+pub(crate) fn connack(session_present: bool, properties: ConnAckProperties) -> Packet {
     let ack = ConnAck {
         session_present,
         code: ConnectReturnCode::Success,
     };
-    let properties = ConnAckProperties {
+    Packet::ConnAck(ack, Some(properties))
+}
+
+/// The properties of the CONNACK that accepts a connection (MQTT 5), within
+/// the client's Maximum Packet Size ([MQTT-3.1.2-24]: no packet larger than
+/// it goes to the client, the CONNACK included). `None`: not even what
+/// the CONNACK must carry fits; the connection is refused
+/// ([`Refusal::ConnAckTooLarge`]).
+///
+/// What is left out first, until the packet fits:
+///
+/// 1. Retain Available, Wildcard Subscription Available, Subscription
+///    Identifiers Available, Shared Subscription Available: all 1, which
+///    is what their absence means (3.2.2.3.5, 3.2.2.3.11-13); nothing is
+///    lost;
+/// 2. Topic Alias Maximum: absent means 0 (3.2.2.3.8), so the client
+///    sends no aliases (the broker still resolves any it gets).
+///
+/// What stays, as the client must know it: the Assigned Client Identifier
+/// (the client has no other way to learn its id, 3.2.2.3.7), the Server
+/// Keep Alive (the broker's timeout follows it, 3.2.2.3.14), the Receive
+/// Maximum and Maximum Packet Size (absent they mean 65,535 and no limit,
+/// and the broker enforces its own: a client that believed them would be
+/// disconnected). The broker sends no Reason String or User Property in
+/// CONNACK, which 3.2.2.3.9 and 3.2.2.3.10 allow to leave out.
+pub(crate) fn connack_properties(
+    terms: &Terms,
+    listener: &Listener,
+    topic_alias_max: u16,
+) -> Option<ConnAckProperties> {
+    let mut properties = ConnAckProperties {
         assigned_client_identifier: terms.assigned.then(|| terms.client_id.clone()),
         topic_alias_max: Some(topic_alias_max),
         receive_max: Some(listener.receive_maximum),
@@ -237,7 +329,25 @@ pub(crate) fn connack(
         subscription_identifiers_available: Some(1),
         ..ConnAckProperties::default()
     };
-    Packet::ConnAck(ack, Some(properties))
+    let fits = |p: &ConnAckProperties| {
+        let mut out = bytes::BytesMut::new();
+        Protocol::V5
+            .write(connack(false, p.clone()), &mut out)
+            .is_ok_and(|()| out.len() <= terms.max_packet_size)
+    };
+    type Leave = fn(&mut ConnAckProperties);
+    let optional: [Leave; 5] = [
+        |p| p.shared_subscription_available = None,
+        |p| p.wildcard_subscription_available = None,
+        |p| p.subscription_identifiers_available = None,
+        |p| p.retain_available = None,
+        |p| p.topic_alias_max = None,
+    ];
+    let mut left_out = optional.iter();
+    while !fits(&properties) {
+        left_out.next()?(&mut properties);
+    }
+    Some(properties)
 }
 
 #[cfg(test)]
@@ -288,7 +398,11 @@ mod tests {
 
     #[test]
     fn client_ids() {
-        let refused = |c: Connect| check_connect(&c, None).err().map(|e| e.0);
+        let refused = |c: Connect| {
+            check_connect(&c, None, None, Protocol::V5)
+                .err()
+                .map(|e| e.0)
+        };
         assert_eq!(refused(connect("", true, 0)), None);
         assert_eq!(refused(connect("", false, 0)), Some(Refusal::BadClientId));
         for bad in ["a/b", "a+", "#", "$sys", "statebroker:publisher"] {
@@ -304,18 +418,59 @@ mod tests {
     #[test]
     fn will_topics() {
         let c = connect("c", true, 0);
-        let check = |topic: &str| check_connect(&c, Some(&will(topic))).is_ok();
-        assert!(check("devices/c/status"));
-        assert!(!check(""));
-        assert!(!check("a/+"));
-        assert!(!check(topics::REQUEST_TOPIC));
-        assert!(!check(&format!("{}/x", topics::NOTIFY_NAMESPACE)));
+        let check = |topic: &str, p| {
+            check_connect(&c, Some(&will(topic)), None, p)
+                .err()
+                .map(|e| e.0)
+        };
+        for p in [Protocol::V5, Protocol::V4] {
+            assert_eq!(check("devices/c/status", p), None);
+            assert_eq!(check(topics::REQUEST_TOPIC, p), Some(Refusal::BadWill));
+            let notify = format!("{}/x", topics::NOTIFY_NAMESPACE);
+            assert_eq!(check(&notify, p), Some(Refusal::BadWill));
+        }
+        // Not a topic name: MQTT 5 says so (0x90), 3.1.1 closes.
+        for bad in ["", "a/+"] {
+            assert_eq!(check(bad, Protocol::V5), Some(Refusal::BadWill));
+            assert_eq!(check(bad, Protocol::V4), Some(Refusal::Malformed));
+        }
+    }
+
+    #[test]
+    fn authentication_methods_are_refused() {
+        let c = connect("c", true, 0);
+        let props = |method: Option<&str>, data: Option<&[u8]>| ConnectProperties {
+            session_expiry_interval: None,
+            receive_maximum: None,
+            max_packet_size: None,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: Vec::new(),
+            authentication_method: method.map(str::to_owned),
+            authentication_data: data.map(Bytes::copy_from_slice),
+        };
+        let check = |p: ConnectProperties| {
+            check_connect(&c, None, Some(&p), Protocol::V5)
+                .err()
+                .map(|e| e.0)
+        };
+        assert_eq!(check(props(None, None)), None);
+        assert_eq!(
+            check(props(Some("SCRAM-SHA-1"), None)),
+            Some(Refusal::BadAuthenticationMethod)
+        );
+        assert_eq!(
+            check(props(Some("SCRAM-SHA-1"), Some(b"x"))),
+            Some(Refusal::BadAuthenticationMethod)
+        );
+        assert_eq!(check(props(None, Some(b"x"))), Some(Refusal::ProtocolError));
     }
 
     #[test]
     fn refusal_codes_per_protocol() {
         let code = |p, r| match refusal(p, r) {
-            Packet::ConnAck(ack, None) => {
+            Some(Packet::ConnAck(ack, None)) => {
                 assert!(!ack.session_present);
                 ack.code
             }
@@ -326,6 +481,15 @@ mod tests {
         assert_eq!(code(Protocol::V5, Refusal::Busy), C::ServerBusy);
         assert_eq!(code(Protocol::V4, Refusal::BadWill), C::NotAuthorized);
         assert_eq!(code(Protocol::V5, Refusal::BadWill), C::TopicNameInvalid);
+        assert_eq!(code(Protocol::V5, Refusal::Malformed), C::MalformedPacket);
+        assert_eq!(code(Protocol::V5, Refusal::ProtocolError), C::ProtocolError);
+        assert_eq!(
+            code(Protocol::V5, Refusal::ConnAckTooLarge),
+            C::ImplementationSpecificError
+        );
+        for r in [Refusal::Malformed, Refusal::ProtocolError] {
+            assert_eq!(refusal(Protocol::V4, r), None, "{r:?}: 3.1.1 closes");
+        }
         for p in [Protocol::V4, Protocol::V5] {
             assert_eq!(code(p, Refusal::BadClientId), C::ClientIdentifierNotValid);
             assert_eq!(code(p, Refusal::BadCredentials), C::BadUserNamePassword);
@@ -407,7 +571,7 @@ mod tests {
             ("statebroker-1-7", true)
         );
         let l = listener();
-        match connack(&t, false, &l, 1024) {
+        match connack(false, connack_properties(&t, &l, 1024).unwrap()) {
             Packet::ConnAck(ack, Some(p)) => {
                 assert_eq!(ack.code, ConnectReturnCode::Success);
                 assert_eq!(
@@ -427,12 +591,83 @@ mod tests {
             0,
             || unreachable!(),
         );
-        match connack(&named, true, &l, 0) {
+        match connack(true, connack_properties(&named, &l, 0).unwrap()) {
             Packet::ConnAck(ack, Some(p)) => {
                 assert!(ack.session_present);
                 assert_eq!(p.assigned_client_identifier, None);
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// [MQTT-3.1.2-24]: the CONNACK fits the client's Maximum Packet Size,
+    /// leaving out what matters least first.
+    #[test]
+    fn connack_within_the_clients_maximum_packet_size() {
+        let l = listener();
+        let size = |t: &Terms| {
+            let mut out = bytes::BytesMut::new();
+            let p = connack_properties(t, &l, 1024).unwrap();
+            Protocol::V5
+                .write(connack(false, p.clone()), &mut out)
+                .unwrap();
+            (out.len(), p)
+        };
+        let terms = |max: u32, id: &str| {
+            let props = ConnectProperties {
+                session_expiry_interval: None,
+                receive_maximum: None,
+                max_packet_size: Some(max),
+                topic_alias_max: None,
+                request_response_info: None,
+                request_problem_info: None,
+                user_properties: Vec::new(),
+                authentication_method: None,
+                authentication_data: None,
+            };
+            let h = hello(connect(id, true, 0), Some(props));
+            Terms::negotiate(&h, Protocol::V5, 0, || "statebroker-1-7".into())
+        };
+        let (full, p) = size(&terms(1 << 20, "c"));
+        assert_eq!(full, 24);
+        assert_eq!(p.retain_available, Some(1));
+        let (len, p) = size(&terms(20, "c"));
+        assert_eq!(len, 20, "two 'available' flags left out");
+        assert_eq!(
+            (
+                p.shared_subscription_available,
+                p.wildcard_subscription_available
+            ),
+            (None, None)
+        );
+        assert_eq!(p.retain_available, Some(1));
+        let (len, p) = size(&terms(16, "c"));
+        assert_eq!(len, 16, "the four 'available' flags left out");
+        assert_eq!(
+            (p.retain_available, p.subscription_identifiers_available),
+            (None, None)
+        );
+        assert_eq!(p.topic_alias_max, Some(1024));
+        let (len, p) = size(&terms(22, "c"));
+        assert_eq!(len, 22, "only as much left out as needed");
+        assert_eq!(p.retain_available, Some(1));
+        assert_eq!(p.shared_subscription_available, None);
+        let (len, p) = size(&terms(13, "c"));
+        assert_eq!(len, 13);
+        assert_eq!(p.topic_alias_max, None);
+        assert_eq!(
+            (p.receive_max, p.max_packet_size),
+            (Some(1000), Some(1 << 20))
+        );
+        // Receive Maximum and Maximum Packet Size never left out.
+        assert!(connack_properties(&terms(12, "c"), &l, 1024).is_none());
+        // Nor an assigned client id.
+        assert!(connack_properties(&terms(20, ""), &l, 1024).is_none());
+        let (len, p) = size(&terms(31, ""));
+        assert_eq!(len, 31);
+        assert_eq!(
+            p.assigned_client_identifier.as_deref(),
+            Some("statebroker-1-7")
+        );
     }
 }

@@ -86,11 +86,13 @@ pub(crate) async fn serve<S: Stream>(
         terms,
         principal,
         link,
+        connack,
         session_present,
         permit,
     } = match accept::accept(&hello, origin, &shared).await {
         Ok(accepted) => accepted,
-        Err(connack) => return socket.send_and_close(connack).await,
+        Err(Some(connack)) => return socket.send_and_close(connack).await,
+        Err(None) => return socket.shutdown().await,
     };
     let client_id = terms.client_id.clone();
     shared.wills.connected(&client_id, id, terms.clean_start);
@@ -144,12 +146,7 @@ pub(crate) async fn serve<S: Stream>(
         peer: peer_view,
         shared: Arc::clone(&shared),
     };
-    machine.queue(handshake::connack(
-        &terms,
-        session_present,
-        &listener,
-        topic_alias_max,
-    ));
+    machine.queue(handshake::connack(session_present, connack));
     if let Err(e) = driver.socket.write_all(&mut machine.wbuf).await {
         tracing::debug!(client_id, error = %e, "could not send CONNACK");
     }

@@ -49,6 +49,9 @@ pub(crate) struct Outbound {
     /// The router's QoS 2 publishes the client has PUBREC'd (in flight
     /// until PUBCOMP).
     router_released: HashSet<u16>,
+    /// The QoS of the router's publishes written and not yet PUBACK'd or
+    /// PUBREC'd, by packet id: which acknowledgement each wants (4.3).
+    router_qos: HashMap<u16, u8>,
     /// The router's QoS 1/2 publishes, encoded, waiting for room.
     held: VecDeque<Bytes>,
     max_packet_size: usize,
@@ -70,11 +73,17 @@ impl Outbound {
             receive_maximum: usize::from(receive_maximum.max(1)),
             router_in_flight: 0,
             router_released: HashSet::new(),
+            router_qos: HashMap::new(),
             held: VecDeque::new(),
             max_packet_size,
             discarded: 0,
             client_id: client_id.to_owned(),
         }
+    }
+
+    /// The client's Maximum Packet Size.
+    pub fn max_packet_size(&self) -> usize {
+        self.max_packet_size
     }
 
     /// QoS 1/2 publishes written and not yet acknowledged, from both sources.
@@ -113,11 +122,12 @@ impl Outbound {
         } else if let Some((qos, _)) = id {
             crate::metrics::sent(qos, out.len() - start);
         }
-        let (_, pkid) = id.filter(|&(qos, _)| qos > 0)?;
+        let (qos, pkid) = id.filter(|&(qos, _)| qos > 0)?;
         self.router.sent(pkid, dropped, to_router);
         if dropped {
             return None;
         }
+        self.router_qos.insert(pkid, qos);
         if self.held.is_empty() && self.room() {
             self.router_in_flight += 1;
         } else {
@@ -139,12 +149,28 @@ impl Outbound {
         out: &mut BytesMut,
     ) {
         self.router.acknowledged(pkid, to_router);
+        self.router_qos.remove(&pkid);
         if qos2 {
             self.router_released.insert(pkid);
         } else {
             self.router_in_flight = self.router_in_flight.saturating_sub(1);
             self.fill(protocol, out);
         }
+    }
+
+    /// The QoS of the delivery `pkid` that the client may acknowledge now:
+    /// 1, or 2 (also after its PUBREC, until PUBCOMP); `None` for a packet
+    /// id not in flight here (the router may still know it: a PUBREL it
+    /// resent after a reconnect).
+    pub fn delivery_qos(&self, pkid: u16) -> Option<u8> {
+        if is_direct(pkid) {
+            // The broker's own deliveries go at QoS 1 only.
+            return self.direct.inflight.contains_key(&pkid).then_some(1);
+        }
+        if self.router_released.contains(&pkid) {
+            return Some(2);
+        }
+        self.router_qos.get(&pkid).copied()
     }
 
     /// The client completed the router's QoS 2 publish `pkid` (PUBCOMP).

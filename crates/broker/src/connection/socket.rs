@@ -27,6 +27,9 @@ pub(crate) struct Socket<S> {
     rbuf: BytesMut,
     /// The protocol the client speaks (known after CONNECT).
     pub protocol: Protocol,
+    /// The first packet was found to be a CONNECT of `protocol` (so a
+    /// refusal may be told in that protocol even if the rest is malformed).
+    pub detected: bool,
 }
 
 impl<S: Stream> Socket<S> {
@@ -35,6 +38,7 @@ impl<S: Stream> Socket<S> {
             stream,
             rbuf: BytesMut::with_capacity(READ_ROOM),
             protocol: Protocol::V5,
+            detected: false,
         }
     }
 
@@ -43,6 +47,7 @@ impl<S: Stream> Socket<S> {
         loop {
             if let Some(protocol) = codec::detect(&self.rbuf, max_packet_size)? {
                 self.protocol = protocol;
+                self.detected = true;
                 if let Some(incoming) = protocol.read(&mut self.rbuf, max_packet_size)? {
                     return Ok(incoming.packet);
                 }

@@ -741,6 +741,37 @@ pub enum Error {
     MalformedRemainingLength,
     #[error("Invalid property type = {0}")]
     InvalidPropertyType(u8),
+    // statebroker patch 18: malformed packets the decoders used to accept,
+    // each named by the rule it breaks (MQTT 5, and 3.1.1 where it differs).
+    /// The reserved bit of the Connect Flags is 1.
+    #[error("CONNECT reserved flag set [MQTT-3.1.2-3]")]
+    ReservedConnectFlag,
+    /// A User Name or Password whose flag is 0 (bytes after the last field
+    /// the Connect Flags announce).
+    #[error(
+        "CONNECT holds a User Name or Password its flag does not announce [MQTT-3.1.2-16, MQTT-3.1.2-18] (3.1.1: [MQTT-3.1.2-18, MQTT-3.1.2-20])"
+    )]
+    UnannouncedConnectField,
+    /// 3.1.1: a Password without a User Name.
+    #[error("3.1.1 CONNECT with a Password but no User Name [MQTT-3.1.2-22]")]
+    PasswordWithoutUserName,
+    /// U+0000 in a UTF-8 string (a topic, a filter, a client id, ...).
+    #[error("U+0000 in a UTF-8 string [MQTT-1.5.4-2] (3.1.1: [MQTT-1.5.3-2])")]
+    NullCharacter,
+    /// Fixed-header flags other than those the packet type has (the first
+    /// byte of the packet).
+    #[error(
+        "fixed header flags {0:#04x} not those of the packet type (2.1.3: [MQTT-3.6.1-1], [MQTT-3.8.1-1], [MQTT-3.10.1-1]; 3.1.1: [MQTT-2.2.2-1])"
+    )]
+    InvalidFixedHeaderFlags(u8),
+    /// Reserved bits of the Subscription Options set.
+    #[error(
+        "reserved subscription option bits set in {0:#04x} [MQTT-3.8.3-5] (3.1.1: [MQTT-3-8.3-4])"
+    )]
+    ReservedSubscriptionOptions(u8),
+    /// An UNSUBSCRIBE without a topic filter.
+    #[error("UNSUBSCRIBE without a topic filter [MQTT-3.10.3-2]")]
+    EmptyUnsubscribe,
     /// More bytes required to frame packet. Argument
     /// implies minimum additional bytes required to
     /// proceed further
@@ -748,7 +779,228 @@ pub enum Error {
     InsufficientBytes(usize),
 }
 
+/// statebroker patch 18: the fixed header's flags (the low 4 bits of its
+/// first byte) are those MQTT sets for the packet type (MQTT 5 2.1.3, 3.1.1
+/// 2.2.2): 0010 for PUBREL, SUBSCRIBE and UNSUBSCRIBE, 0000 for the others;
+/// PUBLISH's carry DUP, QoS and RETAIN.
+pub(crate) fn check_fixed_header_flags(byte1: u8) -> Result<(), Error> {
+    let expected = match byte1 >> 4 {
+        3 => return Ok(()),
+        6 | 8 | 10 => 0b0010,
+        _ => 0,
+    };
+    if byte1 & 0x0F == expected {
+        Ok(())
+    } else {
+        Err(Error::InvalidFixedHeaderFlags(byte1))
+    }
+}
+
+/// statebroker patch 18: no U+0000 in a UTF-8 string ([MQTT-1.5.4-2]).
+pub(crate) fn check_no_null(s: &[u8]) -> Result<(), Error> {
+    if s.contains(&0) {
+        Err(Error::NullCharacter)
+    } else {
+        Ok(())
+    }
+}
+
 pub trait Protocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error>;
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error>;
+}
+
+/// statebroker patch 18: what both decoders refuse as malformed.
+#[cfg(test)]
+mod malformed_tests {
+    use super::v4::V4;
+    use super::v5::V5;
+    use super::{Error, Protocol};
+    use bytes::BytesMut;
+
+    fn s(bytes: &[u8]) -> Vec<u8> {
+        let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    fn packet(byte0: u8, body: &[u8]) -> Vec<u8> {
+        assert!(body.len() < 128);
+        let mut out = vec![byte0, body.len() as u8];
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// A CONNECT of `level` with `flags` and `payload` (MQTT 5: no properties).
+    fn connect(level: u8, flags: u8, payload: &[&[u8]]) -> Vec<u8> {
+        let mut body = s(b"MQTT");
+        body.extend([level, flags, 0, 30]);
+        if level == 5 {
+            body.push(0);
+        }
+        for field in payload {
+            body.extend(s(field));
+        }
+        packet(0x10, &body)
+    }
+
+    fn read(level: u8, bytes: &[u8]) -> Result<super::Packet, Error> {
+        let mut buf = BytesMut::from(bytes);
+        match level {
+            5 => V5.read_mut(&mut buf, 1024),
+            _ => V4.read_mut(&mut buf, 1024),
+        }
+    }
+
+    /// `rest` after the packet id: MQTT 5 has an empty property length first.
+    fn with_id(level: u8, pkid: u16, rest: &[u8]) -> Vec<u8> {
+        let mut body = pkid.to_be_bytes().to_vec();
+        if level == 5 {
+            body.push(0);
+        }
+        body.extend_from_slice(rest);
+        body
+    }
+
+    #[test]
+    fn malformed_packets_are_refused() {
+        for level in [5u8, 4] {
+            let will_props: &[u8] = if level == 5 { &[0] } else { &[] };
+            let mut will = s(b"c");
+            will.extend_from_slice(will_props);
+            will.extend(s(b"a\0b"));
+            will.extend(s(b"bye"));
+            let mut will_connect = s(b"MQTT");
+            will_connect.extend([level, 0x06, 0, 30]);
+            if level == 5 {
+                will_connect.push(0);
+            }
+            will_connect.extend(will);
+            let mut filter = s(b"a");
+            filter.push(1);
+            let mut null_filter = s(b"a\0");
+            null_filter.push(0);
+            let mut publish = s(b"a\0b");
+            if level == 5 {
+                publish.push(0);
+            }
+            let reserved_option = if level == 5 { 0x41 } else { 0x05 };
+            let mut reserved = s(b"a");
+            reserved.push(reserved_option);
+            let cases: Vec<(Vec<u8>, Error, &str)> = vec![
+                (
+                    connect(level, 0x03, &[b"c"]),
+                    Error::ReservedConnectFlag,
+                    "reserved flag",
+                ),
+                (
+                    connect(level, 0x02, &[b"c", b"user"]),
+                    Error::UnannouncedConnectField,
+                    "user name, flag 0",
+                ),
+                (
+                    connect(level, 0x82, &[b"c", b"user", b"pw"]),
+                    Error::UnannouncedConnectField,
+                    "password, flag 0",
+                ),
+                (
+                    connect(level, 0x02, &[b"c\0"]),
+                    Error::NullCharacter,
+                    "client id",
+                ),
+                (
+                    connect(level, 0x82, &[b"c", b"u\0"]),
+                    Error::NullCharacter,
+                    "user name",
+                ),
+                (
+                    packet(0x10, &will_connect),
+                    Error::NullCharacter,
+                    "will topic",
+                ),
+                (packet(0x30, &publish), Error::NullCharacter, "topic"),
+                (
+                    packet(0x82, &with_id(level, 1, &null_filter)),
+                    Error::NullCharacter,
+                    "filter",
+                ),
+                (
+                    packet(0x82, &with_id(level, 0, &filter)),
+                    Error::PacketIdZero,
+                    "SUBSCRIBE id 0",
+                ),
+                (
+                    packet(0xA2, &with_id(level, 0, &s(b"a"))),
+                    Error::PacketIdZero,
+                    "UNSUBSCRIBE id 0",
+                ),
+                (
+                    packet(0xA2, &with_id(level, 1, &[])),
+                    Error::EmptyUnsubscribe,
+                    "UNSUBSCRIBE without filter",
+                ),
+                (
+                    packet(0x80, &with_id(level, 1, &filter)),
+                    Error::InvalidFixedHeaderFlags(0x80),
+                    "SUBSCRIBE flags",
+                ),
+                (
+                    packet(0xA3, &with_id(level, 1, &s(b"a"))),
+                    Error::InvalidFixedHeaderFlags(0xA3),
+                    "UNSUBSCRIBE flags",
+                ),
+                (
+                    packet(0x60, &[0, 1]),
+                    Error::InvalidFixedHeaderFlags(0x60),
+                    "PUBREL flags",
+                ),
+                (
+                    packet(0x41, &[0, 1]),
+                    Error::InvalidFixedHeaderFlags(0x41),
+                    "PUBACK flags",
+                ),
+                (
+                    packet(0x82, &with_id(level, 1, &reserved)),
+                    Error::ReservedSubscriptionOptions(reserved_option),
+                    "options",
+                ),
+            ];
+            for (bytes, error, what) in cases {
+                assert_eq!(read(level, &bytes), Err(error), "{what}, level {level}");
+            }
+        }
+        // 3.1.1 only: a Password without a User Name.
+        assert_eq!(
+            read(4, &connect(4, 0x42, &[b"c", b"pw"])),
+            Err(Error::PasswordWithoutUserName)
+        );
+        // MQTT 5 only: a Password is Binary Data, U+0000 allowed.
+        assert!(read(5, &connect(5, 0xC2, &[b"c", b"u", b"p\0w"])).is_ok());
+    }
+
+    #[test]
+    fn well_formed_packets_still_decode() {
+        for level in [5u8, 4] {
+            let mut filter = s(b"a/+");
+            filter.push(if level == 5 { 0x2E } else { 0x02 });
+            for bytes in [
+                connect(level, 0xC2, &[b"c", b"user", b"pw"]),
+                connect(level, 0x82, &[b"c", b"user"]),
+                packet(0x82, &with_id(level, 1, &filter)),
+                packet(0xA2, &with_id(level, 1, &s(b"a/+"))),
+                packet(0x62, &[0, 1]),
+                packet(0x40, &[0, 1]),
+                packet(0x3B, &{
+                    let mut p = s(b"a");
+                    p.extend([0, 1]);
+                    if level == 5 {
+                        p.push(0);
+                    }
+                    p
+                }),
+            ] {
+                assert!(read(level, &bytes).is_ok(), "{bytes:02x?}, level {level}");
+            }
+        }
+    }
 }

@@ -303,6 +303,41 @@ impl Machine {
                 DisconnectReasonCode::ProtocolError,
                 "second CONNECT".into(),
             )),
+            // 4.3.2, 4.3.3: a delivery is acknowledged as its QoS says.
+            Packet::PubAck(ack, _) if self.out.delivery_qos(ack.pkid) == Some(2) => {
+                Err(End::Violation(
+                    DisconnectReasonCode::ProtocolError,
+                    format!(
+                        "PUBACK for QoS 2 delivery {} (4.3.3: PUBREC, then PUBCOMP)",
+                        ack.pkid
+                    ),
+                ))
+            }
+            Packet::PubRec(rec, _) if self.out.delivery_qos(rec.pkid) == Some(1) => {
+                Err(End::Violation(
+                    DisconnectReasonCode::ProtocolError,
+                    format!("PUBREC for QoS 1 delivery {} (4.3.2: PUBACK)", rec.pkid),
+                ))
+            }
+            // 4.3.3: a PUBREC of 0x80 or more ends the flow, no PUBREL: the
+            // router is told the delivery is done as by a PUBACK.
+            Packet::PubRec(rec, _) if self.joined && failed(&rec.reason) => {
+                tracing::debug!(
+                    client_id = self.client_id,
+                    pkid = rec.pkid,
+                    reason = ?rec.reason,
+                    "QoS 2 delivery refused by the client (PUBREC >= 0x80): flow ended"
+                );
+                let done = Packet::PubAck(
+                    protocol::PubAck {
+                        pkid: rec.pkid,
+                        reason: protocol::PubAckReason::Success,
+                    },
+                    None,
+                );
+                self.on_router_ack(rec.pkid, false, done);
+                Ok(())
+            }
             Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
                 self.out
                     .direct_acknowledged(ack.pkid, self.protocol, &mut self.wbuf);
@@ -546,15 +581,29 @@ impl Machine {
         if let Some(reason_code) = reason
             && self.protocol == Protocol::V5
         {
-            self.queue(Packet::Disconnect(
-                Disconnect { reason_code },
-                Some(DisconnectProperties {
-                    session_expiry_interval: None,
-                    reason_string: Some(text),
-                    user_properties: Vec::new(),
-                    server_reference: None,
-                }),
-            ));
+            let disconnect = |reason_string| {
+                Packet::Disconnect(
+                    Disconnect { reason_code },
+                    Some(DisconnectProperties {
+                        session_expiry_interval: None,
+                        reason_string,
+                        user_properties: Vec::new(),
+                        server_reference: None,
+                    }),
+                )
+            };
+            // 3.14.2.2.3: no Reason String that would make the packet
+            // larger than the client's Maximum Packet Size.
+            let mut with_text = BytesMut::new();
+            let fits = self
+                .protocol
+                .write(disconnect(Some(text)), &mut with_text)
+                .is_ok_and(|()| with_text.len() <= self.out.max_packet_size());
+            if fits {
+                self.wbuf.extend_from_slice(&with_text);
+            } else {
+                self.queue(disconnect(None));
+            }
         }
         if self.joined && !matches!(end, End::RouterClosed) {
             self.to_router.push(Packet::Disconnect(
@@ -570,6 +619,14 @@ impl Machine {
             ));
         }
     }
+}
+
+/// A PUBREC reason code of 0x80 or more.
+fn failed(reason: &protocol::PubRecReason) -> bool {
+    !matches!(
+        reason,
+        protocol::PubRecReason::Success | protocol::PubRecReason::NoMatchingSubscribers
+    )
 }
 
 #[cfg(test)]

@@ -42,13 +42,20 @@ pub fn read(
     }
 
     let connect_flags = read_u8(&mut bytes)?;
+    if connect_flags & 1 != 0 {
+        return Err(Error::ReservedConnectFlag);
+    }
     let clean_session = (connect_flags & 0b10) != 0;
     let keep_alive = read_u16(&mut bytes)?;
 
     let client_id = read_mqtt_bytes(&mut bytes)?;
+    check_no_null(&client_id)?;
     let client_id = std::str::from_utf8(&client_id)?.to_owned();
     let last_will = will::read(connect_flags, &mut bytes)?;
     let login = login::read(connect_flags, &mut bytes)?;
+    if bytes.has_remaining() {
+        return Err(Error::UnannouncedConnectField);
+    }
 
     let connect = Connect {
         keep_alive,
@@ -112,6 +119,7 @@ mod will {
             0 => None,
             _ => {
                 let will_topic = read_mqtt_bytes(bytes)?;
+                check_no_null(&will_topic)?;
                 let will_message = read_mqtt_bytes(bytes)?;
                 let qos_num = (connect_flags & 0b11000) >> 3;
                 let will_qos = qos(qos_num).ok_or(Error::InvalidQoS(qos_num))?;
@@ -145,10 +153,14 @@ mod login {
     use super::*;
 
     pub fn read(connect_flags: u8, mut bytes: &mut Bytes) -> Result<Option<Login>, Error> {
+        if connect_flags & 0b1100_0000 == 0b0100_0000 {
+            return Err(Error::PasswordWithoutUserName);
+        }
         let username = match connect_flags & 0b1000_0000 {
             0 => String::new(),
             _ => {
                 let username = read_mqtt_bytes(bytes)?;
+                check_no_null(&username)?;
                 std::str::from_utf8(&username)?.to_owned()
             }
         };

@@ -18,6 +18,7 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Publish, Erro
     let variable_header_index = fixed_header.fixed_header_len;
     bytes.advance(variable_header_index);
     let topic = read_mqtt_bytes(&mut bytes)?;
+    check_no_null(&topic)?;
 
     // Packet identifier exists where QoS > 0
     let pkid = match qos {

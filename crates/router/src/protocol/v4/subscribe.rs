@@ -11,6 +11,9 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Subscribe, Er
     bytes.advance(variable_header_index);
 
     let pkid = read_u16(&mut bytes)?;
+    if pkid == 0 {
+        return Err(Error::PacketIdZero);
+    }
     let filters = filter::read(&mut bytes)?;
 
     match filters.len() {
@@ -52,8 +55,12 @@ mod filter {
 
         while bytes.has_remaining() {
             let path = read_mqtt_bytes(bytes)?;
+            check_no_null(&path)?;
             let path = std::str::from_utf8(&path)?.to_owned();
             let options = read_u8(bytes)?;
+            if options & 0b1111_1100 != 0 {
+                return Err(Error::ReservedSubscriptionOptions(options));
+            }
             let requested_qos = options & 0b0000_0011;
 
             filters.push(Filter {

@@ -6,6 +6,9 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Unsubscribe, 
     bytes.advance(variable_header_index);
 
     let pkid = read_u16(&mut bytes)?;
+    if pkid == 0 {
+        return Err(Error::PacketIdZero);
+    }
     let mut payload_bytes = fixed_header.remaining_len - 2;
     let mut filters = Vec::with_capacity(1);
 
@@ -15,6 +18,9 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Unsubscribe, 
         filters.push(topic_filter);
     }
 
+    if filters.is_empty() {
+        return Err(Error::EmptyUnsubscribe);
+    }
     let unsubscribe = Unsubscribe { pkid, filters };
     Ok(unsubscribe)
 }

@@ -32,6 +32,9 @@ pub fn read(
     }
 
     let connect_flags = read_u8(&mut bytes)?;
+    if connect_flags & 1 != 0 {
+        return Err(Error::ReservedConnectFlag);
+    }
     let clean_session = (connect_flags & 0b10) != 0;
     let keep_alive = read_u16(&mut bytes)?;
 
@@ -40,6 +43,9 @@ pub fn read(
     let client_id = read_mqtt_string(&mut bytes)?;
     let (will, willproperties) = will::read(connect_flags, &mut bytes)?;
     let login = login::read(connect_flags, &mut bytes)?;
+    if bytes.has_remaining() {
+        return Err(Error::UnannouncedConnectField);
+    }
 
     let connect = Connect {
         keep_alive,
@@ -158,6 +164,7 @@ mod will {
                 let properties = willproperties::read(bytes)?;
 
                 let will_topic = read_mqtt_bytes(bytes)?;
+                check_no_null(&will_topic)?;
                 let will_message = read_mqtt_bytes(bytes)?;
                 let qos_num = (connect_flags & 0b11000) >> 3;
                 let will_qos = qos(qos_num).ok_or(Error::InvalidQoS(qos_num))?;
@@ -366,9 +373,11 @@ mod login {
             _ => read_mqtt_string(bytes)?,
         };
 
+        // Binary Data (3.1.3.6), which may hold U+0000.
         let password = match connect_flags & 0b0100_0000 {
             0 => String::new(),
-            _ => read_mqtt_string(bytes)?,
+            _ => String::from_utf8(read_mqtt_bytes(bytes)?.to_vec())
+                .map_err(|_| Error::TopicNotUtf8)?,
         };
 
         if username.is_empty() && password.is_empty() {

@@ -6,22 +6,23 @@ use super::*;
 
 use super::{property, PropertyType};
 
+/// The Remaining Length. statebroker patch 19: 0 only for a normal
+/// disconnection without properties; otherwise the reason code, then the
+/// properties if any (3.14.2.1: a Remaining Length of 1 means no
+/// properties). It said 2 for any reason code with empty properties (the
+/// packet went out as a normal disconnection) and 1 without properties,
+/// while `write` put a property length after the code anyway.
 fn len(disconnect: &Disconnect, properties: &Option<DisconnectProperties>) -> usize {
     if disconnect.reason_code == DisconnectReasonCode::NormalDisconnection && properties.is_none() {
-        return 2; // Packet type + 0x00
+        return 0;
     }
-
-    let mut length = 0;
-    if let Some(properties) = &properties {
-        length += 1; // Disconnect Reason Code
-        let properties_len = properties::len(properties);
-        let properties_len_len = len_len(properties_len);
-        length += properties_len_len + properties_len;
-    } else {
-        length += 1;
+    match properties {
+        Some(properties) => {
+            let properties_len = properties::len(properties);
+            1 + len_len(properties_len) + properties_len
+        }
+        None => 1,
     }
-
-    length
 }
 
 pub fn read(
@@ -74,20 +75,15 @@ pub fn write(
     buffer.put_u8(0xE0);
 
     let length = len(disconnect, properties);
-
-    if length == 2 {
-        buffer.put_u8(0x00);
-        return Ok(length);
-    }
-
     let len_len = write_remaining_length(buffer, length)?;
+    if length == 0 {
+        return Ok(1 + len_len);
+    }
 
     buffer.put_u8(code(disconnect.reason_code));
 
     if let Some(properties) = &properties {
         properties::write(properties, buffer)?;
-    } else {
-        write_remaining_length(buffer, 0)?;
     }
 
     Ok(1 + len_len + length)
@@ -370,5 +366,43 @@ mod test {
         write(&disconnect, &properties, &mut buffer).unwrap();
 
         assert_eq!(&buffer[..], &expected);
+    }
+
+    /// statebroker patch 19: a reason code other than 0x00 survives empty
+    /// or absent properties, and the Remaining Length counts what is written.
+    #[test]
+    fn reason_codes_without_properties_are_encoded() {
+        let empty = DisconnectProperties {
+            session_expiry_interval: None,
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        };
+        let malformed = Disconnect {
+            reason_code: DisconnectReasonCode::MalformedPacket,
+        };
+        let normal = Disconnect {
+            reason_code: DisconnectReasonCode::NormalDisconnection,
+        };
+        for (disconnect, properties, bytes) in [
+            (
+                &malformed,
+                Some(empty.clone()),
+                &[0xE0u8, 0x02, 0x81, 0x00][..],
+            ),
+            (&malformed, None, &[0xE0, 0x01, 0x81]),
+            (&normal, None, &[0xE0, 0x00]),
+            (&normal, Some(empty.clone()), &[0xE0, 0x02, 0x00, 0x00]),
+        ] {
+            let mut buf = BytesMut::new();
+            let written = write(disconnect, &properties, &mut buf).unwrap();
+            assert_eq!(&buf[..], bytes, "{disconnect:?} {properties:?}");
+            assert_eq!(written, bytes.len());
+            let read = super::super::V5.read_mut(&mut buf, 1024).unwrap();
+            assert!(
+                matches!(&read, Packet::Disconnect(d, _) if d == disconnect),
+                "{read:?}"
+            );
+        }
     }
 }

@@ -268,6 +268,7 @@ fn read_mqtt_bytes(stream: &mut Bytes) -> Result<Bytes, Error> {
 /// Reads a string from bytes stream
 fn read_mqtt_string(stream: &mut Bytes) -> Result<String, Error> {
     let s = read_mqtt_bytes(stream)?;
+    check_no_null(&s)?;
     match String::from_utf8(s.to_vec()) {
         Ok(v) => Ok(v),
         Err(_e) => Err(Error::TopicNotUtf8),
@@ -363,6 +364,7 @@ impl Protocol for V5 {
         // Test with a stream with exactly the size to check border panics
         let packet = stream.split_to(fixed_header.frame_length());
         let packet_type = fixed_header.packet_type()?;
+        check_fixed_header_flags(fixed_header.byte1)?;
 
         if fixed_header.remaining_len == 0 {
             // no payload packets

@@ -25,6 +25,9 @@ pub fn read(
     bytes.advance(variable_header_index);
 
     let pkid = read_u16(&mut bytes)?;
+    if pkid == 0 {
+        return Err(Error::PacketIdZero);
+    }
     let properties = properties::read(&mut bytes)?;
 
     // variable header size = 2 (packet identifier)
@@ -33,6 +36,9 @@ pub fn read(
     while bytes.has_remaining() {
         let path = read_mqtt_string(&mut bytes)?;
         let options = read_u8(&mut bytes)?;
+        if options & 0b1100_0000 != 0 {
+            return Err(Error::ReservedSubscriptionOptions(options));
+        }
         let requested_qos = options & 0b0000_0011;
 
         let nolocal = ((options >> 2) & 0b0000_0001);

@@ -26,6 +26,9 @@ pub fn read(
     bytes.advance(variable_header_index);
 
     let pkid = read_u16(&mut bytes)?;
+    if pkid == 0 {
+        return Err(Error::PacketIdZero);
+    }
     let properties = properties::read(&mut bytes)?;
 
     let mut filters = Vec::with_capacity(1);
@@ -34,6 +37,9 @@ pub fn read(
         filters.push(filter);
     }
 
+    if filters.is_empty() {
+        return Err(Error::EmptyUnsubscribe);
+    }
     let unsubscribe = Unsubscribe { pkid, filters };
     Ok((unsubscribe, properties))
 }

@@ -1,0 +1,654 @@
+//! Issue #31: MQTT edge cases, byte by byte over a real broker: packets a
+//! conforming client never sends, and the exact answer to each.
+//!
+//! The rules, by section of MQTT 5 (and 3.1.1 where it differs): a
+//! malformed CONNECT is answered CONNACK 0x81 and closed in MQTT 5 (3.1.4,
+//! 4.13), closed without CONNACK in 3.1.1 (3.1.4); a malformed packet after
+//! CONNECT ends the connection with DISCONNECT 0x81 in MQTT 5, by closing it
+//! in 3.1.1 (4.13, 3.1.1 4.8).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use common::raw::{Raw, Recv, disconnect_reason, v5};
+use common::start_broker;
+use rumqttc::v5::mqttbytes::QoS;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use v5::{ConnectReturnCode, DisconnectReasonCode, Packet, UnsubAckReason};
+
+// ------------------------------------------------------------ raw bytes
+
+/// A length-prefixed string or binary field.
+fn s(bytes: &[u8]) -> Vec<u8> {
+    let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// A variable byte integer.
+fn varint(mut n: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let mut byte = (n % 128) as u8;
+        n /= 128;
+        if n > 0 {
+            byte |= 0x80;
+        }
+        out.push(byte);
+        if n == 0 {
+            return out;
+        }
+    }
+}
+
+/// A packet: first byte, then the remaining length, then `body`.
+fn packet(byte0: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = vec![byte0];
+    out.extend(varint(body.len()));
+    out.extend_from_slice(body);
+    out
+}
+
+/// A CONNECT of protocol `level` with `flags`, keep-alive 30, MQTT 5
+/// `properties` (ignored for 3.1.1), and `payload` as it goes on the wire.
+fn connect(level: u8, flags: u8, properties: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut body = s(b"MQTT");
+    body.extend([level, flags, 0, 30]);
+    if level == 5 {
+        body.extend(varint(properties.len()));
+        body.extend_from_slice(properties);
+    }
+    body.extend_from_slice(payload);
+    packet(0x10, &body)
+}
+
+/// Payload fields, each length-prefixed, concatenated.
+fn fields(parts: &[&[u8]]) -> Vec<u8> {
+    parts.iter().flat_map(|p| s(p)).collect()
+}
+
+/// Sends `bytes` on a new connection and returns every byte the broker
+/// sent back until it closed the connection (panics if it stays open).
+async fn answer(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    read_until_closed(&mut stream).await
+}
+
+async fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+            Err(_) => panic!("the broker kept the connection open; sent {got:02x?}"),
+            Ok(Ok(0)) | Ok(Err(_)) => return got,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// CONNACK refusing with `code`, MQTT 5, no properties.
+fn refusal(code: u8) -> Vec<u8> {
+    vec![0x20, 0x03, 0x00, code, 0x00]
+}
+
+/// A clean 3.1.1 connection, connected.
+async fn connected_v4(addr: SocketAddr, client_id: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let bytes = connect(4, 0x02, &[], &fields(&[client_id.as_bytes()]));
+    stream.write_all(&bytes).await.unwrap();
+    let mut connack = [0u8; 4];
+    stream.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 0x02, 0x00, 0x00]);
+    stream
+}
+
+/// After a 3.1.1 CONNECT, `bytes` make the broker close the connection
+/// without a word.
+async fn v4_closes_on(addr: SocketAddr, bytes: &[u8], what: &str) {
+    let mut stream = connected_v4(addr, "edge-v4").await;
+    stream.write_all(bytes).await.unwrap();
+    assert_eq!(read_until_closed(&mut stream).await, b"", "{what}");
+}
+
+/// After an MQTT 5 CONNECT, `bytes` end the connection with DISCONNECT 0x81.
+async fn v5_malformed_on(addr: SocketAddr, bytes: &[u8], what: &str) {
+    let mut c = Raw::connect(addr, "edge-v5").await;
+    c.send_bytes(bytes).await;
+    let d = c.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::MalformedPacket),
+        "{what}"
+    );
+}
+
+/// A malformed CONNECT: CONNACK 0x81 and close in MQTT 5 (3.1.4, 4.13),
+/// close without CONNACK in 3.1.1 (3.1.4).
+async fn refused_as_malformed(addr: SocketAddr, level: u8, bytes: &[u8], what: &str) {
+    let expected = match level {
+        5 => refusal(0x81),
+        _ => Vec::new(),
+    };
+    assert_eq!(
+        answer(addr, bytes).await,
+        expected,
+        "{what} (level {level})"
+    );
+}
+
+// ------------------------------------------------------------ group 2: AUTH
+
+/// [MQTT-4.12.0-1]: an Authentication Method the server does not support
+/// is refused (0x8C Bad authentication method) and the connection closed.
+/// statebroker supports none (no AUTH exchange).
+#[tokio::test]
+async fn an_authentication_method_is_refused() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut method = vec![0x15];
+    method.extend(s(b"SCRAM-SHA-1"));
+    let bytes = connect(5, 0x02, &method, &fields(&[b"auth"]));
+    assert_eq!(answer(addr, &bytes).await, refusal(0x8C));
+    // With data too.
+    let mut both = method.clone();
+    both.push(0x16);
+    both.extend(s(b"client-first"));
+    let bytes = connect(5, 0x02, &both, &fields(&[b"auth"]));
+    assert_eq!(answer(addr, &bytes).await, refusal(0x8C));
+    // 3.1.2.11.10: Authentication Data without a method is a Protocol Error.
+    let mut data = vec![0x16];
+    data.extend(s(b"client-first"));
+    let bytes = connect(5, 0x02, &data, &fields(&[b"auth"]));
+    assert_eq!(answer(addr, &bytes).await, refusal(0x82));
+    // Without either, the same CONNECT is accepted.
+    let bytes = connect(5, 0x02, &[], &fields(&[b"auth"]));
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(&bytes).await.unwrap();
+    let mut head = [0u8; 4];
+    stream.read_exact(&mut head).await.unwrap();
+    assert_eq!((head[0], head[3]), (0x20, 0x00));
+}
+
+// ------------------------------------------------------------ group 7: malformed
+
+/// [MQTT-3.1.2-3]: the reserved bit of the Connect Flags must be 0.
+#[tokio::test]
+async fn connect_with_the_reserved_flag_set() {
+    let broker = start_broker().await;
+    for level in [5, 4] {
+        let bytes = connect(level, 0x03, &[], &fields(&[b"reserved"]));
+        refused_as_malformed(broker.local_addr(), level, &bytes, "reserved flag").await;
+    }
+}
+
+/// MQTT 5 [MQTT-3.1.2-16], [MQTT-3.1.2-18] (3.1.1: [MQTT-3.1.2-18],
+/// [MQTT-3.1.2-20]): a User Name or Password whose flag is 0 must not be
+/// present. 3.1.1 also wants no Password without a User Name
+/// ([MQTT-3.1.2-22]).
+#[tokio::test]
+async fn username_or_password_without_its_flag() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for level in [5, 4] {
+        let user = fields(&[b"flags", b"alice"]);
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x02, &[], &user),
+            "user name, flag 0",
+        )
+        .await;
+        let both = fields(&[b"flags", b"alice", b"secret"]);
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x82, &[], &both),
+            "password, flag 0",
+        )
+        .await;
+        refused_as_malformed(
+            addr,
+            level,
+            &connect(level, 0x02, &[], &both),
+            "both, flags 0",
+        )
+        .await;
+    }
+    let password = fields(&[b"flags", b"secret"]);
+    refused_as_malformed(addr, 4, &connect(4, 0x42, &[], &password), "password alone").await;
+}
+
+/// [MQTT-1.5.4-2] (3.1.1: [MQTT-1.5.3-2]): a UTF-8 string must not hold
+/// U+0000, in a client id, a user name, a will topic.
+#[tokio::test]
+async fn null_character_in_connect() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for level in [5, 4] {
+        let id = fields(&[b"nul\0id"]);
+        refused_as_malformed(addr, level, &connect(level, 0x02, &[], &id), "client id").await;
+        let user = fields(&[b"nul-user", b"ali\0ce", b"pw"]);
+        refused_as_malformed(addr, level, &connect(level, 0xC2, &[], &user), "user name").await;
+        // Will flag, QoS 0.
+        let mut will = s(b"nul-will");
+        if level == 5 {
+            will.push(0); // will properties
+        }
+        will.extend(fields(&[b"will/\0topic", b"bye"]));
+        refused_as_malformed(addr, level, &connect(level, 0x06, &[], &will), "will topic").await;
+    }
+}
+
+/// 3.1.1 [MQTT-4.7.3-1]: a topic name is at least one character long; an
+/// empty will topic makes a malformed CONNECT, closed without CONNACK
+/// (3.1.4). MQTT 5 answers CONNACK 0x90 Topic Name invalid, as before (a
+/// reason code of 0x80 or more before closing, 3.1.4, 4.13).
+#[tokio::test]
+async fn empty_will_topic() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let will = fields(&[b"empty-will", b"", b"bye"]);
+    assert_eq!(answer(addr, &connect(4, 0x06, &[], &will)).await, b"");
+    let mut will = s(b"empty-will");
+    will.push(0);
+    will.extend(fields(&[b"", b"bye"]));
+    assert_eq!(
+        answer(addr, &connect(5, 0x06, &[], &will)).await,
+        refusal(0x90)
+    );
+}
+
+/// After CONNECT: U+0000 in a topic or a filter ([MQTT-1.5.4-2]).
+#[tokio::test]
+async fn null_character_in_topics_and_filters() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    // PUBLISH QoS 0 "a\0b" "x": MQTT 5 has a property length.
+    let mut publish5 = s(b"a\0b");
+    publish5.extend([0, b'x']);
+    let mut publish4 = s(b"a\0b");
+    publish4.push(b'x');
+    // SUBSCRIBE id 1 "a\0b" QoS 0.
+    let mut subscribe5 = vec![0, 1, 0];
+    subscribe5.extend(s(b"a\0b"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 1];
+    subscribe4.extend(s(b"a\0b"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 1, 0];
+    unsubscribe5.extend(s(b"a\0b"));
+    let mut unsubscribe4 = vec![0, 1];
+    unsubscribe4.extend(s(b"a\0b"));
+    for (byte0, five, four, what) in [
+        (0x30, publish5, publish4, "PUBLISH topic"),
+        (0x82, subscribe5, subscribe4, "SUBSCRIBE filter"),
+        (0xA2, unsubscribe5, unsubscribe4, "UNSUBSCRIBE filter"),
+    ] {
+        v5_malformed_on(addr, &packet(byte0, &five), what).await;
+        v4_closes_on(addr, &packet(byte0, &four), what).await;
+    }
+}
+
+/// [MQTT-3.10.3-2]: an UNSUBSCRIBE holds at least one filter.
+#[tokio::test]
+async fn unsubscribe_without_a_filter() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    v5_malformed_on(addr, &packet(0xA2, &[0, 1, 0]), "MQTT 5").await;
+    v4_closes_on(addr, &packet(0xA2, &[0, 1]), "3.1.1").await;
+}
+
+/// [MQTT-2.2.1-3]: SUBSCRIBE and UNSUBSCRIBE carry a non-zero packet id.
+#[tokio::test]
+async fn subscribe_and_unsubscribe_with_packet_id_0() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut subscribe5 = vec![0, 0, 0];
+    subscribe5.extend(s(b"a"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 0];
+    subscribe4.extend(s(b"a"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 0, 0];
+    unsubscribe5.extend(s(b"a"));
+    let mut unsubscribe4 = vec![0, 0];
+    unsubscribe4.extend(s(b"a"));
+    v5_malformed_on(addr, &packet(0x82, &subscribe5), "SUBSCRIBE").await;
+    v4_closes_on(addr, &packet(0x82, &subscribe4), "SUBSCRIBE").await;
+    v5_malformed_on(addr, &packet(0xA2, &unsubscribe5), "UNSUBSCRIBE").await;
+    v4_closes_on(addr, &packet(0xA2, &unsubscribe4), "UNSUBSCRIBE").await;
+}
+
+/// [MQTT-3.8.1-1], [MQTT-3.10.1-1]: the fixed-header flags of SUBSCRIBE
+/// and UNSUBSCRIBE are 0010; anything else is malformed.
+#[tokio::test]
+async fn subscribe_and_unsubscribe_with_other_header_flags() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut subscribe5 = vec![0, 1, 0];
+    subscribe5.extend(s(b"a"));
+    subscribe5.push(0);
+    let mut subscribe4 = vec![0, 1];
+    subscribe4.extend(s(b"a"));
+    subscribe4.push(0);
+    let mut unsubscribe5 = vec![0, 1, 0];
+    unsubscribe5.extend(s(b"a"));
+    let mut unsubscribe4 = vec![0, 1];
+    unsubscribe4.extend(s(b"a"));
+    for flags in [0x0, 0x3, 0xA] {
+        v5_malformed_on(addr, &packet(0x80 | flags, &subscribe5), "SUBSCRIBE").await;
+        v4_closes_on(addr, &packet(0x80 | flags, &subscribe4), "SUBSCRIBE").await;
+        v5_malformed_on(addr, &packet(0xA0 | flags, &unsubscribe5), "UNSUBSCRIBE").await;
+        v4_closes_on(addr, &packet(0xA0 | flags, &unsubscribe4), "UNSUBSCRIBE").await;
+    }
+}
+
+/// MQTT 5 [MQTT-3.8.3-5]: bits 6 and 7 of the Subscription Options are
+/// reserved, 0 (3.1.1 [MQTT-3-8.3-4]: bits 2 to 7).
+#[tokio::test]
+async fn subscription_options_with_reserved_bits() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for bit in [0x40u8, 0x80] {
+        let mut subscribe = vec![0, 1, 0];
+        subscribe.extend(s(b"a"));
+        subscribe.push(bit | 1);
+        v5_malformed_on(addr, &packet(0x82, &subscribe), "MQTT 5").await;
+    }
+    for bit in [0x04u8, 0x10, 0x80] {
+        let mut subscribe = vec![0, 1];
+        subscribe.extend(s(b"a"));
+        subscribe.push(bit | 1);
+        v4_closes_on(addr, &packet(0x82, &subscribe), "3.1.1").await;
+    }
+}
+
+/// The checks above refuse nothing a conforming client sends: the same
+/// packets, well formed, are answered.
+#[tokio::test]
+async fn well_formed_edge_packets_are_answered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    // User name and password with their flags, in both versions.
+    for level in [5, 4] {
+        let both = fields(&[b"flags-ok", b"alice", b"secret"]);
+        let got = answer_first(addr, &connect(level, 0xC2, &[], &both)).await;
+        assert_eq!((got[0], got[3]), (0x20, 0x00), "level {level}");
+    }
+    let mut c = Raw::connect(addr, "options-ok").await;
+    // No Local, Retain As Published, Retain Handling 2: all allowed bits.
+    let mut subscribe = vec![0, 7, 0];
+    subscribe.extend(s(b"a"));
+    subscribe.push(0x2D);
+    c.send_bytes(&packet(0x82, &subscribe)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => assert_eq!(ack.pkid, 7),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Sends `bytes` and returns the first packet's first bytes.
+async fn answer_first(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    let mut buf = BytesMut::new();
+    while buf.len() < 4 {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read_buf(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed after {buf:02x?}");
+    }
+    buf.to_vec()
+}
+
+// ------------------------------------------------------------ group 8: CONNACK size
+
+/// The CONNACK as it arrives, with the client's Maximum Packet Size.
+async fn connack_for(addr: SocketAddr, client_id: &str, max: u32) -> Vec<u8> {
+    let mut props = vec![0x27];
+    props.extend(max.to_be_bytes());
+    let bytes = connect(5, 0x02, &props, &fields(&[client_id.as_bytes()]));
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(&bytes).await.unwrap();
+    let mut head = [0u8; 2];
+    stream.read_exact(&mut head).await.unwrap();
+    let mut rest = vec![0u8; usize::from(head[1])];
+    stream.read_exact(&mut rest).await.unwrap();
+    let mut all = head.to_vec();
+    all.extend(rest);
+    all
+}
+
+fn connack_properties(bytes: &[u8]) -> (v5::ConnAck, v5::ConnAckProperties) {
+    let mut buf = BytesMut::from(bytes);
+    match Packet::read(&mut buf, None).unwrap() {
+        Packet::ConnAck(ack) => {
+            let props = ack.properties.clone().expect("CONNACK properties");
+            (ack, props)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// [MQTT-3.1.2-24]: no packet, CONNACK included, larger than the client's
+/// Maximum Packet Size. What the broker leaves out first, as far as
+/// needed, are the four "available" properties, whose absence means what
+/// they say (3.2.2.3.5, 3.2.2.3.11-13), then the Topic Alias Maximum (absent: 0, the client
+/// uses no aliases); Receive Maximum, Maximum Packet Size, Server Keep
+/// Alive and an Assigned Client Identifier stay, and a CONNACK that cannot
+/// carry them refuses the connection (0x83 Implementation specific error).
+#[tokio::test]
+async fn connack_fits_the_clients_maximum_packet_size() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let full = connack_for(addr, "big", 1 << 20).await;
+    let (ack, props) = connack_properties(&full);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(full.len(), 24, "{full:02x?}");
+    assert_eq!(props.retain_available, Some(1));
+
+    let small = connack_for(addr, "small", 20).await;
+    assert!(small.len() <= 20, "{} bytes: {small:02x?}", small.len());
+    let (ack, props) = connack_properties(&small);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(props.receive_max, Some(1000));
+    assert!(props.max_packet_size.is_some());
+    assert!(props.topic_alias_max.is_some());
+    assert_eq!(props.retain_available, Some(1), "left out only as needed");
+    assert_eq!(props.shared_subscription_available, None);
+    assert_eq!(props.wildcard_subscription_available, None);
+
+    let smaller = connack_for(addr, "smaller", 15).await;
+    assert!(smaller.len() <= 15, "{smaller:02x?}");
+    let (ack, props) = connack_properties(&smaller);
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    assert_eq!(props.receive_max, Some(1000));
+    assert!(props.max_packet_size.is_some());
+    assert_eq!(props.topic_alias_max, None);
+
+    // An assigned client id does not fit in 20 bytes.
+    let assigned = connack_for(addr, "", 20).await;
+    assert_eq!(assigned, refusal(0x83));
+}
+
+// ------------------------------------------------------------ group 9: UNSUBACK
+
+/// 3.11.2.2: UNSUBACK 0x11 "No subscription existed" for a filter never
+/// subscribed, 0x00 for one that was, with or without a router link.
+#[tokio::test]
+async fn unsuback_tells_which_subscriptions_existed() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let unsubscribe = |filters: &[&str], pkid| {
+        let mut u = v5::Unsubscribe::new(filters[0], None);
+        u.filters = filters.iter().map(|f| f.to_string()).collect();
+        u.pkid = pkid;
+        Packet::Unsubscribe(u)
+    };
+    // Never joined the router: answered by the connection.
+    let mut fresh = Raw::connect(addr, "unsub-fresh").await;
+    fresh.send(unsubscribe(&["never"], 3)).await;
+    match fresh.recv().await {
+        Recv::Packet(Packet::UnsubAck(ack)) => {
+            assert_eq!(ack.pkid, 3);
+            assert_eq!(ack.reasons, vec![UnsubAckReason::NoSubscriptionExisted]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Subscribed to something else: answered by the router.
+    let mut c = Raw::connect(addr, "unsub-joined").await;
+    c.subscribe("a/+", QoS::AtLeastOnce).await;
+    c.send(unsubscribe(&["never", "a/+"], 4)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::UnsubAck(ack)) => {
+            assert_eq!(ack.pkid, 4);
+            assert_eq!(
+                ack.reasons,
+                vec![
+                    UnsubAckReason::NoSubscriptionExisted,
+                    UnsubAckReason::Success,
+                ]
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+// ------------------------------------------------------------ group 6: QoS flows
+
+/// A subscriber on `topic` at `qos` without acknowledging anything, and a
+/// publisher that published `payload` at `qos` (QoS 2: through PUBCOMP).
+/// Returns the subscriber and the delivery it got.
+async fn delivered(
+    addr: SocketAddr,
+    name: &str,
+    qos: QoS,
+    payload: &'static [u8],
+) -> (Raw, v5::Publish) {
+    let mut sub = Raw::connect(addr, &format!("{name}-sub")).await;
+    sub.subscribe(name, qos).await;
+    let mut publisher = Raw::connect(addr, &format!("{name}-pub")).await;
+    let mut publish = v5::Publish::new(name, qos, payload, None);
+    publish.pkid = publisher.pkid();
+    publisher.send(Packet::Publish(publish.clone())).await;
+    if qos == QoS::ExactlyOnce {
+        match publisher.recv().await {
+            Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, publish.pkid),
+            other => panic!("{other:?}"),
+        }
+        publisher
+            .send(Packet::PubRel(v5::PubRel::new(publish.pkid, None)))
+            .await;
+    }
+    match sub.recv().await {
+        Recv::Packet(Packet::Publish(p)) => {
+            assert_eq!((p.qos, &p.payload[..]), (qos, payload));
+            (sub, p)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// 4.3.3: a PUBREC with a reason code of 0x80 or more ends the QoS 2 flow:
+/// no PUBREL follows, the message is not sent again, and the next one
+/// comes.
+#[tokio::test]
+async fn a_failed_pubrec_ends_the_qos2_flow() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, p) = delivered(addr, "failed-pubrec", QoS::ExactlyOnce, b"one").await;
+    let mut rec = v5::PubRec::new(p.pkid, None);
+    rec.reason = v5::PubRecReason::UnspecifiedError;
+    sub.send(Packet::PubRec(rec)).await;
+    match sub.recv_within(Duration::from_millis(500)).await {
+        Recv::Timeout => {}
+        other => panic!("nothing may follow a failed PUBREC, got {other:?}"),
+    }
+    let mut publisher = Raw::connect(addr, "failed-pubrec-again").await;
+    publisher
+        .publish("failed-pubrec", &b"two"[..], QoS::AtMostOnce, None)
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::Publish(p)) => assert_eq!(&p.payload[..], b"two"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// 4.3.2: a QoS 1 delivery is acknowledged with PUBACK; a PUBREC for it
+/// is a Protocol Error (DISCONNECT 0x82), not the start of a QoS 2 flow.
+#[tokio::test]
+async fn pubrec_for_a_qos1_delivery_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let (mut sub, p) = delivered(broker.local_addr(), "qos1-pubrec", QoS::AtLeastOnce, b"x").await;
+    sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError)
+    );
+}
+
+/// 4.3.3: a QoS 2 delivery is acknowledged with PUBREC, then PUBCOMP; a
+/// PUBACK for it, before or after the PUBREC, is a Protocol Error
+/// (DISCONNECT 0x82).
+#[tokio::test]
+async fn puback_in_a_qos2_flow_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, p) = delivered(addr, "qos2-puback", QoS::ExactlyOnce, b"x").await;
+    sub.send(Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError),
+        "PUBACK instead of PUBREC"
+    );
+    let (mut sub, p) = delivered(addr, "qos2-puback-late", QoS::ExactlyOnce, b"x").await;
+    sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
+        other => panic!("{other:?}"),
+    }
+    sub.send(Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+        .await;
+    let d = sub.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError),
+        "PUBACK instead of PUBCOMP"
+    );
+}
+
+/// 3.14.2.2.3: the DISCONNECT that ends a connection leaves out its Reason
+/// String where it would pass the client's Maximum Packet Size.
+#[tokio::test]
+async fn disconnect_fits_the_clients_maximum_packet_size() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut c, connack) = Raw::connect_with(addr, "small-disconnect", |c| {
+        c.0.properties.as_mut().unwrap().max_packet_size = Some(20);
+    })
+    .await;
+    assert_eq!(connack.code, ConnectReturnCode::Success);
+    c.send_bytes(&packet(0xA2, &[0, 1, 0])).await;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 512];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), c.stream.read(&mut buf)).await {
+            Err(_) => panic!("the broker kept the connection open"),
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    assert!(got.len() <= 20, "{got:02x?}");
+    assert_eq!(got, [0xE0, 0x02, 0x81, 0x00], "{got:02x?}");
+}
