@@ -101,8 +101,34 @@ impl Planner for Sizes<'_> {
     }
 }
 
+/// Deliberately wrong behaviour, for the history checker's own test only
+/// (it must flag it): the environment variable `STATEBROKER_CLUSTER_BROKEN`
+/// of a node's process, `lost-update` or `stale-reads`. Logged at ERROR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Broken {
+    /// Correct.
+    #[default]
+    No,
+    /// Writes do not compare the revision they planned against.
+    LostUpdate,
+    /// GET answers from the first record this node saw of the key.
+    StaleReads,
+}
+
+impl Broken {
+    /// Reads `STATEBROKER_CLUSTER_BROKEN`.
+    pub fn from_env() -> Broken {
+        match std::env::var("STATEBROKER_CLUSTER_BROKEN").as_deref() {
+            Ok("lost-update") => Broken::LostUpdate,
+            Ok("stale-reads") => Broken::StaleReads,
+            _ => Broken::No,
+        }
+    }
+}
+
 /// A key's record as read, with its etcd mod revision (0: no record).
-struct Read {
+#[derive(Clone)]
+pub(super) struct Read {
     record: Option<Record>,
     revision: i64,
 }
@@ -125,7 +151,22 @@ impl Cluster {
         // The revision compared by an attempt whose outcome is unknown.
         let mut in_doubt: Option<i64> = None;
         for _ in 0..ATTEMPTS {
-            let read = self.read(key).await?;
+            let read = match self.broken {
+                Broken::StaleReads if !keyed.command.writes() => {
+                    let seen = self.seen.lock().get(key).cloned();
+                    match seen {
+                        Some(read) => read,
+                        None => self.read(key).await?,
+                    }
+                }
+                _ => self.read(key).await?,
+            };
+            if self.broken == Broken::StaleReads {
+                self.seen
+                    .lock()
+                    .entry(key.to_vec())
+                    .or_insert_with(|| read.clone());
+            }
             if let Some(record) = &read.record {
                 clock.observe(record.version);
                 if in_doubt.is_some() && record.request == request {
@@ -315,12 +356,16 @@ impl Cluster {
         value: Vec<u8>,
     ) -> Result<bool, etcd_client::Error> {
         let full = self.key(key);
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
+        let compare = match self.broken {
+            Broken::LostUpdate => vec![],
+            _ => vec![Compare::mod_revision(
                 full.clone(),
                 CompareOp::Equal,
                 revision,
-            )])
+            )],
+        };
+        let txn = Txn::new()
+            .when(compare)
             .and_then([TxnOp::put(full, value, None)]);
         let mut client = self.client.clone();
         Ok(client.txn(txn).await?.succeeded())

@@ -47,6 +47,10 @@ pub struct Cluster {
     index: Mutex<watch::Index>,
     /// Dropped with the cluster: its tasks end.
     stop: tokio::sync::watch::Sender<()>,
+    /// A deliberately wrong mode, for the checker's test only.
+    broken: kv::Broken,
+    /// With `stale-reads`: the first record this node saw of each key.
+    seen: Mutex<std::collections::HashMap<Vec<u8>, kv::Read>>,
 }
 
 impl Cluster {
@@ -90,7 +94,16 @@ impl Cluster {
             prefix = settings.etcd_prefix,
             "clustering: the state store is kept in etcd"
         );
+        let broken = kv::Broken::from_env();
+        if broken != kv::Broken::No {
+            tracing::error!(
+                mode = ?broken,
+                "clustering: STATEBROKER_CLUSTER_BROKEN is set: this node answers WRONGLY on purpose (a test of the history checker)"
+            );
+        }
         Ok(Arc::new(Cluster {
+            broken,
+            seen: Mutex::new(std::collections::HashMap::new()),
             settings,
             client,
             keys_prefix,
