@@ -9,7 +9,9 @@ use std::{collections::HashMap, path::Path};
 pub use handle::{Link, LinkRefused, RouterHandle, MAX_ROUTER_PKID};
 pub use journal::{Journal, Message, MessageId, Receipt, Restore, RestoredSession};
 pub use link::local;
-pub use router::{Ack, Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router};
+pub use router::{
+    Ack, Alert, Forward, IncomingMeter, LogCounts, Meter, Notification, OutgoingMeter, Router,
+};
 use segments::Storage;
 use serde::{Deserialize, Serialize};
 pub use subscriptions::{granted, Counts, SessionRecord, SubOptions, Subscriptions};

@@ -23,7 +23,7 @@ use tracing::{debug, error, info, trace, warn};
 use super::alertlog::{Alert, AlertLog};
 use super::graveyard::Graveyard;
 use super::iobufs::{Incoming, Outgoing};
-use super::logs::{AckLog, DataLog};
+use super::logs::{AckLog, DataLog, LogCounts};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::SharedGroup;
 use super::{
@@ -190,6 +190,12 @@ impl Router {
     /// once spawned (statebroker patch 14).
     pub fn retained_count(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
         std::sync::Arc::clone(&self.datalog.retained_count)
+    }
+
+    /// The number of message logs and the bytes they hold, kept up to
+    /// date by the router once spawned (statebroker patch 18).
+    pub fn log_counts(&self) -> std::sync::Arc<LogCounts> {
+        std::sync::Arc::clone(&self.datalog.counts)
     }
 
     pub fn spawn(mut self) -> Sender<(ConnectionId, Event)> {
@@ -1648,7 +1654,6 @@ fn append_to_commitlog(
 
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
-        let datalog = datalog.native.get_mut(filter_idx).unwrap();
         let publish_data = PublishData {
             publish: publish.clone(),
             properties: properties.clone(),
@@ -1656,7 +1661,10 @@ fn append_to_commitlog(
             origin: Some(connection.origin.clone()),
             queued,
         };
-        let (offset, filter) = datalog.append(publish_data, notifications);
+        let Some((offset, filter)) = datalog.append(filter_idx, publish_data, notifications)
+        else {
+            continue;
+        };
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,
@@ -1731,9 +1739,11 @@ fn append_will_message(
 
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
-        let datalog = datalog.native.get_mut(filter_idx).unwrap();
         let publish_data = (publish.clone(), properties.clone());
-        let (offset, filter) = datalog.append(publish_data.into(), notifications);
+        let Some((offset, filter)) = datalog.append(filter_idx, publish_data.into(), notifications)
+        else {
+            continue;
+        };
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,
