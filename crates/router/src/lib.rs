@@ -196,6 +196,11 @@ pub struct RouterConfig {
     // defaults to Round Robin
     #[serde(default)]
     pub shared_subscriptions_strategy: Strategy,
+    /// The most subscriptions one client's session may hold (0: no limit).
+    /// A SUBSCRIBE for a new filter beyond it is refused with "quota
+    /// exceeded" (statebroker patch 18).
+    #[serde(default)]
+    pub max_subscriptions_per_client: usize,
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]

@@ -640,6 +640,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_subscriptions_per_client: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("topic/a");
@@ -660,6 +661,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_subscriptions_per_client: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("+/+");

@@ -783,8 +783,23 @@ impl Router {
                     let mut return_codes = Vec::new();
                     let pkid = subscribe.pkid;
                     // let len = s.len();
+                    let limit = self.config.max_subscriptions_per_client;
+                    let mut over_quota = 0usize;
 
                     for f in &mut subscribe.filters {
+                        // One client's subscriptions are bounded: a new
+                        // filter beyond the limit is refused, the others
+                        // are applied (statebroker patch 18).
+                        let connection = &self.connections[id];
+                        if limit > 0
+                            && connection.subscriptions.len() >= limit
+                            && !connection.subscriptions.contains(&f.path)
+                        {
+                            over_quota += 1;
+                            return_codes.push(SubscribeReasonCode::QuotaExceeded);
+                            continue;
+                        }
+
                         let span =
                             tracing::info_span!("subscribe", topic = f.path, pkid = subscribe.pkid);
                         let _guard = span.enter();
@@ -841,6 +856,14 @@ impl Router {
                     // let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
                     // meter.total_size += len;
 
+                    if over_quota > 0 {
+                        warn!(
+                            client_id,
+                            refused = over_quota,
+                            max_subscriptions_per_client = limit,
+                            "subscriptions refused: quota exceeded"
+                        );
+                    }
                     let suback = SubAck { pkid, return_codes };
                     // A persistent session's SUBACK waits for the disk
                     // (statebroker patch 16).
