@@ -7,10 +7,10 @@
 //! subscriptions. Resident memory is printed, not asserted (the allocator
 //! decides when freed memory goes back).
 
-mod common;
 #[path = "http/client.rs"]
 #[allow(dead_code)]
 mod client;
+mod common;
 
 use std::net::SocketAddr;
 
@@ -83,7 +83,10 @@ async fn fill(addr: SocketAddr, http: SocketAddr, round: usize, base: (f64, f64)
     let mut hog = Raw::connect(addr, "hog").await;
     let names: Vec<&str> = filters.iter().map(String::as_str).collect();
     let codes = hog.subscribe_many(&names, QoS::AtMostOnce).await;
-    assert_eq!(codes, vec![SubscribeReasonCode::Success(QoS::AtMostOnce); FILTERS]);
+    assert_eq!(
+        codes,
+        vec![SubscribeReasonCode::Success(QoS::AtMostOnce); FILTERS]
+    );
     let mut publisher = Raw::connect(addr, "hog-publisher").await;
     let payload = Bytes::from(vec![b'm'; PAYLOAD]);
     for filter in &filters {

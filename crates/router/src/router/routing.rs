@@ -1684,8 +1684,7 @@ fn append_to_commitlog(
             origin: Some(connection.origin.clone()),
             queued,
         };
-        let Some((offset, filter)) = datalog.append(filter_idx, publish_data, notifications)
-        else {
+        let Some((offset, filter)) = datalog.append(filter_idx, publish_data, notifications) else {
             continue;
         };
         debug!(

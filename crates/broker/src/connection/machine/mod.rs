@@ -27,7 +27,8 @@ use bytes::BytesMut;
 use router::Notification;
 use router::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
-    PublishProperties, SubAck, Subscribe, SubscribeProperties, SubscribeReasonCode, Unsubscribe, UnsubscribeProperties,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, SubscribeReasonCode, Unsubscribe,
+    UnsubscribeProperties,
 };
 use tokio::sync::watch;
 
