@@ -237,6 +237,28 @@ impl Raw {
         }
     }
 
+    /// Unsubscribes from `filters` in one UNSUBSCRIBE; returns the
+    /// UNSUBACK's reasons.
+    pub async fn unsubscribe_many(&mut self, filters: &[&str]) -> Vec<v5::UnsubAckReason> {
+        let pkid = self.pkid();
+        let unsubscribe = v5::Unsubscribe {
+            pkid,
+            filters: filters.iter().map(|f| f.to_string()).collect(),
+            properties: None,
+        };
+        self.send(Packet::Unsubscribe(unsubscribe)).await;
+        loop {
+            match self.next_control().await {
+                Recv::Packet(Packet::UnsubAck(ack)) => {
+                    assert_eq!(ack.pkid, pkid);
+                    return ack.reasons;
+                }
+                Recv::Packet(_) => continue,
+                other => panic!("expected UNSUBACK, got {other:?}"),
+            }
+        }
+    }
+
     /// Publishes; at QoS 1 returns the PUBACK reason.
     pub async fn publish(
         &mut self,

@@ -53,6 +53,13 @@ pub const SESSIONS: &str = "statebroker_sessions";
 pub const SUBSCRIPTIONS: &str = "statebroker_subscriptions";
 /// Retained messages held (gauge).
 pub const RETAINED: &str = "statebroker_retained_messages";
+/// The router's message logs: one per subscription filter in use (gauge).
+pub const FILTER_LOGS: &str = "statebroker_filter_logs";
+/// Topic and payload bytes held in the router's message logs (gauge).
+pub const FILTER_LOG_BYTES: &str = "statebroker_filter_log_bytes";
+/// Subscriptions refused, by `reason` (`quota_exceeded`: the client held
+/// `[router] max_subscriptions_per_client` already).
+pub const SUBSCRIPTIONS_REFUSED: &str = "statebroker_subscriptions_refused_total";
 /// The broker's own deliveries (state store answers, notifications)
 /// queued or unacknowledged, all connections together (gauge).
 pub const QUEUED_DELIVERIES: &str = "statebroker_queued_deliveries";
@@ -226,6 +233,16 @@ fn describe() {
     describe_gauge!(SUBSCRIPTIONS, "Subscriptions of clients and kept sessions");
     describe_gauge!(RETAINED, "Retained messages held");
     describe_gauge!(
+        FILTER_LOGS,
+        "Message logs the router holds, one per subscription filter in use"
+    );
+    describe_gauge!(
+        FILTER_LOG_BYTES,
+        metrics::Unit::Bytes,
+        "Topic and payload bytes held in the router's message logs"
+    );
+    describe_counter!(SUBSCRIPTIONS_REFUSED, "Subscriptions refused, by reason");
+    describe_gauge!(
         QUEUED_DELIVERIES,
         "State store answers and notifications queued or unacknowledged"
     );
@@ -393,6 +410,11 @@ pub fn expired(n: usize) {
 /// `n` messages were not delivered, for `reason`.
 pub fn dropped(reason: DropReason, n: u64) {
     counter!(DROPPED, "reason" => reason.label()).increment(n);
+}
+
+/// `n` subscriptions were refused, for `reason`.
+pub fn subscriptions_refused(reason: &'static str, n: u64) {
+    counter!(SUBSCRIPTIONS_REFUSED, "reason" => reason).increment(n);
 }
 
 /// `n` copies of a message were saved for persistent sessions.

@@ -10,9 +10,9 @@ use std::time::Duration;
 use metrics::{counter, gauge};
 
 use crate::metrics::{
-    BYTES_SENT, QUEUED_DELIVERIES, QUEUED_DELIVERY_BYTES, QUEUED_WAITING, RETAINED, SESSIONS,
-    STORE_ANSWERS_WAITING, STORE_BYTES, STORE_EXPIRED, STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS,
-    Totals, UPTIME,
+    BYTES_SENT, FILTER_LOG_BYTES, FILTER_LOGS, QUEUED_DELIVERIES, QUEUED_DELIVERY_BYTES,
+    QUEUED_WAITING, RETAINED, SESSIONS, STORE_ANSWERS_WAITING, STORE_BYTES, STORE_EXPIRED,
+    STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS, Totals, UPTIME,
 };
 use crate::sessions::Census;
 use crate::shared::Shared;
@@ -26,6 +26,10 @@ pub struct Snapshot {
     pub census: Census,
     /// Retained messages the router holds.
     pub retained: usize,
+    /// Message logs the router holds (one per subscription filter in use).
+    pub filter_logs: usize,
+    /// Topic and payload bytes in them.
+    pub filter_log_bytes: u64,
     /// Saved QoS 1/2 copies persistent sessions wait for.
     pub queued_waiting: usize,
     /// State store keys.
@@ -49,6 +53,8 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
         uptime: shared.started.elapsed(),
         census: shared.sessions.census(),
         retained: shared.router.retained_messages(),
+        filter_logs: shared.router.filter_logs().logs(),
+        filter_log_bytes: shared.router.filter_logs().bytes(),
         queued_waiting: shared.durable.as_ref().map_or(0, |d| d.waiting_total()),
         keys,
         key_bytes,
@@ -64,6 +70,8 @@ pub fn set_gauges(now: &Snapshot) {
     gauge!(SESSIONS).set(now.census.clients as f64);
     gauge!(SUBSCRIPTIONS).set(now.census.subscriptions as f64);
     gauge!(RETAINED).set(now.retained as f64);
+    gauge!(FILTER_LOGS).set(now.filter_logs as f64);
+    gauge!(FILTER_LOG_BYTES).set(now.filter_log_bytes as f64);
     gauge!(QUEUED_DELIVERIES).set(now.census.queued_messages as f64);
     gauge!(QUEUED_DELIVERY_BYTES).set(now.census.queued_bytes as f64);
     gauge!(QUEUED_WAITING).set(now.queued_waiting as f64);

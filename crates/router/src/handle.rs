@@ -12,7 +12,9 @@ use flume::Sender;
 
 use crate::local::{LinkBuilder, LinkRx, LinkTx};
 use crate::router::Event;
-use crate::{ConnectionId, Journal, Notification, Restore, Router, RouterConfig, Subscriptions};
+use crate::{
+    ConnectionId, Journal, LogCounts, Notification, Restore, Router, RouterConfig, Subscriptions,
+};
 
 /// The router numbers the publishes it sends one connection `1..=100`
 /// (its `MAX_INFLIGHT`) and waits for acknowledgements before it sends
@@ -36,6 +38,8 @@ pub struct RouterHandle {
     retained: Arc<AtomicUsize>,
     /// Who subscribes to what (patch 16).
     subscriptions: Arc<Subscriptions>,
+    /// The message logs held and their bytes (patch 20).
+    logs: Arc<LogCounts>,
 }
 
 impl RouterHandle {
@@ -56,16 +60,25 @@ impl RouterHandle {
         }
         let retained = router.retained_count();
         let subscriptions = router.subscriptions();
+        let logs = router.log_counts();
         RouterHandle {
             tx: router.spawn(),
             retained,
             subscriptions,
+            logs,
         }
     }
 
     /// How many retained messages the router holds now.
     pub fn retained_messages(&self) -> usize {
         self.retained.load(Ordering::Relaxed)
+    }
+
+    /// The message logs the router holds now (one per filter some
+    /// subscription uses, and the private logs of restored sessions) and
+    /// the bytes of topic and payload in them.
+    pub fn filter_logs(&self) -> &LogCounts {
+        &self.logs
     }
 
     /// Who subscribes to what, by client id (see [`Subscriptions`]).

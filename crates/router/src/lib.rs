@@ -9,7 +9,9 @@ use std::{collections::HashMap, path::Path};
 pub use handle::{Link, LinkRefused, RouterHandle, MAX_ROUTER_PKID};
 pub use journal::{Journal, Message, MessageId, Receipt, Restore, RestoredSession};
 pub use link::local;
-pub use router::{Ack, Alert, Forward, IncomingMeter, Meter, Notification, OutgoingMeter, Router};
+pub use router::{
+    Ack, Alert, Forward, IncomingMeter, LogCounts, Meter, Notification, OutgoingMeter, Router,
+};
 use segments::Storage;
 use serde::{Deserialize, Serialize};
 pub use subscriptions::{granted, Counts, SessionRecord, SubOptions, Subscriptions};
@@ -194,6 +196,11 @@ pub struct RouterConfig {
     // defaults to Round Robin
     #[serde(default)]
     pub shared_subscriptions_strategy: Strategy,
+    /// The most subscriptions one client's session may hold (0: no limit).
+    /// A SUBSCRIBE for a new filter beyond it is refused with "quota
+    /// exceeded" (statebroker patch 20).
+    #[serde(default)]
+    pub max_subscriptions_per_client: usize,
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]

@@ -31,6 +31,16 @@ use crate::shared::Shared;
 /// client is disconnected.
 const WRITE_STALL: Duration = Duration::from_secs(60);
 
+/// The router's deliveries encoded for one write, at most (plus the last
+/// one): the rest waits for the next turn, so that a client whose
+/// subscriptions have many large messages ready does not grow its write
+/// buffer to all of them at once.
+const WRITE_BATCH: usize = 256 * 1024;
+
+/// A write buffer that grew beyond this for a large write is let go once
+/// written, rather than kept, empty, for the life of the connection.
+const KEEP_WRITE_ROOM: usize = 1024 * 1024;
+
 /// The connection's I/O.
 pub(crate) struct Driver<S> {
     pub socket: Socket<S>,
@@ -95,8 +105,11 @@ impl<S: Stream> Driver<S> {
                     match notification {
                         Ok(Some(n)) => {
                             machine.on_router(n)?;
-                            // Everything else the router has ready, before writing.
-                            while let Some(n) = self.link.next_ready() {
+                            // What else the router has ready, before writing
+                            // (up to a batch: the rest comes next turn).
+                            while machine.wbuf.len() < WRITE_BATCH
+                                && let Some(n) = self.link.next_ready()
+                            {
                                 machine.on_router(n)?;
                             }
                         }
@@ -153,7 +166,12 @@ impl<S: Stream> Driver<S> {
     async fn write(&mut self, machine: &mut Machine) -> Result<(), End> {
         let stall = self.idle_limit.unwrap_or(WRITE_STALL);
         match tokio::time::timeout(stall, self.socket.write_all(&mut machine.wbuf)).await {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => {
+                if machine.wbuf.capacity() > KEEP_WRITE_ROOM {
+                    machine.wbuf = bytes::BytesMut::new();
+                }
+                Ok(())
+            }
             Ok(Err(e)) => Err(End::Io(e)),
             Err(_) => Err(End::WriteStalled),
         }

@@ -24,6 +24,29 @@ pub type ReadMessage = (PubWithProp, Option<MessageId>);
 /// Topics whose matching filters are cached at most (statebroker patch 8).
 const MAX_CACHED_TOPICS: usize = 100_000;
 
+/// The message logs the router holds (one per filter in use, plus the
+/// private logs of restored sessions) and the bytes of topic and payload
+/// in them, kept up to date by the router thread for readers on other
+/// threads (statebroker patch 20).
+#[derive(Debug, Default)]
+pub struct LogCounts {
+    logs: std::sync::atomic::AtomicUsize,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl LogCounts {
+    /// Logs held now.
+    pub fn logs(&self) -> usize {
+        self.logs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes held in them now ([`Storage::size`] of each entry: topic,
+    /// payload and 4).
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 #[derive(Clone)]
 pub struct PublishData {
     pub publish: Publish,
@@ -81,6 +104,10 @@ pub struct DataLog {
     /// Logs that no topic matches, by name: the messages a restored session
     /// still waited for (statebroker patch 16).
     private_logs: HashMap<Filter, FilterIdx>,
+    /// Bytes held in all the logs (statebroker patch 20).
+    held: u64,
+    /// The number of logs and `held`, for readers on other threads.
+    pub counts: std::sync::Arc<LogCounts>,
 }
 
 impl DataLog {
@@ -101,7 +128,7 @@ impl DataLog {
             }
         }
 
-        Ok(DataLog {
+        let datalog = DataLog {
             config,
             native,
             publish_filters,
@@ -109,7 +136,35 @@ impl DataLog {
             retained_publishes,
             retained_count: Default::default(),
             private_logs: HashMap::new(),
-        })
+            held: 0,
+            counts: Default::default(),
+        };
+        datalog.count_logs();
+        Ok(datalog)
+    }
+
+    /// Publishes the number of logs and their bytes (statebroker patch 20).
+    fn count_logs(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counts.logs.store(self.native.len(), Relaxed);
+        self.counts.bytes.store(self.held, Relaxed);
+    }
+
+    /// Appends `item` to the log at `filter_idx`, waking its waiters into
+    /// `notifications`; `None` if there is no such log.
+    pub fn append(
+        &mut self,
+        filter_idx: FilterIdx,
+        item: PublishData,
+        notifications: &mut VecDeque<(ConnectionId, DataRequest)>,
+    ) -> Option<(Offset, &Filter)> {
+        let data = self.native.get_mut(filter_idx)?;
+        let before = data.log.size();
+        let (offset, _) = data.append(item, notifications);
+        self.held = self.held - before + data.log.size();
+        self.count_logs();
+        let data = self.native.get(filter_idx)?;
+        Some((offset, &data.filter))
     }
 
     pub fn meter(&mut self, filter: &str) -> Option<&mut SubscriptionMeter> {
@@ -175,7 +230,10 @@ impl DataLog {
             Some(idx) => idx,
             None => self.private_logs.remove(filter)?,
         };
-        self.native.try_remove(idx);
+        if let Some(data) = self.native.try_remove(idx) {
+            self.held -= data.log.size();
+        }
+        self.count_logs();
         // The topic -> filters cache may name it: rebuilt on demand.
         self.publish_filters.clear();
         Some(idx)
@@ -206,12 +264,12 @@ impl DataLog {
                 idx
             }
         };
-        let data = self.native.get_mut(idx).expect("just made");
-        let start = data.log.next_offset();
+        let start = self.native[idx].log.next_offset();
         let mut woken = VecDeque::new();
         for message in messages {
-            data.append(message, &mut woken);
+            self.append(idx, message, &mut woken);
         }
+        self.count_logs();
         (idx, start)
     }
 
@@ -228,6 +286,10 @@ impl DataLog {
                 // datalog index map
                 let idx = self.native.insert(data);
                 self.filter_indexes.insert(filter.to_owned(), idx);
+                let counts = &self.counts;
+                counts
+                    .logs
+                    .store(self.native.len(), std::sync::atomic::Ordering::Relaxed);
 
                 // Match new filter to existing topics and add to publish_filters if it matches
                 for (topic, filters) in publish_filters.iter_mut() {
@@ -578,6 +640,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_subscriptions_per_client: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("topic/a");
@@ -598,6 +661,7 @@ mod test {
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_subscriptions_per_client: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("+/+");

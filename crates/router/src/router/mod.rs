@@ -27,6 +27,7 @@ mod waiters;
 
 pub use alertlog::Alert;
 pub use connection::Connection;
+pub use logs::LogCounts;
 pub use routing::Router;
 pub use waiters::Waiters;
 

@@ -23,7 +23,7 @@ use tracing::{debug, error, info, trace, warn};
 use super::alertlog::{Alert, AlertLog};
 use super::graveyard::Graveyard;
 use super::iobufs::{Incoming, Outgoing};
-use super::logs::{AckLog, DataLog};
+use super::logs::{AckLog, DataLog, LogCounts};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::SharedGroup;
 use super::{
@@ -190,6 +190,12 @@ impl Router {
     /// once spawned (statebroker patch 14).
     pub fn retained_count(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
         std::sync::Arc::clone(&self.datalog.retained_count)
+    }
+
+    /// The number of message logs and the bytes they hold, kept up to
+    /// date by the router once spawned (statebroker patch 20).
+    pub fn log_counts(&self) -> std::sync::Arc<LogCounts> {
+        std::sync::Arc::clone(&self.datalog.counts)
     }
 
     pub fn spawn(mut self) -> Sender<(ConnectionId, Event)> {
@@ -777,8 +783,23 @@ impl Router {
                     let mut return_codes = Vec::new();
                     let pkid = subscribe.pkid;
                     // let len = s.len();
+                    let limit = self.config.max_subscriptions_per_client;
+                    let mut over_quota = 0usize;
 
                     for f in &mut subscribe.filters {
+                        // One client's subscriptions are bounded: a new
+                        // filter beyond the limit is refused, the others
+                        // are applied (statebroker patch 20).
+                        let connection = &self.connections[id];
+                        if limit > 0
+                            && connection.subscriptions.len() >= limit
+                            && !connection.subscriptions.contains(&f.path)
+                        {
+                            over_quota += 1;
+                            return_codes.push(SubscribeReasonCode::QuotaExceeded);
+                            continue;
+                        }
+
                         let span =
                             tracing::info_span!("subscribe", topic = f.path, pkid = subscribe.pkid);
                         let _guard = span.enter();
@@ -835,6 +856,14 @@ impl Router {
                     // let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
                     // meter.total_size += len;
 
+                    if over_quota > 0 {
+                        warn!(
+                            client_id,
+                            refused = over_quota,
+                            max_subscriptions_per_client = limit,
+                            "subscriptions refused: quota exceeded"
+                        );
+                    }
                     let suback = SubAck { pkid, return_codes };
                     // A persistent session's SUBACK waits for the disk
                     // (statebroker patch 16).
@@ -1648,7 +1677,6 @@ fn append_to_commitlog(
 
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
-        let datalog = datalog.native.get_mut(filter_idx).unwrap();
         let publish_data = PublishData {
             publish: publish.clone(),
             properties: properties.clone(),
@@ -1656,7 +1684,9 @@ fn append_to_commitlog(
             origin: Some(connection.origin.clone()),
             queued,
         };
-        let (offset, filter) = datalog.append(publish_data, notifications);
+        let Some((offset, filter)) = datalog.append(filter_idx, publish_data, notifications) else {
+            continue;
+        };
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,
@@ -1731,9 +1761,11 @@ fn append_will_message(
 
     let mut o = (0, 0);
     for filter_idx in filter_idxs {
-        let datalog = datalog.native.get_mut(filter_idx).unwrap();
         let publish_data = (publish.clone(), properties.clone());
-        let (offset, filter) = datalog.append(publish_data.into(), notifications);
+        let Some((offset, filter)) = datalog.append(filter_idx, publish_data.into(), notifications)
+        else {
+            continue;
+        };
         debug!(
             pkid,
             "Appended to commitlog: {}[{}, {})", filter, offset.0, offset.1,

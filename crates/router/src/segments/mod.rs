@@ -54,6 +54,9 @@ pub struct CommitLog<T> {
     max_mem_segments: usize,
     /// Total size of active segment, used for enforcing the contraints.
     segments: VecDeque<Segment<T>>,
+    /// Bytes held in all the segments, by [`Storage::size`] (statebroker
+    /// patch 20).
+    bytes: u64,
 }
 
 impl<T> CommitLog<T>
@@ -80,6 +83,7 @@ where
             max_segment_size,
             max_mem_segments,
             segments,
+            bytes: 0,
         })
     }
 
@@ -99,14 +103,9 @@ where
         self.segments.len()
     }
 
-    /// Size of data in all the segments
-    #[allow(dead_code)]
+    /// Size of data in all the segments (kept as they change).
     pub fn size(&self) -> u64 {
-        let mut size = 0;
-        for segment in self.segments.iter() {
-            size += segment.size();
-        }
-        size
+        self.bytes
     }
 
     /// Number of segments
@@ -137,10 +136,33 @@ where
     #[inline]
     pub fn append(&mut self, message: T) -> (u64, u64) {
         self.apply_retention();
+        self.bytes += message.size() as u64;
         let active_segment = self.active_segment_mut();
         active_segment.push(message);
         let absolute_offset = self.active_segment().next_offset();
+        self.apply_byte_bound();
         (self.tail, absolute_offset)
+    }
+
+    /// The most bytes the log keeps: `max_segment_size × max_mem_segments`.
+    fn byte_bound(&self) -> u64 {
+        (self.max_segment_size as u64).saturating_mul(self.max_mem_segments as u64)
+    }
+
+    /// Drops the oldest segments while the log holds more than
+    /// [`CommitLog::byte_bound`], keeping the active one: with messages
+    /// larger than a segment, each segment holds one of them and the count
+    /// of segments alone let a log hold `max_mem_segments` times the largest
+    /// message (statebroker patch 20). The log never holds more than the
+    /// bound, or the active segment alone (less than `max_segment_size`
+    /// plus its last message) when that is larger.
+    fn apply_byte_bound(&mut self) {
+        while self.bytes > self.byte_bound() && self.segments.len() > 1 {
+            if let Some(oldest) = self.segments.pop_front() {
+                self.bytes -= oldest.size();
+            }
+            self.head += 1;
+        }
     }
 
     fn apply_retention(&mut self) {
@@ -150,7 +172,9 @@ where
             let absolute_offset = self.active_segment().next_offset();
             // If active segment is full and segments are full, apply retention policy.
             if self.memory_segments_count() >= self.max_mem_segments {
-                self.segments.pop_front();
+                if let Some(oldest) = self.segments.pop_front() {
+                    self.bytes -= oldest.size();
+                }
                 self.head += 1;
             }
 
@@ -673,5 +697,36 @@ mod tests {
                 end: (10, 105)
             }
         );
+    }
+
+    /// statebroker patch 20: the log keeps at most `max_segment_size ×
+    /// max_mem_segments` bytes even when each message is larger than a
+    /// segment (it kept `max_mem_segments` of them: 4 × the largest), and
+    /// its byte count follows every append and eviction.
+    #[test]
+    fn large_messages_keep_the_byte_bound() {
+        let log_bound = 4 * 1024;
+        let mut log: CommitLog<Bytes> = CommitLog::new(1024, 4).unwrap();
+        for i in 0..20 {
+            log.append(random_payload(i, 3000));
+            let held: u64 = log.segments.iter().map(|s| s.size()).sum();
+            assert_eq!(log.size(), held, "the count follows the segments");
+            assert!(log.size() <= log_bound, "{} bytes held", log.size());
+        }
+        // The newest message is still there.
+        let mut out = Vec::new();
+        log.readv(log.next_offset(), 0, &mut out).unwrap();
+        let (tail, next) = log.next_offset();
+        log.readv((tail, next - 1), 1, &mut out).unwrap();
+        verify(19, 3000, out.pop().unwrap());
+        // A single message larger than the whole bound stays, alone.
+        log.append(random_payload(20, 5000));
+        assert_eq!(log.size(), 5000);
+        // Small messages: as before, up to the bound.
+        for i in 0..100 {
+            log.append(random_payload(i, 100));
+            assert!(log.size() <= log_bound.max(1024 + 5000));
+        }
+        assert!(log.size() <= log_bound);
     }
 }

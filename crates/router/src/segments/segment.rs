@@ -29,14 +29,18 @@ where
 {
     pub(crate) fn with_offset(absolute_offset: u64) -> Self {
         Self {
-            data: Vec::with_capacity(1024),
+            // Grown as messages come (statebroker patch 20: 1,024 entries
+            // reserved up front were 270 KB per filter, empty or not).
+            data: Vec::new(),
             absolute_offset,
             total_size: 0,
         }
     }
     pub(crate) fn new() -> Self {
         Self {
-            data: Vec::with_capacity(1024),
+            // Grown as messages come (statebroker patch 20: 1,024 entries
+            // reserved up front were 270 KB per filter, empty or not).
+            data: Vec::new(),
             absolute_offset: 0,
             total_size: 0,
         }

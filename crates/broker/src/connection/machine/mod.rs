@@ -27,7 +27,8 @@ use bytes::BytesMut;
 use router::Notification;
 use router::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
-    PublishProperties, SubAck, Subscribe, SubscribeProperties, Unsubscribe, UnsubscribeProperties,
+    PublishProperties, SubAck, Subscribe, SubscribeProperties, SubscribeReasonCode, Unsubscribe,
+    UnsubscribeProperties,
 };
 use tokio::sync::watch;
 
@@ -535,6 +536,27 @@ impl Machine {
     fn on_router_answer(&mut self, packet: Packet, batch: Option<Batch>) -> Result<(), End> {
         match packet {
             Packet::SubAck(mut suback, properties) => {
+                // The router refuses filters beyond
+                // `router.max_subscriptions_per_client` (and logs it);
+                // 3.1.1 has one failure code.
+                let over_quota = suback
+                    .return_codes
+                    .iter()
+                    .filter(|c| **c == SubscribeReasonCode::QuotaExceeded)
+                    .count();
+                if over_quota > 0 {
+                    tracing::info!(
+                        client_id = self.client_id,
+                        refused = over_quota,
+                        "subscriptions refused: max_subscriptions_per_client reached"
+                    );
+                    crate::metrics::subscriptions_refused("quota_exceeded", over_quota as u64);
+                    for code in &mut suback.return_codes {
+                        if *code == SubscribeReasonCode::QuotaExceeded {
+                            *code = subscriptions::failure(self.protocol, *code);
+                        }
+                    }
+                }
                 self.refused_filters.complete(&mut suback);
                 self.acknowledge(Packet::SubAck(suback, properties), batch);
             }
