@@ -277,22 +277,21 @@ fn explain(
             .map(|i| ops[i]),
     );
     let message = format!(
-        "no order of the {} operations on this key explains their answers: at most {} of them \
-         linearize, leaving the key {}; then #{} `{}` answered `{}` cannot take effect \
-         (the model answers `{}` there, and it returned before any other operation could \
-         come first). Shown: the last {} operations of that order, #{}, then the operations \
-         not in the order that overlap #{} in time.",
+        "no order of the {} operations on this key explains their answers. The longest order \
+         found ({} operations) leaves the key {}; of the operations left, #{} returned first, \
+         so it or one invoked before its return must come next, and no choice gets further: #{} `{}` \
+         answered `{}` where the model answers `{}`. Shown: the end of that order, #{}, and \
+         the operations left that overlap it.",
         ops.len(),
         prefix.len(),
         model.state(state),
+        stuck_op.id,
         stuck_op.id,
         stuck_op.op,
         stuck_op
             .answer()
             .map_or_else(|| "?".to_owned(), ToString::to_string),
         would,
-        prefix.len().min(SHOWN_BEFORE),
-        stuck_op.id,
         stuck_op.id,
     );
     Violation {
