@@ -154,6 +154,10 @@ fn push_padded(s: &mut String, mut n: u64, width: usize) {
     s.push_str(std::str::from_utf8(&digits[start..]).unwrap_or_default());
 }
 
+/// The largest counter a version is handed out with: five digits, as the
+/// wire form pads it.
+pub const MAX_COUNTER: u64 = 99_999;
+
 /// The store's clock: hands out strictly increasing [`Version`]s.
 #[derive(Debug, Clone)]
 pub struct HybridClock {
@@ -219,8 +223,13 @@ impl HybridClock {
             Some(Some(c)) => u32::try_from(c).ok().map(|c| (wall, u64::from(c))),
             Some(None) => None,
         };
-        // A counter past u32::MAX: move to the next millisecond instead.
-        let (wall, counter) = next.unwrap_or((wall.saturating_add(1), 0));
+        // A counter past the five digits the wire form gives it (the
+        // official clients write and read `{:05}`), or past u32::MAX: move
+        // to the next millisecond instead.
+        let (wall, counter) = match next {
+            Some((wall, counter)) if counter <= MAX_COUNTER => (wall, counter),
+            _ => (wall.saturating_add(1), 0),
+        };
         self.last = Version {
             wall_ms: wall,
             counter: counter as u32,
@@ -238,6 +247,26 @@ pub fn cmp_version_hlc(v: Version, h: &Hlc) -> Ordering {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// 100,000 versions in one millisecond: the counter stays within five
+    /// digits (the clients' `{:05}`), the versions keep increasing.
+    #[test]
+    fn the_counter_keeps_five_digits() {
+        let mut clock = HybridClock::starting_after(Version::default());
+        let mut last = clock.next(1_000, None);
+        for _ in 0..250_000 {
+            let v = clock.next(1_000, None);
+            assert!(v > last);
+            assert!(u64::from(v.counter) <= MAX_COUNTER, "{v:?}");
+            assert_eq!(v.format("n").len(), "000000000001000:00000:n".len());
+            last = v;
+        }
+        assert!(last.wall_ms > 1_000);
+        // A client's __ts at the last counter: the next millisecond.
+        let at_edge: Hlc = "5000:99999:c".parse().unwrap();
+        let v = clock.next(1_000, Some(&at_edge));
+        assert_eq!((v.wall_ms, v.counter), (5_001, 0));
+    }
 
     proptest! {
         /// The hand-written digits are `format!`'s, padding and all, and

@@ -1,6 +1,6 @@
 //! The seam between the key commands and where keys live.
 //!
-//! A key command (SET, GET, DEL, VDEL) looks at one entry, the key's
+//! A key command (SET, GET, DEL, VDEL: [`crate::command::KeyCommand`]) looks at one entry, the key's
 //! current one, and decides its answer and its change: a [`Plan`]. Where
 //! the change is committed is the backend's business:
 //!
@@ -17,8 +17,8 @@
 //!
 //! ```
 //! use statestore::hlc::{Hlc, Version};
-//! use statestore::plan::{Change, Context, KeyCommand, Planner, Stamp};
-//! use statestore::command::{Command, Dialect};
+//! use statestore::plan::{Change, Context, Planner, Stamp};
+//! use statestore::command::{Command, Dialect, KeyCommand};
 //! use statestore::Error;
 //!
 //! struct Unlimited;
@@ -36,10 +36,8 @@
 //! assert!(matches!(plan.change, Some(Change::Put { .. })));
 //! ```
 
-use crate::command::{Command, Condition};
 use crate::db::{Entry, Extras};
 use crate::error::Error;
-use crate::fencing;
 use crate::hlc::{Hlc, Version};
 use crate::resp3::Frame;
 
@@ -103,151 +101,22 @@ pub struct Plan<'a> {
     pub change: Option<Change<'a>>,
 }
 
+/// What a command answers: the frame, and the version for `__ts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The RESP3 response.
+    pub frame: Frame,
+    /// The key's version, or the store's clock for commands without one.
+    pub version: Version,
+}
+
 impl Plan<'_> {
-    fn unchanged(frame: Frame, stamp: Stamp) -> Self {
+    /// An answer that changes nothing.
+    pub fn unchanged(frame: Frame, stamp: Stamp) -> Self {
         Plan {
             frame,
             stamp,
             change: None,
         }
     }
-}
-
-/// A command on one key: what [`KeyCommand::plan`] serves.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyCommand<'a> {
-    /// `SET`
-    Set(crate::command::Set<'a>),
-    /// `GET`
-    Get(crate::command::Get<'a>),
-    /// `DEL`
-    Del(crate::command::Del<'a>),
-    /// `VDEL`
-    VDel(crate::command::VDel<'a>),
-}
-
-impl<'a> KeyCommand<'a> {
-    /// The command, if it is one on a key's entry; `None` for KEYNOTIFY,
-    /// SCAN, PING and INFO.
-    pub fn of(command: Command<'a>) -> Option<KeyCommand<'a>> {
-        match command {
-            Command::Set(c) => Some(KeyCommand::Set(c)),
-            Command::Get(c) => Some(KeyCommand::Get(c)),
-            Command::Del(c) => Some(KeyCommand::Del(c)),
-            Command::VDel(c) => Some(KeyCommand::VDel(c)),
-            _ => None,
-        }
-    }
-
-    /// The key.
-    pub fn key(&self) -> &'a [u8] {
-        match self {
-            KeyCommand::Set(c) => c.key,
-            KeyCommand::Get(c) => c.key,
-            KeyCommand::Del(c) => c.key,
-            KeyCommand::VDel(c) => c.key,
-        }
-    }
-
-    /// The verb.
-    pub fn name(&self) -> &'static str {
-        match self {
-            KeyCommand::Set(_) => "SET",
-            KeyCommand::Get(_) => "GET",
-            KeyCommand::Del(_) => "DEL",
-            KeyCommand::VDel(_) => "VDEL",
-        }
-    }
-
-    /// Whether the command can change its key (GET cannot).
-    pub fn writes(&self) -> bool {
-        !matches!(self, KeyCommand::Get(_))
-    }
-
-    /// Decides the answer and the change against `current`, the key's
-    /// entry (`None`: the key does not exist, or expired).
-    pub fn plan(
-        &self,
-        current: Option<&Entry>,
-        ctx: &Context<'_>,
-        planner: &dyn Planner,
-    ) -> Result<Plan<'a>, Error> {
-        match self {
-            KeyCommand::Set(set) => plan_set(set, current, ctx, planner),
-            KeyCommand::Get(_) => Ok(match current {
-                Some(entry) => Plan::unchanged(
-                    Frame::Bulk(entry.value().to_vec()),
-                    Stamp::Of(entry.version()),
-                ),
-                None => Plan::unchanged(Frame::Null, Stamp::ClockNow),
-            }),
-            KeyCommand::Del(_) => plan_delete(current, ctx, None),
-            KeyCommand::VDel(vdel) => plan_delete(current, ctx, Some(vdel.value)),
-        }
-    }
-}
-
-fn plan_set<'a>(
-    set: &crate::command::Set<'a>,
-    existing: Option<&Entry>,
-    ctx: &Context<'_>,
-    planner: &dyn Planner,
-) -> Result<Plan<'a>, Error> {
-    if ctx.timestamp.is_none() {
-        return Err(Error::TimestampMissing);
-    }
-    let protecting = existing.and_then(Entry::fencing_token);
-    fencing::check(protecting, ctx.fencing_token)?;
-    if let Some(old) = existing {
-        let applies = match set.condition {
-            Condition::Always => true,
-            Condition::IfAbsent => false,
-            Condition::IfAbsentOrEqual => old.value() == set.value,
-        };
-        if !applies {
-            return Ok(Plan::unchanged(
-                Frame::Integer(-1),
-                Stamp::Of(old.version()),
-            ));
-        }
-    }
-    planner.check_quota(set.key, set.value, existing)?;
-    let extras = Extras {
-        expires_at: set.expires_in_ms.map(|ms| ctx.now.saturating_add(ms)),
-        fencing_token: fencing::kept_after_set(protecting, ctx.fencing_token),
-        persisted: ctx.persist
-            || existing.is_some_and(Entry::persisted)
-            || planner.persists_by_policy(set.key),
-    };
-    Ok(Plan {
-        frame: Frame::Simple("OK"),
-        stamp: Stamp::New,
-        change: Some(Change::Put {
-            key: set.key,
-            value: set.value,
-            extras,
-        }),
-    })
-}
-
-fn plan_delete<'a>(
-    current: Option<&Entry>,
-    ctx: &Context<'_>,
-    expected: Option<&[u8]>,
-) -> Result<Plan<'a>, Error> {
-    let Some(entry) = current else {
-        return Ok(Plan::unchanged(Frame::Integer(0), Stamp::ClockNow));
-    };
-    fencing::check(entry.fencing_token(), ctx.fencing_token)?;
-    if expected.is_some_and(|value| entry.value() != value) {
-        return Ok(Plan::unchanged(
-            Frame::Integer(-1),
-            Stamp::Of(entry.version()),
-        ));
-    }
-    Ok(Plan {
-        frame: Frame::Integer(1),
-        stamp: Stamp::Of(entry.version()),
-        change: Some(Change::Delete),
-    })
 }

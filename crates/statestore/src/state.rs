@@ -7,7 +7,6 @@
 //! sits above both, turning a request into a command and the command's
 //! answer into a response. Nothing here parses requests.
 
-use crate::command::Answer;
 use crate::config::Config;
 use crate::db::{Db, Entry, Extras};
 use crate::error::Error;
@@ -15,7 +14,7 @@ use crate::glob::Pattern;
 use crate::hlc::{Hlc, HybridClock, Version};
 use crate::notify::{Event, Notice, WatchLimits, Watchers};
 use crate::persist::{Record, Write};
-use crate::plan::{Change, Context, Plan, Planner, Stamp};
+use crate::plan::{Answer, Change, Context, Plan, Planner, Stamp};
 
 /// Who sent a request: the connection it came in on.
 #[derive(Debug, Clone, Copy)]

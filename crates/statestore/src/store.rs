@@ -85,7 +85,7 @@ pub enum Prepared<'a> {
 #[derive(Debug)]
 pub struct Keyed<'a> {
     /// The command.
-    pub command: crate::plan::KeyCommand<'a>,
+    pub command: crate::command::KeyCommand<'a>,
     /// `__ts`, checked.
     pub timestamp: Option<Hlc>,
     /// `__ft`, checked.
@@ -198,15 +198,17 @@ impl Store {
                 scan,
                 access: request.access,
             }),
-            Ok((command, timestamp, fencing_token)) => match crate::plan::KeyCommand::of(command) {
-                Some(command) => Prepared::Key(Keyed {
-                    command,
-                    timestamp,
-                    fencing_token,
-                    persist: request.persist,
-                }),
-                None => Prepared::Done(self.execute(request, caller, now_ms)),
-            },
+            Ok((command, timestamp, fencing_token)) => {
+                match crate::command::KeyCommand::of(command) {
+                    Some(command) => Prepared::Key(Keyed {
+                        command,
+                        timestamp,
+                        fencing_token,
+                        persist: request.persist,
+                    }),
+                    None => Prepared::Done(self.execute(request, caller, now_ms)),
+                }
+            }
             Err(_) => Prepared::Done(self.execute(request, caller, now_ms)),
         }
     }

@@ -36,9 +36,7 @@ pub use set::{Condition, Set};
 pub use vdel::VDel;
 
 use crate::error::Error;
-use crate::hlc::Version;
-use crate::plan::KeyCommand;
-use crate::resp3::Frame;
+use crate::plan::{Context, Plan, Planner};
 use crate::state::{Ctx, State};
 
 /// Which generation of the protocol a request came in on.
@@ -72,13 +70,74 @@ pub enum Command<'a> {
     Info(Info<'a>),
 }
 
-/// What a command answers: the frame, and the version for `__ts`.
+pub use crate::plan::Answer;
+
+/// A command on one key's entry: planned against it (see [`crate::plan`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    /// The RESP3 response.
-    pub frame: Frame,
-    /// The key's version, or the store's clock for commands without one.
-    pub version: Version,
+pub enum KeyCommand<'a> {
+    /// `SET`
+    Set(Set<'a>),
+    /// `GET`
+    Get(Get<'a>),
+    /// `DEL`
+    Del(Del<'a>),
+    /// `VDEL`
+    VDel(VDel<'a>),
+}
+
+impl<'a> KeyCommand<'a> {
+    /// The command, if it is one on a key's entry; `None` for KEYNOTIFY,
+    /// SCAN, PING and INFO.
+    pub fn of(command: Command<'a>) -> Option<KeyCommand<'a>> {
+        match command {
+            Command::Set(c) => Some(KeyCommand::Set(c)),
+            Command::Get(c) => Some(KeyCommand::Get(c)),
+            Command::Del(c) => Some(KeyCommand::Del(c)),
+            Command::VDel(c) => Some(KeyCommand::VDel(c)),
+            _ => None,
+        }
+    }
+
+    /// The key.
+    pub fn key(&self) -> &'a [u8] {
+        match self {
+            KeyCommand::Set(c) => c.key,
+            KeyCommand::Get(c) => c.key,
+            KeyCommand::Del(c) => c.key,
+            KeyCommand::VDel(c) => c.key,
+        }
+    }
+
+    /// The verb.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KeyCommand::Set(_) => "SET",
+            KeyCommand::Get(_) => "GET",
+            KeyCommand::Del(_) => "DEL",
+            KeyCommand::VDel(_) => "VDEL",
+        }
+    }
+
+    /// Whether the command can change its key (GET cannot).
+    pub fn writes(&self) -> bool {
+        !matches!(self, KeyCommand::Get(_))
+    }
+
+    /// Decides the answer and the change against `current`, the key's
+    /// entry (`None`: the key does not exist, or expired).
+    pub fn plan(
+        &self,
+        current: Option<&crate::db::Entry>,
+        ctx: &Context<'_>,
+        planner: &dyn Planner,
+    ) -> Result<Plan<'a>, Error> {
+        match self {
+            KeyCommand::Set(set) => set.plan(current, ctx, planner),
+            KeyCommand::Get(_) => Ok(get::plan(current)),
+            KeyCommand::Del(_) => del::plan(current, ctx, None),
+            KeyCommand::VDel(vdel) => del::plan(current, ctx, Some(vdel.value)),
+        }
+    }
 }
 
 impl<'a> Command<'a> {

@@ -17,9 +17,13 @@
 //! `__ft` (see [`crate::fencing`]); an `aio-persistence: true` SET keeps the
 //! key on disk, and later SETs keep it there until it is deleted.
 
+use super::KeyCommand;
 use super::{Answer, Parse};
+use crate::db::{Entry, Extras};
 use crate::error::Error;
-use crate::plan::KeyCommand;
+use crate::fencing;
+use crate::plan::{Change, Context, Plan, Planner, Stamp};
+use crate::resp3::Frame;
 use crate::state::{Ctx, State};
 
 /// When a SET applies.
@@ -81,6 +85,51 @@ impl<'a> Set<'a> {
 
     pub(crate) fn apply(self, state: &mut State, ctx: &Ctx<'_>) -> Result<Answer, Error> {
         super::apply_key(KeyCommand::Set(self), state, ctx)
+    }
+
+    /// Decides the answer and the change against the key's entry.
+    pub fn plan(
+        &self,
+        existing: Option<&Entry>,
+        ctx: &Context<'_>,
+        planner: &dyn Planner,
+    ) -> Result<Plan<'a>, Error> {
+        let set = self;
+        if ctx.timestamp.is_none() {
+            return Err(Error::TimestampMissing);
+        }
+        let protecting = existing.and_then(Entry::fencing_token);
+        fencing::check(protecting, ctx.fencing_token)?;
+        if let Some(old) = existing {
+            let applies = match set.condition {
+                Condition::Always => true,
+                Condition::IfAbsent => false,
+                Condition::IfAbsentOrEqual => old.value() == set.value,
+            };
+            if !applies {
+                return Ok(Plan::unchanged(
+                    Frame::Integer(-1),
+                    Stamp::Of(old.version()),
+                ));
+            }
+        }
+        planner.check_quota(set.key, set.value, existing)?;
+        let extras = Extras {
+            expires_at: set.expires_in_ms.map(|ms| ctx.now.saturating_add(ms)),
+            fencing_token: fencing::kept_after_set(protecting, ctx.fencing_token),
+            persisted: ctx.persist
+                || existing.is_some_and(Entry::persisted)
+                || planner.persists_by_policy(set.key),
+        };
+        Ok(Plan {
+            frame: Frame::Simple("OK"),
+            stamp: Stamp::New,
+            change: Some(Change::Put {
+                key: set.key,
+                value: set.value,
+                extras,
+            }),
+        })
     }
 }
 

@@ -5,9 +5,9 @@
 //! if there is no such key. This is how a lease holder releases a lock
 //! without releasing someone else's. Fencing tokens apply as for DEL.
 
+use super::KeyCommand;
 use super::{Answer, Parse};
 use crate::error::Error;
-use crate::plan::KeyCommand;
 use crate::state::{Ctx, State};
 
 /// A parsed VDEL.
