@@ -270,9 +270,7 @@ fn explain(
     shown.extend(
         (0..ops.len())
             .filter(|&i| i != stuck && !in_prefix.contains(&i))
-            .filter(|&i| {
-                ops[i].invoke_ns <= end && ops[i].return_ns().unwrap_or(u64::MAX) >= start
-            })
+            .filter(|&i| ops[i].invoke_ns <= end && ops[i].return_ns().unwrap_or(u64::MAX) >= start)
             .take(SHOWN_CONCURRENT)
             .map(|i| ops[i]),
     );

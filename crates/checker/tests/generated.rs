@@ -133,6 +133,9 @@ fn mutations_change_what_they_say() {
             found.1 += 1;
         }
     }
-    println!("of 50 histories, {} stale reads and {} lost updates made", found.0, found.1);
+    println!(
+        "of 50 histories, {} stale reads and {} lost updates made",
+        found.0, found.1
+    );
     assert!(found.0 > 25 && found.1 > 25, "{found:?}");
 }

@@ -109,7 +109,8 @@ pub enum Broken {
     /// Correct.
     #[default]
     No,
-    /// Writes do not compare the revision they planned against.
+    /// Writes do not compare the revision they planned against (and wait
+    /// 20 ms after their read, so that races are common).
     LostUpdate,
     /// GET answers from the first record this node saw of the key.
     StaleReads,
@@ -357,7 +358,10 @@ impl Cluster {
     ) -> Result<bool, etcd_client::Error> {
         let full = self.key(key);
         let compare = match self.broken {
-            Broken::LostUpdate => vec![],
+            Broken::LostUpdate => {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                vec![]
+            }
             _ => vec![Compare::mod_revision(
                 full.clone(),
                 CompareOp::Equal,

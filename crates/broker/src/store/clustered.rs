@@ -226,7 +226,7 @@ async fn serve_key(service: &Arc<StateStoreService>, clustered: &Clustered, job:
     let served = async {
         let args = statestore::resp3::parse_request(&job.payload).ok()?;
         let command = Command::parse(&args, job.dialect).ok()?;
-        let command = statestore::plan::KeyCommand::of(command)?;
+        let command = statestore::command::KeyCommand::of(command)?;
         let keyed = statestore::store::Keyed {
             command,
             timestamp: job.timestamp.clone(),

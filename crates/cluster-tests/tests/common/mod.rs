@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod workload;
+
 use std::time::Duration;
 
 use statebroker_cli::client::{Answer, Client, Target};
@@ -26,6 +28,11 @@ pub struct Setup {
 impl Setup {
     /// `members` etcd members and `nodes` broker nodes, all ready.
     pub fn start(members: usize, nodes: usize) -> Setup {
+        Setup::start_with(members, nodes, &[])
+    }
+
+    /// The same, with `env` for every node.
+    pub fn start_with(members: usize, nodes: usize, env: &[(&str, &str)]) -> Setup {
         let etcd = EtcdCluster::start(members).expect("etcd starts");
         let endpoints = etcd.endpoints().join(",");
         let mut setup = Setup {
@@ -36,16 +43,18 @@ impl Setup {
         };
         for i in 0..nodes {
             let (port, http) = (free_port(), free_port());
-            let mut node = NodeSpec::new(BROKER)
+            let mut spec = NodeSpec::new(BROKER)
                 .name(format!("sb{}", i + 1))
                 .arg(format!("--listen=127.0.0.1:{port}"))
                 .arg(format!("--http=127.0.0.1:{http}"))
                 .arg("--in-memory")
                 .arg(format!("--cluster-node-id=sb{}", i + 1))
                 .arg(format!("--etcd-endpoints={endpoints}"))
-                .env("RUST_LOG", "info,broker::cluster=debug")
-                .start()
-                .expect("the node starts");
+                .env("RUST_LOG", "info,broker::cluster=debug");
+            for (k, v) in env {
+                spec = spec.env(k, v);
+            }
+            let mut node = spec.start().expect("the node starts");
             node.wait_tcp(port, PATIENCE).expect("the node listens");
             setup.nodes.push(node);
             setup.ports.push(port);

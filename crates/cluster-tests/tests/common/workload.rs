@@ -1,0 +1,173 @@
+//! A recorded workload against several nodes: processes (one client
+//! connection each) send random SET / SET NX / SET NEX / GET / DEL / VDEL
+//! on a few keys and record each operation's invoke and return
+//! (`statebroker_checker::Recorder`). A request without an answer within
+//! [`TIMEOUT`] is recorded `info` (it may or may not have taken effect) and
+//! its process goes on under a new id on the next node, as Jepsen's do.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use statebroker_checker::history::{Answer, Condition, Op, Recorder};
+use statebroker_cli::client::{Client, Target};
+use statestore::resp3::Reply;
+
+/// How long a request may go unanswered before it counts as unknown.
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the workload did.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub ok: AtomicU64,
+    pub info: AtomicU64,
+    pub reconnects: AtomicU64,
+}
+
+/// Runs `per_node` processes on each of `ports` for `duration` over
+/// `keys` keys; `seed` picks the operations.
+pub async fn run(
+    ports: &[u16],
+    per_node: usize,
+    keys: usize,
+    duration: Duration,
+    seed: u64,
+    recorder: Arc<Recorder>,
+) -> Arc<Tally> {
+    let tally = Arc::new(Tally::default());
+    let next_process = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + duration;
+    let mut tasks = Vec::new();
+    for (n, _) in ports.iter().enumerate() {
+        for p in 0..per_node {
+            let ports = ports.to_vec();
+            let recorder = Arc::clone(&recorder);
+            let tally = Arc::clone(&tally);
+            let next_process = Arc::clone(&next_process);
+            let rng =
+                fastrand::Rng::with_seed(seed ^ ((n * 1000 + p) as u64).wrapping_mul(0x9e37_79b9));
+            tasks.push(tokio::spawn(process(
+                ports,
+                n,
+                keys,
+                deadline,
+                rng,
+                recorder,
+                tally,
+                next_process,
+            )));
+        }
+    }
+    for task in tasks {
+        task.await.expect("a workload process panicked");
+    }
+    tally
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn process(
+    ports: Vec<u16>,
+    mut node: usize,
+    keys: usize,
+    deadline: Instant,
+    mut rng: fastrand::Rng,
+    recorder: Arc<Recorder>,
+    tally: Arc<Tally>,
+    next_process: Arc<AtomicU64>,
+) {
+    let mut seq = 0u64;
+    'process: while Instant::now() < deadline {
+        let id = next_process.fetch_add(1, Ordering::Relaxed);
+        let client_id = format!("p{id}");
+        // Connect to this node, or the next ones if it is down.
+        let mut client = None;
+        for _ in 0..ports.len() * 4 {
+            if Instant::now() >= deadline {
+                break 'process;
+            }
+            if let Some(c) = connect(ports[node], &client_id).await {
+                client = Some(c);
+                break;
+            }
+            node = (node + 1) % ports.len();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let Some(mut client) = client else { break };
+        while Instant::now() < deadline {
+            seq += 1;
+            let key = format!("k{}", rng.usize(..keys));
+            let value = format!("p{id}-{seq}");
+            let op = pick(&mut rng, key, value);
+            let args = args_of(&op);
+            let invoke = recorder.invoke(id, op);
+            let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+            match tokio::time::timeout(TIMEOUT, client.request(&args, &[])).await {
+                Ok(Ok(answer)) => {
+                    recorder.ok(invoke, answer_of(&answer.reply), answer.version);
+                    tally.ok.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {
+                    // Unknown: the process ends; a new one takes over on the
+                    // next node.
+                    recorder.info(invoke);
+                    tally.info.fetch_add(1, Ordering::Relaxed);
+                    tally.reconnects.fetch_add(1, Ordering::Relaxed);
+                    node = (node + 1) % ports.len();
+                    continue 'process;
+                }
+            }
+        }
+        client.disconnect().await;
+    }
+}
+
+async fn connect(port: u16, client_id: &str) -> Option<Client> {
+    let target = Target {
+        host: "127.0.0.1".into(),
+        port,
+        client_id: client_id.into(),
+        login: None,
+        timeout: TIMEOUT,
+        tls: None,
+    };
+    tokio::time::timeout(TIMEOUT, Client::connect(&target))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// SET 30 %, NX 10 %, NEX 10 %, GET 25 %, DEL 10 %, VDEL 15 % (of a value
+/// some process may have written).
+fn pick(rng: &mut fastrand::Rng, key: String, value: String) -> Op {
+    let roll = rng.u32(..100);
+    let set = |condition| Op::Set {
+        key: key.clone(),
+        value: value.clone(),
+        condition,
+        px: None,
+        ft: None,
+    };
+    match roll {
+        0..30 => set(None),
+        30..40 => set(Some(Condition::Nx)),
+        40..50 => set(Some(Condition::Nex)),
+        50..75 => Op::get(key.clone()),
+        75..85 => Op::del(key.clone()),
+        _ => Op::vdel(key.clone(), value),
+    }
+}
+
+fn args_of(op: &Op) -> Vec<String> {
+    op.args()
+}
+
+fn answer_of(reply: &Reply) -> Answer {
+    match reply {
+        Reply::Simple(s) => Answer::Simple(s.clone()),
+        Reply::Error(e) => Answer::Error(e.clone()),
+        Reply::Integer(n) => Answer::Integer(*n),
+        Reply::Bulk(b) => Answer::Bulk(String::from_utf8_lossy(b).into_owned()),
+        Reply::Null => Answer::Nil,
+        Reply::Array(_) => Answer::Error("an array answer".into()),
+    }
+}
