@@ -415,11 +415,7 @@ impl Operation {
 
 impl fmt::Display for Operation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "#{} p{} [{} .. ",
-            self.id, self.process, self.invoke_ns
-        )?;
+        write!(f, "#{} p{} [{} .. ", self.id, self.process, self.invoke_ns)?;
         match &self.outcome {
             Outcome::Ok {
                 time_ns,
@@ -499,8 +495,10 @@ impl History {
             if line.trim().is_empty() {
                 continue;
             }
-            let event = serde_json::from_str(&line)
-                .map_err(|source| HistoryError::Json { line: n + 1, source })?;
+            let event = serde_json::from_str(&line).map_err(|source| HistoryError::Json {
+                line: n + 1,
+                source,
+            })?;
             events.push((format!("line {}", n + 1), event));
         }
         Self::build(events)

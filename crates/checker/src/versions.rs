@@ -55,11 +55,14 @@ fn check_key(key: &str, ops: &[&Operation], violations: &mut Vec<Violation>) {
     let mut sets = Vec::new();
     let mut malformed = Vec::new();
     for &op in ops {
-        let (Op::Set { ft, .. }, Outcome::Ok {
-            time_ns,
-            answer,
-            version,
-        }) = (&op.op, &op.outcome)
+        let (
+            Op::Set { ft, .. },
+            Outcome::Ok {
+                time_ns,
+                answer,
+                version,
+            },
+        ) = (&op.op, &op.outcome)
         else {
             continue;
         };
@@ -162,12 +165,16 @@ fn check_key(key: &str, ops: &[&Operation], violations: &mut Vec<Violation>) {
             })
             .find(|a| {
                 // No loss of the token may fit between A and B.
-                !token_losers.iter().any(|d| {
-                    d.invoke_ns < b.ret && d.return_ns().is_none_or(|r| r > a.invoke)
-                })
+                !token_losers
+                    .iter()
+                    .any(|d| d.invoke_ns < b.ret && d.return_ns().is_none_or(|r| r > a.invoke))
             });
         if let Some(a) = stale_after {
-            let at = a.token.as_ref().map(ToString::to_string).unwrap_or_default();
+            let at = a
+                .token
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default();
             found.push(Violation {
                 key: key.to_owned(),
                 kind: ViolationKind::StaleFencingTokenAccepted,
@@ -192,8 +199,9 @@ fn push_limited(violations: &mut Vec<Violation>, found: impl IntoIterator<Item =
         let more = found.len() - MAX_PER_KEY;
         found.truncate(MAX_PER_KEY);
         if let Some(last) = found.last_mut() {
-            last.message
-                .push_str(&format!(" ({more} more of this kind on this key not shown)"));
+            last.message.push_str(&format!(
+                " ({more} more of this kind on this key not shown)"
+            ));
         }
     }
     violations.extend(found);

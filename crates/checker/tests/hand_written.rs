@@ -117,7 +117,10 @@ fn a_stale_read_is_flagged() {
     h.ok(2, 20, 30, Op::set("k", "b"), "+OK");
     h.ok(3, 40, 50, Op::get("k"), "$a");
     let report = h.check();
-    assert!(only_kind(&report, ViolationKind::NotLinearizable), "{report}");
+    assert!(
+        only_kind(&report, ViolationKind::NotLinearizable),
+        "{report}"
+    );
     let v = &report.violations[0];
     assert_eq!(v.key, "k");
     assert!(v.message.contains("$a"), "{}", v.message);
@@ -141,7 +144,10 @@ fn a_lost_update_is_flagged() {
     h.ok(1, 0, 10, nx("lock", "p1"), "+OK");
     h.ok(2, 20, 30, nx("lock", "p2"), "+OK");
     let report = h.check();
-    assert!(only_kind(&report, ViolationKind::NotLinearizable), "{report}");
+    assert!(
+        only_kind(&report, ViolationKind::NotLinearizable),
+        "{report}"
+    );
 
     // Even if they overlap.
     let mut h = Builder::default();
@@ -201,7 +207,13 @@ fn a_failed_operation_never_took_effect() {
 #[test]
 fn errors_outside_the_model_count_as_not_applied() {
     let mut h = Builder::default();
-    h.ok(1, 0, 10, Op::set("k", "a"), "-ERR the quota has been exceeded");
+    h.ok(
+        1,
+        0,
+        10,
+        Op::set("k", "a"),
+        "-ERR the quota has been exceeded",
+    );
     h.ok(2, 20, 30, Op::get("k"), "$-1");
     let report = h.check();
     assert!(report.is_valid(), "{report}");
@@ -363,7 +375,10 @@ fn answers_parse_as_documented() {
         ("$-1", Answer::Nil),
         ("$", Answer::Bulk(String::new())),
         ("$hello", Answer::Bulk("hello".into())),
-        ("-ERR syntax error", Answer::Error("ERR syntax error".into())),
+        (
+            "-ERR syntax error",
+            Answer::Error("ERR syntax error".into()),
+        ),
     ] {
         assert_eq!(text.parse::<Answer>().unwrap(), answer);
         assert_eq!(answer.to_string(), text);
@@ -371,7 +386,10 @@ fn answers_parse_as_documented() {
     for bad in ["", "OK", ":x", ":", "-", "é"] {
         assert!(bad.parse::<Answer>().is_err(), "{bad:?}");
     }
-    assert_eq!(Answer::from_resp3(b"$5\r\nhello\r\n").unwrap(), Answer::Bulk("hello".into()));
+    assert_eq!(
+        Answer::from_resp3(b"$5\r\nhello\r\n").unwrap(),
+        Answer::Bulk("hello".into())
+    );
     assert_eq!(Answer::from_resp3(b"$-1\r\n").unwrap(), Answer::Nil);
     assert!(Answer::from_resp3(b"$5\r\nhel").is_err());
 }
@@ -417,4 +435,22 @@ fn malformed_histories_are_clear_errors() {
     let missing = History::load("/nonexistent/history.jsonl").unwrap_err();
     assert!(matches!(missing, HistoryError::Io { .. }));
     assert!(missing.to_string().contains("/nonexistent/history.jsonl"));
+}
+
+#[test]
+fn a_search_past_its_limit_is_undecided_not_judged() {
+    let mut h = Builder::default();
+    h.ok(1, 0, 10, Op::set("k", "a"), "+OK");
+    h.ok(2, 20, 30, Op::set("k", "b"), "+OK");
+    h.ok(3, 40, 50, Op::get("k"), "$a");
+    h.events.sort_by_key(|e| e.time_ns());
+    let history = History::from_events(h.events).unwrap();
+    let options = statebroker_checker::linearizability::Options {
+        max_steps_per_key: 2,
+        threads: 1,
+    };
+    let report = statebroker_checker::linearizability::check_with(&history, &options);
+    assert!(report.violations.is_empty(), "{report}");
+    assert_eq!(report.undecided, ["k"]);
+    assert!(!report.is_valid());
 }

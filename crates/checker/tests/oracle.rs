@@ -20,9 +20,9 @@ fn brute_force(ops: &[&Operation], prefix: &mut Vec<usize>, left: &mut Vec<usize
         let x = left[pos];
         // x may come next if it was invoked before every other operation
         // left returned (equal times count as concurrent).
-        let blocked = left.iter().any(|&y| {
-            y != x && ops[y].return_ns().is_some_and(|r| r < ops[x].invoke_ns)
-        });
+        let blocked = left
+            .iter()
+            .any(|&y| y != x && ops[y].return_ns().is_some_and(|r| r < ops[x].invoke_ns));
         if blocked {
             continue;
         }

@@ -96,17 +96,32 @@ fn the_binary_exits_1_on_violations() {
     let get = "{\"type\":\"invoke\",\"id\":9,\"process\":9,\"time_ns\":50,\"op\":{\"f\":\"get\",\"key\":\"k\"}}\n\
                {\"type\":\"ok\",\"id\":9,\"time_ns\":60,\"answer\":\"$a\"}\n";
 
-    let valid = write(&dir, "valid.jsonl", &(set(1, 10, "b") + &set(2, 20, "a") + get));
+    let valid = write(
+        &dir,
+        "valid.jsonl",
+        &(set(1, 10, "b") + &set(2, 20, "a") + get),
+    );
     let (code, stdout, _) = run(&valid);
     assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("1 keys, 3 operations: 0 violations"), "{stdout}");
+    assert!(
+        stdout.contains("1 keys, 3 operations: 0 violations"),
+        "{stdout}"
+    );
 
-    let stale = write(&dir, "stale.jsonl", &(set(1, 10, "a") + &set(2, 20, "b") + get));
+    let stale = write(
+        &dir,
+        "stale.jsonl",
+        &(set(1, 10, "a") + &set(2, 20, "b") + get),
+    );
     let (code, stdout, _) = run(&stale);
     assert_eq!(code, Some(1), "{stdout}");
     assert!(stdout.contains("NotLinearizable on key \"k\""), "{stdout}");
 
-    let broken = write(&dir, "broken.jsonl", &(set(1, 10, "a") + "{\"type\":\"ok\""));
+    let broken = write(
+        &dir,
+        "broken.jsonl",
+        &(set(1, 10, "a") + "{\"type\":\"ok\""),
+    );
     let (code, _, stderr) = run(&broken);
     assert_eq!(code, Some(2));
     assert!(stderr.contains("line 3"), "{stderr}");

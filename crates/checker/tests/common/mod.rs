@@ -136,7 +136,10 @@ pub fn generate(p: &Params) -> Generated {
                         pool[rng.usize(0..pool.len())].to_owned()
                     }
                 };
-                let ft = (p.fenced && k < p.keys.div_ceil(2) && !versions.is_empty() && rng.u32(0..10) < 8)
+                let ft = (p.fenced
+                    && k < p.keys.div_ceil(2)
+                    && !versions.is_empty()
+                    && rng.u32(0..10) < 8)
                     .then(|| {
                         let recent = versions.len().saturating_sub(10);
                         versions[rng.usize(recent..versions.len())].clone()
@@ -273,9 +276,11 @@ impl Generated {
     /// no such triple.
     pub fn with_stale_read(&self, pick: u64) -> Option<(History, u64)> {
         let mut candidates = Vec::new();
-        for g in self.ops.iter().filter(|g| {
-            g.end == End::Ok && matches!(g.op, Op::Get { .. })
-        }) {
+        for g in self
+            .ops
+            .iter()
+            .filter(|g| g.end == End::Ok && matches!(g.op, Op::Get { .. }))
+        {
             let key = g.op.key();
             let stale = self.ops.iter().find(|s| {
                 s.op.key() == key
