@@ -17,6 +17,15 @@
 //!   compared as (wall, counter)); a SET is not acknowledged with a fencing
 //!   token older than one an earlier acknowledged SET of the key carried.
 //!
+//! Cost: valid histories check fast (20,000 operations on 40 keys from 12
+//! processes: well under a second, even unoptimized). Proving a key *not*
+//! linearizable may search every order of its concurrent operations, which
+//! grows with the concurrency on that key and with open `info` writes
+//! (each stays concurrent with everything after it); a key whose search
+//! passes [`linearizability::Options::max_steps_per_key`] is reported as
+//! undecided ([`Report::undecided`]) instead. Spread operations over
+//! several keys to keep the concurrency per key moderate.
+//!
 //! Not checked: expiry. The model keeps keys set with `PX` for ever, so a
 //! history whose answers depend on a key expiring during the run (a GET
 //! answering nil after the PX ran out) is reported as a violation; give keys

@@ -30,6 +30,8 @@
 //! operations concurrent with that one.
 
 use std::collections::{BTreeMap, HashSet};
+
+use hashbrown::HashTable;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -62,7 +64,8 @@ pub fn check(history: &History) -> Report {
 }
 
 /// The operations of `history` the search considers, by key: all but
-/// `fail`, and but `-ERR` answers outside the model.
+/// `fail`, `-ERR` answers outside the model, and reads with unknown
+/// outcomes.
 pub(crate) fn by_key(history: &History) -> BTreeMap<&str, Vec<&Operation>> {
     let mut keys: BTreeMap<&str, Vec<&Operation>> = BTreeMap::new();
     for op in history.ops() {
@@ -72,7 +75,10 @@ pub(crate) fn by_key(history: &History) -> BTreeMap<&str, Vec<&Operation>> {
                 answer: crate::history::Answer::Error(text),
                 ..
             } => is_modelled_error(text),
-            Outcome::Ok { .. } | Outcome::Info { .. } => true,
+            // A read whose answer is unknown changes nothing and shows
+            // nothing.
+            Outcome::Info { .. } => !matches!(op.op, crate::history::Op::Get { .. }),
+            Outcome::Ok { .. } => true,
         };
         if counts {
             keys.entry(op.op.key()).or_default().push(op);
@@ -165,11 +171,12 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
             return_of[op] = node;
         }
     }
-    let mut last = head;
-    for node in 0..2 * n {
-        next[last] = node;
-        prev[node] = last;
-        last = node;
+    // The list in time order: node i follows node i - 1, node 0 the head.
+    next[head] = 0;
+    prev[0] = head;
+    for node in 1..2 * n {
+        next[node - 1] = node;
+        prev[node] = node - 1;
     }
     let is_return = |node: usize| entries[node].1;
     let op_of = |node: usize| entries[node].2;
@@ -177,7 +184,16 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
 
     let mut model = KeyModel::new(key);
     let mut linearized = vec![0u64; n.div_ceil(64)];
-    let mut seen: HashSet<(Box<[u64]>, u32)> = HashSet::new();
+    // The configurations seen: (linearized set, state), hashed by a
+    // Zobrist hash of the set kept up to date as operations come and go, so
+    // that only new configurations are copied.
+    let mut rng = SplitMix(0x5eed_0fc4_ec4e_1200);
+    let zobrist: Vec<u64> = (0..n).map(|_| rng.next()).collect();
+    let mut set_hash = 0u64;
+    let mut seen: HashTable<(Box<[u64]>, u32)> = HashTable::new();
+    let hash_of = |set_hash: u64, state: u32| {
+        (set_hash ^ u64::from(state).wrapping_mul(0x9e37_79b9_7f4a_7c15)).rotate_left(29)
+    };
     let mut stack: Vec<(usize, u32)> = Vec::new();
     let mut state = 0u32;
     // The deepest point reached: the linearized operations, the state after
@@ -199,7 +215,17 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
             let after = model.step(state, i as u32, &ops[i].op, ops[i].answer());
             if let Some(after) = after {
                 linearized[i / 64] |= 1 << (i % 64);
-                if seen.insert((linearized.clone().into_boxed_slice(), after)) {
+                set_hash ^= zobrist[i];
+                let hash = hash_of(set_hash, after);
+                let is_new = seen
+                    .find(hash, |(bits, s)| *s == after && **bits == *linearized)
+                    .is_none();
+                if is_new {
+                    seen.insert_unique(
+                        hash,
+                        (linearized.clone().into_boxed_slice(), after),
+                        |(bits, s)| hash_of(zobrist_of(&zobrist, bits), *s),
+                    );
                     stack.push((entry, state));
                     state = after;
                     // Lift the call and its return out of the list.
@@ -214,6 +240,7 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
                     continue;
                 }
                 linearized[i / 64] &= !(1 << (i % 64));
+                set_hash ^= zobrist[i];
             }
             entry = next[entry];
         } else {
@@ -233,6 +260,7 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
             state = before;
             let i = op_of(call);
             linearized[i / 64] &= !(1 << (i % 64));
+            set_hash ^= zobrist[i];
             // Put the return back, then the call.
             let ret = return_of[i];
             next[prev[ret]] = ret;
@@ -245,6 +273,33 @@ pub(crate) fn check_key(key: &str, ops: &[&Operation], max_steps: u64) -> KeyRes
         }
     }
     KeyResult::Linearizable
+}
+
+/// The Zobrist hash of a set of operations (when the table grows).
+fn zobrist_of(zobrist: &[u64], bits: &[u64]) -> u64 {
+    let mut hash = 0;
+    for (w, &word) in bits.iter().enumerate() {
+        let mut word = word;
+        while word != 0 {
+            let b = word.trailing_zeros() as usize;
+            hash ^= zobrist[w * 64 + b];
+            word &= word - 1;
+        }
+    }
+    hash
+}
+
+/// A small deterministic generator for the Zobrist keys.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
 }
 
 /// The violation of `key`: `prefix` (operation indexes, in order) is the

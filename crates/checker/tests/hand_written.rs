@@ -436,3 +436,21 @@ fn malformed_histories_are_clear_errors() {
     assert!(matches!(missing, HistoryError::Io { .. }));
     assert!(missing.to_string().contains("/nonexistent/history.jsonl"));
 }
+
+#[test]
+fn a_search_past_its_limit_is_undecided_not_judged() {
+    let mut h = Builder::default();
+    h.ok(1, 0, 10, Op::set("k", "a"), "+OK");
+    h.ok(2, 20, 30, Op::set("k", "b"), "+OK");
+    h.ok(3, 40, 50, Op::get("k"), "$a");
+    h.events.sort_by_key(|e| e.time_ns());
+    let history = History::from_events(h.events).unwrap();
+    let options = statebroker_checker::linearizability::Options {
+        max_steps_per_key: 2,
+        threads: 1,
+    };
+    let report = statebroker_checker::linearizability::check_with(&history, &options);
+    assert!(report.violations.is_empty(), "{report}");
+    assert_eq!(report.undecided, ["k"]);
+    assert!(!report.is_valid());
+}
