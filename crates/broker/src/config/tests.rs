@@ -404,3 +404,63 @@ fn http_bounds() {
         assert!(e.contains(&format!("http.{key}")), "{e}");
     }
 }
+
+#[test]
+fn clustering_is_off_by_default_and_on_with_endpoints() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    assert_eq!(s.clustering, None);
+    let env = vec![
+        (
+            "STATEBROKER__CLUSTERING__NODE_ID".to_owned(),
+            "sb2".to_owned(),
+        ),
+        (
+            "STATEBROKER__CLUSTERING__ETCD_ENDPOINTS".to_owned(),
+            "http://127.0.0.1:2379, http://127.0.0.1:2479".to_owned(),
+        ),
+        (
+            "STATEBROKER__CLUSTERING__ETCD_PREFIX".to_owned(),
+            "/sb/a".to_owned(),
+        ),
+    ];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    let c = s.clustering.clone().expect("clustering on");
+    assert_eq!(c.node_id, "sb2");
+    assert_eq!(
+        c.etcd_endpoints,
+        ["http://127.0.0.1:2379", "http://127.0.0.1:2479"]
+    );
+    assert_eq!(c.etcd_prefix, "/sb/a/", "the prefix ends in /");
+    assert_eq!(c.request_timeout, Duration::from_millis(2000));
+    assert_eq!(c.tombstone_ttl, Duration::from_secs(70));
+    // The cluster's node id is the versions' node id, and no clock marks
+    // go to a data directory that holds no keys.
+    let store = s.store_config();
+    assert_eq!(store.node_id, "sb2");
+    assert_eq!(store.clock_lease_ms, None);
+}
+
+#[test]
+fn bad_clustering_settings_are_refused_by_name() {
+    let refused = |toml: &str| {
+        let f = file(toml);
+        Settings::load_with_env(Some(&f), &[], no_env())
+            .unwrap_err()
+            .to_string()
+    };
+    let e = refused("[clustering]\nnode_id = \"sb1\"\n");
+    assert!(e.contains("clustering.etcd_endpoints is empty"), "{e}");
+    let e = refused("[clustering]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n");
+    assert!(e.contains("clustering.node_id must be set"), "{e}");
+    let e =
+        refused("[clustering]\nnode_id = \"a:b\"\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n");
+    assert!(e.contains("without ':' or '/'"), "{e}");
+    let e = refused("[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"127.0.0.1:2379\"]\n");
+    assert!(e.contains("not an etcd client URL"), "{e}");
+    let e = refused(
+        "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\ntombstone_ttl_s = 5\n",
+    );
+    assert!(e.contains("tombstone_ttl_s must be at least"), "{e}");
+    let e = refused("[cluster]\nid = 1\n");
+    assert!(e.contains("configured in [clustering]"), "{e}");
+}

@@ -136,13 +136,15 @@ impl<S: Stream> Driver<S> {
             for delayed in machine.later.drain(..) {
                 tokio::spawn(delayed.run(Arc::clone(&self.shared)));
             }
-            if !machine.may_hold_output() {
-                self.write(machine).await?;
-            }
+            // Counted before the write: a client that has read a delivery
+            // sees it counted (the web view's list).
             self.peer.in_flight.store(
                 machine.out.in_flight(),
                 std::sync::atomic::Ordering::Relaxed,
             );
+            if !machine.may_hold_output() {
+                self.write(machine).await?;
+            }
             if std::mem::take(&mut machine.unscheduled) {
                 self.link.wake().await?;
             }
