@@ -74,11 +74,12 @@ async fn a_workload_under_node_and_etcd_leader_kills_is_linearizable() {
     let started = Instant::now();
     let report = statebroker_checker::check(&history);
     println!(
-        "{} operations ({} answered, {} unknown, {} reconnects); checked in {:?}: {report}",
+        "{} operations ({} answered, {} unknown, {} reconnects, longest time without an answer {:?}); checked in {:?}: {report}",
         history.len(),
         tally.ok.load(std::sync::atomic::Ordering::Relaxed),
         tally.info.load(std::sync::atomic::Ordering::Relaxed),
         tally.reconnects.load(std::sync::atomic::Ordering::Relaxed),
+        tally.longest_gap(),
         started.elapsed(),
     );
     assert!(

@@ -17,11 +17,44 @@ use statestore::resp3::Reply;
 pub const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the workload did.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Tally {
     pub ok: AtomicU64,
     pub info: AtomicU64,
     pub reconnects: AtomicU64,
+    /// When the workload started.
+    pub start: Instant,
+    /// When the last answer came, microseconds after `start`.
+    last_answer_us: AtomicU64,
+    /// The longest time without any answer, microseconds: how long the
+    /// worst fault stalled every client.
+    pub longest_gap_us: AtomicU64,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        Tally {
+            ok: AtomicU64::new(0),
+            info: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            start: Instant::now(),
+            last_answer_us: AtomicU64::new(0),
+            longest_gap_us: AtomicU64::new(0),
+        }
+    }
+
+    fn answered(&self) {
+        self.ok.fetch_add(1, Ordering::Relaxed);
+        let now = self.start.elapsed().as_micros() as u64;
+        let last = self.last_answer_us.fetch_max(now, Ordering::Relaxed);
+        self.longest_gap_us
+            .fetch_max(now.saturating_sub(last), Ordering::Relaxed);
+    }
+
+    /// The longest stall.
+    pub fn longest_gap(&self) -> Duration {
+        Duration::from_micros(self.longest_gap_us.load(Ordering::Relaxed))
+    }
 }
 
 /// Runs `per_node` processes on each of `ports` for `duration` over
@@ -34,7 +67,7 @@ pub async fn run(
     seed: u64,
     recorder: Arc<Recorder>,
 ) -> Arc<Tally> {
-    let tally = Arc::new(Tally::default());
+    let tally = Arc::new(Tally::new());
     let next_process = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let mut tasks = Vec::new();
@@ -104,7 +137,7 @@ async fn process(
             match tokio::time::timeout(TIMEOUT, client.request(&args, &[])).await {
                 Ok(Ok(answer)) => {
                     recorder.ok(invoke, answer_of(&answer.reply), answer.version);
-                    tally.ok.fetch_add(1, Ordering::Relaxed);
+                    tally.answered();
                 }
                 _ => {
                     // Unknown: the process ends; a new one takes over on the
