@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The clustered state store's speed on this machine: 3 etcd members and 3
+# statebroker nodes on loopback (release builds), statebroker-bench against
+# one node, SETs and GETs at 1 and 64 connections, then the single node
+# (no etcd) with the same load in the same run.
+#   bench/cluster-bench.sh [SECONDS]      (default 10 per workload)
+# Needs etcd 3.4+ on PATH; builds what it runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-10}"
+cargo build --release -q -p statebroker-cluster-tests --bins
+cargo build --release -q --bin statebroker-bench
+node=target/release/statebroker-node
+bench=target/release/statebroker-bench
+dir="$(mktemp -d)"
+pids=()
+cleanup() { kill -9 "${pids[@]}" 2>/dev/null || true; rm -rf "$dir"; }
+trap cleanup EXIT
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+cluster="" endpoints=""
+declare -a cp pp
+for i in 1 2 3; do cp[$i]=$(port); pp[$i]=$(port); done
+for i in 1 2 3; do
+    cluster+="m$i=http://127.0.0.1:${pp[$i]},"
+    endpoints+="http://127.0.0.1:${cp[$i]},"
+done
+cluster="${cluster%,}" endpoints="${endpoints%,}"
+for i in 1 2 3; do
+    etcd --name "m$i" --data-dir "$dir/m$i" \
+        --listen-client-urls "http://127.0.0.1:${cp[$i]}" --advertise-client-urls "http://127.0.0.1:${cp[$i]}" \
+        --listen-peer-urls "http://127.0.0.1:${pp[$i]}" --initial-advertise-peer-urls "http://127.0.0.1:${pp[$i]}" \
+        --initial-cluster "$cluster" --initial-cluster-token "bench$$" --initial-cluster-state new \
+        --pre-vote=true --heartbeat-interval=100 --election-timeout=2500 >"$dir/m$i.log" 2>&1 &
+    pids+=($!)
+done
+ETCDCTL_API=3 timeout 60 bash -c "until etcdctl --endpoints=$endpoints endpoint health >/dev/null 2>&1; do sleep 0.5; done"
+declare -a mp
+for i in 1 2 3; do
+    mp[$i]=$(port)
+    "$node" --listen "127.0.0.1:${mp[$i]}" --no-http --in-memory \
+        --cluster-node-id "sb$i" --etcd-endpoints "$endpoints" >"$dir/sb$i.log" 2>&1 &
+    pids+=($!)
+done
+single=$(port)
+target/release/statebroker-node --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
+pids+=($!)
+for p in "${mp[@]}" "$single"; do
+    timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
+done
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+for target in "cluster 127.0.0.1:${mp[1]}" "single 127.0.0.1:$single"; do
+    set -- $target
+    for ratio in 1 0; do
+        for c in 1 64; do
+            what=$([ "$ratio" = 1 ] && echo SET || echo GET)
+            line=$("$bench" --target "$2" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ')
+            echo "$1 $what c=$c: $line"
+        done
+    done
+done
