@@ -1,10 +1,16 @@
 //! Serving the state store's commands against etcd.
 //!
-//! A key command reads the key's record with a linearizable read, plans
-//! against it (`statestore::plan`: the answers and errors are the single
-//! node's) and, if it changes the key, commits with one transaction:
-//! `If mod_revision(key) == m Then Put(record)`. When another node changed
-//! the key first, it reads again and plans again.
+//! A GET reads the key's record with a linearizable read. A write (SET,
+//! DEL, VDEL) plans (`statestore::plan`: the answers and errors are the
+//! single node's) against the record this node last knew of the key (its
+//! [`Cache`], fed by the watch, its reads and its writes) and commits with
+//! one transaction: `If mod_revision(key) == m Then Put(record) Else
+//! Get(key)`: one round trip when the record was current. When another
+//! node changed the key first, the transaction returns the current record
+//! and the write plans again against it. A write that would change nothing
+//! or be refused (`:-1`, `:0`, a fencing error) is only as current as its
+//! record, so from the cache it is read again linearizably and planned
+//! again before it is answered.
 //!
 //! **Answers etcd cannot confirm.** A transaction that times out may still
 //! commit. Every record carries the id of the request that wrote it, and
@@ -130,8 +136,8 @@ impl Broken {
 /// A key's record as read, with its etcd mod revision (0: no record).
 #[derive(Clone)]
 pub(super) struct Read {
-    record: Option<Record>,
-    revision: i64,
+    pub(super) record: Option<Record>,
+    pub(super) revision: i64,
 }
 
 impl Cluster {
@@ -151,16 +157,25 @@ impl Cluster {
         };
         // The revision compared by an attempt whose outcome is unknown.
         let mut in_doubt: Option<i64> = None;
+        // A write plans first against the record the watch last delivered
+        // (one round trip when it is current: the transaction compares its
+        // revision); a transaction that finds another revision returns the
+        // current record, the next plan's.
+        let mut cached = keyed.command.writes() && self.broken == Broken::No;
+        let mut found: Option<Read> = None;
         for _ in 0..ATTEMPTS {
-            let read = match self.broken {
-                Broken::StaleReads if !keyed.command.writes() => {
+            let from_cache = std::mem::take(&mut cached);
+            let read = match (found.take(), self.broken) {
+                (Some(read), _) => read,
+                (None, _) if from_cache => self.cached(key),
+                (None, Broken::StaleReads) if !keyed.command.writes() => {
                     let seen = self.seen.lock().get(key).cloned();
                     match seen {
                         Some(read) => read,
                         None => self.read(key).await?,
                     }
                 }
-                _ => self.read(key).await?,
+                (None, _) => self.read(key).await?,
             };
             if self.broken == Broken::StaleReads {
                 self.seen
@@ -184,6 +199,8 @@ impl Cluster {
                 .plan(entry.as_ref(), &keyed.context(now), &sizes)
             {
                 Ok(plan) => plan,
+                // A refusal must be confirmed by a linearizable read.
+                Err(_) if from_cache => continue,
                 Err(error) => {
                     return Ok(Answer {
                         frame: error.frame(),
@@ -193,6 +210,11 @@ impl Cluster {
                 }
             };
             let Some(change) = plan.change else {
+                // An answer that changes nothing (`:-1`, `:0`) is only as
+                // current as its read: from the cache, read and plan again.
+                if from_cache {
+                    continue;
+                }
                 let version = match (plan.stamp, &read.record) {
                     (Stamp::Of(_), Some(record)) => record.version_text(),
                     _ => clock.clock_now(now).format(self.node_id()),
@@ -237,18 +259,18 @@ impl Cluster {
                     (record, text)
                 }
             };
-            match self
-                .compare_and_put(key, read.revision, record.encode())
-                .await
-            {
-                Ok(true) => {
+            match self.compare_and_put(key, read.revision, &record).await {
+                Ok(Committed::Yes) => {
                     return Ok(Answer {
                         frame: plan.frame,
                         version: answer_version,
                         error: None,
                     });
                 }
-                Ok(false) => crate::metrics::cluster_conflict(),
+                Ok(Committed::No(current)) => {
+                    crate::metrics::cluster_conflict();
+                    found = Some(current);
+                }
                 Err(e) => {
                     tracing::debug!(error = %e, "clustering: a write's outcome is unknown; reading again");
                     in_doubt = Some(read.revision);
@@ -329,33 +351,21 @@ impl Cluster {
             .get(self.key(key), None)
             .await
             .map_err(|e| Unanswered::Unreachable(e.to_string()))?;
-        let Some(kv) = response.kvs().first() else {
-            return Ok(Read {
-                record: None,
-                revision: 0,
-            });
-        };
-        let record = match Record::decode(kv.value()) {
-            Ok(record) => Some(record),
-            Err(e) => {
-                tracing::warn!(key = %String::from_utf8_lossy(key), "clustering: {e}; it reads as absent");
-                None
-            }
-        };
-        Ok(Read {
-            record,
-            revision: kv.mod_revision(),
-        })
+        let read = read_of(key, response.kvs().first());
+        let learned = response.header().map_or(0, |h| h.revision());
+        self.remember(key, read.clone(), learned);
+        Ok(read)
     }
 
-    /// `Ok(true)`: committed; `Ok(false)`: the key changed since
-    /// `revision`; `Err`: unknown.
+    /// Puts `record` if the key is still at `revision`; otherwise returns
+    /// the key's current record (read in the same transaction). `Err`:
+    /// unknown.
     async fn compare_and_put(
         &self,
         key: &[u8],
         revision: i64,
-        value: Vec<u8>,
-    ) -> Result<bool, etcd_client::Error> {
+        record: &Record,
+    ) -> Result<Committed, etcd_client::Error> {
         let full = self.key(key);
         let compare = match self.broken {
             Broken::LostUpdate => {
@@ -370,9 +380,113 @@ impl Cluster {
         };
         let txn = Txn::new()
             .when(compare)
-            .and_then([TxnOp::put(full, value, None)]);
+            .and_then([TxnOp::put(full.clone(), record.encode(), None)])
+            .or_else([TxnOp::get(full, None)]);
         let mut client = self.client.clone();
-        Ok(client.txn(txn).await?.succeeded())
+        let response = client.txn(txn).await?;
+        let learned = response.header().map_or(0, |h| h.revision());
+        if response.succeeded() {
+            let read = Read {
+                record: Some(record.clone()),
+                revision: learned,
+            };
+            self.remember(key, read, learned);
+            return Ok(Committed::Yes);
+        }
+        let current = response
+            .op_responses()
+            .into_iter()
+            .find_map(|op| match op {
+                etcd_client::TxnOpResponse::Get(get) => Some(read_of(key, get.kvs().first())),
+                _ => None,
+            })
+            .unwrap_or(Read {
+                record: None,
+                revision: 0,
+            });
+        self.remember(key, current.clone(), learned);
+        Ok(Committed::No(current))
+    }
+
+    /// The key's record as the watch (or this node's last read or write)
+    /// left it; absent if none is known.
+    fn cached(&self, key: &[u8]) -> Read {
+        self.cache
+            .lock()
+            .get(key)
+            .map(|(read, _)| read.clone())
+            .unwrap_or(Read {
+                record: None,
+                revision: 0,
+            })
+    }
+
+    /// Records what etcd holds for `key` as of revision `learned`, unless
+    /// something later is known.
+    fn remember(&self, key: &[u8], read: Read, learned: i64) {
+        if self.broken == Broken::No {
+            self.cache.lock().remember(key, read, learned);
+        }
+    }
+}
+
+/// What a transaction did.
+enum Committed {
+    /// It put the record.
+    Yes,
+    /// The key had changed: its current record.
+    No(Read),
+}
+
+/// A key's record as read from an etcd key-value (none: absent).
+fn read_of(key: &[u8], kv: Option<&etcd_client::KeyValue>) -> Read {
+    let Some(kv) = kv else {
+        return Read {
+            record: None,
+            revision: 0,
+        };
+    };
+    let record = match Record::decode(kv.value()) {
+        Ok(record) => Some(record),
+        Err(e) => {
+            tracing::warn!(key = %String::from_utf8_lossy(key), "clustering: {e}; it reads as absent");
+            None
+        }
+    };
+    Read {
+        record,
+        revision: kv.mod_revision(),
+    }
+}
+
+/// The last record known of each key, with the etcd revision it was
+/// learned at (a delete's revision for a key known absent): the watch, the
+/// node's reads and its writes feed it, and only something later replaces
+/// what it holds.
+#[derive(Default)]
+pub(super) struct Cache {
+    keys: std::collections::HashMap<Vec<u8>, (Read, i64)>,
+}
+
+impl Cache {
+    fn get(&self, key: &[u8]) -> Option<&(Read, i64)> {
+        self.keys.get(key)
+    }
+
+    /// `read` is the key's as of etcd revision `learned`.
+    pub(super) fn remember(&mut self, key: &[u8], read: Read, learned: i64) {
+        if self.keys.get(key).is_some_and(|(_, at)| *at >= learned) {
+            return;
+        }
+        self.keys.insert(key.to_vec(), (read, learned));
+    }
+
+    /// The key is gone from etcd at `learned` (a tombstone removed).
+    pub(super) fn forget(&mut self, key: &[u8], learned: i64) {
+        if self.keys.get(key).is_some_and(|(_, at)| *at >= learned) {
+            return;
+        }
+        self.keys.remove(key);
     }
 }
 

@@ -49,6 +49,8 @@ pub struct Cluster {
     stop: tokio::sync::watch::Sender<()>,
     /// A deliberately wrong mode, for the checker's test only.
     broken: kv::Broken,
+    /// The last record known of each key (see [`kv::Cache`]).
+    cache: Mutex<kv::Cache>,
     /// With `stale-reads`: the first record this node saw of each key.
     seen: Mutex<std::collections::HashMap<Vec<u8>, kv::Read>>,
 }
@@ -104,6 +106,7 @@ impl Cluster {
         Ok(Arc::new(Cluster {
             broken,
             seen: Mutex::new(std::collections::HashMap::new()),
+            cache: Mutex::new(kv::Cache::default()),
             settings,
             client,
             keys_prefix,

@@ -124,6 +124,11 @@ pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64
             if let Ok(record) = Record::decode(kv.value()) {
                 clock.observe(record.version);
                 index.record(key, &record, kv.mod_revision(), ttl);
+                let read = super::kv::Read {
+                    record: Some(record),
+                    revision: kv.mod_revision(),
+                };
+                cluster.cache.lock().remember(key, read, revision);
             }
         }
         match response.kvs().last() {
@@ -216,6 +221,11 @@ pub(super) async fn run(
                         };
                         clock.observe(record.version);
                         c.index.lock().record(key, &record, kv.mod_revision(), ttl);
+                        let read = super::kv::Read {
+                            record: Some(record.clone()),
+                            revision: kv.mod_revision(),
+                        };
+                        c.cache.lock().remember(key, read, kv.mod_revision());
                         let event = if record.tombstone {
                             Event::Delete
                         } else {
@@ -230,7 +240,10 @@ pub(super) async fn run(
                             return;
                         }
                     }
-                    EventType::Delete => c.index.lock().forget(key),
+                    EventType::Delete => {
+                        c.index.lock().forget(key);
+                        c.cache.lock().forget(key, kv.mod_revision());
+                    }
                 }
             }
         }
