@@ -58,7 +58,7 @@ impl Tally {
 }
 
 /// Runs `per_node` processes on each of `ports` for `duration` over
-/// `keys` keys; `seed` picks the operations.
+/// `keys` keys (`k0`, `k1`, ...); `seed` picks the operations.
 pub async fn run(
     ports: &[u16],
     per_node: usize,
@@ -67,6 +67,21 @@ pub async fn run(
     seed: u64,
     recorder: Arc<Recorder>,
 ) -> Arc<Tally> {
+    let keys: Vec<String> = (0..keys).map(|k| format!("k{k}")).collect();
+    run_on(ports, per_node, &keys, duration, seed, recorder).await
+}
+
+/// [`run`] over the keys named (none of which may exist yet: the checker
+/// starts every key absent).
+pub async fn run_on(
+    ports: &[u16],
+    per_node: usize,
+    keys: &[String],
+    duration: Duration,
+    seed: u64,
+    recorder: Arc<Recorder>,
+) -> Arc<Tally> {
+    let keys: Arc<[String]> = keys.into();
     let tally = Arc::new(Tally::new());
     let next_process = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
@@ -82,7 +97,7 @@ pub async fn run(
             tasks.push(tokio::spawn(process(
                 ports,
                 n,
-                keys,
+                Arc::clone(&keys),
                 deadline,
                 rng,
                 recorder,
@@ -101,7 +116,7 @@ pub async fn run(
 async fn process(
     ports: Vec<u16>,
     mut node: usize,
-    keys: usize,
+    keys: Arc<[String]>,
     deadline: Instant,
     mut rng: fastrand::Rng,
     recorder: Arc<Recorder>,
@@ -128,7 +143,7 @@ async fn process(
         let Some(mut client) = client else { break };
         while Instant::now() < deadline {
             seq += 1;
-            let key = format!("k{}", rng.usize(..keys));
+            let key = keys[rng.usize(..keys.len())].clone();
             let value = format!("p{id}-{seq}");
             let op = pick(&mut rng, key, value);
             let args = args_of(&op);
