@@ -49,6 +49,46 @@ async fn a_bad_config_stops_the_start_naming_the_field() {
     assert!(stderr.contains("statestore.scan_page_size"), "{stderr}");
 }
 
+/// Two brokers on one machine: the second one's HTTP endpoint (by default
+/// 127.0.0.1:9883, here the configured `[http] listen`) finds the port
+/// taken. It refuses to start, and says how to pick another port or turn
+/// the endpoint off.
+#[tokio::test]
+async fn a_taken_http_port_stops_the_start_saying_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    // The first broker's endpoint, as far as the second can tell.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let config = dir.path().join("second.toml");
+    std::fs::write(&config, format!("[http]\nlisten = \"{addr}\"\n")).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .args(["--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("cannot start"))
+        .unwrap_or_else(|| panic!("no line says why: {stderr}"));
+    assert!(line.contains(" ERROR "), "{line}");
+    for needle in [
+        &addr.to_string()[..],
+        "in use",
+        "--http ADDR",
+        "[http] listen",
+        "--no-http",
+    ] {
+        assert!(line.contains(needle), "{needle:?} missing from: {line}");
+    }
+    drop(taken);
+}
+
 #[tokio::test]
 async fn help_explains_the_options() {
     let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))

@@ -13,8 +13,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
+use common::mqtt::{ack, filter, next_raw_publish, publish_complete, session, subscribe_with_id};
 use common::raw::{Raw, Recv, disconnect_reason, v5};
-use common::start_broker;
+use common::{eventually, start_broker};
 use rumqttc::v5::mqttbytes::QoS;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -651,4 +652,209 @@ async fn disconnect_fits_the_clients_maximum_packet_size() {
     }
     assert!(got.len() <= 20, "{got:02x?}");
     assert_eq!(got, [0xE0, 0x02, 0x81, 0x00], "{got:02x?}");
+}
+
+// ------------------------------------------------------------ group 1: PUBREL on reconnect
+
+/// 4.4 [MQTT-4.4.0-1]: a client resuming a session (Clean Start 0) gets
+/// every PUBREL of the session again with its packet id, right after the
+/// CONNACK, not when the next message for it happens to come: on a quiet
+/// topic the QoS 2 exchange is completed and its packet id freed.
+#[tokio::test]
+async fn a_pubrel_is_resent_right_after_the_connack() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, _) = Raw::connect_with(addr, "pubrel-quiet", session(true, Some(600))).await;
+    sub.subscribe("pubrel/quiet", QoS::ExactlyOnce).await;
+    let mut publisher = Raw::connect(addr, "pubrel-quiet-pub").await;
+    publish_complete(
+        &mut publisher,
+        "pubrel/quiet",
+        b"one",
+        QoS::ExactlyOnce,
+        false,
+    )
+    .await;
+    let p = next_raw_publish(&mut sub).await;
+    sub.send(Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+        .await;
+    match sub.recv().await {
+        Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
+        other => panic!("expected PUBREL, got {other:?}"),
+    }
+    // The connection breaks before the PUBCOMP; nothing more is published.
+    drop(sub);
+    eventually("the subscriber's connection ended", || {
+        broker.connection_count() == 1
+    })
+    .await;
+    let (mut sub, connack) =
+        Raw::connect_with(addr, "pubrel-quiet", session(false, Some(600))).await;
+    assert!(connack.session_present);
+    // The PUBREL comes with no other message to carry it.
+    match sub.recv_within(Duration::from_secs(2)).await {
+        Recv::Packet(Packet::PubRel(rel)) => assert_eq!(rel.pkid, p.pkid),
+        other => panic!("expected the PUBREL right after the CONNACK, got {other:?}"),
+    }
+    sub.send(Packet::PubComp(v5::PubComp::new(p.pkid, None)))
+        .await;
+    // Completed: not sent again, and the next message flows.
+    match sub.recv_within(Duration::from_millis(300)).await {
+        Recv::Timeout => {}
+        other => panic!("nothing more after the PUBCOMP, got {other:?}"),
+    }
+    publish_complete(
+        &mut publisher,
+        "pubrel/quiet",
+        b"two",
+        QoS::ExactlyOnce,
+        false,
+    )
+    .await;
+    let two = next_raw_publish(&mut sub).await;
+    assert_eq!(&two.payload[..], b"two");
+    ack(&mut sub, &two).await;
+}
+
+// ------------------------------------------------------------ group 5: subscription identifiers
+
+/// 3.8.4 [MQTT-3.8.4-3] and 3.8.2.1.2: a SUBSCRIBE of a filter the client
+/// already has replaces that subscription, its Subscription Identifier
+/// included: subscribed again without one, its messages carry none; with
+/// another one, that one.
+#[tokio::test]
+async fn a_new_subscription_replaces_the_subscription_identifier() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "subid-replace").await;
+    let mut publisher = Raw::connect(addr, "subid-replace-pub").await;
+    let ids = |p: &v5::Publish| {
+        p.properties
+            .as_ref()
+            .map(|p| p.subscription_identifiers.clone())
+            .unwrap_or_default()
+    };
+    for (id, want) in [(Some(7), vec![7]), (None, vec![]), (Some(9), vec![9])] {
+        let codes = subscribe_with_id(
+            &mut sub,
+            filter("subid/replace", QoS::AtLeastOnce, |_| {}),
+            id,
+        )
+        .await;
+        assert_eq!(codes, [v5::SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
+        publish_complete(
+            &mut publisher,
+            "subid/replace",
+            b"m",
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+        let p = next_raw_publish(&mut sub).await;
+        ack(&mut sub, &p).await;
+        assert_eq!(ids(&p), want, "subscribed with {id:?}");
+    }
+}
+
+// ------------------------------------------------------------ group 4: wills on takeover
+
+/// A 3.1.1 CONNECT of `client_id`, Clean Session 0, with a QoS 1 will on
+/// `will_topic` (payload "offline").
+fn v4_connect_with_will(client_id: &str, will_topic: &str) -> Vec<u8> {
+    let payload = fields(&[client_id.as_bytes(), will_topic.as_bytes(), b"offline"]);
+    connect(4, 0x04 | 0x08, &[], &payload)
+}
+
+/// 3.1.1 3.1.2.5 [MQTT-3.1.2-8] and 3.1.4 [MQTT-3.1.4-2]: a will is
+/// published when its network connection closes without DISCONNECT, and
+/// a takeover closes it: the will of a persistent session taken over is
+/// published (3.1.1 has no Will Delay Interval to hold it back).
+#[tokio::test]
+async fn a_takeover_publishes_the_will_in_3_1_1() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut listener = Raw::connect(addr, "takeover4-listener").await;
+    listener.subscribe("takeover4/#", QoS::AtLeastOnce).await;
+    let mut old = TcpStream::connect(addr).await.unwrap();
+    old.write_all(&v4_connect_with_will("takeover4", "takeover4/status"))
+        .await
+        .unwrap();
+    let mut connack = [0u8; 4];
+    old.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 0x02, 0x00, 0x00]);
+    let mut new = TcpStream::connect(addr).await.unwrap();
+    new.write_all(&connect(4, 0x00, &[], &fields(&[b"takeover4"])))
+        .await
+        .unwrap();
+    new.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 0x02, 0x01, 0x00], "session present");
+    assert_eq!(read_until_closed(&mut old).await, b"", "closed, no word");
+    let p = listener.next_publish().await;
+    assert_eq!(
+        (&p.topic[..], &p.payload[..]),
+        (&b"takeover4/status"[..], &b"offline"[..])
+    );
+}
+
+/// MQTT 5 3.1.4 [MQTT-3.1.4-3]: a takeover closes the old connection, and
+/// "if the existing Client has a Will Message, that Will Message is
+/// published as described in section 3.1.2.5": after the Will Delay
+/// Interval or when the session ends, unless a new connection for the
+/// client id comes before the delay has passed [MQTT-3.1.2-8],
+/// [MQTT-3.1.3-9]. So with Will Delay 0 the will goes out on every
+/// takeover; with a Will Delay Interval > 0 a takeover that continues the
+/// session (Clean Start 0) holds it back for good, and one that starts
+/// clean ends the session and publishes it at once.
+#[tokio::test]
+async fn a_takeover_publishes_the_will_unless_its_delay_holds_it() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut listener = Raw::connect(addr, "takeover5-listener").await;
+    listener.subscribe("takeover5/#", QoS::AtLeastOnce).await;
+    let cases = [
+        // (client id, will delay, the new connection's Clean Start, published)
+        ("takeover5-nodelay", 0, false, true),
+        ("takeover5-held", 60, false, false),
+        ("takeover5-clean", 60, true, true),
+    ];
+    for (client, delay, clean, published) in cases {
+        let topic = format!("takeover5/{client}");
+        let (mut old, _) = Raw::connect_with(addr, client, |c| {
+            session(false, Some(600))(c);
+            c.1 = Some(v5::LastWill::new(
+                topic.as_str(),
+                "offline",
+                QoS::AtLeastOnce,
+                false,
+                Some(v5::LastWillProperties {
+                    delay_interval: Some(delay),
+                    payload_format_indicator: None,
+                    message_expiry_interval: None,
+                    content_type: None,
+                    response_topic: None,
+                    correlation_data: None,
+                    user_properties: Vec::new(),
+                }),
+            ));
+        })
+        .await;
+        let (new, connack) = Raw::connect_with(addr, client, session(clean, Some(600))).await;
+        assert_eq!(connack.session_present, !clean, "{client}");
+        let d = old.expect_disconnect().await;
+        assert_eq!(
+            disconnect_reason(&d),
+            Some(DisconnectReasonCode::SessionTakenOver),
+            "{client}"
+        );
+        if published {
+            let p = listener.next_publish().await;
+            assert_eq!(
+                (&p.topic[..], &p.payload[..]),
+                (topic.as_bytes(), &b"offline"[..])
+            );
+        }
+        listener.no_publish_within(Duration::from_millis(300)).await;
+        common::mqtt::goodbye(new, None).await;
+        listener.no_publish_within(Duration::from_millis(100)).await;
+    }
 }

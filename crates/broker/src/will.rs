@@ -36,6 +36,17 @@ struct ClientWills {
     latest: Option<(u64, bool)>,
     /// A will waiting for its delay: (connection it belongs to, the will).
     pending: Option<(u64, Will)>,
+    /// Connections taken over that have not ended yet, each with whether
+    /// the connection that took it over started clean. A taken-over
+    /// connection may end after its successor did (it lets its client read
+    /// the DISCONNECT first): it is still judged as taken over.
+    superseded: Vec<(u64, bool)>,
+}
+
+impl ClientWills {
+    fn is_empty(&self) -> bool {
+        self.latest.is_none() && self.pending.is_none() && self.superseded.is_empty()
+    }
 }
 
 /// Wills of all clients.
@@ -63,6 +74,11 @@ impl WillRegistry {
         let pending = {
             let mut clients = self.clients.lock();
             let state = clients.entry(client_id.to_owned()).or_default();
+            if let Some((previous, _)) = state.latest
+                && previous != connection
+            {
+                state.superseded.push((previous, clean_start));
+            }
             state.latest = Some((connection, clean_start));
             state.pending.take()
         };
@@ -88,20 +104,35 @@ impl WillRegistry {
             }
             return;
         };
-        let superseded = state.latest.filter(|&(conn, _)| conn != connection);
-        if superseded.is_none() {
-            state.latest = None;
-        }
+        let superseded = match state.superseded.iter().position(|&(c, _)| c == connection) {
+            Some(at) => Some(state.superseded.swap_remove(at).1),
+            None => {
+                if state.latest.is_some_and(|(c, _)| c == connection) {
+                    state.latest = None;
+                }
+                None
+            }
+        };
         let Some(will) = will else {
-            if state.latest.is_none() && state.pending.is_none() {
+            if state.is_empty() {
                 clients.remove(client_id);
             }
             return;
         };
         let publish_now = match superseded {
-            // Taken over: the will goes out only if the session ended.
-            Some((_, new_clean)) => {
+            // Taken over (MQTT 5 3.1.4): published as 3.1.2.5 says, so at
+            // once without a Will Delay Interval or when the takeover
+            // ended the session (Clean Start 1); with a delay, the new
+            // connection came before it passed: never ([MQTT-3.1.3-9]).
+            Some(new_clean) => {
                 if !(new_clean || will.delay.is_zero()) {
+                    if state.is_empty() {
+                        clients.remove(client_id);
+                    }
+                    tracing::debug!(
+                        client_id,
+                        "taken over within the will delay, session continued: will discarded"
+                    );
                     return;
                 }
                 true
@@ -109,7 +140,7 @@ impl WillRegistry {
             None => will.delay.is_zero(),
         };
         if publish_now {
-            if state.latest.is_none() && state.pending.is_none() {
+            if state.is_empty() {
                 clients.remove(client_id);
             }
             drop(clients);
@@ -133,7 +164,7 @@ impl WillRegistry {
                             .is_some_and(|(c, _)| *c == connection) =>
                     {
                         let will = state.pending.take().map(|(_, w)| w);
-                        if state.latest.is_none() {
+                        if state.is_empty() {
                             clients.remove(&client_id);
                         }
                         will

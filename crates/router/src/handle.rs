@@ -232,4 +232,71 @@ mod tests {
             }
         }
     }
+
+    /// MQTT 5 4.4 [MQTT-4.4.0-1]: a resumed session's PUBRELs come right
+    /// after the CONNACK, not with the next message for the client
+    /// (statebroker patch 21).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resumed_session_gets_its_pubrels_at_once() {
+        use crate::protocol::{PubRec, PubRel};
+        let router = router();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60).await.unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::ExactlyOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        sub_tx
+            .send_all([Packet::Subscribe(subscribe, None)])
+            .unwrap();
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0).await.unwrap();
+        let mut publish = Publish::new("t", "y", false);
+        publish.qos = QoS::ExactlyOnce;
+        publish.pkid = 1;
+        // The router forwards a QoS 2 publish once it is released.
+        let release = PubRel {
+            pkid: 1,
+            reason: crate::protocol::PubRelReason::Success,
+        };
+        pub_tx
+            .send_all([
+                Packet::Publish(publish, None),
+                Packet::PubRel(release, None),
+            ])
+            .unwrap();
+        let pkid = loop {
+            match sub_rx.next().await.unwrap() {
+                Some(Notification::Forward(f)) => break f.publish.pkid,
+                Some(Notification::Unschedule) => sub_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        };
+        let pubrec = PubRec {
+            pkid,
+            reason: crate::protocol::PubRecReason::Success,
+        };
+        sub_tx.send_all([Packet::PubRec(pubrec, None)]).unwrap();
+        loop {
+            let next = sub_rx.next().await.unwrap();
+            if let Some(Notification::DeviceAck(crate::Ack::PubRel(rel))) = next {
+                assert_eq!(rel.pkid, pkid);
+                break;
+            }
+        }
+        // The client id links again, resuming the session: nothing else
+        // is published.
+        let (_tx, mut rx, _) = router.link("sub", false, 60).await.unwrap();
+        let next = tokio::time::timeout(std::time::Duration::from_secs(2), rx.next());
+        match next.await {
+            Ok(Ok(Some(Notification::DeviceAck(crate::Ack::PubRel(rel))))) => {
+                assert_eq!(rel.pkid, pkid)
+            }
+            other => panic!("expected the PUBREL at once, got {other:?}"),
+        }
+    }
 }

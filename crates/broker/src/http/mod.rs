@@ -37,6 +37,21 @@ use timeouts::Limits;
 mod serve;
 mod timeouts;
 
+/// Why the endpoint could not bind `addr`, and what to do about it: a
+/// second broker on one machine finds the default port taken.
+fn bind_error(addr: SocketAddr, e: &std::io::Error) -> String {
+    let taken = if e.kind() == std::io::ErrorKind::AddrInUse {
+        " (another process, another statebroker perhaps, serves it)"
+    } else {
+        ""
+    };
+    format!(
+        "cannot serve HTTP on {addr}: {e}{taken}; pick another address with \
+         --http ADDR or `[http] listen = \"ADDR\"` (port 0: any free one), \
+         or turn the endpoint off with --no-http or `[http] listen = \"\"`"
+    )
+}
+
 /// What the endpoint serves from.
 #[derive(Clone)]
 struct Served {
@@ -56,7 +71,7 @@ pub(crate) async fn start(
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot serve HTTP on {addr}: {e}")))?;
+        .map_err(|e| std::io::Error::new(e.kind(), bind_error(addr, &e)))?;
     let local = listener.local_addr()?;
     let metrics = crate::metrics::install();
     let upkeep = metrics.clone();

@@ -201,7 +201,11 @@ impl PendingLink {
             _message => return Err(LinkError::NotConnectionAck),
         };
         let tx = LinkTx::new(id, self.router_tx.clone(), self.incoming_data_buffer);
-        let rx = LinkRx::new(id, self.router_tx, self.link_rx, self.outgoing_data_buffer);
+        let mut rx = LinkRx::new(id, self.router_tx, self.link_rx, self.outgoing_data_buffer);
+        // What came with the CONNACK, under the same wake-up (a resumed
+        // session's PUBRELs), is read next rather than with the next
+        // wake-up (statebroker patch 21).
+        rx.cache.extend(rx.send_buffer.lock().drain(..));
         Ok((tx, rx, notification))
     }
 }

@@ -1095,10 +1095,18 @@ impl Router {
             shared_group.add_client(client_id);
         };
 
-        if let Some(subscription_id) = subscription_id {
-            connection
-                .subscription_ids
-                .insert(filter_path.clone(), subscription_id);
+        // The new subscription replaces the old one, its identifier (or
+        // the lack of one) included (MQTT 5 [MQTT-3.8.4-3]; statebroker
+        // patch 21).
+        match subscription_id {
+            Some(subscription_id) => {
+                connection
+                    .subscription_ids
+                    .insert(filter_path.clone(), subscription_id);
+            }
+            None => {
+                connection.subscription_ids.remove(filter_path);
+            }
         }
 
         // call to `insert(_)` returns `true` if it didn't contain the filter_path already
