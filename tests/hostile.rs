@@ -124,3 +124,121 @@ async fn a_client_that_never_acknowledges_is_bounded() {
     let r = writer.request(&[b"GET", b"small"]).await;
     assert_eq!(&r.payload[..], b"$-1\r\n");
 }
+
+/// The value of `series` at the `/metrics` of the HTTP endpoint `http`.
+async fn metric(http: std::net::SocketAddr, series: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
+/// Issue #31: a client cycling client ids, each asking for a session kept
+/// for ever with a subscription of its own, used to leave a kept session
+/// behind each time (in the router, the broker's mirror and the journal),
+/// without end. With `[broker] max_kept_sessions` the broker keeps that
+/// many and refuses the rest (CONNACK 0x97) at no cost; the router's count
+/// (`statebroker_kept_sessions`) stays at the bound; a client resuming its
+/// session at the bound, and clean sessions, are still served.
+#[tokio::test]
+async fn a_client_cycling_client_ids_is_bounded_by_max_kept_sessions() {
+    const BOUND: usize = 1_000;
+    const TRIES: usize = 2_500;
+    let dir = tempfile::tempdir().unwrap();
+    let http = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"));
+    command
+        .args(["--listen", "127.0.0.1:0", "--http", &http.to_string()])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("STATEBROKER__BROKER__MAX_KEPT_SESSIONS", BOUND.to_string());
+    let (child, addr, log) = common::spawn_command(command).await;
+    let pid = child.id().unwrap();
+    let start = rss(pid);
+    let (mut accepted, mut refused) = (0, 0);
+    let mut at_bound = start;
+    for i in 0..TRIES {
+        let id = format!("cycler-{i}");
+        let (mut c, connack) = Raw::connect_with(addr, &id, |c| {
+            c.0.properties = Some(v5::ConnectProperties {
+                session_expiry_interval: Some(u32::MAX),
+                ..v5::ConnectProperties::new()
+            });
+        })
+        .await;
+        match connack.code {
+            v5::ConnectReturnCode::Success => {
+                accepted += 1;
+                c.subscribe(&format!("cycler/{i}/#"), QoS::AtLeastOnce)
+                    .await;
+                c.send(v5::Packet::Disconnect(v5::Disconnect::new(
+                    v5::DisconnectReasonCode::NormalDisconnection,
+                )))
+                .await;
+                assert!(matches!(c.recv().await, Recv::Closed));
+                if accepted == BOUND {
+                    at_bound = rss(pid);
+                }
+            }
+            v5::ConnectReturnCode::QuotaExceeded => {
+                refused += 1;
+                assert!(matches!(c.recv().await, Recv::Closed), "closed after");
+            }
+            other => panic!("{id}: CONNACK {other:?}"),
+        }
+    }
+    let end = rss(pid);
+    let kept = metric(http, "statebroker_kept_sessions").await;
+    let refusals = metric(
+        http,
+        "statebroker_connections_refused_total{reason=\"sessions_quota_exceeded\"}",
+    )
+    .await;
+    eprintln!(
+        "{TRIES} client ids each asking for a session kept for ever, bound {BOUND}: \
+         {accepted} accepted, {refused} refused; kept sessions {kept}; rss at start {} KiB, \
+         at the bound {} KiB (+{} KiB, {} bytes per kept session), after {} refusals {} KiB",
+        start >> 10,
+        at_bound >> 10,
+        at_bound.saturating_sub(start) >> 10,
+        at_bound.saturating_sub(start) / BOUND as u64,
+        refused,
+        end >> 10,
+    );
+    assert_eq!((accepted, refused), (BOUND, TRIES - BOUND));
+    assert_eq!(kept, BOUND as f64, "the router's count");
+    assert_eq!(refusals, (TRIES - BOUND) as f64, "every refusal counted");
+    assert!(
+        log.lock()
+            .iter()
+            .any(|l| l.contains("CONNECT refused: kept sessions at their bound")),
+        "refusals are logged"
+    );
+    // At the bound: a session is resumed, a clean one is served.
+    let (_c, connack) = Raw::connect_with(addr, "cycler-7", |c| {
+        c.0.clean_start = false;
+        c.0.properties = Some(v5::ConnectProperties {
+            session_expiry_interval: Some(60),
+            ..v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    assert_eq!(connack.code, v5::ConnectReturnCode::Success);
+    assert!(connack.session_present, "resumed at the bound");
+    let mut clean = Raw::connect(addr, "clean-at-the-bound").await;
+    let r = clean.request(&[b"GET", b"k"]).await;
+    assert_eq!(&r.payload[..], b"$-1\r\n");
+    drop(child);
+}

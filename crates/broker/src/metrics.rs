@@ -49,6 +49,10 @@ pub const MESSAGES_SENT: &str = "statebroker_messages_sent_total";
 pub const BYTES_SENT: &str = "statebroker_sent_publish_bytes_total";
 /// Clients known: connected, or with a session kept (gauge).
 pub const SESSIONS: &str = "statebroker_sessions";
+/// Sessions kept beyond their connection: persistent clients connected
+/// now, and sessions waiting for their client (gauge); bounded by
+/// `[broker] max_kept_sessions`.
+pub const KEPT_SESSIONS: &str = "statebroker_kept_sessions";
 /// Subscriptions of connected clients and kept sessions (gauge).
 pub const SUBSCRIPTIONS: &str = "statebroker_subscriptions";
 /// Retained messages held (gauge).
@@ -230,6 +234,10 @@ fn describe() {
     describe_counter!(MESSAGES_SENT, "PUBLISH packets sent to clients, by QoS");
     describe_counter!(BYTES_SENT, "Bytes of PUBLISH packets sent to clients");
     describe_gauge!(SESSIONS, "Clients connected or with a session kept");
+    describe_gauge!(
+        KEPT_SESSIONS,
+        "Sessions kept beyond their connection, connected or not ([broker] max_kept_sessions)"
+    );
     describe_gauge!(SUBSCRIPTIONS, "Subscriptions of clients and kept sessions");
     describe_gauge!(RETAINED, "Retained messages held");
     describe_gauge!(

@@ -67,9 +67,14 @@ impl Shared {
         let durable = persistence
             .as_ref()
             .map(|(persistence, _)| Durable::new(Arc::clone(persistence)));
+        // The router enforces `[broker] max_kept_sessions` (patch 22).
+        let router_config = router::RouterConfig {
+            max_kept_sessions: settings.broker.max_kept_sessions,
+            ..settings.router.clone()
+        };
         let router = router::RouterHandle::spawn(
             settings.router_id,
-            settings.router.clone(),
+            router_config,
             INTERNAL_LINKS,
             durable
                 .clone()
@@ -84,11 +89,23 @@ impl Shared {
                     sessions: std::mem::take(&mut loaded.sessions),
                     queued: std::mem::take(&mut loaded.queued),
                 };
-                let (restore, restored) = durable.restore(kept);
+                let (restore, restored) =
+                    durable.restore(kept, settings.broker.max_session_expiry_secs);
                 router
                     .restore(restore)
                     .await
                     .map_err(std::io::Error::other)?;
+                // Every saved session comes back and counts: the bound held
+                // when they were made, so more than it means the bound was
+                // lowered; new ones are refused until expiry makes room.
+                let max_kept = settings.broker.max_kept_sessions;
+                if max_kept > 0 && router.kept_sessions() > max_kept {
+                    tracing::warn!(
+                        kept_sessions = router.kept_sessions(),
+                        max_kept_sessions = max_kept,
+                        "more sessions restored than max_kept_sessions: all are kept, and CONNECTs that would keep a new one are refused until expiry brings them below it"
+                    );
+                }
                 tracing::info!(
                     retained = restored.retained,
                     sessions = restored.sessions,

@@ -10,9 +10,9 @@ use std::time::Duration;
 use metrics::{counter, gauge};
 
 use crate::metrics::{
-    BYTES_SENT, FILTER_LOG_BYTES, FILTER_LOGS, QUEUED_DELIVERIES, QUEUED_DELIVERY_BYTES,
-    QUEUED_WAITING, RETAINED, SESSIONS, STORE_ANSWERS_WAITING, STORE_BYTES, STORE_EXPIRED,
-    STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS, Totals, UPTIME,
+    BYTES_SENT, FILTER_LOG_BYTES, FILTER_LOGS, KEPT_SESSIONS, QUEUED_DELIVERIES,
+    QUEUED_DELIVERY_BYTES, QUEUED_WAITING, RETAINED, SESSIONS, STORE_ANSWERS_WAITING, STORE_BYTES,
+    STORE_EXPIRED, STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS, Totals, UPTIME,
 };
 use crate::sessions::Census;
 use crate::shared::Shared;
@@ -24,6 +24,8 @@ pub struct Snapshot {
     pub uptime: Duration,
     /// Clients, connections, subscriptions, queued deliveries.
     pub census: Census,
+    /// Sessions the router keeps beyond their connection.
+    pub kept_sessions: usize,
     /// Retained messages the router holds.
     pub retained: usize,
     /// Message logs the router holds (one per subscription filter in use).
@@ -52,6 +54,7 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
     Snapshot {
         uptime: shared.started.elapsed(),
         census: shared.sessions.census(),
+        kept_sessions: shared.router.kept_sessions(),
         retained: shared.router.retained_messages(),
         filter_logs: shared.router.filter_logs().logs(),
         filter_log_bytes: shared.router.filter_logs().bytes(),
@@ -68,6 +71,7 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
 /// `/metrics` is rendered.
 pub fn set_gauges(now: &Snapshot) {
     gauge!(SESSIONS).set(now.census.clients as f64);
+    gauge!(KEPT_SESSIONS).set(now.kept_sessions as f64);
     gauge!(SUBSCRIPTIONS).set(now.census.subscriptions as f64);
     gauge!(RETAINED).set(now.retained as f64);
     gauge!(FILTER_LOGS).set(now.filter_logs as f64);

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use flume::Sender;
 
-use crate::local::{LinkBuilder, LinkRx, LinkTx};
+use crate::local::{LinkBuilder, LinkError, LinkRx, LinkTx};
+use crate::protocol::ConnectReturnCode;
 use crate::router::Event;
 use crate::{
     ConnectionId, Journal, LogCounts, Notification, Restore, Router, RouterConfig, Subscriptions,
@@ -22,10 +23,38 @@ use crate::{
 /// that connection.
 pub const MAX_ROUTER_PKID: u16 = 100;
 
-/// The router did not register a link (it is full, or it refused the client id).
+/// The router did not register a link (it is full, it refused the client
+/// id, or it keeps `max_kept_sessions` sessions already).
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("router refused the link: {0}")]
-pub struct LinkRefused(String);
+#[error("router refused the link: {why}")]
+pub struct LinkRefused {
+    why: String,
+    sessions_quota: bool,
+}
+
+impl LinkRefused {
+    fn new(why: String) -> LinkRefused {
+        LinkRefused {
+            why,
+            sessions_quota: false,
+        }
+    }
+
+    /// The link would have kept one more session than the router's
+    /// `max_kept_sessions` (patch 22): MQTT 5 calls this "quota exceeded".
+    pub fn sessions_quota(&self) -> bool {
+        self.sessions_quota
+    }
+}
+
+impl From<LinkError> for LinkRefused {
+    fn from(e: LinkError) -> LinkRefused {
+        LinkRefused {
+            sessions_quota: matches!(e, LinkError::Refused(ConnectReturnCode::QuotaExceeded)),
+            why: e.to_string(),
+        }
+    }
+}
 
 /// A registered link: what to send, what to receive, and the router's CONNACK.
 pub type Link = (LinkTx, LinkRx, Notification);
@@ -69,6 +98,12 @@ impl RouterHandle {
         }
     }
 
+    /// How many sessions the router keeps beyond their connection now
+    /// (connected or not; patch 22).
+    pub fn kept_sessions(&self) -> usize {
+        self.subscriptions.kept_sessions()
+    }
+
     /// How many retained messages the router holds now.
     pub fn retained_messages(&self) -> usize {
         self.retained.load(Ordering::Relaxed)
@@ -90,7 +125,7 @@ impl RouterHandle {
     /// returns once the router has it. Call before any client connects.
     pub async fn restore(&self, restore: Restore) -> Result<(), LinkRefused> {
         let (done, restored) = flume::bounded(1);
-        let gone = || LinkRefused("the router is not running".to_owned());
+        let gone = || LinkRefused::new("the router is not running".to_owned());
         self.tx
             .send_async((0, Event::Restore(restore, done)))
             .await
@@ -119,7 +154,7 @@ impl RouterHandle {
             .topic_alias_max(0)
             .build_async()
             .await
-            .map_err(|e| LinkRefused(e.to_string()))
+            .map_err(LinkRefused::from)
     }
 }
 
@@ -211,6 +246,43 @@ mod tests {
             rest.iter().all(|&p| (1..=MAX_ROUTER_PKID).contains(&p)),
             "{rest:?}"
         );
+    }
+
+    /// Patch 22: beyond `max_kept_sessions`, a link that would keep a
+    /// session for a client id that has none is refused "quota exceeded";
+    /// a client id that has one resumes, clean sessions are not counted,
+    /// and a session that ends frees room.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kept_sessions_are_bounded() {
+        let config = RouterConfig {
+            max_connections: 10,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 1 << 20,
+            max_segment_count: 4,
+            max_kept_sessions: 2,
+            ..RouterConfig::default()
+        };
+        let router = RouterHandle::spawn(0, config, 0, None);
+        let (a, _a_rx, _) = router.link("a", true, 60).await.unwrap();
+        let (_b, _b_rx, _) = router.link("b", true, u32::MAX).await.unwrap();
+        assert_eq!(router.kept_sessions(), 2);
+        let refused = router.link("c", true, 60).await.err().expect("refused");
+        assert!(refused.sessions_quota(), "{refused}");
+        assert_eq!(router.kept_sessions(), 2, "nothing of c kept");
+        let (_clean, _clean_rx, _) = router.link("clean", true, 0).await.unwrap();
+        // a leaves and comes back: its session is resumed, at the bound.
+        drop(a);
+        let (_a, _a_rx, connack) = router.link("a", false, 60).await.unwrap();
+        let resumed = matches!(
+            Option::<Packet>::from(connack),
+            Some(Packet::ConnAck(ack, _)) if ack.session_present
+        );
+        assert!(resumed, "a resumes at the bound");
+        // a starts clean and keeps nothing: room for c.
+        let (_a, _a_rx, _) = router.link("a", true, 0).await.unwrap();
+        assert_eq!(router.kept_sessions(), 1);
+        router.link("c", true, 60).await.unwrap();
+        assert_eq!(router.kept_sessions(), 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -201,6 +201,12 @@ pub struct RouterConfig {
     /// exceeded" (statebroker patch 20).
     #[serde(default)]
     pub max_subscriptions_per_client: usize,
+    /// The most sessions kept beyond their connection (0: no limit): a
+    /// connection that would keep a session for a client id that has none
+    /// is refused with CONNACK "quota exceeded" (statebroker patch 22).
+    /// Set by the broker from its own configuration.
+    #[serde(skip)]
+    pub max_kept_sessions: usize,
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]

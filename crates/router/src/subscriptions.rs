@@ -384,6 +384,13 @@ impl Subscriptions {
         found
     }
 
+    /// How many sessions are kept beyond their connection: of connected
+    /// clients with a Session Expiry Interval above 0, and of clients gone
+    /// whose session has not expired (statebroker patch 22).
+    pub fn kept_sessions(&self) -> usize {
+        self.index.read().kept
+    }
+
     /// Whether any session is kept (while none is, no publish needs saving).
     pub(crate) fn any_kept(&self) -> bool {
         self.index.read().kept > 0
@@ -504,6 +511,13 @@ mod tests {
         assert!(s.any_kept());
         s.set_kept("k", false);
         assert!(!s.any_kept(), "counted once");
+        assert_eq!(s.kept_sessions(), 0);
+        s.set_kept("k", true);
+        s.set_kept("j", true);
+        assert_eq!(s.kept_sessions(), 2);
+        s.end_session("k");
+        assert_eq!(s.kept_sessions(), 1);
+        s.end_session("j");
         s.unsubscribe("clean", "a/#");
         assert_eq!(s.counts(), Counts::default(), "nothing left behind");
     }

@@ -131,6 +131,14 @@ pub struct PersistenceSection {
 pub struct BrokerSection {
     /// Upper bound on client keep-alive, seconds; 0 for none.
     pub max_keep_alive_secs: u16,
+    /// Upper bound on a session's expiry after its connection, seconds
+    /// (MQTT 5 Session Expiry Interval; 3.1.1 persistent sessions); 0 for
+    /// none.
+    pub max_session_expiry_secs: u32,
+    /// Sessions kept beyond their connection, all clients together; a
+    /// connection that would keep one more for a new client id is refused
+    /// (CONNACK 0x97, 3.1.1: 0x03). 0 for no limit.
+    pub max_kept_sessions: usize,
     /// Topic aliases a client may use towards the broker.
     pub topic_alias_max: u16,
     /// Serve the 2023 request topic.

@@ -76,12 +76,13 @@ pub(crate) async fn accept(
         protocol,
     )
     .map_err(|(refusal, why)| refuse(refusal, why))?;
-    let terms = Terms::negotiate(
+    let mut terms = Terms::negotiate(
         hello,
         protocol,
         shared.settings.broker.max_keep_alive_secs,
         || format!("statebroker-{:x}-{id}", shared.started_nanos),
     );
+    terms.cap_session_expiry(shared.settings.broker.max_session_expiry_secs, protocol);
     let client_id = terms.client_id.as_str();
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let Some(connack) = handshake::connack_properties(&terms, listener, topic_alias_max) else {
@@ -146,6 +147,21 @@ pub(crate) async fn accept(
     .await;
     let (link, session_present) = match opened {
         Ok(opened) => opened,
+        // The router keeps `max_kept_sessions` and this would be one more:
+        // refused, not accepted without its session (see docs/architecture.md,
+        // "Sessions kept after their connection").
+        Err(e) if e.sessions_quota() => {
+            tracing::warn!(
+                %peer,
+                client_id,
+                ?protocol,
+                max_kept_sessions = shared.settings.broker.max_kept_sessions,
+                "CONNECT refused: kept sessions at their bound (max_kept_sessions)"
+            );
+            crate::metrics::connection_refused(Refusal::SessionsQuota.label());
+            return Err(handshake::refusal(protocol, Refusal::SessionsQuota)
+                .filter(|_| max_packet_size.is_none_or(|max| max >= 5)));
+        }
         Err(e) => {
             tracing::error!(%peer, client_id, error = %e, "router refused the connection");
             crate::metrics::connection_refused(Refusal::Busy.label());

@@ -94,6 +94,9 @@ pub(crate) enum Refusal {
     /// The client's Maximum Packet Size leaves no room for a CONNACK with
     /// what it must carry (see [`connack_within`]).
     ConnAckTooLarge,
+    /// The connection would keep one more session than `[broker]
+    /// max_kept_sessions` (for a client id that has none).
+    SessionsQuota,
 }
 
 impl Refusal {
@@ -109,6 +112,7 @@ impl Refusal {
             Refusal::ProtocolError => "protocol_error",
             Refusal::Malformed => "malformed_packet",
             Refusal::ConnAckTooLarge => "connack_too_large",
+            Refusal::SessionsQuota => "sessions_quota_exceeded",
         }
     }
 }
@@ -123,7 +127,10 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V5, Refusal::ProtocolError) => ConnectReturnCode::ProtocolError,
         // 3.1.1 has neither (and its encoder knows only codes 0-5).
         (Protocol::V4, Refusal::BadAuthenticationMethod) => ConnectReturnCode::NotAuthorized,
-        (Protocol::V4, Refusal::ConnAckTooLarge) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V4, Refusal::ConnAckTooLarge | Refusal::SessionsQuota) => {
+            ConnectReturnCode::ServiceUnavailable
+        }
+        (Protocol::V5, Refusal::SessionsQuota) => ConnectReturnCode::QuotaExceeded,
         (Protocol::V5, Refusal::BadAuthenticationMethod) => {
             ConnectReturnCode::BadAuthenticationMethod
         }
@@ -216,8 +223,12 @@ pub(crate) struct Terms {
     pub receive_maximum: u16,
     /// How long the session outlives the connection, seconds (`u32::MAX`:
     /// for ever): the client's Session Expiry Interval in MQTT 5; in 3.1.1
-    /// 0 for a clean session and for ever otherwise.
+    /// 0 for a clean session and for ever otherwise; at most the broker's
+    /// maximum once [`Terms::cap_session_expiry`] applied it.
     pub session_expiry: u32,
+    /// The Session Expiry Interval the broker imposes, told in CONNACK
+    /// (MQTT 5, 3.2.2.3.2): set when the client asked for more.
+    pub server_session_expiry: Option<u32>,
     /// The largest packet the client accepts (its Maximum Packet Size).
     pub max_packet_size: usize,
 }
@@ -265,9 +276,25 @@ impl Terms {
                 Protocol::V4 if connect.clean_session => 0,
                 Protocol::V4 => u32::MAX,
             },
+            server_session_expiry: None,
             max_packet_size: properties
                 .and_then(|p| p.max_packet_size)
                 .map_or(usize::MAX, |max| max as usize),
+        }
+    }
+
+    /// Keeps the session at most `max` seconds after the connection (0: no
+    /// maximum). An MQTT 5 client that asked for more, or for ever, is told
+    /// the broker's value in CONNACK (3.2.2.3.2: the server may use a value
+    /// other than the client's); a 3.1.1 persistent session (for ever in
+    /// that protocol) gets the maximum without being told.
+    pub fn cap_session_expiry(&mut self, max: u32, protocol: Protocol) {
+        if max == 0 || self.session_expiry <= max {
+            return;
+        }
+        self.session_expiry = max;
+        if protocol == Protocol::V5 {
+            self.server_session_expiry = Some(max);
         }
     }
 
@@ -307,7 +334,9 @@ pub(crate) fn connack(session_present: bool, properties: ConnAckProperties) -> P
 ///
 /// What stays, as the client must know it: the Assigned Client Identifier
 /// (the client has no other way to learn its id, 3.2.2.3.7), the Server
-/// Keep Alive (the broker's timeout follows it, 3.2.2.3.14), the Receive
+/// Keep Alive (the broker's timeout follows it, 3.2.2.3.14), the Session
+/// Expiry Interval when the broker shortened the client's (3.2.2.3.2),
+/// the Receive
 /// Maximum and Maximum Packet Size (absent they mean 65,535 and no limit,
 /// and the broker enforces its own: a client that believed them would be
 /// disconnected). The broker sends no Reason String or User Property in
@@ -323,6 +352,7 @@ pub(crate) fn connack_properties(
         receive_max: Some(listener.receive_maximum),
         max_packet_size: Some(u32::try_from(listener.max_packet_size).unwrap_or(u32::MAX)),
         server_keep_alive: terms.server_keep_alive,
+        session_expiry_interval: terms.server_session_expiry,
         retain_available: Some(1),
         wildcard_subscription_available: Some(1),
         shared_subscription_available: Some(1),
@@ -487,6 +517,11 @@ mod tests {
             code(Protocol::V5, Refusal::ConnAckTooLarge),
             C::ImplementationSpecificError
         );
+        assert_eq!(code(Protocol::V5, Refusal::SessionsQuota), C::QuotaExceeded);
+        assert_eq!(
+            code(Protocol::V4, Refusal::SessionsQuota),
+            C::ServiceUnavailable
+        );
         for r in [Refusal::Malformed, Refusal::ProtocolError] {
             assert_eq!(refusal(Protocol::V4, r), None, "{r:?}: 3.1.1 closes");
         }
@@ -560,6 +595,48 @@ mod tests {
             || unreachable!(),
         );
         assert_eq!((t.keep_alive, t.server_keep_alive), (0, None));
+    }
+
+    /// 3.2.2.3.2: the broker's maximum Session Expiry Interval, told in
+    /// CONNACK to an MQTT 5 client that asked for more; applied to 3.1.1
+    /// persistent sessions without a word.
+    #[test]
+    fn session_expiry_is_capped() {
+        let asking = |expiry: Option<u32>| ConnectProperties {
+            session_expiry_interval: expiry,
+            receive_maximum: None,
+            max_packet_size: None,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: Vec::new(),
+            authentication_method: None,
+            authentication_data: None,
+        };
+        let l = listener();
+        let capped = |expiry: Option<u32>, max: u32| {
+            let h = hello(connect("c", false, 0), Some(asking(expiry)));
+            let mut t = Terms::negotiate(&h, Protocol::V5, 0, || unreachable!());
+            t.cap_session_expiry(max, Protocol::V5);
+            let told = connack_properties(&t, &l, 0)
+                .unwrap()
+                .session_expiry_interval;
+            (t.session_expiry, told)
+        };
+        assert_eq!(capped(Some(u32::MAX), 604_800), (604_800, Some(604_800)));
+        assert_eq!(capped(Some(604_801), 604_800), (604_800, Some(604_800)));
+        assert_eq!(capped(Some(604_800), 604_800), (604_800, None), "not more");
+        assert_eq!(capped(Some(60), 604_800), (60, None));
+        assert_eq!(capped(None, 604_800), (0, None), "nothing kept");
+        assert_eq!(capped(Some(u32::MAX), 0), (u32::MAX, None), "no maximum");
+        let h = hello(connect("c", false, 0), None);
+        let mut t = Terms::negotiate(&h, Protocol::V4, 0, || unreachable!());
+        t.cap_session_expiry(604_800, Protocol::V4);
+        assert_eq!((t.session_expiry, t.server_session_expiry), (604_800, None));
+        let h = hello(connect("c", true, 0), None);
+        let mut t = Terms::negotiate(&h, Protocol::V4, 0, || unreachable!());
+        t.cap_session_expiry(604_800, Protocol::V4);
+        assert_eq!(t.session_expiry, 0, "a clean 3.1.1 session keeps nothing");
     }
 
     #[test]

@@ -119,7 +119,11 @@ impl Durable {
     /// What was saved, for the router to take back (see the module's
     /// documentation), and what of it was kept, expired or unreadable.
     /// Records that expired or cannot be read are removed from the disk.
-    pub fn restore(&self, saved: Saved) -> (Restore, Restored) {
+    ///
+    /// A session is kept at most `max_expiry` seconds after its connection
+    /// ended (0: no maximum), whatever its record says: records saved
+    /// before the maximum (or under a larger one) are held to it.
+    pub fn restore(&self, saved: Saved, max_expiry: u32) -> (Restore, Restored) {
         let now = now_ms();
         let mut restored = Restored::default();
         let mut removals = Vec::new();
@@ -150,7 +154,7 @@ impl Durable {
                 .map_err(|_| "the client id is not UTF-8".to_owned())
                 .and_then(|c| decode_session(&value).map(|s| (c, s)));
             match session {
-                Ok((client_id, session)) => match remaining(&session, now) {
+                Ok((client_id, session)) => match remaining(&session, now, max_expiry) {
                     Some(expires_in) => {
                         let waiting = queued.remove(client_id).unwrap_or_default();
                         let waiting = self.waiting_for(
@@ -354,14 +358,18 @@ impl Journal for Durable {
 /// How long a saved session is still kept, as of `now` (Unix ms): `None`
 /// when it has expired, `Some(None)` when it never expires. A session saved
 /// while connected (the broker stopped without ending it) counts from now.
-fn remaining(session: &SessionRecord, now: u64) -> Option<Option<Duration>> {
-    if session.expiry == u32::MAX {
+fn remaining(session: &SessionRecord, now: u64, max_expiry: u32) -> Option<Option<Duration>> {
+    let expiry = match max_expiry {
+        0 => session.expiry,
+        max => session.expiry.min(max),
+    };
+    if expiry == u32::MAX {
         return Some(None);
     }
     let waited = session
         .disconnected_at_ms
         .map_or(0, |at| now.saturating_sub(at));
-    let left = (u64::from(session.expiry) * 1000).checked_sub(waited)?;
+    let left = (u64::from(expiry) * 1000).checked_sub(waited)?;
     (left > 0).then_some(Some(Duration::from_millis(left)))
 }
 
@@ -376,16 +384,28 @@ mod tests {
             disconnected_at_ms,
             filters: Vec::new(),
         };
-        assert_eq!(remaining(&at(u32::MAX, Some(0)), u64::MAX), Some(None));
+        assert_eq!(remaining(&at(u32::MAX, Some(0)), u64::MAX, 0), Some(None));
         assert_eq!(
-            remaining(&at(10, Some(1_000)), 4_000),
+            remaining(&at(10, Some(1_000)), 4_000, 0),
             Some(Some(Duration::from_secs(7)))
         );
-        assert_eq!(remaining(&at(10, Some(1_000)), 11_000), None);
+        assert_eq!(remaining(&at(10, Some(1_000)), 11_000, 0), None);
         assert_eq!(
-            remaining(&at(10, None), 99_000),
+            remaining(&at(10, None), 99_000, 0),
             Some(Some(Duration::from_secs(10))),
             "still connected when the broker stopped: counts from now"
+        );
+        // `[broker] max_session_expiry_secs` holds records saved under a
+        // larger one (or none: 3.1.1's "for ever") to it.
+        assert_eq!(
+            remaining(&at(u32::MAX, Some(1_000)), 4_000, 10),
+            Some(Some(Duration::from_secs(7)))
+        );
+        assert_eq!(remaining(&at(u32::MAX, Some(1_000)), 11_000, 10), None);
+        assert_eq!(
+            remaining(&at(5, Some(1_000)), 4_000, 10),
+            Some(Some(Duration::from_secs(2))),
+            "a shorter expiry stays"
         );
     }
 }

@@ -1,6 +1,6 @@
 use crate::protocol::{
-    Filter, LastWill, LastWillProperties, Packet, Publish, QoS, RetainForwardRule, Subscribe,
-    Unsubscribe,
+    ConnectReturnCode, Filter, LastWill, LastWillProperties, Packet, Publish, QoS,
+    RetainForwardRule, Subscribe, Unsubscribe,
 };
 use crate::router::Ack;
 use crate::router::{
@@ -24,6 +24,11 @@ pub enum LinkError {
     NotConnectionAck,
     #[error("ConnAck error {0}")]
     ConnectionAck(String),
+    /// The router refused the connection with this CONNACK code
+    /// (statebroker patch 22: `QuotaExceeded` when it keeps
+    /// `max_kept_sessions` sessions already).
+    #[error("the router refused the connection: {0:?}")]
+    Refused(ConnectReturnCode),
     /// The router's channel is full (what could not be sent is dropped:
     /// the error stays small, statebroker).
     #[error("Channel try send error")]
@@ -197,6 +202,11 @@ impl PendingLink {
         // Right now link identifies failure with dropped rx in router,
         // which is probably ok. We need this here to get id assigned by router
         let id = match notification {
+            Notification::DeviceAck(Ack::ConnAck(_, ack, _))
+                if ack.code != ConnectReturnCode::Success =>
+            {
+                return Err(LinkError::Refused(ack.code))
+            }
             Notification::DeviceAck(Ack::ConnAck(id, ..)) => id,
             _message => return Err(LinkError::NotConnectionAck),
         };

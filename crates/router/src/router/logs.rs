@@ -641,6 +641,7 @@ mod test {
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
             max_subscriptions_per_client: 0,
+            max_kept_sessions: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("topic/a");
@@ -662,6 +663,7 @@ mod test {
             initialized_filters: None,
             shared_subscriptions_strategy: Strategy::RoundRobin,
             max_subscriptions_per_client: 0,
+            max_kept_sessions: 0,
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("+/+");

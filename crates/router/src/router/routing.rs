@@ -327,6 +327,27 @@ impl Router {
         let span = tracing::info_span!("incoming_connect", client_id);
         let _guard = span.enter();
 
+        // A connection that would add a kept session beyond the bound is
+        // refused before it touches anything (a live connection of the same
+        // client id stays); one whose client id has a kept session already
+        // (it resumes or replaces it) never is (statebroker patch 22).
+        let limit = self.config.max_kept_sessions;
+        if limit > 0
+            && connection.session_expiry > 0
+            && !self.subscriptions.has_kept_session(&client_id)
+            && self.subscriptions.kept_sessions() >= limit
+        {
+            debug!(limit, "kept sessions at the bound: connection refused");
+            let ack = ConnAck {
+                session_present: false,
+                code: ConnectReturnCode::QuotaExceeded,
+            };
+            let refused = Notification::DeviceAck(Ack::ConnAck(0, ack, None));
+            outgoing.data_buffer.lock().push_back(refused);
+            outgoing.handle.try_send(()).ok();
+            return;
+        }
+
         if cfg!(not(feature = "allow-duplicate-clientid")) {
             // Check if same client_id already exists and if so, replace it with this new connection
             // ref: https://docs.oasis-open.org/mqtt/mqtt/v3.1.1/os/mqtt-v3.1.1-os.html#_Toc398718032

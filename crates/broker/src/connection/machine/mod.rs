@@ -294,7 +294,9 @@ impl Machine {
                             "a session that ends with its connection cannot be given an expiry at DISCONNECT".into(),
                         ));
                     }
-                    self.session_expiry = expiry;
+                    // No longer than the broker keeps any session.
+                    let max = self.shared.settings.broker.max_session_expiry_secs;
+                    self.session_expiry = if max > 0 { expiry.min(max) } else { expiry };
                 }
                 Err(End::Goodbye {
                     will: disconnect.reason_code == DisconnectReasonCode::DisconnectWithWillMessage,
