@@ -211,3 +211,32 @@ async fn the_2023_topic_and_its_case_rules() {
     assert_eq!(legacy(&["vdel", "k", "v"]).await, b":1\r\n");
     assert_eq!(legacy(&["del", "k"]).await, b":0\r\n");
 }
+
+/// Issue #33 item 9: with the default configuration a value of exactly
+/// `statestore.quota.max_value_size` (1 MiB) can be set and read back (the
+/// default packet limit leaves room for the request around it); one byte
+/// more is refused by the quota, not by the packet limit.
+#[tokio::test]
+async fn the_largest_value_fits_the_default_packet_limit() {
+    let broker = start_broker().await;
+    let mut c = Raw::connect(broker.local_addr(), "largest").await;
+    let ts = now_hlc("largest");
+    let user = [("__ts", ts.as_str())];
+    let largest = "v".repeat(1 << 20);
+    assert_eq!(
+        ask(&mut c, &["SET", "largest", &largest], &user).await.0,
+        b"+OK\r\n"
+    );
+    let (answer, _) = ask(&mut c, &["GET", "largest"], &user).await;
+    let mut want = format!("${}\r\n", largest.len()).into_bytes();
+    want.extend_from_slice(largest.as_bytes());
+    want.extend_from_slice(b"\r\n");
+    assert!(answer == want, "GET answered {} bytes", answer.len());
+    let over = "v".repeat((1 << 20) + 1);
+    assert_eq!(
+        ask(&mut c, &["SET", "over", &over], &user).await.0,
+        err("the quota has been exceeded")
+    );
+    // Refused by the quota, not by the packet limit: the connection stays.
+    assert_eq!(ask(&mut c, &["GET", "over"], &user).await.0, b"$-1\r\n");
+}

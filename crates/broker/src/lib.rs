@@ -100,6 +100,9 @@ impl Broker {
     /// Binds every listener, starts the router and the state store service,
     /// and starts accepting clients. Returns once the broker is serving.
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
+        for advice in settings.advisories() {
+            tracing::warn!("{advice}");
+        }
         let (stop, shutdown) = watch::channel(false);
         let ready = Arc::new(AtomicBool::new(false));
         let described = web::Broker::default();

@@ -256,7 +256,35 @@ pub struct Settings {
     pub clustering: Option<ClusteringSettings>,
 }
 
+/// What a state store request carries besides its key and value, at most
+/// in practice: the PUBLISH header, the request topic, a Response Topic
+/// of a long client id, Correlation Data, user properties (the SDK's
+/// timestamp and invoker id), the RESP framing. An allowance, not a bound.
+pub const REQUEST_OVERHEAD: usize = 1024;
+
 impl Settings {
+    /// Settings that work but probably not as meant, each a sentence for a
+    /// WARN line at start.
+    pub fn advisories(&self) -> Vec<String> {
+        let value = self.statestore.quota.max_value_size;
+        self.listeners
+            .iter()
+            .filter(|l| l.max_packet_size < value.saturating_add(REQUEST_OVERHEAD))
+            .map(|l| {
+                format!(
+                    "statestore.quota.max_value_size = {value} cannot be reached through listener \
+                     {name} ({}): it accepts packets up to {} bytes \
+                     ({name}.connections.max_payload_size) and a SET of such a value needs about \
+                     {} more; raise max_payload_size or lower max_value_size",
+                    l.addr,
+                    l.max_packet_size,
+                    REQUEST_OVERHEAD,
+                    name = l.name,
+                )
+            })
+            .collect()
+    }
+
     /// The embedded default, listening on `addr` only and keeping
     /// everything in memory (no data directory): for tests and tools.
     pub fn listening_on(addr: SocketAddr) -> Settings {

@@ -90,7 +90,32 @@ fn listen_override() {
     let s = Settings::load_with_env(None, &two, no_env()).unwrap();
     let addrs: Vec<SocketAddr> = s.listeners.iter().map(|l| l.addr).collect();
     assert_eq!(addrs, two, "one listener per --listen");
-    assert!(s.listeners.iter().all(|l| l.max_packet_size == 1_048_576));
+    assert!(s.listeners.iter().all(|l| l.max_packet_size == 1_179_648));
+}
+
+/// Issue #33 item 9: the default `max_value_size` (1 MiB) fits the
+/// default packet limit with room for the request around it; a listener
+/// whose limit makes it unreachable is named at start.
+#[test]
+fn a_value_size_no_packet_can_carry_is_named() {
+    let addr: SocketAddr = "127.0.0.1:7001".parse().unwrap();
+    let s = Settings::load_with_env(None, &[addr], no_env()).unwrap();
+    assert!(s.advisories().is_empty(), "{:?}", s.advisories());
+    let f = file(
+        "[v4.1]\nname = \"small\"\nlisten = \"127.0.0.1:2883\"\nnext_connection_delay_ms = 0\n\
+         [v4.1.connections]\nconnection_timeout_ms = 100\nmax_payload_size = 5000\nmax_inflight_count = 10\n",
+    );
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    let advice = s.advisories();
+    assert_eq!(advice.len(), 1, "{advice:?}");
+    for needle in [
+        "max_value_size = 1048576",
+        "listener v4.1 (127.0.0.1:2883)",
+        "up to 5000 bytes",
+        "v4.1.connections.max_payload_size",
+    ] {
+        assert!(advice[0].contains(needle), "{needle:?} in {}", advice[0]);
+    }
 }
 
 #[test]
