@@ -1,11 +1,12 @@
 //! SIGHUP: what a reload changes while the broker runs, and what it refuses.
 //!
 //! A reload happens in two steps, like a start:
-//! 1. [`prepare`] reads and checks everything the new configuration names,
-//!    exactly as a start would: the password file, the authorization
-//!    policy, and the certificate, key and CA files of every TLS listener.
-//!    Any error refuses the whole reload (each error names its setting and
-//!    file): nothing changes, the running configuration stays in force.
+//! 1. `prepare` (`RunningBroker::prepare_reload`) reads and checks
+//!    everything the new configuration names, exactly as a start would:
+//!    the password file, the authorization policy, and the certificate,
+//!    key and CA files of every TLS listener. Any error refuses the whole
+//!    reload (each error names its setting and file): nothing changes, the
+//!    running configuration stays in force.
 //! 2. [`Prepared::apply`] then swaps in what changed, which cannot fail:
 //!    the password file and the policy (enabled, changed to another file,
 //!    disabled, or new content in the same file) and the TLS files of each
