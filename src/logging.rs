@@ -34,6 +34,18 @@ impl Format {
 pub struct Logging {
     handle: reload::Handle<EnvFilter, Registry>,
     from_env: bool,
+    /// The `[log] level` in force (or last asked for, with RUST_LOG set).
+    level: std::sync::Mutex<String>,
+}
+
+/// What a reload's `[log] level` means, checked before anything applies.
+pub enum Level {
+    /// The same as before.
+    Same,
+    /// Another filter, to apply.
+    New(String, Box<EnvFilter>),
+    /// Another level, but RUST_LOG is set and wins over it: not applied.
+    Overridden,
 }
 
 /// Parses a filter, naming where it came from in the error.
@@ -68,18 +80,44 @@ impl Logging {
             .with(json)
             .try_init()
             .map_err(|e| format!("cannot install the logger: {e}"))?;
-        Ok(Logging { handle, from_env })
+        Ok(Logging {
+            handle,
+            from_env,
+            level: std::sync::Mutex::new(level.to_owned()),
+        })
     }
 
-    /// Applies a reloaded `[log] level`; says what it did.
-    pub fn set_level(&self, level: &str) -> Result<&'static str, String> {
-        if self.from_env {
-            return Ok("RUST_LOG is set and wins over log.level");
+    fn level(&self) -> std::sync::MutexGuard<'_, String> {
+        self.level
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Checks a reloaded `[log] level` as a start would (changes nothing).
+    pub fn prepare(&self, level: &str) -> Result<Level, String> {
+        if *self.level() == level {
+            return Ok(Level::Same);
         }
-        let new = filter(level, "log.level")?;
-        self.handle
-            .reload(new)
-            .map_err(|e| format!("cannot change the log filter: {e}"))?;
-        Ok("log.level applied")
+        if self.from_env {
+            return Ok(Level::Overridden);
+        }
+        Ok(Level::New(
+            level.to_owned(),
+            Box::new(filter(level, "[log] level")?),
+        ))
+    }
+
+    /// Applies what [`Logging::prepare`] checked; says whether it changed.
+    pub fn apply(&self, level: Level) -> Result<bool, String> {
+        match level {
+            Level::Same | Level::Overridden => Ok(false),
+            Level::New(level, filter) => {
+                self.handle
+                    .reload(*filter)
+                    .map_err(|e| format!("cannot change the log filter: {e}"))?;
+                *self.level() = level;
+                Ok(true)
+            }
+        }
     }
 }

@@ -39,7 +39,9 @@ use logging::{Format, Logging};
 /// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
 /// configuration file and applies what can change while running (the log
 /// filter, the password file, the authorization policy, TLS certificates),
-/// naming in the log what needs a restart.
+/// naming in ERROR lines what needs a restart; a file with any error (a
+/// missing password file, a broken policy, an unreadable certificate) is
+/// refused as a whole.
 #[derive(Parser, Debug)]
 #[command(version, about, long_about, args_conflicts_with_subcommands = true)]
 struct Cli {
@@ -298,37 +300,73 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// SIGHUP: re-reads the configuration and applies what a running broker
-/// can (the log level here, the password file, the policy and the TLS
-/// certificates in the broker: see `broker::reload`); every setting it
-/// cannot apply is named in an ERROR line. A file with an error changes
-/// nothing.
+/// SIGHUP: re-reads the configuration and checks all it names as a start
+/// would; then applies what a running broker can (the log level here; the
+/// password file, the policy and the TLS files in the broker: see
+/// `broker::reload`). A configuration with any error is refused as a whole:
+/// nothing changes. Every changed setting only a restart applies is named
+/// in an ERROR line. The last line says which of the three happened:
+/// `configuration reloaded: ...` (all applied), `configuration applied in
+/// part` (ERROR), `configuration refused` (ERROR), or `configuration
+/// unchanged`.
 fn reload(cli: &Cli, running: &RunningBroker, logging: &Logging) {
+    let refused = |errors: &[String]| {
+        for e in errors {
+            tracing::error!("SIGHUP: {e}");
+        }
+        tracing::error!(
+            "SIGHUP: configuration refused, nothing applied: the running configuration stays in force until the errors above are fixed and SIGHUP is sent again"
+        );
+    };
     let new = match load(cli) {
         Ok(new) => new,
-        Err(e) => {
-            tracing::error!("SIGHUP: configuration not reloaded, the running one stays: {e}");
-            return;
-        }
+        Err(e) => return refused(&[e]),
     };
-    let level = match logging.set_level(&new.log.level) {
-        Ok(what) => what,
-        Err(e) => {
-            tracing::error!("SIGHUP: configuration not reloaded, the running one stays: {e}");
-            return;
-        }
+    let mut errors = Vec::new();
+    let level = logging.prepare(&new.log.level).map_err(|e| errors.push(e));
+    let prepared = running.prepare_reload(&new).map_err(|e| errors.extend(e));
+    let (Ok(level), Ok(prepared)) = (level, prepared) else {
+        return refused(&errors);
     };
-    let done = running.reload_with(&new);
-    let refused = done.refused.len();
-    if done.is_complete() {
-        tracing::info!(level, "SIGHUP: configuration reloaded");
-    } else {
-        tracing::warn!(
-            level,
-            refused,
-            needs_restart = done.needs_restart.join(", "),
-            "SIGHUP: configuration reloaded in part; what was not applied is named above"
+    let mut not_applied = prepared.needs_restart().to_vec();
+    for setting in &not_applied {
+        tracing::error!(
+            setting,
+            "SIGHUP: {setting} changed, but it cannot change while the broker runs: not applied, the running value stays until a restart"
         );
+    }
+    if matches!(level, logging::Level::Overridden) {
+        tracing::error!(
+            "SIGHUP: [log] level changed, but the RUST_LOG environment variable is set and wins over it: not applied (unset RUST_LOG and restart)"
+        );
+        not_applied.push("[log] level".to_owned());
+    }
+    let mut changed = prepared.apply();
+    match logging.apply(level) {
+        Ok(true) => changed.push("log.level".to_owned()),
+        Ok(false) => {}
+        Err(e) => {
+            tracing::error!("SIGHUP: [log] level not applied: {e}");
+            not_applied.push("[log] level".to_owned());
+        }
+    }
+    let list = |names: &[String]| {
+        if names.is_empty() {
+            "nothing".to_owned()
+        } else {
+            names.join(", ")
+        }
+    };
+    if !not_applied.is_empty() {
+        tracing::error!(
+            "SIGHUP: configuration applied in part: applied {}; not applied (named above): {}",
+            list(&changed),
+            list(&not_applied)
+        );
+    } else if changed.is_empty() {
+        tracing::info!("SIGHUP: configuration unchanged: nothing to apply");
+    } else {
+        tracing::info!("SIGHUP: configuration reloaded: {}", list(&changed));
     }
 }
 

@@ -48,8 +48,11 @@ pub async fn spawn_command(
     Arc<parking_lot::Mutex<Vec<String>>>,
 ) {
     use tokio::io::{AsyncBufReadExt, BufReader};
+    // The broker's own filter, unless the test sets RUST_LOG itself.
+    if !command.as_std().get_envs().any(|(k, _)| k == "RUST_LOG") {
+        command.env_remove("RUST_LOG");
+    }
     let mut child = command
-        .env_remove("RUST_LOG")
         .stderr(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .kill_on_drop(true)

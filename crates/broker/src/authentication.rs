@@ -67,10 +67,31 @@ pub struct Authenticator {
     throttle: Mutex<Throttle>,
 }
 
-#[derive(Default)]
-struct PasswordFile {
+/// A password file read and checked (or none), ready to be used.
+#[derive(Default, PartialEq, Eq)]
+pub struct PasswordFile {
     path: Option<PathBuf>,
     passwords: Option<Arc<Passwords>>,
+}
+
+impl PasswordFile {
+    /// Reads and checks the file at `path` (`None`: no password file).
+    pub fn read(path: Option<&Path>) -> Result<PasswordFile, String> {
+        Ok(PasswordFile {
+            path: path.map(Path::to_owned),
+            passwords: path.map(Passwords::load).transpose()?.map(Arc::new),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// How many users it holds (`None`: no file).
+    pub fn users(&self) -> Option<usize> {
+        self.passwords.as_ref().map(|p| p.len())
+    }
 }
 
 impl Authenticator {
@@ -85,13 +106,22 @@ impl Authenticator {
     /// credentials are not checked), read now; on error the file in use
     /// stays as it was. Returns the number of users.
     pub fn switch(&self, path: Option<&Path>) -> Result<Option<usize>, String> {
-        let passwords = path.map(Passwords::load).transpose()?.map(Arc::new);
-        let users = passwords.as_ref().map(|p| p.len());
-        *self.file.write() = PasswordFile {
-            path: path.map(Path::to_owned),
-            passwords,
-        };
+        let file = PasswordFile::read(path)?;
+        let users = file.users();
+        self.install(file);
         Ok(users)
+    }
+
+    /// Whether `file` differs from the one in use (another file, none, or
+    /// other users or passwords in the same file).
+    pub fn differs(&self, file: &PasswordFile) -> bool {
+        *self.file.read() != *file
+    }
+
+    /// Checks every CONNECT from now on against `file` (read and checked
+    /// before: this cannot fail).
+    pub fn install(&self, file: PasswordFile) {
+        *self.file.write() = file;
     }
 
     /// The password file in use.

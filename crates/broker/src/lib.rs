@@ -135,10 +135,10 @@ impl Broker {
         };
         let mut sockets = Vec::new();
         let mut tls_configs = Vec::new();
-        for listener in &settings.listeners {
+        for (index, listener) in settings.listeners.iter().enumerate() {
             let tls = match &listener.tls {
                 Some(files) => {
-                    let tls = tls::Tls::load(files).map_err(|e| {
+                    let tls = tls::Tls::load(index, files).map_err(|e| {
                         std::io::Error::other(format!("{} ({}): {e}", listener.name, listener.addr))
                     })?;
                     let tls = Arc::new(tls);
@@ -194,7 +194,8 @@ impl Broker {
                 Arc::clone(&shared),
             ));
         }
-        listener::explain(
+        listener::explain(&shared.settings.listeners);
+        listener::warn_unreachable(
             &shared.settings.listeners,
             shared.authenticator.has_password_file(),
         );
@@ -226,20 +227,38 @@ impl RunningBroker {
     }
 
     /// Reads the password file, the authorization policy and the TLS
-    /// certificates in use again. Each that fails keeps what it had and is
-    /// logged; the others apply. Returns whether all succeeded.
+    /// certificates in use again and applies what changed, all or nothing:
+    /// if any does not load, each error is logged and nothing changes.
+    /// Returns whether it was applied.
     pub fn reload(&self) -> bool {
         let mut same = self.shared.settings.clone();
         same.password_file = self.shared.authenticator.path();
         same.authorization = self.shared.authorizer.path();
-        self.reload_with(&same).is_complete()
+        for tls in &self.shared.tls {
+            same.listeners[tls.listener()].tls = Some(tls.files());
+        }
+        match self.prepare_reload(&same) {
+            Ok(prepared) => {
+                prepared.apply();
+                true
+            }
+            Err(errors) => {
+                for e in errors {
+                    tracing::error!("reload refused: {e}");
+                }
+                false
+            }
+        }
     }
 
-    /// SIGHUP: applies `new` (the configuration read again) as far as a
-    /// running broker can (see [`reload::Reloaded`]); every setting it
-    /// cannot change is refused with an ERROR line naming it.
-    pub fn reload_with(&self, new: &Settings) -> reload::Reloaded {
-        reload::reload(&self.shared, &self.shared.settings, new)
+    /// SIGHUP, first step: reads and checks everything `new` (the
+    /// configuration read again) names, as a start would, and sees what
+    /// differs from what runs; changes nothing. `Err`: why the reload must
+    /// be refused, one line per problem, each naming its setting. See
+    /// [`reload`] for what [`reload::Prepared::apply`] then applies and
+    /// what needs a restart.
+    pub fn prepare_reload(&self, new: &Settings) -> Result<reload::Prepared, Vec<String>> {
+        reload::prepare(&self.shared, new)
     }
 
     /// The addresses of every listener.

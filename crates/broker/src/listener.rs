@@ -57,7 +57,7 @@ pub(crate) fn no_such_address(e: &std::io::Error) -> bool {
 }
 
 /// Says at start what the listeners let in, when it may surprise.
-pub(crate) fn explain(listeners: &[Listener], password_file: bool) {
+pub(crate) fn explain(listeners: &[Listener]) {
     if listeners.iter().all(|l| l.addr.ip().is_loopback()) {
         tracing::info!(
             "listening on loopback only: to accept other hosts, pass --listen 0.0.0.0:1883 \
@@ -65,6 +65,11 @@ pub(crate) fn explain(listeners: &[Listener], password_file: bool) {
              unless allow_anonymous = true; see [broker] password_file)"
         );
     }
+}
+
+/// Warns of each listener nobody can connect to (at start, and when a
+/// reload changes the password file).
+pub(crate) fn warn_unreachable(listeners: &[Listener], password_file: bool) {
     for l in listeners {
         let certificates = l.tls.as_ref().is_some_and(|t| t.ca.is_some());
         if !l.allow_anonymous && !password_file && !certificates {

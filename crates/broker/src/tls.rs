@@ -9,9 +9,11 @@
 //! attribute for the authorization policy, as Azure IoT Operations does with
 //! X.509 attributes.
 //!
-//! [`Tls::reload`] (SIGHUP) reads the files again; connections already open
-//! keep the session they negotiated, new ones get the new certificate. A
-//! file that does not load keeps the old configuration.
+//! A SIGHUP ([`crate::reload`]) may give a listener other files, or new
+//! content in the same files: [`Tls::read`] loads and checks them first
+//! (nothing changes if they do not load), [`Tls::install`] swaps them in.
+//! Connections already open keep the session they negotiated; new ones get
+//! the new certificate.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -25,42 +27,82 @@ use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 
 use crate::config::TlsFiles;
 
-/// A listener's TLS configuration, reloadable.
+/// A listener's TLS configuration, swappable by a reload.
 pub struct Tls {
+    /// The listener's index in `Settings::listeners`.
+    listener: usize,
+    loaded: RwLock<Loaded>,
+}
+
+/// TLS files read and checked, ready to serve.
+pub struct Loaded {
     files: TlsFiles,
-    config: RwLock<Arc<ServerConfig>>,
+    /// What the files held (certificate, key, CA), to tell a change.
+    contents: Vec<Vec<u8>>,
+    config: Arc<ServerConfig>,
 }
 
 impl Tls {
-    /// Loads the files; the error names the file and what is wrong.
-    pub fn load(files: &TlsFiles) -> Result<Tls, String> {
+    /// Loads the files of listener number `listener`; the error names the
+    /// file and what is wrong.
+    pub fn load(listener: usize, files: &TlsFiles) -> Result<Tls, String> {
         Ok(Tls {
-            config: RwLock::new(Arc::new(server_config(files)?)),
-            files: files.clone(),
+            listener,
+            loaded: RwLock::new(Tls::read(files)?),
         })
     }
 
-    /// Reads the files again; on error the configuration in use stays.
-    pub fn reload(&self) -> Result<(), String> {
-        let config = server_config(&self.files)?;
-        *self.config.write() = Arc::new(config);
-        Ok(())
+    /// Reads and checks `files` without using them yet.
+    pub fn read(files: &TlsFiles) -> Result<Loaded, String> {
+        let read = |what: &str, path: &std::path::Path| {
+            std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))
+        };
+        let mut contents = vec![
+            read("certificate", &files.cert)?,
+            read("private key", &files.key)?,
+        ];
+        if let Some(ca) = &files.ca {
+            contents.push(read("CA file", ca)?);
+        }
+        let config = server_config(files, &contents)?;
+        Ok(Loaded {
+            files: files.clone(),
+            contents,
+            config: Arc::new(config),
+        })
     }
 
-    /// Which files it reads, for the log.
-    pub fn describe(&self) -> String {
-        self.files.cert.display().to_string()
+    /// The listener's index in `Settings::listeners`.
+    pub fn listener(&self) -> usize {
+        self.listener
+    }
+
+    /// The files in use.
+    pub fn files(&self) -> TlsFiles {
+        self.loaded.read().files.clone()
+    }
+
+    /// Whether `loaded` differs from what is in use (other files, or other
+    /// content in the same files).
+    pub fn differs(&self, loaded: &Loaded) -> bool {
+        let current = self.loaded.read();
+        current.files != loaded.files || current.contents != loaded.contents
+    }
+
+    /// Serves `loaded` to new connections from now on.
+    pub fn install(&self, loaded: Loaded) {
+        *self.loaded.write() = loaded;
     }
 
     /// An acceptor with the current configuration.
     pub fn acceptor(&self) -> TlsAcceptor {
-        TlsAcceptor::from(Arc::clone(&self.config.read()))
+        TlsAcceptor::from(Arc::clone(&self.loaded.read().config))
     }
 }
 
-fn server_config(files: &TlsFiles) -> Result<ServerConfig, String> {
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
-        .and_then(|iter| iter.collect::<Result<_, _>>())
+fn server_config(files: &TlsFiles, contents: &[Vec<u8>]) -> Result<ServerConfig, String> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&contents[0])
+        .collect::<Result<_, _>>()
         .map_err(|e| format!("certificate {}: {e}", files.cert.display()))?;
     if certs.is_empty() {
         return Err(format!(
@@ -68,18 +110,17 @@ fn server_config(files: &TlsFiles) -> Result<ServerConfig, String> {
             files.cert.display()
         ));
     }
-    let key = PrivateKeyDer::from_pem_file(&files.key)
+    let key = PrivateKeyDer::from_pem_slice(&contents[1])
         .map_err(|e| format!("private key {}: {e}", files.key.display()))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
         .map_err(|e| e.to_string())?;
-    let builder = match &files.ca {
-        None => builder.with_no_client_auth(),
-        Some(ca) => {
+    let builder = match (&files.ca, contents.get(2)) {
+        (Some(ca), Some(pem)) => {
             let mut roots = RootCertStore::empty();
-            let cas = CertificateDer::pem_file_iter(ca)
-                .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+            let cas = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| format!("CA file {}: {e}", ca.display()))?;
             let (added, _) = roots.add_parsable_certificates(cas);
             if added == 0 {
@@ -93,6 +134,7 @@ fn server_config(files: &TlsFiles) -> Result<ServerConfig, String> {
                 .map_err(|e| format!("CA file {}: {e}", ca.display()))?;
             builder.with_client_cert_verifier(verifier)
         }
+        _ => builder.with_no_client_auth(),
     };
     builder.with_single_cert(certs, key).map_err(|e| {
         format!(

@@ -305,13 +305,6 @@ impl Policy {
         Ok(Policy { rules })
     }
 
-    /// Reads a policy file.
-    pub fn load(path: &Path) -> Result<Policy, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read authorization policy {}: {e}", path.display()))?;
-        Policy::parse(&text).map_err(|e| format!("authorization policy {}: {e}", path.display()))
-    }
-
     fn rules_for<'a>(&'a self, p: &'a Principal) -> impl Iterator<Item = &'a Rule> + 'a {
         self.rules.iter().filter(move |r| r.applies_to(p))
     }
@@ -397,11 +390,50 @@ impl KeyAccess for KeyRules {
     }
 }
 
-/// The policy in use, reloadable.
+/// The policy in use.
 #[derive(Debug, Default)]
 pub struct Authorizer {
     /// The file and the policy it holds, changed together.
-    file: RwLock<(Option<PathBuf>, Option<Arc<Policy>>)>,
+    file: RwLock<PolicyFile>,
+}
+
+/// A policy file read and checked (or none), ready to be used.
+#[derive(Debug, Default)]
+pub struct PolicyFile {
+    path: Option<PathBuf>,
+    /// The file's text (to tell a change) and its policy.
+    policy: Option<(String, Arc<Policy>)>,
+}
+
+impl PolicyFile {
+    /// Reads and checks the policy file at `path` (`None`: no policy).
+    pub fn read(path: Option<&Path>) -> Result<PolicyFile, String> {
+        let policy = match path {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    format!("cannot read authorization policy {}: {e}", path.display())
+                })?;
+                let policy = Policy::parse(&text)
+                    .map_err(|e| format!("authorization policy {}: {e}", path.display()))?;
+                Some((text, Arc::new(policy)))
+            }
+        };
+        Ok(PolicyFile {
+            path: path.map(Path::to_owned),
+            policy,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// How many rules it holds (`None`: no policy).
+    pub fn rules(&self) -> Option<usize> {
+        self.policy.as_ref().map(|(_, p)| p.rules.len())
+    }
 }
 
 impl Authorizer {
@@ -416,20 +448,34 @@ impl Authorizer {
     /// everything is allowed), read now; on error the policy in use stays.
     /// Returns the number of rules.
     pub fn switch(&self, path: Option<&Path>) -> Result<Option<usize>, String> {
-        let policy = path.map(Policy::load).transpose()?.map(Arc::new);
-        let rules = policy.as_ref().map(|p| p.rules.len());
-        *self.file.write() = (path.map(Path::to_owned), policy);
+        let file = PolicyFile::read(path)?;
+        let rules = file.rules();
+        self.install(file);
         Ok(rules)
+    }
+
+    /// Whether `file` differs from the policy in use (another file, none,
+    /// or other text in the same file).
+    pub fn differs(&self, file: &PolicyFile) -> bool {
+        let current = self.file.read();
+        current.path != file.path
+            || current.policy.as_ref().map(|(text, _)| text)
+                != file.policy.as_ref().map(|(text, _)| text)
+    }
+
+    /// Applies `file` (read and checked before) from now on.
+    pub fn install(&self, file: PolicyFile) {
+        *self.file.write() = file;
     }
 
     /// The policy file in use.
     pub fn path(&self) -> Option<PathBuf> {
-        self.file.read().0.clone()
+        self.file.read().path.clone()
     }
 
     /// The policy in use; `None`: everything is allowed.
     pub fn current(&self) -> Option<Arc<Policy>> {
-        self.file.read().1.clone()
+        self.file.read().policy.as_ref().map(|(_, p)| Arc::clone(p))
     }
 }
 

@@ -27,6 +27,19 @@ pub use sections::{
 };
 use sections::{KNOWN_SECTIONS, Sections, UNSUPPORTED};
 
+/// Pushes `section.field` for each field of `$a` that differs in `$b`; the
+/// pattern names every field, so that a new one cannot be forgotten.
+macro_rules! changed_fields {
+    ($names:ident, $section:literal, $ty:ident, $a:expr, $b:expr, [$($f:ident),*], reloaded[$($r:ident),*]) => {{
+        let $ty { $($f: _,)* $($r: _,)* } = &$a;
+        $(
+            if $a.$f != $b.$f {
+                $names.push(format!("{}.{}", $section, stringify!($f)));
+            }
+        )*
+    }};
+}
+
 /// How far ahead of the clock the persisted clock mark runs (see
 /// `statestore::persist`): at most one mark write per half of it.
 const CLOCK_LEASE_MS: u64 = 10_000;
@@ -484,48 +497,89 @@ impl Settings {
     }
 
     /// What differs between `self` (running) and `new` (just read) that
-    /// only a restart applies: named for the reload log line.
-    pub fn needs_restart(&self, new: &Settings) -> Vec<&'static str> {
+    /// only a restart applies, one name per setting, for the reload's
+    /// ERROR lines. What a reload applies is left out: `[broker]
+    /// password_file` and `authorization`, `[log] level`, and the files of
+    /// a TLS listener that stays a TLS listener.
+    pub fn needs_restart(&self, new: &Settings) -> Vec<String> {
         fn differs<T: std::fmt::Debug>(a: &T, b: &T) -> bool {
             format!("{a:?}") != format!("{b:?}")
         }
-        let mut names = Vec::new();
-        if differs(&self.listeners, &new.listeners) {
-            names.push("listeners ([v4.*], [v5.*], [ws.*], --listen)");
+        // Every field named, so that a new one cannot be forgotten here.
+        let Settings {
+            router_id,
+            router,
+            listeners,
+            broker,
+            statestore,
+            persistence,
+            persist_policy,
+            http,
+            http_allow_edit,
+            http_options,
+            log: LogSection { level: _, format },
+            password_file: _,
+            authorization: _,
+            faults,
+            clustering,
+        } = self;
+        let mut names = listeners_needing_restart(listeners, &new.listeners);
+        if differs(router, &new.router) || *router_id != new.router_id {
+            names.push("[router]".to_owned());
         }
-        if differs(&self.router, &new.router) || self.router_id != new.router_id {
-            names.push("[router]");
+        changed_fields!(
+            names,
+            "broker",
+            BrokerSection,
+            broker,
+            new.broker,
+            [
+                max_keep_alive_secs,
+                topic_alias_max,
+                legacy_2023_topic,
+                max_queued_messages,
+                max_queued_bytes,
+                sys_interval
+            ],
+            reloaded[password_file, authorization]
+        );
+        changed_fields!(
+            names,
+            "statestore",
+            StoreSection,
+            statestore,
+            new.statestore,
+            [
+                node_id,
+                max_clock_skew_ms,
+                scan_page_size,
+                max_watches_per_client,
+                max_watch_bytes_per_client,
+                max_watches_per_user,
+                max_watch_bytes_per_user,
+                max_watches,
+                max_watch_bytes,
+                quota
+            ],
+            reloaded[]
+        );
+        if differs(persistence, &new.persistence) || differs(persist_policy, &new.persist_policy) {
+            names.push("[persistence]".to_owned());
         }
-        let without_files = |b: &BrokerSection| BrokerSection {
-            password_file: String::new(),
-            authorization: String::new(),
-            ..b.clone()
-        };
-        if without_files(&self.broker) != without_files(&new.broker) {
-            names.push("[broker]");
+        if *faults != new.faults {
+            names.push("[faults]".to_owned());
         }
-        if self.statestore != new.statestore {
-            names.push("[statestore]");
+        if *clustering != new.clustering {
+            names.push("[clustering]".to_owned());
         }
-        if differs(&self.persistence, &new.persistence)
-            || differs(&self.persist_policy, &new.persist_policy)
+        if *http != new.http
+            || *http_allow_edit != new.http_allow_edit
+            || *http_options != new.http_options
         {
-            names.push("[persistence]");
+            names.push("[http]".to_owned());
         }
-        if self.faults != new.faults {
-            names.push("[faults]");
-        }
-        if self.clustering != new.clustering {
-            names.push("[clustering]");
-        }
-        if self.http != new.http
-            || self.http_allow_edit != new.http_allow_edit
-            || self.http_options != new.http_options
-        {
-            names.push("[http]");
-        }
-        if self.log.format != new.log.format {
-            names.push("log.format");
+        if *format != new.log.format {
+            names.push("log.format".to_owned());
         }
         names
     }
@@ -562,6 +616,58 @@ impl Settings {
                 .map(|_| CLOCK_LEASE_MS),
         }
     }
+}
+
+/// The listener settings that differ and only a restart applies (by
+/// position: the same sections in the same order keep their sockets).
+fn listeners_needing_restart(running: &[Listener], new: &[Listener]) -> Vec<String> {
+    let same_sections = running.len() == new.len()
+        && running
+            .iter()
+            .zip(new)
+            .all(|(a, b)| a.name == b.name && a.addr == b.addr);
+    if !same_sections {
+        return vec![
+            "listeners ([v4.*], [v5.*], [ws.*] added, removed or moved, --listen)".to_owned(),
+        ];
+    }
+    let mut names = Vec::new();
+    for (a, b) in running.iter().zip(new) {
+        let Listener {
+            name,
+            addr: _,
+            transport,
+            tls,
+            allow_anonymous,
+            connect_timeout_ms,
+            max_packet_size,
+            receive_maximum,
+        } = a;
+        let mut differs = |what: bool, key: &str| {
+            if what {
+                names.push(format!("{name}.{key}"));
+            }
+        };
+        differs(*transport != b.transport, "(transport)");
+        differs(
+            tls.is_some() != b.tls.is_some(),
+            "tls (TLS turned on or off)",
+        );
+        differs(*allow_anonymous != b.allow_anonymous, "allow_anonymous");
+        differs(
+            *connect_timeout_ms != b.connect_timeout_ms,
+            "connections.connection_timeout_ms",
+        );
+        differs(
+            *max_packet_size != b.max_packet_size,
+            "connections.max_payload_size",
+        );
+        differs(
+            *receive_maximum != b.receive_maximum,
+            "connections.max_inflight_count",
+        );
+    }
+    names
 }
 
 /// `[http]`'s bounds and names, checked.

@@ -129,9 +129,61 @@ fn a_reload_names_what_needs_a_restart() {
     assert!(running.needs_restart(&new).is_empty(), "the level reloads");
     let f = file("[statestore]\nnode_id = \"other\"\n[http]\nlisten = \"\"\n");
     let new = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
-    assert_eq!(running.needs_restart(&new), vec!["[statestore]", "[http]"]);
+    assert_eq!(
+        running.needs_restart(&new),
+        vec!["statestore.node_id", "[http]"]
+    );
     let e = error_of("[log]\nformat = \"xml\"\n");
     assert!(e.contains("log.format"), "{e}");
+}
+
+#[test]
+fn a_reload_may_change_tls_files_but_not_the_listeners() {
+    let listener = |tls: &str, extra: &str| {
+        let text = format!(
+            "[v5.1]\nname = \"tls\"\nlisten = \"127.0.0.1:8883\"\nnext_connection_delay_ms = 0\n{extra}\
+             [v5.1.connections]\nconnection_timeout_ms = 10000\nmax_payload_size = 1048576\n\
+             max_inflight_count = 1000\ndynamic_filters = true\n{tls}"
+        );
+        Settings::load_with_env(Some(&file(&text)), &[], no_env()).unwrap()
+    };
+    let running = listener(
+        "[v5.1.tls]\ncertpath = \"a.pem\"\nkeypath = \"a.key\"\n",
+        "",
+    );
+    let new = listener(
+        "[v5.1.tls]\ncertpath = \"b.pem\"\nkeypath = \"b.key\"\ncapath = \"ca.pem\"\n",
+        "",
+    );
+    assert!(running.needs_restart(&new).is_empty(), "other files reload");
+    let new = listener("", "");
+    assert_eq!(
+        running.needs_restart(&new),
+        vec!["v5.1.tls (TLS turned on or off)"]
+    );
+    let new = listener(
+        "[v5.1.tls]\ncertpath = \"a.pem\"\nkeypath = \"a.key\"\n",
+        "allow_anonymous = false\n",
+    );
+    assert_eq!(running.needs_restart(&new), vec!["v5.1.allow_anonymous"]);
+    let moved = Settings::load_with_env(
+        Some(&file("")),
+        &["127.0.0.1:9999".parse().unwrap()],
+        no_env(),
+    )
+    .unwrap();
+    assert!(running.needs_restart(&moved)[0].starts_with("listeners "));
+    // Every [broker] setting but the two files needs a restart, by name.
+    let base = Settings::load_with_env(Some(&file("")), &[], no_env()).unwrap();
+    let new = Settings::load_with_env(
+        Some(&file(
+            "[broker]\nsys_interval = 7\npassword_file = \"p\"\nauthorization = \"a\"\n",
+        )),
+        &[],
+        no_env(),
+    )
+    .unwrap();
+    assert_eq!(base.needs_restart(&new), vec!["broker.sys_interval"]);
 }
 
 #[test]
