@@ -30,6 +30,10 @@ pub const CLUSTER_CONFLICTS: &str = "statebroker_cluster_write_conflicts_total";
 /// (`unreachable`: etcd did not answer; `in_doubt`: a write etcd could
 /// not confirm; `contended`: the key kept changing).
 pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_total";
+/// Clustering: records kept in the node's cache, and their bytes.
+pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
+/// Clustering: see [`CLUSTER_CACHE_RECORDS`].
+pub const CLUSTER_CACHE_BYTES: &str = "statebroker_cluster_cache_bytes";
 
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
@@ -204,6 +208,14 @@ fn describe() {
     describe_counter!(
         CLUSTER_UNANSWERED,
         "Clustering: state store requests left unanswered, by reason"
+    );
+    describe_gauge!(
+        CLUSTER_CACHE_RECORDS,
+        "Clustering: records of keys kept in this node's cache"
+    );
+    describe_gauge!(
+        CLUSTER_CACHE_BYTES,
+        "Clustering: bytes of the records kept in this node's cache ([clustering] cache_bytes)"
     );
     describe_counter!(
         FAULTS_INJECTED,
@@ -400,6 +412,13 @@ pub fn cluster_refused(reason: &'static str) {
 /// Clustering: a write planned again after another node's.
 pub fn cluster_conflict() {
     counter!(CLUSTER_CONFLICTS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: what the node's record cache holds now.
+pub fn cluster_cache(records: usize, bytes: usize) {
+    gauge!(CLUSTER_CACHE_RECORDS).set(records as f64);
+    gauge!(CLUSTER_CACHE_BYTES).set(bytes as f64);
 }
 
 #[cfg(feature = "cluster")]

@@ -318,3 +318,56 @@ fn a_node_id_without_endpoints_is_refused() {
     let err = String::from_utf8_lossy(&output.stderr);
     assert!(err.contains("clustering.etcd_endpoints is empty"), "{err}");
 }
+
+/// `[clustering] cached_reads = true`: a GET answers from the node's
+/// watch-fed copy of the records, so it sees another node's writes once
+/// the watch brings them, and keeps answering while etcd does not; a key
+/// the node does not keep is read from etcd (no answer without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_reads_follow_the_watch_and_answer_without_etcd() {
+    let mut setup = Setup::start_with(1, 2, &[("STATEBROKER__CLUSTERING__CACHED_READS", "true")]);
+    let mut writer = client(setup.ports[0], "writer").await;
+    let mut reader = client(setup.ports[1], "reader").await;
+    assert_eq!(text(&ask(&mut writer, &["SET", "k", "v1"]).await), "+OK");
+    assert_eq!(text(&ask(&mut reader, &["GET", "k"]).await), "$v1");
+    // The reader's node keeps the key now: the next value reaches it
+    // through the watch.
+    assert_eq!(text(&ask(&mut writer, &["SET", "k", "v2"]).await), "+OK");
+    let started = std::time::Instant::now();
+    loop {
+        let got = text(&ask(&mut reader, &["GET", "k"]).await);
+        if got == "$v2" {
+            break;
+        }
+        assert_eq!(got, "$v1", "only the old value or the new one");
+        assert!(started.elapsed() < PATIENCE, "the watch never brought v2");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // etcd stops answering: the kept key still reads, others get no
+    // answer.
+    setup.etcd.pause(0).unwrap();
+    assert_eq!(text(&ask(&mut reader, &["GET", "k"]).await), "$v2");
+    let mut impatient = {
+        let target = statebroker_cli::client::Target {
+            host: "127.0.0.1".into(),
+            port: setup.ports[1],
+            client_id: "impatient".into(),
+            login: None,
+            timeout: std::time::Duration::from_secs(3),
+            tls: None,
+        };
+        statebroker_cli::client::Client::connect(&target)
+            .await
+            .expect("connects")
+    };
+    let unknown: [&[u8]; 2] = [b"GET", b"never-written"];
+    assert!(
+        impatient.request(&unknown, &[]).await.is_err(),
+        "a key the node does not keep is read from etcd"
+    );
+    setup.etcd.resume(0).unwrap();
+    assert_eq!(
+        text(&ask(&mut reader, &["GET", "never-written"]).await),
+        "$-1"
+    );
+}

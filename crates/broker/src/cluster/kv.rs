@@ -1,6 +1,8 @@
 //! Serving the state store's commands against etcd.
 //!
-//! A GET reads the key's record with a linearizable read. A write (SET,
+//! A GET reads the key's record with a linearizable read (with
+//! `[clustering] cached_reads`, it answers from the node's [`Cache`] when
+//! that keeps the key: not linearizable). A write (SET,
 //! DEL, VDEL) plans (`statestore::plan`: the answers and errors are the
 //! single node's) against the record this node last knew of the key (its
 //! [`Cache`], fed by the watch, its reads and its writes) and commits with
@@ -161,13 +163,28 @@ impl Cluster {
         // (one round trip when it is current: the transaction compares its
         // revision); a transaction that finds another revision returns the
         // current record, the next plan's.
-        let mut cached = keyed.command.writes() && self.broken == Broken::No;
+        // With `cached_reads`, a GET answers from that record too.
+        let writes = keyed.command.writes();
+        let mut cached = (writes || self.settings.cached_reads) && self.broken == Broken::No;
         let mut found: Option<Read> = None;
         for _ in 0..ATTEMPTS {
-            let from_cache = std::mem::take(&mut cached);
+            let mut from_cache = std::mem::take(&mut cached);
+            let kept = if from_cache { self.cached(key) } else { None };
             let read = match (found.take(), self.broken) {
                 (Some(read), _) => read,
-                (None, _) if from_cache => self.cached(key),
+                (None, _) if from_cache => match kept {
+                    Some(read) => read,
+                    // A write plans a key not kept as absent: its
+                    // transaction brings the record if there is one.
+                    None if writes => Read {
+                        record: None,
+                        revision: 0,
+                    },
+                    None => {
+                        from_cache = false;
+                        self.read(key).await?
+                    }
+                },
                 (None, Broken::StaleReads) if !keyed.command.writes() => {
                     let seen = self.seen.lock().get(key).cloned();
                     match seen {
@@ -200,7 +217,7 @@ impl Cluster {
             {
                 Ok(plan) => plan,
                 // A refusal must be confirmed by a linearizable read.
-                Err(_) if from_cache => continue,
+                Err(_) if from_cache && writes => continue,
                 Err(error) => {
                     return Ok(Answer {
                         frame: error.frame(),
@@ -211,8 +228,9 @@ impl Cluster {
             };
             let Some(change) = plan.change else {
                 // An answer that changes nothing (`:-1`, `:0`) is only as
-                // current as its read: from the cache, read and plan again.
-                if from_cache {
+                // current as its read: from the cache, read and plan again
+                // (a GET with `cached_reads` answers as it is).
+                if from_cache && writes {
                     continue;
                 }
                 let version = match (plan.stamp, &read.record) {
@@ -409,16 +427,9 @@ impl Cluster {
     }
 
     /// The key's record as the watch (or this node's last read or write)
-    /// left it; absent if none is known.
-    fn cached(&self, key: &[u8]) -> Read {
-        self.cache
-            .lock()
-            .get(key)
-            .map(|(read, _)| read.clone())
-            .unwrap_or(Read {
-                record: None,
-                revision: 0,
-            })
+    /// left it; `None` if the cache does not keep the key.
+    fn cached(&self, key: &[u8]) -> Option<Read> {
+        self.cache.lock().get(key).map(|(read, _)| read.clone())
     }
 
     /// Records what etcd holds for `key` as of revision `learned`, unless
@@ -463,22 +474,64 @@ fn read_of(key: &[u8], kv: Option<&etcd_client::KeyValue>) -> Read {
 /// learned at (a delete's revision for a key known absent): the watch, the
 /// node's reads and its writes feed it, and only something later replaces
 /// what it holds.
-#[derive(Default)]
+///
+/// Bounded by `[clustering] cache_bytes`: past it, records are dropped
+/// (whichever come first in the table) until a tenth is free. A key not
+/// kept is planned as absent (its transaction then finds the record and
+/// plans again: one more round trip) and read from etcd by a cached GET.
+/// Nothing learned at a revision below the latest one dropped is taken in
+/// for a key not kept: it might be older than what was dropped.
 pub(super) struct Cache {
     keys: std::collections::HashMap<Vec<u8>, (Read, i64)>,
+    /// What the records kept take, as [`Cache::size`] counts.
+    bytes: usize,
+    limit: usize,
+    /// The latest revision learned of a record dropped.
+    floor: i64,
 }
 
 impl Cache {
+    pub(super) fn new(limit: usize) -> Cache {
+        Cache {
+            keys: std::collections::HashMap::new(),
+            bytes: 0,
+            limit,
+            floor: 0,
+        }
+    }
+
+    /// The memory a kept record takes, roughly: its key (twice: the table
+    /// and the record's owner), value, node name and bookkeeping.
+    fn size(key: &[u8], read: &Read) -> usize {
+        let record = read
+            .record
+            .as_ref()
+            .map_or(0, |r| r.value.len() + r.node.len());
+        key.len() + record + 128
+    }
+
     fn get(&self, key: &[u8]) -> Option<&(Read, i64)> {
         self.keys.get(key)
     }
 
     /// `read` is the key's as of etcd revision `learned`.
     pub(super) fn remember(&mut self, key: &[u8], read: Read, learned: i64) {
-        if self.keys.get(key).is_some_and(|(_, at)| *at >= learned) {
-            return;
+        match self.keys.get_mut(key) {
+            Some((_, at)) if *at >= learned => {}
+            Some(kept) => {
+                self.bytes -= Cache::size(key, &kept.0);
+                self.bytes += Cache::size(key, &read);
+                *kept = (read, learned);
+            }
+            None if learned < self.floor => {}
+            None => {
+                self.bytes += Cache::size(key, &read);
+                self.keys.insert(key.to_vec(), (read, learned));
+            }
         }
-        self.keys.insert(key.to_vec(), (read, learned));
+        if self.bytes > self.limit {
+            self.shrink();
+        }
     }
 
     /// The key is gone from etcd at `learned` (a tombstone removed).
@@ -486,7 +539,38 @@ impl Cache {
         if self.keys.get(key).is_some_and(|(_, at)| *at >= learned) {
             return;
         }
-        self.keys.remove(key);
+        if let Some((read, _)) = self.keys.remove(key) {
+            self.bytes -= Cache::size(key, &read);
+        }
+    }
+
+    /// Drops records until a tenth of the limit is free.
+    fn shrink(&mut self) {
+        let target = self.limit - self.limit / 10;
+        let mut freed = 0;
+        let mut drop = Vec::new();
+        for (key, (read, at)) in &self.keys {
+            if self.bytes - freed <= target {
+                break;
+            }
+            freed += Cache::size(key, read);
+            self.floor = self.floor.max(*at);
+            drop.push(key.clone());
+        }
+        for key in drop {
+            self.keys.remove(&key);
+        }
+        self.bytes -= freed;
+        tracing::debug!(
+            kept = self.keys.len(),
+            bytes = self.bytes,
+            "clustering: record cache full (clustering.cache_bytes): records dropped"
+        );
+    }
+
+    /// How many records are kept, and their bytes.
+    pub(super) fn usage(&self) -> (usize, usize) {
+        (self.keys.len(), self.bytes)
     }
 }
 
@@ -523,4 +607,68 @@ pub(super) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
         }
     }
     vec![0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(value: usize, revision: i64) -> Read {
+        Read {
+            record: Some(Record {
+                tombstone: false,
+                version: Version::default(),
+                node: "n".into(),
+                expires_at: None,
+                fencing_token: None,
+                request: 0,
+                value: vec![b'v'; value],
+            }),
+            revision,
+        }
+    }
+
+    #[test]
+    fn the_cache_keeps_to_its_bound() {
+        let mut cache = Cache::new(100_000);
+        for n in 0..1_000i64 {
+            cache.remember(format!("k{n}").as_bytes(), read(1_000, n + 1), n + 1);
+            let (_, bytes) = cache.usage();
+            assert!(bytes <= 100_000, "{bytes} bytes after {n} records");
+        }
+        let (records, bytes) = cache.usage();
+        assert!(records > 50, "{records} records kept");
+        let counted: usize = cache.keys.iter().map(|(k, (r, _))| Cache::size(k, r)).sum();
+        assert_eq!(counted, bytes, "the count matches what is kept");
+    }
+
+    #[test]
+    fn nothing_older_than_a_dropped_record_comes_back() {
+        let mut cache = Cache::new(10_000);
+        for n in 0..100i64 {
+            cache.remember(format!("k{n}").as_bytes(), read(500, 10 + n), 10 + n);
+        }
+        let floor = cache.floor;
+        assert!(floor > 10, "records were dropped");
+        let dropped = (0..100)
+            .map(|n| format!("k{n}"))
+            .find(|k| cache.get(k.as_bytes()).is_none())
+            .expect("a key was dropped");
+        // A watch event older than what was dropped is not taken in...
+        cache.remember(dropped.as_bytes(), read(1, floor - 1), floor - 1);
+        assert!(cache.get(dropped.as_bytes()).is_none());
+        // ...a later one is, and a kept key's later record replaces it.
+        cache.remember(dropped.as_bytes(), read(1, floor + 1), floor + 1);
+        assert_eq!(
+            cache.get(dropped.as_bytes()).map(|(_, at)| *at),
+            Some(floor + 1)
+        );
+        cache.remember(dropped.as_bytes(), read(2, floor), floor);
+        assert_eq!(
+            cache.get(dropped.as_bytes()).map(|(_, at)| *at),
+            Some(floor + 1)
+        );
+        cache.forget(dropped.as_bytes(), floor + 2);
+        assert!(cache.get(dropped.as_bytes()).is_none());
+    }
 }

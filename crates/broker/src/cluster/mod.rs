@@ -106,7 +106,7 @@ impl Cluster {
         Ok(Arc::new(Cluster {
             broken,
             seen: Mutex::new(std::collections::HashMap::new()),
-            cache: Mutex::new(kv::Cache::default()),
+            cache: Mutex::new(kv::Cache::new(settings.cache_bytes)),
             settings,
             client,
             keys_prefix,
@@ -168,6 +168,8 @@ async fn readiness(cluster: std::sync::Weak<Cluster>, mut stop: tokio::sync::wat
             _ = stop.changed() => return,
         }
         let Some(c) = cluster.upgrade() else { return };
+        let (records, bytes) = c.cache.lock().usage();
+        crate::metrics::cluster_cache(records, bytes);
         let mut client = c.client.clone();
         let read = client.get(
             c.keys_prefix.clone(),

@@ -86,6 +86,11 @@ pub struct ClusteringSettings {
     pub tombstone_ttl: Duration,
     /// etcd's largest request, bytes.
     pub max_request_bytes: usize,
+    /// `cached_reads`: a GET answers from the records the watch delivered
+    /// when the node has the key's (not linearizable).
+    pub cached_reads: bool,
+    /// `cache_bytes`: how much of the records the node keeps in memory.
+    pub cache_bytes: usize,
 }
 
 impl ClusteringSettings {
@@ -155,6 +160,8 @@ impl ClusteringSettings {
             request_timeout: Duration::from_millis(section.etcd_request_timeout_ms),
             tombstone_ttl: Duration::from_secs(section.tombstone_ttl_s),
             max_request_bytes: section.etcd_max_request_bytes,
+            cached_reads: section.cached_reads,
+            cache_bytes: section.cache_bytes,
         }))
     }
 }

@@ -76,6 +76,10 @@ pub struct ClusteringSection {
     pub tombstone_ttl_s: u64,
     /// etcd's largest request, bytes.
     pub etcd_max_request_bytes: usize,
+    /// GETs answered from the node's watch-fed records (not linearizable).
+    pub cached_reads: bool,
+    /// Memory for the node's copy of the records, bytes.
+    pub cache_bytes: usize,
 }
 
 /// `[log]`
