@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The clustered state store's speed on this machine: 3 etcd members and 3
 # statebroker nodes on loopback (release builds), statebroker-bench against
-# one node, SETs and GETs at 1 and 64 connections, then the single node
-# (no etcd) with the same load in the same run.
+# one node, SETs and GETs at 1 and 64 connections; GETs against a fourth
+# node with [clustering] cached_reads; raw etcd requests shaped like a
+# node's (etcd-txn-bench: the floor); then the single node (no etcd) with
+# the same load, all in the same run.
 #   bench/cluster-bench.sh [SECONDS]      (default 10 per workload)
 # Needs etcd 3.4+ on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-10}"
 cargo build --release -q -p statebroker-cluster-tests --bins
+txnbench=target/release/etcd-txn-bench
 cargo build --release -q --bin statebroker-bench
 node=target/release/statebroker-node
 bench=target/release/statebroker-bench
@@ -41,6 +44,10 @@ for i in 1 2 3; do
         --cluster-node-id "sb$i" --etcd-endpoints "$endpoints" >"$dir/sb$i.log" 2>&1 &
     pids+=($!)
 done
+mp[4]=$(port)
+STATEBROKER__CLUSTERING__CACHED_READS=true "$node" --listen "127.0.0.1:${mp[4]}" --no-http --in-memory \
+    --cluster-node-id sb4 --etcd-endpoints "$endpoints" >"$dir/sb4.log" 2>&1 &
+pids+=($!)
 single=$(port)
 target/release/statebroker-node --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
 pids+=($!)
@@ -48,13 +55,20 @@ for p in "${mp[@]}" "$single"; do
     timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
 done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
-for target in "cluster 127.0.0.1:${mp[1]}" "single 127.0.0.1:$single"; do
-    set -- $target
-    for ratio in 1 0; do
-        for c in 1 64; do
-            what=$([ "$ratio" = 1 ] && echo SET || echo GET)
-            line=$("$bench" --target "$2" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ')
-            echo "$1 $what c=$c: $line"
-        done
+run() { # name what c: one line
+    local name=$1 what=$2 c=$3 ratio line
+    ratio=$([ "$what" = SET ] && echo 1 || echo 0)
+    case $name in
+        etcd) line=$("$txnbench" --endpoints "$endpoints" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio") ;;
+        cluster) line=$("$bench" --target "127.0.0.1:${mp[1]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
+        cached) line=$("$bench" --target "127.0.0.1:${mp[4]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
+        single) line=$("$bench" --target "127.0.0.1:$single" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
+    esac
+    echo "$name $what c=$c: $line"
+}
+for what in SET GET; do
+    for c in 1 64; do
+        for name in etcd cluster single; do run "$name" "$what" "$c"; done
+        [ "$what" = GET ] && run cached GET "$c"
     done
 done
