@@ -858,3 +858,51 @@ async fn a_takeover_publishes_the_will_unless_its_delay_holds_it() {
         listener.no_publish_within(Duration::from_millis(100)).await;
     }
 }
+
+// ------------------------------------------------------------ topic aliases to the client
+
+/// 3.3.2.3.4: a client that accepts topic aliases (Topic Alias Maximum in
+/// CONNECT, 3.1.2.11.5) gets them: a topic's first publish carries the
+/// topic and a new alias, the next ones the alias and an empty topic; no
+/// more aliases than it accepts; none for a client that accepts none.
+#[tokio::test]
+async fn the_broker_sends_topic_aliases_a_client_accepts() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, _) = Raw::connect_with(addr, "alias-sub", |c| {
+        c.0.properties = Some(v5::ConnectProperties {
+            topic_alias_max: Some(1),
+            ..v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    sub.subscribe("alias/#", QoS::AtLeastOnce).await;
+    let mut plain = Raw::connect(addr, "alias-plain").await;
+    plain.subscribe("alias/#", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr, "alias-pub").await;
+    for topic in ["alias/a", "alias/a", "alias/a", "alias/b"] {
+        publish_complete(&mut publisher, topic, b"m", QoS::AtLeastOnce, false).await;
+    }
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        let p = next_raw_publish(&mut sub).await;
+        ack(&mut sub, &p).await;
+        let alias = p.properties.as_ref().and_then(|p| p.topic_alias);
+        got.push((String::from_utf8_lossy(&p.topic).into_owned(), alias));
+    }
+    assert_eq!(
+        got,
+        [
+            ("alias/a".into(), Some(1)),
+            (String::new(), Some(1)),
+            (String::new(), Some(1)),
+            ("alias/b".into(), None),
+        ]
+    );
+    for want in ["alias/a", "alias/a", "alias/a", "alias/b"] {
+        let p = next_raw_publish(&mut plain).await;
+        ack(&mut plain, &p).await;
+        assert_eq!(&p.topic[..], want.as_bytes());
+        assert_eq!(p.properties.and_then(|p| p.topic_alias), None);
+    }
+}

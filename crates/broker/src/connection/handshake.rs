@@ -231,6 +231,9 @@ pub(crate) struct Terms {
     pub server_session_expiry: Option<u32>,
     /// The largest packet the client accepts (its Maximum Packet Size).
     pub max_packet_size: usize,
+    /// The topic aliases the client accepts from the broker (its Topic
+    /// Alias Maximum, MQTT 5 3.1.2.11.5; 0: none).
+    pub client_topic_alias_max: u16,
 }
 
 impl Terms {
@@ -280,6 +283,10 @@ impl Terms {
             max_packet_size: properties
                 .and_then(|p| p.max_packet_size)
                 .map_or(usize::MAX, |max| max as usize),
+            client_topic_alias_max: match protocol {
+                Protocol::V5 => properties.and_then(|p| p.topic_alias_max).unwrap_or(0),
+                Protocol::V4 => 0,
+            },
         }
     }
 

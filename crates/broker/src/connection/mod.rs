@@ -128,6 +128,7 @@ pub(crate) async fn serve<S: Stream>(
             Protocol::V4 => u16::MAX,
         },
         topic_alias_max,
+        client_topic_alias_max: terms.client_topic_alias_max,
         // As many requests as may be unacknowledged (3.1.1: the same).
         acknowledged: (acknowledged, listener.receive_maximum),
         joined: link.is_linked(),

@@ -16,7 +16,8 @@
 //! together (MQTT 5 3.3.4; a QoS 2 one until its PUBCOMP), the rest held in
 //! order until acknowledgements make room; and no packet over the client's
 //! Maximum Packet Size (such a publish is discarded for it, 3.1.2.11.4,
-//! counted and logged once).
+//! counted and logged once). The router's publishes use topic aliases
+//! when the client accepts them ([`TopicAliases`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -58,6 +59,8 @@ pub(crate) struct Outbound {
     /// Publishes discarded as larger than the client accepts.
     discarded: u64,
     client_id: String,
+    /// Topic aliases of the router's publishes to this client.
+    aliases: TopicAliases,
 }
 
 impl Outbound {
@@ -66,6 +69,7 @@ impl Outbound {
         receive_maximum: u16,
         max_packet_size: usize,
         bound: Arc<QueueBound>,
+        client_topic_alias_max: u16,
     ) -> Outbound {
         Outbound {
             router: RouterAcks::default(),
@@ -78,6 +82,7 @@ impl Outbound {
             max_packet_size,
             discarded: 0,
             client_id: client_id.to_owned(),
+            aliases: TopicAliases::new(client_topic_alias_max),
         }
     }
 
@@ -110,11 +115,28 @@ impl Outbound {
         to_router: &mut Vec<Packet>,
     ) -> Option<u16> {
         let start = out.len();
+        // A publish held for room goes out after later QoS 0 ones: it may
+        // use an alias the client knows, not bring a new one.
+        let now = match &publish {
+            Packet::Publish(p, _) => {
+                p.qos == router::protocol::QoS::AtMostOnce || (self.held.is_empty() && self.room())
+            }
+            _ => true,
+        };
+        let (publish, new_alias) = if withheld {
+            (publish, None)
+        } else {
+            self.aliases.apply(publish, now)
+        };
         if let Err(e) = protocol.write(publish, out) {
             tracing::warn!(error = %e, "dropping a publish that cannot be encoded");
         }
         let id = codec::encoded_publish_id(&out[start..]);
         let too_large = out.len() - start > self.max_packet_size;
+        if too_large && let Some(topic) = new_alias {
+            // The client never learns that alias.
+            self.aliases.unassign(&topic);
+        }
         self.count_discarded(u64::from(too_large));
         let dropped = withheld || too_large;
         if dropped {
@@ -295,6 +317,76 @@ impl RouterAcks {
 }
 
 /// Direct deliveries in flight to this client.
+/// Topic aliases for the router's publishes to one client (MQTT 5
+/// 3.3.2.3.4): the first publish of a topic carries the topic and a new
+/// alias, the next ones the alias and an empty topic. Aliases go to the
+/// first topics seen, up to the client's Topic Alias Maximum and
+/// [`TopicAliases::MAX`] of them, and [`TopicAliases::MAX_BYTES`] of
+/// topics (what one client can make the broker keep); later topics go
+/// without. Only the router's publishes use them: they are written in the
+/// order they are encoded, so a topic's first publish reaches the client
+/// before those that use its alias.
+#[derive(Debug, Default)]
+pub(crate) struct TopicAliases {
+    by_topic: HashMap<Bytes, u16>,
+    /// The largest alias the client accepts, or our own bound.
+    max: u16,
+    bytes: usize,
+}
+
+impl TopicAliases {
+    /// At most this many aliases per connection.
+    pub const MAX: u16 = 64;
+    /// At most this many bytes of aliased topics per connection.
+    pub const MAX_BYTES: usize = 16 * 1024;
+
+    fn new(client_max: u16) -> TopicAliases {
+        TopicAliases {
+            by_topic: HashMap::new(),
+            max: client_max.min(TopicAliases::MAX),
+            bytes: 0,
+        }
+    }
+
+    /// `publish` with its alias (and empty topic if the client knows the
+    /// alias already); the topic when the alias is new (only if `may_add`:
+    /// the publish is written at once).
+    fn apply(&mut self, publish: Packet, may_add: bool) -> (Packet, Option<Bytes>) {
+        let Packet::Publish(mut publish, properties) = publish else {
+            return (publish, None);
+        };
+        if self.max == 0 || publish.topic.is_empty() {
+            return (Packet::Publish(publish, properties), None);
+        }
+        let mut properties = properties.unwrap_or_default();
+        let (alias, new) = match self.by_topic.get(&publish.topic) {
+            Some(&alias) => {
+                publish.topic = Bytes::new();
+                (alias, None)
+            }
+            None if may_add
+                && self.by_topic.len() < usize::from(self.max)
+                && self.bytes + publish.topic.len() <= TopicAliases::MAX_BYTES =>
+            {
+                let alias = self.by_topic.len() as u16 + 1;
+                self.bytes += publish.topic.len();
+                self.by_topic.insert(publish.topic.clone(), alias);
+                (alias, Some(publish.topic.clone()))
+            }
+            None => return (Packet::Publish(publish, Some(properties)), None),
+        };
+        properties.topic_alias = Some(alias);
+        (Packet::Publish(publish, Some(properties)), new)
+    }
+
+    /// Takes back the newest alias (its publish was not sent).
+    fn unassign(&mut self, topic: &Bytes) {
+        if self.by_topic.remove(topic).is_some() {
+            self.bytes -= topic.len();
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct DirectWindow {
     /// Sent at QoS 1, not yet acknowledged, by packet id.
@@ -427,7 +519,7 @@ mod tests {
     }
 
     fn outbound(receive_maximum: u16, max_packet_size: usize) -> Outbound {
-        Outbound::new("c", receive_maximum, max_packet_size, unbounded())
+        Outbound::new("c", receive_maximum, max_packet_size, unbounded(), 0)
     }
 
     /// A publish as the router forwards it.
@@ -546,7 +638,7 @@ mod tests {
     #[test]
     fn room_is_given_back_when_a_message_is_done_with() {
         let bound = QueueBound::new(100, 10_000);
-        let mut o = Outbound::new("c", 1, 60, Arc::clone(&bound));
+        let mut o = Outbound::new("c", 1, 60, Arc::clone(&bound), 0);
         let mut out = BytesMut::new();
         let size = message(0, 1).size();
         let hand_over = |n: u8, qos: u8| {
@@ -583,5 +675,93 @@ mod tests {
         o.deliver(message(5, 1), Protocol::V5, &mut out);
         o.direct_acknowledged(102, Protocol::V5, &mut out);
         assert_eq!(sent(&mut out), vec![(103, 3)], "5 waits behind 4");
+    }
+
+    /// What the client gets: (topic, alias) of each publish.
+    fn topics_and_aliases(out: &mut BytesMut) -> Vec<(String, Option<u16>)> {
+        let mut all = Vec::new();
+        while let Some(incoming) = Protocol::V5.read(out, 1 << 20).unwrap() {
+            let Packet::Publish(p, properties) = incoming.packet else {
+                panic!("not a publish")
+            };
+            let alias = properties.and_then(|p| p.topic_alias);
+            all.push((String::from_utf8_lossy(&p.topic).into_owned(), alias));
+        }
+        all
+    }
+
+    fn on(topic: &str, qos: u8, pkid: u16) -> Packet {
+        Packet::Publish(
+            crate::codec::publish(topic.as_bytes(), b"m", qos, pkid, false),
+            None,
+        )
+    }
+
+    #[test]
+    fn topic_aliases_name_a_topic_once_then_replace_it() {
+        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 2);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        for (n, topic) in ["a", "a", "b", "c", "b", "c"].iter().enumerate() {
+            o.forward(
+                on(topic, 0, 0),
+                false,
+                Protocol::V5,
+                &mut out,
+                &mut to_router,
+            );
+            let _ = n;
+        }
+        assert_eq!(
+            topics_and_aliases(&mut out),
+            [
+                ("a".into(), Some(1)),
+                (String::new(), Some(1)),
+                ("b".into(), Some(2)),
+                // The client accepts two aliases: "c" goes without.
+                ("c".into(), None),
+                (String::new(), Some(2)),
+                ("c".into(), None),
+            ]
+        );
+        // A client that accepts none gets none.
+        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 0);
+        o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
+        o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
+        assert_eq!(
+            topics_and_aliases(&mut out),
+            [("a".into(), None), ("a".into(), None)]
+        );
+    }
+
+    #[test]
+    fn a_held_publish_brings_no_new_alias() {
+        // Receive Maximum 1: the second QoS 1 publish waits, and a QoS 0
+        // publish of its topic goes out before it.
+        let mut o = Outbound::new("c", 1, 1 << 20, unbounded(), 10);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        o.forward(on("a", 1, 1), false, Protocol::V5, &mut out, &mut to_router);
+        o.forward(on("b", 1, 2), false, Protocol::V5, &mut out, &mut to_router);
+        o.forward(on("b", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
+        o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(
+            topics_and_aliases(&mut out),
+            [
+                ("a".into(), Some(1)),
+                ("b".into(), Some(2)),
+                // Encoded while it waited, before the alias existed.
+                ("b".into(), None),
+            ],
+            "the QoS 0 publish brought b's alias; the held one came after, with its topic"
+        );
+    }
+
+    #[test]
+    fn a_publish_too_large_for_the_client_takes_no_alias() {
+        let mut o = Outbound::new("c", 10, 40, unbounded(), 10);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        let big = Packet::Publish(crate::codec::publish(b"a", &[0; 100], 0, 0, false), None);
+        o.forward(big, false, Protocol::V5, &mut out, &mut to_router);
+        o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
+        assert_eq!(topics_and_aliases(&mut out), [("a".into(), Some(1))]);
     }
 }

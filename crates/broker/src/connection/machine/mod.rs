@@ -66,6 +66,8 @@ pub(crate) struct Start {
     /// and the topic aliases it allows.
     pub broker_receive_maximum: u16,
     pub topic_alias_max: u16,
+    /// The topic aliases the client accepts from the broker.
+    pub client_topic_alias_max: u16,
     /// The session's record of requests run (and how many it keeps).
     pub acknowledged: (SharedAcknowledged, u16),
     /// The connection has joined the router already (a persistent session
@@ -138,6 +140,7 @@ impl Machine {
                 start.receive_maximum,
                 start.max_packet_size,
                 start.bound,
+                start.client_topic_alias_max,
             ),
             client_id: start.client_id,
             protocol: start.protocol,

@@ -49,6 +49,7 @@ async fn machine(joined: bool) -> (Machine, watch::Sender<Position>) {
         max_packet_size: 1 << 20,
         broker_receive_maximum: 10,
         topic_alias_max: 10,
+        client_topic_alias_max: 0,
         acknowledged: (acknowledged, 10),
         joined,
         bound: QueueBound::new(100, 1 << 20),
