@@ -906,3 +906,52 @@ async fn the_broker_sends_topic_aliases_a_client_accepts() {
         assert_eq!(p.properties.and_then(|p| p.topic_alias), None);
     }
 }
+
+// ------------------------------------------------------------ group 3: a session ended by DISCONNECT
+
+/// 3.14.2.2.2 and 3.1.2.11.2: DISCONNECT with Session Expiry Interval 0
+/// ends the session; a reconnect sent right after it (without waiting for
+/// the broker to close the socket) with Clean Start 0 finds no session:
+/// Session Present 0, the subscription gone. Twenty rounds, since this
+/// was a race.
+#[tokio::test]
+async fn a_session_ended_by_disconnect_does_not_come_back() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut publisher = Raw::connect(addr, "ended-pub").await;
+    for round in 0..20 {
+        let (mut c, connack) = Raw::connect_with(addr, "ended", session(false, Some(600))).await;
+        assert!(!connack.session_present, "round {round}: nothing left over");
+        c.subscribe("ended/t", QoS::AtLeastOnce).await;
+        let mut disconnect = v5::Disconnect::new(DisconnectReasonCode::NormalDisconnection);
+        disconnect.properties = Some(v5::DisconnectProperties {
+            session_expiry_interval: Some(0),
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        });
+        c.send(Packet::Disconnect(disconnect)).await;
+        let (mut again, connack) =
+            Raw::connect_with(addr, "ended", session(false, Some(600))).await;
+        assert!(
+            !connack.session_present,
+            "round {round}: the session came back"
+        );
+        publish_complete(&mut publisher, "ended/t", b"m", QoS::AtLeastOnce, false).await;
+        match again.recv_within(Duration::from_millis(100)).await {
+            Recv::Timeout => {}
+            other => panic!("round {round}: the old subscription delivered {other:?}"),
+        }
+        // Ends this session too, for the next round.
+        let mut end = v5::Disconnect::new(DisconnectReasonCode::NormalDisconnection);
+        end.properties = Some(v5::DisconnectProperties {
+            session_expiry_interval: Some(0),
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        });
+        again.send(Packet::Disconnect(end)).await;
+        assert!(matches!(again.recv().await, Recv::Closed));
+        drop(c);
+    }
+}
