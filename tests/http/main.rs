@@ -97,6 +97,32 @@ async fn health_readiness_and_metrics() {
         );
     }
     assert!(metrics.contains("# TYPE statebroker_dropped_messages_total counter"));
+    // Durations are histograms (they add up across a cluster's nodes).
+    for name in [
+        "statebroker_statestore_request_duration_seconds",
+        "statebroker_persistence_commit_duration_seconds",
+        "statebroker_persistence_batch_writes",
+    ] {
+        assert!(
+            metrics.contains(&format!("# TYPE {name} histogram")),
+            "{name}\n{metrics}"
+        );
+    }
+    assert_eq!(
+        sample(
+            &metrics,
+            r#"statebroker_statestore_request_duration_seconds_bucket{le="+Inf"}"#
+        ),
+        sample(
+            &metrics,
+            "statebroker_statestore_request_duration_seconds_count"
+        ),
+    );
+    let build_info = format!(
+        r#"statebroker_build_info{{version="{}",cluster="false"}}"#,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(sample(&metrics, &build_info), Some(1.0), "{metrics}");
     // Gauges sampled from this broker at the scrape.
     let sys_topics = broker::sys::messages(&Default::default()).len() as f64;
     for (series, exactly) in [

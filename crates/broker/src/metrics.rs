@@ -103,6 +103,8 @@ pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
 pub const PERSISTENCE_SYNC_SECONDS: &str = "statebroker_persistence_commit_duration_seconds";
 
+/// 1, labelled with the version and whether clustering was built in.
+pub const BUILD_INFO: &str = "statebroker_build_info";
 /// HTTP connections open now (gauge).
 pub const HTTP_CONNECTIONS: &str = "statebroker_http_connections";
 /// HTTP connections closed at accept: `[http] max_connections` were open.
@@ -139,22 +141,54 @@ impl DropReason {
     }
 }
 
+/// Durations as Prometheus histograms (which add up across instances, a
+/// summary's quantiles do not): buckets from 50 µs to 10 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+];
+/// Changes per group commit.
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0,
+];
+
+fn builder() -> PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let with = |b: PrometheusBuilder, name: &str, buckets: &[f64]| {
+        b.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
+            .expect("buckets are not empty")
+    };
+    let b = with(
+        PrometheusBuilder::new(),
+        STORE_REQUEST_SECONDS,
+        SECONDS_BUCKETS,
+    );
+    let b = with(b, PERSISTENCE_SYNC_SECONDS, SECONDS_BUCKETS);
+    with(b, PERSISTENCE_BATCH, BATCH_BUCKETS)
+}
+
 /// Installs the process-wide recorder (once) and returns its handle.
 pub fn install() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let handle = match PrometheusBuilder::new().install_recorder() {
+            let handle = match builder().install_recorder() {
                 Ok(handle) => handle,
                 Err(e) => {
                     // Another recorder is installed: ours still renders
                     // (empty), the broker runs on.
                     tracing::warn!(error = %e, "metrics recorder not installed");
-                    PrometheusBuilder::new().build_recorder().handle()
+                    builder().build_recorder().handle()
                 }
             };
             describe();
             let _ = HOT.set(Hot::register());
+            gauge!(
+                BUILD_INFO,
+                "version" => env!("CARGO_PKG_VERSION"),
+                "cluster" => if cfg!(feature = "cluster") { "true" } else { "false" },
+            )
+            .set(1.0);
             handle
         })
         .clone()
@@ -220,6 +254,10 @@ fn describe() {
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
+    );
+    describe_gauge!(
+        BUILD_INFO,
+        "1, labelled with the version and whether clustering (`cluster`) was built in"
     );
     describe_gauge!(HTTP_CONNECTIONS, "HTTP connections open now");
     describe_counter!(
