@@ -5,6 +5,8 @@
 # and restarted, the etcd leader is paused for 10 s and a node is paused
 # for 8 s; the history is checked for linearizability and versions.
 #   bench/cluster-faults.sh [SEED ...]     (default: seeds 1 to 5)
+# STATEBROKER_ETCD_ELECTION_MS=1000 runs etcd with its own default election
+# timeout instead of the harness's 2,500 ms (a leader kill stalls about that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seeds=("$@")

@@ -33,7 +33,14 @@ impl Setup {
 
     /// The same, with `env` for every node.
     pub fn start_with(members: usize, nodes: usize, env: &[(&str, &str)]) -> Setup {
-        let etcd = EtcdCluster::start(members).expect("etcd starts");
+        // STATEBROKER_ETCD_ELECTION_MS: etcd's election timeout (the
+        // harness's 2,500 ms keeps a loaded CI machine from spurious
+        // elections; a leader kill stalls requests about that long).
+        let mut options = statebroker_cluster_harness::EtcdOptions::default();
+        if let Ok(ms) = std::env::var("STATEBROKER_ETCD_ELECTION_MS") {
+            options.extra_args.push(format!("--election-timeout={ms}"));
+        }
+        let etcd = EtcdCluster::start_with(members, options).expect("etcd starts");
         let endpoints = etcd.endpoints().join(",");
         let mut setup = Setup {
             etcd,
