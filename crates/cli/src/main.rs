@@ -137,12 +137,17 @@ enum Command {
     /// GET KEY: print its value (nothing, and exit status 0, when missing;
     /// `-v` says `(nil)`).
     Get { key: String },
-    /// SET KEY VALUE: store a value.
+    /// SET KEY VALUE: store a value (VALUE `-`: read from stdin; or
+    /// --file FILE; --hex: VALUE is hexadecimal, for bytes that are not
+    /// text).
     Set {
         key: String,
-        value: String,
-        /// Expire after MS milliseconds.
-        #[arg(long, value_name = "MS")]
+        #[arg(required_unless_present = "file", conflicts_with = "file")]
+        value: Option<String>,
+        #[command(flatten)]
+        input: ValueInput,
+        /// Expire after MS milliseconds (at least 1).
+        #[arg(long, value_name = "MS", value_parser = milliseconds)]
         px: Option<u64>,
         /// Only if the key does not exist.
         #[arg(long, conflicts_with = "nex")]
@@ -168,7 +173,10 @@ enum Command {
     /// or -1 (another value).
     Vdel {
         key: String,
-        value: String,
+        #[arg(required_unless_present = "file", conflicts_with = "file")]
+        value: Option<String>,
+        #[command(flatten)]
+        input: ValueInput,
         /// A fencing token, for a key protected by one.
         #[arg(long, value_name = "HLC")]
         fencing_token: Option<String>,
@@ -202,13 +210,91 @@ enum Command {
         #[arg(required = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish,
+    /// powershell): `statebroker-cli completions bash >
+    /// /etc/bash_completion.d/statebroker-cli`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): `statebroker-cli man | man -l -`.
+    Man,
     /// statebroker only: faults on demand through its HTTP endpoint
     /// (--http ADDR; the broker needs `[faults] enabled = true`).
     Faults(faults::Faults),
 }
 
+/// `--px`: a positive number of milliseconds (the store refuses 0 with a
+/// bare "syntax error").
+fn milliseconds(text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(0) => Err("an expiry of 0 ms is not allowed: give at least 1 (milliseconds), or leave --px out for a key that does not expire".into()),
+        Ok(ms) => Ok(ms),
+        Err(_) => Err(format!("`{text}` is not a number of milliseconds")),
+    }
+}
+
+/// Where a value comes from, besides the command line.
+#[derive(Args, Debug)]
+struct ValueInput {
+    /// The value is hexadecimal (`--hex 00ff10`), for bytes that are not
+    /// text.
+    #[arg(long)]
+    hex: bool,
+    /// Read the value from FILE (as it is, bytes included).
+    #[arg(long, value_name = "FILE")]
+    file: Option<PathBuf>,
+}
+
+impl ValueInput {
+    /// The value's bytes: from `--file`, stdin (`-`), hexadecimal
+    /// (`--hex`), or the argument as it is.
+    fn read(&self, value: Option<&str>) -> Result<Vec<u8>, String> {
+        let raw = match (&self.file, value) {
+            (Some(file), _) => {
+                std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?
+            }
+            (None, Some("-")) => {
+                let mut bytes = Vec::new();
+                std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes)
+                    .map_err(|e| format!("cannot read the value from stdin: {e}"))?;
+                bytes
+            }
+            (None, Some(value)) => value.as_bytes().to_vec(),
+            (None, None) => return Err("a value is needed (VALUE, - for stdin, or --file)".into()),
+        };
+        if !self.hex {
+            return Ok(raw);
+        }
+        let text = String::from_utf8_lossy(&raw);
+        let digits: String = text.split_whitespace().collect();
+        hex::decode(&digits).map_err(|e| format!("--hex: the value is not hexadecimal ({e})"))
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut command, "statebroker-cli", &mut script);
+            // A closed pipe (`| head`) is not worth a message.
+            let _ = std::io::stdout().write_all(&script);
+            return ExitCode::SUCCESS;
+        }
+        Command::Man => {
+            let command = <Cli as clap::CommandFactory>::command();
+            let mut page = Vec::new();
+            if let Err(e) = clap_mangen::Man::new(command).render(&mut page) {
+                eprintln!("statebroker-cli: {e}");
+                return ExitCode::FAILURE;
+            }
+            let _ = std::io::stdout().write_all(&page);
+            return ExitCode::SUCCESS;
+        }
+        _ => {}
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -277,6 +363,14 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             .await
             .map_err(|e| Failure::Connection(e.to_string()));
     }
+    // A value to send is read before connecting (a usage error then
+    // costs no connection).
+    let input_value = match &cli.command {
+        Command::Set { value, input, .. } | Command::Vdel { value, input, .. } => {
+            Some(input.read(value.as_deref()).map_err(Failure::Connection)?)
+        }
+        _ => None,
+    };
     let mut client = Client::connect(&target).await?;
     let format = if cli.json {
         Format::Json
@@ -293,15 +387,17 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Set {
             key,
-            value,
+            value: _,
+            input: _,
             px,
             nx,
             nex,
             persist,
             fencing_token,
         } => {
+            let value = input_value.unwrap_or_default();
             let px = px.map(|ms| ms.to_string());
-            let mut args: Vec<&[u8]> = vec![b"SET", key.as_bytes(), value.as_bytes()];
+            let mut args: Vec<&[u8]> = vec![b"SET", key.as_bytes(), &value];
             if nx {
                 args.push(b"NX");
             }
@@ -326,14 +422,13 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         }
         Command::Vdel {
             key,
-            value,
+            value: _,
+            input: _,
             fencing_token,
         } => {
+            let value = input_value.unwrap_or_default();
             let answer = client
-                .request(
-                    &[b"VDEL", key.as_bytes(), value.as_bytes()],
-                    &fencing(fencing_token),
-                )
+                .request(&[b"VDEL", key.as_bytes(), &value], &fencing(fencing_token))
                 .await?;
             out.reply(&answer)
         }
@@ -347,7 +442,9 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
             let answer = client.request(&args, &[]).await?;
             out.reply(&answer)
         }
-        Command::Faults(_) => unreachable!("answered before connecting"),
+        Command::Faults(_) | Command::Completions { .. } | Command::Man => {
+            unreachable!("answered before connecting")
+        }
     };
     let _ = std::io::stdout().flush();
     client.disconnect().await;
@@ -462,7 +559,20 @@ async fn lock(
             0
         }
         Reply::Integer(_) => {
-            eprintln!("statebroker-cli: lock {name} is held by another client");
+            // The holder's client id is the lock's value (the store tells
+            // no expiry: the lease ends at most --ttl after its last
+            // renewal).
+            let held = client.request(&[b"GET", name.as_bytes()], &[]).await?;
+            match held.reply {
+                Reply::Bulk(holder) => eprintln!(
+                    "statebroker-cli: lock {name} is held by {} (version {})",
+                    String::from_utf8_lossy(&holder),
+                    held.version.as_deref().unwrap_or("?")
+                ),
+                _ => eprintln!(
+                    "statebroker-cli: lock {name} was held by another client; it is free now: try again"
+                ),
+            }
             EXIT_ERR
         }
         _ => out.reply(&answer),

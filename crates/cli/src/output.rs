@@ -92,8 +92,10 @@ impl Printer {
                 self.json(json!({ "value": bytes_json(value), "version": answer.version }));
                 0
             }
+            // A missing key has no version (the answer's `__ts` is only
+            // the broker's clock).
             (Reply::Null, Format::Json) => {
-                self.json(json!({ "value": null, "version": answer.version }));
+                self.json(json!({ "value": null, "version": null }));
                 0
             }
             (Reply::Bulk(value), format) => {
@@ -105,7 +107,9 @@ impl Printer {
             }
             (Reply::Null, Format::Verbose) => {
                 self.line(b"(nil)");
-                self.details(answer);
+                for (name, value) in &answer.properties {
+                    self.line(format!("property: {name}={value}").as_bytes());
+                }
                 0
             }
             (Reply::Null, _) => 0,

@@ -71,15 +71,14 @@ async fn set_get_del_vdel_and_formats() {
         (stdout(&missing).as_str(), missing.status.code()),
         ("", Some(0))
     );
-    assert_eq!(
-        stdout(&run(addr, &["-v", "get", "nothing"]).await)
-            .lines()
-            .next(),
-        Some("(nil)")
-    );
+    // A missing key has no version: `-v` prints none.
+    let verbose_missing = stdout(&run(addr, &["-v", "get", "nothing"]).await);
+    assert_eq!(verbose_missing.lines().next(), Some("(nil)"));
+    assert!(!verbose_missing.contains("version:"), "{verbose_missing}");
     let json: serde_json::Value =
         serde_json::from_str(&stdout(&run(addr, &["--json", "get", "nothing"]).await)).unwrap();
     assert!(json["value"].is_null());
+    assert!(json["version"].is_null(), "{json}");
 
     // Conditions: NX refused on an existing key prints -1.
     assert_eq!(
@@ -244,7 +243,8 @@ async fn lock_acquires_renews_refuses_and_releases() {
 
     let other = run(addr, &["-i", "worker-2", "lock", "jobs", "--ttl", "10000"]).await;
     assert_eq!(other.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&other.stderr).contains("held by another client"));
+    let why = String::from_utf8_lossy(&other.stderr);
+    assert!(why.contains("lock jobs is held by worker-1"), "{why}");
 
     // The holder renews: a newer token.
     let renewed = run(
@@ -397,4 +397,82 @@ async fn tls_with_a_client_certificate() {
     wrong[1] = other.to_str().unwrap();
     let refused = run(addr, &[&wrong[..], &["get", "over-tls"]].concat()).await;
     assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+}
+
+/// Values that are not text: hexadecimal, from a file, from stdin; and
+/// what a person gets for an expiry of 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_from_hex_a_file_or_stdin() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+    let get_hex = |key: &'static str| async move {
+        let json: serde_json::Value =
+            serde_json::from_str(&stdout(&run(addr, &["--json", "get", key]).await)).unwrap();
+        json["value"]["hex"].as_str().map(str::to_owned)
+    };
+    let set = run(addr, &["set", "bin", "--hex", "00ff10"]).await;
+    assert!(set.status.success(), "{set:?}");
+    assert_eq!(get_hex("bin").await.as_deref(), Some("00ff10"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("value");
+    std::fs::write(&file, [0xfe, 0x00, 0x0a]).unwrap();
+    let set = run(
+        addr,
+        &["set", "from-file", "--file", file.to_str().unwrap()],
+    )
+    .await;
+    assert!(set.status.success(), "{set:?}");
+    assert_eq!(get_hex("from-file").await.as_deref(), Some("fe000a"));
+    // VDEL compares the same bytes.
+    assert_eq!(
+        stdout(&run(addr, &["vdel", "from-file", "--hex", "fe000a"]).await),
+        "1\n"
+    );
+
+    let mut child = cli(addr)
+        .args(["--timeout", "5", "set", "from-stdin", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(&[0xc3, 0x28, b'\n']).await.unwrap();
+    }
+    let done = child.wait_with_output().await.unwrap();
+    assert!(done.status.success(), "{done:?}");
+    assert_eq!(get_hex("from-stdin").await.as_deref(), Some("c3280a"));
+
+    let bad = run(addr, &["set", "bin", "--hex", "0g"]).await;
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not hexadecimal"));
+    let zero = run(addr, &["set", "k", "v", "--px", "0"]).await;
+    assert_eq!(zero.status.code(), Some(2));
+    let why = String::from_utf8_lossy(&zero.stderr);
+    assert!(why.contains("at least 1"), "{why}");
+}
+
+#[tokio::test]
+async fn completions_and_a_manual_page() {
+    let completions = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"))
+        .args(["completions", "bash"])
+        .output()
+        .await
+        .unwrap();
+    assert!(completions.status.success());
+    let script = String::from_utf8_lossy(&completions.stdout);
+    assert!(
+        script.contains("complete") && script.contains("statebroker-cli"),
+        "{script}"
+    );
+    let man = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"))
+        .arg("man")
+        .output()
+        .await
+        .unwrap();
+    assert!(man.status.success());
+    let page = String::from_utf8_lossy(&man.stdout);
+    assert!(page.contains(".TH statebroker-cli 1"), "{page}");
 }
