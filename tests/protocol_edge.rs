@@ -955,3 +955,39 @@ async fn a_session_ended_by_disconnect_does_not_come_back() {
         drop(c);
     }
 }
+
+/// 3.3.4 [MQTT-3.3.4-2], [MQTT-3.3.4-5]: a publish matching two of a
+/// client's subscriptions may be delivered once per subscription (each
+/// filter has its own log in the router); each copy then carries the
+/// Subscription Identifier of its own subscription. (Paho's
+/// test_subscribe_identifiers expects the single-copy choice, where one
+/// copy carries both.)
+#[tokio::test]
+async fn overlapping_subscriptions_each_carry_their_identifier() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "overlap-ids").await;
+    for (f, id) in [("overlap/a", 2), ("overlap/#", 3)] {
+        let codes =
+            subscribe_with_id(&mut sub, filter(f, QoS::AtLeastOnce, |_| {}), Some(id)).await;
+        assert_eq!(codes, [v5::SubscribeReasonCode::Success(QoS::AtLeastOnce)]);
+    }
+    let mut publisher = Raw::connect(addr, "overlap-ids-pub").await;
+    publish_complete(&mut publisher, "overlap/a", b"m", QoS::AtLeastOnce, false).await;
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let p = next_raw_publish(&mut sub).await;
+        ack(&mut sub, &p).await;
+        ids.push(
+            p.properties
+                .map(|p| p.subscription_identifiers)
+                .unwrap_or_default(),
+        );
+    }
+    ids.sort();
+    assert_eq!(ids, [vec![2], vec![3]]);
+    match sub.recv_within(Duration::from_millis(200)).await {
+        Recv::Timeout => {}
+        other => panic!("two copies, no more: {other:?}"),
+    }
+}
