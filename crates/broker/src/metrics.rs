@@ -94,6 +94,10 @@ pub const STORE_REQUESTS: &str = "statebroker_statestore_requests_total";
 /// From a state store request's arrival to its answer being handed on
 /// (after the disk when it must wait for it).
 pub const STORE_REQUEST_SECONDS: &str = "statebroker_statestore_request_duration_seconds";
+/// 1 while the data directory refuses writes (the persistence writer's
+/// last attempt failed and it retries: persisted writes wait), else 0
+/// (gauge).
+pub const DISK_REFUSING_WRITES: &str = "statebroker_disk_refusing_writes";
 /// Changes written in one group commit.
 pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
@@ -274,6 +278,10 @@ fn describe() {
         STORE_ANSWERS_WAITING,
         "State store answers waiting for their changes to be on disk"
     );
+    describe_gauge!(
+        DISK_REFUSING_WRITES,
+        "1 while the data directory refuses writes (persisted writes wait), else 0"
+    );
     describe_counter!(STORE_EXPIRED, "Keys removed because their expiry passed");
     describe_gauge!(UPTIME, metrics::Unit::Seconds, "Seconds since the start");
     describe_counter!(
@@ -444,6 +452,11 @@ pub fn store_request(command: &'static str, ok: bool, took: Duration) {
         Some(hot) => hot.request_seconds.record(took.as_secs_f64()),
         None => histogram!(STORE_REQUEST_SECONDS).record(took.as_secs_f64()),
     }
+}
+
+/// The data directory refuses writes (`true`) or takes them again.
+pub fn disk_refusing_writes(refusing: bool) {
+    gauge!(DISK_REFUSING_WRITES).set(if refusing { 1.0 } else { 0.0 });
 }
 
 /// A group commit of `writes` changes took `took`.
