@@ -87,6 +87,10 @@ pub const UPTIME: &str = "statebroker_uptime_seconds";
 /// Messages not delivered to a client because a bound or limit was
 /// reached, by `reason`.
 pub const DROPPED: &str = "statebroker_dropped_messages_total";
+/// Publishes refused (MQTT 5: PUBACK / PUBREC 0x97) because they would have
+/// pushed out of a filter's log what a kept session has not had (`[broker]
+/// queue_full = "refuse"`).
+pub const PUBLISHES_REFUSED: &str = "statebroker_publishes_refused_total";
 /// QoS 1/2 messages saved for persistent sessions (one per session).
 pub const QUEUED_SAVED: &str = "statebroker_queued_messages_saved_total";
 /// State store requests, by `command` and `outcome` (`ok`, `error`).
@@ -281,6 +285,10 @@ fn describe() {
     describe_gauge!(
         DISK_REFUSING_WRITES,
         "1 while the data directory refuses writes (persisted writes wait), else 0"
+    );
+    describe_counter!(
+        PUBLISHES_REFUSED,
+        "Publishes refused because a kept session's queue (its filter's log) was full"
     );
     describe_counter!(STORE_EXPIRED, "Keys removed because their expiry passed");
     describe_gauge!(UPTIME, metrics::Unit::Seconds, "Seconds since the start");
