@@ -91,6 +91,10 @@ pub const UPTIME: &str = "statebroker_uptime_seconds";
 /// Messages not delivered to a client because a bound or limit was
 /// reached, by `reason`.
 pub const DROPPED: &str = "statebroker_dropped_messages_total";
+/// Publishes refused (MQTT 5: PUBACK / PUBREC 0x97) because they would have
+/// pushed out of a filter's log what a kept session has not had (`[broker]
+/// queue_full = "refuse"`).
+pub const PUBLISHES_REFUSED: &str = "statebroker_publishes_refused_total";
 /// QoS 1/2 messages saved for persistent sessions (one per session).
 pub const QUEUED_SAVED: &str = "statebroker_queued_messages_saved_total";
 /// State store requests, by `command` and `outcome` (`ok`, `error`).
@@ -98,6 +102,10 @@ pub const STORE_REQUESTS: &str = "statebroker_statestore_requests_total";
 /// From a state store request's arrival to its answer being handed on
 /// (after the disk when it must wait for it).
 pub const STORE_REQUEST_SECONDS: &str = "statebroker_statestore_request_duration_seconds";
+/// 1 while the data directory refuses writes (the persistence writer's
+/// last attempt failed and it retries: persisted writes wait), else 0
+/// (gauge).
+pub const DISK_REFUSING_WRITES: &str = "statebroker_disk_refusing_writes";
 /// Changes written in one group commit.
 pub const PERSISTENCE_BATCH: &str = "statebroker_persistence_batch_writes";
 /// How long one group commit's write and sync took.
@@ -324,6 +332,14 @@ fn describe() {
         STORE_ANSWERS_WAITING,
         "State store answers waiting for their changes to be on disk"
     );
+    describe_gauge!(
+        DISK_REFUSING_WRITES,
+        "1 while the data directory refuses writes (persisted writes wait), else 0"
+    );
+    describe_counter!(
+        PUBLISHES_REFUSED,
+        "Publishes refused because a kept session's queue (its filter's log) was full"
+    );
     describe_counter!(STORE_EXPIRED, "Keys removed because their expiry passed");
     describe_gauge!(UPTIME, metrics::Unit::Seconds, "Seconds since the start");
     describe_counter!(
@@ -501,6 +517,11 @@ pub fn store_request(command: &'static str, ok: bool, took: Duration) {
         Some(hot) => hot.request_seconds.record(took.as_secs_f64()),
         None => histogram!(STORE_REQUEST_SECONDS).record(took.as_secs_f64()),
     }
+}
+
+/// The data directory refuses writes (`true`) or takes them again.
+pub fn disk_refusing_writes(refusing: bool) {
+    gauge!(DISK_REFUSING_WRITES).set(if refusing { 1.0 } else { 0.0 });
 }
 
 /// A group commit of `writes` changes took `took`.

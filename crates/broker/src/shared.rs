@@ -70,6 +70,7 @@ impl Shared {
         // The router enforces `[broker] max_kept_sessions` (patch 22).
         let router_config = router::RouterConfig {
             max_kept_sessions: settings.broker.max_kept_sessions,
+            queue_full: settings.broker.queue_full,
             ..settings.router.clone()
         };
         let router = router::RouterHandle::spawn(

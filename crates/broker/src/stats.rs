@@ -10,9 +10,10 @@ use std::time::Duration;
 use metrics::{counter, gauge};
 
 use crate::metrics::{
-    BYTES_SENT, FILTER_LOG_BYTES, FILTER_LOGS, KEPT_SESSIONS, QUEUED_DELIVERIES,
-    QUEUED_DELIVERY_BYTES, QUEUED_WAITING, RETAINED, SESSIONS, STORE_ANSWERS_WAITING, STORE_BYTES,
-    STORE_EXPIRED, STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS, Totals, UPTIME,
+    BYTES_SENT, DROPPED, FILTER_LOG_BYTES, FILTER_LOGS, KEPT_SESSIONS, PUBLISHES_REFUSED,
+    QUEUED_DELIVERIES, QUEUED_DELIVERY_BYTES, QUEUED_WAITING, RETAINED, SESSIONS,
+    STORE_ANSWERS_WAITING, STORE_BYTES, STORE_EXPIRED, STORE_KEYS, STORE_WATCHES, SUBSCRIPTIONS,
+    Totals, UPTIME,
 };
 use crate::sessions::Census;
 use crate::shared::Shared;
@@ -32,6 +33,11 @@ pub struct Snapshot {
     pub filter_logs: usize,
     /// Topic and payload bytes in them.
     pub filter_log_bytes: u64,
+    /// Messages pushed out of a filter's log before a subscriber read
+    /// them (once per subscriber), since the start.
+    pub filter_log_dropped: u64,
+    /// Publishes refused for a kept session's full log, since the start.
+    pub publishes_refused: u64,
     /// Saved QoS 1/2 copies persistent sessions wait for.
     pub queued_waiting: usize,
     /// State store keys.
@@ -58,6 +64,8 @@ pub(crate) fn sample(shared: &Shared) -> Snapshot {
         retained: shared.router.retained_messages(),
         filter_logs: shared.router.filter_logs().logs(),
         filter_log_bytes: shared.router.filter_logs().bytes(),
+        filter_log_dropped: shared.router.filter_logs().dropped(),
+        publishes_refused: shared.router.filter_logs().refused(),
         queued_waiting: shared.durable.as_ref().map_or(0, |d| d.waiting_total()),
         keys,
         key_bytes,
@@ -87,4 +95,7 @@ pub fn set_gauges(now: &Snapshot) {
     // Counted in atomics on the hot path, handed over here.
     counter!(BYTES_SENT).absolute(now.totals.bytes_sent);
     counter!(STORE_EXPIRED).absolute(now.totals.keys_expired);
+    // Counted by the router (one broker per process outside tests).
+    counter!(DROPPED, "reason" => "filter_log_evicted").absolute(now.filter_log_dropped);
+    counter!(PUBLISHES_REFUSED).absolute(now.publishes_refused);
 }

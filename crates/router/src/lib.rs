@@ -207,6 +207,27 @@ pub struct RouterConfig {
     /// Set by the broker from its own configuration.
     #[serde(skip)]
     pub max_kept_sessions: usize,
+    /// What a publish does when it would push out of a filter's log a
+    /// message that a kept session subscribed at QoS 1 or 2 has not had
+    /// yet (statebroker patch 23). Set by the broker from its own
+    /// configuration.
+    #[serde(skip)]
+    pub queue_full: QueueFull,
+}
+
+/// When a message would push out of a filter's log one a kept session
+/// has not had yet (statebroker patch 23).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueFull {
+    /// The oldest messages go, counted ([`LogCounts::dropped`]) and logged
+    /// per subscriber when it reads on past them (rumqttd's behaviour).
+    #[default]
+    DropOldest,
+    /// The new message is refused: not appended to any log, PUBACK /
+    /// PUBREC "quota exceeded" (0x97) to the publisher, counted
+    /// ([`LogCounts::refused`]).
+    Refuse,
 }
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]

@@ -548,6 +548,7 @@ impl Settings {
                 legacy_2023_topic,
                 max_queued_messages,
                 max_queued_bytes,
+                queue_full,
                 sys_interval
             ],
             reloaded[password_file, authorization]

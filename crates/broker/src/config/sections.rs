@@ -152,6 +152,9 @@ pub struct BrokerSection {
     pub max_queued_messages: usize,
     /// The same bound in bytes (topic and payload).
     pub max_queued_bytes: usize,
+    /// A publish that would push out of a filter's log what a kept session
+    /// has not had: the oldest go, or the publish is refused.
+    pub queue_full: router::QueueFull,
     /// Seconds between two publications of the `$SYS` topics; 0: none.
     pub sys_interval: u64,
     /// mosquitto_passwd file of users; empty: none. Reloaded on SIGHUP.

@@ -5,7 +5,8 @@
 //!   format;
 //! - `GET /healthz`: 200 while the process serves HTTP at all;
 //! - `GET /readyz`: 200 once persisted state is restored and every MQTT
-//!   listener accepts, 503 before (and while stopping);
+//!   listener accepts, 503 before (and while stopping), and while the
+//!   data directory refuses writes (a full disk: persisted writes wait);
 //! - `GET /` and `/api/...`: the live web view ([`crate::web`]), only
 //!   for the host names it serves (`localhost`, IP literals, `[http]
 //!   allowed_hosts`); the three above answer any `Host`: scrapers and
@@ -138,6 +139,10 @@ async fn readyz(State(served): State<Served>) -> impl IntoResponse {
         Some(shared) if !shared.store.is_ready() => (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: etcd does not answer\n",
+        ),
+        Some(shared) if shared.store.disk_refuses_writes() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the data directory refuses writes (persisted writes wait)\n",
         ),
         _ => (StatusCode::OK, "ready\n"),
     }

@@ -158,6 +158,9 @@ pub struct Persistence {
     /// Set by [`Persistence::close`]: a writer retrying against a disk that
     /// refuses writes gives up.
     stopping: Arc<AtomicBool>,
+    /// Whether the writer's last attempt to write or sync failed: the disk
+    /// refuses writes (full, read-only, failing) and persisted writes wait.
+    refusing: Arc<AtomicBool>,
 }
 
 struct Engine {
@@ -304,6 +307,9 @@ impl Persistence {
         let writer_stall = Arc::clone(&stall);
         let stopping = Arc::new(AtomicBool::new(false));
         let writer_stopping = Arc::clone(&stopping);
+        let refusing = Arc::new(AtomicBool::new(false));
+        crate::metrics::disk_refusing_writes(false);
+        let writer_refusing = Arc::clone(&refusing);
         let writer = std::thread::Builder::new()
             .name("persistence".into())
             .spawn(move || {
@@ -315,6 +321,7 @@ impl Persistence {
                     writer_kick,
                     writer_stall,
                     writer_stopping,
+                    writer_refusing,
                 )
             })
             .map_err(|e| OpenError {
@@ -330,6 +337,7 @@ impl Persistence {
             kick,
             stall,
             stopping,
+            refusing,
         };
         Ok((persistence, loaded))
     }
@@ -383,6 +391,12 @@ impl Persistence {
     pub async fn wait_durable(&self, batch: Batch) {
         let mut durable = self.durable.clone();
         let _ = durable.wait_for(|d| d.covers(batch)).await;
+    }
+
+    /// Whether the data directory refuses writes now: the writer's last
+    /// attempt failed, and it retries (for `/readyz`).
+    pub fn refuses_writes(&self) -> bool {
+        self.refusing.load(Ordering::Acquire)
     }
 
     /// Writes nothing for `period` (zero: ends a stall): the `stall_disk`

@@ -406,6 +406,14 @@ impl StateStoreService {
         true
     }
 
+    /// Whether the data directory refuses writes now (persisted writes
+    /// wait until it takes them again): `/readyz` says so.
+    pub fn disk_refuses_writes(&self) -> bool {
+        self.persistence
+            .as_ref()
+            .is_some_and(|persistence| persistence.refuses_writes())
+    }
+
     /// Queues durable writes (call with the store locked); returns the batch
     /// an answer given now must wait for: the writes' own, or, with none,
     /// that of the changes not on disk yet that it could show (`observed`,

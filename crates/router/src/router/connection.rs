@@ -39,6 +39,38 @@ pub struct Connection {
     /// Seconds the session is kept after the connection ends (0: not kept,
     /// `u32::MAX`: for ever) (statebroker patch 9).
     pub session_expiry: u32,
+    /// Messages pushed out of its logs before it read them, not yet in a
+    /// WARN line, and when the last line was written (statebroker patch 23).
+    pub(crate) dropped: DropReport,
+}
+
+/// Messages a connection lost to its logs' bounds, for a WARN line at most
+/// every [`DropReport::EVERY`] (statebroker patch 23).
+#[derive(Debug, Default)]
+pub(crate) struct DropReport {
+    unreported: u64,
+    total: u64,
+    last: Option<std::time::Instant>,
+}
+
+impl DropReport {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// `n` more were lost; `Some((since the last line, in all))` when a
+    /// line is due.
+    pub(crate) fn lost(&mut self, n: u64) -> Option<(u64, u64)> {
+        self.unreported += n;
+        self.total += n;
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|at| now.duration_since(at) < Self::EVERY)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some((std::mem::take(&mut self.unreported), self.total))
+    }
 }
 
 impl Connection {
@@ -74,6 +106,7 @@ impl Connection {
             topic_aliases: HashMap::new(),
             broker_topic_aliases: None,
             subscription_ids: HashMap::new(),
+            dropped: DropReport::default(),
         }
     }
 

@@ -32,6 +32,26 @@ impl Graveyard {
         Some(saved)
     }
 
+    /// A kept session without a connection that reads the log at
+    /// `filter_idx` at QoS 1 or 2 from before absolute offset `below`
+    /// (statebroker patch 23).
+    pub fn reads_before(&self, filter_idx: usize, below: u64) -> Option<&str> {
+        self.connections.iter().find_map(|(client, saved)| {
+            let state = saved.session_state.as_ref()?;
+            state
+                .tracker
+                .data_requests
+                .iter()
+                .any(|r| {
+                    r.filter_idx == filter_idx
+                        && r.qos > 0
+                        && r.group.is_none()
+                        && r.cursor.1 < below
+                })
+                .then_some(client.as_str())
+        })
+    }
+
     /// Whether any kept session has an expiry.
     pub fn has_deadlines(&self) -> bool {
         !self.deadlines.is_empty()

@@ -331,6 +331,16 @@ impl Outgoing {
         }
     }
 
+    /// The cursor of the first unacknowledged delivery read from the log at
+    /// `filter_idx`: where a reconnecting session reads again (statebroker
+    /// patch 23).
+    pub fn first_unacked(&self, filter_idx: FilterIdx) -> Option<Cursor> {
+        self.inflight_buffer
+            .iter()
+            .find(|(_, idx, cursor, _)| *idx == filter_idx && cursor.is_some())
+            .and_then(|(_, _, cursor, _)| *cursor)
+    }
+
     // Here we are assuming that the first unique filter_idx we find while iterating will have the
     // least corresponding cursor because of the way we insert into the inflight_buffer
     pub fn retransmission_map(&self) -> HashMap<FilterIdx, Cursor> {

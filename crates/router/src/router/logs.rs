@@ -32,6 +32,11 @@ const MAX_CACHED_TOPICS: usize = 100_000;
 pub struct LogCounts {
     logs: std::sync::atomic::AtomicUsize,
     bytes: std::sync::atomic::AtomicU64,
+    /// Statebroker patch 23: entries pushed out of a log before a
+    /// subscriber read them, counted as it reads on past them.
+    dropped: std::sync::atomic::AtomicU64,
+    /// Statebroker patch 23: publishes refused (`QueueFull::Refuse`).
+    refused: std::sync::atomic::AtomicU64,
 }
 
 impl LogCounts {
@@ -44,6 +49,32 @@ impl LogCounts {
     /// payload and 4).
     pub fn bytes(&self) -> u64 {
         self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Messages pushed out of a filter's log before a subscriber read
+    /// them, each counted once per subscriber it never reached, when that
+    /// subscriber reads on past them (statebroker patch 23). Entries that
+    /// subscriber would have skipped anyway (its own with No Local,
+    /// expired ones) count too.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Publishes refused because they would have pushed out of a log a
+    /// message a kept session has not had yet ([`crate::QueueFull::Refuse`],
+    /// statebroker patch 23).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_dropped(&self, n: u64) {
+        self.dropped
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn count_refused(&self) {
+        self.refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -165,6 +196,16 @@ impl DataLog {
         self.count_logs();
         let data = self.native.get(filter_idx)?;
         Some((offset, &data.filter))
+    }
+
+    /// What appending an entry of `size` bytes to the log at `filter_idx`
+    /// would push out: the absolute offset of the oldest entry kept after
+    /// it, if older ones would go, and the log's filter (statebroker
+    /// patch 23).
+    pub fn evicts_below(&self, filter_idx: FilterIdx, size: usize) -> Option<(u64, &Filter)> {
+        let data = self.native.get(filter_idx)?;
+        let below = data.log.evicts_below(size as u64)?;
+        Some((below, &data.filter))
     }
 
     pub fn meter(&mut self, filter: &str) -> Option<&mut SubscriptionMeter> {
@@ -569,6 +610,12 @@ impl AckLog {
     /// publish still recorded (same packet id) is acknowledged again but
     /// not recorded twice, so it is delivered once (statebroker patch 6).
     /// The PUBREC is held until `receipt` is durable (patch 16).
+    /// A PUBREC that refuses the publish (a reason code of 0x80 or more):
+    /// nothing recorded, no PUBREL to wait for (statebroker patch 23).
+    pub fn pubrec_refused(&mut self, ack: PubRec) {
+        self.committed.push_back((Ack::PubRec(ack), None));
+    }
+
     pub fn pubrec(&mut self, recorded: Recorded, ack: PubRec, receipt: Option<Receipt>) {
         if !self.is_recorded(recorded.0.pkid) {
             self.recorded.push_back(recorded);
@@ -642,6 +689,7 @@ mod test {
             shared_subscriptions_strategy: Strategy::RoundRobin,
             max_subscriptions_per_client: 0,
             max_kept_sessions: 0,
+            queue_full: Default::default(),
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("topic/a");
@@ -664,6 +712,7 @@ mod test {
             shared_subscriptions_strategy: Strategy::RoundRobin,
             max_subscriptions_per_client: 0,
             max_kept_sessions: 0,
+            queue_full: Default::default(),
         };
         let mut data = DataLog::new(config).unwrap();
         data.next_native_offset("+/+");

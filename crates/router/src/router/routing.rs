@@ -113,6 +113,9 @@ pub struct Router {
     subscriptions: std::sync::Arc<Subscriptions>,
     /// Where the changes a restart must not lose go (statebroker patch 16).
     journal: Option<std::sync::Arc<dyn Journal>>,
+    /// When the last WARN line about refused publishes was written, and
+    /// those refused since (statebroker patch 23).
+    refusals: (Option<Instant>, u64),
 }
 
 impl Router {
@@ -157,6 +160,7 @@ impl Router {
             last_wills: HashMap::new(),
             subscriptions: Default::default(),
             journal: None,
+            refusals: (None, 0),
         }
     }
 
@@ -671,6 +675,101 @@ impl Router {
         self.router_meters.total_connections -= 1;
     }
 
+    /// Whether appending `publish` would push out of a log it goes to a
+    /// message that a kept session subscribed at QoS 1 or 2 has not had
+    /// yet (read or not, unacknowledged: a reconnection reads it again):
+    /// the client id of one such session (statebroker patch 23). Looks at
+    /// the subscribers only when the append would push anything out.
+    fn fills_a_kept_queue(&mut self, publish: &Publish) -> Option<String> {
+        let topic = std::str::from_utf8(&publish.topic).ok()?;
+        let size = 4 + publish.topic.len() + publish.payload.len();
+        for idx in self.datalog.matches(topic)? {
+            let Some((below, filter)) = self.datalog.evicts_below(idx, size) else {
+                continue;
+            };
+            let reads_before = |cursor: Option<(u64, u64)>| cursor.is_some_and(|c| c.1 < below);
+            for &id in self.subscription_map.get(filter).into_iter().flatten() {
+                let Some(connection) = self.connections.get(id) else {
+                    continue;
+                };
+                if connection.session_expiry == 0 {
+                    continue;
+                }
+                let at_qos =
+                    |r: &&DataRequest| r.filter_idx == idx && r.qos > 0 && r.group.is_none();
+                let tracked = self
+                    .scheduler
+                    .trackers
+                    .get(id)
+                    .and_then(|t| t.data_requests.iter().find(at_qos))
+                    .map(|r| r.cursor);
+                let woken = self
+                    .notifications
+                    .iter()
+                    .filter(|(n, _)| *n == id)
+                    .map(|(_, r)| r)
+                    .find(at_qos)
+                    .map(|r| r.cursor);
+                let unacked = self.obufs.get(id).and_then(|o| o.first_unacked(idx));
+                if reads_before(tracked) || reads_before(woken) || reads_before(unacked) {
+                    return Some(connection.client_id.clone());
+                }
+            }
+            if let Some(client) = self.graveyard.reads_before(idx, below) {
+                return Some(client.to_owned());
+            }
+        }
+        None
+    }
+
+    /// Refuses `publish` from connection `id` (`client_id`): PUBACK or
+    /// PUBREC "quota exceeded" (QoS 0: dropped), counted, and a WARN line
+    /// at most every 10 s (statebroker patch 23).
+    fn refuse_publish(
+        &mut self,
+        id: ConnectionId,
+        client_id: &str,
+        lagging: &str,
+        publish: &Publish,
+    ) {
+        self.datalog.counts.count_refused();
+        self.router_meters.failed_publishes += 1;
+        let now = Instant::now();
+        self.refusals.1 += 1;
+        if self
+            .refusals
+            .0
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(10))
+        {
+            warn!(
+                client_id,
+                topic = %String::from_utf8_lossy(&publish.topic),
+                kept_session = lagging,
+                refused = std::mem::take(&mut self.refusals.1),
+                "publishes refused (quota exceeded): a kept session's messages would be pushed \
+                 out of the filter's log before it has them ([broker] queue_full = \"refuse\")"
+            );
+            self.refusals.0 = Some(now);
+        }
+        let Some(ackslog) = self.ackslog.get_mut(id) else {
+            return;
+        };
+        match publish.qos {
+            QoS::AtLeastOnce => ackslog.puback(
+                PubAck {
+                    pkid: publish.pkid,
+                    reason: PubAckReason::QuotaExceeded,
+                },
+                None,
+            ),
+            QoS::ExactlyOnce => ackslog.pubrec_refused(PubRec {
+                pkid: publish.pkid,
+                reason: PubRecReason::QuotaExceeded,
+            }),
+            QoS::AtMostOnce => {}
+        }
+    }
+
     /// Handles new incoming data on a topic
     fn handle_device_payload(&mut self, id: ConnectionId) {
         // TODO: Retun errors and move error handling to the caller
@@ -726,6 +825,19 @@ impl Router {
                     // QoS 2 publish sent again before its PUBREL is recorded
                     // already: acknowledged again, nothing else (patch 6).
                     let again = qos == QoS::ExactlyOnce && self.ackslog[id].is_recorded(pkid);
+                    // A publish that would push out of a log what a kept
+                    // session has not had is refused, when so configured
+                    // (statebroker patch 23): nothing saved or appended.
+                    let refused = if !again && self.config.queue_full == QueueFull::Refuse {
+                        self.fills_a_kept_queue(&publish)
+                    } else {
+                        None
+                    };
+                    if let Some(lagging) = refused {
+                        self.refuse_publish(id, &client_id, &lagging, &publish);
+                        force_ack |= qos != QoS::AtMostOnce;
+                        continue;
+                    }
                     let (queued, receipt) = if again {
                         (None, None)
                     } else {
@@ -1997,16 +2109,23 @@ fn forward_device_data(
     }
 
     if start != request.cursor {
-        let error = format!(
-            "Read cursor start jumped from {:?} to {:?} on {}",
-            request.cursor, start, request.filter
-        );
-
-        warn!(
-            request_cursor = ?request.cursor,
-            start_cursor = ?start,
-            error
-        );
+        // The log pushed out what this subscriber had not read: counted,
+        // and said at WARN at most every 10 s per connection (statebroker
+        // patch 23; rumqttd wrote a WARN line per read, without the count).
+        let lost = start.1.saturating_sub(request.cursor.1);
+        datalog.counts.count_dropped(lost);
+        if let Some((since, total)) = connection.dropped.lost(lost) {
+            warn!(
+                client_id = outgoing.client_id,
+                filter = request.filter,
+                dropped = since,
+                dropped_in_all = total,
+                "messages dropped before delivery: the filter's log pushed them out \
+                 before this client read them (bounded by [router] max_segment_size \
+                 x max_segment_count; [broker] queue_full = \"refuse\" refuses new \
+                 publishes instead)"
+            );
+        }
 
         let alert = alert::cursorjump(&outgoing.client_id, &request.filter, 0);
         alertlog.log(alert);

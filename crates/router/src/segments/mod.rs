@@ -165,6 +165,33 @@ where
         }
     }
 
+    /// What appending an entry of `size` bytes would push out (the same
+    /// steps as [`CommitLog::append`], without doing them): the absolute
+    /// offset of the oldest entry kept after it, if older ones would go
+    /// (statebroker patch 23).
+    pub fn evicts_below(&self, size: u64) -> Option<u64> {
+        let mut first = 0;
+        let mut bytes = self.bytes;
+        let mut count = self.segments.len();
+        if self.active_segment().size() >= self.max_segment_size as u64 {
+            if self.memory_segments_count() >= self.max_mem_segments {
+                bytes -= self.segments[0].size();
+                first = 1;
+            }
+            count += 1;
+        }
+        bytes += size;
+        while bytes > self.byte_bound() && count - first > 1 {
+            bytes -= self.segments.get(first).map_or(0, Segment::size);
+            first += 1;
+        }
+        (first > 0).then(|| {
+            self.segments
+                .get(first)
+                .map_or(self.active_segment().next_offset(), |s| s.absolute_offset)
+        })
+    }
+
     fn apply_retention(&mut self) {
         if self.active_segment().size() >= self.max_segment_size as u64 {
             // Read absolute_offset before applying memory retention, in case there is only 1
@@ -728,5 +755,28 @@ mod tests {
             assert!(log.size() <= log_bound.max(1024 + 5000));
         }
         assert!(log.size() <= log_bound);
+    }
+
+    /// Patch 23: `evicts_below` says what the next append pushes out, for
+    /// small and large messages alike.
+    #[test]
+    fn evicts_below_predicts_the_next_append() {
+        let mut log: CommitLog<Bytes> = CommitLog::new(1024, 3).unwrap();
+        let mut evictions = 0;
+        for i in 0..400 {
+            let size: u64 = [100, 700, 3000, 10][i % 4];
+            let oldest = |log: &CommitLog<Bytes>| log.segments.front().unwrap().absolute_offset;
+            let before = oldest(&log);
+            let predicted = log.evicts_below(size);
+            log.append(random_payload((i % 256) as u8, size));
+            let after = oldest(&log);
+            if after == before {
+                assert_eq!(predicted, None, "append {i}: nothing went");
+            } else {
+                evictions += 1;
+                assert_eq!(predicted, Some(after), "append {i}");
+            }
+        }
+        assert!(evictions > 50, "{evictions} appends pushed entries out");
     }
 }
