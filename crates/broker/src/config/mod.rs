@@ -535,6 +535,8 @@ impl Settings {
             new.broker,
             [
                 max_keep_alive_secs,
+                max_session_expiry_secs,
+                max_kept_sessions,
                 topic_alias_max,
                 legacy_2023_topic,
                 max_queued_messages,
