@@ -139,7 +139,7 @@ pub(super) fn write_loop(
         return gave_up(0);
     }
     // What the next start must find again (see check.rs).
-    if let Err(e) = super::check::write_mark(&engine.dir, engine.db.seqno()) {
+    if let Err(e) = super::check::write_mark(&engine.dir, engine.recoverable_seqno()) {
         tracing::warn!(error = %e, dir = %engine.dir.display(), "cannot leave the clean-shutdown mark: the next start cannot check for a lost journal");
     }
     tracing::debug!("persistence writer stopped");
