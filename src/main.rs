@@ -32,9 +32,10 @@ use logging::{Format, Logging};
 /// other hosts: --listen 0.0.0.0:1883, with users in a password file
 /// (`statebroker passwd FILE USER`, `[broker] password_file`) or
 /// --allow-anonymous.
-/// Log filter: `[log] level` (default "info,router=warn" plus the storage
-/// engine's journal repairs), or RUST_LOG, e.g.
-/// RUST_LOG=debug or RUST_LOG=broker=debug.
+/// Log filter: `[log] level` (default "info"), or RUST_LOG, e.g.
+/// RUST_LOG=debug or RUST_LOG=broker=debug; the router's per-packet lines
+/// and the storage engine's notes stay at WARN unless named
+/// (RUST_LOG=debug,router=debug,fjall=info,lsm_tree=info).
 ///
 /// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
 /// configuration file and applies what can change while running (the log

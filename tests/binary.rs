@@ -381,3 +381,60 @@ async fn passwd_and_sighup_change_who_may_connect() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no user bob"));
 }
+
+/// `[log] level = "info"` (or any level) does not bring the storage
+/// engine's INFO lines (13 at every restart, `Recovering current manifest`
+/// ...) nor the router's line per packet: they stay at WARN unless the
+/// filter names them.
+#[tokio::test]
+async fn a_plain_info_level_keeps_the_storage_engine_and_router_quiet() {
+    use rumqttc::v5::mqttbytes::QoS;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("info.toml");
+    std::fs::write(&config, "[log]\nlevel = \"info\"\n").unwrap();
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let quiet = |log: &[String]| -> Vec<String> {
+        log.iter()
+            .filter(|l| l.contains("lsm_tree") || l.contains("fjall") || l.contains("router::"))
+            .cloned()
+            .collect()
+    };
+    // The first start creates the database, the second recovers it.
+    for round in 0..2 {
+        let mut broker = start(&data, &args).await;
+        let mut sub = Raw::connect(broker.addr, "sub").await;
+        sub.subscribe("t/#", QoS::AtLeastOnce).await;
+        let mut publisher = Raw::connect(broker.addr, "pub").await;
+        publisher.publish("t/1", "m", QoS::AtLeastOnce, None).await;
+        assert_eq!(&sub.next_publish().await.payload[..], b"m");
+        assert_eq!(
+            &publisher.request(&[b"SET", b"k", b"v"]).await.payload[..],
+            b"+OK\r\n"
+        );
+        common::mqtt::goodbye(publisher, None).await;
+        common::mqtt::goodbye(sub, None).await;
+        let log = std::sync::Arc::clone(&broker.log);
+        common::eventually("both disconnects logged", || {
+            log.lock()
+                .iter()
+                .filter(|l| l.contains("client disconnected"))
+                .count()
+                == 2
+        })
+        .await;
+        signal(&broker.child, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), broker.child.wait())
+            .await
+            .expect("stops on SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{status}");
+        let log = log.lock().clone();
+        assert!(
+            log.iter()
+                .any(|l| l.contains(" INFO ") && l.contains("client connected")),
+            "round {round}: the filter is info: {log:#?}"
+        );
+        assert!(quiet(&log).is_empty(), "round {round}: {:#?}", quiet(&log));
+    }
+}
