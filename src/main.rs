@@ -10,6 +10,7 @@ use broker::config::{Mode, PersistenceSettings};
 use broker::{Broker, RunningBroker, Settings};
 use clap::Parser;
 
+mod health;
 mod logging;
 mod passwd;
 
@@ -140,6 +141,17 @@ enum Command {
         #[arg(long, conflicts_with = "password_stdin")]
         delete: bool,
     },
+    /// Exit 0 if the running broker is ready, 1 if not: for a container's
+    /// HEALTHCHECK. The broker, started with STATEBROKER_HEALTH_FILE set,
+    /// writes there where to ask once it has started (its HTTP endpoint's
+    /// /readyz, or with --no-http its first MQTT listener), and removes it
+    /// when it stops; this reads the same file, so the check follows the
+    /// configured port, whatever set it.
+    Healthcheck {
+        /// The health file.
+        #[arg(env = "STATEBROKER_HEALTH_FILE", value_name = "FILE")]
+        file: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -159,6 +171,18 @@ fn main() -> ExitCode {
             Err(e) => {
                 eprintln!("statebroker passwd: {e}");
                 ExitCode::from(2)
+            }
+        };
+    }
+    if let Some(Command::Healthcheck { file }) = &cli.command {
+        return match health::check(file) {
+            Ok(what) => {
+                println!("ready: {what}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("not ready: {e}");
+                ExitCode::FAILURE
             }
         };
     }
@@ -289,6 +313,14 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let health_file = health::file_from_env();
+    if let Some(path) = &health_file {
+        let target = match running.http_addr() {
+            Some(addr) => health::Target::Http(addr),
+            None => health::Target::Mqtt(running.local_addr()),
+        };
+        health::announce(path, &target);
+    }
     let signal = loop {
         match signals.next().await {
             Signal::Reload => reload(&cli, &running, &logging),
@@ -296,6 +328,9 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
         }
     };
     tracing::info!(signal, "stopping");
+    if let Some(path) = &health_file {
+        health::withdraw(path);
+    }
     running.shutdown(Duration::from_secs(5)).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS

@@ -604,3 +604,60 @@ async fn a_listener_in_a_file_needs_only_listen() {
         b"+OK\r\n"
     );
 }
+
+/// `statebroker healthcheck` (the image's HEALTHCHECK) asks where the
+/// running broker says, through STATEBROKER_HEALTH_FILE: its HTTP
+/// endpoint's /readyz on the port it was given, or with --no-http its MQTT
+/// listener; not ready before the start and after the stop.
+#[tokio::test]
+async fn healthcheck_follows_the_configured_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let health = dir.path().join("health");
+    let check = || {
+        let health = health.clone();
+        async move {
+            let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+                .arg("healthcheck")
+                .env("STATEBROKER_HEALTH_FILE", &health)
+                .output()
+                .await
+                .unwrap();
+            (
+                output.status.code(),
+                String::from_utf8_lossy(&output.stdout).into_owned(),
+            )
+        }
+    };
+    let (code, said) = check().await;
+    assert_eq!(code, Some(1), "not started: {said}");
+    assert!(said.starts_with("not ready"), "{said}");
+    for http in [true, false] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
+        command
+            .args(["--in-memory", "--listen", "127.0.0.1:0"])
+            .args(if http {
+                &["--http", "127.0.0.1:0"][..]
+            } else {
+                &["--no-http"][..]
+            })
+            .env("STATEBROKER_HEALTH_FILE", &health);
+        let (mut child, addr, _) = common::spawn_command(command).await;
+        common::eventually("the health file is written", || health.exists()).await;
+        let (code, said) = check().await;
+        assert_eq!(code, Some(0), "{said}");
+        if http {
+            assert!(said.contains("/readyz: ready"), "{said}");
+        } else {
+            assert!(said.contains(&format!("MQTT listener {addr}")), "{said}");
+        }
+        signal(&child, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("stops on SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{status}");
+        assert!(!health.exists(), "removed at the stop");
+        let (code, said) = check().await;
+        assert_eq!(code, Some(1), "stopped: {said}");
+    }
+}

@@ -268,6 +268,18 @@ fn a_file_listener_needs_only_listen() {
 }
 
 #[test]
+fn the_web_views_reads_open_by_environment() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    assert!(!s.http_options.allow_anonymous, "off by default");
+    let env = vec![(
+        "STATEBROKER__HTTP__ALLOW_ANONYMOUS".to_owned(),
+        "true".to_owned(),
+    )];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    assert!(s.http_options.allow_anonymous);
+}
+
+#[test]
 fn environment_overrides() {
     let env = vec![
         (
