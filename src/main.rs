@@ -214,7 +214,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run(cli, settings, logging))
+    let code = runtime.block_on(run(cli, settings, logging));
+    // `stopped` is logged once the storage engine is synced and closed:
+    // nothing left needs an orderly end. Dropping the runtime would wait
+    // for each task of its blocking pool still running (and each worker
+    // to finish dropping its tasks); the process ends now instead.
+    runtime.shutdown_background();
+    code
 }
 
 /// The scheduler: one worker per core the process may use, and on a single

@@ -661,3 +661,65 @@ async fn healthcheck_follows_the_configured_endpoint() {
         assert_eq!(code, Some(1), "stopped: {said}");
     }
 }
+
+/// SIGTERM with a client connected and a data directory: `stopped` is the
+/// last line, and the process ends right after it (issue #32: it once
+/// took about 2.1 s more). Prints the time from SIGTERM to `stopped` and
+/// to the exit; asserts only that the exit comes, within 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_process_ends_once_stopped() {
+    use rumqttc::v5::mqttbytes::QoS;
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = start(dir.path(), &[]).await;
+    let mut client = Raw::connect(broker.addr, "connected-at-stop").await;
+    client.subscribe("t/#", QoS::AtLeastOnce).await;
+    assert_eq!(
+        &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    let log = std::sync::Arc::clone(&broker.log);
+    let sent = std::time::Instant::now();
+    signal(&broker.child, "TERM");
+    // The client reads why and closes, as clients do.
+    let d = client.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::ServerShuttingDown)
+    );
+    drop(client);
+    let mut stopped_at = None;
+    let exit = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if stopped_at.is_none()
+                && log
+                    .lock()
+                    .iter()
+                    .any(|l| l.contains("statebroker: stopped"))
+            {
+                stopped_at = Some(sent.elapsed());
+            }
+            tokio::select! {
+                status = broker.child.wait() => break status.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the process ends within 10 s of SIGTERM");
+    let exited_at = sent.elapsed();
+    assert!(exit.success(), "{exit}");
+    // The log's reader may trail the exit: wait for the last line.
+    common::eventually("the stopped line", || {
+        log.lock()
+            .iter()
+            .any(|l| l.contains("statebroker: stopped"))
+    })
+    .await;
+    let log = log.lock().clone();
+    assert!(
+        log.last()
+            .is_some_and(|l| l.contains("statebroker: stopped")),
+        "stopped is the last line: {log:#?}"
+    );
+    println!("SIGTERM -> stopped {stopped_at:?}, -> exit {exited_at:?}");
+}
