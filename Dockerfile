@@ -20,7 +20,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && cp target/release/statebroker /statebroker
 
 FROM debian:bookworm-slim
-# The data directory belongs to the unprivileged user the broker runs as.
+# The data directory belongs to the unprivileged user the broker runs as
+# (uid 10001): a bind-mounted directory must be writable by it (chown -R
+# 10001 DIR on the host), or the container run as the directory's owner
+# (docker run --user, compose's `user:`); the broker's error says so.
 RUN useradd --system --uid 10001 --home-dir /var/lib/statebroker statebroker \
  && mkdir -p /var/lib/statebroker \
  && chown statebroker:statebroker /var/lib/statebroker
@@ -30,12 +33,17 @@ USER statebroker
 WORKDIR /var/lib/statebroker
 # Persisted keys, retained messages and persistent sessions.
 VOLUME /var/lib/statebroker
-# 1883: MQTT. 9883: /metrics, /healthz, /readyz.
+# 1883: MQTT. 9883: /metrics, /healthz, /readyz, the web view (on this
+# non-loopback address it asks for a user of the password file, or with
+# STATEBROKER__HTTP__ALLOW_ANONYMOUS=true shows its reads to anyone).
 EXPOSE 1883 9883
-# Ready once persisted state is restored and the listeners are up. bash's
-# /dev/tcp: the slim image has no curl, and needs none.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9883 && printf 'GET /readyz HTTP/1.0\\r\\n\\r\\n' >&3 && grep -q '^ready' <&3"]
+# Ready once persisted state is restored and the listeners are up. The
+# broker writes to STATEBROKER_HEALTH_FILE where to ask (its HTTP endpoint's
+# /readyz on whatever port it was given, or with --no-http its MQTT
+# listener) and `statebroker healthcheck` asks there: no curl needed.
+ENV STATEBROKER_HEALTH_FILE=/tmp/statebroker.health
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["statebroker", "healthcheck"]
 ENTRYPOINT ["statebroker"]
 # Inside a container the listeners must face the container's network: the
 # broker's own defaults keep the HTTP endpoint on loopback. Anonymous clients

@@ -3,6 +3,9 @@
 //!
 //! The filter is `[log] level` from the configuration unless the RUST_LOG
 //! environment variable is set, which then wins (at start and at reloads).
+//! Either way the targets of [`QUIET`] keep their own level unless the
+//! filter names them: `info` or `debug` alone does not bring the storage
+//! engine's recovery notes or the router's line per packet.
 
 use std::io::IsTerminal;
 
@@ -48,9 +51,53 @@ pub enum Level {
     Overridden,
 }
 
+/// Targets that a filter leaves at these levels unless it names them (or,
+/// for the last, a target it belongs to):
+/// - `router`: rumqttd's router logs a line per connection and per packet
+///   at INFO (name it, e.g. `info,router=debug`, to see them);
+/// - `lsm_tree`, `fjall`: the storage engine logs its recovery at INFO (13
+///   lines at every restart);
+/// - but `fjall::journal::batch_reader` says at DEBUG when it cut a torn
+///   journal tail after a crash: kept.
+const QUIET: &[(&str, &str)] = &[
+    ("router", "warn"),
+    ("lsm_tree", "warn"),
+    ("fjall", "warn"),
+    ("fjall::journal::batch_reader", "debug"),
+];
+
+/// The target a directive names (`None`: a bare level, for every target).
+fn directive_target(directive: &str) -> Option<&str> {
+    let (target, _) = directive.split_once('=')?;
+    let target = target.split('[').next().unwrap_or("").trim();
+    (!target.is_empty()).then_some(target)
+}
+
+/// `level` with the directives of [`QUIET`] that it does not override.
+fn with_quiet_targets(level: &str) -> String {
+    let named: Vec<&str> = level.split(',').filter_map(directive_target).collect();
+    let mut filter = level.trim().to_owned();
+    for (target, quiet) in QUIET {
+        let overridden = named.iter().any(|n| {
+            n == target
+                || target
+                    .strip_prefix(n)
+                    .is_some_and(|rest| rest.starts_with("::"))
+        });
+        if !overridden {
+            if !filter.is_empty() {
+                filter.push(',');
+            }
+            filter.push_str(&format!("{target}={quiet}"));
+        }
+    }
+    filter
+}
+
 /// Parses a filter, naming where it came from in the error.
 fn filter(level: &str, source: &str) -> Result<EnvFilter, String> {
-    EnvFilter::try_new(level).map_err(|e| format!("{source}: `{level}` is not a log filter ({e})"))
+    EnvFilter::try_new(with_quiet_targets(level))
+        .map_err(|e| format!("{source}: `{level}` is not a log filter ({e})"))
 }
 
 impl Logging {
@@ -119,5 +166,36 @@ impl Logging {
                 Ok(true)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_quiet_targets;
+
+    #[test]
+    fn the_quiet_targets_stay_quiet_unless_named() {
+        assert_eq!(
+            with_quiet_targets("info"),
+            "info,router=warn,lsm_tree=warn,fjall=warn,fjall::journal::batch_reader=debug"
+        );
+        assert_eq!(
+            with_quiet_targets("debug,router=debug"),
+            "debug,router=debug,lsm_tree=warn,fjall=warn,fjall::journal::batch_reader=debug"
+        );
+        // Naming fjall decides for its journal reader too.
+        assert_eq!(
+            with_quiet_targets("info,fjall=trace"),
+            "info,fjall=trace,router=warn,lsm_tree=warn"
+        );
+        // A module of the router named: the rest of it stays quiet.
+        assert_eq!(
+            with_quiet_targets("info,router::routing[x]=debug"),
+            "info,router::routing[x]=debug,router=warn,lsm_tree=warn,fjall=warn,fjall::journal::batch_reader=debug"
+        );
+        assert_eq!(
+            with_quiet_targets(""),
+            "router=warn,lsm_tree=warn,fjall=warn,fjall::journal::batch_reader=debug"
+        );
     }
 }

@@ -10,6 +10,7 @@ use broker::config::{Mode, PersistenceSettings};
 use broker::{Broker, RunningBroker, Settings};
 use clap::Parser;
 
+mod health;
 mod logging;
 mod passwd;
 
@@ -32,9 +33,10 @@ use logging::{Format, Logging};
 /// other hosts: --listen 0.0.0.0:1883, with users in a password file
 /// (`statebroker passwd FILE USER`, `[broker] password_file`) or
 /// --allow-anonymous.
-/// Log filter: `[log] level` (default "info,router=warn" plus the storage
-/// engine's journal repairs), or RUST_LOG, e.g.
-/// RUST_LOG=debug or RUST_LOG=broker=debug.
+/// Log filter: `[log] level` (default "info"), or RUST_LOG, e.g.
+/// RUST_LOG=debug or RUST_LOG=broker=debug; the router's per-packet lines
+/// and the storage engine's notes stay at WARN unless named
+/// (RUST_LOG=debug,router=debug,fjall=info,lsm_tree=info).
 ///
 /// Signals: SIGTERM or Ctrl-C stop it cleanly; SIGHUP re-reads the
 /// configuration file and applies what can change while running (the log
@@ -139,6 +141,17 @@ enum Command {
         #[arg(long, conflicts_with = "password_stdin")]
         delete: bool,
     },
+    /// Exit 0 if the running broker is ready, 1 if not: for a container's
+    /// HEALTHCHECK. The broker, started with STATEBROKER_HEALTH_FILE set,
+    /// writes there where to ask once it has started (its HTTP endpoint's
+    /// /readyz, or with --no-http its first MQTT listener), and removes it
+    /// when it stops; this reads the same file, so the check follows the
+    /// configured port, whatever set it.
+    Healthcheck {
+        /// The health file.
+        #[arg(env = "STATEBROKER_HEALTH_FILE", value_name = "FILE")]
+        file: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -158,6 +171,18 @@ fn main() -> ExitCode {
             Err(e) => {
                 eprintln!("statebroker passwd: {e}");
                 ExitCode::from(2)
+            }
+        };
+    }
+    if let Some(Command::Healthcheck { file }) = &cli.command {
+        return match health::check(file) {
+            Ok(what) => {
+                println!("ready: {what}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("not ready: {e}");
+                ExitCode::FAILURE
             }
         };
     }
@@ -189,7 +214,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run(cli, settings, logging))
+    let code = runtime.block_on(run(cli, settings, logging));
+    // `stopped` is logged once the storage engine is synced and closed:
+    // nothing left needs an orderly end. Dropping the runtime would wait
+    // for each task of its blocking pool still running (and each worker
+    // to finish dropping its tasks); the process ends now instead.
+    runtime.shutdown_background();
+    code
 }
 
 /// The scheduler: one worker per core the process may use, and on a single
@@ -288,6 +319,14 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let health_file = health::file_from_env();
+    if let Some(path) = &health_file {
+        let target = match running.http_addr() {
+            Some(addr) => health::Target::Http(addr),
+            None => health::Target::Mqtt(running.local_addr()),
+        };
+        health::announce(path, &target);
+    }
     let signal = loop {
         match signals.next().await {
             Signal::Reload => reload(&cli, &running, &logging),
@@ -295,6 +334,9 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
         }
     };
     tracing::info!(signal, "stopping");
+    if let Some(path) = &health_file {
+        health::withdraw(path);
+    }
     running.shutdown(Duration::from_secs(5)).await;
     tracing::info!("stopped");
     ExitCode::SUCCESS

@@ -381,3 +381,345 @@ async fn passwd_and_sighup_change_who_may_connect() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no user bob"));
 }
+
+/// `[log] level = "info"` (or any level) does not bring the storage
+/// engine's INFO lines (13 at every restart, `Recovering current manifest`
+/// ...) nor the router's line per packet: they stay at WARN unless the
+/// filter names them.
+#[tokio::test]
+async fn a_plain_info_level_keeps_the_storage_engine_and_router_quiet() {
+    use rumqttc::v5::mqttbytes::QoS;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("info.toml");
+    std::fs::write(&config, "[log]\nlevel = \"info\"\n").unwrap();
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let quiet = |log: &[String]| -> Vec<String> {
+        log.iter()
+            .filter(|l| l.contains("lsm_tree") || l.contains("fjall") || l.contains("router::"))
+            .cloned()
+            .collect()
+    };
+    // The first start creates the database, the second recovers it.
+    for round in 0..2 {
+        let mut broker = start(&data, &args).await;
+        let mut sub = Raw::connect(broker.addr, "sub").await;
+        sub.subscribe("t/#", QoS::AtLeastOnce).await;
+        let mut publisher = Raw::connect(broker.addr, "pub").await;
+        publisher.publish("t/1", "m", QoS::AtLeastOnce, None).await;
+        assert_eq!(&sub.next_publish().await.payload[..], b"m");
+        assert_eq!(
+            &publisher.request(&[b"SET", b"k", b"v"]).await.payload[..],
+            b"+OK\r\n"
+        );
+        common::mqtt::goodbye(publisher, None).await;
+        common::mqtt::goodbye(sub, None).await;
+        let log = std::sync::Arc::clone(&broker.log);
+        common::eventually("both disconnects logged", || {
+            log.lock()
+                .iter()
+                .filter(|l| l.contains("client disconnected"))
+                .count()
+                == 2
+        })
+        .await;
+        signal(&broker.child, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), broker.child.wait())
+            .await
+            .expect("stops on SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{status}");
+        let log = log.lock().clone();
+        assert!(
+            log.iter()
+                .any(|l| l.contains(" INFO ") && l.contains("client connected")),
+            "round {round}: the filter is info: {log:#?}"
+        );
+        assert!(quiet(&log).is_empty(), "round {round}: {:#?}", quiet(&log));
+    }
+}
+
+/// Runs the binary with `args` to its end; returns its exit code and stderr.
+async fn run_to_end(command: &mut Command) -> (Option<i32>, String) {
+    let output = tokio::time::timeout(
+        Duration::from_secs(30),
+        command.env_remove("RUST_LOG").output(),
+    )
+    .await
+    .expect("a refused start ends")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (output.status.code(), stderr)
+}
+
+/// A start that fails binding an MQTT listener logs no line announcing
+/// the HTTP endpoint (it was bound first, and once said so before the
+/// failure).
+#[tokio::test]
+async fn a_failing_start_announces_no_http_endpoint() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (code, stderr) = run_to_end(Command::new(env!("CARGO_BIN_EXE_statebroker")).args([
+        "--in-memory",
+        "--listen",
+        &addr,
+        "--http",
+        "127.0.0.1:0",
+    ]))
+    .await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr}")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("HTTP endpoint"), "{stderr}");
+    drop(taken);
+}
+
+/// The start-up log says which parts of the HTTP endpoint are on, and
+/// that it is off with --no-http.
+#[tokio::test]
+async fn the_start_says_what_the_http_endpoint_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start(dir.path(), &[]).await;
+    let line = broker
+        .log
+        .lock()
+        .iter()
+        .find(|l| l.contains("HTTP endpoint"))
+        .cloned()
+        .expect("an HTTP endpoint line before the listeners");
+    for needle in [
+        " INFO ",
+        "/metrics /healthz /readyz on",
+        "web view / on (loopback: no password)",
+        "edit forms off ([http] allow_edit = false)",
+        "faults off",
+        "addr=127.0.0.1:",
+    ] {
+        assert!(line.contains(needle), "{needle:?} missing from {line}");
+    }
+    drop(broker);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
+    command.args(["--in-memory", "--listen", "127.0.0.1:0", "--no-http"]);
+    let (_child, _, log) = common::spawn_command(command).await;
+    assert!(
+        log.lock()
+            .iter()
+            .any(|l| l.contains(" INFO ") && l.contains("HTTP endpoint off (--no-http")),
+        "{:#?}",
+        log.lock()
+    );
+}
+
+/// A data directory that is a file: said in those words, not `File
+/// exists (os error 17)`.
+#[tokio::test]
+async fn a_data_directory_that_is_a_file_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data");
+    std::fs::write(&file, "not a directory").unwrap();
+    let (code, stderr) = run_to_end(
+        Command::new(env!("CARGO_BIN_EXE_statebroker"))
+            .args(["--listen", "127.0.0.1:0", "--no-http", "--data-dir"])
+            .arg(&file),
+    )
+    .await;
+    assert_eq!(code, Some(1), "{stderr}");
+    let shown = file.display().to_string();
+    assert!(
+        stderr.contains(&format!("{shown} is a file, not a directory")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--data-dir"), "{stderr}");
+    assert!(!stderr.contains("os error"), "{stderr}");
+}
+
+/// A data directory the broker's user may not write (a bind mount owned
+/// by root, in a container): the error names the directory, the user id
+/// and what to do, not `FjallError: Io(Os { code: 13, ... })`. As root
+/// (whom no permission stops) the binary runs as nobody through setpriv.
+#[cfg(unix)]
+#[tokio::test]
+async fn an_unwritable_data_directory_names_the_user_and_the_fix() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let root = std::fs::metadata("/proc/self").unwrap().uid() == 0;
+    let (mut command, uid) = if root {
+        if std::process::Command::new("setpriv")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: running as root without setpriv");
+            return;
+        }
+        // nobody must reach the directory, and not write it.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mut command = Command::new("setpriv");
+        command
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_statebroker"));
+        (command, 65534)
+    } else {
+        std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let uid = std::fs::metadata("/proc/self").unwrap().uid();
+        (Command::new(env!("CARGO_BIN_EXE_statebroker")), uid)
+    };
+    command
+        .args(["--listen", "127.0.0.1:0", "--no-http", "--data-dir"])
+        .arg(&data);
+    let (code, stderr) = run_to_end(&mut command).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    let shown = data.display().to_string();
+    for needle in [
+        format!("cannot open the data directory {shown}: permission denied (running as uid {uid})"),
+        format!("chown -R {uid} {shown}"),
+        "user:".to_owned(),
+    ] {
+        assert!(stderr.contains(&needle), "{needle:?} missing from {stderr}");
+    }
+    assert!(!stderr.contains("FjallError"), "{stderr}");
+}
+
+/// A listener in a file needs only `listen` (the README: a file holds
+/// only what it changes); rumqttd's parser once wanted every field.
+#[tokio::test]
+async fn a_listener_in_a_file_needs_only_listen() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("listener.toml");
+    std::fs::write(&config, "[v5.1]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
+    command
+        .args(["--in-memory", "--no-http", "--config"])
+        .arg(&config);
+    let (_child, addr, _) = common::spawn_command(command).await;
+    let mut client = Raw::connect(addr, "file-listener").await;
+    assert_eq!(
+        &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+}
+
+/// `statebroker healthcheck` (the image's HEALTHCHECK) asks where the
+/// running broker says, through STATEBROKER_HEALTH_FILE: its HTTP
+/// endpoint's /readyz on the port it was given, or with --no-http its MQTT
+/// listener; not ready before the start and after the stop.
+#[tokio::test]
+async fn healthcheck_follows_the_configured_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let health = dir.path().join("health");
+    let check = || {
+        let health = health.clone();
+        async move {
+            let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+                .arg("healthcheck")
+                .env("STATEBROKER_HEALTH_FILE", &health)
+                .output()
+                .await
+                .unwrap();
+            (
+                output.status.code(),
+                String::from_utf8_lossy(&output.stdout).into_owned(),
+            )
+        }
+    };
+    let (code, said) = check().await;
+    assert_eq!(code, Some(1), "not started: {said}");
+    assert!(said.starts_with("not ready"), "{said}");
+    for http in [true, false] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
+        command
+            .args(["--in-memory", "--listen", "127.0.0.1:0"])
+            .args(if http {
+                &["--http", "127.0.0.1:0"][..]
+            } else {
+                &["--no-http"][..]
+            })
+            .env("STATEBROKER_HEALTH_FILE", &health);
+        let (mut child, addr, _) = common::spawn_command(command).await;
+        common::eventually("the health file is written", || health.exists()).await;
+        let (code, said) = check().await;
+        assert_eq!(code, Some(0), "{said}");
+        if http {
+            assert!(said.contains("/readyz: ready"), "{said}");
+        } else {
+            assert!(said.contains(&format!("MQTT listener {addr}")), "{said}");
+        }
+        signal(&child, "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .expect("stops on SIGTERM")
+            .unwrap();
+        assert!(status.success(), "{status}");
+        assert!(!health.exists(), "removed at the stop");
+        let (code, said) = check().await;
+        assert_eq!(code, Some(1), "stopped: {said}");
+    }
+}
+
+/// SIGTERM with a client connected and a data directory: `stopped` is the
+/// last line, and the process ends right after it (issue #32: it once
+/// took about 2.1 s more). Prints the time from SIGTERM to `stopped` and
+/// to the exit; asserts only that the exit comes, within 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_process_ends_once_stopped() {
+    use rumqttc::v5::mqttbytes::QoS;
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = start(dir.path(), &[]).await;
+    let mut client = Raw::connect(broker.addr, "connected-at-stop").await;
+    client.subscribe("t/#", QoS::AtLeastOnce).await;
+    assert_eq!(
+        &client.request(&[b"SET", b"k", b"v"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    let log = std::sync::Arc::clone(&broker.log);
+    let sent = std::time::Instant::now();
+    signal(&broker.child, "TERM");
+    // The client reads why and closes, as clients do.
+    let d = client.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::ServerShuttingDown)
+    );
+    drop(client);
+    let mut stopped_at = None;
+    let exit = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if stopped_at.is_none()
+                && log
+                    .lock()
+                    .iter()
+                    .any(|l| l.contains("statebroker: stopped"))
+            {
+                stopped_at = Some(sent.elapsed());
+            }
+            tokio::select! {
+                status = broker.child.wait() => break status.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the process ends within 10 s of SIGTERM");
+    let exited_at = sent.elapsed();
+    assert!(exit.success(), "{exit}");
+    // The log's reader may trail the exit: wait for the last line.
+    common::eventually("the stopped line", || {
+        log.lock()
+            .iter()
+            .any(|l| l.contains("statebroker: stopped"))
+    })
+    .await;
+    let log = log.lock().clone();
+    assert!(
+        log.last()
+            .is_some_and(|l| l.contains("statebroker: stopped")),
+        "stopped is the last line: {log:#?}"
+    );
+    println!("SIGTERM -> stopped {stopped_at:?}, -> exit {exited_at:?}");
+}

@@ -182,6 +182,16 @@ impl Broker {
             Arc::clone(&shared.sessions),
             shared.shutdown.clone(),
         ));
+        // Every socket is bound: what the endpoint serves (not before, so
+        // that no line announces an endpoint when a bind then fails).
+        http::Parts {
+            addr: http,
+            options: &shared.settings.http_options,
+            password_file: shared.authenticator.has_password_file(),
+            allow_edit: shared.settings.http_allow_edit,
+            faults: shared.settings.faults.enabled,
+        }
+        .log();
         let mut addrs = Vec::new();
         for (socket, listener, tls) in sockets {
             let addr = socket.local_addr()?;

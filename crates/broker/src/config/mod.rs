@@ -173,6 +173,10 @@ pub struct HttpOptions {
     /// `allowed_hosts`: names the web view answers under besides
     /// `localhost` and IP literals; lower case, without a trailing dot.
     pub allowed_hosts: Vec<String>,
+    /// `allow_anonymous`: on a non-loopback address the web view's reads
+    /// (GET, HEAD) need no password; changes still need a user of the
+    /// password file.
+    pub allow_anonymous: bool,
     /// `max_connections`: HTTP connections open at once (apart from
     /// MQTT's); more are closed at accept.
     pub max_connections: usize,
@@ -342,8 +346,23 @@ impl Settings {
                 .parse()
                 .map_err(|e: toml::de::Error| file_error(e.to_string()))?;
             if ["v4", "v5", "ws"].iter().any(|k| user.contains_key(*k)) {
+                let template = listener_template(&base);
                 for key in ["v4", "v5", "ws"] {
                     base.remove(key);
+                    // Each listener of the file over the default's values:
+                    // rumqttd's parser wants every field, a file need only
+                    // give `listen`.
+                    if let Some(toml::Value::Table(sections)) = user.get(key) {
+                        let mut defaults = toml::Table::new();
+                        for (n, section) in sections {
+                            if section.is_table() {
+                                let mut filled = template.clone();
+                                filled.insert("name".into(), format!("{key}.{n}").into());
+                                defaults.insert(n.clone(), filled.into());
+                            }
+                        }
+                        base.insert(key.into(), defaults.into());
+                    }
                 }
             }
             builder = builder
@@ -701,10 +720,27 @@ fn http_options(http: &sections::HttpSection) -> Result<HttpOptions, ConfigError
     }
     Ok(HttpOptions {
         allowed_hosts,
+        allow_anonymous: http.allow_anonymous,
         max_connections: http.max_connections,
         header_timeout: Duration::from_millis(http.header_timeout_ms),
         idle_timeout: Duration::from_millis(http.idle_timeout_ms),
     })
+}
+
+/// The fields of the embedded default's first listener that a listener of
+/// a file may leave out (all but `name`, `listen`, `allow_anonymous` and
+/// `tls`): `next_connection_delay_ms` and `connections.*`.
+fn listener_template(base: &toml::Table) -> toml::Table {
+    let mut template = base
+        .get("v5")
+        .and_then(|v| v.get("1"))
+        .and_then(toml::Value::as_table)
+        .cloned()
+        .expect("the embedded default has [v5.1]");
+    for own in ["name", "listen", "allow_anonymous", "tls"] {
+        template.remove(own);
+    }
+    template
 }
 
 #[cfg(test)]

@@ -106,6 +106,10 @@ pub struct HttpSection {
     /// literals (DNS rebinding: see `web/hosts.rs`).
     #[serde(default)]
     pub allowed_hosts: Vec<String>,
+    /// On a non-loopback address, the web view's reads (its page, keys,
+    /// clients, events: GET) answer without a password.
+    #[serde(default)]
+    pub allow_anonymous: bool,
     /// HTTP connections open at once; more are closed at accept.
     pub max_connections: usize,
     /// A request's headers must arrive within this, milliseconds.

@@ -242,6 +242,43 @@ fn file_listeners_replace_the_default() {
     assert_eq!(s.listeners[0].max_packet_size, 5000);
 }
 
+/// A listener in a file needs only `listen`: the rest is the embedded
+/// default's (rumqttd's parser once asked for every field:
+/// `missing configuration field "v5.1.next_connection_delay_ms"`, then
+/// `.connections`); what the section gives, even one field of
+/// `connections`, wins.
+#[test]
+fn a_file_listener_needs_only_listen() {
+    let f = file(
+        "[v5.1]\nlisten = \"127.0.0.1:2883\"\n\
+         [ws.7]\nlisten = \"127.0.0.1:8080\"\n  [ws.7.connections]\n  max_payload_size = 5000\n",
+    );
+    let s = Settings::load_with_env(Some(&f), &[], no_env()).unwrap();
+    assert_eq!(s.listeners.len(), 2);
+    let (mqtt, ws) = (&s.listeners[0], &s.listeners[1]);
+    assert_eq!(mqtt.name, "v5.1");
+    assert_eq!(mqtt.addr, "127.0.0.1:2883".parse().unwrap());
+    assert_eq!(mqtt.connect_timeout_ms, 10_000);
+    assert_eq!(mqtt.max_packet_size, 1_179_648);
+    assert_eq!(mqtt.receive_maximum, 1000);
+    assert_eq!(ws.name, "ws.7");
+    assert_eq!(ws.transport, Transport::WebSocket);
+    assert_eq!(ws.max_packet_size, 5000);
+    assert_eq!(ws.connect_timeout_ms, 10_000);
+}
+
+#[test]
+fn the_web_views_reads_open_by_environment() {
+    let s = Settings::load_with_env(None, &[], no_env()).unwrap();
+    assert!(!s.http_options.allow_anonymous, "off by default");
+    let env = vec![(
+        "STATEBROKER__HTTP__ALLOW_ANONYMOUS".to_owned(),
+        "true".to_owned(),
+    )];
+    let s = Settings::load_with_env(None, &[], env).unwrap();
+    assert!(s.http_options.allow_anonymous);
+}
+
 #[test]
 fn environment_overrides() {
     let env = vec![

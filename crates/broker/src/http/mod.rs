@@ -97,6 +97,7 @@ pub(crate) async fn start(
         .merge(crate::web::routes(
             broker,
             !local.ip().is_loopback(),
+            options.allow_anonymous,
             AllowedHosts::new(&options.allowed_hosts),
         ));
     let bounds = Bounds {
@@ -107,14 +108,65 @@ pub(crate) async fn start(
         },
     };
     tokio::spawn(serve::run(listener, app, bounds, shutdown));
-    tracing::info!(
-        addr = %local,
-        max_connections = options.max_connections,
-        header_timeout_ms = options.header_timeout.as_millis(),
-        idle_timeout_ms = options.idle_timeout.as_millis(),
-        "HTTP endpoint: / (live view) /metrics /healthz /readyz"
-    );
     Ok(local)
+}
+
+/// What the HTTP endpoint serves and why a part is off (logged once the
+/// broker has started; `addr`: where it listens, `None`: off).
+pub(crate) struct Parts<'a> {
+    pub addr: Option<SocketAddr>,
+    pub options: &'a HttpOptions,
+    pub password_file: bool,
+    pub allow_edit: bool,
+    pub faults: bool,
+}
+
+impl Parts<'_> {
+    /// The INFO line at start: each part on or off, and why.
+    pub(crate) fn log(&self) {
+        let Some(addr) = self.addr else {
+            tracing::info!(
+                "HTTP endpoint off (--no-http or [http] listen = \"\"): no /metrics, /healthz, /readyz, web view"
+            );
+            return;
+        };
+        let options = self.options;
+        tracing::info!(
+            addr = %addr,
+            max_connections = options.max_connections,
+            header_timeout_ms = options.header_timeout.as_millis(),
+            idle_timeout_ms = options.idle_timeout.as_millis(),
+            "HTTP endpoint: /metrics /healthz /readyz on; {}",
+            self.describe(addr)
+        );
+    }
+
+    /// The web view's part of the line.
+    fn describe(&self, addr: SocketAddr) -> String {
+        let view = if addr.ip().is_loopback() {
+            "web view / on (loopback: no password)"
+        } else if self.options.allow_anonymous && self.password_file {
+            "web view / on: reads without a password ([http] allow_anonymous), changes for users of the password file"
+        } else if self.options.allow_anonymous {
+            "web view / on: reads without a password ([http] allow_anonymous)"
+        } else if self.password_file {
+            "web view / on for users of the password file (HTTP Basic)"
+        } else {
+            "web view / off (answers 403): on a non-loopback address it needs users \
+             ([broker] password_file) or [http] allow_anonymous = true"
+        };
+        let edit = if self.allow_edit {
+            "edit forms on"
+        } else {
+            "edit forms off ([http] allow_edit = false)"
+        };
+        let faults = if self.faults {
+            "faults on"
+        } else {
+            "faults off ([faults] enabled = false)"
+        };
+        format!("{view}; {edit}; {faults}")
+    }
 }
 
 async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
@@ -145,5 +197,51 @@ async fn readyz(State(served): State<Served>) -> impl IntoResponse {
             "not ready: the data directory refuses writes (persisted writes wait)\n",
         ),
         _ => (StatusCode::OK, "ready\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_start_line_says_why_the_view_is_off() {
+        let mut options = HttpOptions {
+            allowed_hosts: Vec::new(),
+            allow_anonymous: false,
+            max_connections: 1,
+            header_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let parts = |options: &HttpOptions, password_file| {
+            Parts {
+                addr: None,
+                options,
+                password_file,
+                allow_edit: false,
+                faults: true,
+            }
+            .describe("0.0.0.0:9883".parse().unwrap())
+        };
+        let off = parts(&options, false);
+        assert!(off.starts_with("web view / off (answers 403)"), "{off}");
+        assert!(off.contains("[http] allow_anonymous = true"), "{off}");
+        assert!(off.contains("edit forms off"), "{off}");
+        assert!(off.ends_with("faults on"), "{off}");
+        assert!(parts(&options, true).contains("for users of the password file"));
+        options.allow_anonymous = true;
+        assert!(parts(&options, false).contains("reads without a password"));
+        let local = Parts {
+            addr: None,
+            options: &options,
+            password_file: false,
+            allow_edit: true,
+            faults: false,
+        }
+        .describe("127.0.0.1:9883".parse().unwrap());
+        assert_eq!(
+            local,
+            "web view / on (loopback: no password); edit forms on; faults off ([faults] enabled = false)"
+        );
     }
 }

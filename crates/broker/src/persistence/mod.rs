@@ -175,6 +175,28 @@ struct Engine {
 }
 
 impl Engine {
+    /// The sequence number fjall recovers this database at: one past the
+    /// highest of its keyspaces' (what a restart's `db.seqno()` is).
+    /// `db.seqno()` itself also counts fjall's own writes to its meta
+    /// keyspace (registering keyspaces), which a restart does not: a new
+    /// directory stopped before its first write would otherwise leave a
+    /// clean-shutdown mark its next start could never reach.
+    fn recoverable_seqno(&self) -> u64 {
+        use fjall::AbstractTree as _;
+        [
+            &self.keys,
+            &self.meta,
+            &self.retained,
+            &self.sessions,
+            &self.queued,
+        ]
+        .iter()
+        .filter_map(|space| space.tree.get_highest_seqno())
+        .map(|seqno| seqno + 1)
+        .max()
+        .unwrap_or(0)
+    }
+
     fn space(&self, space: Space) -> &Keyspace {
         match space {
             Space::Retained => &self.retained,
@@ -191,23 +213,78 @@ fn open_database(dir: &Path) -> fjall::Result<Database> {
         .open()
 }
 
+/// What went wrong opening `dir`, in words a person can act on: who the
+/// process runs as when it may not write there, a file where the
+/// directory should be.
+fn io_message(dir: &Path, e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let shown = dir.display();
+    match e.kind() {
+        _ if dir.exists() && !dir.is_dir() => format!(
+            "{shown} is a file, not a directory: remove it, or give another path \
+             (--data-dir DIR or [persistence] data_dir)"
+        ),
+        ErrorKind::PermissionDenied => {
+            let uid =
+                running_uid().map_or_else(String::new, |uid| format!(" (running as uid {uid})"));
+            let owner =
+                running_uid().map_or_else(|| "the broker's user".to_owned(), |uid| uid.to_string());
+            format!(
+                "permission denied{uid}; make it writable by that user (e.g. `chown -R {owner} {shown}`; \
+                 in a container whose volume or bind mount belongs to root: chown it to the image's \
+                 user, or run the container as the directory's owner, compose's `user:`), or give \
+                 another path (--data-dir DIR)"
+            )
+        }
+        ErrorKind::NotADirectory => {
+            format!("a part of the path {shown} is a file, not a directory ({e})")
+        }
+        ErrorKind::ReadOnlyFilesystem => format!(
+            "it is on a read-only file system ({e}): give a writable path (--data-dir DIR), \
+             or --in-memory"
+        ),
+        _ => e.to_string(),
+    }
+}
+
+/// [`io_message`] for the storage engine's errors.
+fn fjall_message(dir: &Path, e: &fjall::Error) -> String {
+    match e {
+        fjall::Error::Io(io) | fjall::Error::Storage(fjall::LsmError::Io(io)) => {
+            io_message(dir, io)
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The user id the process runs as (Unix), for error messages.
+fn running_uid() -> Option<u32> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata("/proc/self").ok().map(|m| m.uid())
+    }
+    #[cfg(not(unix))]
+    None
+}
+
 fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
-    let error = |e: &dyn std::fmt::Display| OpenError {
+    let error = |message: String| OpenError {
         dir: dir.to_owned(),
-        message: e.to_string(),
+        message,
     };
-    std::fs::create_dir_all(dir).map_err(|e| error(&e))?;
+    std::fs::create_dir_all(dir).map_err(|e| error(io_message(dir, &e)))?;
     let db = match open_database(dir) {
         Err(fjall::Error::JournalRecovery(fjall::JournalRecoveryError::ChecksumMismatch)) => {
-            repair::discard_corrupt_tail(dir).map_err(|e| error(&e))?
+            repair::discard_corrupt_tail(dir).map_err(|e| error(e.to_string()))?
         }
-        other => other.map_err(|e| error(&e))?,
+        other => other.map_err(|e| error(fjall_message(dir, &e)))?,
     };
     let keyspace = |name: &str| {
         db.keyspace(name, || {
             KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES)
         })
-        .map_err(|e| error(&e))
+        .map_err(|e| error(fjall_message(dir, &e)))
     };
     let (keys, meta, retained) = (keyspace("keys")?, keyspace("meta")?, keyspace("retained")?);
     let (sessions, queued) = (keyspace("sessions")?, keyspace("queued")?);
@@ -229,7 +306,7 @@ fn open_checked(dir: &Path, accept: bool) -> Result<Engine, OpenError> {
         dir: dir.to_owned(),
         message,
     };
-    let io = |e: std::io::Error| error(e.to_string());
+    let io = |e: std::io::Error| error(io_message(dir, &e));
     std::fs::create_dir_all(dir).map_err(io)?;
     if let Some(loss) = check::journal_missing(dir).map_err(io)? {
         check::judge(dir, loss, accept).map_err(error)?;
@@ -240,7 +317,7 @@ fn open_checked(dir: &Path, accept: bool) -> Result<Engine, OpenError> {
     }
     let engine = open_engine(dir)?;
     if let Some(expected) = mark {
-        let found = engine.db.seqno();
+        let found = engine.recoverable_seqno();
         if found < expected {
             check::judge(dir, check::Loss::Behind { expected, found }, accept).map_err(error)?;
         }

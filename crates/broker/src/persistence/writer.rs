@@ -59,7 +59,7 @@ impl Stall {
 struct Disk {
     dir: std::path::PathBuf,
     engine: Option<Engine>,
-    /// fjall's sequence number after the last write that succeeded (and was
+    /// The recoverable sequence number after the last write that succeeded (and was
     /// synced as the mode asks): what the directory must hold when opened
     /// again, or acknowledged writes would be gone.
     written: u64,
@@ -72,7 +72,7 @@ impl Disk {
     fn engine(&mut self) -> Result<&Engine, String> {
         if self.engine.is_none() {
             let engine = super::open_engine(&self.dir).map_err(|e| e.to_string())?;
-            let found = engine.db.seqno();
+            let found = engine.recoverable_seqno();
             if found < self.written {
                 lost_acknowledged(&self.dir, self.written, found);
             }
@@ -99,7 +99,7 @@ impl Disk {
     /// The last attempt succeeded.
     fn written(&mut self) {
         if let Some(engine) = &self.engine {
-            self.written = engine.db.seqno();
+            self.written = engine.recoverable_seqno();
         }
         if self.refusing.swap(false, Ordering::AcqRel) {
             crate::metrics::disk_refusing_writes(false);
@@ -143,7 +143,7 @@ pub(super) fn write_loop(
 ) {
     let mut disk = Disk {
         dir: engine.dir.clone(),
-        written: engine.db.seqno(),
+        written: engine.recoverable_seqno(),
         engine: Some(engine),
         refusing,
     };
@@ -226,7 +226,7 @@ pub(super) fn write_loop(
     }
     // What the next start must find again (see check.rs).
     if let Some(engine) = &disk.engine
-        && let Err(e) = super::check::write_mark(&engine.dir, engine.db.seqno())
+        && let Err(e) = super::check::write_mark(&engine.dir, engine.recoverable_seqno())
     {
         tracing::warn!(error = %e, dir = %engine.dir.display(), "cannot leave the clean-shutdown mark: the next start cannot check for a lost journal");
     }

@@ -26,7 +26,8 @@
 //! loopback by default, where anyone who can reach it sees every key. On
 //! any other address the view asks for a user of the broker's password file
 //! (HTTP Basic; failures slowed per address as for MQTT), and is refused
-//! altogether without a password file; `/metrics`, `/healthz` and
+//! altogether without a password file, unless `[http] allow_anonymous`
+//! opens its reads (GET, HEAD) to anyone; `/metrics`, `/healthz` and
 //! `/readyz` stay open for scrapers and probes.
 
 use std::convert::Infallible;
@@ -57,11 +58,18 @@ pub(crate) use hosts::AllowedHosts;
 pub(crate) type Broker = Arc<std::sync::OnceLock<Arc<Shared>>>;
 
 /// The view's routes; `exposed`: the endpoint is on a non-loopback
-/// address; `hosts`: the names it is served under.
-pub(crate) fn routes(broker: Broker, exposed: bool, hosts: AllowedHosts) -> Router {
+/// address; `anonymous`: there, reads need no password (`[http]
+/// allow_anonymous`); `hosts`: the names it is served under.
+pub(crate) fn routes(
+    broker: Broker,
+    exposed: bool,
+    anonymous: bool,
+    hosts: AllowedHosts,
+) -> Router {
     let guard = Guard {
         broker: Arc::clone(&broker),
         exposed,
+        anonymous,
         hosts: Arc::new(hosts),
     };
     Router::new()
@@ -81,6 +89,7 @@ pub(crate) fn routes(broker: Broker, exposed: bool, hosts: AllowedHosts) -> Rout
 struct Guard {
     broker: Broker,
     exposed: bool,
+    anonymous: bool,
     hosts: Arc<AllowedHosts>,
 }
 
@@ -95,8 +104,14 @@ enum Gate {
     Starting,
 }
 
-fn gate(exposed: bool, started: Option<bool>, authorization: Option<&str>) -> Gate {
-    if !exposed {
+/// `anonymous_read`: `[http] allow_anonymous` and the request only reads.
+fn gate(
+    exposed: bool,
+    anonymous_read: bool,
+    started: Option<bool>,
+    authorization: Option<&str>,
+) -> Gate {
+    if !exposed || anonymous_read {
         return Gate::Open;
     }
     match started {
@@ -135,12 +150,17 @@ async fn guard_view(
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let started = shared.as_ref().map(|s| s.authenticator.has_password_file());
-    match gate(guard.exposed, started, header) {
+    let reads = matches!(
+        *request.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    );
+    match gate(guard.exposed, guard.anonymous && reads, started, header) {
         Gate::Open => next.run(request).await,
         Gate::Starting => starting(),
         Gate::NoPasswordFile => (
             StatusCode::FORBIDDEN,
-            "the web view on a non-loopback address needs users: set [broker] password_file\n",
+            "the web view on a non-loopback address needs users: set [broker] password_file \
+             (or, for its reads, [http] allow_anonymous = true)\n",
         )
             .into_response(),
         Gate::Check(credentials) => {
@@ -422,20 +442,30 @@ mod tests {
 
     #[test]
     fn the_view_asks_for_a_password_only_when_exposed() {
-        assert_eq!(gate(false, Some(false), None), Gate::Open);
-        assert_eq!(gate(false, None, None), Gate::Open);
-        assert_eq!(gate(true, None, None), Gate::Starting);
+        assert_eq!(gate(false, false, Some(false), None), Gate::Open);
+        assert_eq!(gate(false, false, None, None), Gate::Open);
+        assert_eq!(gate(true, false, None, None), Gate::Starting);
         assert_eq!(
-            gate(true, Some(false), Some("Basic YTpi")),
+            gate(true, false, Some(false), Some("Basic YTpi")),
             Gate::NoPasswordFile
         );
-        assert_eq!(gate(true, Some(true), None), Gate::Check(None));
+        assert_eq!(gate(true, false, Some(true), None), Gate::Check(None));
         // "alice:s3c:ret" (a password may hold ':').
         assert_eq!(
-            gate(true, Some(true), Some("Basic YWxpY2U6czNjOnJldA==")),
+            gate(true, false, Some(true), Some("Basic YWxpY2U6czNjOnJldA==")),
             Gate::Check(Some(("alice".into(), "s3c:ret".into())))
         );
-        assert_eq!(gate(true, Some(true), Some("Bearer x")), Gate::Check(None));
-        assert_eq!(gate(true, Some(true), Some("Basic !!")), Gate::Check(None));
+        assert_eq!(
+            gate(true, false, Some(true), Some("Bearer x")),
+            Gate::Check(None)
+        );
+        assert_eq!(
+            gate(true, false, Some(true), Some("Basic !!")),
+            Gate::Check(None)
+        );
+        // [http] allow_anonymous: reads need nothing, even before the start
+        // or without a password file (changes: anonymous_read is false).
+        assert_eq!(gate(true, true, None, None), Gate::Open);
+        assert_eq!(gate(true, true, Some(false), None), Gate::Open);
     }
 }
