@@ -86,7 +86,72 @@ async fn main() {
         ready.as_secs_f64()
     );
     assert_eq!(kept, n, "every saved session is back");
+    println!("resident memory: {}", rss());
+    // A QoS 1 publish every session's fleet/+/config takes: its PUBACK
+    // waits for a copy saved for each.
+    let started = Instant::now();
+    publish_qos1(running.local_addr(), &["fleet/all/config".to_owned()]).await;
+    println!(
+        "a QoS 1 publish to fleet/all/config acknowledged after {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    // Commands to 100 devices, one after the other: each a topic the
+    // router has not seen yet.
+    let commands: Vec<String> = (0..100)
+        .map(|i| format!("devices/{}/cmd", device(i * (n / 100).max(1), 0).0))
+        .collect();
+    let started = Instant::now();
+    publish_qos1(running.local_addr(), &commands).await;
+    println!(
+        "100 QoS 1 commands to devices acknowledged after {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
     let started = Instant::now();
     running.shutdown(Duration::from_secs(5)).await;
     println!("shut down in {:.2} s", started.elapsed().as_secs_f64());
+}
+
+/// The process's resident memory, as /proc says.
+fn rss() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(|l| l["VmRSS:".len()..].trim().to_owned())
+        })
+        .unwrap_or_default()
+}
+
+/// Connects (MQTT 3.1.1, clean session) and publishes one message at QoS 1
+/// on each of `topics`, each after the PUBACK of the one before.
+async fn publish_qos1(addr: std::net::SocketAddr, topics: &[String]) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let id = b"restart-bench";
+    let mut connect = vec![0x10, (10 + 2 + id.len()) as u8, 0, 4];
+    connect.extend_from_slice(b"MQTT\x04\x02\x00\x3c");
+    connect.extend_from_slice(&(id.len() as u16).to_be_bytes());
+    connect.extend_from_slice(id);
+    stream.write_all(&connect).await.unwrap();
+    let mut connack = [0u8; 4];
+    stream.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 2, 0, 0], "CONNACK");
+    for topic in topics {
+        publish_one(&mut stream, topic).await;
+    }
+}
+
+async fn publish_one(stream: &mut tokio::net::TcpStream, topic: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let payload = b"v2";
+    let mut publish = vec![0x32, (2 + topic.len() + 2 + payload.len()) as u8];
+    publish.extend_from_slice(&(topic.len() as u16).to_be_bytes());
+    publish.extend_from_slice(topic.as_bytes());
+    publish.extend_from_slice(&[0, 1]);
+    publish.extend_from_slice(payload);
+    stream.write_all(&publish).await.unwrap();
+    let mut puback = [0u8; 4];
+    stream.read_exact(&mut puback).await.unwrap();
+    assert_eq!(puback, [0x40, 2, 0, 1], "PUBACK");
 }
