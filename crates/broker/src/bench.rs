@@ -9,7 +9,7 @@ pub use router::{SessionRecord, SubOptions};
 
 use crate::config::PersistenceSettings;
 use crate::durable::Durable;
-use crate::persistence::Persistence;
+use crate::persistence::{Pair, Persistence};
 
 /// Saves `sessions` (client id, record) into the data directory of
 /// `settings` through the broker's own journal (the records a persistent
@@ -33,7 +33,7 @@ pub fn save_sessions(
 
 /// The saved persistent sessions of the data directory of `settings`, as
 /// stored: (client id, record bytes), by client id.
-pub fn saved_sessions(settings: &PersistenceSettings) -> Result<Vec<(Vec<u8>, Vec<u8>)>, String> {
+pub fn saved_sessions(settings: &PersistenceSettings) -> Result<Vec<Pair>, String> {
     let (persistence, loaded) = Persistence::open(settings).map_err(|e| e.to_string())?;
     persistence.close();
     Ok(loaded.sessions)
