@@ -46,6 +46,8 @@
 pub(crate) mod activity;
 pub(crate) mod authentication;
 pub(crate) mod authorization;
+#[doc(hidden)]
+pub mod bench;
 pub(crate) mod clock;
 #[cfg(feature = "cluster")]
 pub(crate) mod cluster;

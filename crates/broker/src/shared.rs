@@ -90,12 +90,15 @@ impl Shared {
                     sessions: std::mem::take(&mut loaded.sessions),
                     queued: std::mem::take(&mut loaded.queued),
                 };
+                let started = std::time::Instant::now();
                 let (restore, restored) =
                     durable.restore(kept, settings.broker.max_session_expiry_secs);
+                let decoded = started.elapsed();
                 router
                     .restore(restore)
                     .await
                     .map_err(std::io::Error::other)?;
+                let rebuilt = started.elapsed() - decoded;
                 // Every saved session comes back and counts: the bound held
                 // when they were made, so more than it means the bound was
                 // lowered; new ones are refused until expiry makes room.
@@ -113,6 +116,9 @@ impl Shared {
                     queued_messages = restored.queued,
                     expired_while_down = restored.expired,
                     unreadable = restored.unreadable,
+                    read_ms = loaded.elapsed.as_millis() as u64,
+                    decode_ms = decoded.as_millis() as u64,
+                    router_ms = rebuilt.as_millis() as u64,
                     "restored retained messages and persistent sessions"
                 );
                 Some((persistence, loaded))

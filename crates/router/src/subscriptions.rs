@@ -369,15 +369,23 @@ impl Subscriptions {
             })
         };
         let mut found: Vec<Arc<str>> = Vec::new();
+        // Each client once: a set, not a look through `found` for each
+        // candidate (with 200,000 kept sessions on `fleet/+/config`, one
+        // publish to `fleet/all/config` took minutes; statebroker patch 24).
+        let mut seen: HashSet<&str> = HashSet::new();
         if let Some(set) = index.exact.get(topic) {
-            found.extend(set.iter().filter(|c| reaches(c, topic)).cloned());
+            for client in set.iter().filter(|c| reaches(c, topic)) {
+                seen.insert(client);
+                found.push(Arc::clone(client));
+            }
         }
         for (filter, client) in index.wild.candidates(topic) {
             if !filter.starts_with("$share/")
-                && !found.contains(client)
+                && !seen.contains(&**client)
                 && reaches(client, filter)
                 && protocol::matches(topic, filter)
             {
+                seen.insert(client);
                 found.push(Arc::clone(client));
             }
         }
@@ -519,6 +527,35 @@ mod tests {
         assert_eq!(s.kept_sessions(), 1);
         s.end_session("j");
         s.unsubscribe("clean", "a/#");
+        assert_eq!(s.counts(), Counts::default(), "nothing left behind");
+    }
+
+    /// Many kept sessions on one wildcard filter (statebroker patch 24):
+    /// each is a recipient once, however many of its filters match, and
+    /// each leaves the index when its session ends.
+    #[test]
+    fn many_kept_sessions_on_one_wildcard() {
+        let s = Subscriptions::default();
+        let n = 10_000;
+        for i in 0..n {
+            let client = format!("device-{i}");
+            s.set_kept(&client, true);
+            s.subscribe(&client, &format!("devices/{client}/cmd"), sub(1));
+            s.subscribe(&client, "fleet/+/config", sub(1));
+            s.subscribe(&client, "fleet/#", sub(1));
+        }
+        let all = names(s.kept_recipients("operator", "fleet/all/config"));
+        assert_eq!(all.len(), n);
+        all.windows(2)
+            .for_each(|w| assert_ne!(w[0], w[1], "each once"));
+        assert_eq!(
+            names(s.kept_recipients("operator", "devices/device-7/cmd")),
+            ["device-7"]
+        );
+        for i in 0..n {
+            s.end_session(&format!("device-{i}"));
+        }
+        assert!(s.kept_recipients("operator", "fleet/all/config").is_empty());
         assert_eq!(s.counts(), Counts::default(), "nothing left behind");
     }
 

@@ -3,8 +3,8 @@ use slab::Slab;
 use tracing::{info, trace};
 
 use crate::protocol::{
-    matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubCompReason, PubRec, PubRel,
-    Publish, PublishProperties, SubAck, UnsubAck,
+    has_wildcards, matches, ConnAck, ConnAckProperties, PingResp, PubAck, PubComp, PubCompReason,
+    PubRec, PubRel, Publish, PublishProperties, SubAck, UnsubAck,
 };
 use crate::router::{DataRequest, FilterIdx, SubscriptionMeter, Waiters};
 use crate::{ConnectionId, Filter, MessageId, Offset, Receipt, RouterConfig, Topic};
@@ -126,6 +126,9 @@ pub struct DataLog {
     pub native: Slab<Data<PublishData>>,
     /// Map of subscription filter name to filter index
     filter_indexes: HashMap<Filter, FilterIdx>,
+    /// Those of `filter_indexes` with wildcards: a topic is matched against
+    /// these, and looked up among the others (statebroker patch 24).
+    wild_indexes: HashMap<Filter, FilterIdx>,
     retained_publishes: HashMap<Topic, PublishData>,
     /// How many retained messages are held, for readers on other threads
     /// (statebroker patch 14).
@@ -145,6 +148,7 @@ impl DataLog {
     pub fn new(config: RouterConfig) -> io::Result<DataLog> {
         let mut native = Slab::new();
         let mut filter_indexes = HashMap::new();
+        let mut wild_indexes = HashMap::new();
         let retained_publishes = HashMap::new();
         let publish_filters = HashMap::new();
 
@@ -155,6 +159,9 @@ impl DataLog {
                 // Add commitlog to datalog and add datalog index to filter to
                 // datalog index map
                 let idx = native.insert(data);
+                if has_wildcards(&filter) {
+                    wild_indexes.insert(filter.clone(), idx);
+                }
                 filter_indexes.insert(filter, idx);
             }
         }
@@ -164,6 +171,7 @@ impl DataLog {
             native,
             publish_filters,
             filter_indexes,
+            wild_indexes,
             retained_publishes,
             retained_count: Default::default(),
             private_logs: HashMap::new(),
@@ -243,11 +251,24 @@ impl DataLog {
         match &self.publish_filters.get(topic) {
             Some(v) => Some(v.to_vec()),
             None => {
-                let v: Vec<usize> = self
+                // A filter without wildcards matches the very same topic
+                // only: one look-up, and the wildcard filters matched one by
+                // one. Every filter was matched: with 200,000 kept sessions
+                // each on its own `devices/<id>/cmd`, a publish on a topic
+                // not yet cached took 0.9 s (statebroker patch 24).
+                let exact = self
                     .filter_indexes
-                    .iter()
-                    .filter(|(filter, _)| matches(topic, filter))
-                    .map(|(_, filter_idx)| *filter_idx)
+                    .get(topic)
+                    .filter(|_| !has_wildcards(topic))
+                    .copied();
+                let v: Vec<usize> = exact
+                    .into_iter()
+                    .chain(
+                        self.wild_indexes
+                            .iter()
+                            .filter(|(filter, _)| matches(topic, filter))
+                            .map(|(_, filter_idx)| *filter_idx),
+                    )
                     .collect();
 
                 if !v.is_empty() {
@@ -268,7 +289,10 @@ impl DataLog {
     /// returns the index it had (statebroker patch 8).
     pub fn remove_filter(&mut self, filter: &str) -> Option<FilterIdx> {
         let idx = match self.filter_indexes.remove(filter) {
-            Some(idx) => idx,
+            Some(idx) => {
+                self.wild_indexes.remove(filter);
+                idx
+            }
             None => self.private_logs.remove(filter)?,
         };
         if let Some(data) = self.native.try_remove(idx) {
@@ -333,10 +357,16 @@ impl DataLog {
                     .store(self.native.len(), std::sync::atomic::Ordering::Relaxed);
 
                 // Match new filter to existing topics and add to publish_filters if it matches
-                for (topic, filters) in publish_filters.iter_mut() {
-                    if matches(topic, filter) {
-                        filters.push(idx);
+                // (without wildcards, only its own topic: statebroker patch 24)
+                if has_wildcards(filter) {
+                    self.wild_indexes.insert(filter.to_owned(), idx);
+                    for (topic, filters) in publish_filters.iter_mut() {
+                        if matches(topic, filter) {
+                            filters.push(idx);
+                        }
                     }
+                } else if let Some(filters) = publish_filters.get_mut(filter) {
+                    filters.push(idx);
                 }
 
                 (idx, self.native.get(idx).unwrap())
@@ -530,7 +560,9 @@ where
         // max_segment_size: usize, max_mem_segments: usize
         let log = CommitLog::new(max_segment_size, max_mem_segments).unwrap();
 
-        let waiters = Waiters::with_capacity(10);
+        // Grown as connections wait (statebroker patch 24: 10 reserved up
+        // front were 1.4 KB per filter log, 280 MB with 200,000 of them).
+        let waiters = Waiters::with_capacity(0);
         let metrics = SubscriptionMeter::default();
         Data {
             filter: filter.to_owned(),
@@ -698,6 +730,52 @@ mod test {
         data.next_native_offset("topic/+");
 
         assert_eq!(data.publish_filters.get("topic/a").unwrap().len(), 2);
+    }
+
+    /// A topic is looked up among the filters without wildcards and
+    /// matched against those with (statebroker patch 24): the same logs as
+    /// matching every filter, the cache kept up to date as filters come
+    /// and go.
+    #[test]
+    fn a_topic_finds_its_exact_filter_and_the_matching_wildcards() {
+        let config = RouterConfig {
+            max_segment_size: 1024,
+            max_connections: 10,
+            max_segment_count: 10,
+            max_outgoing_packet_count: 1024,
+            custom_segment: None,
+            initialized_filters: None,
+            shared_subscriptions_strategy: Strategy::RoundRobin,
+            max_subscriptions_per_client: 0,
+            max_kept_sessions: 0,
+            queue_full: Default::default(),
+        };
+        let mut data = DataLog::new(config).unwrap();
+        let mut idx = |filter: &str| data.next_native_offset(filter).0;
+        let (exact, other, plus, hash, sys) =
+            (idx("a/b"), idx("a/c"), idx("a/+"), idx("#"), idx("$SYS/x"));
+        let mut sorted = |topic: &str| {
+            let mut v = data.matches(topic).unwrap();
+            v.sort();
+            v
+        };
+        let mut want = vec![exact, plus, hash];
+        want.sort();
+        assert_eq!(sorted("a/b"), want);
+        assert!(!sorted("a/b").contains(&other));
+        assert_eq!(sorted("$SYS/x"), vec![sys], "no leading wildcard for $");
+        assert_eq!(sorted("a/b/c"), vec![hash]);
+        // Cached "a/b": a new exact filter for it, and one for another topic.
+        let again = data.next_native_offset("a/b/c").0;
+        assert_eq!(data.publish_filters.get("a/b").unwrap().len(), 3);
+        let mut v = data.matches("a/b/c").unwrap();
+        v.sort();
+        let mut want = vec![hash, again];
+        want.sort();
+        assert_eq!(v, want);
+        data.remove_filter("a/+");
+        assert!(!data.matches("a/b").unwrap().contains(&plus));
+        assert!(!data.wild_indexes.contains_key("a/+"));
     }
 
     #[test]
