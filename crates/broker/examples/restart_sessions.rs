@@ -55,13 +55,9 @@ async fn main() {
     let persistence = PersistenceSettings {
         data_dir: dir.path().join("data"),
         mode: Mode::Fsync,
-        // fjall's flushes after the last write take sequence numbers the
-        // clean-shutdown mark (db.seqno()) counts and a start does not find
-        // again: with more than a memtable (4 MiB) of sessions the start is
-        // refused as if the journal were lost. Commit 9a18554 (branch
-        // `operator`, not merged yet) marks the keyspaces' own highest
-        // number instead. Accepting the loss changes nothing else here.
-        accept_data_loss: true,
+        // A start that found less than the last clean shutdown left is
+        // refused: this run must not need `accept_data_loss`.
+        accept_data_loss: false,
     };
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
