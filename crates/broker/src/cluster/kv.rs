@@ -77,6 +77,10 @@ pub enum Unanswered {
 /// Conflicts with other nodes' writes retried before giving up.
 const ATTEMPTS: usize = 32;
 
+/// Tries of a linearizable read that fails before the request goes
+/// unanswered.
+const READ_ATTEMPTS: usize = 3;
+
 /// The cluster's quotas: the sizes of one key and one value (the store-wide
 /// totals are not counted across nodes), and etcd's request limit.
 struct Sizes<'a> {
@@ -363,12 +367,27 @@ impl Cluster {
         }
     }
 
+    /// A linearizable read of `key`'s record. A read changes nothing, so
+    /// one that fails is tried again (up to [`READ_ATTEMPTS`] times): after
+    /// etcd members come back, the client's first request may go to one
+    /// whose connection is not up yet.
     async fn read(&self, key: &[u8]) -> Result<Read, Unanswered> {
-        let mut client = self.client.clone();
-        let response = client
-            .get(self.key(key), None)
-            .await
-            .map_err(|e| Unanswered::Unreachable(e.to_string()))?;
+        let mut attempt = 0;
+        let response = loop {
+            attempt += 1;
+            let mut client = self.client.clone();
+            match client.get(self.key(key), None).await {
+                Ok(response) => break response,
+                Err(e) if attempt >= READ_ATTEMPTS => {
+                    return Err(Unanswered::Unreachable(e.to_string()));
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, attempt, "clustering: a read failed; reading again");
+                    tokio::time::sleep(std::time::Duration::from_millis(100 * attempt as u64))
+                        .await;
+                }
+            }
+        };
         let read = read_of(key, response.kvs().first());
         let learned = response.header().map_or(0, |h| h.revision());
         self.remember(key, read.clone(), learned);
