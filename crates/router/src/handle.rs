@@ -193,23 +193,26 @@ mod tests {
         pkids
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_router_numbers_deliveries_within_its_range() {
-        let router = router();
-        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 0).await.unwrap();
+    /// A SUBSCRIBE to `t` at `qos`.
+    fn subscribe_to_t(qos: QoS) -> Packet {
         let subscribe = Subscribe {
             pkid: 1,
             filters: vec![Filter {
                 path: "t".into(),
-                qos: QoS::AtLeastOnce,
+                qos,
                 nolocal: false,
                 preserve_retain: false,
                 retain_forward_rule: RetainForwardRule::OnEverySubscribe,
             }],
         };
-        sub_tx
-            .send_all([Packet::Subscribe(subscribe, None)])
-            .unwrap();
+        Packet::Subscribe(subscribe, None)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_router_numbers_deliveries_within_its_range() {
+        let router = router();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 0).await.unwrap();
+        sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
         // The SUBACK.
         loop {
             if let Ok(Some(Notification::DeviceAck(_))) = sub_rx.next().await {
@@ -313,19 +316,7 @@ mod tests {
         use crate::protocol::{PubRec, PubRel};
         let router = router();
         let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60).await.unwrap();
-        let subscribe = Subscribe {
-            pkid: 1,
-            filters: vec![Filter {
-                path: "t".into(),
-                qos: QoS::ExactlyOnce,
-                nolocal: false,
-                preserve_retain: false,
-                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
-            }],
-        };
-        sub_tx
-            .send_all([Packet::Subscribe(subscribe, None)])
-            .unwrap();
+        sub_tx.send_all([subscribe_to_t(QoS::ExactlyOnce)]).unwrap();
         let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0).await.unwrap();
         let mut publish = Publish::new("t", "y", false);
         publish.qos = QoS::ExactlyOnce;

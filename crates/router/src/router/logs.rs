@@ -709,9 +709,9 @@ mod test {
     use crate::router::shared_subs::Strategy;
     use crate::RouterConfig;
 
-    #[test]
-    fn publish_filters_updating_correctly_on_new_topic_subscription() {
-        let config = RouterConfig {
+    /// Small logs (1 KiB segments), no limits.
+    fn config() -> RouterConfig {
+        RouterConfig {
             max_segment_size: 1024,
             max_connections: 10,
             max_segment_count: 10,
@@ -722,8 +722,12 @@ mod test {
             max_subscriptions_per_client: 0,
             max_kept_sessions: 0,
             queue_full: Default::default(),
-        };
-        let mut data = DataLog::new(config).unwrap();
+        }
+    }
+
+    #[test]
+    fn publish_filters_updating_correctly_on_new_topic_subscription() {
+        let mut data = DataLog::new(config()).unwrap();
         data.next_native_offset("topic/a");
         data.matches("topic/a");
 
@@ -738,19 +742,7 @@ mod test {
     /// and go.
     #[test]
     fn a_topic_finds_its_exact_filter_and_the_matching_wildcards() {
-        let config = RouterConfig {
-            max_segment_size: 1024,
-            max_connections: 10,
-            max_segment_count: 10,
-            max_outgoing_packet_count: 1024,
-            custom_segment: None,
-            initialized_filters: None,
-            shared_subscriptions_strategy: Strategy::RoundRobin,
-            max_subscriptions_per_client: 0,
-            max_kept_sessions: 0,
-            queue_full: Default::default(),
-        };
-        let mut data = DataLog::new(config).unwrap();
+        let mut data = DataLog::new(config()).unwrap();
         let mut idx = |filter: &str| data.next_native_offset(filter).0;
         let (exact, other, plus, hash, sys) =
             (idx("a/b"), idx("a/c"), idx("a/+"), idx("#"), idx("$SYS/x"));
@@ -780,19 +772,7 @@ mod test {
 
     #[test]
     fn publish_filters_updating_correctly_on_new_publish() {
-        let config = RouterConfig {
-            max_segment_size: 1024,
-            max_connections: 10,
-            max_segment_count: 10,
-            max_outgoing_packet_count: 1024,
-            custom_segment: None,
-            initialized_filters: None,
-            shared_subscriptions_strategy: Strategy::RoundRobin,
-            max_subscriptions_per_client: 0,
-            max_kept_sessions: 0,
-            queue_full: Default::default(),
-        };
-        let mut data = DataLog::new(config).unwrap();
+        let mut data = DataLog::new(config()).unwrap();
         data.next_native_offset("+/+");
 
         data.matches("topic/a");
