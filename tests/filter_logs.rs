@@ -27,15 +27,7 @@ static SCRAPE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// The value of `series` at `/metrics`.
 async fn metric(http: SocketAddr, series: &str) -> f64 {
     let _one = SCRAPE.lock().await;
-    let (status, metrics) = client::get(http, "/metrics").await;
-    assert_eq!(status, 200);
-    metrics
-        .lines()
-        .find_map(|line| {
-            let (name, value) = line.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
+    client::metric(http, series).await
 }
 
 /// (filter logs, bytes in them).

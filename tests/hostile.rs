@@ -2,6 +2,9 @@
 //! the broker's resident memory (read from `/proc`) stays bounded and it
 //! keeps serving the others.
 
+#[path = "http/client.rs"]
+#[allow(dead_code)]
+mod client;
 mod common;
 
 use std::time::Duration;
@@ -127,19 +130,7 @@ async fn a_client_that_never_acknowledges_is_bounded() {
 
 /// The value of `series` at the `/metrics` of the HTTP endpoint `http`.
 async fn metric(http: std::net::SocketAddr, series: &str) -> f64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find_map(|line| {
-            let (name, value) = line.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
+    client::metric(http, series).await
 }
 
 /// Issue #31: a client cycling client ids, each asking for a session kept

@@ -6,6 +6,9 @@
 //! once the log is full, and every publish acknowledged with 0x00 reaches
 //! the subscriber.
 
+#[path = "http/client.rs"]
+#[allow(dead_code)]
+mod client;
 mod common;
 
 use std::net::SocketAddr;
@@ -41,19 +44,7 @@ fn http_addr(broker: &common::BrokerProcess) -> SocketAddr {
 
 /// The value of `series` at `/metrics` (0 when absent).
 async fn metric(http: SocketAddr, series: &str) -> f64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(http).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).await.unwrap();
-    body.lines()
-        .find_map(|line| {
-            let (name, value) = line.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
+    client::metric(http, series).await
 }
 
 /// Polls `series` until `cond` holds (60 s at most); returns its value.

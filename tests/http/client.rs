@@ -6,6 +6,23 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The value of the sample `series` (name with labels, as rendered) in a
+/// Prometheus text page.
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let (name, value) = line.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().ok())?
+    })
+}
+
+/// The value of `series` at `/metrics` of the endpoint `addr` (0 when
+/// absent).
+pub async fn metric(addr: SocketAddr, series: &str) -> f64 {
+    let (status, metrics) = get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    sample(&metrics, series).unwrap_or(0.0)
+}
+
 /// GET `path` (`Host: localhost`): the status code and the body.
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     send(addr, "GET", path, None).await

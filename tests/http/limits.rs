@@ -4,7 +4,6 @@
 //! are open at once without costing MQTT its clients, and the web view's
 //! event stream outlives the timeouts.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use broker::RunningBroker;
@@ -12,10 +11,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::client::get;
+use crate::client::{get, metric};
 use crate::common::raw::Raw;
 use crate::common::start_broker_with;
-use crate::sample;
 
 /// Longest any test waits for the endpoint to close a socket.
 const CAP: Duration = Duration::from_secs(10);
@@ -65,11 +63,6 @@ async fn healthz_kept_alive(stream: &mut TcpStream) {
     .await
     .expect("an answer");
     assert!(got.starts_with(b"HTTP/1.1 200"));
-}
-
-async fn metric(http: SocketAddr, series: &str) -> f64 {
-    let (_, metrics) = get(http, "/metrics").await;
-    sample(&metrics, series).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,13 +20,7 @@ use common::raw::{NOTIFY_NAMESPACE, Raw, Recv, v5};
 use common::start_broker_with;
 use rumqttc::v5::mqttbytes::QoS;
 
-/// The value of the sample `series` (name with labels, as rendered).
-pub(crate) fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|line| {
-        let (name, value) = line.rsplit_once(' ')?;
-        (name == series).then(|| value.parse().ok())?
-    })
-}
+pub(crate) use client::sample;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_readiness_and_metrics() {
