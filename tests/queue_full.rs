@@ -23,6 +23,15 @@ const MESSAGES: usize = 100;
 /// A broker with 2 KiB filter logs and `queue_full`; its MQTT and HTTP
 /// addresses, and the process.
 async fn broker(queue_full: &str, dir: &tempfile::TempDir) -> common::BrokerProcess {
+    broker_with(queue_full, dir, &[]).await
+}
+
+/// [`broker`] with more environment variables.
+async fn broker_with(
+    queue_full: &str,
+    dir: &tempfile::TempDir,
+    env: &[(&str, &str)],
+) -> common::BrokerProcess {
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker"));
     command
         .args(["--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
@@ -30,7 +39,8 @@ async fn broker(queue_full: &str, dir: &tempfile::TempDir) -> common::BrokerProc
         .arg(dir.path())
         .env("STATEBROKER__ROUTER__MAX_SEGMENT_SIZE", "1024")
         .env("STATEBROKER__ROUTER__MAX_SEGMENT_COUNT", "2")
-        .env("STATEBROKER__BROKER__QUEUE_FULL", queue_full);
+        .env("STATEBROKER__BROKER__QUEUE_FULL", queue_full)
+        .envs(env.iter().copied());
     let (child, addr, log) = common::spawn_command(command).await;
     common::BrokerProcess { child, addr, log }
 }
@@ -62,29 +72,57 @@ async fn metric_until(http: SocketAddr, series: &str, cond: impl Fn(f64) -> bool
 
 /// Connects "sub" resuming (or starting) a session kept for an hour.
 async fn subscriber(addr: SocketAddr) -> (Raw, v5::ConnAck) {
+    subscriber_choosing(addr, None).await
+}
+
+/// [`subscriber`] with a CONNECT User Property `queue_full` of `choice`.
+async fn subscriber_choosing(addr: SocketAddr, choice: Option<&str>) -> (Raw, v5::ConnAck) {
     Raw::connect_with(addr, "sub", |c| {
         c.0.clean_start = false;
         let mut properties = v5::ConnectProperties::new();
         properties.session_expiry_interval = Some(3600);
+        if let Some(choice) = choice {
+            properties.user_properties = vec![("queue_full".into(), choice.into())];
+        }
         c.0.properties = Some(properties);
     })
     .await
 }
 
+/// The CONNACK's User Property `queue_full`.
+fn told_queue_full(connack: &v5::ConnAck) -> Option<&str> {
+    let properties = connack.properties.as_ref()?;
+    properties
+        .user_properties
+        .iter()
+        .find(|(k, _)| k == "queue_full")
+        .map(|(_, v)| v.as_str())
+}
+
 /// "sub" subscribes at QoS 1 and goes offline; then "pub" publishes
 /// [`MESSAGES`] messages of 100 bytes at QoS 1: their PUBACK reasons.
 async fn overflow_an_offline_subscriber(broker: &common::BrokerProcess) -> Vec<v5::PubAckReason> {
-    let http = http_addr(broker);
     let (mut sub, connack) = subscriber(broker.addr).await;
     assert_eq!(connack.code, v5::ConnectReturnCode::Success);
     sub.subscribe(TOPIC, QoS::AtLeastOnce).await;
+    go_offline(broker, sub).await;
+    publish_all(broker).await
+}
+
+/// `sub` disconnects, its session kept.
+async fn go_offline(broker: &common::BrokerProcess, mut sub: Raw) {
+    let http = http_addr(broker);
     sub.send(v5::Packet::Disconnect(v5::Disconnect::new(
         v5::DisconnectReasonCode::NormalDisconnection,
     )))
     .await;
     drop(sub);
     metric_until(http, "statebroker_connections", |v| v == 0.0).await;
+}
 
+/// "pub" publishes [`MESSAGES`] messages of 100 bytes at QoS 1: their
+/// PUBACK reasons.
+async fn publish_all(broker: &common::BrokerProcess) -> Vec<v5::PubAckReason> {
     let mut publisher = Raw::connect(broker.addr, "pub").await;
     let mut reasons = Vec::new();
     for i in 0..MESSAGES {
@@ -207,5 +245,113 @@ async fn refuse_answers_quota_exceeded_and_loses_nothing_acknowledged() {
             && l.contains("publishes refused")
             && l.contains("kept_session=\"sub\"")),
         "{log}"
+    );
+}
+
+/// How many of `reasons` were accepted (all first) and refused (the rest).
+fn accepted_then_refused(reasons: &[v5::PubAckReason]) -> (usize, usize) {
+    let accepted = reasons
+        .iter()
+        .take_while(|r| **r == v5::PubAckReason::Success)
+        .count();
+    let refused = reasons[accepted..]
+        .iter()
+        .take_while(|r| **r == v5::PubAckReason::QuotaExceeded)
+        .count();
+    assert_eq!(accepted + refused, reasons.len(), "{reasons:?}");
+    (accepted, refused)
+}
+
+/// Issue #33 item 8, per session: where the broker drops the oldest, a
+/// session that chose `queue_full = refuse` in CONNECT (allowed by
+/// `[broker] allow_session_refuse`) is told so in CONNACK, keeps its
+/// choice across a restart of the broker, and publishes that would push
+/// out what it has not had are refused; a session that chose nothing
+/// (the same broker, next round) loses the oldest and holds nobody up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_chooses_refuse_for_itself_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let allow = [("STATEBROKER__BROKER__ALLOW_SESSION_REFUSE", "true")];
+    let broker = broker_with("drop_oldest", &dir, &allow).await;
+    let (mut sub, connack) = subscriber_choosing(broker.addr, Some("refuse")).await;
+    assert_eq!(connack.code, v5::ConnectReturnCode::Success);
+    assert_eq!(told_queue_full(&connack), Some("refuse"));
+    sub.subscribe(TOPIC, QoS::AtLeastOnce).await;
+    go_offline(&broker, sub).await;
+    let mut broker = broker;
+    broker.child.kill().await.unwrap();
+    drop(broker);
+
+    let broker = broker_with("drop_oldest", &dir, &allow).await;
+    let (accepted, refused) = accepted_then_refused(&publish_all(&broker).await);
+    assert!(
+        (5..MESSAGES / 2).contains(&accepted) && refused > 0,
+        "{accepted} accepted, {refused} refused"
+    );
+    // What was accepted all reaches the session; it comes back choosing
+    // nothing, so from now on it drops the oldest.
+    let (mut sub, connack) = subscriber(broker.addr).await;
+    assert!(connack.session_present);
+    assert_eq!(told_queue_full(&connack), None, "told only when asked");
+    let mut received = Vec::new();
+    while received.len() < accepted {
+        received.push(index(&sub.next_publish().await));
+    }
+    assert_eq!(received, (0..accepted).collect::<Vec<_>>());
+    go_offline(&broker, sub).await;
+    let (accepted, refused) = accepted_then_refused(&publish_all(&broker).await);
+    assert_eq!((accepted, refused), (MESSAGES, 0));
+}
+
+/// A session may always choose `drop_oldest`, even where the broker
+/// refuses; `refuse` where the broker drops the oldest only if
+/// `allow_session_refuse` (the CONNACK says what is in force, the log
+/// why); any other value is refused with CONNACK 0x83 and a Reason String.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_session_may_choose() {
+    let dir = tempfile::tempdir().unwrap();
+    let refusing = broker("refuse", &dir).await;
+    let (mut sub, connack) = subscriber_choosing(refusing.addr, Some("drop_oldest")).await;
+    assert_eq!(told_queue_full(&connack), Some("drop_oldest"));
+    sub.subscribe(TOPIC, QoS::AtLeastOnce).await;
+    go_offline(&refusing, sub).await;
+    let (accepted, refused) = accepted_then_refused(&publish_all(&refusing).await);
+    assert_eq!(
+        (accepted, refused),
+        (MESSAGES, 0),
+        "the broker refuses, not for this session"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = broker("drop_oldest", &dir).await;
+    let (mut sub, connack) = subscriber_choosing(broker.addr, Some("refuse")).await;
+    assert_eq!(connack.code, v5::ConnectReturnCode::Success);
+    assert_eq!(
+        told_queue_full(&connack),
+        Some("drop_oldest"),
+        "not allowed"
+    );
+    sub.subscribe(TOPIC, QoS::AtLeastOnce).await;
+    go_offline(&broker, sub).await;
+    let (accepted, refused) = accepted_then_refused(&publish_all(&broker).await);
+    assert_eq!((accepted, refused), (MESSAGES, 0));
+    let log = broker.log.lock().join("\n");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("allow_session_refuse") && l.contains("client_id=\"sub\"")),
+        "{log}"
+    );
+
+    let (_, connack) = subscriber_choosing(broker.addr, Some("later")).await;
+    assert_eq!(
+        connack.code,
+        v5::ConnectReturnCode::ImplementationSpecificError
+    );
+    let reason = connack.properties.and_then(|p| p.reason_string);
+    assert!(
+        reason
+            .as_deref()
+            .is_some_and(|r| r.contains("queue_full") && r.contains("refuse")),
+        "{reason:?}"
     );
 }

@@ -55,6 +55,7 @@ fn device(id: &str, disconnected_at_ms: u64) -> (String, SessionRecord) {
             (format!("devices/{id}/cmd"), qos1),
             (FLEET.to_owned(), qos1),
         ],
+        queue_full: None,
     };
     (id.to_owned(), record)
 }

@@ -35,6 +35,7 @@ fn device(i: usize, now_ms: u64) -> (String, SessionRecord) {
         expiry: 86_400,
         disconnected_at_ms: Some(now_ms),
         filters,
+        queue_full: None,
     };
     (id, record)
 }

@@ -66,7 +66,7 @@ impl Publisher {
         sessions: Arc<Sessions>,
     ) -> std::io::Result<Arc<Publisher>> {
         let (tx, rx, _connack) = router
-            .link(&format!("{INTERNAL_PREFIX}publisher"), true, 0)
+            .link(&format!("{INTERNAL_PREFIX}publisher"), true, 0, None)
             .await
             .map_err(|e| {
                 std::io::Error::other(format!("cannot link the broker to the router: {e}"))

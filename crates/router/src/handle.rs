@@ -137,16 +137,20 @@ impl RouterHandle {
     /// router's CONNACK.
     /// `clean_start`: discard a session the router keeps for `client_id`;
     /// `session_expiry`: seconds the router keeps this session after the
-    /// link ends (0: not at all, `u32::MAX`: for ever).
+    /// link ends (0: not at all, `u32::MAX`: for ever); `queue_full`: what
+    /// a publish does when it would push out of a log what this session
+    /// has not had (`None`: the router's setting).
     pub async fn link(
         &self,
         client_id: &str,
         clean_start: bool,
         session_expiry: u32,
+        queue_full: Option<crate::QueueFull>,
     ) -> Result<Link, LinkRefused> {
         LinkBuilder::new(client_id, self.tx.clone())
             .clean_session(clean_start)
             .session_expiry(session_expiry)
+            .queue_full(queue_full)
             // A publish to a topic nobody subscribes to is fine (rumqttd
             // would otherwise disconnect the publisher).
             .dynamic_filters(true)
@@ -211,7 +215,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_router_numbers_deliveries_within_its_range() {
         let router = router();
-        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 0).await.unwrap();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 0, None).await.unwrap();
         sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
         // The SUBACK.
         loop {
@@ -219,7 +223,7 @@ mod tests {
                 break;
             }
         }
-        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0).await.unwrap();
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
         let total = usize::from(MAX_ROUTER_PKID) + 50;
         let publishes = (0..total).map(|n| {
             let mut publish = Publish::new("t", "x", false);
@@ -266,32 +270,36 @@ mod tests {
             ..RouterConfig::default()
         };
         let router = RouterHandle::spawn(0, config, 0, None);
-        let (a, _a_rx, _) = router.link("a", true, 60).await.unwrap();
-        let (_b, _b_rx, _) = router.link("b", true, u32::MAX).await.unwrap();
+        let (a, _a_rx, _) = router.link("a", true, 60, None).await.unwrap();
+        let (_b, _b_rx, _) = router.link("b", true, u32::MAX, None).await.unwrap();
         assert_eq!(router.kept_sessions(), 2);
-        let refused = router.link("c", true, 60).await.err().expect("refused");
+        let refused = router
+            .link("c", true, 60, None)
+            .await
+            .err()
+            .expect("refused");
         assert!(refused.sessions_quota(), "{refused}");
         assert_eq!(router.kept_sessions(), 2, "nothing of c kept");
-        let (_clean, _clean_rx, _) = router.link("clean", true, 0).await.unwrap();
+        let (_clean, _clean_rx, _) = router.link("clean", true, 0, None).await.unwrap();
         // a leaves and comes back: its session is resumed, at the bound.
         drop(a);
-        let (_a, _a_rx, connack) = router.link("a", false, 60).await.unwrap();
+        let (_a, _a_rx, connack) = router.link("a", false, 60, None).await.unwrap();
         let resumed = matches!(
             Option::<Packet>::from(connack),
             Some(Packet::ConnAck(ack, _)) if ack.session_present
         );
         assert!(resumed, "a resumes at the bound");
         // a starts clean and keeps nothing: room for c.
-        let (_a, _a_rx, _) = router.link("a", true, 0).await.unwrap();
+        let (_a, _a_rx, _) = router.link("a", true, 0, None).await.unwrap();
         assert_eq!(router.kept_sessions(), 1);
-        router.link("c", true, 60).await.unwrap();
+        router.link("c", true, 60, None).await.unwrap();
         assert_eq!(router.kept_sessions(), 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn try_next_takes_what_is_ready_and_never_waits() {
         let router = router();
-        let (mut tx, mut rx, _) = router.link("c", true, 0).await.unwrap();
+        let (mut tx, mut rx, _) = router.link("c", true, 0, None).await.unwrap();
         assert!(rx.try_next().unwrap().is_none(), "nothing yet");
         tx.send_all([Packet::PingReq(crate::protocol::PingReq)])
             .unwrap();
@@ -315,9 +323,9 @@ mod tests {
     async fn a_resumed_session_gets_its_pubrels_at_once() {
         use crate::protocol::{PubRec, PubRel};
         let router = router();
-        let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60).await.unwrap();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60, None).await.unwrap();
         sub_tx.send_all([subscribe_to_t(QoS::ExactlyOnce)]).unwrap();
-        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0).await.unwrap();
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
         let mut publish = Publish::new("t", "y", false);
         publish.qos = QoS::ExactlyOnce;
         publish.pkid = 1;
@@ -353,13 +361,90 @@ mod tests {
         }
         // The client id links again, resuming the session: nothing else
         // is published.
-        let (_tx, mut rx, _) = router.link("sub", false, 60).await.unwrap();
+        let (_tx, mut rx, _) = router.link("sub", false, 60, None).await.unwrap();
         let next = tokio::time::timeout(std::time::Duration::from_secs(2), rx.next());
         match next.await {
             Ok(Ok(Some(Notification::DeviceAck(crate::Ack::PubRel(rel))))) => {
                 assert_eq!(rel.pkid, pkid)
             }
             other => panic!("expected the PUBREL at once, got {other:?}"),
+        }
+    }
+
+    /// Patch 25: a kept session's own `queue_full` wins over the router's.
+    /// One that chose `Refuse` is not overrun where the router drops the
+    /// oldest: a publish that would push out of the log what it has not had
+    /// is answered "quota exceeded"; one that chose `DropOldest` loses the
+    /// oldest where the router refuses, and the publisher is never refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_that_chose_refuse_is_not_overrun() {
+        use crate::protocol::{Disconnect, DisconnectReasonCode};
+        use crate::{Ack, QueueFull};
+        let cases = [
+            (QueueFull::DropOldest, Some(QueueFull::Refuse), true),
+            (QueueFull::DropOldest, None, false),
+            (QueueFull::Refuse, Some(QueueFull::DropOldest), false),
+            (QueueFull::Refuse, None, true),
+        ];
+        for (default, choice, refuses) in cases {
+            // Filter logs of 2 KiB: about 18 publishes of 100 bytes.
+            let config = RouterConfig {
+                max_connections: 10,
+                max_outgoing_packet_count: 200,
+                max_segment_size: 1024,
+                max_segment_count: 2,
+                queue_full: default,
+                ..RouterConfig::default()
+            };
+            let router = RouterHandle::spawn(0, config, 0, None);
+            let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60, choice).await.unwrap();
+            sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+            loop {
+                if let Ok(Some(Notification::DeviceAck(Ack::SubAck(_)))) = sub_rx.next().await {
+                    break;
+                }
+            }
+            // Offline, its session kept.
+            let disconnect = Disconnect {
+                reason_code: DisconnectReasonCode::NormalDisconnection,
+            };
+            sub_tx
+                .send_all([Packet::Disconnect(disconnect, None)])
+                .unwrap();
+            let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+            const PAYLOAD: &str = "0123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789";
+            let total = 100;
+            let publishes = (1..=total).map(|pkid| {
+                let mut publish = Publish::new("t", PAYLOAD, false);
+                publish.qos = QoS::AtLeastOnce;
+                publish.pkid = pkid;
+                Packet::Publish(publish, None)
+            });
+            pub_tx.send_all(publishes).unwrap();
+            let mut reasons = Vec::new();
+            while reasons.len() < usize::from(total) {
+                match pub_rx.next().await.unwrap() {
+                    Some(Notification::DeviceAck(Ack::PubAck(ack))) => reasons.push(ack.reason),
+                    Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                    _ => {}
+                }
+            }
+            let refused = reasons
+                .iter()
+                .filter(|r| **r == PubAckReason::QuotaExceeded)
+                .count();
+            let accepted = reasons
+                .iter()
+                .take_while(|r| **r == PubAckReason::Success)
+                .count();
+            if refuses {
+                assert!(
+                    (5..40).contains(&accepted) && refused == usize::from(total) - accepted,
+                    "{default:?}, {choice:?}: the log's worth accepted, the rest refused: {reasons:?}"
+                );
+            } else {
+                assert_eq!(refused, 0, "{default:?}, {choice:?}: {reasons:?}");
+            }
         }
     }
 }

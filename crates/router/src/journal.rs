@@ -103,6 +103,8 @@ pub struct RestoredSession {
     pub filters: Vec<(String, SubOptions)>,
     /// How much longer it is kept (`None`: for ever).
     pub expires_in: Option<Duration>,
+    /// Its own `queue_full` (`None`: the router's).
+    pub queue_full: Option<crate::QueueFull>,
     /// The messages it still waits for, in order, each delivered at the
     /// QoS and with the Subscription Identifiers of the subscriptions that
     /// match it (those no subscription matches are left out by the caller).

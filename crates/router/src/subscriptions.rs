@@ -65,6 +65,9 @@ pub struct SessionRecord {
     pub disconnected_at_ms: Option<u64>,
     /// Its subscriptions, sorted by filter.
     pub filters: Vec<(String, SubOptions)>,
+    /// What a publish does when it would push out of a log a message this
+    /// session has not had (`None`: the router's setting).
+    pub queue_full: Option<crate::QueueFull>,
 }
 
 /// What the highest-QoS matching subscriptions of one client grant a
@@ -333,12 +336,13 @@ impl Subscriptions {
         }
     }
 
-    /// `client`'s saved record: its subscriptions, with `expiry` and
-    /// `disconnected_at_ms`.
+    /// `client`'s saved record: its subscriptions, with `expiry`,
+    /// `queue_full` and `disconnected_at_ms`.
     pub(crate) fn record(
         &self,
         client: &str,
         expiry: u32,
+        queue_full: Option<crate::QueueFull>,
         disconnected_at_ms: Option<u64>,
     ) -> SessionRecord {
         let index = self.index.read();
@@ -352,6 +356,7 @@ impl Subscriptions {
             expiry,
             disconnected_at_ms,
             filters,
+            queue_full,
         }
     }
 
@@ -491,7 +496,7 @@ mod tests {
             "No Local: not its own publish"
         );
         assert!(s.has_kept_session("r") && !s.has_kept_session("clean"));
-        let record = s.record("r", 60, Some(5));
+        let record = s.record("r", 60, None, Some(5));
         assert_eq!(
             record
                 .filters

@@ -568,6 +568,7 @@ impl Settings {
                 max_queued_messages,
                 max_queued_bytes,
                 queue_full,
+                allow_session_refuse,
                 sys_interval
             ],
             reloaded[password_file, authorization]

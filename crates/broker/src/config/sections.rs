@@ -159,6 +159,10 @@ pub struct BrokerSection {
     /// A publish that would push out of a filter's log what a kept session
     /// has not had: the oldest go, or the publish is refused.
     pub queue_full: router::QueueFull,
+    /// A session may choose `refuse` for itself (CONNECT User Property
+    /// `queue_full`) where `queue_full` drops the oldest; `drop_oldest`
+    /// it may always choose.
+    pub allow_session_refuse: bool,
     /// Seconds between two publications of the `$SYS` topics; 0: none.
     pub sys_interval: u64,
     /// mosquitto_passwd file of users; empty: none. Reloaded on SIGHUP.

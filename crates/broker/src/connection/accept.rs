@@ -83,6 +83,18 @@ pub(crate) async fn accept(
         || format!("statebroker-{:x}-{id}", shared.started_nanos),
     );
     terms.cap_session_expiry(shared.settings.broker.max_session_expiry_secs, protocol);
+    let broker = &shared.settings.broker;
+    if terms
+        .settle_queue_full(broker.queue_full, broker.allow_session_refuse)
+        .is_some()
+    {
+        tracing::info!(
+            %peer,
+            client_id = terms.client_id,
+            "queue_full = \"refuse\" asked for the session, not allowed \
+             ([broker] allow_session_refuse): the session drops the oldest"
+        );
+    }
     let client_id = terms.client_id.as_str();
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let Some(connack) = handshake::connack_properties(&terms, listener, topic_alias_max) else {
@@ -142,6 +154,7 @@ pub(crate) async fn accept(
         client_id,
         terms.clean_start,
         terms.session_expiry,
+        terms.queue_full,
         lazy,
     )
     .await;

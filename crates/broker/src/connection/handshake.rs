@@ -97,6 +97,10 @@ pub(crate) enum Refusal {
     /// The connection would keep one more session than `[broker]
     /// max_kept_sessions` (for a client id that has none).
     SessionsQuota,
+    /// A User Property statebroker reads ([`QUEUE_FULL`]) with a value it
+    /// does not know (MQTT 5: CONNACK 0x83 with a Reason String saying
+    /// what is expected).
+    BadUserProperty,
 }
 
 impl Refusal {
@@ -113,6 +117,7 @@ impl Refusal {
             Refusal::Malformed => "malformed_packet",
             Refusal::ConnAckTooLarge => "connack_too_large",
             Refusal::SessionsQuota => "sessions_quota_exceeded",
+            Refusal::BadUserProperty => "user_property_not_valid",
         }
     }
 }
@@ -130,6 +135,9 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V4, Refusal::ConnAckTooLarge | Refusal::SessionsQuota) => {
             ConnectReturnCode::ServiceUnavailable
         }
+        // 3.1.1 has no User Properties: never refused for one.
+        (Protocol::V4, Refusal::BadUserProperty) => ConnectReturnCode::NotAuthorized,
+        (Protocol::V5, Refusal::BadUserProperty) => ConnectReturnCode::ImplementationSpecificError,
         (Protocol::V5, Refusal::SessionsQuota) => ConnectReturnCode::QuotaExceeded,
         (Protocol::V5, Refusal::BadAuthenticationMethod) => {
             ConnectReturnCode::BadAuthenticationMethod
@@ -143,13 +151,58 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V4, Refusal::BadWill) => ConnectReturnCode::NotAuthorized,
         (Protocol::V5, Refusal::BadWill) => ConnectReturnCode::TopicNameInvalid,
     };
+    // MQTT 5: what is wrong, where a code cannot say it (3.2.2.3.9).
+    let properties = (protocol == Protocol::V5 && refusal == Refusal::BadUserProperty).then(|| {
+        ConnAckProperties {
+            reason_string: Some(format!(
+                "User Property {QUEUE_FULL} must be \"drop_oldest\" or \"refuse\""
+            )),
+            ..ConnAckProperties::default()
+        }
+    });
     Some(Packet::ConnAck(
         ConnAck {
             session_present: false,
             code,
         },
-        None,
+        properties,
     ))
+}
+
+/// The CONNECT User Property by which a session chooses what a publish
+/// does when it would push out of a subscription's log a message the
+/// session has not had: `drop_oldest` or `refuse` (`[broker] queue_full`'s
+/// values). The CONNACK answers with the same property and the value in
+/// force.
+pub(crate) const QUEUE_FULL: &str = "queue_full";
+
+/// The session's choice in `properties` ([`QUEUE_FULL`]; the last one if
+/// several), `Ok(None)` without one, `Err` for a value not known.
+pub(crate) fn requested_queue_full(
+    properties: Option<&ConnectProperties>,
+) -> Result<Option<router::QueueFull>, ()> {
+    let Some(value) = properties.and_then(|p| {
+        p.user_properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == QUEUE_FULL)
+            .map(|(_, v)| v.as_str())
+    }) else {
+        return Ok(None);
+    };
+    match value {
+        "drop_oldest" => Ok(Some(router::QueueFull::DropOldest)),
+        "refuse" => Ok(Some(router::QueueFull::Refuse)),
+        _ => Err(()),
+    }
+}
+
+/// The name of a [`router::QueueFull`] as configured and in [`QUEUE_FULL`].
+pub(crate) fn queue_full_name(queue_full: router::QueueFull) -> &'static str {
+    match queue_full {
+        router::QueueFull::DropOldest => "drop_oldest",
+        router::QueueFull::Refuse => "refuse",
+    }
 }
 
 /// Checks a CONNECT before the client is registered.
@@ -173,6 +226,12 @@ pub(crate) fn check_connect(
             return Err((
                 Refusal::ProtocolError,
                 "Authentication Data without an Authentication Method (3.1.2.11.10)",
+            ));
+        }
+        if requested_queue_full(Some(p)).is_err() {
+            return Err((
+                Refusal::BadUserProperty,
+                "User Property queue_full is neither drop_oldest nor refuse",
             ));
         }
     }
@@ -234,6 +293,11 @@ pub(crate) struct Terms {
     /// The topic aliases the client accepts from the broker (its Topic
     /// Alias Maximum, MQTT 5 3.1.2.11.5; 0: none).
     pub client_topic_alias_max: u16,
+    /// The session's own `queue_full`, as asked for in CONNECT
+    /// ([`QUEUE_FULL`]) until [`Terms::settle_queue_full`] decides it.
+    pub queue_full: Option<router::QueueFull>,
+    /// The `queue_full` in force, told in CONNACK when the client asked.
+    pub told_queue_full: Option<router::QueueFull>,
 }
 
 impl Terms {
@@ -287,7 +351,29 @@ impl Terms {
                 Protocol::V5 => properties.and_then(|p| p.topic_alias_max).unwrap_or(0),
                 Protocol::V4 => 0,
             },
+            queue_full: requested_queue_full(properties).ok().flatten(),
+            told_queue_full: None,
         }
+    }
+
+    /// Decides the session's `queue_full`: `refuse` (which lets a lagging
+    /// session hold up publishers) only where the broker refuses anyway
+    /// (`default`) or `allow_refuse`; `drop_oldest` always. Returns the
+    /// refused choice, if any, for the log.
+    pub fn settle_queue_full(
+        &mut self,
+        default: router::QueueFull,
+        allow_refuse: bool,
+    ) -> Option<router::QueueFull> {
+        let asked = self.queue_full?;
+        let denied = asked == router::QueueFull::Refuse
+            && default != router::QueueFull::Refuse
+            && !allow_refuse;
+        if denied {
+            self.queue_full = None;
+        }
+        self.told_queue_full = Some(self.queue_full.unwrap_or(default));
+        denied.then_some(asked)
     }
 
     /// Keeps the session at most `max` seconds after the connection (0: no
@@ -346,8 +432,10 @@ pub(crate) fn connack(session_present: bool, properties: ConnAckProperties) -> P
 /// the Receive
 /// Maximum and Maximum Packet Size (absent they mean 65,535 and no limit,
 /// and the broker enforces its own: a client that believed them would be
-/// disconnected). The broker sends no Reason String or User Property in
-/// CONNACK, which 3.2.2.3.9 and 3.2.2.3.10 allow to leave out.
+/// disconnected). The broker sends no Reason String in CONNACK; its one
+/// User Property answers a client that asked for a `queue_full`
+/// ([`QUEUE_FULL`]), and is left out first when the packet does not fit
+/// (3.2.2.3.10 allows leaving it out).
 pub(crate) fn connack_properties(
     terms: &Terms,
     listener: &Listener,
@@ -364,6 +452,10 @@ pub(crate) fn connack_properties(
         wildcard_subscription_available: Some(1),
         shared_subscription_available: Some(1),
         subscription_identifiers_available: Some(1),
+        user_properties: terms
+            .told_queue_full
+            .map(|q| vec![(QUEUE_FULL.to_owned(), queue_full_name(q).to_owned())])
+            .unwrap_or_default(),
         ..ConnAckProperties::default()
     };
     let fits = |p: &ConnAckProperties| {
@@ -373,7 +465,8 @@ pub(crate) fn connack_properties(
             .is_ok_and(|()| out.len() <= terms.max_packet_size)
     };
     type Leave = fn(&mut ConnAckProperties);
-    let optional: [Leave; 5] = [
+    let optional: [Leave; 6] = [
+        |p| p.user_properties.clear(),
         |p| p.shared_subscription_available = None,
         |p| p.wildcard_subscription_available = None,
         |p| p.subscription_identifiers_available = None,
@@ -753,5 +846,81 @@ mod tests {
             p.assigned_client_identifier.as_deref(),
             Some("statebroker-1-7")
         );
+    }
+
+    /// A session's `queue_full` (CONNECT User Property): read, checked,
+    /// settled against the broker's, told in CONNACK (left out first when
+    /// the CONNACK would not fit).
+    #[test]
+    fn queue_full_asked_settled_and_told() {
+        use router::QueueFull::{DropOldest, Refuse};
+        let asking = |value: &str, max_packet_size: Option<u32>| ConnectProperties {
+            session_expiry_interval: None,
+            receive_maximum: None,
+            max_packet_size,
+            topic_alias_max: None,
+            request_response_info: None,
+            request_problem_info: None,
+            user_properties: vec![("queue_full".into(), value.into())],
+            authentication_method: None,
+            authentication_data: None,
+        };
+        let v5 = Protocol::V5;
+        let checked =
+            |p: &ConnectProperties| check_connect(&connect("c", true, 0), None, Some(p), v5);
+        assert_eq!(
+            checked(&asking("later", None)).unwrap_err().0,
+            Refusal::BadUserProperty
+        );
+        assert!(checked(&asking("refuse", None)).is_ok());
+        let Some(Packet::ConnAck(ack, Some(p))) = refusal(v5, Refusal::BadUserProperty) else {
+            panic!("a CONNACK with properties");
+        };
+        assert_eq!(ack.code, ConnectReturnCode::ImplementationSpecificError);
+        assert!(
+            p.reason_string
+                .unwrap()
+                .contains("\"drop_oldest\" or \"refuse\"")
+        );
+
+        let terms = |value: &str, max: Option<u32>| {
+            let h = hello(connect("c", false, 0), Some(asking(value, max)));
+            Terms::negotiate(&h, v5, 0, || unreachable!())
+        };
+        // (broker's, allow_session_refuse, asked) -> in force, denied
+        let cases = [
+            (DropOldest, false, "refuse", None, Some(Refuse)),
+            (DropOldest, true, "refuse", Some(Refuse), None),
+            (Refuse, false, "refuse", Some(Refuse), None),
+            (Refuse, false, "drop_oldest", Some(DropOldest), None),
+            (DropOldest, false, "drop_oldest", Some(DropOldest), None),
+        ];
+        for (default, allow, asked, in_force, denied) in cases {
+            let mut t = terms(asked, None);
+            assert_eq!(t.settle_queue_full(default, allow), denied, "{asked}");
+            assert_eq!(t.queue_full, in_force, "{asked}");
+            let told = in_force.unwrap_or(default);
+            assert_eq!(t.told_queue_full, Some(told));
+            let p = connack_properties(&t, &listener(), 0).unwrap();
+            assert_eq!(
+                p.user_properties,
+                vec![("queue_full".to_owned(), queue_full_name(told).to_owned())]
+            );
+        }
+        // Nothing asked, nothing told.
+        let mut t = Terms::negotiate(
+            &hello(connect("c", false, 0), None),
+            v5,
+            0,
+            || unreachable!(),
+        );
+        assert_eq!(t.settle_queue_full(Refuse, false), None);
+        assert_eq!((t.queue_full, t.told_queue_full), (None, None));
+        // A CONNACK that fits only without it.
+        let mut t = terms("refuse", Some(30));
+        t.settle_queue_full(Refuse, false);
+        let p = connack_properties(&t, &listener(), 0).unwrap();
+        assert!(p.user_properties.is_empty());
+        assert_eq!(p.retain_available, Some(1), "left out first");
     }
 }

@@ -25,6 +25,7 @@ pub(crate) struct RouterLink {
     client_id: String,
     clean_start: bool,
     session_expiry: u32,
+    queue_full: Option<router::QueueFull>,
     link: Option<(LinkTx, LinkRx)>,
 }
 
@@ -33,12 +34,14 @@ impl RouterLink {
     /// for it. A connection that starts clean, keeps nothing after it ends
     /// and has no session to discard (`lazy`) links on first need; others
     /// link now: the router knows whether the session exists, discards it
-    /// on a clean start, and keeps the new one for `session_expiry` seconds.
+    /// on a clean start, and keeps the new one for `session_expiry` seconds
+    /// with its own `queue_full` (`None`: the broker's).
     pub async fn open(
         router: &RouterHandle,
         client_id: &str,
         clean_start: bool,
         session_expiry: u32,
+        queue_full: Option<router::QueueFull>,
         lazy: bool,
     ) -> Result<(RouterLink, bool), LinkRefused> {
         let mut link = RouterLink {
@@ -46,12 +49,15 @@ impl RouterLink {
             client_id: client_id.to_owned(),
             clean_start,
             session_expiry,
+            queue_full,
             link: None,
         };
         if lazy {
             return Ok((link, false));
         }
-        let (tx, rx, connack) = router.link(client_id, clean_start, session_expiry).await?;
+        let (tx, rx, connack) = router
+            .link(client_id, clean_start, session_expiry, queue_full)
+            .await?;
         let present = matches!(
             Option::<Packet>::from(connack),
             Some(Packet::ConnAck(ack, _)) if ack.session_present
@@ -74,7 +80,12 @@ impl RouterLink {
         if self.link.is_none() {
             let (tx, rx, _connack) = self
                 .router
-                .link(&self.client_id, self.clean_start, self.session_expiry)
+                .link(
+                    &self.client_id,
+                    self.clean_start,
+                    self.session_expiry,
+                    self.queue_full,
+                )
                 .await
                 .map_err(|e| {
                     tracing::error!(client_id = self.client_id, error = %e, "cannot join the router");
@@ -132,7 +143,9 @@ mod tests {
             0,
             None,
         );
-        let (mut link, present) = RouterLink::open(&router, "c", true, 0, true).await.unwrap();
+        let (mut link, present) = RouterLink::open(&router, "c", true, 0, None, true)
+            .await
+            .unwrap();
         assert!(!present);
         link.send(&mut Vec::new()).await.unwrap();
         assert!(!link.is_linked(), "nothing to send: no link");
@@ -145,7 +158,7 @@ mod tests {
         assert!(link.is_linked());
         assert!(batch.is_empty(), "the batch went out");
         // A persistent session links at once.
-        let (link, present) = RouterLink::open(&router, "p", false, 60, false)
+        let (link, present) = RouterLink::open(&router, "p", false, 60, None, false)
             .await
             .unwrap();
         assert!(link.is_linked() && !present);

@@ -4,11 +4,15 @@
 use bytes::{Buf, BufMut, BytesMut};
 use router::protocol::{Packet, Publish, PublishProperties};
 
-use router::{Message, SessionRecord, SubOptions};
+use router::{Message, QueueFull, SessionRecord, SubOptions};
 
 use crate::codec::Protocol;
 
 const VERSION: u8 = 1;
+/// A session with its own `queue_full`: version 1's fields, then one byte
+/// (1: drop_oldest, 2: refuse). A session without one is still written as
+/// version 1, which binaries from before can read.
+const SESSION_WITH_QUEUE_FULL: u8 = 2;
 /// Larger than any packet a listener accepts.
 const MAX_STORED_PACKET: usize = 1 << 30;
 
@@ -64,7 +68,10 @@ pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, 
 
 pub(super) fn encode_session(session: &SessionRecord) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + session.filters.len() * 32);
-    out.put_u8(VERSION);
+    out.put_u8(match session.queue_full {
+        None => VERSION,
+        Some(_) => SESSION_WITH_QUEUE_FULL,
+    });
     out.put_u32(session.expiry);
     out.put_u64(session.disconnected_at_ms.unwrap_or(u64::MAX));
     out.put_u32(u32::try_from(session.filters.len()).unwrap_or(u32::MAX));
@@ -83,6 +90,11 @@ pub(super) fn encode_session(session: &SessionRecord) -> Vec<u8> {
             out.put_u32(id);
         }
     }
+    match session.queue_full {
+        None => {}
+        Some(QueueFull::DropOldest) => out.put_u8(1),
+        Some(QueueFull::Refuse) => out.put_u8(2),
+    }
     out
 }
 
@@ -96,7 +108,8 @@ pub(super) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
     }
     let mut cursor = value;
     need(cursor, 17)?;
-    if cursor.get_u8() != VERSION {
+    let version = cursor.get_u8();
+    if version != VERSION && version != SESSION_WITH_QUEUE_FULL {
         return Err("unknown format".into());
     }
     let expiry = cursor.get_u32();
@@ -132,6 +145,16 @@ pub(super) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
             },
         ));
     }
+    let queue_full = if version == SESSION_WITH_QUEUE_FULL {
+        need(cursor, 1)?;
+        match cursor.get_u8() {
+            1 => Some(QueueFull::DropOldest),
+            2 => Some(QueueFull::Refuse),
+            _ => return Err("bad queue_full".into()),
+        }
+    } else {
+        None
+    };
     if !cursor.is_empty() {
         return Err("trailing bytes".into());
     }
@@ -139,6 +162,7 @@ pub(super) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
         expiry,
         disconnected_at_ms,
         filters,
+        queue_full,
     })
 }
 
@@ -163,12 +187,13 @@ mod tests {
                     },
                 ),
             ],
+            queue_full: None,
         };
         let encoded = encode_session(&session);
         assert_eq!(decode_session(&encoded), Ok(session.clone()));
         let connected = SessionRecord {
             disconnected_at_ms: None,
-            ..session
+            ..session.clone()
         };
         assert_eq!(
             decode_session(&encode_session(&connected)),
@@ -180,9 +205,25 @@ mod tests {
         let mut bad = encoded.clone();
         bad[0] = 9;
         assert!(decode_session(&bad).is_err());
-        let mut long = encoded;
+        let mut long = encoded.clone();
         long.push(0);
         assert!(decode_session(&long).is_err());
+        // A session's own queue_full: one more byte, in version 2; version
+        // 1 stays what binaries from before read.
+        assert_eq!(encoded[0], 1);
+        for choice in [QueueFull::DropOldest, QueueFull::Refuse] {
+            let chose = SessionRecord {
+                queue_full: Some(choice),
+                ..session.clone()
+            };
+            let with = encode_session(&chose);
+            assert_eq!((with[0], with.len()), (2, encoded.len() + 1));
+            assert_eq!(decode_session(&with), Ok(chose));
+            assert!(decode_session(&with[..with.len() - 1]).is_err());
+            let mut bad = with.clone();
+            *bad.last_mut().unwrap() = 3;
+            assert!(decode_session(&bad).is_err());
+        }
     }
 
     #[test]

@@ -171,6 +171,7 @@ impl Durable {
                             client_id: client_id.to_owned(),
                             filters: session.filters,
                             expires_in,
+                            queue_full: session.queue_full,
                             waiting,
                         });
                         continue;
@@ -383,6 +384,7 @@ mod tests {
             expiry,
             disconnected_at_ms,
             filters: Vec::new(),
+            queue_full: None,
         };
         assert_eq!(remaining(&at(u32::MAX, Some(0)), u64::MAX, 0), Some(None));
         assert_eq!(

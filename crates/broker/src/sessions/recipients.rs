@@ -111,7 +111,7 @@ mod tests {
         id: Option<usize>,
     ) -> router::Link {
         use router::protocol::{Filter, Packet, RetainForwardRule, Subscribe, SubscribeProperties};
-        let (mut tx, mut rx, connack) = router.link(client, true, 0).await.unwrap();
+        let (mut tx, mut rx, connack) = router.link(client, true, 0, None).await.unwrap();
         let subscribe = Subscribe {
             pkid: 1,
             filters: vec![Filter {

@@ -73,6 +73,9 @@ pub struct LinkBuilder<'a> {
     // default 0 for a clean session and never otherwise, as in 3.1.1
     // (statebroker patch 9)
     session_expiry: Option<u32>,
+    // This session's choice when a publish would push out of a log what it
+    // has not had (`None`: the router's) (statebroker patch 25)
+    queue_full: Option<crate::QueueFull>,
 }
 
 impl<'a> LinkBuilder<'a> {
@@ -87,6 +90,7 @@ impl<'a> LinkBuilder<'a> {
             dynamic_filters: false,
             topic_alias_max: 0,
             session_expiry: None,
+            queue_full: None,
         }
     }
 
@@ -95,6 +99,14 @@ impl<'a> LinkBuilder<'a> {
     /// connection starts clean (`clean_session`) (statebroker patch 9).
     pub fn session_expiry(mut self, seconds: u32) -> Self {
         self.session_expiry = Some(seconds);
+        self
+    }
+
+    /// What a publish does when it would push out of a log a message this
+    /// session has not had; `None`: the router's `queue_full`
+    /// (statebroker patch 25).
+    pub fn queue_full(mut self, queue_full: Option<crate::QueueFull>) -> Self {
+        self.queue_full = queue_full;
         self
     }
 
@@ -159,6 +171,7 @@ impl<'a> LinkBuilder<'a> {
         connection.session_expiry =
             self.session_expiry
                 .unwrap_or(if self.clean_session { 0 } else { u32::MAX });
+        connection.queue_full = self.queue_full;
 
         connection
             .last_will(self.last_will, self.last_will_properties)

@@ -39,6 +39,10 @@ pub struct Connection {
     /// Seconds the session is kept after the connection ends (0: not kept,
     /// `u32::MAX`: for ever) (statebroker patch 9).
     pub session_expiry: u32,
+    /// What a publish does when it would push out of a log a message this
+    /// session has not had (`None`: the router's
+    /// [`crate::RouterConfig::queue_full`]) (statebroker patch 25).
+    pub queue_full: Option<crate::QueueFull>,
     /// Messages pushed out of its logs before it read them, not yet in a
     /// WARN line, and when the last line was written (statebroker patch 23).
     pub(crate) dropped: DropReport,
@@ -95,6 +99,7 @@ impl Connection {
         Connection {
             origin: std::sync::Arc::from(client_id.as_str()),
             session_expiry: if clean { 0 } else { u32::MAX },
+            queue_full: None,
             client_id,
             tenant_prefix,
             dynamic_filters,

@@ -7,6 +7,7 @@ use super::{
     scheduler::{PauseReason, Tracker},
     ConnectionEvents,
 };
+use crate::QueueFull;
 
 pub struct Graveyard {
     connections: HashMap<String, SavedState>,
@@ -32,12 +33,16 @@ impl Graveyard {
         Some(saved)
     }
 
-    /// A kept session without a connection that reads the log at
-    /// `filter_idx` at QoS 1 or 2 from before absolute offset `below`
-    /// (statebroker patch 23).
-    pub fn reads_before(&self, filter_idx: usize, below: u64) -> Option<&str> {
+    /// A kept session without a connection that refuses new messages when
+    /// its own would be pushed out (`default` for a session that chose
+    /// nothing; statebroker patch 25) and reads the log at `filter_idx` at
+    /// QoS 1 or 2 from before absolute offset `below` (statebroker patch 23).
+    pub fn reads_before(&self, filter_idx: usize, below: u64, default: QueueFull) -> Option<&str> {
         self.connections.iter().find_map(|(client, saved)| {
             let state = saved.session_state.as_ref()?;
+            if state.queue_full.unwrap_or(default) != QueueFull::Refuse {
+                return None;
+            }
             state
                 .tracker
                 .data_requests
@@ -73,10 +78,11 @@ impl Graveyard {
     }
 
     /// Save connection tracker
-    #[allow(clippy::too_many_arguments)] // rumqttd's, with patches 6, 9 and 11's
+    #[allow(clippy::too_many_arguments)] // rumqttd's, with patches 6, 9, 11 and 25's
     pub fn save_state(
         &mut self,
         mut tracker: Tracker,
+        queue_full: Option<QueueFull>,
         subscriptions: HashSet<String>,
         subscription_ids: HashMap<String, usize>,
         metrics: ConnectionEvents,
@@ -90,6 +96,7 @@ impl Graveyard {
 
         let session_state = SessionState {
             tracker,
+            queue_full,
             subscriptions,
             subscription_ids,
             unacked_pubrels,
@@ -134,6 +141,9 @@ pub struct SavedState {
 #[derive(Debug)]
 pub struct SessionState {
     pub tracker: Tracker,
+    /// The session's own choice of what a publish does when it would push
+    /// out of a log what the session has not had (statebroker patch 25).
+    pub queue_full: Option<QueueFull>,
     pub subscriptions: HashSet<String>,
     /// MQTT 5 subscription identifiers by filter (statebroker patch 10).
     pub subscription_ids: HashMap<String, usize>,

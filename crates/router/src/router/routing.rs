@@ -116,6 +116,10 @@ pub struct Router {
     /// When the last WARN line about refused publishes was written, and
     /// those refused since (statebroker patch 23).
     refusals: (Option<Instant>, u64),
+    /// Some session chose `QueueFull::Refuse` for itself since the start:
+    /// publishes are then checked against kept sessions' queues even where
+    /// the router's setting drops the oldest (statebroker patch 25).
+    sessions_may_refuse: bool,
 }
 
 impl Router {
@@ -161,6 +165,7 @@ impl Router {
             subscriptions: Default::default(),
             journal: None,
             refusals: (None, 0),
+            sessions_may_refuse: false,
         }
     }
 
@@ -454,13 +459,17 @@ impl Router {
         // A session that outlives this connection is saved now, one that
         // ends with it is no longer (statebroker patch 16).
         let kept = connection.session_expiry > 0;
+        self.sessions_may_refuse |= kept && connection.queue_full == Some(QueueFull::Refuse);
         let was_kept = self.subscriptions.has_kept_session(&client_id);
         self.subscriptions.set_kept(&client_id, kept);
         if let Some(journal) = &self.journal {
             if kept {
-                let record = self
-                    .subscriptions
-                    .record(&client_id, connection.session_expiry, None);
+                let record = self.subscriptions.record(
+                    &client_id,
+                    connection.session_expiry,
+                    connection.queue_full,
+                    None,
+                );
                 journal.session(&client_id, Some(&record));
             } else if was_kept {
                 journal.session(&client_id, None);
@@ -647,12 +656,14 @@ impl Router {
                 let record = self.subscriptions.record(
                     &client_id,
                     connection.session_expiry,
+                    connection.queue_full,
                     Some(unix_ms()),
                 );
                 journal.session(&client_id, Some(&record));
             }
             self.graveyard.save_state(
                 tracker,
+                connection.queue_full,
                 connection.subscriptions,
                 connection.subscription_ids,
                 connection.events,
@@ -692,7 +703,8 @@ impl Router {
                 let Some(connection) = self.connections.get(id) else {
                     continue;
                 };
-                if connection.session_expiry == 0 {
+                let refuses = connection.queue_full.unwrap_or(self.config.queue_full);
+                if connection.session_expiry == 0 || refuses != QueueFull::Refuse {
                     continue;
                 }
                 let at_qos =
@@ -715,7 +727,10 @@ impl Router {
                     return Some(connection.client_id.clone());
                 }
             }
-            if let Some(client) = self.graveyard.reads_before(idx, below) {
+            if let Some(client) = self
+                .graveyard
+                .reads_before(idx, below, self.config.queue_full)
+            {
                 return Some(client.to_owned());
             }
         }
@@ -747,7 +762,7 @@ impl Router {
                 kept_session = lagging,
                 refused = std::mem::take(&mut self.refusals.1),
                 "publishes refused (quota exceeded): a kept session's messages would be pushed \
-                 out of the filter's log before it has them ([broker] queue_full = \"refuse\")"
+                 out of the filter's log before it has them (queue_full = \"refuse\" for that session)"
             );
             self.refusals.0 = Some(now);
         }
@@ -828,7 +843,9 @@ impl Router {
                     // A publish that would push out of a log what a kept
                     // session has not had is refused, when so configured
                     // (statebroker patch 23): nothing saved or appended.
-                    let refused = if !again && self.config.queue_full == QueueFull::Refuse {
+                    let refused = if !again
+                        && (self.config.queue_full == QueueFull::Refuse || self.sessions_may_refuse)
+                    {
                         self.fills_a_kept_queue(&publish)
                     } else {
                         None
@@ -1387,9 +1404,12 @@ impl Router {
         if connection.session_expiry == 0 {
             return None;
         }
-        let record =
-            self.subscriptions
-                .record(&connection.client_id, connection.session_expiry, None);
+        let record = self.subscriptions.record(
+            &connection.client_id,
+            connection.session_expiry,
+            connection.queue_full,
+            None,
+        );
         journal.session(&connection.client_id, Some(&record))
     }
 
@@ -1532,8 +1552,10 @@ impl Router {
             self.subscriptions.subscribe(&client_id, filter, *options);
         }
         let expires_at = session.expires_in.map(|left| Instant::now() + left);
+        self.sessions_may_refuse |= session.queue_full == Some(QueueFull::Refuse);
         self.graveyard.save_state(
             tracker,
+            session.queue_full,
             subscriptions,
             subscription_ids,
             ConnectionEvents::default(),
