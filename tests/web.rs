@@ -2,16 +2,18 @@
 //! driven over the DevTools protocol): the page shows a key a client sets
 //! without being reloaded, and the request in the live list.
 //!
-//! `STATEBROKER_SCREENSHOT=FILE` saves what the browser shows (the README's
-//! picture is made so).
+//! `STATEBROKER_SCREENSHOT=FILE` saves what the browser shows at the end of
+//! `the_page_reads_at_a_glance` (the README's picture is made so).
 
 mod common;
 
 use std::time::Duration;
 
-use common::raw::Raw;
+use common::raw::{NOTIFY_NAMESPACE, Raw};
 use common::start_broker_with;
 use futures_util::{SinkExt, StreamExt};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5 as packets;
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio_tungstenite::tungstenite::Message;
@@ -104,6 +106,41 @@ impl Browser {
     async fn eval(&mut self, expression: &str) -> Value {
         self.call("Runtime.evaluate", json!({ "expression": expression }))
             .await
+    }
+
+    /// Saves what the browser shows to `STATEBROKER_SCREENSHOT`, if set.
+    async fn screenshot_if_asked(&mut self) {
+        use base64::Engine;
+        let Ok(path) = std::env::var("STATEBROKER_SCREENSHOT") else {
+            return;
+        };
+        let shot = self
+            .call("Page.captureScreenshot", json!({ "format": "png" }))
+            .await;
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(shot["data"].as_str().unwrap())
+            .unwrap();
+        std::fs::write(path, png).unwrap();
+    }
+
+    /// The value of `expression` (JSON-serializable) in the page.
+    async fn value_of(&mut self, expression: &str) -> Value {
+        let result = self
+            .call(
+                "Runtime.evaluate",
+                json!({ "expression": expression, "returnByValue": true }),
+            )
+            .await;
+        result["result"]["value"].clone()
+    }
+
+    /// Waits until `expression` is true in the page.
+    async fn wait_until(&mut self, what: &str, expression: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while self.value_of(expression).await != Value::Bool(true) {
+            assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The text of the element `id`.
@@ -203,7 +240,7 @@ async fn the_page_shows_keys_and_requests_as_they_happen() {
     let summary = browser.wait_for("summary", &["1 keys"]).await;
     assert!(summary.starts_with("statebroker "), "{summary}");
     browser
-        .wait_for("clients", &["MQTT 5 (v5.1)", "127.0.0.1:"])
+        .wait_for("clients", &["MQTT 5", "v5.1", "127.0.0.1:"])
         .await;
 
     // The edit form ([http] allow_edit): set a key from the page; the
@@ -222,15 +259,133 @@ async fn the_page_shows_keys_and_requests_as_they_happen() {
         .await;
     let get = client.request(&[b"GET", b"window"]).await;
     assert_eq!(&get.payload[..], b"$4\r\nshut\r\n");
+}
 
-    if let Ok(path) = std::env::var("STATEBROKER_SCREENSHOT") {
-        use base64::Engine;
-        let shot = browser
-            .call("Page.captureScreenshot", json!({ "format": "png" }))
+/// The page's cells whose text breaks over more than one line: keys,
+/// client ids, versions, addresses, times, commands (a Range over a text
+/// node has rectangles on as many lines as the text takes; one cut with
+/// an ellipsis has two on the same line).
+const WRAPPED_TOKENS: &str = "Array.from(document.querySelectorAll('td.token')).filter((td) => { \
+     const texts = document.createTreeWalker(td, NodeFilter.SHOW_TEXT); let text; \
+     while ((text = texts.nextNode())) { const range = document.createRange(); \
+     range.selectNodeContents(text); const tops = Array.from(range.getClientRects(), \
+     (r) => Math.round(r.top)); if (new Set(tops).size > 1) return true; } \
+     return false; }).map((td) => td.innerText)";
+
+/// Issue #32 item 8, what a person sees at a glance: the requests made
+/// before the page was opened; tokens that do not break inside; the
+/// header counting what the table lists; the state store's own
+/// subscriptions as two labels, not long filters; protocol and listener
+/// apart; a chart of requests and messages per second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_reads_at_a_glance() {
+    let broker = start_broker_with(|s| s.http = Some("127.0.0.1:0".parse().unwrap())).await;
+    let http = broker.http_addr().unwrap();
+    let addr = broker.local_addr();
+    // Before anyone opens the page.
+    let mut early = Raw::connect(addr, "early-bird").await;
+    early.request(&[b"SET", b"set-before-the-page", b"1"]).await;
+    // A session kept without its connection.
+    let (mut kept, _) = Raw::connect_with(addr, "kept-session", |c| {
+        c.0.clean_start = false;
+        let mut properties = packets::ConnectProperties::new();
+        properties.session_expiry_interval = Some(3600);
+        c.0.properties = Some(properties);
+    })
+    .await;
+    kept.subscribe("sensors/#", QoS::AtLeastOnce).await;
+    kept.send(packets::Packet::Disconnect(packets::Disconnect::new(
+        packets::DisconnectReasonCode::NormalDisconnection,
+    )))
+    .await;
+    drop(kept);
+    // A long client id with an ordinary subscription and the state
+    // store's two (answers, key notifications).
+    const LONG_ID: &str = "a-client-with-a-rather-long-identifier-0123456789abcdef";
+    const LONG_KEY: &[u8] = b"a-key-with-a-rather-long-name-0123456789abcdefghijklmnop";
+    let mut long = Raw::connect(addr, LONG_ID).await;
+    long.subscribe("sensors/#", QoS::AtLeastOnce).await;
+    let notify = format!(
+        "{NOTIFY_NAMESPACE}/{}/command/notify/#",
+        hex::encode_upper(LONG_ID)
+    );
+    long.subscribe(&notify, QoS::AtLeastOnce).await;
+    long.request(&[b"KEYNOTIFY", LONG_KEY]).await;
+    long.request(&[b"SET", LONG_KEY, b"a value"]).await;
+
+    let mut browser = Browser::start().await;
+    browser
+        .call("Page.navigate", json!({ "url": format!("http://{http}/") }))
+        .await;
+    // The live list has what happened before the page was open.
+    browser
+        .wait_for("log", &["early-bird", "set-before-the-page", "KEYNOTIFY"])
+        .await;
+    // The header counts what the table lists.
+    browser
+        .wait_for("clientcount", &["2 connected", "1 session kept"])
+        .await;
+    let table = browser
+        .wait_for(
+            "clients",
+            &[
+                "kept-session",
+                "session kept",
+                "sensors/#",
+                "state store answers",
+                "key notifications",
+            ],
+        )
+        .await;
+    assert!(
+        !table.contains("clients/"),
+        "no internal filter shown whole: {table}"
+    );
+    let rows = browser
+        .value_of(
+            "document.querySelectorAll('#clients tr').length + ' ' + \
+             document.querySelectorAll('#clients tr td:nth-child(2)').length",
+        )
+        .await;
+    assert_eq!(rows, json!("3 3"));
+    // Protocol and listener in their own columns.
+    let cells = browser
+        .value_of(&format!(
+            "Array.from(document.querySelectorAll('#clients tr')).find((tr) => \
+             tr.cells[0].querySelector('[title=\"{LONG_ID}\"]'))?.cells[2].innerText + '|' + \
+             Array.from(document.querySelectorAll('#clients tr')).find((tr) => \
+             tr.cells[0].querySelector('[title=\"{LONG_ID}\"]'))?.cells[3].innerText"
+        ))
+        .await;
+    assert_eq!(cells, json!("MQTT 5|v5.1"));
+    // No token breaks inside, in a narrow window too.
+    browser.wait_for("keys", &["a value"]).await;
+    for width in [1280, 900] {
+        browser
+            .call(
+                "Emulation.setDeviceMetricsOverride",
+                json!({ "width": width, "height": 640, "deviceScaleFactor": 1, "mobile": false }),
+            )
             .await;
-        let png = base64::engine::general_purpose::STANDARD
-            .decode(shot["data"].as_str().unwrap())
-            .unwrap();
-        std::fs::write(path, png).unwrap();
+        let wrapped = browser.value_of(WRAPPED_TOKENS).await;
+        assert_eq!(wrapped, json!([]), "at {width} px");
     }
+    // The chart: a second with requests in it.
+    browser
+        .wait_until(
+            "the requests line above the floor",
+            "(document.getElementById('chart-requests').getAttribute('points') || '')\
+             .split(' ').some((p) => p && parseFloat(p.split(',')[1]) < 88)",
+        )
+        .await;
+    browser
+        .wait_for("rates-legend", &["requests/s", "messages in/s", "peak"])
+        .await;
+    browser
+        .call(
+            "Emulation.setDeviceMetricsOverride",
+            json!({ "width": 1280, "height": 640, "deviceScaleFactor": 1, "mobile": false }),
+        )
+        .await;
+    browser.screenshot_if_asked().await;
 }

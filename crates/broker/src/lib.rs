@@ -180,6 +180,10 @@ impl Broker {
                 Duration::from_secs(sys_interval),
             ));
         }
+        // The web view's chart of requests and messages per second.
+        if http.is_some() {
+            tokio::spawn(activity::sample_rates(Arc::clone(&shared)));
+        }
         tokio::spawn(end_expired_sessions(
             Arc::clone(&shared.sessions),
             shared.shutdown.clone(),

@@ -304,8 +304,9 @@ impl StateStoreService {
     }
 
     /// Where the answer of `request` goes, before it is known; with the
-    /// key for the live list when someone watches (the outcome is filled
-    /// in by [`settle`]).
+    /// key for the live list when the activity wants it (someone watches,
+    /// or the backlog's sample is due; the outcome is filled in by
+    /// [`settle`]).
     pub(super) fn reply_pending(
         &self,
         request: &Request<'_>,
@@ -313,7 +314,7 @@ impl StateStoreService {
         reply_to: Option<ReplyTo>,
         command: &'static str,
     ) -> Reply {
-        let shown = self.activity.watched().then(|| {
+        let shown = self.activity.wanted().then(|| {
             let key = statestore::resp3::parse_request(request.payload)
                 .ok()
                 .and_then(|args| args.get(1).map(|k| String::from_utf8_lossy(k).into_owned()));
@@ -506,6 +507,7 @@ impl StateStoreService {
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
             crate::metrics::store_request(reply.command, reply.ok, took);
+            self.activity.answered();
             if let Some((key, outcome)) = reply.shown {
                 self.activity.record(Event::Request {
                     at_ms: now_ms(),
@@ -522,7 +524,7 @@ impl StateStoreService {
             }
         }
         for notice in &outcome.notices {
-            if self.activity.watched() {
+            if self.activity.wanted() {
                 for watcher in &notice.watchers {
                     self.activity.record(Event::Notification {
                         at_ms: now_ms(),

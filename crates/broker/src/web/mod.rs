@@ -11,7 +11,10 @@
 //! - `GET /api/summary`: the numbers of `$SYS` in one object, and
 //!   `allow_edit`;
 //! - `GET /api/events`: Server-Sent Events, one JSON
-//!   [`crate::activity::Event`] per request answered and notification sent;
+//!   [`crate::activity::Event`] per request answered and notification sent,
+//!   after the last ones kept ([`crate::activity::BACKLOG`]);
+//! - `GET /api/rates`: requests and messages per second, the last minute
+//!   ([`crate::activity::Rate`]);
 //! - `POST /api/set`, `POST /api/del`: the edit forms, refused unless
 //!   `[http] allow_edit = true` (see `edit.rs`);
 //! - `/api/faults...`: faults on demand, refused unless `[faults] enabled
@@ -78,6 +81,7 @@ pub(crate) fn routes(
         .route("/api/clients", get(clients))
         .route("/api/summary", get(summary))
         .route("/api/events", get(events))
+        .route("/api/rates", get(rates))
         .route("/api/set", post(edit::set))
         .route("/api/del", post(edit::del))
         .merge(faults::routes())
@@ -392,28 +396,43 @@ async fn summary(State(broker): State<Broker>) -> Response {
     Json(values).into_response()
 }
 
+async fn rates(State(broker): State<Broker>) -> Response {
+    let Some(shared) = broker.get() else {
+        return starting();
+    };
+    Json(shared.activity.rates()).into_response()
+}
+
 async fn events(State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
-    let state = (shared.activity.subscribe(), shared.shutdown.clone());
-    let stream = futures_util::stream::unfold(state, |(mut receiver, mut shutdown)| async move {
-        loop {
-            tokio::select! {
-                event = receiver.recv() => match event {
-                    Ok(event) => {
-                        let data = serde_json::to_string(&event).unwrap_or_default();
-                        let event = Ok::<_, Infallible>(SseEvent::default().data(data));
-                        return Some((event, (receiver, shutdown)));
-                    }
-                    // Fell behind: the oldest events are gone; go on.
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
-                },
-                _ = shutdown.changed() => return None,
+    // The backlog first, then what comes after it (each event once: the
+    // backlog and the subscription are taken under one lock).
+    let (backlog, receiver) = shared.activity.subscribe();
+    let seen = backlog.last().map_or(0, |(n, _)| *n);
+    let sse = |(number, event): crate::activity::Numbered| {
+        let data = serde_json::to_string(&event).unwrap_or_default();
+        Ok::<_, Infallible>(SseEvent::default().id(number.to_string()).data(data))
+    };
+    let earlier = futures_util::stream::iter(backlog.into_iter().map(sse));
+    let state = (receiver, shared.shutdown.clone());
+    let live =
+        futures_util::stream::unfold(state, move |(mut receiver, mut shutdown)| async move {
+            loop {
+                tokio::select! {
+                    event = receiver.recv() => match event {
+                        Ok(event) if event.0 <= seen => continue,
+                        Ok(event) => return Some((sse(event), (receiver, shutdown))),
+                        // Fell behind: the oldest events are gone; go on.
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                    },
+                    _ = shutdown.changed() => return None,
+                }
             }
-        }
-    });
+        });
+    let stream = futures_util::StreamExt::chain(earlier, live);
     let every = keep_alive_interval(shared.settings.http_options.idle_timeout);
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(every))
