@@ -225,6 +225,8 @@ async fn watch_prints_each_change() {
     assert_eq!(fields[0][..3], ["SET", "door", "open"]);
     assert_eq!(fields[1][..3], ["DELETE", "door", ""]);
     assert_eq!(fields[2][..3], ["SET", "window", "shut"]);
+    // A DELETE carries the version the key had (as the README shows).
+    assert_eq!(fields[1][3], fields[0][3], "{seen:?}");
     assert!(
         fields.iter().all(|f| f[3].ends_with(":statebroker")),
         "{seen:?}"
