@@ -233,7 +233,12 @@ async fn the_page_shows_keys_and_requests_as_they_happen() {
         .await;
     // An error shows as such.
     client.request(&[b"GET", b""]).await;
-    browser.wait_for("log", &["the key length is zero"]).await;
+    let log = browser.wait_for("log", &["the key length is zero"]).await;
+    assert!(
+        log.lines()
+            .any(|l| l.contains("GET") && l.contains("the key length is zero")),
+        "a refused request named by its verb: {log}"
+    );
     browser
         .wait_for("clients", &["web-test-client", "connected"])
         .await;

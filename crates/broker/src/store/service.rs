@@ -293,7 +293,7 @@ impl StateStoreService {
             request,
             caller,
             reply_to,
-            outcome.command.unwrap_or("unknown"),
+            outcome.command.unwrap_or_else(|| verb_of(request.payload)),
         );
         reply.started = started;
         settle(&mut reply, outcome.error);
@@ -343,7 +343,7 @@ impl StateStoreService {
             request,
             caller,
             reply_to,
-            outcome.command.unwrap_or("unknown"),
+            outcome.command.unwrap_or_else(|| verb_of(request.payload)),
         );
         settle(&mut reply, outcome.error);
         reply
@@ -723,5 +723,34 @@ async fn expiry_task(service: std::sync::Weak<StateStoreService>, alarm: Arc<Ala
         }
         let Some(svc) = service.upgrade() else { return };
         next = svc.expire_now();
+    }
+}
+
+/// The verb of a request the store refused before it knew the command (a
+/// wrong number of arguments, say), when it is one the store serves: for
+/// the live list and the metrics, which otherwise say `unknown`.
+fn verb_of(payload: &[u8]) -> &'static str {
+    statestore::resp3::parse_request(payload)
+        .ok()
+        .and_then(|args| {
+            let verb = args.first()?;
+            statestore::command::Command::NAMES
+                .into_iter()
+                .find(|name| verb.eq_ignore_ascii_case(name.as_bytes()))
+        })
+        .unwrap_or("unknown")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::verb_of;
+    use statestore::resp3::encode_request;
+
+    #[test]
+    fn a_refused_request_is_named_by_its_verb_when_known() {
+        assert_eq!(verb_of(&encode_request(&["GET", "k", "extra"])), "GET");
+        assert_eq!(verb_of(&encode_request(&["keynotify"])), "KEYNOTIFY");
+        assert_eq!(verb_of(&encode_request(&["FLUSHALL"])), "unknown");
+        assert_eq!(verb_of(b"not resp3"), "unknown");
     }
 }
