@@ -66,6 +66,7 @@ pub(crate) mod publisher;
 pub mod reload;
 pub(crate) mod sessions;
 mod shared;
+pub(crate) mod standing;
 pub(crate) mod stats;
 pub(crate) mod store;
 pub mod sys;
@@ -180,6 +181,8 @@ impl Broker {
                 Duration::from_secs(sys_interval),
             ));
         }
+        // A cluster node that loses its membership sends its clients away.
+        tokio::spawn(send_away_when_not_serving(Arc::clone(&shared)));
         // The web view's chart of requests and messages per second.
         if http.is_some() {
             tokio::spawn(activity::sample_rates(Arc::clone(&shared)));
@@ -322,5 +325,29 @@ async fn end_expired_sessions(
         if ended > 0 {
             tracing::debug!(ended, "sessions expired");
         }
+    }
+}
+
+/// Ends every connection with DISCONNECT 0x9C "use another server" each
+/// time the node stops serving (a cluster node lost its membership lease;
+/// see `standing.rs`), until the broker stops.
+async fn send_away_when_not_serving(shared: Arc<Shared>) {
+    let mut changes = shared.standing.changes();
+    let mut shutdown = shared.shutdown.clone();
+    loop {
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+        if *changes.borrow_and_update() {
+            continue;
+        }
+        let told = shared
+            .sessions
+            .disconnect_all(router::protocol::DisconnectReasonCode::UseAnotherServer);
+        tracing::warn!(
+            connections = told,
+            "not serving: connections ended with DISCONNECT 0x9C (use another server)"
+        );
     }
 }

@@ -34,6 +34,8 @@ pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_to
 pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 /// Clustering: see [`CLUSTER_CACHE_RECORDS`].
 pub const CLUSTER_CACHE_BYTES: &str = "statebroker_cluster_cache_bytes";
+/// Clustering: nodes registered in etcd, as this node last read them.
+pub const CLUSTER_MEMBERS: &str = "statebroker_cluster_members";
 
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
@@ -259,6 +261,10 @@ fn describe() {
         CLUSTER_CACHE_BYTES,
         "Clustering: bytes of the records kept in this node's cache ([clustering] cache_bytes)"
     );
+    describe_gauge!(
+        CLUSTER_MEMBERS,
+        "Clustering: nodes registered in etcd (this one included), as this node last read them"
+    );
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
@@ -466,6 +472,12 @@ pub fn cluster_refused(reason: &'static str) {
 /// Clustering: a write planned again after another node's.
 pub fn cluster_conflict() {
     counter!(CLUSTER_CONFLICTS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the nodes registered now.
+pub fn cluster_members(members: usize) {
+    gauge!(CLUSTER_MEMBERS).set(members as f64);
 }
 
 #[cfg(feature = "cluster")]

@@ -16,6 +16,7 @@ use crate::faults::Faults;
 use crate::persistence::{Loaded, Persistence};
 use crate::publisher::{INTERNAL_LINKS, Publisher};
 use crate::sessions::Sessions;
+use crate::standing::Standing;
 use crate::store::StateStoreService;
 use crate::tls::Tls;
 use crate::will::WillRegistry;
@@ -50,6 +51,12 @@ pub(crate) struct Shared {
     pub tls: Vec<Arc<Tls>>,
     /// Faults on demand (none unless `[faults] enabled`).
     pub faults: Faults,
+    /// Whether this node serves MQTT clients now (a cluster node: while it
+    /// holds its membership lease).
+    pub standing: Arc<Standing>,
+    /// A cluster node's registration (its task ends when this is dropped).
+    #[cfg(feature = "cluster")]
+    pub _membership: Option<Arc<crate::cluster::Membership>>,
 }
 
 impl Shared {
@@ -126,6 +133,10 @@ impl Shared {
             _ => None,
         };
         let activity = Arc::new(Activity::default());
+        #[allow(unused_mut)] // set by a cluster node only
+        let mut standing = Arc::new(Standing::always());
+        #[cfg(feature = "cluster")]
+        let mut membership = None;
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -144,6 +155,16 @@ impl Shared {
                 let cluster = crate::cluster::Cluster::connect(clustering.clone())
                     .await
                     .map_err(std::io::Error::other)?;
+                let listeners = settings
+                    .listeners
+                    .iter()
+                    .map(|l| format!("{}://{}", l.scheme(), l.addr))
+                    .collect();
+                let member = crate::cluster::Membership::join(Arc::clone(&cluster), listeners)
+                    .await
+                    .map_err(std::io::Error::other)?;
+                standing = member.standing();
+                membership = Some(member);
                 StateStoreService::start_clustered(
                     settings.store_config(),
                     persistence,
@@ -193,6 +214,9 @@ impl Shared {
             authorizer,
             tls,
             faults,
+            standing,
+            #[cfg(feature = "cluster")]
+            _membership: membership,
         }))
     }
 }

@@ -12,6 +12,8 @@
 //!   index of what expires.
 //! - [`reaper`]: the node elected (etcd election) to delete expired keys
 //!   and old tombstones.
+//! - [`membership`]: the node's registration under a lease; it serves MQTT
+//!   clients only while it holds the lease.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
 //!   fails (no etcd quorum).
 //!
@@ -20,6 +22,7 @@
 //! clock.
 
 pub mod kv;
+pub mod membership;
 mod reaper;
 pub mod record;
 pub mod watch;
@@ -33,6 +36,7 @@ use parking_lot::Mutex;
 
 use crate::config::ClusteringSettings;
 pub use kv::{NodeClock, Unanswered};
+pub use membership::Membership;
 pub use watch::Change;
 
 /// A node's connection to the cluster.

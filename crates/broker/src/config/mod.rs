@@ -91,6 +91,8 @@ pub struct ClusteringSettings {
     pub cached_reads: bool,
     /// `cache_bytes`: how much of the records the node keeps in memory.
     pub cache_bytes: usize,
+    /// `lease_ttl_ms`: the membership lease's TTL (whole seconds).
+    pub lease_ttl: Duration,
 }
 
 impl ClusteringSettings {
@@ -148,6 +150,11 @@ impl ClusteringSettings {
                 "clustering.tombstone_ttl_s must be at least statestore.max_clock_skew_ms / 1000 + 10 = {min_ttl}"
             )));
         }
+        if section.lease_ttl_ms < 1000 || !section.lease_ttl_ms.is_multiple_of(1000) {
+            return Err(invalid(
+                "clustering.lease_ttl_ms must be whole seconds (etcd's leases count seconds), at least 1000",
+            ));
+        }
         if section.etcd_max_request_bytes < 4096 {
             return Err(invalid(
                 "clustering.etcd_max_request_bytes must be at least 4096 (etcd's --max-request-bytes)",
@@ -162,6 +169,7 @@ impl ClusteringSettings {
             max_request_bytes: section.etcd_max_request_bytes,
             cached_reads: section.cached_reads,
             cache_bytes: section.cache_bytes,
+            lease_ttl: Duration::from_millis(section.lease_ttl_ms),
         }))
     }
 }

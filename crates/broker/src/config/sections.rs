@@ -80,6 +80,9 @@ pub struct ClusteringSection {
     pub cached_reads: bool,
     /// Memory for the node's copy of the records, bytes.
     pub cache_bytes: usize,
+    /// The membership lease's TTL, milliseconds (etcd counts whole
+    /// seconds).
+    pub lease_ttl_ms: u64,
 }
 
 /// `[log]`

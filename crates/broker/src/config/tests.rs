@@ -575,6 +575,12 @@ fn bad_clustering_settings_are_refused_by_name() {
         "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\ntombstone_ttl_s = 5\n",
     );
     assert!(e.contains("tombstone_ttl_s must be at least"), "{e}");
+    for ttl in [0, 500, 2500] {
+        let e = refused(&format!(
+            "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\nlease_ttl_ms = {ttl}\n"
+        ));
+        assert!(e.contains("lease_ttl_ms must be whole seconds"), "{e}");
+    }
     let e = refused("[cluster]\nid = 1\n");
     assert!(e.contains("configured in [clustering]"), "{e}");
 }

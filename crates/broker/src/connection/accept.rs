@@ -135,6 +135,12 @@ pub(crate) async fn accept(
             "the authorization policy denies Connect",
         ));
     }
+    if !shared.standing.serving() {
+        return Err(refuse(
+            Refusal::NotAMember,
+            "this cluster node lost its membership lease in etcd: use another node",
+        ));
+    }
     if shared.faults.refusing() {
         return Err(refuse(
             Refusal::Busy,

@@ -97,6 +97,9 @@ pub(crate) enum Refusal {
     /// The connection would keep one more session than `[broker]
     /// max_kept_sessions` (for a client id that has none).
     SessionsQuota,
+    /// A cluster node that lost its membership lease (MQTT 5: 0x9C "use
+    /// another server"; 3.1.1: 0x03 "server unavailable").
+    NotAMember,
     /// A User Property statebroker reads ([`QUEUE_FULL`]) with a value it
     /// does not know (MQTT 5: CONNACK 0x83 with a Reason String saying
     /// what is expected).
@@ -118,6 +121,7 @@ impl Refusal {
             Refusal::ConnAckTooLarge => "connack_too_large",
             Refusal::SessionsQuota => "sessions_quota_exceeded",
             Refusal::BadUserProperty => "user_property_not_valid",
+            Refusal::NotAMember => "not_a_cluster_member",
         }
     }
 }
@@ -139,6 +143,8 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V4, Refusal::BadUserProperty) => ConnectReturnCode::NotAuthorized,
         (Protocol::V5, Refusal::BadUserProperty) => ConnectReturnCode::ImplementationSpecificError,
         (Protocol::V5, Refusal::SessionsQuota) => ConnectReturnCode::QuotaExceeded,
+        (Protocol::V4, Refusal::NotAMember) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V5, Refusal::NotAMember) => ConnectReturnCode::UseAnotherServer,
         (Protocol::V5, Refusal::BadAuthenticationMethod) => {
             ConnectReturnCode::BadAuthenticationMethod
         }

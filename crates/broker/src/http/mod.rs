@@ -188,6 +188,10 @@ async fn readyz(State(served): State<Served>) -> impl IntoResponse {
     }
     // A cluster node is ready while etcd answers.
     match served.broker.get() {
+        Some(shared) if !shared.standing.serving() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: this cluster node lost its membership lease in etcd\n",
+        ),
         Some(shared) if !shared.store.is_ready() => (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: etcd does not answer\n",

@@ -110,6 +110,17 @@ impl Sessions {
         live.is_some_and(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
     }
 
+    /// Tells every connection to end with DISCONNECT `reason` (a cluster
+    /// node that lost its membership); how many were told.
+    pub fn disconnect_all(&self, reason: protocol::DisconnectReasonCode) -> usize {
+        let clients = self.clients.read();
+        clients
+            .values()
+            .filter_map(|c| c.live.as_ref())
+            .filter(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
+            .count()
+    }
+
     /// Whether `connection` is `client`'s live connection.
     pub fn is_live(&self, client: &str, connection: u64) -> bool {
         let clients = self.clients.read();

@@ -5,6 +5,14 @@
 
 pub mod workload;
 
+/// The broker's raw MQTT 5 client (packets as they are: reason codes,
+/// DISCONNECT from the server).
+#[path = "../../../../tests/common/raw.rs"]
+pub mod raw;
+
+/// How long the raw client waits for a packet.
+pub const TIMEOUT: Duration = PATIENCE;
+
 use std::time::Duration;
 
 use statebroker_cli::client::{Answer, Client, Target};
@@ -124,6 +132,35 @@ pub fn time_of(version: &str) -> (u64, u64) {
     let wall = parts.next().and_then(|w| w.parse().ok()).expect("wall");
     let counter = parts.next().and_then(|c| c.parse().ok()).expect("counter");
     (wall, counter)
+}
+
+/// The value of `series` at `/metrics` on `port` (`None`: absent or no
+/// answer).
+pub fn metric(port: u16, series: &str) -> Option<f64> {
+    let body = http_get(port, "/metrics")?;
+    body.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// The whole response to `GET path` on `port`.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), PATIENCE).ok()?;
+    stream.set_read_timeout(Some(PATIENCE)).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    Some(response)
 }
 
 /// The HTTP status of `GET path` on `port`.

@@ -1,0 +1,260 @@
+//! Membership: each node registers itself in etcd, `<etcd_prefix>N/<node_id>`,
+//! under a lease it keeps alive, and reads who else is there.
+//!
+//! The node serves MQTT clients while it holds the lease ([`Standing`]):
+//! until the last renewal's send time plus the TTL etcd granted, less a
+//! margin, so it stops before etcd lets the lease go. A node that cannot
+//! renew (cut off from etcd, or paused past the TTL) disconnects its
+//! clients with DISCONNECT 0x9C "use another server" and refuses CONNECT
+//! (see `connection::accept`) until it has registered again under a new
+//! lease. Two live nodes never hold one node id: registering compares the
+//! key's creation revision with 0, and a node whose id another live node
+//! holds does not start.
+
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
+use parking_lot::Mutex;
+
+use super::Cluster;
+use crate::standing::Standing;
+
+/// This node's registration, and the members it last saw.
+pub struct Membership {
+    cluster: Arc<Cluster>,
+    /// `<etcd_prefix>N/`.
+    prefix: Vec<u8>,
+    /// `<etcd_prefix>N/<node_id>`.
+    key: Vec<u8>,
+    /// What the key holds: the node's MQTT listeners (JSON).
+    value: Vec<u8>,
+    ttl: Duration,
+    standing: Arc<Standing>,
+    members: Mutex<Vec<String>>,
+}
+
+impl Membership {
+    /// Registers this node under a new lease; its MQTT `listeners` are
+    /// recorded for the other nodes. Refused if another live node holds
+    /// the node id.
+    pub async fn join(
+        cluster: Arc<Cluster>,
+        listeners: Vec<String>,
+    ) -> Result<Arc<Membership>, String> {
+        let settings = &cluster.settings;
+        let prefix = format!("{}N/", settings.etcd_prefix).into_bytes();
+        let key = [prefix.as_slice(), settings.node_id.as_bytes()].concat();
+        let value = serde_json::json!({
+            "node_id": settings.node_id,
+            "mqtt": listeners,
+            "started_ms": crate::clock::now_ms(),
+        })
+        .to_string()
+        .into_bytes();
+        let ttl = settings.lease_ttl;
+        let mut membership = Membership {
+            cluster,
+            prefix,
+            key,
+            value,
+            ttl,
+            standing: Arc::new(Standing::until(Instant::now())),
+            members: Mutex::new(Vec::new()),
+        };
+        let (lease, until) = membership.register().await?;
+        membership.standing = Arc::new(Standing::until(until));
+        let membership = Arc::new(membership);
+        membership.refresh_members().await;
+        tracing::info!(
+            node_id = membership.cluster.node_id(),
+            lease_ttl_ms = ttl.as_millis() as u64,
+            members = ?membership.members(),
+            "clustering: joined the cluster"
+        );
+        tokio::spawn(run(
+            Arc::downgrade(&membership),
+            lease,
+            membership.cluster.stop.subscribe(),
+        ));
+        Ok(membership)
+    }
+
+    /// Whether this node serves, as the lease says.
+    pub fn standing(&self) -> Arc<Standing> {
+        Arc::clone(&self.standing)
+    }
+
+    /// The node ids registered, this one's included, sorted.
+    pub fn members(&self) -> Vec<String> {
+        self.members.lock().clone()
+    }
+
+    /// A new lease and the node's key under it, if no other live node
+    /// holds the key; the lease and until when the node may serve.
+    async fn register(&self) -> Result<(i64, Instant), String> {
+        let mut client = self.cluster.client.clone();
+        let timeout = self.cluster.settings.request_timeout;
+        let ttl_s = self.ttl.as_secs().max(1) as i64;
+        let sent = Instant::now();
+        let grant = tokio::time::timeout(timeout, client.lease_grant(ttl_s, None))
+            .await
+            .map_err(|_| "etcd did not answer in time".to_owned())?
+            .map_err(|e| e.to_string())?;
+        let lease = grant.id();
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.clone(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([TxnOp::put(
+                self.key.clone(),
+                self.value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(self.key.clone(), None)]);
+        let done = tokio::time::timeout(timeout, client.txn(txn))
+            .await
+            .map_err(|_| "etcd did not answer in time".to_owned())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match done {
+            Ok(response) if response.succeeded() => {
+                Ok((lease, sent + self.serving_for(grant.ttl())))
+            }
+            other => {
+                let _ = tokio::time::timeout(timeout, client.lease_revoke(lease)).await;
+                Err(match other {
+                    Ok(_) => format!(
+                        "node id {:?} is registered by another live node (etcd key {}): each node needs its own [clustering] node_id",
+                        self.cluster.node_id(),
+                        String::from_utf8_lossy(&self.key)
+                    ),
+                    Err(e) => e,
+                })
+            }
+        }
+    }
+
+    /// How long after a renewal's send the node may serve, for a lease of
+    /// `ttl_s` seconds: less a margin, so it stops before etcd lets go.
+    fn serving_for(&self, ttl_s: i64) -> Duration {
+        let ttl = Duration::from_secs(ttl_s.max(0) as u64);
+        let margin = (ttl / 5).clamp(Duration::from_millis(200), Duration::from_secs(1));
+        ttl.saturating_sub(margin)
+    }
+
+    async fn refresh_members(&self) {
+        let mut client = self.cluster.client.clone();
+        let list = client.get(
+            self.prefix.clone(),
+            Some(GetOptions::new().with_prefix().with_keys_only()),
+        );
+        if let Ok(Ok(response)) =
+            tokio::time::timeout(self.cluster.settings.request_timeout, list).await
+        {
+            let mut members: Vec<String> = response
+                .kvs()
+                .iter()
+                .map(|kv| String::from_utf8_lossy(&kv.key()[self.prefix.len()..]).into_owned())
+                .collect();
+            members.sort();
+            crate::metrics::cluster_members(members.len());
+            *self.members.lock() = members;
+        }
+    }
+}
+
+/// Keeps `lease` alive; when it is lost, says so and registers again.
+/// Ends when the membership or the cluster is dropped.
+async fn run(
+    membership: Weak<Membership>,
+    mut lease: i64,
+    mut stop: tokio::sync::watch::Receiver<()>,
+) {
+    loop {
+        let Some(m) = membership.upgrade() else {
+            return;
+        };
+        let every = (m.ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
+        let timeout = m.cluster.settings.request_timeout.min(every * 2);
+        let mut client = m.cluster.client.clone();
+        drop(m);
+        // Renew until the lease is lost: etcd says so, or the deadline
+        // passed without a renewal.
+        let mut renewing = None;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(every) => {}
+                _ = stop.changed() => return,
+            }
+            let Some(m) = membership.upgrade() else {
+                return;
+            };
+            if !m.standing.serving() {
+                break;
+            }
+            if renewing.is_none() {
+                let opened = tokio::time::timeout(timeout, client.lease_keep_alive(lease)).await;
+                let Ok(Ok(stream)) = opened else { continue };
+                renewing = Some(stream);
+            }
+            let Some((keeper, acks)) = renewing.as_mut() else {
+                continue;
+            };
+            let sent = Instant::now();
+            let renewed = async {
+                keeper.keep_alive().await.ok()?;
+                acks.message().await.ok()?
+            };
+            match tokio::time::timeout(timeout, renewed).await {
+                Ok(Some(ack)) if ack.ttl() > 0 => {
+                    m.standing.serve_until(sent + m.serving_for(ack.ttl()));
+                    m.refresh_members().await;
+                }
+                // etcd says the lease is gone.
+                Ok(Some(_)) => break,
+                // No answer: open the stream again next time; the deadline
+                // decides.
+                _ => renewing = None,
+            }
+        }
+        let Some(m) = membership.upgrade() else {
+            return;
+        };
+        m.standing.lost();
+        tracing::warn!(
+            node_id = m.cluster.node_id(),
+            "clustering: lost the membership lease (cut off from etcd, or paused past its TTL): clients are sent to another node (DISCONNECT 0x9C) and CONNECT is refused until this node registers again"
+        );
+        drop(m);
+        // The old lease goes now (if etcd has not let it go already), then
+        // a new registration.
+        let _ = tokio::time::timeout(timeout, client.lease_revoke(lease)).await;
+        lease = loop {
+            let Some(m) = membership.upgrade() else {
+                return;
+            };
+            match m.register().await {
+                Ok((lease, until)) => {
+                    m.standing.serve_until(until);
+                    m.refresh_members().await;
+                    tracing::info!(
+                        node_id = m.cluster.node_id(),
+                        members = ?m.members(),
+                        "clustering: registered again: serving clients"
+                    );
+                    break lease;
+                }
+                Err(e) => {
+                    tracing::debug!(error = e, "clustering: cannot register yet");
+                    drop(m);
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = stop.changed() => return,
+                    }
+                }
+            }
+        };
+    }
+}

@@ -1,0 +1,99 @@
+//! Issue #29 item 1, membership: each node registers in etcd under a
+//! lease; a node that loses it (paused past it, or cut off from etcd)
+//! sends its clients away with DISCONNECT 0x9C "use another server",
+//! refuses CONNECT with 0x9C and is not ready, until it registers again.
+//! Real etcd, real node processes, SIGSTOP and SIGKILL.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::raw::{Raw, Recv, v5};
+use common::{BROKER, PATIENCE, Setup, eventually, http_status, metric};
+
+const MEMBERS: &str = "statebroker_cluster_members";
+
+fn addr(port: u16) -> SocketAddr {
+    ([127, 0, 0, 1], port).into()
+}
+
+/// Waits for DISCONNECT 0x9C on `client`.
+async fn sent_away(client: &mut Raw) {
+    match client.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::Disconnect(d)) => {
+            assert_eq!(d.reason_code, v5::DisconnectReasonCode::UseAnotherServer)
+        }
+        other => panic!("expected DISCONNECT 0x9C, got {other:?}"),
+    }
+}
+
+/// Connects `client_id` to `port` once the node accepts it again (CONNACK
+/// 0x9C meanwhile, nothing else).
+async fn connect_when_serving(port: u16, client_id: &str) -> Raw {
+    let start = Instant::now();
+    loop {
+        let (raw, ack) = Raw::connect_with(addr(port), client_id, |_| {}).await;
+        match ack.code {
+            v5::ConnectReturnCode::Success => return raw,
+            v5::ConnectReturnCode::UseAnotherServer => {}
+            other => panic!("refused with {other:?}"),
+        }
+        assert!(start.elapsed() < PATIENCE, "never served again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_its_lease_sends_clients_away_until_it_registers_again() {
+    let mut setup = Setup::start_with(1, 2, &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "2000")]);
+    let http = setup.http.clone();
+    for &port in &http {
+        eventually("both nodes registered", || {
+            metric(port, MEMBERS) == Some(2.0)
+        })
+        .await;
+    }
+
+    // A node id a live node holds: the second node does not start.
+    let output = std::process::Command::new(BROKER)
+        .args(["--listen=127.0.0.1:0", "--no-http", "--in-memory"])
+        .arg("--cluster-node-id=sb1")
+        .arg(format!(
+            "--etcd-endpoints={}",
+            setup.etcd.endpoints().join(",")
+        ))
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    let log = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(log.contains("is registered by another live node"), "{log}");
+
+    // Paused past its lease: the other node sees it go; once it wakes, its
+    // client is sent away, and it serves again after registering anew.
+    let mut client = Raw::connect(addr(setup.ports[0]), "roamer").await;
+    setup.nodes[0].pause().unwrap();
+    eventually("sb2 sees sb1 go", || metric(http[1], MEMBERS) == Some(1.0)).await;
+    setup.nodes[0].resume().unwrap();
+    sent_away(&mut client).await;
+    let _back = connect_when_serving(setup.ports[0], "roamer").await;
+    eventually("sb2 sees sb1 back", || {
+        metric(http[1], MEMBERS) == Some(2.0)
+    })
+    .await;
+
+    // Cut off from etcd: the same, and CONNECT answered 0x9C meanwhile.
+    let mut client = Raw::connect(addr(setup.ports[1]), "stayer").await;
+    setup.etcd.kill(0).unwrap();
+    sent_away(&mut client).await;
+    let (_, ack) = Raw::connect_with(addr(setup.ports[1]), "late", |_| {}).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::UseAnotherServer);
+    assert_eq!(http_status(http[1], "/readyz"), Some(503));
+    setup.etcd.restart(0).unwrap();
+    let _back = connect_when_serving(setup.ports[1], "late").await;
+    eventually("/readyz 200 again", || {
+        http_status(http[1], "/readyz") == Some(200)
+    })
+    .await;
+}
