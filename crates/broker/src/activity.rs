@@ -12,7 +12,6 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
 
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -159,41 +158,12 @@ impl Activity {
     }
 
     /// Adds a second of traffic.
-    fn push_rate(&self, rate: Rate) {
+    pub fn push_rate(&self, rate: Rate) {
         let mut rates = self.rates.lock();
         if rates.len() == RATES {
             rates.pop_front();
         }
         rates.push_back(rate);
-    }
-}
-
-/// Samples requests and messages per second into `shared.activity` until
-/// the broker stops.
-pub(crate) async fn sample_rates(shared: std::sync::Arc<crate::shared::Shared>) {
-    let mut shutdown = shared.shutdown.clone();
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let totals = || {
-        (
-            shared.activity.requests(),
-            crate::metrics::totals().messages_received,
-        )
-    };
-    let mut last = totals();
-    tick.tick().await;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.changed() => return,
-        }
-        let now = totals();
-        shared.activity.push_rate(Rate {
-            at_ms: crate::clock::now_ms(),
-            requests: now.0.saturating_sub(last.0),
-            messages: now.1.saturating_sub(last.1),
-        });
-        last = now;
     }
 }
 

@@ -185,7 +185,7 @@ impl Broker {
         tokio::spawn(send_away_when_not_serving(Arc::clone(&shared)));
         // The web view's chart of requests and messages per second.
         if http.is_some() {
-            tokio::spawn(activity::sample_rates(Arc::clone(&shared)));
+            tokio::spawn(web::sample_rates(Arc::clone(&shared)));
         }
         tokio::spawn(end_expired_sessions(
             Arc::clone(&shared.sessions),

@@ -396,6 +396,35 @@ async fn summary(State(broker): State<Broker>) -> Response {
     Json(values).into_response()
 }
 
+/// Samples requests and messages per second into `shared.activity` until
+/// the broker stops.
+pub(crate) async fn sample_rates(shared: Arc<Shared>) {
+    let mut shutdown = shared.shutdown.clone();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let totals = || {
+        (
+            shared.activity.requests(),
+            crate::metrics::totals().messages_received,
+        )
+    };
+    let mut last = totals();
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let now = totals();
+        shared.activity.push_rate(crate::activity::Rate {
+            at_ms: crate::clock::now_ms(),
+            requests: now.0.saturating_sub(last.0),
+            messages: now.1.saturating_sub(last.1),
+        });
+        last = now;
+    }
+}
+
 async fn rates(State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
