@@ -342,9 +342,7 @@ async fn send_away_when_not_serving(shared: Arc<Shared>) {
         if *changes.borrow_and_update() {
             continue;
         }
-        let told = shared
-            .sessions
-            .disconnect_all(router::protocol::DisconnectReasonCode::UseAnotherServer);
+        let told = shared.sessions.send_all_away();
         tracing::warn!(
             connections = told,
             "not serving: connections ended with DISCONNECT 0x9C (use another server)"

@@ -97,3 +97,39 @@ async fn a_node_without_its_lease_sends_clients_away_until_it_registers_again() 
     })
     .await;
 }
+
+/// #29's target "0 deliveries or answers on connections whose ownership
+/// moved elsewhere": a node paused past its lease wakes with a publish
+/// waiting in a client's socket; it neither routes it (its subscriber on
+/// the same node gets no PUBLISH) nor acknowledges it: both clients get
+/// DISCONNECT 0x9C first. The node knows from the clock, before its
+/// renewing task has run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_wakes_past_its_lease_serves_nothing_more() {
+    let mut setup = Setup::start_with(1, 1, &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "2000")]);
+    let port = setup.ports[0];
+    let mut subscriber = Raw::connect(addr(port), "sub").await;
+    subscriber
+        .subscribe("t", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await;
+    let mut publisher = Raw::connect(addr(port), "pub").await;
+    setup.nodes[0].pause().unwrap();
+    // The lease ran out: etcd dropped the node's registration.
+    let registration = "/statebroker/N/sb1";
+    let start = Instant::now();
+    while setup.etcd.get(registration).unwrap().is_some() {
+        assert!(start.elapsed() < PATIENCE, "the lease never ran out");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut publish = v5::Publish::new(
+        "t",
+        rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+        bytes::Bytes::from_static(b"while away"),
+        None,
+    );
+    publish.pkid = 1;
+    publisher.send(v5::Packet::Publish(publish)).await;
+    setup.nodes[0].resume().unwrap();
+    sent_away(&mut subscriber).await;
+    sent_away(&mut publisher).await;
+}

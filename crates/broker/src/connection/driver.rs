@@ -90,6 +90,7 @@ impl<S: Stream> Driver<S> {
                         Err(e) => return Err(End::Io(e)),
                         Ok(_) => {
                             last_heard = Instant::now();
+                            self.serving()?;
                             self.read_packets(machine)?;
                         }
                     }
@@ -143,11 +144,24 @@ impl<S: Stream> Driver<S> {
                 std::sync::atomic::Ordering::Relaxed,
             );
             if !machine.may_hold_output() {
+                self.serving()?;
                 self.write(machine).await?;
             }
             if std::mem::take(&mut machine.unscheduled) {
                 self.link.wake().await?;
             }
+        }
+    }
+
+    /// Whether the node serves (a cluster node: while it holds its
+    /// membership lease, read from the clock): a node that wakes from a
+    /// pause past its lease neither takes a request nor writes a delivery
+    /// before its clients are sent away.
+    fn serving(&self) -> Result<(), End> {
+        if self.shared.standing.serving() {
+            Ok(())
+        } else {
+            Err(End::NotServing)
         }
     }
 
@@ -183,6 +197,10 @@ impl<S: Stream> Driver<S> {
     /// closes the socket (letting the client read why first), and tells the
     /// router the connection's part of the session is over.
     pub async fn finish(&mut self, machine: &mut Machine, end: &End) {
+        if matches!(end, End::NotServing) {
+            // What was encoded for the client stays unsent.
+            machine.wbuf.clear();
+        }
         machine.end(end);
         let _ = tokio::time::timeout(
             Duration::from_secs(1),

@@ -38,6 +38,10 @@ pub(crate) enum End {
     Overflow,
     /// A fault asked for it (see [`crate::faults`]), with this reason.
     Fault(DisconnectReasonCode),
+    /// The node stopped serving: a cluster node without its membership
+    /// lease (see `standing.rs`). Nothing more is read from or written to
+    /// the client but the DISCONNECT.
+    NotServing,
     /// The client broke a rule; the reason goes out in DISCONNECT (MQTT 5).
     Violation(DisconnectReasonCode, String),
 }
@@ -80,6 +84,7 @@ impl End {
             End::Shutdown => "server_shutdown",
             End::Overflow => "queue_overflow",
             End::Fault(_) => "fault_injected",
+            End::NotServing => "not_a_cluster_member",
             End::Violation(..) => "protocol_violation",
         }
     }
@@ -139,6 +144,10 @@ impl End {
                 "the client's queue of deliveries is over its bound (it reads or acknowledges too slowly)".to_owned(),
             ),
             End::Fault(code) => (Some(*code), "fault injected".to_owned()),
+            End::NotServing => (
+                Some(DisconnectReasonCode::UseAnotherServer),
+                "this cluster node lost its membership lease in etcd: use another node".to_owned(),
+            ),
             End::Violation(code, text) => (Some(*code), text.clone()),
         }
     }
@@ -158,6 +167,7 @@ mod tests {
         assert_eq!(code(End::TakenOver), Some(R::SessionTakenOver));
         assert_eq!(code(End::Shutdown), Some(R::ServerShuttingDown));
         assert_eq!(code(End::Overflow), Some(R::QuotaExceeded));
+        assert_eq!(code(End::NotServing), Some(R::UseAnotherServer));
         assert_eq!(
             code(End::Fault(R::UseAnotherServer)),
             Some(R::UseAnotherServer)

@@ -24,6 +24,9 @@ pub enum ToConnection {
     Overflow,
     /// A fault: end the connection with this reason (see [`crate::faults`]).
     Disconnect(router::protocol::DisconnectReasonCode),
+    /// The node stopped serving (a cluster node lost its membership): end
+    /// the connection (MQTT 5: 0x9C use another server).
+    SendAway,
 }
 
 /// The bound on what waits for one connection: direct deliveries queued,

@@ -110,14 +110,14 @@ impl Sessions {
         live.is_some_and(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
     }
 
-    /// Tells every connection to end with DISCONNECT `reason` (a cluster
+    /// Tells every connection to end: the node stopped serving (a cluster
     /// node that lost its membership); how many were told.
-    pub fn disconnect_all(&self, reason: protocol::DisconnectReasonCode) -> usize {
+    pub fn send_all_away(&self) -> usize {
         let clients = self.clients.read();
         clients
             .values()
             .filter_map(|c| c.live.as_ref())
-            .filter(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
+            .filter(|l| l.mailbox.tx.send(ToConnection::SendAway).is_ok())
             .count()
     }
 

@@ -502,6 +502,7 @@ impl Machine {
             ToConnection::TakenOver => Err(End::TakenOver),
             ToConnection::Overflow => Err(End::Overflow),
             ToConnection::Disconnect(code) => Err(End::Fault(code)),
+            ToConnection::SendAway => Err(End::NotServing),
         }
     }
 
