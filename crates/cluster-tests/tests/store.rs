@@ -374,3 +374,56 @@ async fn cached_reads_follow_the_watch_and_answer_without_etcd() {
         "$-1"
     );
 }
+
+/// The `keys:` line of INFO keyspace on `client`'s node.
+async fn keys_in_info(client: &mut statebroker_cli::client::Client) -> String {
+    let info = text(&ask(client, &["INFO", "keyspace"]).await);
+    info.split("\r\n")
+        .find(|l| l.starts_with("keys:"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Polls INFO on `client`'s node until it counts `keys` keys.
+async fn until_info_counts(client: &mut statebroker_cli::client::Client, keys: usize) {
+    let start = std::time::Instant::now();
+    loop {
+        let line = keys_in_info(client).await;
+        if line == format!("keys:{keys}") {
+            return;
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "INFO says {line:?}, not {keys} keys"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue #28: INFO and the store-wide quota (`max_keys`) count the keys of
+/// every node, as each node's watch delivers them: once both nodes count
+/// five keys, a sixth is refused on either; a key replaced is not a new
+/// one; a key deleted on one node makes room on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_and_quotas_count_every_nodes_keys() {
+    let setup = Setup::start_with(1, 2, &[("STATEBROKER__STATESTORE__QUOTA__MAX_KEYS", "5")]);
+    let mut a = client(setup.ports[0], "a").await;
+    let mut b = client(setup.ports[1], "b").await;
+    for key in ["a1", "a2", "a3"] {
+        assert_eq!(text(&ask(&mut a, &["SET", key, "v"]).await), "+OK");
+    }
+    for key in ["b1", "b2"] {
+        assert_eq!(text(&ask(&mut b, &["SET", key, "v"]).await), "+OK");
+    }
+    until_info_counts(&mut a, 5).await;
+    until_info_counts(&mut b, 5).await;
+    for node in [&mut a, &mut b] {
+        let refused = text(&ask(node, &["SET", "sixth", "v"]).await);
+        assert!(refused.contains("quota"), "{refused}");
+        assert_eq!(text(&ask(node, &["SET", "a1", "replaced"]).await), "+OK");
+    }
+    assert_eq!(text(&ask(&mut a, &["DEL", "a1"]).await), ":1");
+    until_info_counts(&mut b, 4).await;
+    assert_eq!(text(&ask(&mut b, &["SET", "sixth", "v"]).await), "+OK");
+    until_info_counts(&mut a, 5).await;
+}

@@ -71,6 +71,9 @@ pub(crate) struct State {
     config: Config,
     /// The last clock mark (see [`crate::persist`]).
     clock_mark: u64,
+    /// Keys and bytes kept elsewhere (a cluster node's keys are in etcd),
+    /// reported instead of `db`'s (see [`crate::Store::set_keyspace`]).
+    keyspace: Option<(usize, u64)>,
 }
 
 impl State {
@@ -82,6 +85,7 @@ impl State {
             clock: HybridClock::starting_after(Version::default()),
             config,
             clock_mark: 0,
+            keyspace: None,
         }
     }
 
@@ -344,11 +348,17 @@ impl State {
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.db.len()
+        self.keyspace
+            .map_or_else(|| self.db.len(), |(keys, _)| keys)
     }
 
     pub(crate) fn bytes(&self) -> u64 {
-        self.db.bytes()
+        self.keyspace
+            .map_or_else(|| self.db.bytes(), |(_, bytes)| bytes)
+    }
+
+    pub(crate) fn set_keyspace(&mut self, keyspace: Option<(usize, u64)>) {
+        self.keyspace = keyspace;
     }
 
     pub(crate) fn watch_count(&self) -> usize {

@@ -343,6 +343,13 @@ impl Store {
         self.state.connection_closed(client_id, connection)
     }
 
+    /// Reports `keyspace` (keys, bytes of keys and values) as the store's
+    /// in [`Store::len`], [`Store::bytes`] and INFO, for a node whose keys
+    /// are kept elsewhere (a cluster node's are in etcd); `None`: its own.
+    pub fn set_keyspace(&mut self, keyspace: Option<(usize, u64)>) {
+        self.state.set_keyspace(keyspace);
+    }
+
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.state.len()

@@ -81,16 +81,29 @@ const ATTEMPTS: usize = 32;
 /// unanswered.
 const READ_ATTEMPTS: usize = 3;
 
-/// The cluster's quotas: the sizes of one key and one value (the store-wide
-/// totals are not counted across nodes), and etcd's request limit.
+/// The cluster's quotas: the sizes of one key and one value, the store's
+/// keys and bytes across nodes (as the watch counted them: writes made on
+/// several nodes at once may pass `max_keys` or `max_bytes` by what they
+/// add together), and etcd's request limit.
 struct Sizes<'a> {
     quota: &'a Quota,
     max_record: usize,
+    /// Keys and bytes in the store now (see [`Cluster::keyspace`]).
+    keyspace: (usize, u64),
 }
 
 impl Planner for Sizes<'_> {
-    fn check_quota(&self, key: &[u8], value: &[u8], _: Option<&Entry>) -> Result<(), Error> {
+    fn check_quota(&self, key: &[u8], value: &[u8], existing: Option<&Entry>) -> Result<(), Error> {
         if key.len() > self.quota.max_key_size || value.len() > self.quota.max_value_size {
+            return Err(Error::QuotaExceeded);
+        }
+        let (keys, bytes) = self.keyspace;
+        if existing.is_none() && keys as u64 >= self.quota.max_keys {
+            return Err(Error::QuotaExceeded);
+        }
+        let freed = existing.map_or(0, Entry::size);
+        let needed = (key.len() + value.len()) as u64;
+        if bytes.saturating_sub(freed) + needed > self.quota.max_bytes {
             return Err(Error::QuotaExceeded);
         }
         // The record's header and token, the key twice (compare and put),
@@ -160,6 +173,7 @@ impl Cluster {
         let sizes = Sizes {
             quota,
             max_record: self.settings.max_request_bytes,
+            keyspace: self.keyspace(),
         };
         // The revision compared by an attempt whose outcome is unknown.
         let mut in_doubt: Option<i64> = None;

@@ -57,6 +57,9 @@ pub struct Cluster {
     cache: Mutex<kv::Cache>,
     /// With `stale-reads`: the first record this node saw of each key.
     seen: Mutex<std::collections::HashMap<Vec<u8>, kv::Read>>,
+    /// Keys and bytes of keys and values in etcd, as the watch delivered
+    /// them (see [`watch::Keyspace`]).
+    keyspace: Mutex<watch::Keyspace>,
 }
 
 impl Cluster {
@@ -116,6 +119,7 @@ impl Cluster {
             keys_prefix,
             ready: AtomicBool::new(true),
             index: Mutex::new(watch::Index::default()),
+            keyspace: Mutex::new(watch::Keyspace::default()),
             stop: tokio::sync::watch::Sender::new(()),
         }))
     }
@@ -123,6 +127,13 @@ impl Cluster {
     /// This node's name.
     pub fn node_id(&self) -> &str {
         &self.settings.node_id
+    }
+
+    /// Keys and bytes of keys and values in the store, all nodes' (as the
+    /// watch has delivered them: a write another node made moments ago may
+    /// not be counted yet; an expired key counts until it is reaped).
+    pub fn keyspace(&self) -> (usize, u64) {
+        self.keyspace.lock().get()
     }
 
     /// Whether the last linearizable read reached a quorum.

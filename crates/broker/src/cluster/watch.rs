@@ -98,6 +98,40 @@ impl Index {
     }
 }
 
+/// Keys and bytes of keys and values of the live (not deleted) records,
+/// kept up to date from each change and the record it replaced.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Keyspace {
+    keys: i64,
+    bytes: i64,
+}
+
+impl Keyspace {
+    /// The size of `value`, a stored record of `key`, if it is live.
+    fn live(key: &[u8], value: &[u8]) -> Option<i64> {
+        let record = Record::decode(value).ok()?;
+        (!record.tombstone).then(|| (key.len() + record.value.len()) as i64)
+    }
+
+    /// `key` went from `before` to `after` (stored records; `None`:
+    /// absent).
+    fn change(&mut self, key: &[u8], before: Option<&[u8]>, after: Option<&[u8]>) {
+        if let Some(size) = before.and_then(|v| Keyspace::live(key, v)) {
+            self.keys -= 1;
+            self.bytes -= size;
+        }
+        if let Some(size) = after.and_then(|v| Keyspace::live(key, v)) {
+            self.keys += 1;
+            self.bytes += size;
+        }
+    }
+
+    /// Keys and bytes (never below 0).
+    pub fn get(&self) -> (usize, u64) {
+        (self.keys.max(0) as usize, self.bytes.max(0) as u64)
+    }
+}
+
 /// Reads every record into the index, taking in their versions; returns
 /// the revision read at.
 pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64, String> {
@@ -107,6 +141,7 @@ pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64
     let mut from = cluster.keys_prefix.clone();
     let mut revision = 0;
     let mut index = Index::default();
+    let mut keyspace = Keyspace::default();
     loop {
         let mut options = GetOptions::new().with_range(end.clone()).with_limit(1000);
         if revision > 0 {
@@ -121,6 +156,7 @@ pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64
         }
         for kv in response.kvs() {
             let key = &kv.key()[cluster.keys_prefix.len()..];
+            keyspace.change(key, None, Some(kv.value()));
             if let Ok(record) = Record::decode(kv.value()) {
                 clock.observe(record.version);
                 index.record(key, &record, kv.mod_revision(), ttl);
@@ -145,6 +181,7 @@ pub(super) async fn load(cluster: &Cluster, clock: &dyn NodeClock) -> Result<i64
         "clustering: read the state store's records"
     );
     *cluster.index.lock() = index;
+    *cluster.keyspace.lock() = keyspace;
     Ok(revision)
 }
 
@@ -167,7 +204,11 @@ pub(super) async fn run(
     let ttl = ttl_ms(&c);
     drop(c);
     loop {
-        let options = WatchOptions::new().with_prefix().with_start_revision(from);
+        // With each change the record it replaced, for the keyspace's count.
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_prev_key()
+            .with_start_revision(from);
         let stream = tokio::select! {
             s = client.watch(prefix.clone(), Some(options)) => s,
             _ = stop.changed() => return,
@@ -214,6 +255,9 @@ pub(super) async fn run(
                 let Some(key) = kv.key().get(prefix.len()..) else {
                     continue;
                 };
+                let before = event.prev_kv().map(|p| p.value());
+                let after = (event.event_type() == EventType::Put).then(|| kv.value());
+                c.keyspace.lock().change(key, before, after);
                 match event.event_type() {
                     EventType::Put => {
                         let Ok(record) = Record::decode(kv.value()) else {
@@ -268,6 +312,34 @@ mod tests {
             request: 0,
             value: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_keyspace_counts_live_records_from_each_change() {
+        let live = |value: &[u8]| {
+            Record {
+                value: value.to_vec(),
+                ..record(false, 1, None)
+            }
+            .encode()
+        };
+        let tombstone = record(true, 2, None).encode();
+        let mut keyspace = Keyspace::default();
+        keyspace.change(b"k", None, Some(&live(b"four")));
+        keyspace.change(b"j", None, Some(&live(b"")));
+        assert_eq!(keyspace.get(), (2, 5 + 1));
+        // Replaced: the same key, another size.
+        keyspace.change(b"k", Some(&live(b"four")), Some(&live(b"sixsix")));
+        assert_eq!(keyspace.get(), (2, 7 + 1));
+        // Deleted (a tombstone), then the tombstone removed: counted once.
+        keyspace.change(b"k", Some(&live(b"sixsix")), Some(&tombstone));
+        keyspace.change(b"k", Some(&tombstone), None);
+        assert_eq!(keyspace.get(), (1, 1));
+        // A change without the record it replaced (compacted) never goes
+        // below zero.
+        keyspace.change(b"j", Some(&live(b"")), None);
+        keyspace.change(b"j", Some(&live(b"")), None);
+        assert_eq!(keyspace.get(), (0, 0));
     }
 
     #[test]

@@ -73,12 +73,21 @@ impl Clustered {
         let (changes, mut received) = tokio::sync::mpsc::unbounded_channel::<Change>();
         let clock: Arc<dyn NodeClock> = Arc::new(ServiceClock(Arc::downgrade(service)));
         clustered.cluster.start(clock, changes).await?;
+        // The node's store reports the cluster's keys and bytes (INFO, the
+        // gauges, $SYS), as of each change the watch delivers.
+        let keyspace = |service: &StateStoreService, cluster: &Cluster| {
+            let now = cluster.keyspace();
+            service.with_store(|store| store.set_keyspace(Some(now)));
+        };
+        keyspace(service, &clustered.cluster);
         let weak = Arc::downgrade(service);
+        let cluster = Arc::clone(&clustered.cluster);
         tokio::spawn(async move {
             while let Some(change) = received.recv().await {
                 let Some(service) = weak.upgrade() else {
                     return;
                 };
+                keyspace(&service, &cluster);
                 service.notify_elsewhere(change);
             }
         });
