@@ -1,7 +1,9 @@
 //! Issue #29 item 1, membership: each node registers in etcd under a
 //! lease; a node that loses it (paused past it, or cut off from etcd)
 //! sends its clients away with DISCONNECT 0x9C "use another server",
-//! refuses CONNECT with 0x9C and is not ready, until it registers again.
+//! refuses CONNECT with 0x9C and is not ready, until it registers again;
+//! a node id held by a live node is refused, one held by a killed run's
+//! lease is waited for.
 //! Real etcd, real node processes, SIGSTOP and SIGKILL.
 
 mod common;
@@ -69,6 +71,20 @@ async fn a_node_without_its_lease_sends_clients_away_until_it_registers_again() 
     let log = String::from_utf8_lossy(&output.stdout).into_owned()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(log.contains("is registered by another live node"), "{log}");
+
+    // Killed and started again at once: its previous run's registration
+    // is still there; it waits for that lease and serves.
+    setup.nodes[0].kill().unwrap();
+    setup.nodes[0].restart().unwrap();
+    setup.nodes[0].wait_tcp(setup.ports[0], PATIENCE).unwrap();
+    drop(connect_when_serving(setup.ports[0], "early").await);
+    assert!(
+        setup.nodes[0]
+            .log_tail(200)
+            .contains("waiting for it to run out"),
+        "{}",
+        setup.nodes[0].log_tail(50)
+    );
 
     // Paused past its lease: the other node sees it go; once it wakes, its
     // client is sent away, and it serves again after registering anew.

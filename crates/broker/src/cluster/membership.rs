@@ -9,7 +9,8 @@
 //! (see `connection::accept`) until it has registered again under a new
 //! lease. Two live nodes never hold one node id: registering compares the
 //! key's creation revision with 0, and a node whose id another live node
-//! holds does not start.
+//! holds does not start (one whose previous run was killed waits for that
+//! run's lease to run out first).
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -19,6 +20,14 @@ use parking_lot::Mutex;
 
 use super::Cluster;
 use crate::standing::Standing;
+
+/// Why a registration did not happen.
+enum Refused {
+    /// etcd did not answer, or answered an error.
+    Etcd(String),
+    /// Another lease holds the node's key; it was granted for `granted`.
+    Held { granted: Duration },
+}
 
 /// This node's registration, and the members it last saw.
 pub struct Membership {
@@ -62,7 +71,31 @@ impl Membership {
             standing: Arc::new(Standing::until(Instant::now())),
             members: Mutex::new(Vec::new()),
         };
-        let (lease, until) = membership.register().await?;
+        // The id may still be held by this node's previous run (killed
+        // before its lease ran out): wait for that lease, once; a holder
+        // still there after it is another live node.
+        let since = Instant::now();
+        let mut said = false;
+        let (lease, until) = loop {
+            match membership.register().await {
+                Ok(registered) => break registered,
+                Err(Refused::Etcd(e)) => return Err(e),
+                Err(Refused::Held { granted }) => {
+                    let limit = granted + Duration::from_secs(1);
+                    if since.elapsed() >= limit {
+                        return Err(membership.held_by_another());
+                    }
+                    if !std::mem::replace(&mut said, true) {
+                        tracing::info!(
+                            node_id = membership.cluster.node_id(),
+                            wait_ms = limit.as_millis() as u64,
+                            "clustering: the node id is still registered (a previous run's lease?): waiting for it to run out"
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        };
         membership.standing = Arc::new(Standing::until(until));
         let membership = Arc::new(membership);
         membership.refresh_members().await;
@@ -90,17 +123,17 @@ impl Membership {
         self.members.lock().clone()
     }
 
-    /// A new lease and the node's key under it, if no other live node
-    /// holds the key; the lease and until when the node may serve.
-    async fn register(&self) -> Result<(i64, Instant), String> {
+    /// A new lease and the node's key under it, if no other lease holds
+    /// the key; the lease and until when the node may serve.
+    async fn register(&self) -> Result<(i64, Instant), Refused> {
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         let ttl_s = self.ttl.as_secs().max(1) as i64;
         let sent = Instant::now();
         let grant = tokio::time::timeout(timeout, client.lease_grant(ttl_s, None))
             .await
-            .map_err(|_| "etcd did not answer in time".to_owned())?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| Refused::Etcd("etcd did not answer in time".to_owned()))?
+            .map_err(|e| Refused::Etcd(e.to_string()))?;
         let lease = grant.id();
         let txn = Txn::new()
             .when([Compare::create_revision(
@@ -118,22 +151,43 @@ impl Membership {
             .await
             .map_err(|_| "etcd did not answer in time".to_owned())
             .and_then(|r| r.map_err(|e| e.to_string()));
-        match done {
+        let response = match done {
             Ok(response) if response.succeeded() => {
-                Ok((lease, sent + self.serving_for(grant.ttl())))
+                return Ok((lease, sent + self.serving_for(grant.ttl())));
             }
-            other => {
+            Ok(response) => response,
+            Err(e) => {
                 let _ = tokio::time::timeout(timeout, client.lease_revoke(lease)).await;
-                Err(match other {
-                    Ok(_) => format!(
-                        "node id {:?} is registered by another live node (etcd key {}): each node needs its own [clustering] node_id",
-                        self.cluster.node_id(),
-                        String::from_utf8_lossy(&self.key)
-                    ),
-                    Err(e) => e,
-                })
+                return Err(Refused::Etcd(e));
             }
-        }
+        };
+        let _ = tokio::time::timeout(timeout, client.lease_revoke(lease)).await;
+        // Held: by how long a lease, as far as etcd says.
+        let holder = response.op_responses().into_iter().find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.lease()),
+            _ => None,
+        });
+        let granted = match holder {
+            Some(holder) if holder != 0 => {
+                let asked = client.lease_time_to_live(holder, None);
+                match tokio::time::timeout(timeout, asked).await {
+                    Ok(Ok(ttl)) => Duration::from_secs(ttl.granted_ttl().max(0) as u64),
+                    _ => self.ttl,
+                }
+            }
+            _ => self.ttl,
+        };
+        Err(Refused::Held { granted })
+    }
+
+    /// Why another node holds this node's id: said once the holder's
+    /// lease had time to run out.
+    fn held_by_another(&self) -> String {
+        format!(
+            "node id {:?} is registered by another live node (etcd key {}): each node needs its own [clustering] node_id",
+            self.cluster.node_id(),
+            String::from_utf8_lossy(&self.key)
+        )
     }
 
     /// How long after a renewal's send the node may serve, for a lease of
@@ -247,7 +301,11 @@ async fn run(
                     break lease;
                 }
                 Err(e) => {
-                    tracing::debug!(error = e, "clustering: cannot register yet");
+                    let why = match e {
+                        Refused::Etcd(e) => e,
+                        Refused::Held { .. } => m.held_by_another(),
+                    };
+                    tracing::debug!(error = why, "clustering: cannot register yet");
                     drop(m);
                     tokio::select! {
                         () = tokio::time::sleep(Duration::from_millis(500)) => {}
