@@ -43,27 +43,9 @@ async fn sigterm_stops_the_broker_while_the_disk_is_full() {
 
     // 60 KB persisted values until the disk takes no more: that SET stays
     // unanswered (its change is not on disk, so it is not acknowledged).
-    let value = incompressible(60_000);
     let mut c = Raw::connect(addr, "filler").await;
-    let mut acknowledged = 0;
-    for i in 0..1000 {
-        let key = format!("k{i}");
-        let ts = now_hlc("filler");
-        let payload = encode_request(&[b"SET".as_slice(), key.as_bytes(), &value]);
-        let properties = [("__ts", ts.as_str()), ("aio-persistence", "true")];
-        let answer = tokio::time::timeout(
-            Duration::from_secs(5),
-            c.request_raw(REQUEST_TOPIC, &payload, &properties),
-        )
-        .await;
-        match answer {
-            Ok(r) => {
-                assert_eq!(&r.payload[..], b"+OK\r\n", "{key}");
-                acknowledged += 1;
-            }
-            Err(_) => break,
-        }
-    }
+    let (acknowledged, _) = fill(&mut c).await;
+    let acknowledged = acknowledged.len();
     assert!(
         (1..1000).contains(&acknowledged),
         "a 3 MiB disk fills up: {acknowledged} SETs acknowledged"
@@ -194,31 +176,8 @@ async fn a_full_disk_is_written_again_once_space_returns() {
     let http = http_addr(&log);
     wait_for_readiness(http, 200, 0.0).await;
 
-    let value = incompressible(60_000);
     let mut c = Raw::connect(addr, "filler").await;
-    let mut acknowledged = Vec::new();
-    let mut waiting = None;
-    for i in 0..1000 {
-        let key = format!("k{i}");
-        let ts = now_hlc("filler");
-        let payload = encode_request(&[b"SET".as_slice(), key.as_bytes(), &value]);
-        let properties = [("__ts", ts.as_str()), ("aio-persistence", "true")];
-        let answer = tokio::time::timeout(
-            Duration::from_secs(5),
-            c.request_raw(REQUEST_TOPIC, &payload, &properties),
-        )
-        .await;
-        match answer {
-            Ok(r) => {
-                assert_eq!(&r.payload[..], b"+OK\r\n", "{key}");
-                acknowledged.push(key);
-            }
-            Err(_) => {
-                waiting = Some(key);
-                break;
-            }
-        }
-    }
+    let (mut acknowledged, waiting) = fill(&mut c).await;
     let waiting = waiting.expect("a 2 MiB disk fills up");
     assert!(!acknowledged.is_empty());
 
@@ -272,4 +231,31 @@ async fn a_full_disk_is_written_again_once_space_returns() {
     }
     let r = reader.request(&[b"GET", b"after"]).await;
     assert_eq!(&r.payload[..], b"$1\r\nv\r\n");
+}
+
+/// 60 KB persisted values until the disk takes no more: the keys
+/// acknowledged, and the one whose SET stays unanswered (its change is not
+/// on disk, so it is not acknowledged), if the disk filled up within 1,000.
+async fn fill(c: &mut Raw) -> (Vec<String>, Option<String>) {
+    let value = incompressible(60_000);
+    let mut acknowledged = Vec::new();
+    for i in 0..1000 {
+        let key = format!("k{i}");
+        let ts = now_hlc("filler");
+        let payload = encode_request(&[b"SET".as_slice(), key.as_bytes(), &value]);
+        let properties = [("__ts", ts.as_str()), ("aio-persistence", "true")];
+        let answer = tokio::time::timeout(
+            Duration::from_secs(5),
+            c.request_raw(REQUEST_TOPIC, &payload, &properties),
+        )
+        .await;
+        match answer {
+            Ok(r) => {
+                assert_eq!(&r.payload[..], b"+OK\r\n", "{key}");
+                acknowledged.push(key);
+            }
+            Err(_) => return (acknowledged, Some(key)),
+        }
+    }
+    (acknowledged, None)
 }

@@ -254,9 +254,19 @@ fn commit(
     persist: PersistMode,
     stopping: &AtomicBool,
 ) -> bool {
+    retry(disk, stopping, |disk| attempt(disk, writes, puts, persist))
+}
+
+/// Runs `once` until it succeeds (the disk then says it writes again) or
+/// the writer stops (`false`), saying each failure and backing off.
+fn retry(
+    disk: &mut Disk,
+    stopping: &AtomicBool,
+    mut once: impl FnMut(&mut Disk) -> Result<(), (&'static str, String)>,
+) -> bool {
     let mut delay = Duration::from_millis(10);
     loop {
-        match attempt(disk, writes, puts, persist) {
+        match once(disk) {
             Ok(()) => {
                 disk.written();
                 return true;
@@ -313,28 +323,16 @@ fn attempt(
 /// Fsyncs the journal, retrying like [`commit`]. An engine opened again
 /// has just read its journal back from the files; it is fsynced too.
 fn sync(disk: &mut Disk, stopping: &AtomicBool) -> bool {
-    let mut delay = Duration::from_millis(10);
-    loop {
-        let result = disk
-            .engine()
+    retry(disk, stopping, |disk| {
+        disk.engine()
             .map_err(|e| ("cannot open the data directory again", e))
             .and_then(|engine| {
                 engine
                     .db
                     .persist(PersistMode::SyncAll)
                     .map_err(|e| ("cannot fsync persisted keys", e.to_string()))
-            });
-        match result {
-            Ok(()) => {
-                disk.written();
-                return true;
-            }
-            Err((what, e)) => disk.failed(what, &e),
-        }
-        if !back_off(&mut delay, stopping) {
-            return false;
-        }
-    }
+            })
+    })
 }
 
 /// Waits `delay` before the next try (doubling it up to 5 s), looking

@@ -165,18 +165,11 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
 
 /// The HTTP status of `GET path` on `port`.
 pub fn http_status(port: u16, path: &str) -> Option<u16> {
-    use std::io::{Read, Write};
-    let mut stream =
-        std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), PATIENCE).ok()?;
-    stream.set_read_timeout(Some(PATIENCE)).ok()?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    response.split_whitespace().nth(1)?.parse().ok()
+    http_get(port, path)?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// Polls `cond` until it holds; panics after [`PATIENCE`] naming `what`.
