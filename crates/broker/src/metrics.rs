@@ -36,6 +36,13 @@ pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 pub const CLUSTER_CACHE_BYTES: &str = "statebroker_cluster_cache_bytes";
 /// Clustering: nodes registered in etcd, as this node last read them.
 pub const CLUSTER_MEMBERS: &str = "statebroker_cluster_members";
+/// Clustering: links to other nodes connected now (publishes forwarded).
+pub const CLUSTER_PEER_LINKS: &str = "statebroker_cluster_peer_links";
+/// Clustering: publishes handed to the link to another node, by `peer`.
+pub const CLUSTER_FORWARDED: &str = "statebroker_cluster_forwarded_total";
+/// Clustering: publishes not forwarded to a node, its link's queue full,
+/// by `peer`.
+pub const CLUSTER_FORWARD_DROPPED: &str = "statebroker_cluster_forward_dropped_total";
 
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
@@ -265,6 +272,18 @@ fn describe() {
         CLUSTER_MEMBERS,
         "Clustering: nodes registered in etcd (this one included), as this node last read them"
     );
+    describe_gauge!(
+        CLUSTER_PEER_LINKS,
+        "Clustering: links to the other nodes connected now (each carries this node's clients' publishes)"
+    );
+    describe_counter!(
+        CLUSTER_FORWARDED,
+        "Clustering: client publishes handed to the link to another node, by peer"
+    );
+    describe_counter!(
+        CLUSTER_FORWARD_DROPPED,
+        "Clustering: client publishes not forwarded to a node because its link's queue was full, by peer"
+    );
     describe_counter!(
         FAULTS_INJECTED,
         "Faults injected on demand ([faults] enabled), by kind"
@@ -478,6 +497,22 @@ pub fn cluster_conflict() {
 /// Clustering: the nodes registered now.
 pub fn cluster_members(members: usize) {
     gauge!(CLUSTER_MEMBERS).set(members as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: links to other nodes connected now.
+pub fn cluster_peer_links(links: usize) {
+    gauge!(CLUSTER_PEER_LINKS).set(links as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the counters of publishes forwarded to `peer` and of those
+/// dropped for it (taken once per link: no lookup per publish).
+pub fn cluster_forward_counters(peer: &str) -> (Counter, Counter) {
+    (
+        counter!(CLUSTER_FORWARDED, "peer" => peer.to_owned()),
+        counter!(CLUSTER_FORWARD_DROPPED, "peer" => peer.to_owned()),
+    )
 }
 
 #[cfg(feature = "cluster")]

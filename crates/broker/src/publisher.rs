@@ -30,6 +30,10 @@ use router::RouterHandle;
 /// Client ids with this prefix belong to the broker itself; clients may not use them.
 pub const INTERNAL_PREFIX: &str = "statebroker:";
 
+/// The client ids of other cluster nodes' links (`statebroker:peer:<node
+/// id>`, see `cluster::peers`): accepted only with the cluster's secret.
+pub const LINK_CLIENT_PREFIX: &str = "statebroker:peer:";
+
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;
 

@@ -57,6 +57,9 @@ pub(crate) struct Shared {
     /// A cluster node's registration (its task ends when this is dropped).
     #[cfg(feature = "cluster")]
     pub _membership: Option<Arc<crate::cluster::Membership>>,
+    /// A cluster node's links to the other nodes.
+    #[cfg(feature = "cluster")]
+    pub peers: Option<Arc<crate::cluster::Peers>>,
 }
 
 impl Shared {
@@ -136,7 +139,7 @@ impl Shared {
         #[allow(unused_mut)] // set by a cluster node only
         let mut standing = Arc::new(Standing::always());
         #[cfg(feature = "cluster")]
-        let mut membership = None;
+        let (mut membership, mut peers) = (None, None);
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -160,10 +163,17 @@ impl Shared {
                     .iter()
                     .map(|l| format!("{}://{}", l.scheme(), l.addr))
                     .collect();
-                let member = crate::cluster::Membership::join(Arc::clone(&cluster), listeners)
-                    .await
-                    .map_err(std::io::Error::other)?;
+                let peer_address = peer_address(&settings, clustering);
+                let member =
+                    crate::cluster::Membership::join(Arc::clone(&cluster), listeners, peer_address)
+                        .await
+                        .map_err(std::io::Error::other)?;
                 standing = member.standing();
+                peers = Some(
+                    crate::cluster::Peers::start(&cluster, member.watch())
+                        .await
+                        .map_err(std::io::Error::other)?,
+                );
                 membership = Some(member);
                 StateStoreService::start_clustered(
                     settings.store_config(),
@@ -217,6 +227,65 @@ impl Shared {
             standing,
             #[cfg(feature = "cluster")]
             _membership: membership,
+            #[cfg(feature = "cluster")]
+            peers,
         }))
     }
+
+    /// Hands a publish of this node's clients to the other nodes (a
+    /// cluster node; nothing on a single node).
+    #[inline]
+    pub fn forward_to_peers(
+        &self,
+        _publish: &router::protocol::Publish,
+        _properties: Option<&router::protocol::PublishProperties>,
+    ) {
+        #[cfg(feature = "cluster")]
+        if let Some(peers) = &self.peers {
+            peers.forward(_publish, _properties);
+        }
+    }
+
+    /// The node id of another node whose link this CONNECT is (client id
+    /// and login), if it is one.
+    pub fn peer_link<'a>(
+        &self,
+        _client_id: &'a str,
+        _login: Option<(&str, &str)>,
+    ) -> Option<&'a str> {
+        #[cfg(feature = "cluster")]
+        if let Some(peers) = &self.peers {
+            return peers.link_login(_client_id, _login);
+        }
+        None
+    }
+}
+
+/// Where the other nodes' links reach this node: `[clustering]
+/// peer_address`, or the first plain TCP listener's address (127.0.0.1 for
+/// an unspecified one).
+#[cfg(feature = "cluster")]
+fn peer_address(
+    settings: &Settings,
+    clustering: &crate::config::ClusteringSettings,
+) -> Option<String> {
+    if let Some(address) = &clustering.peer_address {
+        return Some(address.clone());
+    }
+    let listener = settings.listeners.iter().find(|l| l.scheme() == "mqtt");
+    let Some(listener) = listener else {
+        tracing::warn!(
+            "clustering: no plain TCP MQTT listener: the other nodes cannot forward their clients' publishes here; set [clustering] peer_address"
+        );
+        return None;
+    };
+    let mut addr = listener.addr;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        tracing::warn!(
+            listener = %listener.addr,
+            "clustering: the other nodes reach this one at {addr}, which serves nodes on this machine only: set [clustering] peer_address to an address they can reach"
+        );
+    }
+    Some(addr.to_string())
 }

@@ -16,7 +16,6 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
-use parking_lot::Mutex;
 
 use super::Cluster;
 use crate::standing::Standing;
@@ -27,6 +26,15 @@ enum Refused {
     Etcd(String),
     /// Another lease holds the node's key; it was granted for `granted`.
     Held { granted: Duration },
+}
+
+/// A registered node, as its record says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub node_id: String,
+    /// Where the other nodes' links reach its MQTT listener (`host:port`),
+    /// if it has a plain TCP one.
+    pub peer_address: Option<String>,
 }
 
 /// This node's registration, and the members it last saw.
@@ -40,16 +48,18 @@ pub struct Membership {
     value: Vec<u8>,
     ttl: Duration,
     standing: Arc<Standing>,
-    members: Mutex<Vec<String>>,
+    /// The members as last read, this node included, sorted by id.
+    members: tokio::sync::watch::Sender<Vec<Member>>,
 }
 
 impl Membership {
     /// Registers this node under a new lease; its MQTT `listeners` are
-    /// recorded for the other nodes. Refused if another live node holds
-    /// the node id.
+    /// recorded for the other nodes, and `peer_address`, where their links
+    /// reach it. Refused if another live node holds the node id.
     pub async fn join(
         cluster: Arc<Cluster>,
         listeners: Vec<String>,
+        peer_address: Option<String>,
     ) -> Result<Arc<Membership>, String> {
         let settings = &cluster.settings;
         let prefix = format!("{}N/", settings.etcd_prefix).into_bytes();
@@ -57,6 +67,7 @@ impl Membership {
         let value = serde_json::json!({
             "node_id": settings.node_id,
             "mqtt": listeners,
+            "peer": peer_address,
             "started_ms": crate::clock::now_ms(),
         })
         .to_string()
@@ -69,7 +80,7 @@ impl Membership {
             value,
             ttl,
             standing: Arc::new(Standing::until(Instant::now())),
-            members: Mutex::new(Vec::new()),
+            members: tokio::sync::watch::Sender::new(Vec::new()),
         };
         // The id may still be held by this node's previous run (killed
         // before its lease ran out): wait for that lease, once; a holder
@@ -120,7 +131,14 @@ impl Membership {
 
     /// The node ids registered, this one's included, sorted.
     pub fn members(&self) -> Vec<String> {
-        self.members.lock().clone()
+        let members = self.members.borrow();
+        members.iter().map(|m| m.node_id.clone()).collect()
+    }
+
+    /// The members registered, this one included, as they change (read
+    /// after each renewal).
+    pub fn watch(&self) -> tokio::sync::watch::Receiver<Vec<Member>> {
+        self.members.subscribe()
     }
 
     /// A new lease and the node's key under it, if no other lease holds
@@ -200,21 +218,27 @@ impl Membership {
 
     async fn refresh_members(&self) {
         let mut client = self.cluster.client.clone();
-        let list = client.get(
-            self.prefix.clone(),
-            Some(GetOptions::new().with_prefix().with_keys_only()),
-        );
+        let list = client.get(self.prefix.clone(), Some(GetOptions::new().with_prefix()));
         if let Ok(Ok(response)) =
             tokio::time::timeout(self.cluster.settings.request_timeout, list).await
         {
-            let mut members: Vec<String> = response
+            let mut members: Vec<Member> = response
                 .kvs()
                 .iter()
-                .map(|kv| String::from_utf8_lossy(&kv.key()[self.prefix.len()..]).into_owned())
+                .map(|kv| Member {
+                    node_id: String::from_utf8_lossy(&kv.key()[self.prefix.len()..]).into_owned(),
+                    peer_address: serde_json::from_slice::<serde_json::Value>(kv.value())
+                        .ok()
+                        .and_then(|v| v.get("peer")?.as_str().map(str::to_owned)),
+                })
                 .collect();
-            members.sort();
+            members.sort_by(|a, b| a.node_id.cmp(&b.node_id));
             crate::metrics::cluster_members(members.len());
-            *self.members.lock() = members;
+            self.members.send_if_modified(|current| {
+                let changed = *current != members;
+                *current = members;
+                changed
+            });
         }
     }
 }

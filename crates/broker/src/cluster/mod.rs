@@ -14,6 +14,8 @@
 //!   and old tombstones.
 //! - [`membership`]: the node's registration under a lease; it serves MQTT
 //!   clients only while it holds the lease.
+//! - [`peers`]: links to the other nodes, which carry this node's clients'
+//!   publishes to every node's subscribers.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
 //!   fails (no etcd quorum).
 //!
@@ -23,6 +25,7 @@
 
 pub mod kv;
 pub mod membership;
+pub mod peers;
 mod reaper;
 pub mod record;
 pub mod watch;
@@ -37,6 +40,7 @@ use parking_lot::Mutex;
 use crate::config::ClusteringSettings;
 pub use kv::{NodeClock, Unanswered};
 pub use membership::Membership;
+pub use peers::Peers;
 pub use watch::Change;
 
 /// A node's connection to the cluster.

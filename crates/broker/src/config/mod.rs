@@ -93,6 +93,11 @@ pub struct ClusteringSettings {
     pub cache_bytes: usize,
     /// `lease_ttl_ms`: the membership lease's TTL (whole seconds).
     pub lease_ttl: Duration,
+    /// `peer_address`: where the other nodes' links reach this node
+    /// (`None`: the first plain TCP listener's address).
+    pub peer_address: Option<String>,
+    /// `forward_queue`: publishes waiting for one link, at most.
+    pub forward_queue: usize,
 }
 
 impl ClusteringSettings {
@@ -160,7 +165,22 @@ impl ClusteringSettings {
                 "clustering.etcd_max_request_bytes must be at least 4096 (etcd's --max-request-bytes)",
             ));
         }
+        let peer_address = section.peer_address.trim().to_owned();
+        if !peer_address.is_empty()
+            && peer_address
+                .rsplit_once(':')
+                .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+        {
+            return Err(invalid(format!(
+                "clustering.peer_address: `{peer_address}` is not host:port (where the other nodes reach this node's plain MQTT listener)"
+            )));
+        }
+        if section.forward_queue == 0 {
+            return Err(invalid("clustering.forward_queue must be at least 1"));
+        }
         Ok(Some(ClusteringSettings {
+            peer_address: (!peer_address.is_empty()).then_some(peer_address),
+            forward_queue: section.forward_queue,
             node_id,
             etcd_endpoints: endpoints,
             etcd_prefix: prefix,

@@ -83,6 +83,11 @@ pub struct ClusteringSection {
     /// The membership lease's TTL, milliseconds (etcd counts whole
     /// seconds).
     pub lease_ttl_ms: u64,
+    /// Where the other nodes' links reach this node (`host:port`); empty:
+    /// the first plain TCP listener's.
+    pub peer_address: String,
+    /// Publishes waiting for one link to another node, at most.
+    pub forward_queue: usize,
 }
 
 /// `[log]`

@@ -581,6 +581,16 @@ fn bad_clustering_settings_are_refused_by_name() {
         ));
         assert!(e.contains("lease_ttl_ms must be whole seconds"), "{e}");
     }
+    for address in ["sb1", ":1883", "sb1:port", "sb1:70000"] {
+        let e = refused(&format!(
+            "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\npeer_address = \"{address}\"\n"
+        ));
+        assert!(e.contains("is not host:port"), "{address}: {e}");
+    }
+    let e = refused(
+        "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\nforward_queue = 0\n",
+    );
+    assert!(e.contains("forward_queue must be at least 1"), "{e}");
     let e = refused("[cluster]\nid = 1\n");
     assert!(e.contains("configured in [clustering]"), "{e}");
 }

@@ -35,6 +35,9 @@ pub(crate) struct Accepted {
     pub session_present: bool,
     /// The connection's slot among `router.max_connections`.
     pub permit: OwnedSemaphorePermit,
+    /// Another cluster node's link, and that node's id: what it publishes
+    /// goes to this node's subscribers only.
+    pub from_node: Option<String>,
 }
 
 /// Where a CONNECT came from.
@@ -104,30 +107,47 @@ pub(crate) async fn accept(
         ));
     };
     // Who it is, and whether it may connect (the policy sees an assigned
-    // client id).
+    // client id). Another node's link proves itself with the cluster's
+    // secret; the password file and the policy are for clients.
+    let login = hello
+        .login
+        .as_ref()
+        .map(|l| (l.username.as_str(), l.password.as_str()));
+    let from_node = shared.peer_link(client_id, login).map(str::to_owned);
+    if from_node.is_none() && client_id.starts_with(crate::publisher::LINK_CLIENT_PREFIX) {
+        return Err(refuse(
+            Refusal::BadCredentials,
+            "a client id for another cluster node's link, without the cluster's secret",
+        ));
+    }
     let presented = Presented {
         client_id,
-        login: hello
-            .login
-            .as_ref()
-            .map(|l| (l.username.as_str(), l.password.as_str())),
+        login,
         certificate: identity,
         allow_anonymous: listener.allow_anonymous,
         source: peer.ip(),
     };
-    let principal = match shared.authenticator.authenticate(presented).await {
-        Ok(principal) => Arc::new(principal),
-        Err(Failure::BadCredentials) => {
-            return Err(refuse(Refusal::BadCredentials, "bad username or password"));
-        }
-        Err(Failure::Anonymous) => {
-            return Err(refuse(
-                Refusal::NotAuthorized,
-                "anonymous clients are not allowed on this listener",
-            ));
-        }
+    let principal = match &from_node {
+        Some(_) => Arc::new(Principal {
+            client_id: client_id.to_owned(),
+            username: Some("statebroker:peer".to_owned()),
+            attributes: Default::default(),
+        }),
+        None => match shared.authenticator.authenticate(presented).await {
+            Ok(principal) => Arc::new(principal),
+            Err(Failure::BadCredentials) => {
+                return Err(refuse(Refusal::BadCredentials, "bad username or password"));
+            }
+            Err(Failure::Anonymous) => {
+                return Err(refuse(
+                    Refusal::NotAuthorized,
+                    "anonymous clients are not allowed on this listener",
+                ));
+            }
+        },
     };
     if let Some(policy) = shared.authorizer.current()
+        && from_node.is_none()
         && !policy.may_connect(&principal)
     {
         return Err(refuse(
@@ -194,5 +214,6 @@ pub(crate) async fn accept(
         connack,
         session_present,
         permit,
+        from_node,
     })
 }

@@ -16,7 +16,7 @@ use router::protocol::{
 use super::socket::{Socket, Stream};
 use crate::codec::{CodecError, Protocol};
 use crate::config::Listener;
-use crate::publisher::INTERNAL_PREFIX;
+use crate::publisher::{INTERNAL_PREFIX, LINK_CLIENT_PREFIX};
 use crate::topics;
 
 /// A CONNECT, in parts.
@@ -248,8 +248,12 @@ pub(crate) fn check_connect(
             "an empty client id needs a clean session",
         ));
     }
-    // The router cannot route for ids with these characters; the prefix is ours.
-    if id.contains(['+', '#', '/', '$']) || id.starts_with(INTERNAL_PREFIX) {
+    // The router cannot route for ids with these characters; the prefix is
+    // ours (another node's link is let through here, and accepted only
+    // with the cluster's secret, see accept.rs).
+    if id.contains(['+', '#', '/', '$'])
+        || id.starts_with(INTERNAL_PREFIX) && !id.starts_with(LINK_CLIENT_PREFIX)
+    {
         return Err((Refusal::BadClientId, "client id not allowed"));
     }
     if let Some(will) = will {

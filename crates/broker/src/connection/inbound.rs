@@ -63,11 +63,17 @@ impl Inbound {
         }
     }
 
+    /// Whether a QoS `qos` publish with `pkid` is a QoS 2 one this
+    /// connection has already received (and not yet seen released).
+    pub fn is_retransmission(&self, qos: u8, pkid: u16) -> bool {
+        qos == 2 && self.qos2_received.contains(&pkid)
+    }
+
     /// A QoS `qos` publish with `pkid` arrived: one more unacknowledged
     /// (unless it is QoS 0, or a QoS 2 retransmission), unless that passes
     /// the Receive Maximum.
     pub fn arrived(&mut self, qos: u8, pkid: u16) -> Result<(), Violation> {
-        if qos == 0 || qos == 2 && self.qos2_received.contains(&pkid) {
+        if qos == 0 || self.is_retransmission(qos, pkid) {
             return Ok(());
         }
         if self.unacknowledged >= self.receive_maximum {

@@ -89,6 +89,7 @@ pub(crate) async fn serve<S: Stream>(
         connack,
         session_present,
         permit,
+        from_node,
     } = match accept::accept(&hello, origin, &shared).await {
         Ok(accepted) => accepted,
         Err(Some(connack)) => return socket.send_and_close(connack).await,
@@ -136,6 +137,7 @@ pub(crate) async fn serve<S: Stream>(
         principal,
         owner,
         disk: shared.store.answered(),
+        from_node,
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
     let mut driver = Driver {

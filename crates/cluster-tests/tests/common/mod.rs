@@ -10,6 +10,10 @@ pub mod workload;
 #[path = "../../../../tests/common/raw.rs"]
 pub mod raw;
 
+/// Publishes completed packet by packet over [`raw`] (QoS 2 included).
+#[path = "../../../../tests/common/mqtt.rs"]
+pub mod mqtt;
+
 /// How long the raw client waits for a packet.
 pub const TIMEOUT: Duration = PATIENCE;
 

@@ -1,0 +1,346 @@
+//! Links to the other nodes: what this node's clients publish reaches
+//! the subscribers of every node.
+//!
+//! Each node opens one MQTT 5 link to every other member (as a client of
+//! its MQTT listener, at the `peer` address its membership record gives)
+//! and publishes on it, at the same QoS and with the same properties, each
+//! publish its own clients send to the router. The receiving node routes
+//! what arrives on such a link to its own subscribers only: a forwarded
+//! publish is never forwarded again, so there are no loops and no
+//! duplicates, and a publisher's messages stay in order (one link per pair
+//! of nodes carries them in the order they arrived).
+//!
+//! Every publish goes to every node, subscribed there or not: a subscriber
+//! that has its SUBACK on one node gets whatever is published on any node
+//! after it, with nothing to set up between the nodes first. What that
+//! costs (every node reads every publish) is measured in
+//! docs/performance.md.
+//!
+//! A link logs in with the cluster's secret, which the first node puts in
+//! etcd (`<etcd_prefix>secret`): a client that cannot read etcd cannot
+//! pose as a node. A link keeps its session on the other node (Clean
+//! Start 0), so what was in flight when it broke is sent again when it
+//! comes back; `forward_queue` publishes at most wait for one link, past
+//! that they are not forwarded to that node (counted).
+//!
+//! Not built yet: shared subscriptions across nodes (a group gets a
+//! message once per node that has members), wills and the broker's own
+//! publishes (per node), sessions that move between nodes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use metrics::Counter;
+use parking_lot::RwLock;
+use router::protocol::{Publish, PublishProperties, QoS};
+use rumqttc::v5::mqttbytes::QoS as LinkQoS;
+use rumqttc::v5::mqttbytes::v5::{Packet as LinkPacket, PublishProperties as LinkProperties};
+use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use subtle::ConstantTimeEq;
+use tokio::sync::{oneshot, watch};
+
+use super::Cluster;
+use super::membership::Member;
+
+pub use crate::publisher::LINK_CLIENT_PREFIX;
+/// The username a link logs in with (its password: the cluster's secret).
+pub const LINK_USERNAME: &str = "statebroker:peer";
+
+/// How long a link's session outlives it on the other node (seconds): what
+/// was in flight when it broke is sent again within it.
+const LINK_SESSION_EXPIRY: u32 = 300;
+
+/// This node's links to the others.
+pub struct Peers {
+    node_id: String,
+    secret: String,
+    forward_queue: usize,
+    links: RwLock<Vec<Link>>,
+    /// Links connected now (the gauge).
+    up: Arc<AtomicUsize>,
+}
+
+/// One link, and the task that drives it (it ends when the link is dropped).
+struct Link {
+    node_id: String,
+    address: String,
+    client: AsyncClient,
+    forwarded: Counter,
+    dropped: Counter,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Peers {
+    /// Reads the cluster's secret from etcd (the first node puts one
+    /// there), and follows `members`: a link to each other member, opened
+    /// as it appears and closed as it goes. The links end when the
+    /// returned value is dropped.
+    pub async fn start(
+        cluster: &Arc<Cluster>,
+        members: watch::Receiver<Vec<Member>>,
+    ) -> Result<Arc<Peers>, String> {
+        let secret = secret(cluster)
+            .await
+            .map_err(|e| format!("cannot read the cluster's secret from etcd: {e}"))?;
+        let peers = Arc::new(Peers {
+            node_id: cluster.node_id().to_owned(),
+            secret,
+            forward_queue: cluster.settings.forward_queue,
+            links: RwLock::new(Vec::new()),
+            up: Arc::new(AtomicUsize::new(0)),
+        });
+        crate::metrics::cluster_peer_links(0);
+        tokio::spawn(follow(Arc::downgrade(&peers), members));
+        Ok(peers)
+    }
+
+    /// Whether a CONNECT with `client_id` and this login is another node's
+    /// link: its node id, if it is.
+    pub fn link_login<'a>(
+        &self,
+        client_id: &'a str,
+        login: Option<(&str, &str)>,
+    ) -> Option<&'a str> {
+        let node = client_id.strip_prefix(LINK_CLIENT_PREFIX)?;
+        let (username, password) = login?;
+        let valid = username == LINK_USERNAME
+            && bool::from(password.as_bytes().ct_eq(self.secret.as_bytes()))
+            && !node.is_empty()
+            && node != self.node_id;
+        valid.then_some(node)
+    }
+
+    /// Hands a publish of this node's clients to every link (never waits:
+    /// a link whose queue is full does not get it, counted).
+    pub fn forward(&self, publish: &Publish, properties: Option<&PublishProperties>) {
+        let links = self.links.read();
+        if links.is_empty() {
+            return;
+        }
+        let Ok(topic) = std::str::from_utf8(&publish.topic) else {
+            return;
+        };
+        let qos = match publish.qos {
+            QoS::AtMostOnce => LinkQoS::AtMostOnce,
+            QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
+            QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
+        };
+        let properties = properties.map(link_properties).unwrap_or_default();
+        for link in links.iter() {
+            let sent = link.client.try_publish_with_properties(
+                topic,
+                qos,
+                publish.retain,
+                publish.payload.clone(),
+                properties.clone(),
+            );
+            match sent {
+                Ok(()) => link.forwarded.increment(1),
+                Err(e) => {
+                    link.dropped.increment(1);
+                    tracing::debug!(peer = link.node_id, error = %e, "publish not forwarded: the link's queue is full");
+                }
+            }
+        }
+    }
+
+    /// Opens links to the members not linked yet and closes those to nodes
+    /// gone (or moved).
+    fn follow_members(&self, members: &[Member]) {
+        let wanted: HashMap<&str, &str> = members
+            .iter()
+            .filter(|m| m.node_id != self.node_id)
+            .filter_map(|m| Some((m.node_id.as_str(), m.peer_address.as_deref()?)))
+            .collect();
+        let mut links = self.links.write();
+        links.retain(|link| {
+            let keep = wanted.get(link.node_id.as_str()) == Some(&link.address.as_str());
+            if !keep {
+                tracing::info!(
+                    peer = link.node_id,
+                    address = link.address,
+                    "clustering: link to a node closed (it left the cluster)"
+                );
+            }
+            keep
+        });
+        for (node, address) in wanted {
+            if links.iter().any(|l| l.node_id == node) {
+                continue;
+            }
+            match self.open(node, address) {
+                Ok(link) => links.push(link),
+                Err(e) => tracing::warn!(
+                    peer = node,
+                    address,
+                    error = e,
+                    "clustering: cannot link to a node"
+                ),
+            }
+        }
+    }
+
+    /// A link to `node` at `address`, driven by a task of its own.
+    fn open(&self, node: &str, address: &str) -> Result<Link, String> {
+        let (host, port) = address
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.trim_matches(['[', ']']), p.parse::<u16>().ok()?)))
+            .ok_or_else(|| format!("`{address}` is not host:port"))?;
+        let mut options =
+            MqttOptions::new(format!("{LINK_CLIENT_PREFIX}{}", self.node_id), host, port);
+        options
+            .set_credentials(LINK_USERNAME, self.secret.clone())
+            .set_clean_start(false)
+            .set_session_expiry_interval(Some(LINK_SESSION_EXPIRY))
+            .set_keep_alive(Duration::from_secs(5))
+            .set_max_packet_size(Some(u32::MAX >> 4))
+            .set_request_channel_capacity(self.forward_queue);
+        let (client, events) = AsyncClient::new(options, self.forward_queue);
+        let (stop, stopped) = oneshot::channel();
+        tokio::spawn(drive(
+            events,
+            node.to_owned(),
+            address.to_owned(),
+            Arc::clone(&self.up),
+            stopped,
+        ));
+        let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
+        tracing::info!(peer = node, address, "clustering: linking to a node");
+        Ok(Link {
+            node_id: node.to_owned(),
+            address: address.to_owned(),
+            client,
+            forwarded,
+            dropped,
+            _stop: stop,
+        })
+    }
+}
+
+/// The properties a publish keeps on its way to another node (the topic
+/// alias was resolved on the way in; subscription identifiers are the
+/// receiving subscriber's).
+fn link_properties(p: &PublishProperties) -> LinkProperties {
+    LinkProperties {
+        payload_format_indicator: p.payload_format_indicator,
+        message_expiry_interval: p.message_expiry_interval,
+        topic_alias: None,
+        response_topic: p.response_topic.clone(),
+        correlation_data: p.correlation_data.clone(),
+        user_properties: p.user_properties.clone(),
+        subscription_identifiers: Vec::new(),
+        content_type: p.content_type.clone(),
+    }
+}
+
+/// Follows the membership until the links' owner is dropped.
+async fn follow(peers: Weak<Peers>, mut members: watch::Receiver<Vec<Member>>) {
+    loop {
+        {
+            let Some(peers) = peers.upgrade() else {
+                return;
+            };
+            let current = members.borrow_and_update().clone();
+            peers.follow_members(&current);
+        }
+        if members.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Drives one link: connects, sends, reconnects (backing off) until
+/// `stop` fires or its sender is dropped.
+async fn drive(
+    mut events: EventLoop,
+    peer: String,
+    address: String,
+    up: Arc<AtomicUsize>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let mut connected = false;
+    let mut backoff = Duration::from_millis(100);
+    let set = |connected: &mut bool, now: bool| {
+        if *connected != now {
+            *connected = now;
+            let n = if now {
+                up.fetch_add(1, Ordering::Relaxed) + 1
+            } else {
+                up.fetch_sub(1, Ordering::Relaxed) - 1
+            };
+            crate::metrics::cluster_peer_links(n);
+        }
+    };
+    loop {
+        let event = tokio::select! {
+            _ = &mut stop => break,
+            event = events.poll() => event,
+        };
+        match event {
+            Ok(Event::Incoming(LinkPacket::ConnAck(ack))) => {
+                tracing::info!(
+                    peer,
+                    address,
+                    session_present = ack.session_present,
+                    "clustering: link to a node up"
+                );
+                backoff = Duration::from_millis(100);
+                set(&mut connected, true);
+            }
+            Ok(Event::Incoming(LinkPacket::Disconnect(d))) => {
+                tracing::warn!(peer, address, reason = ?d.reason_code, "clustering: a node ended its link");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                if connected {
+                    tracing::warn!(peer, address, error = %e, "clustering: link to a node broken: reconnecting");
+                } else {
+                    tracing::debug!(peer, address, error = %e, "clustering: cannot link to a node yet");
+                }
+                set(&mut connected, false);
+                tokio::select! {
+                    _ = &mut stop => break,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+    set(&mut connected, false);
+}
+
+/// The cluster's secret: the one in etcd, or a new one put there if there
+/// is none yet (only one of several nodes starting at once succeeds).
+async fn secret(cluster: &Cluster) -> Result<String, String> {
+    let key = format!("{}secret", cluster.settings.etcd_prefix);
+    let mut fresh = [0u8; 32];
+    getrandom::fill(&mut fresh).map_err(|e| e.to_string())?;
+    let fresh = hex::encode(fresh);
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key.clone(), fresh.clone(), None)])
+        .or_else([TxnOp::get(key, None)]);
+    let mut client = cluster.client.clone();
+    let response = tokio::time::timeout(cluster.settings.request_timeout, client.txn(txn))
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    if response.succeeded() {
+        return Ok(fresh);
+    }
+    response
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            TxnOpResponse::Get(get) => get
+                .kvs()
+                .first()
+                .and_then(|kv| kv.value_str().ok().map(str::to_owned)),
+            _ => None,
+        })
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| "the secret's key is there but empty".to_owned())
+}

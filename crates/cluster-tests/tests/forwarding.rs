@@ -1,0 +1,305 @@
+//! Issue #29 item 2, forwarding: a publish on any node reaches the
+//! subscribers of every node, at its QoS, once, in each publisher's order,
+//! including right after their SUBACK; retained messages follow; another
+//! node's link must log in with the cluster's secret.
+//! Real etcd, three real node processes.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::raw::{Raw, v5};
+use common::{PATIENCE, Setup, eventually, metric};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::Packet as P;
+use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use tokio::sync::mpsc;
+
+const LINKS: &str = "statebroker_cluster_peer_links";
+
+fn addr(port: u16) -> SocketAddr {
+    ([127, 0, 0, 1], port).into()
+}
+
+/// Three nodes whose links to each other are all up.
+async fn three_linked_nodes() -> Setup {
+    let setup = Setup::start(1, 3);
+    for &http in &setup.http {
+        eventually("every node linked to the two others", || {
+            metric(http, LINKS) == Some(2.0)
+        })
+        .await;
+    }
+    setup
+}
+
+/// A subscriber of `filter` at `qos` on `port` (subscribed: SUBACK
+/// received); what it receives comes out of the channel as (topic,
+/// payload, retain).
+async fn subscriber(
+    port: u16,
+    id: &str,
+    filter: &str,
+    qos: QoS,
+) -> (AsyncClient, mpsc::UnboundedReceiver<(String, Bytes, bool)>) {
+    let mut options = MqttOptions::new(id, "127.0.0.1", port);
+    options.set_keep_alive(Duration::from_secs(30));
+    let (client, mut events) = AsyncClient::new(options, 64);
+    client.subscribe(filter, qos).await.unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (subacked, acked) = tokio::sync::oneshot::channel();
+    let mut subacked = Some(subacked);
+    tokio::spawn(async move {
+        loop {
+            match events.poll().await {
+                Ok(Event::Incoming(P::SubAck(_))) => {
+                    if let Some(s) = subacked.take() {
+                        let _ = s.send(());
+                    }
+                }
+                Ok(Event::Incoming(P::Publish(p))) => {
+                    let topic = String::from_utf8_lossy(&p.topic).into_owned();
+                    if tx.send((topic, p.payload, p.retain)).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => panic!("subscriber lost its connection: {e}"),
+            }
+        }
+    });
+    tokio::time::timeout(PATIENCE, acked)
+        .await
+        .expect("SUBACK in time")
+        .unwrap();
+    (client, rx)
+}
+
+/// Receives `count` messages from `rx` (panics after [`PATIENCE`] without
+/// one).
+async fn receive(
+    rx: &mut mpsc::UnboundedReceiver<(String, Bytes, bool)>,
+    count: usize,
+) -> Vec<(String, Bytes, bool)> {
+    let mut got = Vec::with_capacity(count);
+    while got.len() < count {
+        match tokio::time::timeout(PATIENCE, rx.recv()).await {
+            Ok(Some(m)) => got.push(m),
+            _ => panic!("received {} of {count} messages", got.len()),
+        }
+    }
+    got
+}
+
+/// Per publisher (the payload's part before '-'), the sequence numbers in
+/// the order they arrived.
+fn sequences(messages: &[(String, Bytes, bool)]) -> HashMap<String, Vec<u32>> {
+    let mut by_publisher: HashMap<String, Vec<u32>> = HashMap::new();
+    for (_, payload, _) in messages {
+        let text = std::str::from_utf8(payload).unwrap();
+        let (publisher, n) = text.split_once('-').unwrap();
+        by_publisher
+            .entry(publisher.to_owned())
+            .or_default()
+            .push(n.parse().unwrap());
+    }
+    by_publisher
+}
+
+/// Publishers on two nodes, QoS 1, 300 messages each, starting right after
+/// the subscribers on all three nodes have their SUBACK: every subscriber
+/// gets all 600, each once, each publisher's in order. A publish forwarded
+/// to a node is not forwarded again (it would arrive twice on the third).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_any_node_reaches_every_nodes_subscribers_once_in_order() {
+    const EACH: u32 = 300;
+    let setup = three_linked_nodes().await;
+    let mut subscribers = Vec::new();
+    for (i, &port) in setup.ports.iter().enumerate() {
+        subscribers.push(subscriber(port, &format!("sub{i}"), "t/#", QoS::AtLeastOnce).await);
+    }
+    let mut a = Raw::connect(addr(setup.ports[0]), "pa").await;
+    let mut b = Raw::connect(addr(setup.ports[1]), "pb").await;
+    for n in 0..EACH {
+        for (name, publisher) in [("a", &mut a), ("b", &mut b)] {
+            let reason = publisher
+                .publish("t/x", format!("{name}-{n}"), QoS::AtLeastOnce, None)
+                .await;
+            assert_eq!(reason, Some(v5::PubAckReason::Success));
+        }
+    }
+    for (i, (_, rx)) in subscribers.iter_mut().enumerate() {
+        let got = receive(rx, 2 * EACH as usize).await;
+        let by_publisher = sequences(&got);
+        for name in ["a", "b"] {
+            let expected: Vec<u32> = (0..EACH).collect();
+            assert_eq!(
+                by_publisher.get(name),
+                Some(&expected),
+                "subscriber on node {}: publisher {name}'s messages each once, in order",
+                i + 1
+            );
+        }
+        // Nothing more (a duplicate would come now).
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), rx.recv())
+                .await
+                .is_err(),
+            "subscriber on node {} got more than was published",
+            i + 1
+        );
+    }
+}
+
+/// QoS 2 across nodes: exactly once, in order; and a subscriber at QoS 2
+/// on another node gets QoS 2 (it is not downgraded on the way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos_2_across_nodes_is_exactly_once() {
+    const COUNT: u32 = 200;
+    let setup = three_linked_nodes().await;
+    let (_c, mut rx) = subscriber(setup.ports[0], "sub2", "q2", QoS::ExactlyOnce).await;
+    let mut raw_sub = Raw::connect(addr(setup.ports[1]), "rawsub").await;
+    raw_sub.subscribe("q2", QoS::ExactlyOnce).await;
+    let mut publisher = Raw::connect(addr(setup.ports[2]), "p2").await;
+    for n in 0..COUNT {
+        let payload: &'static [u8] = Box::leak(format!("p-{n}").into_bytes().into_boxed_slice());
+        common::mqtt::publish_complete(&mut publisher, "q2", payload, QoS::ExactlyOnce, false)
+            .await;
+    }
+    // A client sends its QoS 2 publish again before PUBREL (DUP): one
+    // message still, on every node.
+    let mut publish = v5::Publish::new(
+        "q2",
+        QoS::ExactlyOnce,
+        Bytes::from(format!("p-{COUNT}")),
+        None,
+    );
+    publish.pkid = publisher.pkid();
+    publisher.send(v5::Packet::Publish(publish.clone())).await;
+    publish.dup = true;
+    publisher.send(v5::Packet::Publish(publish.clone())).await;
+    publisher
+        .send(v5::Packet::PubRel(v5::PubRel::new(publish.pkid, None)))
+        .await;
+    let got = receive(&mut rx, COUNT as usize + 1).await;
+    assert_eq!(
+        sequences(&got).get("p"),
+        Some(&(0..=COUNT).collect::<Vec<_>>())
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), rx.recv())
+            .await
+            .is_err(),
+        "a QoS 2 message arrived twice"
+    );
+    // The raw subscriber sees the QoS the message was published at.
+    let first = raw_sub.recv().await;
+    match first {
+        common::raw::Recv::Packet(v5::Packet::Publish(p)) => assert_eq!(p.qos, QoS::ExactlyOnce),
+        other => panic!("expected a QoS 2 PUBLISH, got {other:?}"),
+    }
+}
+
+/// A retained message published on one node is retained on the others: a
+/// subscriber that comes later to another node gets it; clearing it on
+/// a third clears it everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_messages_follow_to_every_node() {
+    let setup = three_linked_nodes().await;
+    let mut publisher = Raw::connect(addr(setup.ports[0]), "rp").await;
+    common::mqtt::publish_complete(&mut publisher, "r/1", b"kept", QoS::AtLeastOnce, true).await;
+    // The publish reaches the other nodes after its PUBACK: poll for it.
+    let start = std::time::Instant::now();
+    loop {
+        let mut late = Raw::connect(addr(setup.ports[2]), "late").await;
+        late.subscribe("r/#", QoS::AtLeastOnce).await;
+        match late.recv_within(Duration::from_millis(500)).await {
+            common::raw::Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!(&p.payload[..], b"kept");
+                assert!(p.retain, "delivered as retained");
+                break;
+            }
+            _ => assert!(
+                start.elapsed() < PATIENCE,
+                "the retained message never reached node 3"
+            ),
+        }
+    }
+    let mut clearer = Raw::connect(addr(setup.ports[1]), "rc").await;
+    common::mqtt::publish_complete(&mut clearer, "r/1", b"", QoS::AtLeastOnce, true).await;
+    let start = std::time::Instant::now();
+    loop {
+        let mut late = Raw::connect(addr(setup.ports[0]), "late2").await;
+        late.subscribe("r/#", QoS::AtLeastOnce).await;
+        match late.recv_within(Duration::from_millis(500)).await {
+            common::raw::Recv::Packet(v5::Packet::Publish(_)) => {
+                assert!(
+                    start.elapsed() < PATIENCE,
+                    "the cleared message stayed on node 1"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            _ => break,
+        }
+    }
+}
+
+/// A CONNECT that poses as another node's link without the cluster's
+/// secret is refused (0x86), and a client id in the broker's own
+/// namespace stays refused (0x85).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_needs_the_clusters_secret() {
+    let setup = Setup::start(1, 1);
+    let port = setup.ports[0];
+    let (_, ack) = Raw::connect_with(addr(port), "statebroker:peer:sb9", |c| {
+        c.2 = Some(v5::Login::new("statebroker:peer", "guess"));
+    })
+    .await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::BadUserNamePassword);
+    let (_, ack) = Raw::connect_with(addr(port), "statebroker:peer:sb9", |_| {}).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::BadUserNamePassword);
+    let (_, ack) = Raw::connect_with(addr(port), "statebroker:other", |_| {}).await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::ClientIdentifierNotValid);
+    // With the secret (read from etcd, as a node does) it is a link.
+    let secret = setup
+        .etcd
+        .get("/statebroker/secret")
+        .unwrap()
+        .expect("a secret in etcd");
+    let secret = String::from_utf8(secret).unwrap();
+    let (_, ack) = Raw::connect_with(addr(port), "statebroker:peer:sb9", |c| {
+        c.2 = Some(v5::Login::new("statebroker:peer", secret.as_str()));
+    })
+    .await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::Success);
+}
+
+/// A node killed and started again: the others' links to it come back by
+/// themselves, and so do its links to them; publishes cross both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn links_come_back_after_a_node_is_killed_and_restarted() {
+    let mut setup = three_linked_nodes().await;
+    setup.nodes[1].kill().unwrap();
+    setup.nodes[1].restart().unwrap();
+    setup.nodes[1].wait_tcp(setup.ports[1], PATIENCE).unwrap();
+    for &http in &setup.http {
+        eventually("every node linked to the two others again", || {
+            metric(http, LINKS) == Some(2.0)
+        })
+        .await;
+    }
+    let (_s1, mut on_1) = subscriber(setup.ports[0], "s1", "back", QoS::AtLeastOnce).await;
+    let (_s2, mut on_2) = subscriber(setup.ports[1], "s2", "back", QoS::AtLeastOnce).await;
+    let mut to_2 = Raw::connect(addr(setup.ports[1]), "p-restarted").await;
+    let mut to_3 = Raw::connect(addr(setup.ports[2]), "p-other").await;
+    to_2.publish("back", "a-0", QoS::AtLeastOnce, None).await;
+    to_3.publish("back", "b-0", QoS::AtLeastOnce, None).await;
+    for rx in [&mut on_1, &mut on_2] {
+        let got = sequences(&receive(rx, 2).await);
+        assert_eq!(got.get("a"), Some(&vec![0]));
+        assert_eq!(got.get("b"), Some(&vec![0]));
+    }
+}
