@@ -330,18 +330,17 @@ async fn end_expired_sessions(
 
 /// Ends every connection with DISCONNECT 0x9C "use another server" each
 /// time the node stops serving (a cluster node lost its membership lease;
-/// see `standing.rs`), until the broker stops.
+/// see `standing.rs`), until the broker stops: for each loss, even when
+/// the node has registered again by the time this task runs.
 async fn send_away_when_not_serving(shared: Arc<Shared>) {
-    let mut changes = shared.standing.changes();
+    let mut losses = shared.standing.losses();
     let mut shutdown = shared.shutdown.clone();
     loop {
         tokio::select! {
-            changed = changes.changed() => if changed.is_err() { return },
+            changed = losses.changed() => if changed.is_err() { return },
             _ = shutdown.changed() => return,
         }
-        if *changes.borrow_and_update() {
-            continue;
-        }
+        losses.borrow_and_update();
         let told = shared.sessions.send_all_away();
         tracing::warn!(
             connections = told,

@@ -22,7 +22,10 @@ pub struct Standing {
     /// Milliseconds after `base` until which the node serves ([`ALWAYS`]:
     /// a single node; 0: not serving).
     until_ms: AtomicU64,
-    changes: watch::Sender<bool>,
+    /// How many times the lease was lost: each loss must end the
+    /// connections, even when the node registered again before anyone
+    /// looked.
+    losses: watch::Sender<u64>,
 }
 
 impl Standing {
@@ -31,7 +34,7 @@ impl Standing {
         Standing {
             base: Instant::now(),
             until_ms: AtomicU64::new(ALWAYS),
-            changes: watch::Sender::new(true),
+            losses: watch::Sender::new(0),
         }
     }
 
@@ -49,27 +52,24 @@ impl Standing {
         until == ALWAYS || self.millis(Instant::now()) < until
     }
 
-    /// The lease was renewed: serve until `until` (and say so, if the node
-    /// was not serving).
+    /// The lease was renewed: serve until `until`.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub fn serve_until(&self, until: Instant) {
         self.until_ms.store(self.millis(until), Ordering::Release);
-        self.changes
-            .send_if_modified(|serving| !std::mem::replace(serving, true));
     }
 
-    /// The lease is lost: serve no more, and say so.
+    /// The lease is lost: serve no more, and say so (once per loss).
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub fn lost(&self) {
-        self.until_ms.store(0, Ordering::Release);
-        self.changes
-            .send_if_modified(|serving| std::mem::replace(serving, false));
+        if self.until_ms.swap(0, Ordering::AcqRel) != 0 {
+            self.losses.send_modify(|losses| *losses += 1);
+        }
     }
 
-    /// Changes of standing (`true`: serving), as the renewing task sees
-    /// them.
-    pub fn changes(&self) -> watch::Receiver<bool> {
-        self.changes.subscribe()
+    /// The number of times the lease was lost, as the renewing task found
+    /// out: it changes with each loss.
+    pub fn losses(&self) -> watch::Receiver<u64> {
+        self.losses.subscribe()
     }
 
     fn millis(&self, at: Instant) -> u64 {
@@ -87,18 +87,21 @@ mod tests {
     fn serving_follows_the_clock_and_the_lease() {
         assert!(Standing::always().serving());
         let standing = Standing::until(Instant::now() + Duration::from_secs(60));
-        let mut changes = standing.changes();
+        let mut losses = standing.losses();
         assert!(standing.serving());
         // Past the deadline: not serving, before anyone says it is lost.
         standing.serve_until(Instant::now() - Duration::from_millis(1));
         assert!(!standing.serving());
-        assert!(!changes.has_changed().unwrap(), "the clock, not the task");
+        assert!(!losses.has_changed().unwrap(), "the clock, not the task");
+        standing.lost();
         standing.lost();
         assert!(!standing.serving());
-        assert!(changes.has_changed().unwrap());
-        assert!(!*changes.borrow_and_update());
+        // Back before anyone looked: the loss is still told, once.
         standing.serve_until(Instant::now() + Duration::from_secs(60));
         assert!(standing.serving());
-        assert!(*changes.borrow_and_update());
+        assert!(losses.has_changed().unwrap());
+        assert_eq!(*losses.borrow_and_update(), 1);
+        standing.lost();
+        assert_eq!(*losses.borrow_and_update(), 2);
     }
 }
