@@ -65,9 +65,14 @@ pub enum Pattern {
 /// Options of `pubsub`.
 #[derive(Args, Debug, Clone)]
 pub struct PubSubArgs {
-    /// Broker address.
+    /// Broker address (the publishers', and the subscribers' unless
+    /// --subscriber-target is given).
     #[arg(long, default_value = "127.0.0.1:1883")]
     pub target: SocketAddr,
+    /// Where the subscribers connect, if not to --target: another node of
+    /// a cluster, to measure publishes crossing between nodes.
+    #[arg(long)]
+    pub subscriber_target: Option<SocketAddr>,
     /// Who publishes to whom.
     #[arg(long, value_enum, default_value_t = Pattern::Pairs)]
     pub pattern: Pattern,

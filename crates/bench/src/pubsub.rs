@@ -40,6 +40,9 @@ const HEADER: usize = 20;
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub target: String,
+    /// Where the subscribers connected (another node), if not to `target`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subscriber_target: Option<String>,
     pub pattern: String,
     pub qos: u8,
     pub publishers: usize,
@@ -349,7 +352,7 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
         };
         let client_id = format!("bench-sub-{id}-{s}");
         connecting.spawn(connect(
-            args.target,
+            args.subscriber_target.unwrap_or(args.target),
             client_id,
             Some((filter, qos(args.qos))),
             args.persistent.then_some(300),
@@ -442,6 +445,7 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
     let expected = sent * fan;
     let report = Report {
         target: args.target.to_string(),
+        subscriber_target: args.subscriber_target.map(|t| t.to_string()),
         pattern: format!("{:?}", args.pattern).to_lowercase(),
         qos: args.qos,
         publishers,
@@ -462,10 +466,15 @@ pub async fn run(args: PubSubArgs) -> Result<(), String> {
     };
     crate::emit(&report, args.json, &failures, || {
         format!(
-            "target {}  {} at QoS {}  publishers {}  subscribers {}  payload {} B  measured {:.1} s\n\
+            "target {}{}  {} at QoS {}  publishers {}  subscribers {}  payload {} B  measured {:.1} s\n\
              messages/s {:.0}  sent {}  expected {}  received {}  lost {}  duplicated {}  failed connections {}\n\
              latency µs: p50 {}  p90 {}  p99 {}  max {}",
             report.target,
+            report
+                .subscriber_target
+                .as_ref()
+                .map(|t| format!(" (subscribers on {t})"))
+                .unwrap_or_default(),
             report.pattern,
             report.qos,
             report.publishers,

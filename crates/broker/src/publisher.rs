@@ -57,10 +57,15 @@ impl Link {
     }
 }
 
+/// Where a cluster node's wills go besides its own router: the other nodes.
+pub type Forward = Box<dyn Fn(&Publish, Option<&PublishProperties>) + Send + Sync>;
+
 /// Publishes as the broker itself.
 pub struct Publisher {
     link: Mutex<Link>,
     sessions: Arc<Sessions>,
+    /// A cluster node's links to the other nodes (set once, at start).
+    forward: std::sync::OnceLock<Forward>,
 }
 
 impl Publisher {
@@ -79,6 +84,7 @@ impl Publisher {
         Ok(Arc::new(Publisher {
             link: Mutex::new(Link { tx, next_pkid: 0 }),
             sessions,
+            forward: std::sync::OnceLock::new(),
         }))
     }
 
@@ -144,8 +150,14 @@ impl Publisher {
         self.link.lock().send(packets);
     }
 
+    /// Wills go to the other nodes too, through `forward` (a cluster node).
+    pub fn forward_wills(&self, forward: Forward) {
+        let _ = self.forward.set(forward);
+    }
+
     /// Publishes a client's Last Will at its QoS (a QoS 2 one is released
-    /// at once, as a client would after the router's PUBREC).
+    /// at once, as a client would after the router's PUBREC), on every
+    /// node of a cluster.
     pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
         let mut link = self.link.lock();
         let pkid = if will.qos == QoS::AtMostOnce {
@@ -154,6 +166,9 @@ impl Publisher {
             link.next_pkid()
         };
         let (publish, properties) = will_publish(&will, properties, pkid);
+        if let Some(forward) = self.forward.get() {
+            forward(&publish, properties.as_ref());
+        }
         let mut packets = vec![Packet::Publish(publish, properties)];
         release_at_once(&mut packets, will.qos as u8, pkid);
         link.send(packets);

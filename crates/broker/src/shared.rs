@@ -169,11 +169,16 @@ impl Shared {
                         .await
                         .map_err(std::io::Error::other)?;
                 standing = member.standing();
-                peers = Some(
-                    crate::cluster::Peers::start(&cluster, member.watch())
-                        .await
-                        .map_err(std::io::Error::other)?,
-                );
+                let links = crate::cluster::Peers::start(&cluster, member.watch())
+                    .await
+                    .map_err(std::io::Error::other)?;
+                let weak = Arc::downgrade(&links);
+                publisher.forward_wills(Box::new(move |publish, properties| {
+                    if let Some(links) = weak.upgrade() {
+                        links.forward(publish, properties);
+                    }
+                }));
+                peers = Some(links);
                 membership = Some(member);
                 StateStoreService::start_clustered(
                     settings.store_config(),

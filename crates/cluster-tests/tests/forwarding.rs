@@ -303,3 +303,45 @@ async fn links_come_back_after_a_node_is_killed_and_restarted() {
         assert_eq!(got.get("b"), Some(&vec![0]));
     }
 }
+
+/// A client whose connection breaks on one node: its will reaches the
+/// subscribers of every node; a client that says goodbye leaves none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_will_reaches_every_nodes_subscribers() {
+    let setup = three_linked_nodes().await;
+    let (_s2, mut on_2) = subscriber(setup.ports[1], "ws2", "will/#", QoS::AtLeastOnce).await;
+    let (_s3, mut on_3) = subscriber(setup.ports[2], "ws3", "will/#", QoS::AtLeastOnce).await;
+    let with_will = |name: &'static str| {
+        move |c: &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)| {
+            c.1 = Some(v5::LastWill::new(
+                format!("will/{name}"),
+                format!("{name}-0"),
+                QoS::AtLeastOnce,
+                false,
+                None,
+            ));
+        }
+    };
+    let (polite, _) = Raw::connect_with(addr(setup.ports[0]), "polite", with_will("polite")).await;
+    let (mut vanished, _) =
+        Raw::connect_with(addr(setup.ports[0]), "vanished", with_will("vanished")).await;
+    let mut polite = polite;
+    polite
+        .send(v5::Packet::Disconnect(v5::Disconnect::new(
+            v5::DisconnectReasonCode::NormalDisconnection,
+        )))
+        .await;
+    use tokio::io::AsyncWriteExt;
+    vanished.stream.shutdown().await.unwrap();
+    drop(vanished);
+    for rx in [&mut on_2, &mut on_3] {
+        let got = receive(rx, 1).await;
+        assert_eq!(got[0].0, "will/vanished");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), rx.recv())
+                .await
+                .is_err(),
+            "a will after a normal DISCONNECT, or one twice"
+        );
+    }
+}

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# MQTT publish/subscribe across cluster nodes on this machine: one etcd
+# member and 3 statebroker nodes on loopback (release builds), then, in the
+# same run, statebroker-bench pubsub (pairs, fan-in, fan-out at QoS 0 and 1)
+# with publishers on node 1 and subscribers on node 2 ("cross"), both on
+# node 1 ("same node": its publishes still go to the two other nodes), the
+# single node (no cluster) and mosquitto.
+#   bench/cluster-pubsub.sh [SECONDS] [CLIENTS]   (default 5 s, 16 clients)
+# Needs etcd and mosquitto on PATH; builds what it runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-5}" n="${2:-16}"
+cargo build --release -q -p statebroker-cluster-tests --bin statebroker-node
+cargo build --release -q --bin statebroker-bench
+node=target/release/statebroker-node
+bench=target/release/statebroker-bench
+dir="$(mktemp -d)"
+pids=()
+cleanup() { kill -9 "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$dir"; }
+trap cleanup EXIT
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+cp=$(port) pp=$(port)
+etcd --name m1 --data-dir "$dir/m1" \
+    --listen-client-urls "http://127.0.0.1:$cp" --advertise-client-urls "http://127.0.0.1:$cp" \
+    --listen-peer-urls "http://127.0.0.1:$pp" --initial-advertise-peer-urls "http://127.0.0.1:$pp" \
+    --initial-cluster "m1=http://127.0.0.1:$pp" >"$dir/m1.log" 2>&1 &
+pids+=($!)
+endpoints="http://127.0.0.1:$cp"
+ETCDCTL_API=3 timeout 60 bash -c "until etcdctl --endpoints=$endpoints endpoint health >/dev/null 2>&1; do sleep 0.5; done"
+declare -a mp hp
+for i in 1 2 3; do
+    mp[$i]=$(port) hp[$i]=$(port)
+    "$node" --listen "127.0.0.1:${mp[$i]}" --http "127.0.0.1:${hp[$i]}" --in-memory \
+        --cluster-node-id "sb$i" --etcd-endpoints "$endpoints" >"$dir/sb$i.log" 2>&1 &
+    pids+=($!)
+done
+single=$(port) mosq=$(port)
+"$node" --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
+pids+=($!)
+printf 'listener %s 127.0.0.1\nallow_anonymous true\nmax_queued_messages 100000\n' "$mosq" >"$dir/mosquitto.conf"
+mosquitto -c "$dir/mosquitto.conf" >"$dir/mosquitto.log" 2>&1 &
+pids+=($!)
+for p in "${mp[@]}" "$single" "$mosq"; do
+    timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
+done
+# Every node linked to the two others.
+for h in "${hp[@]}"; do
+    timeout 30 bash -c "until curl -s 127.0.0.1:$h/metrics | grep -q '^statebroker_cluster_peer_links 2'; do sleep 0.2; done"
+done
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $n clients, $secs s each"
+printf '%-8s %-4s %-22s %12s %10s %10s %6s %6s\n' pattern qos system msgs/s p50_us p99_us lost dup
+run() { # pattern qos name publisher-port [subscriber-port]
+    local pattern=$1 qos=$2 name=$3 pub=$4 sub=${5:-$4} out
+    out=$("$bench" pubsub --json --pattern "$pattern" -n "$n" --qos "$qos" -d "$secs" --warmup 1 \
+        --target "127.0.0.1:$pub" --subscriber-target "127.0.0.1:$sub")
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%-8s %-4s %-22s %12.0f %10d %10d %6d %6d" % (sys.argv[2], sys.argv[3], sys.argv[4], r["messages_per_sec"], r["p50_us"], r["p99_us"], r["lost"], r["duplicated"]))' \
+        "$out" "$pattern" "$qos" "$name"
+}
+for pattern in pairs fan-in fan-out; do
+    for qos in 0 1; do
+        run "$pattern" "$qos" "cluster: cross" "${mp[1]}" "${mp[2]}"
+        run "$pattern" "$qos" "cluster: same node" "${mp[1]}"
+        run "$pattern" "$qos" "single node" "$single"
+        run "$pattern" "$qos" "mosquitto" "$mosq"
+    done
+done
