@@ -500,9 +500,16 @@ pub fn cluster_members(members: usize) {
 }
 
 #[cfg(feature = "cluster")]
-/// Clustering: links to other nodes connected now.
-pub fn cluster_peer_links(links: usize) {
-    gauge!(CLUSTER_PEER_LINKS).set(links as f64);
+/// Clustering: a link to another node came up (`true`) or went down
+/// (each link says so from its own task: increments, not a value set,
+/// so two links changing at once cannot leave a stale count).
+pub fn cluster_peer_link(up: bool) {
+    let gauge = gauge!(CLUSTER_PEER_LINKS);
+    if up {
+        gauge.increment(1.0);
+    } else {
+        gauge.decrement(1.0);
+    }
 }
 
 #[cfg(feature = "cluster")]

@@ -28,7 +28,6 @@
 //! publishes (per node), sessions that move between nodes.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -59,8 +58,6 @@ pub struct Peers {
     secret: String,
     forward_queue: usize,
     links: RwLock<Vec<Link>>,
-    /// Links connected now (the gauge).
-    up: Arc<AtomicUsize>,
 }
 
 /// One link, and the task that drives it (it ends when the link is dropped).
@@ -90,9 +87,7 @@ impl Peers {
             secret,
             forward_queue: cluster.settings.forward_queue,
             links: RwLock::new(Vec::new()),
-            up: Arc::new(AtomicUsize::new(0)),
         });
-        crate::metrics::cluster_peer_links(0);
         tokio::spawn(follow(Arc::downgrade(&peers), members));
         Ok(peers)
     }
@@ -200,13 +195,7 @@ impl Peers {
             .set_request_channel_capacity(self.forward_queue);
         let (client, events) = AsyncClient::new(options, self.forward_queue);
         let (stop, stopped) = oneshot::channel();
-        tokio::spawn(drive(
-            events,
-            node.to_owned(),
-            address.to_owned(),
-            Arc::clone(&self.up),
-            stopped,
-        ));
+        tokio::spawn(drive(events, node.to_owned(), address.to_owned(), stopped));
         let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
         tracing::info!(peer = node, address, "clustering: linking to a node");
         Ok(Link {
@@ -258,20 +247,13 @@ async fn drive(
     mut events: EventLoop,
     peer: String,
     address: String,
-    up: Arc<AtomicUsize>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let mut connected = false;
     let mut backoff = Duration::from_millis(100);
     let set = |connected: &mut bool, now: bool| {
-        if *connected != now {
-            *connected = now;
-            let n = if now {
-                up.fetch_add(1, Ordering::Relaxed) + 1
-            } else {
-                up.fetch_sub(1, Ordering::Relaxed) - 1
-            };
-            crate::metrics::cluster_peer_links(n);
+        if std::mem::replace(connected, now) != now {
+            crate::metrics::cluster_peer_link(now);
         }
     };
     loop {
