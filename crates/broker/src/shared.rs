@@ -60,6 +60,9 @@ pub(crate) struct Shared {
     /// A cluster node's links to the other nodes.
     #[cfg(feature = "cluster")]
     pub peers: Option<Arc<crate::cluster::Peers>>,
+    /// Which node each client id is connected to (a cluster node).
+    #[cfg(feature = "cluster")]
+    pub ownership: Option<Arc<crate::cluster::Ownership>>,
 }
 
 impl Shared {
@@ -139,7 +142,7 @@ impl Shared {
         #[allow(unused_mut)] // set by a cluster node only
         let mut standing = Arc::new(Standing::always());
         #[cfg(feature = "cluster")]
-        let (mut membership, mut peers) = (None, None);
+        let (mut membership, mut peers, mut ownership) = (None, None, None);
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -179,6 +182,17 @@ impl Shared {
                     }
                 }));
                 peers = Some(links);
+                ownership = Some(
+                    crate::cluster::Ownership::start(
+                        Arc::clone(&cluster),
+                        Arc::clone(&member),
+                        Arc::clone(&sessions),
+                    )
+                    .await
+                    .map_err(|e| {
+                        std::io::Error::other(format!("cannot watch client ownership in etcd: {e}"))
+                    })?,
+                );
                 membership = Some(member);
                 StateStoreService::start_clustered(
                     settings.store_config(),
@@ -234,6 +248,8 @@ impl Shared {
             _membership: membership,
             #[cfg(feature = "cluster")]
             peers,
+            #[cfg(feature = "cluster")]
+            ownership,
         }))
     }
 
@@ -248,6 +264,25 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(peers) = &self.peers {
             peers.forward(_publish, _properties);
+        }
+    }
+
+    /// Records this node as the owner of `client_id` for `connection` (a
+    /// cluster node: its connection on another node ends; in the
+    /// background).
+    pub fn claim_client(&self, _client_id: &str, _connection: u64) {
+        #[cfg(feature = "cluster")]
+        if let Some(ownership) = &self.ownership {
+            ownership.claim(_client_id, _connection);
+        }
+    }
+
+    /// `connection` of `client_id` ended (a cluster node: its ownership
+    /// record goes).
+    pub fn release_client(&self, _client_id: &str, _connection: u64) {
+        #[cfg(feature = "cluster")]
+        if let Some(ownership) = &self.ownership {
+            ownership.release(_client_id, _connection);
         }
     }
 

@@ -50,6 +50,8 @@ pub struct Membership {
     standing: Arc<Standing>,
     /// The members as last read, this node included, sorted by id.
     members: tokio::sync::watch::Sender<Vec<Member>>,
+    /// The lease the node is registered under now (0: none yet).
+    lease: std::sync::atomic::AtomicI64,
 }
 
 impl Membership {
@@ -81,6 +83,7 @@ impl Membership {
             ttl,
             standing: Arc::new(Standing::until(Instant::now())),
             members: tokio::sync::watch::Sender::new(Vec::new()),
+            lease: std::sync::atomic::AtomicI64::new(0),
         };
         // The id may still be held by this node's previous run (killed
         // before its lease ran out): wait for that lease, once; a holder
@@ -108,6 +111,9 @@ impl Membership {
             }
         };
         membership.standing = Arc::new(Standing::until(until));
+        membership
+            .lease
+            .store(lease, std::sync::atomic::Ordering::Release);
         let membership = Arc::new(membership);
         membership.refresh_members().await;
         tracing::info!(
@@ -127,6 +133,12 @@ impl Membership {
     /// Whether this node serves, as the lease says.
     pub fn standing(&self) -> Arc<Standing> {
         Arc::clone(&self.standing)
+    }
+
+    /// The lease the node is registered under now: what it records in
+    /// etcd for as long as it serves goes under it, and goes with it.
+    pub fn lease(&self) -> i64 {
+        self.lease.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The node ids registered, this one's included, sorted.
@@ -315,6 +327,7 @@ async fn run(
             };
             match m.register().await {
                 Ok((lease, until)) => {
+                    m.lease.store(lease, std::sync::atomic::Ordering::Release);
                     m.standing.serve_until(until);
                     m.refresh_members().await;
                     tracing::info!(

@@ -14,6 +14,8 @@
 //!   and old tombstones.
 //! - [`membership`]: the node's registration under a lease; it serves MQTT
 //!   clients only while it holds the lease.
+//! - [`ownership`]: which node a client id is connected to; a CONNECT on
+//!   another node ends the older connection (0x8E).
 //! - [`peers`]: links to the other nodes, which carry this node's clients'
 //!   publishes to every node's subscribers.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
@@ -25,6 +27,7 @@
 
 pub mod kv;
 pub mod membership;
+pub mod ownership;
 pub mod peers;
 mod reaper;
 pub mod record;
@@ -40,6 +43,7 @@ use parking_lot::Mutex;
 use crate::config::ClusteringSettings;
 pub use kv::{NodeClock, Unanswered};
 pub use membership::Membership;
+pub use ownership::Ownership;
 pub use peers::Peers;
 pub use watch::Change;
 

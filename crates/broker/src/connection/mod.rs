@@ -114,6 +114,12 @@ pub(crate) async fn serve<S: Stream>(
         mailbox,
         Arc::clone(&peer_view),
     );
+    // A cluster node records that it owns the client id now: its
+    // connection on another node ends (0x8E). A link between nodes is not
+    // a client.
+    if from_node.is_none() {
+        shared.claim_client(&client_id, id);
+    }
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
     let start = Start {
@@ -162,6 +168,7 @@ pub(crate) async fn serve<S: Stream>(
     // would be held by every connection for its whole life.
     Box::pin(driver.finish(&mut machine, &end)).await;
     shared.store.connection_closed(&client_id, id);
+    shared.release_client(&client_id, id);
     // No more direct deliveries; what was not acknowledged goes to the
     // router, which keeps it for a persistent session.
     shared

@@ -110,6 +110,17 @@ impl Sessions {
         live.is_some_and(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
     }
 
+    /// Ends `client`'s connection `connection` with DISCONNECT 0x8E
+    /// (session taken over: the client connected to another cluster
+    /// node); `false` if that is not its live connection.
+    pub fn take_over(&self, client: &str, connection: u64) -> bool {
+        let clients = self.clients.read();
+        let live = clients.get(client).and_then(|c| c.live.as_ref());
+        live.is_some_and(|l| {
+            l.connection == connection && l.mailbox.tx.send(ToConnection::TakenOver).is_ok()
+        })
+    }
+
     /// Tells every connection to end: the node stopped serving (a cluster
     /// node that lost its membership); how many were told.
     pub fn send_all_away(&self) -> usize {
