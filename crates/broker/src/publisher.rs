@@ -150,6 +150,28 @@ impl Publisher {
         self.link.lock().send(packets);
     }
 
+    /// Publishes retained messages kept elsewhere (a cluster node at
+    /// start: those in etcd), at their QoS, with RETAIN.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub fn restore_retained(&self, messages: Vec<router::Message>) {
+        let mut link = self.link.lock();
+        let mut packets = Vec::with_capacity(messages.len());
+        for router::Message {
+            mut publish,
+            properties,
+        } in messages
+        {
+            let qos = publish.qos as u8;
+            publish.retain = true;
+            publish.dup = false;
+            publish.pkid = if qos == 0 { 0 } else { link.next_pkid() };
+            let pkid = publish.pkid;
+            packets.push(Packet::Publish(publish, properties));
+            release_at_once(&mut packets, qos, pkid);
+        }
+        link.send(packets);
+    }
+
     /// Wills go to the other nodes too, through `forward` (a cluster node).
     pub fn forward_wills(&self, forward: Forward) {
         let _ = self.forward.set(forward);

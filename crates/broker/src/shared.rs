@@ -63,6 +63,9 @@ pub(crate) struct Shared {
     /// Which node each client id is connected to (a cluster node).
     #[cfg(feature = "cluster")]
     pub ownership: Option<Arc<crate::cluster::Ownership>>,
+    /// Retained messages on their way to etcd (a cluster node).
+    #[cfg(feature = "cluster")]
+    pub retained: Option<Arc<crate::cluster::Retained>>,
 }
 
 impl Shared {
@@ -142,7 +145,7 @@ impl Shared {
         #[allow(unused_mut)] // set by a cluster node only
         let mut standing = Arc::new(Standing::always());
         #[cfg(feature = "cluster")]
-        let (mut membership, mut peers, mut ownership) = (None, None, None);
+        let (mut membership, mut peers, mut ownership, mut retained) = (None, None, None, None);
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -182,6 +185,18 @@ impl Shared {
                     }
                 }));
                 peers = Some(links);
+                // The retained messages the cluster keeps in etcd, before
+                // any client connects (no subscriber gets them twice).
+                let kept = crate::cluster::Retained::start(Arc::clone(&cluster));
+                let messages = kept.load().await.map_err(|e| {
+                    std::io::Error::other(format!("cannot read retained messages from etcd: {e}"))
+                })?;
+                tracing::info!(
+                    retained = messages.len(),
+                    "clustering: retained messages read from etcd"
+                );
+                publisher.restore_retained(messages);
+                retained = Some(kept);
                 ownership = Some(
                     crate::cluster::Ownership::start(
                         Arc::clone(&cluster),
@@ -250,11 +265,14 @@ impl Shared {
             peers,
             #[cfg(feature = "cluster")]
             ownership,
+            #[cfg(feature = "cluster")]
+            retained,
         }))
     }
 
     /// Hands a publish of this node's clients to the other nodes (a
-    /// cluster node; nothing on a single node).
+    /// cluster node; nothing on a single node), and a retained one to
+    /// etcd.
     #[inline]
     pub fn forward_to_peers(
         &self,
@@ -264,6 +282,11 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(peers) = &self.peers {
             peers.forward(_publish, _properties);
+            if _publish.retain
+                && let Some(retained) = &self.retained
+            {
+                retained.keep(_publish, _properties);
+            }
         }
     }
 

@@ -428,3 +428,72 @@ async fn forwarding_holds_through_an_etcd_leader_kill_and_a_paused_node() {
         }
     }
 }
+
+/// Retained messages are kept in etcd: a node that starts later serves the
+/// set the others have (set on one node, cleared on another), with RETAIN
+/// and their QoS; a write never replaces a newer record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_starts_later_serves_the_retained_messages() {
+    let mut setup = Setup::start(1, 2);
+    for &http in &setup.http {
+        eventually("the two nodes linked", || metric(http, LINKS) == Some(1.0)).await;
+    }
+    let mut on_1 = Raw::connect(addr(setup.ports[0]), "r1").await;
+    let mut on_2 = Raw::connect(addr(setup.ports[1]), "r2").await;
+    // A record newer than anything a node writes now (its time, the first
+    // 8 bytes, is far in the future): a write compares and leaves it.
+    setup.etcd.put("/statebroker/R/r/z", "zzzzzzzz").unwrap();
+    common::mqtt::publish_complete(&mut on_1, "r/z", b"older", QoS::AtLeastOnce, true).await;
+    common::mqtt::publish_complete(&mut on_1, "r/a", b"kept a", QoS::AtLeastOnce, true).await;
+    common::mqtt::publish_complete(&mut on_1, "r/b", b"kept b", QoS::AtLeastOnce, true).await;
+    common::mqtt::publish_complete(&mut on_2, "r/b", b"", QoS::AtLeastOnce, true).await;
+    common::mqtt::publish_complete(&mut on_2, "r/c", b"kept c", QoS::ExactlyOnce, true).await;
+    // Written to etcd in the background: wait for it there (a cleared
+    // topic leaves an 8-byte tombstone).
+    let kept = |topic: &str| {
+        let value = setup.etcd.get(&format!("/statebroker/R/{topic}")).unwrap();
+        value.is_some_and(|v| v.len() > 8)
+    };
+    eventually("the retained messages in etcd", || {
+        kept("r/a") && !kept("r/b") && kept("r/c")
+    })
+    .await;
+    assert_eq!(
+        setup.etcd.get("/statebroker/R/r/z").unwrap().as_deref(),
+        Some(&b"zzzzzzzz"[..]),
+        "an older write replaced a newer record"
+    );
+    setup.add_node(&[]);
+    let mut late = Raw::connect(addr(setup.ports[2]), "late").await;
+    late.subscribe("r/#", QoS::ExactlyOnce).await;
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        match late.recv().await {
+            common::raw::Recv::Packet(v5::Packet::Publish(p)) => {
+                assert!(p.retain, "delivered as retained");
+                got.push((
+                    String::from_utf8_lossy(&p.topic).into_owned(),
+                    String::from_utf8_lossy(&p.payload).into_owned(),
+                    p.qos,
+                ));
+                if p.qos == QoS::ExactlyOnce {
+                    late.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                        .await;
+                } else if p.qos == QoS::AtLeastOnce {
+                    late.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                        .await;
+                }
+            }
+            other => panic!("expected a retained PUBLISH, got {other:?}"),
+        }
+    }
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        got,
+        vec![
+            ("r/a".to_owned(), "kept a".to_owned(), QoS::AtLeastOnce),
+            ("r/c".to_owned(), "kept c".to_owned(), QoS::ExactlyOnce),
+        ]
+    );
+    late.no_publish_within(Duration::from_millis(500)).await;
+}

@@ -16,6 +16,8 @@
 //!   clients only while it holds the lease.
 //! - [`ownership`]: which node a client id is connected to; a CONNECT on
 //!   another node ends the older connection (0x8E).
+//! - [`retained`]: retained messages kept in etcd for nodes that start
+//!   later.
 //! - [`peers`]: links to the other nodes, which carry this node's clients'
 //!   publishes to every node's subscribers.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
@@ -31,6 +33,7 @@ pub mod ownership;
 pub mod peers;
 mod reaper;
 pub mod record;
+pub mod retained;
 pub mod watch;
 
 use std::sync::Arc;
@@ -45,6 +48,7 @@ pub use kv::{NodeClock, Unanswered};
 pub use membership::Membership;
 pub use ownership::Ownership;
 pub use peers::Peers;
+pub use retained::Retained;
 pub use watch::Change;
 
 /// A node's connection to the cluster.

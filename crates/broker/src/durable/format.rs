@@ -17,7 +17,7 @@ const SESSION_WITH_QUEUE_FULL: u8 = 2;
 const MAX_STORED_PACKET: usize = 1 << 30;
 
 /// A retained message's saved form (`None` if it cannot be encoded).
-pub(super) fn encode_message(
+pub(crate) fn encode_message(
     publish: &Publish,
     properties: Option<&PublishProperties>,
     now: u64,
@@ -36,7 +36,7 @@ pub(super) fn encode_message(
 
 /// A saved retained message, with its Message Expiry Interval reduced by
 /// the time it waited; `Ok(None)` if it has expired.
-pub(super) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, String> {
+pub(crate) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, String> {
     let mut cursor = value;
     if cursor.len() < 9 || cursor.get_u8() != VERSION {
         return Err("unknown format".into());

@@ -58,7 +58,7 @@ use router::{
 use crate::clock::now_ms;
 use crate::persistence::{Pair, Persistence, Put, Space};
 
-mod format;
+pub(crate) mod format;
 mod queue;
 
 use format::{decode_message, decode_session, encode_message, encode_session};

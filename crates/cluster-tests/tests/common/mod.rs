@@ -53,33 +53,39 @@ impl Setup {
             options.extra_args.push(format!("--election-timeout={ms}"));
         }
         let etcd = EtcdCluster::start_with(members, options).expect("etcd starts");
-        let endpoints = etcd.endpoints().join(",");
         let mut setup = Setup {
             etcd,
             nodes: Vec::new(),
             ports: Vec::new(),
             http: Vec::new(),
         };
-        for i in 0..nodes {
-            let (port, http) = (free_port(), free_port());
-            let mut spec = NodeSpec::new(BROKER)
-                .name(format!("sb{}", i + 1))
-                .arg(format!("--listen=127.0.0.1:{port}"))
-                .arg(format!("--http=127.0.0.1:{http}"))
-                .arg("--in-memory")
-                .arg(format!("--cluster-node-id=sb{}", i + 1))
-                .arg(format!("--etcd-endpoints={endpoints}"))
-                .env("RUST_LOG", "info,broker::cluster=debug");
-            for (k, v) in env {
-                spec = spec.env(k, v);
-            }
-            let mut node = spec.start().expect("the node starts");
-            node.wait_tcp(port, PATIENCE).expect("the node listens");
-            setup.nodes.push(node);
-            setup.ports.push(port);
-            setup.http.push(http);
+        for _ in 0..nodes {
+            setup.add_node(env);
         }
         setup
+    }
+
+    /// One more node (`sb<n>`), with `env`, ready.
+    pub fn add_node(&mut self, env: &[(&str, &str)]) {
+        let endpoints = self.etcd.endpoints().join(",");
+        let n = self.nodes.len() + 1;
+        let (port, http) = (free_port(), free_port());
+        let mut spec = NodeSpec::new(BROKER)
+            .name(format!("sb{n}"))
+            .arg(format!("--listen=127.0.0.1:{port}"))
+            .arg(format!("--http=127.0.0.1:{http}"))
+            .arg("--in-memory")
+            .arg(format!("--cluster-node-id=sb{n}"))
+            .arg(format!("--etcd-endpoints={endpoints}"))
+            .env("RUST_LOG", "info,broker::cluster=debug");
+        for (k, v) in env {
+            spec = spec.env(k, v);
+        }
+        let mut node = spec.start().expect("the node starts");
+        node.wait_tcp(port, PATIENCE).expect("the node listens");
+        self.nodes.push(node);
+        self.ports.push(port);
+        self.http.push(http);
     }
 }
 
