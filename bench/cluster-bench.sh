@@ -38,14 +38,15 @@ for i in 1 2 3; do
 done
 ETCDCTL_API=3 timeout 60 bash -c "until etcdctl --endpoints=$endpoints endpoint health >/dev/null 2>&1; do sleep 0.5; done"
 declare -a mp
+declare -a hp
 for i in 1 2 3; do
-    mp[$i]=$(port)
-    "$node" --listen "127.0.0.1:${mp[$i]}" --no-http --in-memory \
+    mp[$i]=$(port) hp[$i]=$(port)
+    "$node" --listen "127.0.0.1:${mp[$i]}" --http "127.0.0.1:${hp[$i]}" --in-memory \
         --cluster-node-id "sb$i" --etcd-endpoints "$endpoints" >"$dir/sb$i.log" 2>&1 &
     pids+=($!)
 done
-mp[4]=$(port)
-STATEBROKER__CLUSTERING__CACHED_READS=true "$node" --listen "127.0.0.1:${mp[4]}" --no-http --in-memory \
+mp[4]=$(port) hp[4]=$(port)
+STATEBROKER__CLUSTERING__CACHED_READS=true "$node" --listen "127.0.0.1:${mp[4]}" --http "127.0.0.1:${hp[4]}" --in-memory \
     --cluster-node-id sb4 --etcd-endpoints "$endpoints" >"$dir/sb4.log" 2>&1 &
 pids+=($!)
 single=$(port)
@@ -53,6 +54,10 @@ target/release/statebroker-node --listen "127.0.0.1:$single" --no-http --in-memo
 pids+=($!)
 for p in "${mp[@]}" "$single"; do
     timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
+done
+# A cluster node takes clients once the others have linked to it.
+for h in "${hp[@]}"; do
+    timeout 30 bash -c "until curl -sf 127.0.0.1:$h/readyz >/dev/null; do sleep 0.2; done"
 done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
 run() { # name what c: one line

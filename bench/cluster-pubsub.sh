@@ -43,9 +43,10 @@ pids+=($!)
 for p in "${mp[@]}" "$single" "$mosq"; do
     timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
 done
-# Every node linked to the two others.
+# Every node linked to the two others, and taking clients.
 for h in "${hp[@]}"; do
     timeout 30 bash -c "until curl -s 127.0.0.1:$h/metrics | grep -q '^statebroker_cluster_peer_links 2'; do sleep 0.2; done"
+    timeout 30 bash -c "until curl -sf 127.0.0.1:$h/readyz >/dev/null; do sleep 0.2; done"
 done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $n clients, $secs s each"
 printf '%-8s %-4s %-22s %12s %10s %10s %6s %6s\n' pattern qos system msgs/s p50_us p99_us lost dup

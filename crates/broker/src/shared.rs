@@ -309,6 +309,24 @@ impl Shared {
         }
     }
 
+    /// Whether the node takes clients: a cluster node once every other
+    /// node has linked to it (see `cluster::peers`); always on a single node.
+    pub fn takes_clients(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(peers) = &self.peers {
+            return peers.joined();
+        }
+        true
+    }
+
+    /// Another node's link to this one connected (`up`) or ended.
+    pub fn inbound_link(&self, _node: &str, _up: bool) {
+        #[cfg(feature = "cluster")]
+        if let Some(peers) = &self.peers {
+            peers.inbound_link(_node, _up);
+        }
+    }
+
     /// The node id of another node whose link this CONNECT is (client id
     /// and login), if it is one.
     pub fn peer_link<'a>(

@@ -497,3 +497,44 @@ async fn a_node_that_starts_later_serves_the_retained_messages() {
     );
     late.no_publish_within(Duration::from_millis(500)).await;
 }
+
+/// A node that joins takes clients only once the others have linked to it
+/// (CONNACK 0x88 until then): a subscriber whose SUBACK comes from it gets
+/// what another node's client publishes right after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_joins_takes_clients_once_the_others_forward_to_it() {
+    let setup = Setup::start(1, 2);
+    // The new node, without waiting for it to be ready.
+    let port = common::free_port();
+    let endpoints = setup.etcd.endpoints().join(",");
+    let mut node = statebroker_cluster_harness::NodeSpec::new(common::BROKER)
+        .name("sb3")
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .arg("--no-http")
+        .arg("--in-memory")
+        .arg("--cluster-node-id=sb3")
+        .arg(format!("--etcd-endpoints={endpoints}"))
+        .start()
+        .expect("the node starts");
+    node.wait_tcp(port, PATIENCE).expect("the node listens");
+    let start = std::time::Instant::now();
+    let mut subscriber = loop {
+        let (raw, ack) = Raw::connect_with(addr(port), "early", |_| {}).await;
+        match ack.code {
+            v5::ConnectReturnCode::Success => break raw,
+            v5::ConnectReturnCode::ServerUnavailable => {
+                assert!(start.elapsed() < PATIENCE, "the node never took clients");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("CONNACK {other:?}"),
+        }
+    };
+    subscriber.subscribe("j", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr(setup.ports[0]), "jp").await;
+    publisher
+        .publish("j", "first", QoS::AtLeastOnce, None)
+        .await;
+    let first = subscriber.next_publish().await;
+    assert_eq!(&first.payload[..], b"first");
+    drop(node);
+}

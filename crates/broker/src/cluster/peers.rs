@@ -58,6 +58,13 @@ pub struct Peers {
     secret: String,
     forward_queue: usize,
     links: RwLock<Vec<Link>>,
+    /// The other nodes' links to this one connected now, by node id.
+    inbound: parking_lot::Mutex<HashMap<String, usize>>,
+    /// Told when a link to this node connects.
+    linked: Arc<tokio::sync::Notify>,
+    /// The node takes clients: every other member has linked to it (or
+    /// the wait for that ran out).
+    joined: std::sync::atomic::AtomicBool,
 }
 
 /// One link, and the task that drives it (it ends when the link is dropped).
@@ -87,9 +94,51 @@ impl Peers {
             secret,
             forward_queue: cluster.settings.forward_queue,
             links: RwLock::new(Vec::new()),
+            inbound: parking_lot::Mutex::new(HashMap::new()),
+            linked: Arc::new(tokio::sync::Notify::new()),
+            joined: std::sync::atomic::AtomicBool::new(false),
         });
-        tokio::spawn(follow(Arc::downgrade(&peers), members));
+        tokio::spawn(follow(Arc::downgrade(&peers), members.clone()));
+        tokio::spawn(join(
+            Arc::downgrade(&peers),
+            members,
+            cluster.settings.lease_ttl,
+        ));
         Ok(peers)
+    }
+
+    /// Whether the node takes clients yet: once every other member has
+    /// linked to it, so that a SUBACK it gives means every node forwards
+    /// to it already.
+    pub fn joined(&self) -> bool {
+        self.joined.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Another node's link to this one connected (`up`) or ended.
+    pub fn inbound_link(&self, node: &str, up: bool) {
+        let mut inbound = self.inbound.lock();
+        if up {
+            *inbound.entry(node.to_owned()).or_default() += 1;
+            drop(inbound);
+            self.linked.notify_one();
+        } else if let Some(count) = inbound.get_mut(node) {
+            *count -= 1;
+            if *count == 0 {
+                inbound.remove(node);
+            }
+        }
+    }
+
+    /// The other members (with an address) whose link to this node is
+    /// not connected.
+    fn not_linked(&self, members: &[Member]) -> Vec<String> {
+        let inbound = self.inbound.lock();
+        members
+            .iter()
+            .filter(|m| m.node_id != self.node_id && m.peer_address.is_some())
+            .filter(|m| !inbound.contains_key(&m.node_id))
+            .map(|m| m.node_id.clone())
+            .collect()
     }
 
     /// Whether a CONNECT with `client_id` and this login is another node's
@@ -222,6 +271,38 @@ fn link_properties(p: &PublishProperties) -> LinkProperties {
         user_properties: p.user_properties.clone(),
         subscription_identifiers: Vec::new(),
         content_type: p.content_type.clone(),
+    }
+}
+
+/// Lets the node take clients once every other member has linked to it,
+/// or after `limit` (a WARN names those that did not).
+async fn join(peers: Weak<Peers>, mut members: watch::Receiver<Vec<Member>>, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let Some(p) = peers.upgrade() else { return };
+        let missing = p.not_linked(&members.borrow_and_update());
+        if missing.is_empty() {
+            tracing::info!("clustering: every other node has linked to this one: taking clients");
+            p.joined.store(true, std::sync::atomic::Ordering::Release);
+            return;
+        }
+        let linked = Arc::clone(&p.linked);
+        drop(p);
+        tokio::select! {
+            () = linked.notified() => {}
+            changed = members.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep_until(deadline) => {
+                if let Some(p) = peers.upgrade() {
+                    tracing::warn!(
+                        ?missing,
+                        wait_ms = limit.as_millis() as u64,
+                        "clustering: taking clients although these nodes have not linked to this one: they do not forward to it yet"
+                    );
+                    p.joined.store(true, std::sync::atomic::Ordering::Release);
+                }
+                return;
+            }
+        }
     }
 }
 

@@ -161,6 +161,12 @@ pub(crate) async fn accept(
             "this cluster node lost its membership lease in etcd: use another node",
         ));
     }
+    if from_node.is_none() && !shared.takes_clients() {
+        return Err(refuse(
+            Refusal::Joining,
+            "this cluster node has just joined: the other nodes have not all linked to it yet",
+        ));
+    }
     if shared.faults.refusing() {
         return Err(refuse(
             Refusal::Busy,

@@ -100,6 +100,9 @@ pub(crate) enum Refusal {
     /// A cluster node that lost its membership lease (MQTT 5: 0x9C "use
     /// another server"; 3.1.1: 0x03 "server unavailable").
     NotAMember,
+    /// A cluster node that has just joined, before the other nodes have
+    /// linked to it (MQTT 5: 0x88 "server unavailable"; 3.1.1: 0x03).
+    Joining,
     /// A User Property statebroker reads ([`QUEUE_FULL`]) with a value it
     /// does not know (MQTT 5: CONNACK 0x83 with a Reason String saying
     /// what is expected).
@@ -122,6 +125,7 @@ impl Refusal {
             Refusal::SessionsQuota => "sessions_quota_exceeded",
             Refusal::BadUserProperty => "user_property_not_valid",
             Refusal::NotAMember => "not_a_cluster_member",
+            Refusal::Joining => "cluster_node_joining",
         }
     }
 }
@@ -145,6 +149,8 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V5, Refusal::SessionsQuota) => ConnectReturnCode::QuotaExceeded,
         (Protocol::V4, Refusal::NotAMember) => ConnectReturnCode::ServiceUnavailable,
         (Protocol::V5, Refusal::NotAMember) => ConnectReturnCode::UseAnotherServer,
+        (Protocol::V4, Refusal::Joining) => ConnectReturnCode::ServiceUnavailable,
+        (Protocol::V5, Refusal::Joining) => ConnectReturnCode::ServerUnavailable,
         (Protocol::V5, Refusal::BadAuthenticationMethod) => {
             ConnectReturnCode::BadAuthenticationMethod
         }

@@ -120,6 +120,7 @@ pub(crate) async fn serve<S: Stream>(
     if from_node.is_none() {
         shared.claim_client(&client_id, id);
     }
+    let link_from = from_node.clone();
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
     let start = Start {
@@ -162,7 +163,13 @@ pub(crate) async fn serve<S: Stream>(
     tracing::info!(%peer, client_id, connection = id, ?protocol, clean_start = terms.clean_start, keep_alive = terms.keep_alive, "client connected");
 
     crate::metrics::connection_opened();
+    if let Some(node) = &link_from {
+        shared.inbound_link(node, true);
+    }
     let end = driver.run(&mut machine).await;
+    if let Some(node) = &link_from {
+        shared.inbound_link(node, false);
+    }
     crate::metrics::connection_closed(end.label());
     // Boxed: `finish` (its state) runs once, at the end; inline, its room
     // would be held by every connection for its whole life.

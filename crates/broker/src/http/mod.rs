@@ -192,6 +192,10 @@ async fn readyz(State(served): State<Served>) -> impl IntoResponse {
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: this cluster node lost its membership lease in etcd\n",
         ),
+        Some(shared) if !shared.takes_clients() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: this cluster node waits for the other nodes to link to it\n",
+        ),
         Some(shared) if !shared.store.is_ready() => (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: etcd does not answer\n",

@@ -20,7 +20,8 @@ pub const TIMEOUT: Duration = PATIENCE;
 use std::time::Duration;
 
 use statebroker_cli::client::{Answer, Client, Target};
-use statebroker_cluster_harness::{EtcdCluster, Node, NodeSpec, free_port};
+pub use statebroker_cluster_harness::free_port;
+use statebroker_cluster_harness::{EtcdCluster, Node, NodeSpec};
 use statestore::resp3::Reply;
 
 /// The broker binary, built with clustering.
@@ -83,6 +84,16 @@ impl Setup {
         }
         let mut node = spec.start().expect("the node starts");
         node.wait_tcp(port, PATIENCE).expect("the node listens");
+        // A node takes clients once the others have linked to it.
+        let start = std::time::Instant::now();
+        while http_status(http, "/readyz") != Some(200) {
+            assert!(
+                start.elapsed() < PATIENCE,
+                "node sb{n} never became ready: {}",
+                node.log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         self.nodes.push(node);
         self.ports.push(port);
         self.http.push(http);
