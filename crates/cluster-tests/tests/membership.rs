@@ -96,16 +96,28 @@ async fn a_node_without_its_lease_sends_clients_away_until_it_registers_again() 
         setup.nodes[0].log_tail(50)
     );
 
-    // Paused past its lease: the other node sees it go; once it wakes, its
-    // client is sent away, and it serves again after registering anew.
+    // Paused past its lease: its registration goes from etcd (the other
+    // node sees it go); once it wakes, its client is sent away, and it
+    // serves again after registering anew. (sb2 must have seen sb1's new
+    // registration first: its gauge still said 1 from the kill above, and
+    // a pause judged by it could end before the lease did.)
+    eventually("sb2 sees sb1 registered again", || {
+        metric(http[1], MEMBERS) == Some(2.0)
+    })
+    .await;
     let mut client = Raw::connect(addr(setup.ports[0]), "roamer").await;
     setup.nodes[0].pause().unwrap();
+    let registration = "/statebroker/N/sb1";
+    eventually("sb1's lease runs out", || {
+        setup.etcd.get(registration).unwrap().is_none()
+    })
+    .await;
     eventually("sb2 sees sb1 go", || metric(http[1], MEMBERS) == Some(1.0)).await;
     setup.nodes[0].resume().unwrap();
     if let Some(other) = sent_away_or(&mut client).await {
         panic!(
             "expected DISCONNECT 0x9C after the pause, got {other:?}; sb1's log:\n{}",
-            setup.nodes[0].log_tail(60)
+            setup.nodes[0].log_tail(40)
         );
     }
     let _back = connect_when_serving(setup.ports[0], "roamer").await;
