@@ -33,6 +33,8 @@ pub const INTERNAL_PREFIX: &str = "statebroker:";
 /// The client ids of other cluster nodes' links (`statebroker:peer:<node
 /// id>`, see `cluster::peers`): accepted only with the cluster's secret.
 pub const LINK_CLIENT_PREFIX: &str = "statebroker:peer:";
+/// The username a link logs in with (its password: the cluster's secret).
+pub const LINK_USERNAME: &str = "statebroker:peer";
 
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;

@@ -54,18 +54,10 @@ pub(crate) struct Shared {
     /// Whether this node serves MQTT clients now (a cluster node: while it
     /// holds its membership lease).
     pub standing: Arc<Standing>,
-    /// A cluster node's registration (its task ends when this is dropped).
+    /// A cluster node's membership, links, client ownership and retained
+    /// messages in etcd (their tasks end when this is dropped).
     #[cfg(feature = "cluster")]
-    pub _membership: Option<Arc<crate::cluster::Membership>>,
-    /// A cluster node's links to the other nodes.
-    #[cfg(feature = "cluster")]
-    pub peers: Option<Arc<crate::cluster::Peers>>,
-    /// Which node each client id is connected to (a cluster node).
-    #[cfg(feature = "cluster")]
-    pub ownership: Option<Arc<crate::cluster::Ownership>>,
-    /// Retained messages on their way to etcd (a cluster node).
-    #[cfg(feature = "cluster")]
-    pub retained: Option<Arc<crate::cluster::Retained>>,
+    pub cluster_node: Option<crate::cluster::Node>,
 }
 
 impl Shared {
@@ -145,7 +137,7 @@ impl Shared {
         #[allow(unused_mut)] // set by a cluster node only
         let mut standing = Arc::new(Standing::always());
         #[cfg(feature = "cluster")]
-        let (mut membership, mut peers, mut ownership, mut retained) = (None, None, None, None);
+        let mut cluster_node = None;
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -164,51 +156,11 @@ impl Shared {
                 let cluster = crate::cluster::Cluster::connect(clustering.clone())
                     .await
                     .map_err(std::io::Error::other)?;
-                let listeners = settings
-                    .listeners
-                    .iter()
-                    .map(|l| format!("{}://{}", l.scheme(), l.addr))
-                    .collect();
-                let peer_address = peer_address(&settings, clustering);
-                let member =
-                    crate::cluster::Membership::join(Arc::clone(&cluster), listeners, peer_address)
-                        .await
-                        .map_err(std::io::Error::other)?;
-                standing = member.standing();
-                let links = crate::cluster::Peers::start(&cluster, member.watch())
+                let node = crate::cluster::Node::start(&cluster, &settings, &publisher, &sessions)
                     .await
                     .map_err(std::io::Error::other)?;
-                let weak = Arc::downgrade(&links);
-                publisher.forward_wills(Box::new(move |publish, properties| {
-                    if let Some(links) = weak.upgrade() {
-                        links.forward(publish, properties);
-                    }
-                }));
-                peers = Some(links);
-                // The retained messages the cluster keeps in etcd, before
-                // any client connects (no subscriber gets them twice).
-                let kept = crate::cluster::Retained::start(Arc::clone(&cluster));
-                let messages = kept.load().await.map_err(|e| {
-                    std::io::Error::other(format!("cannot read retained messages from etcd: {e}"))
-                })?;
-                tracing::info!(
-                    retained = messages.len(),
-                    "clustering: retained messages read from etcd"
-                );
-                publisher.restore_retained(messages);
-                retained = Some(kept);
-                ownership = Some(
-                    crate::cluster::Ownership::start(
-                        Arc::clone(&cluster),
-                        Arc::clone(&member),
-                        Arc::clone(&sessions),
-                    )
-                    .await
-                    .map_err(|e| {
-                        std::io::Error::other(format!("cannot watch client ownership in etcd: {e}"))
-                    })?,
-                );
-                membership = Some(member);
+                standing = node.standing();
+                cluster_node = Some(node);
                 StateStoreService::start_clustered(
                     settings.store_config(),
                     persistence,
@@ -260,13 +212,7 @@ impl Shared {
             faults,
             standing,
             #[cfg(feature = "cluster")]
-            _membership: membership,
-            #[cfg(feature = "cluster")]
-            peers,
-            #[cfg(feature = "cluster")]
-            ownership,
-            #[cfg(feature = "cluster")]
-            retained,
+            cluster_node,
         }))
     }
 
@@ -280,13 +226,8 @@ impl Shared {
         _properties: Option<&router::protocol::PublishProperties>,
     ) {
         #[cfg(feature = "cluster")]
-        if let Some(peers) = &self.peers {
-            peers.forward(_publish, _properties);
-            if _publish.retain
-                && let Some(retained) = &self.retained
-            {
-                retained.keep(_publish, _properties);
-            }
+        if let Some(node) = &self.cluster_node {
+            node.client_published(_publish, _properties);
         }
     }
 
@@ -295,8 +236,8 @@ impl Shared {
     /// background).
     pub fn claim_client(&self, _client_id: &str, _connection: u64) {
         #[cfg(feature = "cluster")]
-        if let Some(ownership) = &self.ownership {
-            ownership.claim(_client_id, _connection);
+        if let Some(node) = &self.cluster_node {
+            node.ownership().claim(_client_id, _connection);
         }
     }
 
@@ -304,8 +245,8 @@ impl Shared {
     /// record goes).
     pub fn release_client(&self, _client_id: &str, _connection: u64) {
         #[cfg(feature = "cluster")]
-        if let Some(ownership) = &self.ownership {
-            ownership.release(_client_id, _connection);
+        if let Some(node) = &self.cluster_node {
+            node.ownership().release(_client_id, _connection);
         }
     }
 
@@ -313,8 +254,8 @@ impl Shared {
     /// node has linked to it (see `cluster::peers`); always on a single node.
     pub fn takes_clients(&self) -> bool {
         #[cfg(feature = "cluster")]
-        if let Some(peers) = &self.peers {
-            return peers.joined();
+        if let Some(node) = &self.cluster_node {
+            return node.peers().joined();
         }
         true
     }
@@ -322,8 +263,8 @@ impl Shared {
     /// Another node's link to this one connected (`up`) or ended.
     pub fn inbound_link(&self, _node: &str, _up: bool) {
         #[cfg(feature = "cluster")]
-        if let Some(peers) = &self.peers {
-            peers.inbound_link(_node, _up);
+        if let Some(node) = &self.cluster_node {
+            node.peers().inbound_link(_node, _up);
         }
     }
 
@@ -335,38 +276,9 @@ impl Shared {
         _login: Option<(&str, &str)>,
     ) -> Option<&'a str> {
         #[cfg(feature = "cluster")]
-        if let Some(peers) = &self.peers {
-            return peers.link_login(_client_id, _login);
+        if let Some(node) = &self.cluster_node {
+            return node.peers().link_login(_client_id, _login);
         }
         None
     }
-}
-
-/// Where the other nodes' links reach this node: `[clustering]
-/// peer_address`, or the first plain TCP listener's address (127.0.0.1 for
-/// an unspecified one).
-#[cfg(feature = "cluster")]
-fn peer_address(
-    settings: &Settings,
-    clustering: &crate::config::ClusteringSettings,
-) -> Option<String> {
-    if let Some(address) = &clustering.peer_address {
-        return Some(address.clone());
-    }
-    let listener = settings.listeners.iter().find(|l| l.scheme() == "mqtt");
-    let Some(listener) = listener else {
-        tracing::warn!(
-            "clustering: no plain TCP MQTT listener: the other nodes cannot forward their clients' publishes here; set [clustering] peer_address"
-        );
-        return None;
-    };
-    let mut addr = listener.addr;
-    if addr.ip().is_unspecified() {
-        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        tracing::warn!(
-            listener = %listener.addr,
-            "clustering: the other nodes reach this one at {addr}, which serves nodes on this machine only: set [clustering] peer_address to an address they can reach"
-        );
-    }
-    Some(addr.to_string())
 }

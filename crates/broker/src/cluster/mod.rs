@@ -18,6 +18,8 @@
 //!   another node ends the older connection (0x8E).
 //! - [`retained`]: retained messages kept in etcd for nodes that start
 //!   later.
+//! - [`Node`]: the membership, the links, client ownership and retained
+//!   messages of a node, started together and owned in one place.
 //! - [`peers`]: links to the other nodes, which carry this node's clients'
 //!   publishes to every node's subscribers.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
@@ -29,6 +31,7 @@
 
 pub mod kv;
 pub mod membership;
+mod node;
 pub mod ownership;
 pub mod peers;
 mod reaper;
@@ -46,6 +49,7 @@ use parking_lot::Mutex;
 use crate::config::ClusteringSettings;
 pub use kv::{NodeClock, Unanswered};
 pub use membership::Membership;
+pub use node::Node;
 pub use ownership::Ownership;
 pub use peers::Peers;
 pub use retained::Retained;

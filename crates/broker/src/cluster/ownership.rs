@@ -128,12 +128,9 @@ impl Ownership {
     /// not take it, try again; `Err(None)`: no more to do (the claim is
     /// gone, or lost to another node's).
     async fn record(&self, client_id: &str, connection: u64) -> Result<(), Option<String>> {
-        let current = |claims: &HashMap<String, Claim>| {
-            claims
-                .get(client_id)
-                .is_some_and(|c| c.connection == connection)
-        };
-        if !current(&self.claims.lock()) || !self.membership.standing().serving() {
+        if claim_of(&mut self.claims.lock(), client_id, connection).is_none()
+            || !self.membership.standing().serving()
+        {
             return Err(None);
         }
         let value = format!("{}\n{connection}", self.cluster.node_id());
@@ -148,10 +145,7 @@ impl Ownership {
             .map_err(|e| Some(e.to_string()))?;
         let revision = response.header().map_or(0, |h| h.revision());
         let mut claims = self.claims.lock();
-        let Some(claim) = claims
-            .get_mut(client_id)
-            .filter(|c| c.connection == connection)
-        else {
+        let Some(claim) = claim_of(&mut claims, client_id, connection) else {
             // The connection ended meanwhile: its record goes too.
             drop(claims);
             self.delete(client_id, revision);
@@ -166,10 +160,10 @@ impl Ownership {
             return Err(None);
         }
         drop(claims);
-        if let Some((node, _)) = response
+        if let Some(node) = response
             .prev_key()
             .and_then(|kv| owner(kv.value()))
-            .filter(|(node, _)| *node != self.cluster.node_id())
+            .filter(|node| *node != self.cluster.node_id())
         {
             tracing::info!(
                 client_id,
@@ -201,13 +195,13 @@ impl Ownership {
     /// `connection` of `client_id` ended: its record goes, if it is still
     /// this connection's.
     pub fn release(&self, client_id: &str, connection: u64) {
-        let claim = {
-            let mut claims = self.claims.lock();
-            let claim = claims.get(client_id).copied();
-            forget(&mut claims, client_id, connection);
-            claim
+        let mut claims = self.claims.lock();
+        let Some(claim) = claim_of(&mut claims, client_id, connection).copied() else {
+            return;
         };
-        if let Some(claim) = claim.filter(|c| c.connection == connection && c.revision > 0) {
+        claims.remove(client_id);
+        drop(claims);
+        if claim.revision > 0 {
             self.delete(client_id, claim.revision);
         }
     }
@@ -237,20 +231,22 @@ impl Ownership {
     }
 }
 
-/// Drops `client_id`'s claim if it is `connection`'s.
-fn forget(claims: &mut HashMap<String, Claim>, client_id: &str, connection: u64) {
-    if claims
-        .get(client_id)
-        .is_some_and(|c| c.connection == connection)
-    {
-        claims.remove(client_id);
-    }
+/// `client_id`'s claim, if it is `connection`'s (a newer connection of
+/// this node's replaces it).
+fn claim_of<'a>(
+    claims: &'a mut HashMap<String, Claim>,
+    client_id: &str,
+    connection: u64,
+) -> Option<&'a mut Claim> {
+    claims
+        .get_mut(client_id)
+        .filter(|c| c.connection == connection)
 }
 
-/// The node and connection an owner's record names.
-fn owner(value: &[u8]) -> Option<(&str, u64)> {
+/// The node an owner's record (`<node id>\n<connection>`) names.
+fn owner(value: &[u8]) -> Option<&str> {
     let (node, connection) = std::str::from_utf8(value).ok()?.split_once('\n')?;
-    Some((node, connection.parse().ok()?))
+    connection.parse::<u64>().ok().map(|_| node)
 }
 
 /// Watches the owners' records from revision `from`, resumed after the
@@ -270,15 +266,9 @@ async fn watch(
         );
         drop(o);
         let options = WatchOptions::new().with_prefix().with_start_revision(from);
-        let opened = tokio::select! {
-            s = client.watch(prefix.clone(), Some(options)) => s,
-            _ = stop.changed() => return,
-        };
-        let Ok(mut stream) = opened else {
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(250)) => continue,
-                _ = stop.changed() => return,
-            }
+        let Some(mut stream) = super::watch::open(&mut client, &prefix, options, &mut stop).await
+        else {
+            return;
         };
         loop {
             let message = tokio::select! {
@@ -305,7 +295,7 @@ async fn watch(
                 if event.event_type() != EventType::Put {
                     continue;
                 }
-                let Some((owner_node, _)) = owner(kv.value()) else {
+                let Some(owner_node) = owner(kv.value()) else {
                     continue;
                 };
                 if owner_node == node {

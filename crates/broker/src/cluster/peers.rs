@@ -23,9 +23,10 @@
 //! comes back; `forward_queue` publishes at most wait for one link, past
 //! that they are not forwarded to that node (counted).
 //!
-//! Not built yet: shared subscriptions across nodes (a group gets a
-//! message once per node that has members), wills and the broker's own
-//! publishes (per node), sessions that move between nodes.
+//! Wills go the same way (`Publisher::forward_wills`). Not built yet:
+//! shared subscriptions across nodes (a group gets a message once per
+//! node that has members), the broker's own other publishes (per node),
+//! sessions that move between nodes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -44,9 +45,7 @@ use tokio::sync::{oneshot, watch};
 use super::Cluster;
 use super::membership::Member;
 
-pub use crate::publisher::LINK_CLIENT_PREFIX;
-/// The username a link logs in with (its password: the cluster's secret).
-pub const LINK_USERNAME: &str = "statebroker:peer";
+pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
 
 /// How long a link's session outlives it on the other node (seconds): what
 /// was in flight when it broke is sent again within it.

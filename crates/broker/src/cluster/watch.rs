@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Weak;
 use std::time::Duration;
 
-use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use etcd_client::{Client, EventType, GetOptions, WatchOptions, WatchStream};
 use statestore::Event;
 
 use super::record::Record;
@@ -191,6 +191,32 @@ fn ttl_ms(cluster: &Cluster) -> u64 {
 
 /// Watches every key from revision `from`, sending each change to
 /// `changes`; ends when the cluster is dropped or nobody takes changes.
+/// Opens a watch of `prefix` with `options`, trying again every 250 ms
+/// until etcd takes it; `None` once `stop` fires.
+pub(super) async fn open(
+    client: &mut Client,
+    prefix: &[u8],
+    options: WatchOptions,
+    stop: &mut tokio::sync::watch::Receiver<()>,
+) -> Option<WatchStream> {
+    loop {
+        let opened = tokio::select! {
+            s = client.watch(prefix.to_vec(), Some(options.clone())) => s,
+            _ = stop.changed() => return None,
+        };
+        match opened {
+            Ok(stream) => return Some(stream),
+            Err(e) => {
+                tracing::debug!(error = %e, "clustering: cannot watch etcd; trying again");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(250)) => {}
+                    _ = stop.changed() => return None,
+                }
+            }
+        }
+    }
+}
+
 pub(super) async fn run(
     cluster: Weak<Cluster>,
     mut client: Client,
@@ -209,19 +235,8 @@ pub(super) async fn run(
             .with_prefix()
             .with_prev_key()
             .with_start_revision(from);
-        let stream = tokio::select! {
-            s = client.watch(prefix.clone(), Some(options)) => s,
-            _ = stop.changed() => return,
-        };
-        let mut stream = match stream {
-            Ok(stream) => stream,
-            Err(e) => {
-                tracing::debug!(error = %e, "clustering: cannot watch etcd; trying again");
-                tokio::select! {
-                    () = tokio::time::sleep(Duration::from_millis(250)) => continue,
-                    _ = stop.changed() => return,
-                }
-            }
+        let Some(mut stream) = open(&mut client, &prefix, options, &mut stop).await else {
+            return;
         };
         loop {
             let message = tokio::select! {

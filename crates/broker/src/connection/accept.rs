@@ -130,7 +130,7 @@ pub(crate) async fn accept(
     let principal = match &from_node {
         Some(_) => Arc::new(Principal {
             client_id: client_id.to_owned(),
-            username: Some("statebroker:peer".to_owned()),
+            username: Some(crate::publisher::LINK_USERNAME.to_owned()),
             attributes: Default::default(),
         }),
         None => match shared.authenticator.authenticate(presented).await {

@@ -120,7 +120,6 @@ pub(crate) async fn serve<S: Stream>(
     if from_node.is_none() {
         shared.claim_client(&client_id, id);
     }
-    let link_from = from_node.clone();
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
     let start = Start {
@@ -144,7 +143,7 @@ pub(crate) async fn serve<S: Stream>(
         principal,
         owner,
         disk: shared.store.answered(),
-        from_node,
+        from_link: from_node.is_some(),
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
     let mut driver = Driver {
@@ -163,11 +162,11 @@ pub(crate) async fn serve<S: Stream>(
     tracing::info!(%peer, client_id, connection = id, ?protocol, clean_start = terms.clean_start, keep_alive = terms.keep_alive, "client connected");
 
     crate::metrics::connection_opened();
-    if let Some(node) = &link_from {
+    if let Some(node) = &from_node {
         shared.inbound_link(node, true);
     }
     let end = driver.run(&mut machine).await;
-    if let Some(node) = &link_from {
+    if let Some(node) = &from_node {
         shared.inbound_link(node, false);
     }
     crate::metrics::connection_closed(end.label());

@@ -82,9 +82,9 @@ pub(crate) struct Start {
     /// How far the disk and the answers waiting for it are (the store's
     /// `StateStoreService::answered`).
     pub disk: watch::Receiver<Position>,
-    /// Another cluster node's link (its node id): what it publishes was
-    /// checked on its own node and goes to this node's subscribers only.
-    pub from_node: Option<String>,
+    /// Another cluster node's link: what it publishes was checked on its
+    /// own node and goes to this node's subscribers only.
+    pub from_link: bool,
 }
 
 /// One connection's protocol state; see the module's documentation.
@@ -131,8 +131,8 @@ pub(crate) struct Machine {
     pub(super) owner: Arc<str>,
     /// The broker's shared parts: the store, the policy, the faults.
     pub(super) shared: Arc<Shared>,
-    /// Another cluster node's link (see [`Start::from_node`]).
-    from_node: Option<String>,
+    /// Another cluster node's link (see [`Start::from_link`]).
+    from_link: bool,
 }
 
 impl Machine {
@@ -170,7 +170,7 @@ impl Machine {
             principal: start.principal,
             owner: start.owner,
             shared,
-            from_node: start.from_node,
+            from_link: start.from_link,
         }
     }
 
@@ -417,7 +417,7 @@ impl Machine {
             return Ok(());
         }
         if let Some(policy) = self.shared.authorizer.current()
-            && self.from_node.is_none()
+            && !self.from_link
             && !policy.may_publish(&self.principal, topic)
         {
             tracing::info!(
@@ -430,7 +430,7 @@ impl Machine {
         }
         // Every other node's subscribers get it too (a cluster node), once:
         // not a QoS 2 retransmission, not what another node forwarded.
-        if self.from_node.is_none() && !retransmitted {
+        if !self.from_link && !retransmitted {
             self.shared.forward_to_peers(&publish, properties.as_ref());
         }
         // The router saves what a restart must not lose of it (its PUBACK

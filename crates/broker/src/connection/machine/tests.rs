@@ -59,7 +59,7 @@ async fn machine(joined: bool) -> (Machine, watch::Sender<Position>) {
         }),
         owner: "addr:127.0.0.1".into(),
         disk: position,
-        from_node: None,
+        from_link: false,
     };
     (Machine::new(start, shared), disk)
 }

@@ -1,0 +1,125 @@
+//! A cluster node's MQTT side, started together and owned in one place:
+//! its membership, its links to the other nodes, the ownership of client
+//! ids, and the retained messages kept in etcd. Their tasks end when the
+//! node is dropped (with the broker's shared state).
+
+use std::sync::Arc;
+
+use router::protocol::{Publish, PublishProperties};
+
+use super::{Cluster, Membership, Ownership, Peers, Retained};
+use crate::config::Settings;
+use crate::publisher::Publisher;
+use crate::sessions::Sessions;
+use crate::standing::Standing;
+
+/// See the module's documentation.
+pub struct Node {
+    membership: Arc<Membership>,
+    peers: Arc<Peers>,
+    ownership: Arc<Ownership>,
+    retained: Arc<Retained>,
+}
+
+impl Node {
+    /// Registers the node, opens its links, publishes the retained
+    /// messages kept in etcd into its router (before any client connects:
+    /// no subscriber gets them twice) and starts watching client ownership.
+    pub async fn start(
+        cluster: &Arc<Cluster>,
+        settings: &Settings,
+        publisher: &Publisher,
+        sessions: &Arc<Sessions>,
+    ) -> Result<Node, String> {
+        let listeners = settings
+            .listeners
+            .iter()
+            .map(|l| format!("{}://{}", l.scheme(), l.addr))
+            .collect();
+        let membership =
+            Membership::join(Arc::clone(cluster), listeners, peer_address(settings)).await?;
+        let peers = Peers::start(cluster, membership.watch()).await?;
+        let links = Arc::downgrade(&peers);
+        publisher.forward_wills(Box::new(move |publish, properties| {
+            if let Some(links) = links.upgrade() {
+                links.forward(publish, properties);
+            }
+        }));
+        let retained = Retained::start(Arc::clone(cluster));
+        let messages = retained
+            .load()
+            .await
+            .map_err(|e| format!("cannot read retained messages from etcd: {e}"))?;
+        tracing::info!(
+            retained = messages.len(),
+            "clustering: retained messages read from etcd"
+        );
+        publisher.restore_retained(messages);
+        let ownership = Ownership::start(
+            Arc::clone(cluster),
+            Arc::clone(&membership),
+            Arc::clone(sessions),
+        )
+        .await
+        .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
+        Ok(Node {
+            membership,
+            peers,
+            ownership,
+            retained,
+        })
+    }
+
+    /// Whether the node serves, as its membership lease says.
+    pub fn standing(&self) -> Arc<Standing> {
+        self.membership.standing()
+    }
+
+    /// The node's links to the others, and theirs to it.
+    pub fn peers(&self) -> &Peers {
+        &self.peers
+    }
+
+    /// Which node each client id is connected to.
+    pub fn ownership(&self) -> &Arc<Ownership> {
+        &self.ownership
+    }
+
+    /// A client of this node published `publish`: to every other node,
+    /// and to etcd if retained.
+    pub fn client_published(&self, publish: &Publish, properties: Option<&PublishProperties>) {
+        self.peers.forward(publish, properties);
+        if publish.retain {
+            self.retained.keep(publish, properties);
+        }
+    }
+}
+
+/// Where the other nodes' links reach this node: `[clustering]
+/// peer_address`, or the first plain TCP listener's address (127.0.0.1 for
+/// an unspecified one).
+fn peer_address(settings: &Settings) -> Option<String> {
+    if let Some(address) = settings
+        .clustering
+        .as_ref()
+        .and_then(|c| c.peer_address.as_ref())
+    {
+        return Some(address.clone());
+    }
+    let listener = settings.listeners.iter().find(|l| l.scheme() == "mqtt");
+    let Some(listener) = listener else {
+        tracing::warn!(
+            "clustering: no plain TCP MQTT listener: the other nodes cannot forward their clients' publishes here; set [clustering] peer_address"
+        );
+        return None;
+    };
+    let mut addr = listener.addr;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        tracing::warn!(
+            listener = %listener.addr,
+            "clustering: the other nodes reach this one at {addr}, which serves nodes on this machine only: set [clustering] peer_address to an address they can reach"
+        );
+    }
+    Some(addr.to_string())
+}
