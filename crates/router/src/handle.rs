@@ -14,7 +14,8 @@ use crate::local::{LinkBuilder, LinkError, LinkRx, LinkTx};
 use crate::protocol::ConnectReturnCode;
 use crate::router::Event;
 use crate::{
-    ConnectionId, Journal, LogCounts, Notification, Restore, Router, RouterConfig, Subscriptions,
+    ConnectionId, Journal, LogCounts, Notification, Restore, RestoredSession, Router, RouterConfig,
+    Subscriptions,
 };
 
 /// The router numbers the publishes it sends one connection `1..=100`
@@ -131,6 +132,25 @@ impl RouterHandle {
             .await
             .map_err(|_| gone())?;
         restored.recv_async().await.map_err(|_| gone())
+    }
+
+    /// Replaces the session the router keeps for `client_id` (its client
+    /// not connected here) with `session`, or discards it (`None`; a
+    /// connected client's session then ends with its connection). Returns
+    /// whether it was done: a replacement is not made while the client is
+    /// connected here, nor beyond `max_kept_sessions` (patch 26).
+    pub async fn replace_session(
+        &self,
+        client_id: &str,
+        session: Option<RestoredSession>,
+    ) -> Result<bool, LinkRefused> {
+        let (done, replaced) = flume::bounded(1);
+        let gone = || LinkRefused::new("the router is not running".to_owned());
+        self.tx
+            .send_async((0, Event::Replace(client_id.to_owned(), session, done)))
+            .await
+            .map_err(|_| gone())?;
+        replaced.recv_async().await.map_err(|_| gone())
     }
 
     /// Registers a connection with the router and returns its link and the
@@ -294,6 +314,130 @@ mod tests {
         assert_eq!(router.kept_sessions(), 1);
         router.link("c", true, 60, None).await.unwrap();
         assert_eq!(router.kept_sessions(), 2);
+    }
+
+    /// Patch 26: a kept session is replaced by another node's copy (its
+    /// subscriptions, not the old ones, route to it when its client comes
+    /// back) or discarded; a connected client's session is not replaced,
+    /// and one discarded ends with its connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_session_is_replaced_or_discarded() {
+        // A DISCONNECT: the router takes it before any later event.
+        fn leave(mut tx: LinkTx) {
+            let disconnect = crate::protocol::Disconnect {
+                reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
+            };
+            let properties = crate::protocol::DisconnectProperties {
+                session_expiry_interval: Some(60),
+                reason_string: None,
+                user_properties: Vec::new(),
+                server_reference: None,
+            };
+            tx.send_all([Packet::Disconnect(disconnect, Some(properties))])
+                .unwrap();
+        }
+        let router = router();
+        let subscriptions = Arc::clone(router.subscriptions());
+        let (mut tx, mut rx, _) = router.link("r", true, 60, None).await.unwrap();
+        tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        leave(tx);
+        let elsewhere = RestoredSession {
+            client_id: "r".into(),
+            filters: vec![(
+                "u".into(),
+                crate::SubOptions {
+                    qos: 1,
+                    ..Default::default()
+                },
+            )],
+            expires_in: Some(std::time::Duration::from_secs(60)),
+            queue_full: None,
+            waiting: Vec::new(),
+        };
+        assert!(router
+            .replace_session("r", Some(elsewhere.clone()))
+            .await
+            .unwrap());
+        assert_eq!(subscriptions.filters("r"), ["u"]);
+        assert_eq!(router.kept_sessions(), 1);
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let (_r_tx, mut r_rx, connack) = router.link("r", false, 60, None).await.unwrap();
+        assert!(matches!(
+            Option::<Packet>::from(connack),
+            Some(Packet::ConnAck(ack, _)) if ack.session_present
+        ));
+        for topic in ["t", "u"] {
+            let mut publish = Publish::new(topic, topic, false);
+            publish.qos = QoS::AtLeastOnce;
+            publish.pkid = 1;
+            pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
+        }
+        let mut topics = Vec::new();
+        while let Ok(Ok(Some(n))) =
+            tokio::time::timeout(std::time::Duration::from_millis(300), r_rx.next()).await
+        {
+            match n {
+                Notification::Forward(f) => topics.push(f.publish.topic),
+                Notification::Unschedule => r_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+        assert_eq!(topics, ["u"], "the replacement's subscriptions only");
+        // Connected: not replaced; discarded, it ends with the connection.
+        assert!(!router.replace_session("r", Some(elsewhere)).await.unwrap());
+        assert!(router.replace_session("r", None).await.unwrap());
+        assert_eq!(router.kept_sessions(), 1, "until the connection ends");
+        // (The broker's DISCONNECT states the session's expiry: too late.)
+        leave(_r_tx);
+        while router.kept_sessions() != 0 || subscriptions.knows("r") {
+            tokio::task::yield_now().await;
+        }
+        // Without a connection: gone at once.
+        let (tx, _rx, _) = router.link("k", true, 60, None).await.unwrap();
+        leave(tx);
+        assert!(router.replace_session("k", None).await.unwrap());
+        assert_eq!(router.kept_sessions(), 0);
+    }
+
+    /// Patch 26: a resumed session's subscriptions are the connection's: an
+    /// UNSUBSCRIBE removes them (it answered "no subscription existed" and
+    /// the messages kept coming).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_resumed_subscription_can_be_unsubscribed() {
+        let router = router();
+        let (mut tx, mut rx, _) = router.link("r", true, 60, None).await.unwrap();
+        tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        let disconnect = crate::protocol::Disconnect {
+            reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
+        };
+        tx.send_all([Packet::Disconnect(disconnect, None)]).unwrap();
+        let (mut tx, mut rx, _) = router.link("r", false, 60, None).await.unwrap();
+        let unsubscribe = crate::protocol::Unsubscribe {
+            pkid: 2,
+            filters: vec!["t".into()],
+        };
+        tx.send_all([Packet::Unsubscribe(unsubscribe, None)])
+            .unwrap();
+        let reasons = loop {
+            match rx.next().await {
+                Ok(Some(Notification::DeviceAck(crate::router::Ack::UnsubAck(ack)))) => {
+                    break ack.reasons;
+                }
+                Ok(Some(Notification::Unschedule)) => rx.wake().await.unwrap(),
+                Ok(Some(_)) => {}
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(reasons, [crate::protocol::UnsubAckReason::Success]);
+        assert!(router.subscriptions().filters("r").is_empty());
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let mut publish = Publish::new("t", "x", false);
+        publish.qos = QoS::AtLeastOnce;
+        publish.pkid = 1;
+        pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
+        assert!(forwarded(&mut rx, 1).await.is_empty(), "unsubscribed");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -92,6 +92,13 @@ pub trait Journal: Send + Sync {
     /// QoS 0): its copy is no longer needed. A message never saved for
     /// `client` is no error.
     fn delivered(&self, client: &str, message: MessageId);
+
+    /// Whether it keeps queued messages at all ([`Journal::queued`]); one
+    /// that keeps only sessions spares the router looking for the kept
+    /// sessions each QoS 1/2 publish reaches (patch 26).
+    fn keeps_messages(&self) -> bool {
+        true
+    }
 }
 
 /// A persistent session as the journal kept it, to rebuild at start.

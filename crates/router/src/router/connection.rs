@@ -39,6 +39,9 @@ pub struct Connection {
     /// Seconds the session is kept after the connection ends (0: not kept,
     /// `u32::MAX`: for ever) (statebroker patch 9).
     pub session_expiry: u32,
+    /// Its session was discarded while it was connected: it ends with the
+    /// connection, whatever a DISCONNECT says (statebroker patch 26).
+    pub discarded: bool,
     /// What a publish does when it would push out of a log a message this
     /// session has not had (`None`: the router's
     /// [`crate::RouterConfig::queue_full`]) (statebroker patch 25).
@@ -99,6 +102,7 @@ impl Connection {
         Connection {
             origin: std::sync::Arc::from(client_id.as_str()),
             session_expiry: if clean { 0 } else { u32::MAX },
+            discarded: false,
             queue_full: None,
             client_id,
             tenant_prefix,

@@ -69,6 +69,11 @@ pub enum Event {
     /// What the journal kept, given back at start; the sender hears when
     /// it is done (statebroker patch 16).
     Restore(crate::Restore, flume::Sender<()>),
+    /// Replaces the kept session of a client id with another (a cluster
+    /// node took it from another node), or discards it (`None`: another
+    /// node took the client); the sender hears whether it was done
+    /// (statebroker patch 26).
+    Replace(String, Option<crate::RestoredSession>, flume::Sender<bool>),
 }
 
 /// Notification from router to connection

@@ -318,6 +318,9 @@ impl Router {
                 self.restore(restore);
                 let _ = done.send(());
             }
+            Event::Replace(client_id, session, done) => {
+                let _ = done.send(self.replace_session(&client_id, session));
+            }
         }
     }
 
@@ -481,6 +484,15 @@ impl Router {
         assert_eq!(self.obufs.insert(outgoing), connection_id);
 
         self.connection_map.insert(client_id.clone(), connection_id);
+        // A resumed session's subscriptions are this connection's: an
+        // UNSUBSCRIBE finds them, as patch 23's check does (statebroker
+        // patch 26; upstream left them out until subscribed again).
+        for filter in &self.connections[connection_id].subscriptions {
+            self.subscription_map
+                .entry(filter.clone())
+                .or_default()
+                .insert(connection_id);
+        }
         info!(connection_id, "Client connection registered");
 
         assert_eq!(self.ackslog.insert(ackslog), connection_id);
@@ -1160,6 +1172,7 @@ impl Router {
                     // Expiry Interval (statebroker patch 9).
                     if let Some(expiry) = properties.and_then(|p| p.session_expiry_interval)
                         && let Some(connection) = self.connections.get_mut(id)
+                        && !connection.discarded
                     {
                         connection.session_expiry = expiry;
                     }
@@ -1442,7 +1455,10 @@ impl Router {
             receipt = journal.retained(topic, kept.as_ref());
         }
         let mut queued = None;
-        if publish.qos != QoS::AtMostOnce && self.subscriptions.any_kept() {
+        if publish.qos != QoS::AtMostOnce
+            && self.subscriptions.any_kept()
+            && journal.keeps_messages()
+        {
             let clients = self
                 .subscriptions
                 .kept_recipients(&connection.client_id, topic);
@@ -1494,6 +1510,46 @@ impl Router {
         for session in restore.sessions {
             self.restore_session(session);
         }
+    }
+
+    /// Replaces `client_id`'s kept session with `session`, or discards it
+    /// (statebroker patch 26). A session whose client is connected here is
+    /// not replaced (`false`); discarded, it ends with its connection. A
+    /// replacement that would be one kept session beyond
+    /// `max_kept_sessions` is not made (`false`).
+    fn replace_session(&mut self, client_id: &str, session: Option<RestoredSession>) -> bool {
+        if let Some(&id) = self.connection_map.get(client_id) {
+            if session.is_some() {
+                return false;
+            }
+            if let Some(connection) = self.connections.get_mut(id) {
+                connection.session_expiry = 0;
+                connection.discarded = true;
+            }
+            return true;
+        }
+        let limit = self.config.max_kept_sessions;
+        if session.is_some()
+            && limit > 0
+            && !self.subscriptions.has_kept_session(client_id)
+            && self.subscriptions.kept_sessions() >= limit
+        {
+            return false;
+        }
+        if let Some(state) = self
+            .graveyard
+            .retrieve(client_id)
+            .and_then(|s| s.session_state)
+        {
+            for filter in state.subscriptions {
+                self.release_filter(&filter);
+            }
+        }
+        self.forget_session(client_id);
+        if let Some(session) = session {
+            self.restore_session(session);
+        }
+        true
     }
 
     fn restore_session(&mut self, session: RestoredSession) {
