@@ -43,6 +43,8 @@ pub const CLUSTER_FORWARDED: &str = "statebroker_cluster_forwarded_total";
 /// Clustering: publishes not forwarded to a node, its link's queue full,
 /// by `peer`.
 pub const CLUSTER_FORWARD_DROPPED: &str = "statebroker_cluster_forward_dropped_total";
+/// Clustering: wills of clients whose node died, published by this node.
+pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
 
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
@@ -279,6 +281,10 @@ fn describe() {
     describe_counter!(
         CLUSTER_FORWARDED,
         "Clustering: client publishes handed to the link to another node, by peer"
+    );
+    describe_counter!(
+        CLUSTER_DEAD_NODE_WILLS,
+        "Clustering: wills of clients whose node died (or lost its lease), published by this node"
     );
     describe_counter!(
         CLUSTER_FORWARD_DROPPED,
@@ -527,6 +533,12 @@ pub fn cluster_forward_counters(peer: &str) -> (Counter, Counter) {
 pub fn cluster_cache(records: usize, bytes: usize) {
     gauge!(CLUSTER_CACHE_RECORDS).set(records as f64);
     gauge!(CLUSTER_CACHE_BYTES).set(bytes as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: this node published the will of a client whose node died.
+pub fn dead_node_will_published() {
+    counter!(CLUSTER_DEAD_NODE_WILLS).increment(1);
 }
 
 #[cfg(feature = "cluster")]

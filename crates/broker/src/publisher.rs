@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use router::Notification;
 use router::local::{LinkRx, LinkTx};
 use router::protocol::{
-    LastWill, LastWillProperties, Packet, PubRel, PubRelReason, Publish, PublishProperties, QoS,
+    LastWill, LastWillProperties, Packet, PubRel, PubRelReason, Publish, PublishProperties,
 };
 
 use crate::codec;
@@ -183,18 +183,22 @@ impl Publisher {
     /// at once, as a client would after the router's PUBREC), on every
     /// node of a cluster.
     pub fn publish_will(&self, will: LastWill, properties: Option<LastWillProperties>) {
+        let (publish, properties) = will_publish(&will, properties, 0);
+        self.publish_as_client(publish, properties);
+    }
+
+    /// Publishes what a client would have (a will), with a packet id of
+    /// the broker's, on every node of a cluster.
+    pub fn publish_as_client(&self, mut publish: Publish, properties: Option<PublishProperties>) {
         let mut link = self.link.lock();
-        let pkid = if will.qos == QoS::AtMostOnce {
-            0
-        } else {
-            link.next_pkid()
-        };
-        let (publish, properties) = will_publish(&will, properties, pkid);
+        let qos = publish.qos as u8;
+        publish.pkid = if qos == 0 { 0 } else { link.next_pkid() };
+        let pkid = publish.pkid;
         if let Some(forward) = self.forward.get() {
             forward(&publish, properties.as_ref());
         }
         let mut packets = vec![Packet::Publish(publish, properties)];
-        release_at_once(&mut packets, will.qos as u8, pkid);
+        release_at_once(&mut packets, qos, pkid);
         link.send(packets);
     }
 }

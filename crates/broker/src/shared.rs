@@ -81,14 +81,18 @@ impl Shared {
             queue_full: settings.broker.queue_full,
             ..settings.router.clone()
         };
-        let router = router::RouterHandle::spawn(
-            settings.router_id,
-            router_config,
-            INTERNAL_LINKS,
-            durable
-                .clone()
-                .map(|durable| durable as Arc<dyn router::Journal>),
-        );
+        let mut journal = durable
+            .clone()
+            .map(|durable| durable as Arc<dyn router::Journal>);
+        // A cluster node keeps persistent sessions in etcd too.
+        #[cfg(feature = "cluster")]
+        let session_journal = settings.clustering.as_ref().map(|clustering| {
+            let sessions = crate::cluster::SessionJournal::new(journal.take(), &clustering.node_id);
+            journal = Some(Arc::clone(&sessions) as Arc<dyn router::Journal>);
+            sessions
+        });
+        let router =
+            router::RouterHandle::spawn(settings.router_id, router_config, INTERNAL_LINKS, journal);
         let sessions = Arc::new(Sessions::new(Arc::clone(router.subscriptions())));
         let publisher = Publisher::start(&router, Arc::clone(&sessions)).await?;
         let persistence = match (persistence, &durable) {
@@ -156,9 +160,12 @@ impl Shared {
                 let cluster = crate::cluster::Cluster::connect(clustering.clone())
                     .await
                     .map_err(std::io::Error::other)?;
-                let node = crate::cluster::Node::start(&cluster, &settings, &publisher, &sessions)
-                    .await
-                    .map_err(std::io::Error::other)?;
+                let journal = session_journal.as_ref().expect("made with [clustering]");
+                let node = crate::cluster::Node::start(
+                    &cluster, &settings, &publisher, &sessions, &router, journal,
+                )
+                .await
+                .map_err(std::io::Error::other)?;
                 standing = node.standing();
                 cluster_node = Some(node);
                 StateStoreService::start_clustered(
@@ -234,20 +241,55 @@ impl Shared {
     /// Records this node as the owner of `client_id` for `connection` (a
     /// cluster node: its connection on another node ends; in the
     /// background).
-    pub fn claim_client(&self, _client_id: &str, _connection: u64) {
+    /// `clean_start`: the session kept in etcd ends; `will`: the
+    /// connection's will, kept in etcd for the case its node dies, with
+    /// the Session Expiry Interval that bounds its delay.
+    pub fn claim_client(
+        &self,
+        _client_id: &str,
+        _connection: u64,
+        _clean_start: bool,
+        _will: Option<(
+            &router::protocol::LastWill,
+            Option<&router::protocol::LastWillProperties>,
+            u32,
+        )>,
+    ) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.ownership().claim(_client_id, _connection);
+            let will = _will.and_then(|(will, properties, session_expiry)| {
+                let delay = properties.and_then(|p| p.delay_interval).unwrap_or(0);
+                let delay = std::time::Duration::from_secs(u64::from(delay.min(session_expiry)));
+                // Packet id 1: the encoder refuses 0 at QoS 1/2 (the node
+                // that publishes it gives it its own).
+                let (publish, properties) =
+                    crate::publisher::will_publish(will, properties.cloned(), 1);
+                crate::cluster::wills::encode(&publish, properties.as_ref(), delay)
+            });
+            node.ownership()
+                .claim(_client_id, _connection, _clean_start, will);
         }
     }
 
     /// `connection` of `client_id` ended (a cluster node: its ownership
-    /// record goes).
-    pub fn release_client(&self, _client_id: &str, _connection: u64) {
+    /// record goes, unless the session is `kept`).
+    pub fn release_client(&self, _client_id: &str, _connection: u64, _kept: bool) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.ownership().release(_client_id, _connection);
+            node.ownership().release(_client_id, _connection, _kept);
         }
+    }
+
+    /// Before a CONNECT with Clean Start 0 of `client_id` links: a cluster
+    /// node makes its router's session the current one across the cluster
+    /// (it may come from etcd). `Err`: etcd did not answer.
+    pub async fn resume_session(&self, _client_id: &str) -> Result<(), String> {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            let max_expiry = self.settings.broker.max_session_expiry_secs;
+            node.resume(_client_id, max_expiry).await?;
+        }
+        Ok(())
     }
 
     /// Whether the node takes clients: a cluster node once every other

@@ -35,6 +35,9 @@ pub struct Member {
     /// Where the other nodes' links reach its MQTT listener (`host:port`),
     /// if it has a plain TCP one.
     pub peer_address: Option<String>,
+    /// The lease its registration is under: a record put under another
+    /// (an earlier run's) belongs to a node that is gone.
+    pub lease: i64,
 }
 
 /// This node's registration, and the members it last saw.
@@ -242,6 +245,7 @@ impl Membership {
                     peer_address: serde_json::from_slice::<serde_json::Value>(kv.value())
                         .ok()
                         .and_then(|v| v.get("peer")?.as_str().map(str::to_owned)),
+                    lease: kv.lease(),
                 })
                 .collect();
             members.sort_by(|a, b| a.node_id.cmp(&b.node_id));

@@ -16,6 +16,9 @@
 //!   clients only while it holds the lease.
 //! - [`ownership`]: which node a client id is connected to; a CONNECT on
 //!   another node ends the older connection (0x8E).
+//! - [`sessions`]: persistent sessions kept in etcd, resumed on any node.
+//! - [`wills`]: the wills of clients whose node died, published by
+//!   another.
 //! - [`retained`]: retained messages kept in etcd for nodes that start
 //!   later.
 //! - [`Node`]: the membership, the links, client ownership and retained
@@ -37,7 +40,9 @@ pub mod peers;
 mod reaper;
 pub mod record;
 pub mod retained;
+pub mod sessions;
 pub mod watch;
+pub mod wills;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +58,7 @@ pub use node::Node;
 pub use ownership::Ownership;
 pub use peers::Peers;
 pub use retained::Retained;
+pub use sessions::SessionJournal;
 pub use watch::Change;
 
 /// A node's connection to the cluster.

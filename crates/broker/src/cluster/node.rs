@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use router::protocol::{Publish, PublishProperties};
 
-use super::{Cluster, Membership, Ownership, Peers, Retained};
+use super::sessions::{self, Resumed};
+use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal};
 use crate::config::Settings;
 use crate::publisher::Publisher;
 use crate::sessions::Sessions;
@@ -15,6 +16,8 @@ use crate::standing::Standing;
 
 /// See the module's documentation.
 pub struct Node {
+    cluster: Arc<Cluster>,
+    router: router::RouterHandle,
     membership: Arc<Membership>,
     peers: Arc<Peers>,
     ownership: Arc<Ownership>,
@@ -24,12 +27,15 @@ pub struct Node {
 impl Node {
     /// Registers the node, opens its links, publishes the retained
     /// messages kept in etcd into its router (before any client connects:
-    /// no subscriber gets them twice) and starts watching client ownership.
+    /// no subscriber gets them twice) and starts watching client ownership;
+    /// the router's `journal` keeps sessions in etcd from then on.
     pub async fn start(
         cluster: &Arc<Cluster>,
         settings: &Settings,
-        publisher: &Publisher,
+        publisher: &Arc<Publisher>,
         sessions: &Arc<Sessions>,
+        router: &router::RouterHandle,
+        journal: &SessionJournal,
     ) -> Result<Node, String> {
         let listeners = settings
             .listeners
@@ -59,10 +65,23 @@ impl Node {
             Arc::clone(cluster),
             Arc::clone(&membership),
             Arc::clone(sessions),
+            router.clone(),
         )
         .await
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
+        journal.attach(&ownership);
+        tokio::spawn(sessions::reap(
+            Arc::downgrade(cluster),
+            settings.broker.max_session_expiry_secs,
+        ));
+        tokio::spawn(super::wills::run(
+            Arc::downgrade(cluster),
+            membership.watch(),
+            Arc::clone(publisher),
+        ));
         Ok(Node {
+            cluster: Arc::clone(cluster),
+            router: router.clone(),
             membership,
             peers,
             ownership,
@@ -83,6 +102,21 @@ impl Node {
     /// Which node each client id is connected to.
     pub fn ownership(&self) -> &Arc<Ownership> {
         &self.ownership
+    }
+
+    /// Makes the router's session of `client_id` the current one across
+    /// the cluster before a CONNECT with Clean Start 0 links (see
+    /// [`sessions::resume`]).
+    pub async fn resume(&self, client_id: &str, max_expiry: u32) -> Result<Resumed, String> {
+        sessions::resume(
+            &self.ownership,
+            &self.router,
+            client_id,
+            max_expiry,
+            self.cluster.settings.request_timeout,
+            self.cluster.client.clone(),
+        )
+        .await
     }
 
     /// A client of this node published `publish`: to every other node,

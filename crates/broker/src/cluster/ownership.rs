@@ -1,4 +1,5 @@
-//! Which node a client id is connected to: one node at a time.
+//! Which node a client id's connection and session are on: one node at a
+//! time.
 //!
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
@@ -7,20 +8,26 @@
 //! watches these records; a node whose client connected later to another
 //! node (a record with a greater revision than its own claim) ends that
 //! connection with DISCONNECT 0x8E "session taken over", as MQTT asks of
-//! a single server (3.1.4-3). When the connection ends, the node deletes
-//! its record if it is still its own.
+//! a single server (3.1.4-3), and discards the session it kept for it.
 //!
-//! Only the connection moves: the session (subscriptions, queued
-//! messages) stays on the node that had it; see docs/cluster.md.
+//! The owner also keeps the client's persistent session in etcd (see
+//! [`super::sessions`]): each change the router journals is written to
+//! `<etcd_prefix>S/<client id>` in a transaction that compares the owner
+//! record with this node's claim, so a node that lost the client can no
+//! longer write it. A claim outlives its connection while the session is
+//! kept; the record goes when the session ends, the session's record with
+//! it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use parking_lot::Mutex;
+use router::RouterHandle;
+use tokio::sync::Notify;
 
 use super::{Cluster, Membership};
 use crate::sessions::Sessions;
@@ -33,6 +40,31 @@ struct Claim {
     revision: i64,
     /// The greatest revision of another node's claim seen meanwhile.
     superseded: i64,
+    /// The connection started clean: the claim removes the session record
+    /// another node left.
+    clean_start: bool,
+    /// The connection ended.
+    ended: bool,
+    /// The session outlives the connection (kept by the router).
+    kept: bool,
+}
+
+/// A session record waiting to be written, numbered so that a newer one
+/// is not taken for it.
+struct Pending {
+    number: u64,
+    /// `None`: the session ended, its record goes.
+    value: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct State {
+    /// One per connection of this node's (not links) and per session kept
+    /// after one: bounded by them.
+    claims: HashMap<String, Claim>,
+    /// Session records to write, by client id (bounded as the claims).
+    records: HashMap<String, Pending>,
+    numbers: u64,
 }
 
 /// The client ids this node owns, and the watch that ends them when
@@ -41,10 +73,16 @@ pub struct Ownership {
     cluster: Arc<Cluster>,
     membership: Arc<Membership>,
     sessions: Arc<Sessions>,
+    router: RouterHandle,
     /// `<etcd_prefix>C/`.
     prefix: Vec<u8>,
-    /// One per connection of this node's (not links): bounded by them.
-    claims: Mutex<HashMap<String, Claim>>,
+    /// `<etcd_prefix>S/`.
+    sessions_prefix: Vec<u8>,
+    /// `<etcd_prefix>W/`.
+    wills_prefix: Vec<u8>,
+    state: Mutex<State>,
+    /// Session records are waiting.
+    wake: Arc<Notify>,
 }
 
 impl Ownership {
@@ -54,6 +92,7 @@ impl Ownership {
         cluster: Arc<Cluster>,
         membership: Arc<Membership>,
         sessions: Arc<Sessions>,
+        router: RouterHandle,
     ) -> Result<Arc<Ownership>, String> {
         let prefix = format!("{}C/", cluster.settings.etcd_prefix).into_bytes();
         let mut client = cluster.client.clone();
@@ -68,23 +107,107 @@ impl Ownership {
         .map_err(|_| "etcd did not answer in time".to_owned())?
         .map_err(|e| e.to_string())?;
         let from = now.header().map_or(0, |h| h.revision()) + 1;
+        let cluster_prefix = cluster.settings.etcd_prefix.clone();
+        let sessions_prefix = format!("{cluster_prefix}S/").into_bytes();
         let ownership = Arc::new(Ownership {
             cluster,
             membership,
             sessions,
+            router,
             prefix,
-            claims: Mutex::new(HashMap::new()),
+            sessions_prefix,
+            wills_prefix: format!("{}W/", cluster_prefix).into_bytes(),
+            state: Mutex::new(State::default()),
+            wake: Arc::new(Notify::new()),
         });
         tokio::spawn(watch(
             Arc::downgrade(&ownership),
             from,
             ownership.cluster.stop.subscribe(),
         ));
+        tokio::spawn(write_records(
+            Arc::downgrade(&ownership),
+            Arc::clone(&ownership.wake),
+            ownership.cluster.stop.subscribe(),
+        ));
         Ok(ownership)
     }
 
-    fn key(&self, client_id: &str) -> Vec<u8> {
+    /// `client_id`'s owner record.
+    pub fn key(&self, client_id: &str) -> Vec<u8> {
         [self.prefix.as_slice(), client_id.as_bytes()].concat()
+    }
+
+    /// `client_id`'s will record.
+    fn will_key(&self, client_id: &str) -> Vec<u8> {
+        [self.wills_prefix.as_slice(), client_id.as_bytes()].concat()
+    }
+
+    /// Removes `client_id`'s will record if it is the one the claim put at
+    /// `revision`: the connection ended, this node's will module has the
+    /// will. Not while the node does not serve (lost its lease): another
+    /// node publishes the will from the record then.
+    fn forget_will(&self, client_id: &str, revision: i64) {
+        if !self.membership.standing().serving() {
+            return;
+        }
+        let key = self.will_key(client_id);
+        let mut client = self.cluster.client.clone();
+        let timeout = self.cluster.settings.request_timeout;
+        tokio::spawn(async move {
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    key.clone(),
+                    CompareOp::Equal,
+                    revision,
+                )])
+                .and_then([TxnOp::delete(key, None)]);
+            let _ = tokio::time::timeout(timeout, client.txn(txn)).await;
+        });
+    }
+
+    /// `client_id`'s session record.
+    pub fn session_key(&self, client_id: &str) -> Vec<u8> {
+        [self.sessions_prefix.as_slice(), client_id.as_bytes()].concat()
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        self.cluster.node_id()
+    }
+
+    /// Whether this node's claim on `client_id` is the owner record put at
+    /// `revision`.
+    pub fn holds(&self, client_id: &str, revision: i64) -> bool {
+        let state = self.state.lock();
+        state
+            .claims
+            .get(client_id)
+            .is_some_and(|c| c.revision > 0 && c.revision == revision)
+    }
+
+    /// Whether a session record of `client_id`'s is still to be written.
+    pub fn writing(&self, client_id: &str) -> bool {
+        self.state.lock().records.contains_key(client_id)
+    }
+
+    /// The router journaled `client_id`'s persistent session: its record
+    /// (see [`super::sessions`]), or `None` when it ended. Written while
+    /// this node owns the client.
+    pub fn session_changed(&self, client_id: &str, value: Option<Vec<u8>>) {
+        let mut state = self.state.lock();
+        if value.is_none() && !state.claims.contains_key(client_id) {
+            // Not this node's to end (another node took the client).
+            state.records.remove(client_id);
+            return;
+        }
+        state.numbers += 1;
+        let number = state.numbers;
+        state
+            .records
+            .insert(client_id.to_owned(), Pending { number, value });
+        drop(state);
+        self.wake.notify_one();
     }
 
     /// Records this node as `client_id`'s owner for `connection`, in the
@@ -92,13 +215,26 @@ impl Ownership {
     /// answer is tried again while the connection lasts and the node
     /// serves). A CONNECT another node recorded after it ends
     /// `connection` (0x8E), whichever record etcd took first.
-    pub fn claim(self: &Arc<Self>, client_id: &str, connection: u64) {
-        self.claims.lock().insert(
+    /// `clean_start`: the claim also removes the session record another
+    /// node left (the session ended with this CONNECT); `will`: the
+    /// connection's will record (see [`super::wills`]), put with the claim
+    /// (none: an older one goes).
+    pub fn claim(
+        self: &Arc<Self>,
+        client_id: &str,
+        connection: u64,
+        clean_start: bool,
+        will: Option<Vec<u8>>,
+    ) {
+        self.state.lock().claims.insert(
             client_id.to_owned(),
             Claim {
                 connection,
                 revision: 0,
                 superseded: 0,
+                clean_start,
+                ended: false,
+                kept: false,
             },
         );
         let ownership = Arc::clone(self);
@@ -106,7 +242,10 @@ impl Ownership {
         tokio::spawn(async move {
             let mut said = false;
             loop {
-                match ownership.record(&client_id, connection).await {
+                match ownership
+                    .record(&client_id, connection, will.as_deref())
+                    .await
+                {
                     Ok(()) => return,
                     Err(None) => return,
                     Err(Some(e)) => {
@@ -124,47 +263,75 @@ impl Ownership {
         });
     }
 
-    /// Puts the record of `connection`'s claim. `Err(Some(why))`: etcd did
-    /// not take it, try again; `Err(None)`: no more to do (the claim is
-    /// gone, or lost to another node's).
-    async fn record(&self, client_id: &str, connection: u64) -> Result<(), Option<String>> {
-        if claim_of(&mut self.claims.lock(), client_id, connection).is_none()
-            || !self.membership.standing().serving()
-        {
+    /// Puts the record of `connection`'s claim (and, for a clean start,
+    /// removes the session record). `Err(Some(why))`: etcd did not take
+    /// it, try again; `Err(None)`: no more to do (the claim is gone, or
+    /// lost to another node's).
+    async fn record(
+        &self,
+        client_id: &str,
+        connection: u64,
+        will: Option<&[u8]>,
+    ) -> Result<(), Option<String>> {
+        let Some(clean_start) = claim_of(&mut self.state.lock().claims, client_id, connection)
+            .map(|c| c.clean_start)
+            .filter(|_| self.membership.standing().serving())
+        else {
             return Err(None);
-        }
+        };
         let value = format!("{}\n{connection}", self.cluster.node_id());
-        let options = PutOptions::new()
-            .with_lease(self.membership.lease())
-            .with_prev_key();
+        let lease = self.membership.lease();
+        let options = PutOptions::new().with_lease(lease).with_prev_key();
+        let mut ops = vec![
+            TxnOp::put(self.key(client_id), value, Some(options)),
+            match will {
+                Some(will) => TxnOp::put(
+                    self.will_key(client_id),
+                    super::wills::with_lease(lease, will),
+                    None,
+                ),
+                None => TxnOp::delete(self.will_key(client_id), None),
+            },
+        ];
+        if clean_start {
+            ops.push(TxnOp::delete(self.session_key(client_id), None));
+        }
         let mut client = self.cluster.client.clone();
-        let put = client.put(self.key(client_id), value, Some(options));
-        let response = tokio::time::timeout(self.cluster.settings.request_timeout, put)
+        let txn = client.txn(Txn::new().and_then(ops));
+        let response = tokio::time::timeout(self.cluster.settings.request_timeout, txn)
             .await
             .map_err(|_| Some("etcd did not answer in time".to_owned()))?
             .map_err(|e| Some(e.to_string()))?;
         let revision = response.header().map_or(0, |h| h.revision());
-        let mut claims = self.claims.lock();
-        let Some(claim) = claim_of(&mut claims, client_id, connection) else {
-            // The connection ended meanwhile: its record goes too.
-            drop(claims);
+        let mut state = self.state.lock();
+        let Some(claim) = claim_of(&mut state.claims, client_id, connection) else {
+            // The connection ended meanwhile: its records go too.
+            drop(state);
             self.delete(client_id, revision);
+            self.forget_will(client_id, revision);
             return Err(None);
         };
         claim.revision = revision;
+        if claim.ended {
+            // Its will is with this node's will module.
+            self.forget_will(client_id, revision);
+        }
         if claim.superseded > revision {
             // Another node's CONNECT came after this one's.
-            claims.remove(client_id);
-            drop(claims);
-            self.sessions.take_over(client_id, connection);
+            let claim = *claim;
+            drop(state);
+            self.lost(client_id, claim);
             return Err(None);
         }
-        drop(claims);
-        if let Some(node) = response
-            .prev_key()
-            .and_then(|kv| owner(kv.value()))
-            .filter(|node| *node != self.cluster.node_id())
-        {
+        drop(state);
+        self.wake.notify_one();
+        let previous = response.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Put(put) => put
+                .prev_key()
+                .and_then(|kv| owner_of(kv.value()).map(str::to_owned)),
+            _ => None,
+        });
+        if let Some(node) = previous.filter(|node| node != self.cluster.node_id()) {
             tracing::info!(
                 client_id,
                 previous_node = node,
@@ -172,6 +339,38 @@ impl Ownership {
             );
         }
         Ok(())
+    }
+
+    /// Another node took `client_id` from `claim`: its connection ends
+    /// (0x8E) and the router discards the session it kept here.
+    fn lost(&self, client_id: &str, claim: Claim) {
+        {
+            let mut state = self.state.lock();
+            if state
+                .claims
+                .get(client_id)
+                .is_some_and(|c| c.connection == claim.connection)
+            {
+                state.claims.remove(client_id);
+            }
+            state.records.remove(client_id);
+        }
+        if !claim.ended && self.sessions.take_over(client_id, claim.connection) {
+            tracing::info!(
+                client_id,
+                "clustering: the client connected to another node: connection ended (0x8E session taken over)"
+            );
+        }
+        let router = self.router.clone();
+        let client_id = client_id.to_owned();
+        tokio::spawn(async move {
+            if let Ok(true) = router.replace_session(&client_id, None).await {
+                tracing::debug!(
+                    client_id,
+                    "clustering: the session kept here is discarded: another node has it"
+                );
+            }
+        });
     }
 
     /// Deletes `client_id`'s record if it is still the one put at
@@ -192,25 +391,38 @@ impl Ownership {
         });
     }
 
-    /// `connection` of `client_id` ended: its record goes, if it is still
-    /// this connection's.
-    pub fn release(&self, client_id: &str, connection: u64) {
-        let mut claims = self.claims.lock();
-        let Some(claim) = claim_of(&mut claims, client_id, connection).copied() else {
+    /// `connection` of `client_id` ended; `kept`: its session outlives it
+    /// (the claim stays while the router keeps the session). Otherwise the
+    /// owner record goes, if it is still this connection's, once no
+    /// session record is waiting.
+    pub fn release(&self, client_id: &str, connection: u64, kept: bool) {
+        let mut state = self.state.lock();
+        let writing = state.records.contains_key(client_id);
+        let Some(claim) = claim_of(&mut state.claims, client_id, connection) else {
             return;
         };
-        claims.remove(client_id);
-        drop(claims);
-        if claim.revision > 0 {
-            self.delete(client_id, claim.revision);
+        claim.ended = true;
+        claim.kept = kept;
+        let revision = claim.revision;
+        if revision > 0 {
+            self.forget_will(client_id, revision);
+        }
+        if kept || writing {
+            return;
+        }
+        state.claims.remove(client_id);
+        drop(state);
+        if revision > 0 {
+            self.delete(client_id, revision);
         }
     }
 
     /// Another node recorded itself as `client_id`'s owner at `revision`:
-    /// this node's connection of it ends, if it claimed before.
+    /// this node's connection of it ends and its session is discarded, if
+    /// it claimed before.
     fn taken(&self, client_id: &str, revision: i64) {
-        let mut claims = self.claims.lock();
-        let Some(claim) = claims.get_mut(client_id) else {
+        let mut state = self.state.lock();
+        let Some(claim) = state.claims.get_mut(client_id) else {
             return;
         };
         if claim.revision == 0 {
@@ -218,15 +430,151 @@ impl Ownership {
             return;
         }
         if claim.revision < revision {
-            let connection = claim.connection;
-            claims.remove(client_id);
-            drop(claims);
-            if self.sessions.take_over(client_id, connection) {
-                tracing::info!(
-                    client_id,
-                    "clustering: the client connected to another node: connection ended (0x8E session taken over)"
-                );
+            let claim = *claim;
+            drop(state);
+            self.lost(client_id, claim);
+        }
+    }
+
+    /// Writes the waiting session records (see [`write_records`]); `false`
+    /// where etcd did not answer (try again).
+    async fn write_waiting(&self) -> bool {
+        let waiting: Vec<(String, u64, Option<Vec<u8>>, Claim)> = {
+            let state = self.state.lock();
+            state
+                .records
+                .iter()
+                .filter_map(|(client, pending)| {
+                    let claim = state.claims.get(client).filter(|c| c.revision > 0)?;
+                    Some((
+                        client.clone(),
+                        pending.number,
+                        pending.value.clone(),
+                        *claim,
+                    ))
+                })
+                .collect()
+        };
+        let mut answered = true;
+        for (client_id, number, value, claim) in waiting {
+            // The session ended, or the connection did and nothing is kept:
+            // the client is no longer this node's.
+            let done = claim.ended && (value.is_none() || !claim.kept);
+            let owner = self.key(&client_id);
+            let key = self.session_key(&client_id);
+            let limit = self.cluster.settings.max_request_bytes / 2;
+            let mut ops = Vec::with_capacity(2);
+            match value {
+                Some(value) if value.len() + key.len() > limit => {
+                    tracing::warn!(
+                        client_id,
+                        bytes = value.len(),
+                        limit,
+                        "clustering: a session record over half of etcd's request limit is not kept in etcd: the session stays on this node"
+                    );
+                }
+                Some(value) => ops.push(TxnOp::put(key, value, None)),
+                None => ops.push(TxnOp::delete(key, None)),
             }
+            if done {
+                ops.push(TxnOp::delete(owner.clone(), None));
+            }
+            let txn = Txn::new()
+                .when([Compare::mod_revision(
+                    owner.clone(),
+                    CompareOp::Equal,
+                    claim.revision,
+                )])
+                .and_then(ops)
+                .or_else([TxnOp::get(owner, None)]);
+            let mut client = self.cluster.client.clone();
+            let timeout = self.cluster.settings.request_timeout;
+            let (written, taken) = match tokio::time::timeout(timeout, client.txn(txn)).await {
+                Ok(Ok(response)) => {
+                    let holder = response.op_responses().into_iter().find_map(|op| match op {
+                        TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
+                        _ => None,
+                    });
+                    let taken = holder
+                        .as_deref()
+                        .and_then(owner_of)
+                        .is_some_and(|n| n != self.cluster.node_id());
+                    (response.succeeded(), taken)
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(client_id, error = %e, "clustering: session record not written yet");
+                    answered = false;
+                    continue;
+                }
+                Err(_) => {
+                    answered = false;
+                    continue;
+                }
+            };
+            let mut state = self.state.lock();
+            if state
+                .records
+                .get(&client_id)
+                .is_some_and(|p| p.number == number)
+            {
+                state.records.remove(&client_id);
+            }
+            let Some(current) = state
+                .claims
+                .get(&client_id)
+                .copied()
+                .filter(|c| c.revision == claim.revision)
+            else {
+                continue;
+            };
+            if !written {
+                // Another node owns the client now (its connection here
+                // ends, its session goes), or none does (this node's lease
+                // ended with its records).
+                state.claims.remove(&client_id);
+                drop(state);
+                if taken {
+                    self.lost(&client_id, current);
+                }
+            } else if current.ended
+                && !state.records.contains_key(&client_id)
+                && (done || !current.kept)
+            {
+                // Let go: the owner record went with the write, or goes now.
+                state.claims.remove(&client_id);
+                drop(state);
+                if !done {
+                    self.delete(&client_id, current.revision);
+                }
+            }
+        }
+        answered
+    }
+}
+
+/// Writes session records as they wait, while the ownership lasts; etcd
+/// not answering is tried again every 250 ms.
+async fn write_records(
+    ownership: Weak<Ownership>,
+    wake: Arc<Notify>,
+    mut stop: tokio::sync::watch::Receiver<()>,
+) {
+    loop {
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let Some(o) = ownership.upgrade() else { return };
+        let answered = o.write_waiting().await;
+        drop(o);
+        if !answered {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                _ = stop.changed() => return,
+            }
+        }
+        tokio::select! {
+            _ = notified => {}
+            _ = stop.changed() => return,
         }
     }
 }
@@ -244,7 +592,7 @@ fn claim_of<'a>(
 }
 
 /// The node an owner's record (`<node id>\n<connection>`) names.
-fn owner(value: &[u8]) -> Option<&str> {
+pub fn owner_of(value: &[u8]) -> Option<&str> {
     let (node, connection) = std::str::from_utf8(value).ok()?.split_once('\n')?;
     connection.parse::<u64>().ok().map(|_| node)
 }
@@ -295,7 +643,7 @@ async fn watch(
                 if event.event_type() != EventType::Put {
                     continue;
                 }
-                let Some(owner_node) = owner(kv.value()) else {
+                let Some(owner_node) = owner_of(kv.value()) else {
                     continue;
                 };
                 if owner_node == node {

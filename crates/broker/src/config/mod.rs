@@ -98,6 +98,9 @@ pub struct ClusteringSettings {
     pub peer_address: Option<String>,
     /// `forward_queue`: publishes waiting for one link, at most.
     pub forward_queue: usize,
+    /// `session_reap_interval_s`: how often ownerless session records are
+    /// looked for.
+    pub session_reap_interval: Duration,
 }
 
 impl ClusteringSettings {
@@ -178,9 +181,15 @@ impl ClusteringSettings {
         if section.forward_queue == 0 {
             return Err(invalid("clustering.forward_queue must be at least 1"));
         }
+        if section.session_reap_interval_s == 0 {
+            return Err(invalid(
+                "clustering.session_reap_interval_s must be at least 1 (seconds)",
+            ));
+        }
         Ok(Some(ClusteringSettings {
             peer_address: (!peer_address.is_empty()).then_some(peer_address),
             forward_queue: section.forward_queue,
+            session_reap_interval: Duration::from_secs(section.session_reap_interval_s),
             node_id,
             etcd_endpoints: endpoints,
             etcd_prefix: prefix,

@@ -88,6 +88,8 @@ pub struct ClusteringSection {
     pub peer_address: String,
     /// Publishes waiting for one link to another node, at most.
     pub forward_queue: usize,
+    /// How often ownerless session records are looked for, seconds.
+    pub session_reap_interval_s: u64,
 }
 
 /// `[log]`

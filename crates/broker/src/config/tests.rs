@@ -591,6 +591,13 @@ fn bad_clustering_settings_are_refused_by_name() {
         "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\nforward_queue = 0\n",
     );
     assert!(e.contains("forward_queue must be at least 1"), "{e}");
+    let e = refused(
+        "[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"http://h:2379\"]\nsession_reap_interval_s = 0\n",
+    );
+    assert!(
+        e.contains("session_reap_interval_s must be at least 1"),
+        "{e}"
+    );
     let e = refused("[cluster]\nid = 1\n");
     assert!(e.contains("configured in [clustering]"), "{e}");
 }

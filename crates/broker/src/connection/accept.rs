@@ -176,6 +176,17 @@ pub(crate) async fn accept(
     let Ok(permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
         return Err(refuse(Refusal::Busy, "connection limit reached"));
     };
+    // A cluster node: the session may have been on another node since.
+    if !terms.clean_start
+        && from_node.is_none()
+        && let Err(e) = shared.resume_session(client_id).await
+    {
+        tracing::warn!(%peer, client_id, error = e, "clustering: cannot read the client's session from etcd");
+        return Err(refuse(
+            Refusal::SessionUnavailable,
+            "this cluster node cannot read the client's session from etcd now",
+        ));
+    }
     // A connection that starts clean, keeps nothing after it ends and has
     // no session to discard joins on first need.
     let lazy = terms.clean_start

@@ -98,7 +98,12 @@ impl End {
         properties: Option<LastWillProperties>,
         session_expiry: u32,
     ) -> Option<Will> {
-        if matches!(self, End::Goodbye { will: false } | End::Shutdown) {
+        // A cluster node without its lease: the will is in etcd, and a
+        // node that still has its lease publishes it (`cluster::wills`).
+        if matches!(
+            self,
+            End::Goodbye { will: false } | End::Shutdown | End::NotServing
+        ) {
             return None;
         }
         let delay = properties

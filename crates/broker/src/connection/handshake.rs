@@ -103,6 +103,9 @@ pub(crate) enum Refusal {
     /// A cluster node that has just joined, before the other nodes have
     /// linked to it (MQTT 5: 0x88 "server unavailable"; 3.1.1: 0x03).
     Joining,
+    /// A cluster node that could not read the client's session from etcd
+    /// (MQTT 5: 0x88 "server unavailable"; 3.1.1: 0x03).
+    SessionUnavailable,
     /// A User Property statebroker reads ([`QUEUE_FULL`]) with a value it
     /// does not know (MQTT 5: CONNACK 0x83 with a Reason String saying
     /// what is expected).
@@ -126,6 +129,7 @@ impl Refusal {
             Refusal::BadUserProperty => "user_property_not_valid",
             Refusal::NotAMember => "not_a_cluster_member",
             Refusal::Joining => "cluster_node_joining",
+            Refusal::SessionUnavailable => "cluster_session_unavailable",
         }
     }
 }
@@ -149,8 +153,12 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
         (Protocol::V5, Refusal::SessionsQuota) => ConnectReturnCode::QuotaExceeded,
         (Protocol::V4, Refusal::NotAMember) => ConnectReturnCode::ServiceUnavailable,
         (Protocol::V5, Refusal::NotAMember) => ConnectReturnCode::UseAnotherServer,
-        (Protocol::V4, Refusal::Joining) => ConnectReturnCode::ServiceUnavailable,
-        (Protocol::V5, Refusal::Joining) => ConnectReturnCode::ServerUnavailable,
+        (Protocol::V4, Refusal::Joining | Refusal::SessionUnavailable) => {
+            ConnectReturnCode::ServiceUnavailable
+        }
+        (Protocol::V5, Refusal::Joining | Refusal::SessionUnavailable) => {
+            ConnectReturnCode::ServerUnavailable
+        }
         (Protocol::V5, Refusal::BadAuthenticationMethod) => {
             ConnectReturnCode::BadAuthenticationMethod
         }
@@ -640,6 +648,10 @@ mod tests {
         );
         for r in [Refusal::Malformed, Refusal::ProtocolError] {
             assert_eq!(refusal(Protocol::V4, r), None, "{r:?}: 3.1.1 closes");
+        }
+        for r in [Refusal::Joining, Refusal::SessionUnavailable] {
+            assert_eq!(code(Protocol::V5, r), C::ServerUnavailable, "{r:?}");
+            assert_eq!(code(Protocol::V4, r), C::ServiceUnavailable, "{r:?}");
         }
         for p in [Protocol::V4, Protocol::V5] {
             assert_eq!(code(p, Refusal::BadClientId), C::ClientIdentifierNotValid);

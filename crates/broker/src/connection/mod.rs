@@ -118,7 +118,11 @@ pub(crate) async fn serve<S: Stream>(
     // connection on another node ends (0x8E). A link between nodes is not
     // a client.
     if from_node.is_none() {
-        shared.claim_client(&client_id, id);
+        let will = hello
+            .will
+            .as_ref()
+            .map(|w| (w, hello.will_properties.as_ref(), terms.session_expiry));
+        shared.claim_client(&client_id, id, terms.clean_start, will);
     }
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
@@ -174,7 +178,7 @@ pub(crate) async fn serve<S: Stream>(
     // would be held by every connection for its whole life.
     Box::pin(driver.finish(&mut machine, &end)).await;
     shared.store.connection_closed(&client_id, id);
-    shared.release_client(&client_id, id);
+    shared.release_client(&client_id, id, machine.session_expiry > 0);
     // No more direct deliveries; what was not acknowledged goes to the
     // router, which keeps it for a persistent session.
     shared

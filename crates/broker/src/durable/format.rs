@@ -66,7 +66,7 @@ pub(crate) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, 
     }))
 }
 
-pub(super) fn encode_session(session: &SessionRecord) -> Vec<u8> {
+pub(crate) fn encode_session(session: &SessionRecord) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + session.filters.len() * 32);
     out.put_u8(match session.queue_full {
         None => VERSION,
@@ -98,7 +98,7 @@ pub(super) fn encode_session(session: &SessionRecord) -> Vec<u8> {
     out
 }
 
-pub(super) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
+pub(crate) fn decode_session(value: &[u8]) -> Result<SessionRecord, String> {
     fn need(cursor: &[u8], n: usize) -> Result<(), String> {
         if cursor.len() < n {
             Err("truncated".into())

@@ -359,7 +359,11 @@ impl Journal for Durable {
 /// How long a saved session is still kept, as of `now` (Unix ms): `None`
 /// when it has expired, `Some(None)` when it never expires. A session saved
 /// while connected (the broker stopped without ending it) counts from now.
-fn remaining(session: &SessionRecord, now: u64, max_expiry: u32) -> Option<Option<Duration>> {
+pub(crate) fn remaining(
+    session: &SessionRecord,
+    now: u64,
+    max_expiry: u32,
+) -> Option<Option<Duration>> {
     let expiry = match max_expiry {
         0 => session.expiry,
         max => session.expiry.min(max),

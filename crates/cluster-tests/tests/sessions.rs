@@ -1,0 +1,250 @@
+//! Issue #29 item 3: a persistent session resumes on any node. A client
+//! that connects to another node with Clean Start 0 gets Session Present 1
+//! and the subscriptions it had, whether the node it left is alive (which
+//! ends its connection, 0x8E, and discards its copy) or was killed; a
+//! clean start anywhere ends the session everywhere. Real etcd, real node
+//! processes.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::raw::{Raw, Recv, v5};
+use common::{PATIENCE, Setup, eventually, metric};
+use rumqttc::v5::mqttbytes::QoS;
+
+const LINKS: &str = "statebroker_cluster_peer_links";
+const KEPT: &str = "statebroker_kept_sessions";
+/// Sessions every node keeps for the others' links (Clean Start 0).
+const LINK_SESSIONS: f64 = 2.0;
+
+fn addr(port: u16) -> SocketAddr {
+    ([127, 0, 0, 1], port).into()
+}
+
+/// Three nodes whose links to each other are all up.
+async fn three_linked_nodes() -> Setup {
+    let setup = Setup::start(1, 3);
+    for &http in &setup.http {
+        eventually("every node linked to the two others", || {
+            metric(http, LINKS) == Some(2.0)
+        })
+        .await;
+    }
+    setup
+}
+
+/// Connects `client_id` to `port` with Clean Start `clean` and a Session
+/// Expiry Interval of `expiry` s; returns it and Session Present.
+async fn connect(port: u16, client_id: &str, clean: bool, expiry: u32) -> (Raw, bool) {
+    let (raw, connack) = Raw::connect_with(addr(port), client_id, |c| {
+        c.0.clean_start = clean;
+        let mut properties = v5::ConnectProperties::new();
+        properties.session_expiry_interval = Some(expiry);
+        c.0.properties = Some(properties);
+    })
+    .await;
+    assert_eq!(connack.code, v5::ConnectReturnCode::Success, "{connack:?}");
+    (raw, connack.session_present)
+}
+
+async fn leave(mut client: Raw) {
+    client
+        .send(v5::Packet::Disconnect(v5::Disconnect::new(
+            v5::DisconnectReasonCode::NormalDisconnection,
+        )))
+        .await;
+}
+
+/// The session record of `client_id` in etcd, as text (filters readable).
+fn record(setup: &Setup, client_id: &str) -> Option<String> {
+    let value = setup
+        .etcd
+        .get(&format!("/statebroker/S/{client_id}"))
+        .unwrap();
+    value.map(|v| String::from_utf8_lossy(&v).into_owned())
+}
+
+/// The topics `client` receives within a short while (acknowledged).
+async fn topics_within(client: &mut Raw, wait: Duration) -> Vec<String> {
+    let mut topics = Vec::new();
+    loop {
+        match client.recv_within(wait).await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                if p.qos == QoS::AtLeastOnce {
+                    client
+                        .send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                        .await;
+                }
+                topics.push(String::from_utf8_lossy(&p.topic).into_owned());
+            }
+            Recv::Packet(_) => {}
+            _ => return topics,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_follows_its_client_from_node_to_node() {
+    let setup = three_linked_nodes().await;
+    let [p1, p2, p3] = [setup.ports[0], setup.ports[1], setup.ports[2]];
+    let (mut c, present) = connect(p1, "mover", false, 300).await;
+    assert!(!present, "a new session");
+    c.subscribe("s/a", QoS::AtLeastOnce).await;
+    leave(c).await;
+    // The record is written just after the SUBACK (it does not wait).
+    eventually("the subscription in etcd", || {
+        record(&setup, "mover").is_some_and(|r| r.contains("s/a"))
+    })
+    .await;
+
+    // On node 2: the session, with its subscription.
+    let (mut c, present) = connect(p2, "mover", false, 300).await;
+    assert!(present, "Session Present 1 on another node");
+    let (mut publisher, _) = connect(p3, "publisher", true, 0).await;
+    publisher
+        .publish("s/a", "to node 2", QoS::AtLeastOnce, None)
+        .await;
+    let p = c.next_publish().await;
+    assert_eq!(
+        (&p.topic[..], &p.payload[..]),
+        (&b"s/a"[..], &b"to node 2"[..])
+    );
+    c.unsubscribe_many(&["s/a"]).await;
+    c.subscribe("s/b", QoS::AtLeastOnce).await;
+    leave(c).await;
+    eventually("the new subscriptions in etcd", || {
+        record(&setup, "mover").is_some_and(|r| r.contains("s/b") && !r.contains("s/a"))
+    })
+    .await;
+    // Node 1 still kept its copy until node 2 took the client.
+    eventually("node 1 discarded its copy", || {
+        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
+    })
+    .await;
+
+    // Back on node 1: node 2's subscriptions, not node 1's old ones.
+    let (mut c, present) = connect(p1, "mover", false, 300).await;
+    assert!(present);
+    for topic in ["s/a", "s/b"] {
+        publisher
+            .publish(topic, topic, QoS::AtLeastOnce, None)
+            .await;
+    }
+    let got = topics_within(&mut c, Duration::from_secs(2)).await;
+    assert_eq!(got, ["s/b"], "the subscriptions it had on node 2");
+    eventually("node 2 discarded its copy", || {
+        metric(setup.http[1], KEPT) == Some(LINK_SESSIONS)
+    })
+    .await;
+
+    // A clean start on node 3 ends the session everywhere.
+    let (c3, present) = connect(p3, "mover", true, 0).await;
+    assert!(!present);
+    c.expect_disconnect().await;
+    leave(c3).await;
+    eventually("the session record gone", || {
+        record(&setup, "mover").is_none()
+    })
+    .await;
+    let (_c, present) = connect(p1, "mover", false, 300).await;
+    assert!(!present, "no session after a clean start elsewhere");
+}
+
+/// The connection on the old node ends with 0x8E; the new node's
+/// connection gets each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connected_client_that_moves_takes_its_session_along() {
+    let setup = three_linked_nodes().await;
+    let (mut old, _) = connect(setup.ports[0], "live", false, 300).await;
+    old.subscribe("l/#", QoS::AtLeastOnce).await;
+    eventually("the subscription in etcd", || {
+        record(&setup, "live").is_some_and(|r| r.contains("l/#"))
+    })
+    .await;
+    let (mut new, present) = connect(setup.ports[1], "live", false, 300).await;
+    assert!(present);
+    match old.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::Disconnect(d)) => {
+            assert_eq!(d.reason_code, v5::DisconnectReasonCode::SessionTakenOver)
+        }
+        other => panic!("expected DISCONNECT 0x8E, got {other:?}"),
+    }
+    eventually("node 1 discarded its copy", || {
+        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
+    })
+    .await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for n in 0..20 {
+        publisher
+            .publish(&format!("l/{n}"), "x", QoS::AtLeastOnce, None)
+            .await;
+    }
+    let got = topics_within(&mut new, Duration::from_secs(2)).await;
+    let expected: Vec<String> = (0..20).map(|n| format!("l/{n}")).collect();
+    assert_eq!(got, expected, "each once, in order");
+}
+
+/// A killed node's persistent sessions resume on another node, with their
+/// subscriptions (issue #29 target: within 3 s of the client reconnecting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_sessions_resume_elsewhere() {
+    let mut setup = three_linked_nodes().await;
+    let (mut c, _) = connect(setup.ports[0], "survivor", false, 300).await;
+    c.subscribe("k/#", QoS::AtLeastOnce).await;
+    eventually("the subscription in etcd", || {
+        record(&setup, "survivor").is_some_and(|r| r.contains("k/#"))
+    })
+    .await;
+    setup.nodes[0].kill().unwrap();
+    let started = Instant::now();
+    let (mut c, present) = connect(setup.ports[1], "survivor", false, 300).await;
+    let took = started.elapsed();
+    assert!(present, "Session Present 1 after its node died");
+    eprintln!("session present on another node after {took:?}");
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    publisher.publish("k/1", "x", QoS::AtLeastOnce, None).await;
+    let p = c.next_publish().await;
+    assert_eq!(&p.topic[..], b"k/1");
+}
+
+/// A session record its killed node left, whose client never comes back,
+/// goes from etcd once its session would have expired; one that has not
+/// expired stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ownerless_session_record_goes_when_its_session_expires() {
+    let mut setup = Setup::start_with(
+        1,
+        2,
+        &[("STATEBROKER__CLUSTERING__SESSION_REAP_INTERVAL_S", "1")],
+    );
+    let (mut short, _) = connect(setup.ports[0], "short", false, 3).await;
+    short.subscribe("x", QoS::AtLeastOnce).await;
+    let (mut long, _) = connect(setup.ports[0], "long", false, 300).await;
+    long.subscribe("x", QoS::AtLeastOnce).await;
+    eventually("both records in etcd", || {
+        record(&setup, "short").is_some_and(|r| r.contains('x'))
+            && record(&setup, "long").is_some_and(|r| r.contains('x'))
+    })
+    .await;
+    setup.nodes[0].kill().unwrap();
+    let killed = Instant::now();
+    eventually("the expired session's record gone", || {
+        record(&setup, "short").is_none()
+    })
+    .await;
+    // Not before its owner record went with the node's lease (5 s) and
+    // its expiry (3 s) passed.
+    assert!(
+        killed.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert!(
+        record(&setup, "long").is_some(),
+        "an unexpired session stays"
+    );
+    let (_c, present) = connect(setup.ports[1], "long", false, 300).await;
+    assert!(present);
+}
