@@ -43,6 +43,10 @@ pub const CLUSTER_FORWARDED: &str = "statebroker_cluster_forwarded_total";
 /// Clustering: publishes not forwarded to a node, its link's queue full,
 /// by `peer`.
 pub const CLUSTER_FORWARD_DROPPED: &str = "statebroker_cluster_forward_dropped_total";
+/// Clustering: sessions this node gave up to another node (their queued
+/// messages handed over), and the messages it handed over.
+pub const CLUSTER_SESSIONS_HANDED_OVER: &str = "statebroker_cluster_sessions_handed_over_total";
+pub const CLUSTER_MESSAGES_HANDED_OVER: &str = "statebroker_cluster_messages_handed_over_total";
 /// Clustering: wills of clients whose node died, published by this node.
 pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
 
@@ -281,6 +285,14 @@ fn describe() {
     describe_counter!(
         CLUSTER_FORWARDED,
         "Clustering: client publishes handed to the link to another node, by peer"
+    );
+    describe_counter!(
+        CLUSTER_SESSIONS_HANDED_OVER,
+        "Clustering: sessions this node gave up to the node their client connected to (queued messages handed over)"
+    );
+    describe_counter!(
+        CLUSTER_MESSAGES_HANDED_OVER,
+        "Clustering: messages queued here for a session that moved, sent to its new node"
     );
     describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
@@ -533,6 +545,14 @@ pub fn cluster_forward_counters(peer: &str) -> (Counter, Counter) {
 pub fn cluster_cache(records: usize, bytes: usize) {
     gauge!(CLUSTER_CACHE_RECORDS).set(records as f64);
     gauge!(CLUSTER_CACHE_BYTES).set(bytes as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: this node gave a session up to another node, handing over
+/// `messages`.
+pub fn session_handed_over(messages: usize) {
+    counter!(CLUSTER_SESSIONS_HANDED_OVER).increment(1);
+    counter!(CLUSTER_MESSAGES_HANDED_OVER).increment(messages as u64);
 }
 
 #[cfg(feature = "cluster")]

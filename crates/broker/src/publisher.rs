@@ -35,6 +35,9 @@ pub const INTERNAL_PREFIX: &str = "statebroker:";
 pub const LINK_CLIENT_PREFIX: &str = "statebroker:peer:";
 /// The username a link logs in with (its password: the cluster's secret).
 pub const LINK_USERNAME: &str = "statebroker:peer";
+/// The User Property of a publish another node's link hands over: the
+/// client id whose session moved to this node, to whom alone it goes.
+pub const HANDOVER: &str = "statebroker:handover";
 
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;

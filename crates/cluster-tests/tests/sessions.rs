@@ -16,6 +16,7 @@ use rumqttc::v5::mqttbytes::QoS;
 
 const LINKS: &str = "statebroker_cluster_peer_links";
 const KEPT: &str = "statebroker_kept_sessions";
+const HANDED_OVER: &str = "statebroker_cluster_sessions_handed_over_total";
 /// Sessions every node keeps for the others' links (Clean Start 0).
 const LINK_SESSIONS: f64 = 2.0;
 
@@ -102,6 +103,12 @@ async fn a_session_follows_its_client_from_node_to_node() {
     // On node 2: the session, with its subscription.
     let (mut c, present) = connect(p2, "mover", false, 300).await;
     assert!(present, "Session Present 1 on another node");
+    // Node 1 gives the session up (a message published before that may
+    // come twice, see cluster/sessions.rs).
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
+    })
+    .await;
     let (mut publisher, _) = connect(p3, "publisher", true, 0).await;
     publisher
         .publish("s/a", "to node 2", QoS::AtLeastOnce, None)
@@ -127,6 +134,10 @@ async fn a_session_follows_its_client_from_node_to_node() {
     // Back on node 1: node 2's subscriptions, not node 1's old ones.
     let (mut c, present) = connect(p1, "mover", false, 300).await;
     assert!(present);
+    eventually("node 2 handed the session over", || {
+        metric(setup.http[1], HANDED_OVER) == Some(1.0)
+    })
+    .await;
     for topic in ["s/a", "s/b"] {
         publisher
             .publish(topic, topic, QoS::AtLeastOnce, None)
@@ -171,10 +182,11 @@ async fn a_connected_client_that_moves_takes_its_session_along() {
         }
         other => panic!("expected DISCONNECT 0x8E, got {other:?}"),
     }
-    eventually("node 1 discarded its copy", || {
-        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
     })
     .await;
+    assert_eq!(metric(setup.http[0], KEPT), Some(LINK_SESSIONS));
     let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
     for n in 0..20 {
         publisher
@@ -247,4 +259,53 @@ async fn an_ownerless_session_record_goes_when_its_session_expires() {
     );
     let (_c, present) = connect(setup.ports[1], "long", false, 300).await;
     assert!(present);
+}
+
+/// What a live node had queued for a session moves with it: a client that
+/// left node 1 with messages waiting there gets them on node 2, once, in
+/// order, and what is published after the move too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_messages_move_with_the_session_from_a_live_node() {
+    let setup = three_linked_nodes().await;
+    let (mut c, _) = connect(setup.ports[0], "queued", false, 300).await;
+    c.subscribe("q/#", QoS::AtLeastOnce).await;
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for n in 0..20 {
+        publisher
+            .publish(&format!("q/{n}"), "x", QoS::AtLeastOnce, None)
+            .await;
+    }
+    // Node 1 has them all (forwarded by node 3's link) before the client
+    // moves.
+    eventually("node 1 received the 20 messages", || {
+        metric(
+            setup.http[0],
+            "statebroker_messages_received_total{qos=\"1\"}",
+        )
+        .is_some_and(|n| n >= 20.0)
+    })
+    .await;
+    let (mut c, present) = connect(setup.ports[1], "queued", false, 300).await;
+    assert!(present);
+    let got = topics_within(&mut c, Duration::from_secs(3)).await;
+    let expected: Vec<String> = (0..20).map(|n| format!("q/{n}")).collect();
+    assert_eq!(got, expected, "the queued messages, once, in order");
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
+    })
+    .await;
+    assert_eq!(
+        metric(
+            setup.http[0],
+            "statebroker_cluster_messages_handed_over_total"
+        ),
+        Some(20.0)
+    );
+    publisher
+        .publish("q/after", "x", QoS::AtLeastOnce, None)
+        .await;
+    let got = topics_within(&mut c, Duration::from_secs(2)).await;
+    assert_eq!(got, ["q/after"]);
+    assert_eq!(metric(setup.http[0], KEPT), Some(LINK_SESSIONS));
 }

@@ -66,6 +66,7 @@ impl Node {
             Arc::clone(&membership),
             Arc::clone(sessions),
             router.clone(),
+            Arc::clone(&peers),
         )
         .await
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;

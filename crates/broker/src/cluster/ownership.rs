@@ -3,7 +3,7 @@
 //!
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
-//! connection number>`, under its membership lease (so the record goes
+//! connection number>` (and `\nclean` for a clean start), under its membership lease (so the record goes
 //! with the node: killed, cut off or paused past its lease). Every node
 //! watches these records; a node whose client connected later to another
 //! node (a record with a greater revision than its own claim) ends that
@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use router::RouterHandle;
 use tokio::sync::Notify;
 
-use super::{Cluster, Membership};
+use super::{Cluster, Membership, Peers};
 use crate::sessions::Sessions;
 
 /// This node's claim on a client id.
@@ -74,6 +74,7 @@ pub struct Ownership {
     membership: Arc<Membership>,
     sessions: Arc<Sessions>,
     router: RouterHandle,
+    peers: Arc<Peers>,
     /// `<etcd_prefix>C/`.
     prefix: Vec<u8>,
     /// `<etcd_prefix>S/`.
@@ -93,6 +94,7 @@ impl Ownership {
         membership: Arc<Membership>,
         sessions: Arc<Sessions>,
         router: RouterHandle,
+        peers: Arc<Peers>,
     ) -> Result<Arc<Ownership>, String> {
         let prefix = format!("{}C/", cluster.settings.etcd_prefix).into_bytes();
         let mut client = cluster.client.clone();
@@ -114,6 +116,7 @@ impl Ownership {
             membership,
             sessions,
             router,
+            peers,
             prefix,
             sessions_prefix,
             wills_prefix: format!("{}W/", cluster_prefix).into_bytes(),
@@ -279,7 +282,8 @@ impl Ownership {
         else {
             return Err(None);
         };
-        let value = format!("{}\n{connection}", self.cluster.node_id());
+        let clean = if clean_start { "\nclean" } else { "" };
+        let value = format!("{}\n{connection}{clean}", self.cluster.node_id());
         let lease = self.membership.lease();
         let options = PutOptions::new().with_lease(lease).with_prev_key();
         let mut ops = vec![
@@ -320,7 +324,7 @@ impl Ownership {
             // Another node's CONNECT came after this one's.
             let claim = *claim;
             drop(state);
-            self.lost(client_id, claim);
+            self.lost(client_id, claim, None);
             return Err(None);
         }
         drop(state);
@@ -341,9 +345,10 @@ impl Ownership {
         Ok(())
     }
 
-    /// Another node took `client_id` from `claim`: its connection ends
-    /// (0x8E) and the router discards the session it kept here.
-    fn lost(&self, client_id: &str, claim: Claim) {
+    /// Another node (`to`, if known) took `client_id` from `claim`: its
+    /// connection ends (0x8E), and the session kept here goes, its queued
+    /// messages handed to `to` (see [`super::sessions::hand_over`]).
+    fn lost(&self, client_id: &str, claim: Claim, to: Option<&str>) {
         {
             let mut state = self.state.lock();
             if state
@@ -363,6 +368,13 @@ impl Ownership {
         }
         let router = self.router.clone();
         let client_id = client_id.to_owned();
+        if let Some(to) = to.map(str::to_owned).filter(|_| claim.kept || !claim.ended) {
+            let peers = Arc::clone(&self.peers);
+            tokio::spawn(async move {
+                super::sessions::hand_over(&router, &peers, &client_id, &to).await;
+            });
+            return;
+        }
         tokio::spawn(async move {
             if let Ok(true) = router.replace_session(&client_id, None).await {
                 tracing::debug!(
@@ -420,7 +432,7 @@ impl Ownership {
     /// Another node recorded itself as `client_id`'s owner at `revision`:
     /// this node's connection of it ends and its session is discarded, if
     /// it claimed before.
-    fn taken(&self, client_id: &str, revision: i64) {
+    fn taken(&self, client_id: &str, revision: i64, to: Option<&str>) {
         let mut state = self.state.lock();
         let Some(claim) = state.claims.get_mut(client_id) else {
             return;
@@ -432,7 +444,7 @@ impl Ownership {
         if claim.revision < revision {
             let claim = *claim;
             drop(state);
-            self.lost(client_id, claim);
+            self.lost(client_id, claim, to);
         }
     }
 
@@ -495,10 +507,12 @@ impl Ownership {
                         TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
                         _ => None,
                     });
-                    let taken = holder
-                        .as_deref()
-                        .and_then(owner_of)
-                        .is_some_and(|n| n != self.cluster.node_id());
+                    // Another node's claim: the node to hand over to (none
+                    // after a clean start).
+                    let taken = holder.as_deref().and_then(|value| {
+                        let node = owner_of(value).filter(|n| *n != self.cluster.node_id())?;
+                        Some((!started_clean(value)).then(|| node.to_owned()))
+                    });
                     (response.succeeded(), taken)
                 }
                 Ok(Err(e)) => {
@@ -533,8 +547,8 @@ impl Ownership {
                 // ended with its records).
                 state.claims.remove(&client_id);
                 drop(state);
-                if taken {
-                    self.lost(&client_id, current);
+                if let Some(to) = taken {
+                    self.lost(&client_id, current, to.as_deref());
                 }
             } else if current.ended
                 && !state.records.contains_key(&client_id)
@@ -591,10 +605,18 @@ fn claim_of<'a>(
         .filter(|c| c.connection == connection)
 }
 
-/// The node an owner's record (`<node id>\n<connection>`) names.
+/// The node an owner's record (`<node id>\n<connection>[\nclean]`)
+/// names.
 pub fn owner_of(value: &[u8]) -> Option<&str> {
-    let (node, connection) = std::str::from_utf8(value).ok()?.split_once('\n')?;
-    connection.parse::<u64>().ok().map(|_| node)
+    let mut lines = std::str::from_utf8(value).ok()?.split('\n');
+    let node = lines.next()?;
+    lines.next()?.parse::<u64>().ok().map(|_| node)
+}
+
+/// Whether an owner's record is of a CONNECT with Clean Start 1 (the
+/// session before it ended: nothing to hand over).
+fn started_clean(value: &[u8]) -> bool {
+    value.ends_with(b"\nclean")
 }
 
 /// Watches the owners' records from revision `from`, resumed after the
@@ -652,7 +674,9 @@ async fn watch(
                 let Ok(client_id) = std::str::from_utf8(&kv.key()[prefix.len()..]) else {
                     continue;
                 };
-                o.taken(client_id, kv.mod_revision());
+                // A clean start ended the session: nothing to hand over.
+                let to = (!started_clean(kv.value())).then_some(owner_node);
+                o.taken(client_id, kv.mod_revision(), to);
             }
         }
     }

@@ -190,6 +190,50 @@ impl Peers {
         }
     }
 
+    /// Sends `node` the messages queued here for `client_id`'s session,
+    /// which moved there: each with the User Property
+    /// [`crate::publisher::HANDOVER`] naming the client, which the other
+    /// node delivers to that client alone. Waits for room on the link;
+    /// returns how many it took (none without a link to `node`).
+    pub async fn hand_over(
+        &self,
+        node: &str,
+        client_id: &str,
+        messages: Vec<(Publish, Option<PublishProperties>)>,
+    ) -> usize {
+        let Some(client) = self
+            .links
+            .read()
+            .iter()
+            .find(|l| l.node_id == node)
+            .map(|l| l.client.clone())
+        else {
+            return 0;
+        };
+        let mut sent = 0;
+        for (publish, properties) in messages {
+            let Ok(topic) = std::str::from_utf8(&publish.topic) else {
+                continue;
+            };
+            let qos = match publish.qos {
+                QoS::AtMostOnce => LinkQoS::AtMostOnce,
+                QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
+                QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
+            };
+            let mut properties = properties.as_ref().map(link_properties).unwrap_or_default();
+            properties
+                .user_properties
+                .push((crate::publisher::HANDOVER.to_owned(), client_id.to_owned()));
+            let published =
+                client.publish_with_properties(topic, qos, false, publish.payload, properties);
+            if published.await.is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        sent
+    }
+
     /// Opens links to the members not linked yet and closes those to nodes
     /// gone (or moved).
     fn follow_members(&self, members: &[Member]) {

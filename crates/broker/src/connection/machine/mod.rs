@@ -428,6 +428,15 @@ impl Machine {
             self.ack(qos, pkid, false);
             return Ok(());
         }
+        // Another node hands over what it had queued for a session that
+        // moved here: for that client alone.
+        if self.from_link
+            && let Some(client) = handed_over(properties.as_mut())
+        {
+            self.deliver_handed_over(&client, publish, properties);
+            self.ack(qos, pkid, true);
+            return Ok(());
+        }
         // Every other node's subscribers get it too (a cluster node), once:
         // not a QoS 2 retransmission, not what another node forwarded.
         if !self.from_link && !retransmitted {
@@ -440,6 +449,28 @@ impl Machine {
             self.ack_order.routed();
         }
         Ok(())
+    }
+
+    /// Delivers to `client` a message its session's previous node handed
+    /// over (at most QoS 1, as direct deliveries go).
+    fn deliver_handed_over(
+        &self,
+        client: &str,
+        publish: Publish,
+        properties: Option<PublishProperties>,
+    ) {
+        let message = crate::sessions::Direct {
+            topic: publish.topic,
+            payload: publish.payload,
+            properties: properties.unwrap_or_default(),
+            qos: publish.qos as u8,
+        };
+        if self.shared.publisher.deliver_to(client, message).is_err() {
+            tracing::warn!(
+                client_id = client,
+                "clustering: a message handed over from the session's previous node is lost: the client is not connected here or its queue is full"
+            );
+        }
     }
 
     /// Acknowledges a publish handled here (not by the router).
@@ -672,3 +703,14 @@ fn failed(reason: &protocol::PubRecReason) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+/// The client a publish from another node's link is handed over to (see
+/// `crate::publisher::HANDOVER`), its User Property removed.
+fn handed_over(properties: Option<&mut PublishProperties>) -> Option<String> {
+    let properties = properties?;
+    let at = properties
+        .user_properties
+        .iter()
+        .position(|(k, _)| k == crate::publisher::HANDOVER)?;
+    Some(properties.user_properties.remove(at).1)
+}
