@@ -10,7 +10,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::raw::{Raw, Recv, v5};
+use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, v5};
 use common::{PATIENCE, Setup, eventually, metric};
 use rumqttc::v5::mqttbytes::QoS;
 
@@ -308,4 +308,47 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
     let got = topics_within(&mut c, Duration::from_secs(2)).await;
     assert_eq!(got, ["q/after"]);
     assert_eq!(metric(setup.http[0], KEPT), Some(LINK_SESSIONS));
+}
+
+/// A state store request the client sends again (DUP) after its session
+/// moved to another node runs once: the new node finds the key's last
+/// write is that request's and answers with it (issue #28 item 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_resent_after_a_move_runs_once() {
+    let setup = three_linked_nodes().await;
+    let request = |raw: &Raw, dup: bool| {
+        let payload = statestore::resp3::encode_request(&[&b"SET"[..], b"once", b"v", b"NX"]);
+        let ts = now_hlc("resender");
+        let properties =
+            raw.request_properties(b"request-1", &[("__ts", &ts), ("__protVer", "1.0")]);
+        let mut publish =
+            v5::Publish::new(REQUEST_TOPIC, QoS::AtLeastOnce, payload, Some(properties));
+        publish.pkid = 77;
+        publish.dup = dup;
+        v5::Packet::Publish(publish)
+    };
+    let (mut c, _) = connect(setup.ports[0], "resender", false, 300).await;
+    c.ensure_response_subscription().await;
+    c.send(request(&c, false)).await;
+    let first = c.next_publish().await;
+    assert_eq!(&first.payload[..], b"+OK\r\n", "the first SET NX sets");
+    leave(c).await;
+    eventually("the response subscription in etcd", || {
+        record(&setup, "resender").is_some_and(|r| r.contains("statestore/response"))
+    })
+    .await;
+    // As if its PUBACK had been lost: sent again on another node.
+    let (mut c, present) = connect(setup.ports[1], "resender", false, 300).await;
+    assert!(present);
+    c.send(request(&c, true)).await;
+    let again = c.next_publish().await;
+    assert_eq!(
+        &again.payload[..],
+        &first.payload[..],
+        "answered as the first time, not run again"
+    );
+    // The same SET NX as a new request (not DUP) is run: the key exists.
+    c.send(request(&c, false)).await;
+    let new = c.next_publish().await;
+    assert_ne!(&new.payload[..], &first.payload[..], "a new request runs");
 }

@@ -161,11 +161,13 @@ pub(super) struct Read {
 
 impl Cluster {
     /// Serves a key command (SET, GET, DEL, VDEL) of request `request`
-    /// (see [`super::record::request_id`]).
+    /// (see [`super::record::request_id`]); `resent`: the client sent it
+    /// again (MQTT DUP, as after a reconnection to this node): if the
+    /// key's record is this request's write, its answer is that write's.
     pub async fn serve_key(
         &self,
         keyed: &Keyed<'_>,
-        request: u64,
+        (request, resent): (u64, bool),
         quota: &Quota,
         clock: &dyn NodeClock,
     ) -> Result<Answer, Unanswered> {
@@ -183,7 +185,9 @@ impl Cluster {
         // current record, the next plan's.
         // With `cached_reads`, a GET answers from that record too.
         let writes = keyed.command.writes();
-        let mut cached = (writes || self.settings.cached_reads) && self.broken == Broken::No;
+        // A resent request reads the current record: was it its own write?
+        let mut cached =
+            (writes || self.settings.cached_reads) && self.broken == Broken::No && !resent;
         let mut found: Option<Read> = None;
         for _ in 0..ATTEMPTS {
             let mut from_cache = std::mem::take(&mut cached);
@@ -220,7 +224,7 @@ impl Cluster {
             }
             if let Some(record) = &read.record {
                 clock.observe(record.version);
-                if in_doubt.is_some() && record.request == request {
+                if (in_doubt.is_some() || resent) && writes && record.request == request {
                     return Ok(done_earlier(record));
                 }
             }

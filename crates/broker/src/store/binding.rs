@@ -42,6 +42,10 @@ pub struct ReplyTo {
     pub topic: String,
     /// The request's Correlation Data.
     pub correlation: Option<Bytes>,
+    /// The client sent it again (MQTT DUP), as after a reconnection: a
+    /// cluster node answers with the key's last write if that write was
+    /// this request's, instead of running it twice.
+    pub resent: bool,
 }
 
 /// What to do with a request that passed the connection-ending checks.
@@ -110,6 +114,7 @@ pub fn admit<'a>(
             .correlation_data
             .as_deref()
             .map(Bytes::copy_from_slice),
+        resent: false,
     };
     if qos == 0 {
         return Admission::Refuse(reply_to, "requests must be published with QoS 1");
@@ -278,6 +283,7 @@ mod tests {
         let to = ReplyTo {
             topic: RESPONSE.into(),
             correlation: Some(Bytes::from_static(b"corr")),
+            resent: false,
         };
         let r = response(to, b"-ERR syntax error\r\n".to_vec(), "1:2:n".into());
         assert_eq!((&r.topic[..], r.qos), (RESPONSE.as_bytes(), 1));

@@ -47,6 +47,8 @@ struct Job {
     fencing_token: Option<Hlc>,
     persist: bool,
     request: u64,
+    /// Sent again by the client (see [`ReplyTo::resent`]).
+    resent: bool,
     reply: Reply,
     access: Option<Arc<dyn KeyAccess + Send + Sync>>,
 }
@@ -180,6 +182,7 @@ impl StateStoreService {
             fencing_token: request.fencing_token.and_then(|t| t.parse().ok()),
             persist: request.persist,
             request: record::request_id(caller.client_id, correlation),
+            resent: reply.to.as_ref().is_some_and(|to| to.resent),
             reply,
             access,
         };
@@ -247,7 +250,7 @@ async fn serve_key(service: &Arc<StateStoreService>, clustered: &Clustered, job:
         Some(
             clustered
                 .cluster
-                .serve_key(&keyed, job.request, &quota, &clock)
+                .serve_key(&keyed, (job.request, job.resent), &quota, &clock)
                 .await,
         )
     }

@@ -71,7 +71,8 @@ impl Machine {
         }
         let kept = self.session_expiry > 0;
         match binding::admit(&publish.payload, &properties, qos, dialect) {
-            Admission::Serve(mut request, reply_to) => {
+            Admission::Serve(mut request, mut reply_to) => {
+                reply_to.resent = dup;
                 let caller = Caller {
                     client_id: &self.client_id,
                     connection: self.id,
