@@ -7,34 +7,17 @@
 mod common;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::raw::{Raw, v5};
-use common::{PATIENCE, Setup, eventually, metric};
+use common::{PATIENCE, Setup, addr, eventually, metric};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::Packet as P;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use tokio::sync::mpsc;
 
 const LINKS: &str = "statebroker_cluster_peer_links";
-
-fn addr(port: u16) -> SocketAddr {
-    ([127, 0, 0, 1], port).into()
-}
-
-/// Three nodes whose links to each other are all up.
-async fn three_linked_nodes() -> Setup {
-    let setup = Setup::start(1, 3);
-    for &http in &setup.http {
-        eventually("every node linked to the two others", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
-    setup
-}
 
 /// A subscriber of `filter` at `qos` on `port` (subscribed: SUBACK
 /// received); what it receives comes out of the channel as (topic,
@@ -121,7 +104,7 @@ fn sequences(messages: &[(String, Bytes, bool)]) -> HashMap<String, Vec<u32>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_on_any_node_reaches_every_nodes_subscribers_once_in_order() {
     const EACH: u32 = 300;
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let mut subscribers = Vec::new();
     for (i, &port) in setup.ports.iter().enumerate() {
         subscribers.push(subscriber(port, &format!("sub{i}"), "t/#", QoS::AtLeastOnce).await);
@@ -164,7 +147,7 @@ async fn a_publish_on_any_node_reaches_every_nodes_subscribers_once_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qos_2_across_nodes_is_exactly_once() {
     const COUNT: u32 = 200;
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let (_c, mut rx) = subscriber(setup.ports[0], "sub2", "q2", QoS::ExactlyOnce).await;
     let mut raw_sub = Raw::connect(addr(setup.ports[1]), "rawsub").await;
     raw_sub.subscribe("q2", QoS::ExactlyOnce).await;
@@ -213,7 +196,7 @@ async fn qos_2_across_nodes_is_exactly_once() {
 /// a third clears it everywhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retained_messages_follow_to_every_node() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let mut publisher = Raw::connect(addr(setup.ports[0]), "rp").await;
     common::mqtt::publish_complete(&mut publisher, "r/1", b"kept", QoS::AtLeastOnce, true).await;
     // The publish reaches the other nodes after its PUBACK: poll for it.
@@ -286,7 +269,7 @@ async fn a_link_needs_the_clusters_secret() {
 /// themselves, and so do its links to them; publishes cross both ways.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn links_come_back_after_a_node_is_killed_and_restarted() {
-    let mut setup = three_linked_nodes().await;
+    let mut setup = Setup::three_linked().await;
     setup.nodes[1].kill().unwrap();
     setup.nodes[1].restart().unwrap();
     setup.nodes[1].wait_tcp(setup.ports[1], PATIENCE).unwrap();
@@ -313,7 +296,7 @@ async fn links_come_back_after_a_node_is_killed_and_restarted() {
 /// subscribers of every node; a client that says goodbye leaves none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_will_reaches_every_nodes_subscribers() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let (_s2, mut on_2) = subscriber(setup.ports[1], "ws2", "will/#", QoS::AtLeastOnce).await;
     let (_s3, mut on_3) = subscriber(setup.ports[2], "ws3", "will/#", QoS::AtLeastOnce).await;
     let with_will = |name: &'static str| {

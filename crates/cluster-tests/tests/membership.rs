@@ -8,17 +8,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::raw::{Raw, Recv, v5};
-use common::{BROKER, PATIENCE, Setup, eventually, http_status, metric};
+use common::{BROKER, PATIENCE, Setup, addr, eventually, http_status, metric};
 
 const MEMBERS: &str = "statebroker_cluster_members";
-
-fn addr(port: u16) -> SocketAddr {
-    ([127, 0, 0, 1], port).into()
-}
 
 /// Waits for DISCONNECT 0x9C on `client`.
 async fn sent_away(client: &mut Raw) {

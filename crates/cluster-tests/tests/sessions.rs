@@ -7,34 +7,16 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, v5};
-use common::{PATIENCE, Setup, eventually, metric};
+use common::{PATIENCE, Setup, addr, eventually, metric};
 use rumqttc::v5::mqttbytes::QoS;
 
-const LINKS: &str = "statebroker_cluster_peer_links";
 const KEPT: &str = "statebroker_kept_sessions";
 const HANDED_OVER: &str = "statebroker_cluster_sessions_handed_over_total";
 /// Sessions every node keeps for the others' links (Clean Start 0).
 const LINK_SESSIONS: f64 = 2.0;
-
-fn addr(port: u16) -> SocketAddr {
-    ([127, 0, 0, 1], port).into()
-}
-
-/// Three nodes whose links to each other are all up.
-async fn three_linked_nodes() -> Setup {
-    let setup = Setup::start(1, 3);
-    for &http in &setup.http {
-        eventually("every node linked to the two others", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
-    setup
-}
 
 /// Connects `client_id` to `port` with Clean Start `clean` and a Session
 /// Expiry Interval of `expiry` s; returns it and Session Present.
@@ -88,7 +70,7 @@ async fn topics_within(client: &mut Raw, wait: Duration) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_follows_its_client_from_node_to_node() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let [p1, p2, p3] = [setup.ports[0], setup.ports[1], setup.ports[2]];
     let (mut c, present) = connect(p1, "mover", false, 300).await;
     assert!(!present, "a new session");
@@ -167,7 +149,7 @@ async fn a_session_follows_its_client_from_node_to_node() {
 /// connection gets each message once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connected_client_that_moves_takes_its_session_along() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let (mut old, _) = connect(setup.ports[0], "live", false, 300).await;
     old.subscribe("l/#", QoS::AtLeastOnce).await;
     eventually("the subscription in etcd", || {
@@ -202,7 +184,7 @@ async fn a_connected_client_that_moves_takes_its_session_along() {
 /// subscriptions (issue #29 target: within 3 s of the client reconnecting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_sessions_resume_elsewhere() {
-    let mut setup = three_linked_nodes().await;
+    let mut setup = Setup::three_linked().await;
     let (mut c, _) = connect(setup.ports[0], "survivor", false, 300).await;
     c.subscribe("k/#", QoS::AtLeastOnce).await;
     eventually("the subscription in etcd", || {
@@ -266,7 +248,7 @@ async fn an_ownerless_session_record_goes_when_its_session_expires() {
 /// order, and what is published after the move too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_messages_move_with_the_session_from_a_live_node() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let (mut c, _) = connect(setup.ports[0], "queued", false, 300).await;
     c.subscribe("q/#", QoS::AtLeastOnce).await;
     leave(c).await;
@@ -315,7 +297,7 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
 /// write is that request's and answers with it (issue #28 item 5).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_resent_after_a_move_runs_once() {
-    let setup = three_linked_nodes().await;
+    let setup = Setup::three_linked().await;
     let request = |raw: &Raw, dup: bool| {
         let payload = statestore::resp3::encode_request(&[&b"SET"[..], b"once", b"v", b"NX"]);
         let ts = now_hlc("resender");

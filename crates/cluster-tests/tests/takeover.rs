@@ -6,14 +6,8 @@
 
 mod common;
 
-use std::net::SocketAddr;
-
 use common::raw::{Raw, Recv, v5};
-use common::{PATIENCE, Setup, eventually};
-
-fn addr(port: u16) -> SocketAddr {
-    ([127, 0, 0, 1], port).into()
-}
+use common::{PATIENCE, Setup, addr, eventually};
 
 /// Waits for DISCONNECT 0x8E on `client`.
 async fn taken_over(client: &mut Raw) {

@@ -5,32 +5,15 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::raw::{Raw, Recv, v5};
-use common::{Setup, eventually, metric};
+use common::{Setup, addr, eventually, metric};
 use rumqttc::v5::mqttbytes::QoS;
 
-const LINKS: &str = "statebroker_cluster_peer_links";
 const PUBLISHED: &str = "statebroker_cluster_dead_node_wills_total";
 /// The nodes' membership lease (the default).
 const LEASE: Duration = Duration::from_secs(5);
-
-fn addr(port: u16) -> SocketAddr {
-    ([127, 0, 0, 1], port).into()
-}
-
-async fn three_linked_nodes() -> Setup {
-    let setup = Setup::start(1, 3);
-    for &http in &setup.http {
-        eventually("every node linked to the two others", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
-    setup
-}
 
 /// Connects `client_id` to `port` with a will on `will/<client_id>`
 /// delayed `delay` s, a session kept 60 s, Clean Start `clean`.
@@ -89,7 +72,7 @@ async fn wills_within(client: &mut Raw, wait: Duration) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_will_goes_out_once_when_its_clients_node_is_killed() {
-    let mut setup = three_linked_nodes().await;
+    let mut setup = Setup::three_linked().await;
     let mut on_2 = Raw::connect(addr(setup.ports[1]), "watcher-2").await;
     on_2.subscribe("will/#", QoS::AtLeastOnce).await;
     let mut on_3 = Raw::connect(addr(setup.ports[2]), "watcher-3").await;
@@ -143,7 +126,7 @@ async fn a_will_goes_out_once_when_its_clients_node_is_killed() {
 /// delay is up gets no will published (its claim replaced the record).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_will_when_the_client_comes_back_on_another_node_in_time() {
-    let mut setup = three_linked_nodes().await;
+    let mut setup = Setup::three_linked().await;
     let mut watcher = Raw::connect(addr(setup.ports[2]), "watcher").await;
     watcher.subscribe("will/#", QoS::AtLeastOnce).await;
     let _first = with_will(setup.ports[0], "returner", 1, false).await;

@@ -151,22 +151,9 @@ impl Ownership {
     /// will. Not while the node does not serve (lost its lease): another
     /// node publishes the will from the record then.
     fn forget_will(&self, client_id: &str, revision: i64) {
-        if !self.membership.standing().serving() {
-            return;
+        if self.membership.standing().serving() {
+            self.delete_if(self.will_key(client_id), revision);
         }
-        let key = self.will_key(client_id);
-        let mut client = self.cluster.client.clone();
-        let timeout = self.cluster.settings.request_timeout;
-        tokio::spawn(async move {
-            let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    key.clone(),
-                    CompareOp::Equal,
-                    revision,
-                )])
-                .and_then([TxnOp::delete(key, None)]);
-            let _ = tokio::time::timeout(timeout, client.txn(txn)).await;
-        });
     }
 
     /// `client_id`'s session record.
@@ -388,7 +375,11 @@ impl Ownership {
     /// Deletes `client_id`'s record if it is still the one put at
     /// `revision`.
     fn delete(&self, client_id: &str, revision: i64) {
-        let key = self.key(client_id);
+        self.delete_if(self.key(client_id), revision);
+    }
+
+    /// Deletes `key` in the background if its mod revision is `revision`.
+    fn delete_if(&self, key: Vec<u8>, revision: i64) {
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         tokio::spawn(async move {

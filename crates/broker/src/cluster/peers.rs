@@ -166,11 +166,7 @@ impl Peers {
         let Ok(topic) = std::str::from_utf8(&publish.topic) else {
             return;
         };
-        let qos = match publish.qos {
-            QoS::AtMostOnce => LinkQoS::AtMostOnce,
-            QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
-            QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
-        };
+        let qos = link_qos(publish.qos);
         let properties = properties.map(link_properties).unwrap_or_default();
         for link in links.iter() {
             let sent = link.client.try_publish_with_properties(
@@ -215,11 +211,7 @@ impl Peers {
             let Ok(topic) = std::str::from_utf8(&publish.topic) else {
                 continue;
             };
-            let qos = match publish.qos {
-                QoS::AtMostOnce => LinkQoS::AtMostOnce,
-                QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
-                QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
-            };
+            let qos = link_qos(publish.qos);
             let mut properties = properties.as_ref().map(link_properties).unwrap_or_default();
             properties
                 .user_properties
@@ -304,6 +296,15 @@ impl Peers {
 /// The properties a publish keeps on its way to another node (the topic
 /// alias was resolved on the way in; subscription identifiers are the
 /// receiving subscriber's).
+/// The link client's QoS for the router's.
+fn link_qos(qos: QoS) -> LinkQoS {
+    match qos {
+        QoS::AtMostOnce => LinkQoS::AtMostOnce,
+        QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
+        QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
+    }
+}
+
 fn link_properties(p: &PublishProperties) -> LinkProperties {
     LinkProperties {
         payload_format_indicator: p.payload_format_indicator,

@@ -30,6 +30,11 @@ pub const BROKER: &str = env!("CARGO_BIN_EXE_statebroker-node");
 /// How long a start or an answer may take on a loaded CI machine.
 pub const PATIENCE: Duration = Duration::from_secs(30);
 
+/// A node's MQTT address on loopback.
+pub fn addr(port: u16) -> std::net::SocketAddr {
+    ([127, 0, 0, 1], port).into()
+}
+
 /// etcd and the nodes.
 pub struct Setup {
     pub etcd: EtcdCluster,
@@ -62,6 +67,18 @@ impl Setup {
         };
         for _ in 0..nodes {
             setup.add_node(env);
+        }
+        setup
+    }
+
+    /// Three nodes on one etcd member, each linked to the two others.
+    pub async fn three_linked() -> Setup {
+        let setup = Setup::start(1, 3);
+        for &http in &setup.http {
+            eventually("every node linked to the two others", || {
+                metric(http, "statebroker_cluster_peer_links") == Some(2.0)
+            })
+            .await;
         }
         setup
     }
