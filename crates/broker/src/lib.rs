@@ -340,8 +340,8 @@ async fn send_away_when_not_serving(shared: Arc<Shared>) {
             changed = losses.changed() => if changed.is_err() { return },
             _ = shutdown.changed() => return,
         }
-        losses.borrow_and_update();
-        let told = shared.sessions.send_all_away();
+        let epoch = *losses.borrow_and_update();
+        let told = shared.sessions.send_all_away(epoch);
         tracing::warn!(
             connections = told,
             "not serving: connections ended with DISCONNECT 0x9C (use another server)"

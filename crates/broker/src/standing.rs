@@ -68,6 +68,12 @@ impl Standing {
 
     /// The number of times the lease was lost, as the renewing task found
     /// out: it changes with each loss.
+    /// How many times the node stopped serving so far (see
+    /// [`crate::sessions::Sessions::send_all_away`]).
+    pub fn epoch(&self) -> u64 {
+        *self.losses.borrow()
+    }
+
     pub fn losses(&self) -> watch::Receiver<u64> {
         self.losses.subscribe()
     }

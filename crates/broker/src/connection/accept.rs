@@ -38,6 +38,8 @@ pub(crate) struct Accepted {
     /// Another cluster node's link, and that node's id: what it publishes
     /// goes to this node's subscribers only.
     pub from_node: Option<String>,
+    /// The node's stops before it was accepted (see [`crate::standing`]).
+    pub epoch: u64,
 }
 
 /// Where a CONNECT came from.
@@ -155,6 +157,8 @@ pub(crate) async fn accept(
             "the authorization policy denies Connect",
         ));
     }
+    // Read before the check: a stop after it sends this connection away.
+    let epoch = shared.standing.epoch();
     if !shared.standing.serving() {
         return Err(refuse(
             Refusal::NotAMember,
@@ -232,5 +236,6 @@ pub(crate) async fn accept(
         session_present,
         permit,
         from_node,
+        epoch,
     })
 }

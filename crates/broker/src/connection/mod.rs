@@ -90,6 +90,7 @@ pub(crate) async fn serve<S: Stream>(
         session_present,
         permit,
         from_node,
+        epoch,
     } = match accept::accept(&hello, origin, &shared).await {
         Ok(accepted) => accepted,
         Err(Some(connack)) => return socket.send_and_close(connack).await,
@@ -106,6 +107,7 @@ pub(crate) async fn serve<S: Stream>(
         address: peer,
         listener: listener.name.clone(),
         in_flight: AtomicUsize::new(0),
+        epoch,
     });
     let acknowledged = shared.sessions.connected(
         &client_id,

@@ -19,6 +19,10 @@ pub struct Peer {
     pub listener: String,
     /// QoS 1/2 publishes written to the client and not yet acknowledged.
     pub in_flight: AtomicUsize,
+    /// How many times the node had stopped serving when the connection
+    /// was accepted ([`crate::standing::Standing::epoch`]): a later stop
+    /// sends it away, an earlier one does not.
+    pub epoch: u64,
 }
 
 /// [`Peer`] as the view shows it.

@@ -121,13 +121,16 @@ impl Sessions {
         })
     }
 
-    /// Tells every connection to end: the node stopped serving (a cluster
-    /// node that lost its membership); how many were told.
-    pub fn send_all_away(&self) -> usize {
+    /// Tells every connection accepted before stop number `epoch` to end:
+    /// the node stopped serving (a cluster node that lost its
+    /// membership); how many were told. One accepted since (the node
+    /// serves again) stays.
+    pub fn send_all_away(&self, epoch: u64) -> usize {
         let clients = self.clients.read();
         clients
             .values()
             .filter_map(|c| c.live.as_ref())
+            .filter(|l| l.peer.epoch < epoch)
             .filter(|l| l.mailbox.tx.send(ToConnection::SendAway).is_ok())
             .count()
     }
@@ -188,12 +191,34 @@ mod tests {
 
     /// A loopback MQTT 5 client's peer (also for `recipients.rs`'s tests).
     pub(super) fn peer() -> Arc<Peer> {
+        peer_in(0)
+    }
+
+    /// The same, accepted after `epoch` stops of the node.
+    fn peer_in(epoch: u64) -> Arc<Peer> {
         Arc::new(Peer {
             protocol: "MQTT 5",
             address: "127.0.0.1:50000".parse().unwrap(),
             listener: "v5.1".into(),
             in_flight: AtomicUsize::new(0),
+            epoch,
         })
+    }
+
+    /// A stop of the node sends away the connections accepted before it,
+    /// not one accepted after the node served again (before the send-away
+    /// task ran: it used to end it too).
+    #[test]
+    fn a_stop_sends_away_only_the_connections_accepted_before_it() {
+        let s = Sessions::new(Arc::default());
+        let (old_tx, mut old_rx) = mpsc::unbounded_channel();
+        let (new_tx, mut new_rx) = mpsc::unbounded_channel();
+        s.connected("old", 1, false, mailbox(old_tx), peer_in(0));
+        s.connected("new", 2, false, mailbox(new_tx), peer_in(1));
+        assert_eq!(s.send_all_away(1), 1);
+        assert!(matches!(old_rx.try_recv(), Ok(ToConnection::SendAway)));
+        assert!(new_rx.try_recv().is_err(), "accepted after the stop");
+        assert_eq!(s.send_all_away(2), 2, "a later stop sends both away");
     }
 
     #[test]

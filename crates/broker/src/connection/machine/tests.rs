@@ -38,6 +38,7 @@ async fn machine(joined: bool) -> (Machine, watch::Sender<Position>) {
             address: "127.0.0.1:1".parse().unwrap(),
             listener: "test".into(),
             in_flight: Default::default(),
+            epoch: 0,
         }),
     );
     let start = Start {
