@@ -303,10 +303,10 @@ impl Shared {
     }
 
     /// Another node's link to this one connected (`up`) or ended.
-    pub fn inbound_link(&self, _node: &str, _up: bool) {
+    pub fn inbound_link(&self, _node: &str, _connection: u64, _epoch: u64, _up: bool) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.peers().inbound_link(_node, _up);
+            node.peers().inbound_link(_node, _connection, _epoch, _up);
         }
     }
 

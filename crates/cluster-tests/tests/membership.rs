@@ -115,7 +115,23 @@ async fn a_node_without_its_lease_sends_clients_away_until_it_registers_again() 
             setup.nodes[0].log_tail(40)
         );
     }
-    let _back = connect_when_serving(setup.ports[0], "roamer").await;
+    let mut back = connect_when_serving(setup.ports[0], "roamer").await;
+    // sb1 took the client only once sb2's link was back (it was sent
+    // away with the clients): a publish on sb2 right after the SUBACK
+    // reaches it.
+    back.subscribe("rejoined", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await;
+    let mut publisher = connect_when_serving(setup.ports[1], "publisher").await;
+    publisher
+        .publish(
+            "rejoined",
+            "x",
+            rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+            None,
+        )
+        .await;
+    let p = back.next_publish().await;
+    assert_eq!(&p.topic[..], b"rejoined");
     eventually("sb2 sees sb1 back", || {
         metric(http[1], MEMBERS) == Some(2.0)
     })

@@ -44,7 +44,7 @@ impl Node {
             .collect();
         let membership =
             Membership::join(Arc::clone(cluster), listeners, peer_address(settings)).await?;
-        let peers = Peers::start(cluster, membership.watch()).await?;
+        let peers = Peers::start(cluster, membership.watch(), membership.standing()).await?;
         let links = Arc::downgrade(&peers);
         publisher.forward_wills(Box::new(move |publish, properties| {
             if let Some(links) = links.upgrade() {

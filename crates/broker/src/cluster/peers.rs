@@ -57,8 +57,10 @@ pub struct Peers {
     secret: String,
     forward_queue: usize,
     links: RwLock<Vec<Link>>,
-    /// The other nodes' links to this one connected now, by node id.
-    inbound: parking_lot::Mutex<HashMap<String, usize>>,
+    /// The other nodes' links to this one connected now, by node id: each
+    /// link's connection number and the node's stops before it was
+    /// accepted (see [`crate::standing::Standing::epoch`]).
+    inbound: parking_lot::Mutex<HashMap<String, Vec<(u64, u64)>>>,
     /// Told when a link to this node connects.
     linked: Arc<tokio::sync::Notify>,
     /// The node takes clients: every other member has linked to it (or
@@ -84,6 +86,7 @@ impl Peers {
     pub async fn start(
         cluster: &Arc<Cluster>,
         members: watch::Receiver<Vec<Member>>,
+        standing: Arc<crate::standing::Standing>,
     ) -> Result<Arc<Peers>, String> {
         let secret = secret(cluster)
             .await
@@ -101,6 +104,7 @@ impl Peers {
         tokio::spawn(join(
             Arc::downgrade(&peers),
             members,
+            standing,
             cluster.settings.lease_ttl,
         ));
         Ok(peers)
@@ -113,16 +117,20 @@ impl Peers {
         self.joined.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Another node's link to this one connected (`up`) or ended.
-    pub fn inbound_link(&self, node: &str, up: bool) {
+    /// Another node's link to this one, connection `connection` accepted
+    /// after `epoch` stops of this node, connected (`up`) or ended.
+    pub fn inbound_link(&self, node: &str, connection: u64, epoch: u64, up: bool) {
         let mut inbound = self.inbound.lock();
         if up {
-            *inbound.entry(node.to_owned()).or_default() += 1;
+            inbound
+                .entry(node.to_owned())
+                .or_default()
+                .push((connection, epoch));
             drop(inbound);
             self.linked.notify_one();
-        } else if let Some(count) = inbound.get_mut(node) {
-            *count -= 1;
-            if *count == 0 {
+        } else if let Some(links) = inbound.get_mut(node) {
+            links.retain(|(c, _)| *c != connection);
+            if links.is_empty() {
                 inbound.remove(node);
             }
         }
@@ -130,12 +138,18 @@ impl Peers {
 
     /// The other members (with an address) whose link to this node is
     /// not connected.
-    fn not_linked(&self, members: &[Member]) -> Vec<String> {
+    /// The other members without a link to this node accepted since its
+    /// last stop (`epoch`: a link from before was sent away with it).
+    fn not_linked(&self, members: &[Member], epoch: u64) -> Vec<String> {
         let inbound = self.inbound.lock();
         members
             .iter()
             .filter(|m| m.node_id != self.node_id && m.peer_address.is_some())
-            .filter(|m| !inbound.contains_key(&m.node_id))
+            .filter(|m| {
+                inbound
+                    .get(&m.node_id)
+                    .is_none_or(|links| links.iter().all(|(_, e)| *e < epoch))
+            })
             .map(|m| m.node_id.clone())
             .collect()
     }
@@ -319,32 +333,67 @@ fn link_properties(p: &PublishProperties) -> LinkProperties {
 }
 
 /// Lets the node take clients once every other member has linked to it,
-/// or after `limit` (a WARN names those that did not).
-async fn join(peers: Weak<Peers>, mut members: watch::Receiver<Vec<Member>>, limit: Duration) {
+/// or after `limit` (a WARN names those that did not); again after each
+/// time it stopped serving (a lost lease: the links were sent away with
+/// the clients, and a subscriber that came back before they did would
+/// miss what the other nodes publish).
+async fn join(
+    peers: Weak<Peers>,
+    mut members: watch::Receiver<Vec<Member>>,
+    standing: Arc<crate::standing::Standing>,
+    limit: Duration,
+) {
+    let mut losses = standing.losses();
+    loop {
+        let epoch = *losses.borrow_and_update();
+        if !wait_for_links(&peers, &mut members, epoch, limit).await {
+            return;
+        }
+        if losses.changed().await.is_err() {
+            return;
+        }
+        let Some(p) = peers.upgrade() else { return };
+        p.joined.store(false, std::sync::atomic::Ordering::Release);
+        tracing::info!(
+            "clustering: this node stopped serving: it takes clients again once the other nodes have linked to it again"
+        );
+    }
+}
+
+/// Waits until every other member has a link to this node accepted since
+/// stop `epoch`, or `limit`, then lets the node take clients; `false`:
+/// the links' owner is gone.
+async fn wait_for_links(
+    peers: &Weak<Peers>,
+    members: &mut watch::Receiver<Vec<Member>>,
+    epoch: u64,
+    limit: Duration,
+) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        let Some(p) = peers.upgrade() else { return };
-        let missing = p.not_linked(&members.borrow_and_update());
+        let Some(p) = peers.upgrade() else {
+            return false;
+        };
+        let missing = p.not_linked(&members.borrow_and_update(), epoch);
         if missing.is_empty() {
             tracing::info!("clustering: every other node has linked to this one: taking clients");
             p.joined.store(true, std::sync::atomic::Ordering::Release);
-            return;
+            return true;
         }
         let linked = Arc::clone(&p.linked);
         drop(p);
         tokio::select! {
             () = linked.notified() => {}
-            changed = members.changed() => if changed.is_err() { return },
+            changed = members.changed() => if changed.is_err() { return false },
             () = tokio::time::sleep_until(deadline) => {
-                if let Some(p) = peers.upgrade() {
-                    tracing::warn!(
-                        ?missing,
-                        wait_ms = limit.as_millis() as u64,
-                        "clustering: taking clients although these nodes have not linked to this one: they do not forward to it yet"
-                    );
-                    p.joined.store(true, std::sync::atomic::Ordering::Release);
-                }
-                return;
+                let Some(p) = peers.upgrade() else { return false };
+                tracing::warn!(
+                    ?missing,
+                    wait_ms = limit.as_millis() as u64,
+                    "clustering: taking clients although these nodes have not linked to this one: they do not forward to it yet"
+                );
+                p.joined.store(true, std::sync::atomic::Ordering::Release);
+                return true;
             }
         }
     }
@@ -450,4 +499,51 @@ async fn secret(cluster: &Cluster) -> Result<String, String> {
         })
         .filter(|s| !s.is_empty())
         .ok_or_else(|| "the secret's key is there but empty".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peers() -> Peers {
+        Peers {
+            node_id: "sb1".into(),
+            secret: String::new(),
+            forward_queue: 1,
+            links: RwLock::new(Vec::new()),
+            inbound: parking_lot::Mutex::new(HashMap::new()),
+            linked: Arc::new(tokio::sync::Notify::new()),
+            joined: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn member(node_id: &str) -> Member {
+        Member {
+            node_id: node_id.into(),
+            peer_address: Some("127.0.0.1:1883".into()),
+            lease: 1,
+        }
+    }
+
+    /// A link accepted before the node's last stop was sent away with it:
+    /// it does not count as linked again; one accepted since does, and a
+    /// link that ends is no longer counted.
+    #[test]
+    fn only_links_accepted_since_the_last_stop_count() {
+        let p = peers();
+        let members = [member("sb1"), member("sb2"), member("sb3")];
+        assert_eq!(p.not_linked(&members, 0), ["sb2", "sb3"]);
+        p.inbound_link("sb2", 10, 0, true);
+        p.inbound_link("sb3", 11, 0, true);
+        assert!(p.not_linked(&members, 0).is_empty());
+        // The node stopped serving (epoch 1): the old links do not count.
+        assert_eq!(p.not_linked(&members, 1), ["sb2", "sb3"]);
+        p.inbound_link("sb2", 12, 1, true);
+        assert_eq!(p.not_linked(&members, 1), ["sb3"]);
+        // The old link of sb2 ends after its new one came: still linked.
+        p.inbound_link("sb2", 10, 0, false);
+        assert_eq!(p.not_linked(&members, 1), ["sb3"]);
+        p.inbound_link("sb2", 12, 1, false);
+        assert_eq!(p.not_linked(&members, 1), ["sb2", "sb3"]);
+    }
 }

@@ -169,11 +169,11 @@ pub(crate) async fn serve<S: Stream>(
 
     crate::metrics::connection_opened();
     if let Some(node) = &from_node {
-        shared.inbound_link(node, true);
+        shared.inbound_link(node, id, epoch, true);
     }
     let end = driver.run(&mut machine).await;
     if let Some(node) = &from_node {
-        shared.inbound_link(node, false);
+        shared.inbound_link(node, id, epoch, false);
     }
     crate::metrics::connection_closed(end.label());
     // Boxed: `finish` (its state) runs once, at the end; inline, its room
