@@ -305,6 +305,8 @@ impl RunningBroker {
         // back means every connection is gone.
         let all = u32::try_from(self.shared.settings.router.max_connections).unwrap_or(u32::MAX);
         let _ = tokio::time::timeout(grace, self.shared.permits.acquire_many(all)).await;
+        // A cluster node: the other nodes publish no will of its clients.
+        self.shared.leave_cluster().await;
         let store = Arc::clone(&self.shared.store);
         let _ = tokio::task::spawn_blocking(move || store.close()).await;
     }

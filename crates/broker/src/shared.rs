@@ -292,6 +292,16 @@ impl Shared {
         Ok(())
     }
 
+    /// The broker stops normally, its clients told (a cluster node: it
+    /// removes its clients' will records from etcd, so that no other node
+    /// publishes them).
+    pub async fn leave_cluster(&self) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.ownership().forget_wills().await;
+        }
+    }
+
     /// Whether the node takes clients: a cluster node once every other
     /// node has linked to it (see `cluster::peers`); always on a single node.
     pub fn takes_clients(&self) -> bool {

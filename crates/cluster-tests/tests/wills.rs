@@ -146,3 +146,27 @@ async fn no_will_when_the_client_comes_back_on_another_node_in_time() {
     let got = wills_within(&mut watcher, LEASE + Duration::from_secs(4)).await;
     assert!(got.is_empty(), "{got:?}");
 }
+
+/// A node stopped normally (SIGTERM) publishes no will of its clients, as
+/// a single node does not, and removes their will records first: no other
+/// node publishes them either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_will_when_its_node_stops_normally() {
+    let mut setup = Setup::three_linked().await;
+    let mut watcher = Raw::connect(addr(setup.ports[2]), "watcher").await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let _client = with_will(setup.ports[0], "stopped", 0, true).await;
+    eventually("the will in etcd", || {
+        will_record(&setup, "stopped").is_some()
+    })
+    .await;
+    let status = setup.nodes[0].stop(Duration::from_secs(20)).unwrap();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    assert!(
+        will_record(&setup, "stopped").is_none(),
+        "removed before it exited"
+    );
+    // Past its lease and a scan: nothing.
+    let got = wills_within(&mut watcher, LEASE + Duration::from_secs(3)).await;
+    assert!(got.is_empty(), "{got:?}");
+}

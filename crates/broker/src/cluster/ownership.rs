@@ -64,6 +64,9 @@ struct State {
     claims: HashMap<String, Claim>,
     /// Session records to write, by client id (bounded as the claims).
     records: HashMap<String, Pending>,
+    /// Will records this node put and has not seen removed, by client id:
+    /// the revision of the claim that put each (bounded as the claims).
+    wills: HashMap<String, i64>,
     numbers: u64,
 }
 
@@ -150,9 +153,57 @@ impl Ownership {
     /// `revision`: the connection ended, this node's will module has the
     /// will. Not while the node does not serve (lost its lease): another
     /// node publishes the will from the record then.
-    fn forget_will(&self, client_id: &str, revision: i64) {
-        if self.membership.standing().serving() {
-            self.delete_if(self.will_key(client_id), revision);
+    fn forget_will(self: &Arc<Self>, client_id: &str, revision: i64) {
+        if !self.membership.standing().serving() {
+            return;
+        }
+        let ownership = Arc::clone(self);
+        let client_id = client_id.to_owned();
+        tokio::spawn(async move {
+            if ownership.delete_will(&client_id, revision).await {
+                let mut state = ownership.state.lock();
+                if state.wills.get(&client_id) == Some(&revision) {
+                    state.wills.remove(&client_id);
+                }
+            }
+        });
+    }
+
+    /// Deletes `client_id`'s will record if the claim at `revision` put
+    /// it; `false`: etcd did not answer.
+    async fn delete_will(&self, client_id: &str, revision: i64) -> bool {
+        let key = self.will_key(client_id);
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut client = self.cluster.client.clone();
+        let timeout = self.cluster.settings.request_timeout;
+        matches!(
+            tokio::time::timeout(timeout, client.txn(txn)).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// The node stops normally (its clients were told): removes the will
+    /// records it put, so that no other node publishes them (a single
+    /// node publishes no will when it stops either). Waits at most etcd's
+    /// request timeout.
+    pub async fn forget_wills(&self) {
+        let wills: Vec<(String, i64)> = self.state.lock().wills.drain().collect();
+        let deletes = wills
+            .iter()
+            .map(|(client, revision)| self.delete_will(client, *revision));
+        let timeout = self.cluster.settings.request_timeout;
+        let _ = tokio::time::timeout(timeout, futures_util::future::join_all(deletes)).await;
+        if !wills.is_empty() {
+            tracing::info!(
+                wills = wills.len(),
+                "clustering: stopping: this node's clients' wills removed from etcd"
+            );
         }
     }
 
@@ -258,7 +309,7 @@ impl Ownership {
     /// it, try again; `Err(None)`: no more to do (the claim is gone, or
     /// lost to another node's).
     async fn record(
-        &self,
+        self: &Arc<Self>,
         client_id: &str,
         connection: u64,
         will: Option<&[u8]>,
@@ -295,6 +346,9 @@ impl Ownership {
             .map_err(|e| Some(e.to_string()))?;
         let revision = response.header().map_or(0, |h| h.revision());
         let mut state = self.state.lock();
+        if will.is_some() {
+            state.wills.insert(client_id.to_owned(), revision);
+        }
         let Some(claim) = claim_of(&mut state.claims, client_id, connection) else {
             // The connection ended meanwhile: its records go too.
             drop(state);
@@ -346,6 +400,8 @@ impl Ownership {
                 state.claims.remove(client_id);
             }
             state.records.remove(client_id);
+            // The other node's claim replaced the will record.
+            state.wills.remove(client_id);
         }
         if !claim.ended && self.sessions.take_over(client_id, claim.connection) {
             tracing::info!(
@@ -398,7 +454,7 @@ impl Ownership {
     /// (the claim stays while the router keeps the session). Otherwise the
     /// owner record goes, if it is still this connection's, once no
     /// session record is waiting.
-    pub fn release(&self, client_id: &str, connection: u64, kept: bool) {
+    pub fn release(self: &Arc<Self>, client_id: &str, connection: u64, kept: bool) {
         let mut state = self.state.lock();
         let writing = state.records.contains_key(client_id);
         let Some(claim) = claim_of(&mut state.claims, client_id, connection) else {
