@@ -3,8 +3,9 @@
 //!
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
-//! connection number>` (and `\nclean` for a clean start), under its membership lease (so the record goes
-//! with the node: killed, cut off or paused past its lease). Every node
+//! connection number>` (and `\nclean` for a clean start), under its
+//! membership lease (so the record goes with the node: killed, cut off or
+//! paused past its lease). Every node
 //! watches these records; a node whose client connected later to another
 //! node (a record with a greater revision than its own claim) ends that
 //! connection with DISCONNECT 0x8E "session taken over", as MQTT asks of
@@ -16,7 +17,7 @@
 //! record with this node's claim, so a node that lost the client can no
 //! longer write it. A claim outlives its connection while the session is
 //! kept; the record goes when the session ends, the session's record with
-//! it.
+//! it. Writing the session and will records is [`records`]'.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -30,7 +31,10 @@ use router::RouterHandle;
 use tokio::sync::Notify;
 
 use super::{Cluster, Membership, Peers};
+
+mod records;
 use crate::sessions::Sessions;
+use records::write_records;
 
 /// This node's claim on a client id.
 #[derive(Debug, Clone, Copy)]
@@ -144,74 +148,6 @@ impl Ownership {
         [self.prefix.as_slice(), client_id.as_bytes()].concat()
     }
 
-    /// `client_id`'s will record.
-    fn will_key(&self, client_id: &str) -> Vec<u8> {
-        [self.wills_prefix.as_slice(), client_id.as_bytes()].concat()
-    }
-
-    /// Removes `client_id`'s will record if it is the one the claim put at
-    /// `revision`: the connection ended, this node's will module has the
-    /// will. Not while the node does not serve (lost its lease): another
-    /// node publishes the will from the record then.
-    fn forget_will(self: &Arc<Self>, client_id: &str, revision: i64) {
-        if !self.membership.standing().serving() {
-            return;
-        }
-        let ownership = Arc::clone(self);
-        let client_id = client_id.to_owned();
-        tokio::spawn(async move {
-            if ownership.delete_will(&client_id, revision).await {
-                let mut state = ownership.state.lock();
-                if state.wills.get(&client_id) == Some(&revision) {
-                    state.wills.remove(&client_id);
-                }
-            }
-        });
-    }
-
-    /// Deletes `client_id`'s will record if the claim at `revision` put
-    /// it; `false`: etcd did not answer.
-    async fn delete_will(&self, client_id: &str, revision: i64) -> bool {
-        let key = self.will_key(client_id);
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                key.clone(),
-                CompareOp::Equal,
-                revision,
-            )])
-            .and_then([TxnOp::delete(key, None)]);
-        let mut client = self.cluster.client.clone();
-        let timeout = self.cluster.settings.request_timeout;
-        matches!(
-            tokio::time::timeout(timeout, client.txn(txn)).await,
-            Ok(Ok(_))
-        )
-    }
-
-    /// The node stops normally (its clients were told): removes the will
-    /// records it put, so that no other node publishes them (a single
-    /// node publishes no will when it stops either). Waits at most etcd's
-    /// request timeout.
-    pub async fn forget_wills(&self) {
-        let wills: Vec<(String, i64)> = self.state.lock().wills.drain().collect();
-        let deletes = wills
-            .iter()
-            .map(|(client, revision)| self.delete_will(client, *revision));
-        let timeout = self.cluster.settings.request_timeout;
-        let _ = tokio::time::timeout(timeout, futures_util::future::join_all(deletes)).await;
-        if !wills.is_empty() {
-            tracing::info!(
-                wills = wills.len(),
-                "clustering: stopping: this node's clients' wills removed from etcd"
-            );
-        }
-    }
-
-    /// `client_id`'s session record.
-    pub fn session_key(&self, client_id: &str) -> Vec<u8> {
-        [self.sessions_prefix.as_slice(), client_id.as_bytes()].concat()
-    }
-
     /// This node's id.
     pub fn node_id(&self) -> &str {
         self.cluster.node_id()
@@ -225,30 +161,6 @@ impl Ownership {
             .claims
             .get(client_id)
             .is_some_and(|c| c.revision > 0 && c.revision == revision)
-    }
-
-    /// Whether a session record of `client_id`'s is still to be written.
-    pub fn writing(&self, client_id: &str) -> bool {
-        self.state.lock().records.contains_key(client_id)
-    }
-
-    /// The router journaled `client_id`'s persistent session: its record
-    /// (see [`super::sessions`]), or `None` when it ended. Written while
-    /// this node owns the client.
-    pub fn session_changed(&self, client_id: &str, value: Option<Vec<u8>>) {
-        let mut state = self.state.lock();
-        if value.is_none() && !state.claims.contains_key(client_id) {
-            // Not this node's to end (another node took the client).
-            state.records.remove(client_id);
-            return;
-        }
-        state.numbers += 1;
-        let number = state.numbers;
-        state
-            .records
-            .insert(client_id.to_owned(), Pending { number, value });
-        drop(state);
-        self.wake.notify_one();
     }
 
     /// Records this node as `client_id`'s owner for `connection`, in the
@@ -492,150 +404,6 @@ impl Ownership {
             let claim = *claim;
             drop(state);
             self.lost(client_id, claim, to);
-        }
-    }
-
-    /// Writes the waiting session records (see [`write_records`]); `false`
-    /// where etcd did not answer (try again).
-    async fn write_waiting(&self) -> bool {
-        let waiting: Vec<(String, u64, Option<Vec<u8>>, Claim)> = {
-            let state = self.state.lock();
-            state
-                .records
-                .iter()
-                .filter_map(|(client, pending)| {
-                    let claim = state.claims.get(client).filter(|c| c.revision > 0)?;
-                    Some((
-                        client.clone(),
-                        pending.number,
-                        pending.value.clone(),
-                        *claim,
-                    ))
-                })
-                .collect()
-        };
-        let mut answered = true;
-        for (client_id, number, value, claim) in waiting {
-            // The session ended, or the connection did and nothing is kept:
-            // the client is no longer this node's.
-            let done = claim.ended && (value.is_none() || !claim.kept);
-            let owner = self.key(&client_id);
-            let key = self.session_key(&client_id);
-            let limit = self.cluster.settings.max_request_bytes / 2;
-            let mut ops = Vec::with_capacity(2);
-            match value {
-                Some(value) if value.len() + key.len() > limit => {
-                    tracing::warn!(
-                        client_id,
-                        bytes = value.len(),
-                        limit,
-                        "clustering: a session record over half of etcd's request limit is not kept in etcd: the session stays on this node"
-                    );
-                }
-                Some(value) => ops.push(TxnOp::put(key, value, None)),
-                None => ops.push(TxnOp::delete(key, None)),
-            }
-            if done {
-                ops.push(TxnOp::delete(owner.clone(), None));
-            }
-            let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    owner.clone(),
-                    CompareOp::Equal,
-                    claim.revision,
-                )])
-                .and_then(ops)
-                .or_else([TxnOp::get(owner, None)]);
-            let mut client = self.cluster.client.clone();
-            let timeout = self.cluster.settings.request_timeout;
-            let (written, taken) = match tokio::time::timeout(timeout, client.txn(txn)).await {
-                Ok(Ok(response)) => {
-                    let holder = response.op_responses().into_iter().find_map(|op| match op {
-                        TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.value().to_vec()),
-                        _ => None,
-                    });
-                    // Another node's claim: the node to hand over to (none
-                    // after a clean start).
-                    let taken = holder.as_deref().and_then(|value| {
-                        let node = owner_of(value).filter(|n| *n != self.cluster.node_id())?;
-                        Some((!started_clean(value)).then(|| node.to_owned()))
-                    });
-                    (response.succeeded(), taken)
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!(client_id, error = %e, "clustering: session record not written yet");
-                    answered = false;
-                    continue;
-                }
-                Err(_) => {
-                    answered = false;
-                    continue;
-                }
-            };
-            let mut state = self.state.lock();
-            if state
-                .records
-                .get(&client_id)
-                .is_some_and(|p| p.number == number)
-            {
-                state.records.remove(&client_id);
-            }
-            let Some(current) = state
-                .claims
-                .get(&client_id)
-                .copied()
-                .filter(|c| c.revision == claim.revision)
-            else {
-                continue;
-            };
-            if !written {
-                // Another node owns the client now (its connection here
-                // ends, its session goes), or none does (this node's lease
-                // ended with its records).
-                state.claims.remove(&client_id);
-                drop(state);
-                if let Some(to) = taken {
-                    self.lost(&client_id, current, to.as_deref());
-                }
-            } else if current.ended
-                && !state.records.contains_key(&client_id)
-                && (done || !current.kept)
-            {
-                // Let go: the owner record went with the write, or goes now.
-                state.claims.remove(&client_id);
-                drop(state);
-                if !done {
-                    self.delete(&client_id, current.revision);
-                }
-            }
-        }
-        answered
-    }
-}
-
-/// Writes session records as they wait, while the ownership lasts; etcd
-/// not answering is tried again every 250 ms.
-async fn write_records(
-    ownership: Weak<Ownership>,
-    wake: Arc<Notify>,
-    mut stop: tokio::sync::watch::Receiver<()>,
-) {
-    loop {
-        let notified = wake.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let Some(o) = ownership.upgrade() else { return };
-        let answered = o.write_waiting().await;
-        drop(o);
-        if !answered {
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(250)) => continue,
-                _ = stop.changed() => return,
-            }
-        }
-        tokio::select! {
-            _ = notified => {}
-            _ = stop.changed() => return,
         }
     }
 }
