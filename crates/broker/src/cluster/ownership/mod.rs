@@ -351,14 +351,8 @@ impl Ownership {
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         tokio::spawn(async move {
-            let txn = Txn::new()
-                .when([Compare::mod_revision(
-                    key.clone(),
-                    CompareOp::Equal,
-                    revision,
-                )])
-                .and_then([TxnOp::delete(key, None)]);
-            let _ = tokio::time::timeout(timeout, client.txn(txn)).await;
+            let txn = client.txn(delete_at(key, revision));
+            let _ = tokio::time::timeout(timeout, txn).await;
         });
     }
 
@@ -406,6 +400,17 @@ impl Ownership {
             self.lost(client_id, claim, to);
         }
     }
+}
+
+/// A transaction that deletes `key` if its mod revision is `revision`.
+fn delete_at(key: Vec<u8>, revision: i64) -> Txn {
+    Txn::new()
+        .when([Compare::mod_revision(
+            key.clone(),
+            CompareOp::Equal,
+            revision,
+        )])
+        .and_then([TxnOp::delete(key, None)])
 }
 
 /// `client_id`'s claim, if it is `connection`'s (a newer connection of

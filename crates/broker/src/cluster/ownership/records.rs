@@ -9,7 +9,7 @@ use std::time::Duration;
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::Notify;
 
-use super::{Claim, Ownership, Pending, owner_of, started_clean};
+use super::{Claim, Ownership, Pending, delete_at, owner_of, started_clean};
 
 impl Ownership {
     /// `client_id`'s will record.
@@ -40,14 +40,7 @@ impl Ownership {
     /// Deletes `client_id`'s will record if the claim at `revision` put
     /// it; `false`: etcd did not answer.
     pub(super) async fn delete_will(&self, client_id: &str, revision: i64) -> bool {
-        let key = self.will_key(client_id);
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                key.clone(),
-                CompareOp::Equal,
-                revision,
-            )])
-            .and_then([TxnOp::delete(key, None)]);
+        let txn = delete_at(self.will_key(client_id), revision);
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         matches!(
