@@ -292,13 +292,13 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
     .await;
     let (mut c, present) = connect(setup.ports[1], "queued", false, 300).await;
     assert!(present);
-    let got = topics_within(&mut c, Duration::from_secs(3)).await;
-    let expected: Vec<String> = (0..20).map(|n| format!("q/{n}")).collect();
-    assert_eq!(got, expected, "the queued messages, once, in order");
     eventually("node 1 handed the session over", || {
         metric(setup.http[0], HANDED_OVER) == Some(1.0)
     })
     .await;
+    let got = topics_within(&mut c, Duration::from_secs(3)).await;
+    let expected: Vec<String> = (0..20).map(|n| format!("q/{n}")).collect();
+    assert_eq!(got, expected, "the queued messages, once, in order");
     assert_eq!(
         metric(
             setup.http[0],

@@ -93,12 +93,17 @@ impl Membership {
         // still there after it is another live node.
         let since = Instant::now();
         let mut said = false;
+        // The longest lease seen holding the id: a lease that ran out
+        // between the read and the question says 0 (it must not shorten
+        // the wait into "another live node").
+        let mut longest = Duration::ZERO;
         let (lease, until) = loop {
             match membership.register().await {
                 Ok(registered) => break registered,
                 Err(Refused::Etcd(e)) => return Err(e),
                 Err(Refused::Held { granted }) => {
-                    let limit = granted + Duration::from_secs(1);
+                    longest = longest.max(granted);
+                    let limit = longest + Duration::from_secs(1);
                     if since.elapsed() >= limit {
                         return Err(membership.held_by_another());
                     }
@@ -204,6 +209,8 @@ impl Membership {
             Some(holder) if holder != 0 => {
                 let asked = client.lease_time_to_live(holder, None);
                 match tokio::time::timeout(timeout, asked).await {
+                    // Ran out meanwhile: etcd says TTL -1, granted 0.
+                    Ok(Ok(ttl)) if ttl.ttl() <= 0 => Duration::ZERO,
                     Ok(Ok(ttl)) => Duration::from_secs(ttl.granted_ttl().max(0) as u64),
                     _ => self.ttl,
                 }
