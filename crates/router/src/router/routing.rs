@@ -395,12 +395,11 @@ impl Router {
             .and_then(|s| s.expires_at)
             .is_some_and(|at| at <= Instant::now());
         if clean_session || expired {
-            if let Some(state) = saved.as_mut().and_then(|s| s.session_state.take()) {
-                for filter in state.subscriptions {
-                    self.release_filter(&filter);
-                }
-            }
-            self.forget_session(&client_id);
+            let state = saved.as_mut().and_then(|s| s.session_state.take());
+            self.end_session(
+                &client_id,
+                state.map(|s| s.subscriptions).unwrap_or_default(),
+            );
         }
         let previous_session = saved.as_ref().is_some_and(|s| s.session_state.is_some());
         // for qos2 pending pubrels
@@ -690,10 +689,7 @@ impl Router {
             // A clean session ends here: nothing of it is kept (statebroker
             // patch 8: its metrics used to stay in the graveyard forever),
             // and the logs only it used are freed.
-            for filter in connection.subscriptions.iter() {
-                self.release_filter(filter);
-            }
-            self.forget_session(&client_id);
+            self.end_session(&client_id, &connection.subscriptions);
         }
         self.router_meters.total_connections -= 1;
     }
@@ -1340,11 +1336,23 @@ impl Router {
         }
         for state in self.graveyard.expired(Instant::now()) {
             debug!(client_id = state.tracker.id, "session expired");
-            for filter in state.subscriptions {
-                self.release_filter(&filter);
-            }
-            self.forget_session(&state.tracker.id);
+            self.end_session(&state.tracker.id, &state.subscriptions);
         }
+    }
+
+    /// `client_id`'s session ends (a clean start, its expiry, its
+    /// connection without a kept session, or another node took it): its
+    /// `subscriptions` release their filters' logs and the session is
+    /// forgotten (statebroker patches 8, 9, 16, 26).
+    fn end_session<S: AsRef<str>>(
+        &mut self,
+        client_id: &str,
+        subscriptions: impl IntoIterator<Item = S>,
+    ) {
+        for filter in subscriptions {
+            self.release_filter(filter.as_ref());
+        }
+        self.forget_session(client_id);
     }
 
     /// A subscription to `filter` ended (unsubscribed, or its session ended):
@@ -1536,16 +1544,14 @@ impl Router {
         {
             return false;
         }
-        if let Some(state) = self
+        let state = self
             .graveyard
             .retrieve(client_id)
-            .and_then(|s| s.session_state)
-        {
-            for filter in state.subscriptions {
-                self.release_filter(&filter);
-            }
-        }
-        self.forget_session(client_id);
+            .and_then(|s| s.session_state);
+        self.end_session(
+            client_id,
+            state.map(|s| s.subscriptions).unwrap_or_default(),
+        );
         if let Some(session) = session {
             self.restore_session(session);
         }
