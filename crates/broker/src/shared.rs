@@ -258,13 +258,7 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             let will = _will.and_then(|(will, properties, session_expiry)| {
-                let delay = properties.and_then(|p| p.delay_interval).unwrap_or(0);
-                let delay = std::time::Duration::from_secs(u64::from(delay.min(session_expiry)));
-                // Packet id 1: the encoder refuses 0 at QoS 1/2 (the node
-                // that publishes it gives it its own).
-                let (publish, properties) =
-                    crate::publisher::will_publish(will, properties.cloned(), 1);
-                crate::cluster::wills::encode(&publish, properties.as_ref(), delay)
+                crate::cluster::wills::encode(will, properties, session_expiry)
             });
             node.ownership()
                 .claim(_client_id, _connection, _clean_start, will);

@@ -19,6 +19,13 @@ use router::protocol::{LastWill, LastWillProperties};
 
 use crate::publisher::Publisher;
 
+/// How long a will waits after its connection ended: min(Will Delay
+/// Interval, Session Expiry Interval).
+pub fn delay(properties: Option<&LastWillProperties>, session_expiry: u32) -> Duration {
+    let delay = properties.and_then(|p| p.delay_interval).unwrap_or(0);
+    Duration::from_secs(u64::from(delay.min(session_expiry)))
+}
+
 /// A will waiting to be published.
 #[derive(Debug, Clone)]
 pub struct Will {

@@ -26,7 +26,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
-use router::protocol::{Publish, PublishProperties};
+use router::protocol::{LastWill, LastWillProperties};
 use tokio::time::Instant;
 
 use super::Cluster;
@@ -40,13 +40,18 @@ use crate::publisher::Publisher;
 /// as a change).
 const SCAN: Duration = Duration::from_secs(10);
 
-/// A will record's value, but for the lease (put by the claim).
+/// A will record's value, but for the lease (put by the claim), of a
+/// connection with `will` and Session Expiry Interval `session_expiry`.
 pub fn encode(
-    publish: &Publish,
-    properties: Option<&PublishProperties>,
-    delay: Duration,
+    will: &LastWill,
+    properties: Option<&LastWillProperties>,
+    session_expiry: u32,
 ) -> Option<Vec<u8>> {
-    let message = encode_message(publish, properties, now_ms())?;
+    let delay = crate::will::delay(properties, session_expiry);
+    // Packet id 1: the encoder refuses 0 at QoS 1/2 (the node that
+    // publishes it gives it its own).
+    let (publish, properties) = crate::publisher::will_publish(will, properties.cloned(), 1);
+    let message = encode_message(&publish, properties.as_ref(), now_ms())?;
     let delay = u32::try_from(delay.as_secs()).unwrap_or(u32::MAX);
     let mut value = Vec::with_capacity(4 + message.len());
     value.extend_from_slice(&delay.to_be_bytes());
@@ -215,8 +220,22 @@ mod tests {
 
     #[test]
     fn a_will_record_keeps_its_lease_delay_and_message() {
-        let publish = crate::codec::publish(b"w/t", b"gone", 1, 1, false);
-        let encoded = encode(&publish, None, Duration::from_secs(7)).unwrap();
+        let will = LastWill {
+            topic: "w/t".into(),
+            message: "gone".into(),
+            qos: router::protocol::QoS::AtLeastOnce,
+            retain: false,
+        };
+        let properties = LastWillProperties {
+            delay_interval: Some(7),
+            payload_format_indicator: None,
+            message_expiry_interval: None,
+            content_type: None,
+            response_topic: None,
+            correlation_data: None,
+            user_properties: Vec::new(),
+        };
+        let encoded = encode(&will, Some(&properties), 60).unwrap();
         let value = with_lease(42, &encoded);
         let (lease, delay, message) = decode(&value).unwrap();
         assert_eq!((lease, delay), (42, Duration::from_secs(7)));

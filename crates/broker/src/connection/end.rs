@@ -5,8 +5,6 @@
 //! stopping, or a rule the client broke. An MQTT 5 client hears the reason in
 //! a DISCONNECT where the broker ended it; every end is logged with its text.
 
-use std::time::Duration;
-
 use router::protocol::{DisconnectReasonCode, LastWill, LastWillProperties};
 
 use super::link::LinkFailure;
@@ -106,14 +104,10 @@ impl End {
         ) {
             return None;
         }
-        let delay = properties
-            .as_ref()
-            .and_then(|p| p.delay_interval)
-            .unwrap_or(0);
         Some(Will {
             will: will?,
+            delay: crate::will::delay(properties.as_ref(), session_expiry),
             properties,
-            delay: Duration::from_secs(u64::from(delay.min(session_expiry))),
         })
     }
 
@@ -161,6 +155,7 @@ impl End {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn reasons() {
