@@ -16,7 +16,8 @@
 //!   clients only while it holds the lease.
 //! - [`ownership`]: which node a client id is connected to; a CONNECT on
 //!   another node ends the older connection (0x8E).
-//! - [`sessions`]: persistent sessions kept in etcd, resumed on any node.
+//! - [`sessions`]: persistent sessions kept in etcd, resumed on any node;
+//!   [`handover`]: the messages a session had queued go with it.
 //! - [`wills`]: the wills of clients whose node died, published by
 //!   another.
 //! - [`retained`]: retained messages kept in etcd for nodes that start
@@ -32,6 +33,7 @@
 //! its own `statestore::Store`, which also holds the node's hybrid logical
 //! clock.
 
+mod handover;
 pub mod kv;
 pub mod membership;
 mod node;

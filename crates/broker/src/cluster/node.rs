@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use router::protocol::{Publish, PublishProperties};
 
-use super::sessions::{self, Resumed};
+use super::sessions;
 use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal};
 use crate::config::Settings;
 use crate::publisher::Publisher;
@@ -108,7 +108,7 @@ impl Node {
     /// Makes the router's session of `client_id` the current one across
     /// the cluster before a CONNECT with Clean Start 0 links (see
     /// [`sessions::resume`]).
-    pub async fn resume(&self, client_id: &str, max_expiry: u32) -> Result<Resumed, String> {
+    pub async fn resume(&self, client_id: &str, max_expiry: u32) -> Result<(), String> {
         sessions::resume(
             &self.ownership,
             &self.router,

@@ -22,15 +22,8 @@
 //! its connection (0x8E) and discards its copy.
 //!
 //! What moves is the subscriptions and the expiry, and, from a node that
-//! is alive, the messages queued there for the session ([`hand_over`]):
-//! that node resumes the session on an internal link, takes what the
-//! router gives it (acknowledging each), ends the session and sends the
-//! messages over its link to the new node, which delivers them to the
-//! client alone, at most at QoS 1. They come after what was published
-//! since the move, and a message published while the session moves (from
-//! the new node's CONNECT until the old node has handed over, about the
-//! time etcd's watch takes plus 300 ms) reaches both nodes' copies of the
-//! session: it may be delivered twice, never lost.
+//! is alive, the messages queued there for the session (see
+//! [`super::handover`]).
 //!
 //! A record nobody owns (no owner record: its node died or lost its
 //! lease, and the client did not come back) is removed by [`reap`] once
@@ -41,12 +34,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, Weak};
 
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
-use router::protocol::{Publish, PublishProperties};
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 use tokio::time::Instant;
 
 use super::ownership::owner_of;
-use super::{Cluster, Ownership, Peers};
+use super::{Cluster, Ownership};
 use crate::clock::now_ms;
 use crate::durable::format::{decode_session, encode_session};
 
@@ -102,125 +94,6 @@ impl Journal for SessionJournal {
     }
 }
 
-/// Messages one session hands over, at most (past them: dropped, WARN).
-const HANDOVER_MAX: usize = 10_000;
-
-/// `client_id`'s session moved to node `to`: takes the messages this
-/// node's router queued for it (resuming it on an internal link, each
-/// acknowledged), ends it here, and sends them to `to` (see the module's
-/// documentation). Without messages (or a session) it just ends.
-pub async fn hand_over(router: &RouterHandle, peers: &Peers, client_id: &str, to: &str) {
-    use router::protocol::Packet;
-    // Session expiry 0: the session ends with this link.
-    let Ok((mut tx, mut rx, connack)) = router.link(client_id, false, 0, None).await else {
-        return;
-    };
-    let present = matches!(
-        Option::<Packet>::from(connack),
-        Some(Packet::ConnAck(ack, _)) if ack.session_present
-    );
-    let (messages, dropped) = if present {
-        drain(&mut tx, &mut rx).await
-    } else {
-        (Vec::new(), 0)
-    };
-    let disconnect = router::protocol::Disconnect {
-        reason_code: router::protocol::DisconnectReasonCode::NormalDisconnection,
-    };
-    let _ = tx.send_all([Packet::Disconnect(disconnect, None)]);
-    if dropped > 0 {
-        tracing::warn!(
-            client_id,
-            dropped,
-            kept = HANDOVER_MAX,
-            "clustering: more messages queued for a session that moved than are handed over: the oldest are sent"
-        );
-    }
-    let count = messages.len();
-    let sent = if messages.is_empty() {
-        0
-    } else {
-        peers.hand_over(to, client_id, messages).await
-    };
-    crate::metrics::session_handed_over(sent);
-    tracing::info!(
-        client_id,
-        to,
-        queued = count,
-        sent,
-        "clustering: handed the session's queued messages to its new node"
-    );
-}
-
-/// Takes what the router gives a resumed session's link, acknowledging
-/// each message, until it has given nothing for 300 ms; returns the
-/// messages (at most [`HANDOVER_MAX`]) and how many more were dropped.
-async fn drain(
-    tx: &mut router::local::LinkTx,
-    rx: &mut router::local::LinkRx,
-) -> (Vec<(Publish, Option<PublishProperties>)>, usize) {
-    use router::protocol::{
-        Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason, QoS,
-    };
-    let mut messages = Vec::new();
-    let mut dropped = 0usize;
-    loop {
-        let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
-        let notification = match next.await {
-            Ok(Ok(Some(notification))) => notification,
-            _ => break,
-        };
-        if matches!(notification, router::Notification::Unschedule) {
-            if rx.wake().await.is_err() {
-                break;
-            }
-            continue;
-        }
-        let answer = match Option::<Packet>::from(notification) {
-            Some(Packet::Publish(publish, properties)) => {
-                let pkid = publish.pkid;
-                let answer = match publish.qos {
-                    QoS::AtMostOnce => None,
-                    QoS::AtLeastOnce => Some(Packet::PubAck(
-                        PubAck {
-                            pkid,
-                            reason: PubAckReason::Success,
-                        },
-                        None,
-                    )),
-                    QoS::ExactlyOnce => Some(Packet::PubRec(
-                        PubRec {
-                            pkid,
-                            reason: PubRecReason::Success,
-                        },
-                        None,
-                    )),
-                };
-                if messages.len() < HANDOVER_MAX {
-                    messages.push((publish, properties));
-                } else {
-                    dropped += 1;
-                }
-                answer
-            }
-            Some(Packet::PubRel(rel, _)) => Some(Packet::PubComp(
-                PubComp {
-                    pkid: rel.pkid,
-                    reason: PubCompReason::Success,
-                },
-                None,
-            )),
-            _ => None,
-        };
-        if let Some(answer) = answer
-            && tx.send_all([answer]).is_err()
-        {
-            break;
-        }
-    }
-    (messages, dropped)
-}
-
 /// A session record's value.
 fn encode(node_id: &str, session: &SessionRecord) -> Vec<u8> {
     // Node ids are checked at start: short, no `/` or `:`.
@@ -243,17 +116,6 @@ fn decode(value: &[u8]) -> Result<(&str, SessionRecord), String> {
     Ok((node, decode_session(&rest[len..])?))
 }
 
-/// What a CONNECT with Clean Start 0 found.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Resumed {
-    /// The session this node keeps (or none) is the current one.
-    Here,
-    /// The session kept in etcd replaced this node's copy.
-    FromEtcd,
-    /// No session anywhere: this node's stale copy was discarded.
-    Discarded,
-}
-
 /// Makes the router's session of `client_id` the current one before a
 /// CONNECT with Clean Start 0 links (see the module's documentation);
 /// `max_expiry`: `[broker] max_session_expiry_secs`. `Err`: etcd did not
@@ -265,7 +127,7 @@ pub async fn resume(
     max_expiry: u32,
     timeout: std::time::Duration,
     mut client: etcd_client::Client,
-) -> Result<Resumed, String> {
+) -> Result<(), String> {
     let txn = Txn::new().and_then([
         TxnOp::get(ownership.key(client_id), None),
         TxnOp::get(ownership.session_key(client_id), None),
@@ -288,15 +150,15 @@ pub async fn resume(
         .as_ref()
         .is_some_and(|(revision, _)| ownership.holds(client_id, *revision))
     {
-        return Ok(Resumed::Here);
+        return Ok(());
     }
     let kept_here = router.subscriptions().has_kept_session(client_id);
     let session = match record {
-        None if ownership.writing(client_id) => return Ok(Resumed::Here),
+        None if ownership.writing(client_id) => return Ok(()),
         None => None,
         Some((_, value)) => match decode(&value) {
             Ok((writer, _)) if writer == node && owner.is_none() && kept_here => {
-                return Ok(Resumed::Here);
+                return Ok(());
             }
             Ok((_, session)) => Some(session),
             Err(why) => {
@@ -325,7 +187,7 @@ pub async fn resume(
         })
     });
     if restored.is_none() && !kept_here {
-        return Ok(Resumed::Here);
+        return Ok(());
     }
     let from_etcd = restored.is_some();
     let replaced = router
@@ -337,15 +199,9 @@ pub async fn resume(
         owner = from,
         from_etcd,
         replaced,
-        "clustering: the client's session comes from etcd"
+        "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
-    Ok(if from_etcd && replaced {
-        Resumed::FromEtcd
-    } else if replaced {
-        Resumed::Discarded
-    } else {
-        Resumed::Here
-    })
+    Ok(())
 }
 
 /// Removes session records nobody owns once their session would have

@@ -300,7 +300,7 @@ impl Ownership {
 
     /// Another node (`to`, if known) took `client_id` from `claim`: its
     /// connection ends (0x8E), and the session kept here goes, its queued
-    /// messages handed to `to` (see [`super::sessions::hand_over`]).
+    /// messages handed to `to` (see [`super::handover`]).
     fn lost(&self, client_id: &str, claim: Claim, to: Option<&str>) {
         {
             let mut state = self.state.lock();
@@ -326,7 +326,7 @@ impl Ownership {
         if let Some(to) = to.map(str::to_owned).filter(|_| claim.kept || !claim.ended) {
             let peers = Arc::clone(&self.peers);
             tokio::spawn(async move {
-                super::sessions::hand_over(&router, &peers, &client_id, &to).await;
+                super::handover::hand_over(&router, &peers, &client_id, &to).await;
             });
             return;
         }

@@ -1,0 +1,136 @@
+//! A session that moved to another node takes along the messages this
+//! node had queued for it.
+//!
+//! The node resumes the session on an internal router link, takes what
+//! the router gives it (acknowledging each), ends the session and sends
+//! the messages over its link to the new node, which delivers them to the
+//! client alone, at most at QoS 1 (see `crate::publisher::HANDOVER`). They
+//! come after what was published since the move, and a message published
+//! while the session moves (from the new node's CONNECT until this node
+//! has handed over, about the time etcd's watch takes plus 300 ms)
+//! reaches both nodes' copies of the session: it may be delivered twice,
+//! never lost.
+
+use router::RouterHandle;
+use router::protocol::{Publish, PublishProperties};
+
+use super::Peers;
+
+/// Messages one session hands over, at most (past them: dropped, WARN).
+const HANDOVER_MAX: usize = 10_000;
+
+/// `client_id`'s session moved to node `to`: takes the messages this
+/// node's router queued for it (resuming it on an internal link, each
+/// acknowledged), ends it here, and sends them to `to` (see the module's
+/// documentation). Without messages (or a session) it just ends.
+pub async fn hand_over(router: &RouterHandle, peers: &Peers, client_id: &str, to: &str) {
+    use router::protocol::Packet;
+    // Session expiry 0: the session ends with this link.
+    let Ok((mut tx, mut rx, connack)) = router.link(client_id, false, 0, None).await else {
+        return;
+    };
+    let present = matches!(
+        Option::<Packet>::from(connack),
+        Some(Packet::ConnAck(ack, _)) if ack.session_present
+    );
+    let (messages, dropped) = if present {
+        drain(&mut tx, &mut rx).await
+    } else {
+        (Vec::new(), 0)
+    };
+    let disconnect = router::protocol::Disconnect {
+        reason_code: router::protocol::DisconnectReasonCode::NormalDisconnection,
+    };
+    let _ = tx.send_all([Packet::Disconnect(disconnect, None)]);
+    if dropped > 0 {
+        tracing::warn!(
+            client_id,
+            dropped,
+            kept = HANDOVER_MAX,
+            "clustering: more messages queued for a session that moved than are handed over: the oldest are sent"
+        );
+    }
+    let count = messages.len();
+    let sent = if messages.is_empty() {
+        0
+    } else {
+        peers.hand_over(to, client_id, messages).await
+    };
+    crate::metrics::session_handed_over(sent);
+    tracing::info!(
+        client_id,
+        to,
+        queued = count,
+        sent,
+        "clustering: handed the session's queued messages to its new node"
+    );
+}
+
+/// Takes what the router gives a resumed session's link, acknowledging
+/// each message, until it has given nothing for 300 ms; returns the
+/// messages (at most [`HANDOVER_MAX`]) and how many more were dropped.
+async fn drain(
+    tx: &mut router::local::LinkTx,
+    rx: &mut router::local::LinkRx,
+) -> (Vec<(Publish, Option<PublishProperties>)>, usize) {
+    use router::protocol::{
+        Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason, QoS,
+    };
+    let mut messages = Vec::new();
+    let mut dropped = 0usize;
+    loop {
+        let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
+        let notification = match next.await {
+            Ok(Ok(Some(notification))) => notification,
+            _ => break,
+        };
+        if matches!(notification, router::Notification::Unschedule) {
+            if rx.wake().await.is_err() {
+                break;
+            }
+            continue;
+        }
+        let answer = match Option::<Packet>::from(notification) {
+            Some(Packet::Publish(publish, properties)) => {
+                let pkid = publish.pkid;
+                let answer = match publish.qos {
+                    QoS::AtMostOnce => None,
+                    QoS::AtLeastOnce => Some(Packet::PubAck(
+                        PubAck {
+                            pkid,
+                            reason: PubAckReason::Success,
+                        },
+                        None,
+                    )),
+                    QoS::ExactlyOnce => Some(Packet::PubRec(
+                        PubRec {
+                            pkid,
+                            reason: PubRecReason::Success,
+                        },
+                        None,
+                    )),
+                };
+                if messages.len() < HANDOVER_MAX {
+                    messages.push((publish, properties));
+                } else {
+                    dropped += 1;
+                }
+                answer
+            }
+            Some(Packet::PubRel(rel, _)) => Some(Packet::PubComp(
+                PubComp {
+                    pkid: rel.pkid,
+                    reason: PubCompReason::Success,
+                },
+                None,
+            )),
+            _ => None,
+        };
+        if let Some(answer) = answer
+            && tx.send_all([answer]).is_err()
+        {
+            break;
+        }
+    }
+    (messages, dropped)
+}
