@@ -1059,3 +1059,168 @@ async fn acknowledgements_in_arrival_order_for_3_1_1() {
         assert_eq!(acked, pkids, "round {round}");
     }
 }
+
+/// Reads publishes until none comes for `quiet`, acknowledging each;
+/// returns their payloads in arrival order.
+async fn drain(c: &mut Raw, quiet: Duration) -> Vec<String> {
+    let mut got = Vec::new();
+    loop {
+        match c.recv_within(quiet).await {
+            Recv::Packet(Packet::Publish(p)) => {
+                got.push(String::from_utf8_lossy(&p.payload).into_owned());
+                ack(c, &p).await;
+            }
+            Recv::Timeout => return got,
+            other => panic!("expected PUBLISH, got {other:?}"),
+        }
+    }
+}
+
+/// MQTT 5 4.8.2: a group shares each message: every message to one of
+/// its members, once, and round robin (the router's default strategy)
+/// gives each member its turn.
+#[tokio::test]
+async fn a_shared_subscription_delivers_each_message_to_one_member() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut a = Raw::connect(addr, "share-a").await;
+    let mut b = Raw::connect(addr, "share-b").await;
+    for c in [&mut a, &mut b] {
+        c.subscribe("$share/g/share/t", QoS::AtLeastOnce).await;
+    }
+    let mut publisher = Raw::connect(addr, "share-pub").await;
+    const PAYLOADS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    for payload in PAYLOADS {
+        publish_complete(
+            &mut publisher,
+            "share/t",
+            payload.as_bytes(),
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+    }
+    let quiet = Duration::from_millis(300);
+    let (got_a, got_b) = (drain(&mut a, quiet).await, drain(&mut b, quiet).await);
+    let mut all: Vec<u32> = got_a
+        .iter()
+        .chain(&got_b)
+        .map(|s| s.parse().unwrap())
+        .collect();
+    all.sort();
+    assert_eq!(
+        all,
+        (0..10).collect::<Vec<_>>(),
+        "a: {got_a:?}, b: {got_b:?}"
+    );
+    assert!(
+        !got_a.is_empty() && !got_b.is_empty(),
+        "a: {got_a:?}, b: {got_b:?}"
+    );
+}
+
+/// MQTT 5 4.8.2: a shared subscription is its Share Name *and* its Topic
+/// Filter: the same group name on two filters is two groups, each with
+/// the messages of its own filter.
+#[tokio::test]
+async fn one_group_name_on_two_filters_is_two_shared_subscriptions() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut x = Raw::connect(addr, "share2-x").await;
+    let mut y = Raw::connect(addr, "share2-y").await;
+    x.subscribe("$share/g/share2/x", QoS::AtLeastOnce).await;
+    y.subscribe("$share/g/share2/y", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr, "share2-pub").await;
+    for n in 0..4 {
+        publish_complete(
+            &mut publisher,
+            "share2/x",
+            ["x0", "x1", "x2", "x3"][n].as_bytes(),
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+        publish_complete(
+            &mut publisher,
+            "share2/y",
+            ["y0", "y1", "y2", "y3"][n].as_bytes(),
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+    }
+    let quiet = Duration::from_millis(300);
+    assert_eq!(drain(&mut x, quiet).await, ["x0", "x1", "x2", "x3"]);
+    assert_eq!(drain(&mut y, quiet).await, ["y0", "y1", "y2", "y3"]);
+}
+
+/// MQTT 5 3.10.4: UNSUBSCRIBE ends the subscription it names, not the
+/// client's other shared subscriptions.
+#[tokio::test]
+async fn unsubscribing_one_shared_subscription_keeps_the_others() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut c = Raw::connect(addr, "share3-c").await;
+    let mut d = Raw::connect(addr, "share3-d").await;
+    c.subscribe("$share/g/share3/x", QoS::AtLeastOnce).await;
+    c.subscribe("$share/h/share3/y", QoS::AtLeastOnce).await;
+    d.subscribe("$share/h/share3/y", QoS::AtLeastOnce).await;
+    c.unsubscribe_many(&["$share/g/share3/x"]).await;
+    let mut publisher = Raw::connect(addr, "share3-pub").await;
+    publish_complete(&mut publisher, "share3/x", b"x", QoS::AtLeastOnce, false).await;
+    for payload in ["y0", "y1", "y2", "y3"] {
+        publish_complete(
+            &mut publisher,
+            "share3/y",
+            payload.as_bytes(),
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+    }
+    let quiet = Duration::from_millis(300);
+    let (got_c, got_d) = (drain(&mut c, quiet).await, drain(&mut d, quiet).await);
+    // Still a member of h: its turns, and nothing of x.
+    assert_eq!(got_c.len(), 2, "c: {got_c:?}, d: {got_d:?}");
+    assert_eq!(got_d.len(), 2, "c: {got_c:?}, d: {got_d:?}");
+    assert!(got_c.iter().all(|p| p.starts_with('y')), "{got_c:?}");
+}
+
+/// A session resumed with Session Present 1 is a member of its shared
+/// subscriptions again: it gets its turns, not nothing.
+#[tokio::test]
+async fn a_resumed_session_takes_its_turns_in_its_groups() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut a, _) = Raw::connect_with(addr, "share4-a", session(true, Some(60))).await;
+    a.subscribe("$share/g/share4/t", QoS::AtLeastOnce).await;
+    goodbye(a, None).await;
+    let mut b = Raw::connect(addr, "share4-b").await;
+    b.subscribe("$share/g/share4/t", QoS::AtLeastOnce).await;
+    let (mut a, connack) = Raw::connect_with(addr, "share4-a", session(false, Some(60))).await;
+    assert!(connack.session_present, "{connack:?}");
+    let mut publisher = Raw::connect(addr, "share4-pub").await;
+    for payload in ["0", "1", "2", "3", "4", "5"] {
+        publish_complete(
+            &mut publisher,
+            "share4/t",
+            payload.as_bytes(),
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+    }
+    let quiet = Duration::from_millis(300);
+    let (got_a, got_b) = (drain(&mut a, quiet).await, drain(&mut b, quiet).await);
+    let mut all: Vec<&str> = got_a.iter().chain(&got_b).map(String::as_str).collect();
+    all.sort();
+    assert_eq!(
+        all,
+        ["0", "1", "2", "3", "4", "5"],
+        "a: {got_a:?}, b: {got_b:?}"
+    );
+    assert!(
+        !got_a.is_empty() && !got_b.is_empty(),
+        "a: {got_a:?}, b: {got_b:?}"
+    );
+}

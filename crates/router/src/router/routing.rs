@@ -436,6 +436,18 @@ impl Router {
             Tracker::new(client_id.clone())
         };
 
+        // A resumed session's shared subscriptions take their turns again
+        // (statebroker patch 27: it kept the subscriptions, outside their
+        // groups).
+        let groups: Vec<_> = tracker
+            .data_requests
+            .iter()
+            .filter_map(|r| Some((r.group.clone()?, r.cursor)))
+            .collect();
+        for (group, cursor) in groups {
+            self.join_group(&group, client_id.clone(), cursor);
+        }
+
         let mut ackslog = AckLog::new();
         ackslog.restore_recorded(incoming_qos2);
 
@@ -975,8 +987,11 @@ impl Router {
                         let mut filter = f.path.clone();
                         let mut group = None;
 
-                        if let Some((grp, filter_path)) = extract_group(&f.path) {
-                            group = Some(grp);
+                        // A shared subscription is its Share Name and its
+                        // filter: the group is named by `$share/g/filter`
+                        // whole (MQTT 5 4.8.2; statebroker patch 27).
+                        if let Some((_, filter_path)) = extract_group(&f.path) {
+                            group = Some(f.path.clone());
                             filter = filter_path;
                         };
 
@@ -1236,23 +1251,14 @@ impl Router {
             }
         }
 
-        // Prepare consumer to pull data in case of subscription
-        let connection = self.connections.get_mut(id).unwrap();
-
         // Add/Create shared group
         if let Some(group_name) = &group {
-            let client_id = connection.client_id.clone();
-
-            let shared_group = self
-                .shared_subscriptions
-                .entry(group_name.to_string())
-                .or_insert(SharedGroup::new(
-                    cursor,
-                    self.config.shared_subscriptions_strategy.clone(),
-                ));
-
-            shared_group.add_client(client_id);
+            let client_id = self.connections[id].client_id.clone();
+            self.join_group(group_name, client_id, cursor);
         };
+
+        // Prepare consumer to pull data in case of subscription
+        let connection = self.connections.get_mut(id).unwrap();
 
         // The new subscription replaces the old one, its identifier (or
         // the lack of one) included (MQTT 5 [MQTT-3.8.4-3]; statebroker
@@ -1376,6 +1382,28 @@ impl Router {
         }
     }
 
+    /// Makes `client_id` a member of the shared subscription `group`
+    /// (`$share/g/filter`), created at `cursor` if it is the first.
+    fn join_group(&mut self, group: &str, client_id: String, cursor: Offset) {
+        self.shared_subscriptions
+            .entry(group.to_owned())
+            .or_insert_with(|| {
+                SharedGroup::new(cursor, self.config.shared_subscriptions_strategy.clone())
+            })
+            .add_client(client_id);
+    }
+
+    /// `client_id` leaves the shared subscription `group`, which ends with
+    /// its last member.
+    fn leave_group(&mut self, group: &str, client_id: &str) {
+        if let Some(shared) = self.shared_subscriptions.get_mut(group) {
+            shared.remove_client(client_id);
+            if shared.is_empty() {
+                self.shared_subscriptions.remove(group);
+            }
+        }
+    }
+
     /// Removes connection `id`'s subscription to `filter`; whether it had
     /// one.
     fn unsubscribe(&mut self, id: ConnectionId, client_id: &str, filter: &str) -> bool {
@@ -1395,18 +1423,14 @@ impl Router {
             warn!("Unsubscribe failed as filter was not subscribed previously");
             return false;
         }
-        // Remove connections from all groups
-        // discard empty group ( group with no client )
-        // note: can we do this in better way?
-        self.shared_subscriptions.retain(|_, group| {
-            group.remove_client(client_id);
-            !group.is_empty()
-        });
         if let Some(broker_aliases) = connection.broker_topic_aliases.as_mut() {
             broker_aliases.remove_alias(filter);
         }
         // remove the subscription id
         connection.subscription_ids.remove(filter);
+        // Leaves this filter's group only, which ends with its last member
+        // (statebroker patch 27: the client left every group it was in).
+        self.leave_group(filter, client_id);
         self.scheduler.untrack(id, filter);
         let bare = bare_filter(filter);
         self.datalog.remove_waiters_for_id(id, &bare);
@@ -1601,7 +1625,7 @@ impl Router {
         self.subscriptions.set_kept(&client_id, true);
         for (filter, options) in &session.filters {
             let (group, bare) = match extract_group(filter) {
-                Some((group, bare)) => (Some(group), bare),
+                Some((_, bare)) => (Some(filter.clone()), bare),
                 None => (None, filter.clone()),
             };
             let (filter_idx, cursor) = self.datalog.next_native_offset(&bare);

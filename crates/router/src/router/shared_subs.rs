@@ -27,8 +27,12 @@ impl SharedGroup {
         self.clients.get(self.current_client_index)
     }
 
+    /// Adds `client` to the members (once: subscribing again changes
+    /// nothing here).
     pub fn add_client(&mut self, client: String) {
-        self.clients.push(client)
+        if !self.clients.contains(&client) {
+            self.clients.push(client)
+        }
     }
 
     pub fn remove_client(&mut self, client: &str) {
