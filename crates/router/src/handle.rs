@@ -70,6 +70,8 @@ pub struct RouterHandle {
     subscriptions: Arc<Subscriptions>,
     /// The message logs held and their bytes (patch 20).
     logs: Arc<LogCounts>,
+    /// The shared subscriptions with members here (patch 28).
+    groups: tokio::sync::watch::Receiver<std::collections::BTreeSet<String>>,
 }
 
 impl RouterHandle {
@@ -91,11 +93,13 @@ impl RouterHandle {
         let retained = router.retained_count();
         let subscriptions = router.subscriptions();
         let logs = router.log_counts();
+        let groups = router.shared_groups();
         RouterHandle {
             tx: router.spawn(),
             retained,
             subscriptions,
             logs,
+            groups,
         }
     }
 
@@ -115,6 +119,14 @@ impl RouterHandle {
     /// the bytes of topic and payload in them.
     pub fn filter_logs(&self) -> &LogCounts {
         &self.logs
+    }
+
+    /// The shared subscriptions (`$share/g/filter`) with members connected
+    /// here, as they change (patch 28).
+    pub fn shared_groups(
+        &self,
+    ) -> tokio::sync::watch::Receiver<std::collections::BTreeSet<String>> {
+        self.groups.clone()
     }
 
     /// Who subscribes to what, by client id (see [`Subscriptions`]).
@@ -185,6 +197,7 @@ impl RouterHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::local::{LinkRx, LinkTx};
     use crate::protocol::{
         Filter, Packet, PubAck, PubAckReason, Publish, QoS, RetainForwardRule, Subscribe,
     };
@@ -273,6 +286,100 @@ mod tests {
             rest.iter().all(|&p| (1..=MAX_ROUTER_PKID).contains(&p)),
             "{rest:?}"
         );
+    }
+
+    /// A link subscribed to `path` at QoS 0, its SUBACK received.
+    async fn subscribed(router: &RouterHandle, client_id: &str, path: &str) -> (LinkTx, LinkRx) {
+        let (mut tx, mut rx, _) = router.link(client_id, true, 0, None).await.unwrap();
+        let filter = Filter {
+            path: path.into(),
+            qos: QoS::AtMostOnce,
+            nolocal: false,
+            preserve_retain: false,
+            retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+        };
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![filter],
+        };
+        tx.send_all([Packet::Subscribe(subscribe, None)]).unwrap();
+        loop {
+            if let Ok(Some(Notification::DeviceAck(_))) = rx.next().await {
+                return (tx, rx);
+            }
+        }
+    }
+
+    /// The payloads forwarded to `rx` until nothing comes for a while;
+    /// each must be without a [`crate::NOT_FOR_GROUP`] mark.
+    async fn payloads(rx: &mut LinkRx) -> Vec<String> {
+        let mut got = Vec::new();
+        loop {
+            let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
+            match next.await {
+                Ok(Ok(Some(Notification::Forward(f)))) => {
+                    let marks = f.properties.iter().flat_map(|p| &p.user_properties);
+                    assert!(
+                        marks.clone().all(|(k, _)| k != crate::NOT_FOR_GROUP),
+                        "delivered with its marks: {:?}",
+                        f.properties
+                    );
+                    got.push(String::from_utf8_lossy(&f.publish.payload).into_owned());
+                }
+                Ok(Ok(Some(Notification::Unschedule))) => rx.wake().await.unwrap(),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => panic!("{e}"),
+                Err(_) => return got,
+            }
+        }
+    }
+
+    /// Patch 28: a publish marked not for a shared subscription passes it
+    /// over (and the others get it, unmarked); the groups with members
+    /// here are watched as they come and go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publish_marked_not_for_a_group_passes_it_over() {
+        let router = router();
+        let mut groups = router.shared_groups();
+        let (g_tx, mut g_rx) = subscribed(&router, "g", "$share/g/t").await;
+        let (_h_tx, mut h_rx) = subscribed(&router, "h", "$share/h/t").await;
+        let (_plain_tx, mut plain_rx) = subscribed(&router, "plain", "t").await;
+        let both = ["$share/g/t".to_owned(), "$share/h/t".to_owned()];
+        let joined = groups.wait_for(|g| g.iter().eq(both.iter()));
+        tokio::time::timeout(std::time::Duration::from_secs(10), joined)
+            .await
+            .expect("both groups watched")
+            .unwrap();
+
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let mark = crate::protocol::PublishProperties {
+            user_properties: vec![
+                (crate::NOT_FOR_GROUP.to_owned(), "$share/g/t".to_owned()),
+                ("kept".to_owned(), "yes".to_owned()),
+            ],
+            ..Default::default()
+        };
+        pub_tx
+            .send_all([
+                Packet::Publish(Publish::new("t", "1", false), Some(mark)),
+                Packet::Publish(Publish::new("t", "2", false), None),
+            ])
+            .unwrap();
+        assert_eq!(payloads(&mut g_rx).await, ["2"]);
+        assert_eq!(payloads(&mut h_rx).await, ["1", "2"]);
+        assert_eq!(payloads(&mut plain_rx).await, ["1", "2"]);
+
+        let mut g_tx = g_tx;
+        let disconnect = crate::protocol::Disconnect {
+            reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
+        };
+        g_tx.send_all([Packet::Disconnect(disconnect, None)])
+            .unwrap();
+        let left = groups.wait_for(|g| g.iter().eq(both[1..].iter()));
+        tokio::time::timeout(std::time::Duration::from_secs(10), left)
+            .await
+            .expect("the group ends with its last member")
+            .unwrap();
     }
 
     /// Patch 22: beyond `max_kept_sessions`, a link that would keep a

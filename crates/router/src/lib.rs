@@ -16,7 +16,7 @@ use segments::Storage;
 use serde::{Deserialize, Serialize};
 pub use subscriptions::{granted, Counts, SessionRecord, SubOptions, Subscriptions};
 
-pub use self::router::shared_subs::Strategy;
+pub use self::router::shared_subs::{Strategy, NOT_FOR_GROUP};
 
 mod handle;
 mod journal;

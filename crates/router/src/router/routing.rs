@@ -25,7 +25,7 @@ use super::graveyard::Graveyard;
 use super::iobufs::{Incoming, Outgoing};
 use super::logs::{AckLog, DataLog, LogCounts};
 use super::scheduler::{ScheduleReason, Scheduler};
-use super::shared_subs::SharedGroup;
+use super::shared_subs::{not_for, unmark, SharedGroup};
 use super::{
     packetid, Connection, DataRequest, Event, FilterIdx, Meter, Notification, Print, RouterMeter,
     ShadowRequest, MAX_CHANNEL_CAPACITY, MAX_SCHEDULE_ITERATIONS,
@@ -106,6 +106,9 @@ pub struct Router {
     cache: Option<VecDeque<Packet>>,
     /// Shared subscriptions map <group-name, group>
     shared_subscriptions: HashMap<String, SharedGroup>,
+    /// The shared subscriptions with members here, for other threads
+    /// (statebroker patch 28).
+    groups: tokio::sync::watch::Sender<std::collections::BTreeSet<String>>,
     /// Will messages per client_id
     last_wills: HashMap<String, (LastWill, Option<LastWillProperties>)>,
     /// Who subscribes to what, by client id, readable from other threads
@@ -161,6 +164,7 @@ impl Router {
             router_meters: router_metrics,
             cache: Some(VecDeque::with_capacity(MAX_CHANNEL_CAPACITY)),
             shared_subscriptions: HashMap::new(),
+            groups: tokio::sync::watch::Sender::new(Default::default()),
             last_wills: HashMap::new(),
             subscriptions: Default::default(),
             journal: None,
@@ -172,6 +176,14 @@ impl Router {
     /// Saves durable changes to `journal` (statebroker patch 16).
     pub fn set_journal(&mut self, journal: std::sync::Arc<dyn Journal>) {
         self.journal = Some(journal);
+    }
+
+    /// The shared subscriptions (`$share/g/filter`) with members here,
+    /// kept up to date by the router once spawned (statebroker patch 28).
+    pub fn shared_groups(
+        &self,
+    ) -> tokio::sync::watch::Receiver<std::collections::BTreeSet<String>> {
+        self.groups.subscribe()
     }
 
     /// The subscriptions by client id, kept up to date by the router once
@@ -618,9 +630,16 @@ impl Router {
         // Remove connections from all groups and
         // discard empty group ( group with no client )
         // note: can we do this in better way?
-        self.shared_subscriptions.retain(|_, group| {
+        let groups = &self.groups;
+        self.shared_subscriptions.retain(|name, group| {
             group.remove_client(&client_id);
-            !group.is_empty()
+            let keep = !group.is_empty();
+            if !keep {
+                groups.send_modify(|g| {
+                    g.remove(name);
+                });
+            }
+            keep
         });
 
         // Remove this connection from subscriptions
@@ -1388,6 +1407,9 @@ impl Router {
         self.shared_subscriptions
             .entry(group.to_owned())
             .or_insert_with(|| {
+                self.groups.send_modify(|g| {
+                    g.insert(group.to_owned());
+                });
                 SharedGroup::new(cursor, self.config.shared_subscriptions_strategy.clone())
             })
             .add_client(client_id);
@@ -1400,6 +1422,9 @@ impl Router {
             shared.remove_client(client_id);
             if shared.is_empty() {
                 self.shared_subscriptions.remove(group);
+                self.groups.send_modify(|g| {
+                    g.remove(group);
+                });
             }
         }
     }
@@ -2254,6 +2279,25 @@ fn forward_device_data(
     request.cursor = next;
     // println!("{:?} {:?} {}", start, next, request.read_count);
 
+    // What another cluster node delivers to this group is passed over
+    // (statebroker patch 28): the group's cursor moves on, and the turn
+    // stays with this member.
+    if let Some(group) = request.group.as_deref() {
+        let read = publishes.len();
+        publishes.retain(|(((_, properties), _), _)| !not_for(properties.as_ref(), group));
+        if read > 0
+            && publishes.is_empty()
+            && let Some(share) = shared_group
+        {
+            share.cursor = request.cursor;
+            return if caughtup {
+                ConsumeStatus::FilterCaughtup
+            } else {
+                ConsumeStatus::PartialRead
+            };
+        }
+    }
+
     if publishes.is_empty() {
         return ConsumeStatus::FilterCaughtup;
     }
@@ -2288,6 +2332,8 @@ fn forward_device_data(
                 if offset.is_some() && !preserve_retain {
                     publish.retain = false;
                 }
+
+                unmark(&mut properties);
 
                 // if there is some topic alias to use, set it in publish properties
                 if topic_alias.is_some() {

@@ -1,5 +1,31 @@
 use serde::{Deserialize, Serialize};
 
+use crate::protocol::PublishProperties;
+
+/// A User Property of a publish: the shared subscription it names
+/// (`$share/g/filter`) does not get it here; one property per group
+/// (statebroker patch 28). A cluster node marks so the groups another
+/// node delivers the message to. Never delivered: the router removes it.
+pub const NOT_FOR_GROUP: &str = "statebroker:not-for-group";
+
+/// Whether a publish with `properties` is marked not for `group`.
+pub(crate) fn not_for(properties: Option<&PublishProperties>, group: &str) -> bool {
+    properties.is_some_and(|p| {
+        p.user_properties
+            .iter()
+            .any(|(k, v)| k == NOT_FOR_GROUP && v == group)
+    })
+}
+
+/// Removes the [`NOT_FOR_GROUP`] marks before delivery.
+pub(crate) fn unmark(properties: &mut Option<PublishProperties>) {
+    if let Some(p) = properties
+        && !p.user_properties.is_empty()
+    {
+        p.user_properties.retain(|(k, _)| k != NOT_FOR_GROUP);
+    }
+}
+
 pub struct SharedGroup {
     // using Vec over HashSet for maintaining order of iter
     clients: Vec<String>,
