@@ -1224,3 +1224,40 @@ async fn a_resumed_session_takes_its_turns_in_its_groups() {
         "a: {got_a:?}, b: {got_b:?}"
     );
 }
+
+/// The mark a cluster node puts on a publish to keep it from a shared
+/// subscription another node serves is the broker's: a client's publish
+/// carrying it reaches the group all the same, without it.
+#[tokio::test]
+async fn a_client_cannot_keep_its_publish_from_a_group() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut member = Raw::connect(addr, "share5-m").await;
+    member
+        .subscribe("$share/g/share5/t", QoS::AtLeastOnce)
+        .await;
+    let mut publisher = Raw::connect(addr, "share5-pub").await;
+    let properties = v5::PublishProperties {
+        user_properties: vec![
+            (
+                "statebroker:not-for-group".into(),
+                "$share/g/share5/t".into(),
+            ),
+            ("mine".into(), "kept".into()),
+        ],
+        ..Default::default()
+    };
+    common::mqtt::publish_complete_with(
+        &mut publisher,
+        "share5/t",
+        b"m",
+        QoS::AtLeastOnce,
+        false,
+        Some(properties),
+    )
+    .await;
+    let p = next_raw_publish(&mut member).await;
+    assert_eq!(&p.payload[..], b"m");
+    let user = p.properties.map(|p| p.user_properties).unwrap_or_default();
+    assert_eq!(user, [("mine".to_owned(), "kept".to_owned())]);
+}

@@ -47,6 +47,9 @@ pub const CLUSTER_FORWARD_DROPPED: &str = "statebroker_cluster_forward_dropped_t
 /// messages handed over), and the messages it handed over.
 pub const CLUSTER_SESSIONS_HANDED_OVER: &str = "statebroker_cluster_sessions_handed_over_total";
 pub const CLUSTER_MESSAGES_HANDED_OVER: &str = "statebroker_cluster_messages_handed_over_total";
+/// Clustering: (shared subscription, node with members) pairs this node
+/// knows: where its clients' publishes to groups go.
+pub const CLUSTER_SHARED_GROUP_NODES: &str = "statebroker_cluster_shared_group_nodes";
 /// Clustering: wills of clients whose node died, published by this node.
 pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
 
@@ -294,6 +297,10 @@ fn describe() {
         CLUSTER_MESSAGES_HANDED_OVER,
         "Clustering: messages queued here for a session that moved, sent to its new node"
     );
+    describe_gauge!(
+        CLUSTER_SHARED_GROUP_NODES,
+        "Clustering: (shared subscription, node with members) pairs this node knows from etcd"
+    );
     describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
         "Clustering: wills of clients whose node died (or lost its lease), published by this node"
@@ -515,6 +522,12 @@ pub fn cluster_conflict() {
 /// Clustering: the nodes registered now.
 pub fn cluster_members(members: usize) {
     gauge!(CLUSTER_MEMBERS).set(members as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the (shared subscription, node) pairs known now.
+pub fn cluster_shared_group_nodes(pairs: usize) {
+    gauge!(CLUSTER_SHARED_GROUP_NODES).set(pairs as f64);
 }
 
 #[cfg(feature = "cluster")]

@@ -225,12 +225,13 @@ impl Shared {
 
     /// Hands a publish of this node's clients to the other nodes (a
     /// cluster node; nothing on a single node), and a retained one to
-    /// etcd.
+    /// etcd; `properties` get the marks of the shared subscriptions
+    /// another node delivers it to.
     #[inline]
     pub fn forward_to_peers(
         &self,
         _publish: &router::protocol::Publish,
-        _properties: Option<&router::protocol::PublishProperties>,
+        _properties: &mut Option<router::protocol::PublishProperties>,
     ) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {

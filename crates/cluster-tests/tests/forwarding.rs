@@ -521,3 +521,132 @@ async fn a_node_that_joins_takes_clients_once_the_others_forward_to_it() {
     assert_eq!(&first.payload[..], b"first");
     drop(node);
 }
+
+const GROUP_NODES: &str = "statebroker_cluster_shared_group_nodes";
+
+/// What a group's members receive in all, until `total` messages came
+/// (panics after [`PATIENCE`] short of it), then 500 ms more for any
+/// duplicate: per member, the payloads.
+async fn shared_deliveries(
+    members: &mut [&mut mpsc::UnboundedReceiver<(String, Bytes, bool)>],
+    total: usize,
+) -> Vec<Vec<String>> {
+    let mut got = vec![Vec::new(); members.len()];
+    let start = std::time::Instant::now();
+    let mut settled = None;
+    loop {
+        let mut any = false;
+        for (i, rx) in members.iter_mut().enumerate() {
+            while let Ok((_, payload, _)) = rx.try_recv() {
+                got[i].push(String::from_utf8_lossy(&payload).into_owned());
+                any = true;
+            }
+        }
+        let count: usize = got.iter().map(Vec::len).sum();
+        if count >= total {
+            let since = *settled.get_or_insert_with(std::time::Instant::now);
+            if any {
+                settled = Some(std::time::Instant::now());
+            } else if since.elapsed() > Duration::from_millis(500) {
+                return got;
+            }
+        }
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the group's members received {count} of {total} messages"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// MQTT 5 4.8.2 across nodes: a shared subscription with members on all
+/// three nodes gets each message of publishers on two nodes once in all
+/// (not once per node), spread over the nodes; a plain subscriber gets
+/// every message. After the member on node 3 unsubscribes and the others
+/// know it, nothing is lost for the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_subscription_gets_each_message_once_across_nodes() {
+    const EACH: u32 = 150;
+    let setup = Setup::three_linked().await;
+    let mut members = Vec::new();
+    for (i, &port) in setup.ports.iter().enumerate() {
+        members.push(subscriber(port, &format!("m{i}"), "$share/g/s/#", QoS::AtLeastOnce).await);
+    }
+    let (_plain, mut plain_rx) = subscriber(setup.ports[2], "plain", "s/#", QoS::AtLeastOnce).await;
+    for &http in &setup.http {
+        eventually("every node knows the group's three nodes", || {
+            metric(http, GROUP_NODES) == Some(3.0)
+        })
+        .await;
+    }
+    let mut a = Raw::connect(addr(setup.ports[0]), "sa").await;
+    let mut b = Raw::connect(addr(setup.ports[1]), "sb").await;
+    let mut publish = async |round: &str, count: u32| {
+        for n in 0..count {
+            for (name, publisher) in [("a", &mut a), ("b", &mut b)] {
+                let reason = publisher
+                    .publish("s/x", format!("{round}{name}-{n}"), QoS::AtLeastOnce, None)
+                    .await;
+                assert_eq!(reason, Some(v5::PubAckReason::Success));
+            }
+        }
+    };
+    publish("", EACH).await;
+    let expected = |round: &str, count: u32| -> Vec<String> {
+        let mut all: Vec<String> = (0..count)
+            .flat_map(|n| [format!("{round}a-{n}"), format!("{round}b-{n}")])
+            .collect();
+        all.sort();
+        all
+    };
+
+    let got = {
+        let mut rxs: Vec<_> = members.iter_mut().map(|(_, rx)| rx).collect();
+        shared_deliveries(&mut rxs, 2 * EACH as usize).await
+    };
+    let mut all: Vec<String> = got.concat();
+    all.sort();
+    assert_eq!(
+        all,
+        expected("", EACH),
+        "each message once across the group"
+    );
+    for (i, mine) in got.iter().enumerate() {
+        assert!(
+            mine.len() >= (EACH as usize) / 3,
+            "node {}'s member got {} of {}: the group's messages spread over its nodes",
+            i + 1,
+            mine.len(),
+            2 * EACH
+        );
+    }
+    let plain = receive(&mut plain_rx, 2 * EACH as usize).await;
+    assert_eq!(plain.len(), 2 * EACH as usize);
+
+    // The member on node 3 leaves; once the others know, no message is
+    // lost for the group (nor given twice).
+    let (m3, _) = &members[2];
+    m3.unsubscribe("$share/g/s/#").await.unwrap();
+    for &http in &setup.http {
+        eventually("every node knows the group's two nodes", || {
+            metric(http, GROUP_NODES) == Some(2.0)
+        })
+        .await;
+    }
+    publish("r", EACH).await;
+    let got = {
+        let mut rxs: Vec<_> = members[..2].iter_mut().map(|(_, rx)| rx).collect();
+        shared_deliveries(&mut rxs, 2 * EACH as usize).await
+    };
+    let mut all: Vec<String> = got.concat();
+    all.sort();
+    assert_eq!(
+        all,
+        expected("r", EACH),
+        "each message once to the two nodes left"
+    );
+    assert!(
+        members[2].1.try_recv().is_err(),
+        "the member that left got nothing more"
+    );
+}

@@ -25,7 +25,8 @@
 //! - [`Node`]: the membership, the links, client ownership and retained
 //!   messages of a node, started together and owned in one place.
 //! - [`peers`]: links to the other nodes, which carry this node's clients'
-//!   publishes to every node's subscribers.
+//!   publishes to every node's subscribers; [`shares`]: which node a shared
+//!   subscription gets each message on.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
 //!   fails (no etcd quorum).
 //!
@@ -43,6 +44,7 @@ mod reaper;
 pub mod record;
 pub mod retained;
 pub mod sessions;
+pub mod shares;
 pub mod watch;
 pub mod wills;
 
@@ -61,6 +63,7 @@ pub use ownership::Ownership;
 pub use peers::Peers;
 pub use retained::Retained;
 pub use sessions::SessionJournal;
+pub use shares::Shares;
 pub use watch::Change;
 
 /// A node's connection to the cluster.

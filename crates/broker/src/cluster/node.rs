@@ -8,7 +8,7 @@ use std::sync::Arc;
 use router::protocol::{Publish, PublishProperties};
 
 use super::sessions;
-use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal};
+use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal, Shares};
 use crate::config::Settings;
 use crate::publisher::Publisher;
 use crate::sessions::Sessions;
@@ -22,6 +22,7 @@ pub struct Node {
     peers: Arc<Peers>,
     ownership: Arc<Ownership>,
     retained: Arc<Retained>,
+    shares: Arc<Shares>,
 }
 
 impl Node {
@@ -48,9 +49,12 @@ impl Node {
         let links = Arc::downgrade(&peers);
         publisher.forward_wills(Box::new(move |publish, properties| {
             if let Some(links) = links.upgrade() {
-                links.forward(publish, properties);
+                links.forward(publish, properties, &Vec::new());
             }
         }));
+        let shares = Shares::start(cluster, &membership, router.shared_groups())
+            .await
+            .map_err(|e| format!("cannot read shared subscriptions from etcd: {e}"))?;
         let retained = Retained::start(Arc::clone(cluster));
         let messages = retained
             .load()
@@ -87,6 +91,7 @@ impl Node {
             peers,
             ownership,
             retained,
+            shares,
         })
     }
 
@@ -121,11 +126,19 @@ impl Node {
     }
 
     /// A client of this node published `publish`: to every other node,
-    /// and to etcd if retained.
-    pub fn client_published(&self, publish: &Publish, properties: Option<&PublishProperties>) {
-        self.peers.forward(publish, properties);
+    /// and to etcd if retained. `properties` get this node's marks (see
+    /// [`Shares`]) for its own router.
+    pub fn client_published(&self, publish: &Publish, properties: &mut Option<PublishProperties>) {
+        let topic = std::str::from_utf8(&publish.topic).unwrap_or_default();
+        let assignment = self.shares.assign(topic);
+        self.peers
+            .forward(publish, properties.as_ref(), &assignment);
         if publish.retain {
-            self.retained.keep(publish, properties);
+            self.retained.keep(publish, properties.as_ref());
+        }
+        if !assignment.is_empty() {
+            let own = properties.get_or_insert_with(Default::default);
+            Shares::mark(&assignment, self.shares.node_id(), own);
         }
     }
 }

@@ -23,10 +23,11 @@
 //! comes back; `forward_queue` publishes at most wait for one link, past
 //! that they are not forwarded to that node (counted).
 //!
-//! Wills go the same way (`Publisher::forward_wills`). Not built yet:
-//! shared subscriptions across nodes (a group gets a message once per
-//! node that has members), the broker's own other publishes (per node),
-//! sessions that move between nodes.
+//! Wills go the same way (`Publisher::forward_wills`), but unmarked: a
+//! shared subscription gets a will once per node that has members (a
+//! client's publish once in all, see [`super::shares`]). The broker's own
+//! other publishes (state store answers and notifications) stay on their
+//! node.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -171,8 +172,15 @@ impl Peers {
     }
 
     /// Hands a publish of this node's clients to every link (never waits:
-    /// a link whose queue is full does not get it, counted).
-    pub fn forward(&self, publish: &Publish, properties: Option<&PublishProperties>) {
+    /// a link whose queue is full does not get it, counted), each marked
+    /// not for the groups `assignment` gives another node (see
+    /// [`super::Shares`]).
+    pub fn forward(
+        &self,
+        publish: &Publish,
+        properties: Option<&PublishProperties>,
+        assignment: &super::shares::Assignment,
+    ) {
         let links = self.links.read();
         if links.is_empty() {
             return;
@@ -183,12 +191,18 @@ impl Peers {
         let qos = link_qos(publish.qos);
         let properties = properties.map(link_properties).unwrap_or_default();
         for link in links.iter() {
+            let mut properties = properties.clone();
+            if !assignment.is_empty() {
+                let mut marks = PublishProperties::default();
+                super::Shares::mark(assignment, &link.node_id, &mut marks);
+                properties.user_properties.extend(marks.user_properties);
+            }
             let sent = link.client.try_publish_with_properties(
                 topic,
                 qos,
                 publish.retain,
                 publish.payload.clone(),
-                properties.clone(),
+                properties,
             );
             match sent {
                 Ok(()) => link.forwarded.increment(1),

@@ -439,8 +439,11 @@ impl Machine {
         }
         // Every other node's subscribers get it too (a cluster node), once:
         // not a QoS 2 retransmission, not what another node forwarded.
-        if !self.from_link && !retransmitted {
-            self.shared.forward_to_peers(&publish, properties.as_ref());
+        if !self.from_link {
+            unmarked(&mut properties, &self.client_id);
+            if !retransmitted {
+                self.shared.forward_to_peers(&publish, &mut properties);
+            }
         }
         // The router saves what a restart must not lose of it (its PUBACK
         // waits for the disk, see gate.rs); a retransmission it knows.
@@ -703,6 +706,25 @@ fn failed(reason: &protocol::PubRecReason) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+/// Removes from a client's publish the marks only links may set (see
+/// `router::NOT_FOR_GROUP`): a client cannot keep its message from a
+/// shared subscription.
+fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
+    if let Some(p) = properties
+        && p.user_properties
+            .iter()
+            .any(|(k, _)| k == router::NOT_FOR_GROUP)
+    {
+        p.user_properties
+            .retain(|(k, _)| k != router::NOT_FOR_GROUP);
+        tracing::debug!(
+            client_id,
+            "publish: the User Property {} is the broker's; removed",
+            router::NOT_FOR_GROUP
+        );
+    }
+}
 
 /// The client a publish from another node's link is handed over to (see
 /// `crate::publisher::HANDOVER`), its User Property removed.
