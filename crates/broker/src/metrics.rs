@@ -50,6 +50,9 @@ pub const CLUSTER_MESSAGES_HANDED_OVER: &str = "statebroker_cluster_messages_han
 /// Clustering: (shared subscription, node with members) pairs this node
 /// knows: where its clients' publishes to groups go.
 pub const CLUSTER_SHARED_GROUP_NODES: &str = "statebroker_cluster_shared_group_nodes";
+/// Clustering: forwarded publishes whose publisher was acknowledged
+/// without a node's acknowledgement (not given within 5 s).
+pub const CLUSTER_UNCONFIRMED: &str = "statebroker_cluster_unconfirmed_total";
 /// Clustering: wills of clients whose node died, published by this node.
 pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
 
@@ -302,6 +305,10 @@ fn describe() {
         "Clustering: (shared subscription, node with members) pairs this node knows from etcd"
     );
     describe_counter!(
+        CLUSTER_UNCONFIRMED,
+        "Clustering: forwarded publishes acknowledged to their publisher without a node's acknowledgement (none within 5 s)"
+    );
+    describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
         "Clustering: wills of clients whose node died (or lost its lease), published by this node"
     );
@@ -522,6 +529,13 @@ pub fn cluster_conflict() {
 /// Clustering: the nodes registered now.
 pub fn cluster_members(members: usize) {
     gauge!(CLUSTER_MEMBERS).set(members as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: forwarded publishes no longer waited for (see
+/// [`CLUSTER_UNCONFIRMED`]).
+pub fn cluster_unconfirmed(publishes: usize) {
+    counter!(CLUSTER_UNCONFIRMED).increment(publishes as u64);
 }
 
 #[cfg(feature = "cluster")]

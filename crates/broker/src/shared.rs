@@ -227,16 +227,29 @@ impl Shared {
     /// cluster node; nothing on a single node), and a retained one to
     /// etcd; `properties` get the marks of the shared subscriptions
     /// another node delivers it to.
+    /// A QoS 1/2 publish's forwarding ticket: its acknowledgement waits
+    /// until [`Shared::forwarding_confirmed`] reaches it.
     #[inline]
     pub fn forward_to_peers(
         &self,
         _publish: &router::protocol::Publish,
         _properties: &mut Option<router::protocol::PublishProperties>,
-    ) {
+    ) -> Option<u64> {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.client_published(_publish, _properties);
+            return node.client_published(_publish, _properties);
         }
+        None
+    }
+
+    /// How far the other nodes have confirmed this node's forwarded
+    /// publishes (a cluster node; `None` on a single node).
+    pub fn forwarding_confirmed(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            return Some(node.peers().confirmed());
+        }
+        None
     }
 
     /// Records this node as the owner of `client_id` for `connection` (a

@@ -650,3 +650,79 @@ async fn a_shared_subscription_gets_each_message_once_across_nodes() {
         "the member that left got nothing more"
     );
 }
+
+/// #29's target "0 acknowledged messages lost for subscribers on live
+/// nodes", for the publisher's own node: a QoS 1 publisher on node 1
+/// keeps 32 publishes in flight; node 1 is SIGKILLed mid-run; the
+/// subscribers on nodes 2 and 3 got every message the publisher had a
+/// PUBACK for (a PUBACK waits for the other nodes' links).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publishers_node_killed_loses_no_acknowledged_message() {
+    const WINDOW: u16 = 32;
+    let mut setup = Setup::three_linked().await;
+    let (_s2, mut rx2) = subscriber(setup.ports[1], "k2", "k/#", QoS::AtLeastOnce).await;
+    let (_s3, mut rx3) = subscriber(setup.ports[2], "k3", "k/#", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr(setup.ports[0]), "kp").await;
+
+    // Publishes with packet ids 1..=WINDOW in turn; payload n.
+    let mut in_flight: HashMap<u16, u32> = HashMap::new();
+    let mut acked: Vec<u32> = Vec::new();
+    let mut next = 0u32;
+    let mut killed = false;
+    loop {
+        while in_flight.len() < WINDOW as usize {
+            let pkid = (next % u32::from(WINDOW)) as u16 + 1;
+            let mut publish =
+                v5::Publish::new("k/x", QoS::AtLeastOnce, Bytes::from(next.to_string()), None);
+            publish.pkid = pkid;
+            publisher.send(v5::Packet::Publish(publish)).await;
+            in_flight.insert(pkid, next);
+            next += 1;
+        }
+        match publisher.recv_within(PATIENCE).await {
+            common::raw::Recv::Packet(v5::Packet::PubAck(ack)) => {
+                let n = in_flight
+                    .remove(&ack.pkid)
+                    .expect("a PUBACK for a publish in flight");
+                assert_eq!(ack.reason, v5::PubAckReason::Success);
+                acked.push(n);
+            }
+            common::raw::Recv::Packet(other) => panic!("unexpected {other:?}"),
+            common::raw::Recv::Closed => break,
+            common::raw::Recv::Timeout => panic!("no PUBACK and no end of the connection"),
+        }
+        if !killed && acked.len() >= 3_000 {
+            setup.nodes[0].kill().unwrap();
+            killed = true;
+        }
+    }
+    assert!(killed, "the connection ended before the kill");
+    eprintln!(
+        "{} acknowledged, {} never acknowledged (in flight when the node died)",
+        acked.len(),
+        in_flight.len()
+    );
+    for (name, rx) in [("node 2", &mut rx2), ("node 3", &mut rx3)] {
+        let mut got = std::collections::HashSet::new();
+        let missing = |got: &std::collections::HashSet<u32>| {
+            acked.iter().filter(|n| !got.contains(n)).count()
+        };
+        while missing(&got) > 0 {
+            match tokio::time::timeout(PATIENCE, rx.recv()).await {
+                Ok(Some((_, payload, _))) => {
+                    got.insert(
+                        std::str::from_utf8(&payload)
+                            .unwrap()
+                            .parse::<u32>()
+                            .unwrap(),
+                    );
+                }
+                _ => panic!(
+                    "subscriber on {name}: {} of {} acknowledged messages missing",
+                    missing(&got),
+                    acked.len()
+                ),
+            }
+        }
+    }
+}

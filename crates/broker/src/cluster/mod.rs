@@ -25,7 +25,8 @@
 //! - [`Node`]: the membership, the links, client ownership and retained
 //!   messages of a node, started together and owned in one place.
 //! - [`peers`]: links to the other nodes, which carry this node's clients'
-//!   publishes to every node's subscribers; [`shares`]: which node a shared
+//!   publishes to every node's subscribers (a publish is acknowledged once
+//!   the nodes have it: `confirmations`); [`shares`]: which node a shared
 //!   subscription gets each message on.
 //! - readiness: a linearizable read every second; `/readyz` is 503 while it
 //!   fails (no etcd quorum).
@@ -34,6 +35,7 @@
 //! its own `statestore::Store`, which also holds the node's hybrid logical
 //! clock.
 
+mod confirmations;
 mod handover;
 pub mod kv;
 pub mod membership;

@@ -127,11 +127,17 @@ impl Node {
 
     /// A client of this node published `publish`: to every other node,
     /// and to etcd if retained. `properties` get this node's marks (see
-    /// [`Shares`]) for its own router.
-    pub fn client_published(&self, publish: &Publish, properties: &mut Option<PublishProperties>) {
+    /// [`Shares`]) for its own router. A QoS 1/2 publish's forwarding
+    /// ticket (see [`Peers::forward`]).
+    pub fn client_published(
+        &self,
+        publish: &Publish,
+        properties: &mut Option<PublishProperties>,
+    ) -> Option<u64> {
         let topic = std::str::from_utf8(&publish.topic).unwrap_or_default();
         let assignment = self.shares.assign(topic);
-        self.peers
+        let ticket = self
+            .peers
             .forward(publish, properties.as_ref(), &assignment);
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
@@ -140,6 +146,7 @@ impl Node {
             let own = properties.get_or_insert_with(Default::default);
             Shares::mark(&assignment, self.shares.node_id(), own);
         }
+        ticket
     }
 }
 

@@ -37,6 +37,7 @@ use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use metrics::Counter;
 use parking_lot::RwLock;
 use router::protocol::{Publish, PublishProperties, QoS};
+use rumqttc::Outgoing;
 use rumqttc::v5::mqttbytes::QoS as LinkQoS;
 use rumqttc::v5::mqttbytes::v5::{Packet as LinkPacket, PublishProperties as LinkProperties};
 use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
@@ -44,9 +45,13 @@ use subtle::ConstantTimeEq;
 use tokio::sync::{oneshot, watch};
 
 use super::Cluster;
+use super::confirmations::Confirmations;
 use super::membership::Member;
 
 pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
+
+/// How long a hand-over waits for room on a link before it gives up.
+const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 
 /// How long a link's session outlives it on the other node (seconds): what
 /// was in flight when it broke is sent again within it.
@@ -67,6 +72,8 @@ pub struct Peers {
     /// The node takes clients: every other member has linked to it (or
     /// the wait for that ran out).
     joined: std::sync::atomic::AtomicBool,
+    /// What the other nodes have acknowledged of the publishes forwarded.
+    confirmations: Arc<Confirmations>,
 }
 
 /// One link, and the task that drives it (it ends when the link is dropped).
@@ -100,6 +107,7 @@ impl Peers {
             inbound: parking_lot::Mutex::new(HashMap::new()),
             linked: Arc::new(tokio::sync::Notify::new()),
             joined: std::sync::atomic::AtomicBool::new(false),
+            confirmations: Arc::new(Confirmations::default()),
         });
         tokio::spawn(follow(Arc::downgrade(&peers), members.clone()));
         tokio::spawn(join(
@@ -171,26 +179,53 @@ impl Peers {
         valid.then_some(node)
     }
 
+    /// Every forwarded publish up to the value is acknowledged by the
+    /// nodes whose links were up (see [`Confirmations`]).
+    pub fn confirmed(&self) -> watch::Receiver<u64> {
+        self.confirmations.watch()
+    }
+
     /// Hands a publish of this node's clients to every link (never waits:
     /// a link whose queue is full does not get it, counted), each marked
     /// not for the groups `assignment` gives another node (see
-    /// [`super::Shares`]).
+    /// [`super::Shares`]). A QoS 1/2 publish's ticket: its acknowledgement
+    /// waits until [`Peers::confirmed`] reaches it.
     pub fn forward(
         &self,
         publish: &Publish,
         properties: Option<&PublishProperties>,
         assignment: &super::shares::Assignment,
-    ) {
+    ) -> Option<u64> {
         let links = self.links.read();
         if links.is_empty() {
-            return;
+            return None;
         }
         let Ok(topic) = std::str::from_utf8(&publish.topic) else {
-            return;
+            return None;
         };
         let qos = link_qos(publish.qos);
         let properties = properties.map(link_properties).unwrap_or_default();
-        for link in links.iter() {
+        self.confirmations.with(|state| {
+            let ticket = (qos != LinkQoS::AtMostOnce).then(|| state.issue());
+            for link in links.iter() {
+                if Self::forward_on(link, topic, qos, publish, &properties, assignment) {
+                    state.handed(&link.node_id, ticket);
+                }
+            }
+            ticket
+        })
+    }
+
+    /// Hands a publish to one link; whether it took it.
+    fn forward_on(
+        link: &Link,
+        topic: &str,
+        qos: LinkQoS,
+        publish: &Publish,
+        properties: &LinkProperties,
+        assignment: &super::shares::Assignment,
+    ) -> bool {
+        {
             let mut properties = properties.clone();
             if !assignment.is_empty() {
                 let mut marks = PublishProperties::default();
@@ -205,10 +240,14 @@ impl Peers {
                 properties,
             );
             match sent {
-                Ok(()) => link.forwarded.increment(1),
+                Ok(()) => {
+                    link.forwarded.increment(1);
+                    true
+                }
                 Err(e) => {
                     link.dropped.increment(1);
                     tracing::debug!(peer = link.node_id, error = %e, "publish not forwarded: the link's queue is full");
+                    false
                 }
             }
         }
@@ -235,7 +274,7 @@ impl Peers {
             return 0;
         };
         let mut sent = 0;
-        for (publish, properties) in messages {
+        'messages: for (publish, properties) in messages {
             let Ok(topic) = std::str::from_utf8(&publish.topic) else {
                 continue;
             };
@@ -244,10 +283,31 @@ impl Peers {
             properties
                 .user_properties
                 .push((crate::publisher::HANDOVER.to_owned(), client_id.to_owned()));
-            let published =
-                client.publish_with_properties(topic, qos, false, publish.payload, properties);
-            if published.await.is_err() {
-                break;
+            // Handed over in the confirmations' order (nobody waits for
+            // them); a full queue is waited for, a while.
+            let mut full_since = None;
+            loop {
+                let taken = self.confirmations.with(|state| {
+                    let published = client.try_publish_with_properties(
+                        topic,
+                        qos,
+                        false,
+                        publish.payload.clone(),
+                        properties.clone(),
+                    );
+                    published
+                        .is_ok()
+                        .then(|| state.handed(node, None))
+                        .is_some()
+                });
+                if taken {
+                    break;
+                }
+                let since = *full_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() > HANDOVER_PATIENCE {
+                    break 'messages;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
             sent += 1;
         }
@@ -266,6 +326,7 @@ impl Peers {
         links.retain(|link| {
             let keep = wanted.get(link.node_id.as_str()) == Some(&link.address.as_str());
             if !keep {
+                self.confirmations.link_closed(&link.node_id);
                 tracing::info!(
                     peer = link.node_id,
                     address = link.address,
@@ -307,7 +368,13 @@ impl Peers {
             .set_request_channel_capacity(self.forward_queue);
         let (client, events) = AsyncClient::new(options, self.forward_queue);
         let (stop, stopped) = oneshot::channel();
-        tokio::spawn(drive(events, node.to_owned(), address.to_owned(), stopped));
+        tokio::spawn(drive(
+            events,
+            node.to_owned(),
+            address.to_owned(),
+            Arc::clone(&self.confirmations),
+            stopped,
+        ));
         let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
         tracing::info!(peer = node, address, "clustering: linking to a node");
         Ok(Link {
@@ -435,8 +502,11 @@ async fn drive(
     mut events: EventLoop,
     peer: String,
     address: String,
+    confirmations: Arc<Confirmations>,
     mut stop: oneshot::Receiver<()>,
 ) {
+    let mut expiry = tokio::time::interval(Duration::from_secs(1));
+    expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected = false;
     let mut backoff = Duration::from_millis(100);
     let set = |connected: &mut bool, now: bool| {
@@ -448,9 +518,30 @@ async fn drive(
         let event = tokio::select! {
             _ = &mut stop => break,
             event = events.poll() => event,
+            _ = expiry.tick() => {
+                let expired = confirmations.expire(&peer);
+                if expired > 0 {
+                    crate::metrics::cluster_unconfirmed(expired);
+                    tracing::warn!(
+                        peer,
+                        publishes = expired,
+                        "clustering: a node has not acknowledged forwarded publishes in 5 s: their publishers are acknowledged without it"
+                    );
+                }
+                continue;
+            }
         };
         match event {
+            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => confirmations.went_out(&peer, pkid),
+            Ok(Event::Outgoing(Outgoing::AwaitAck(_))) => confirmations.held_back(&peer),
+            Ok(Event::Incoming(LinkPacket::PubAck(ack))) => {
+                confirmations.acknowledged(&peer, ack.pkid);
+            }
+            Ok(Event::Incoming(LinkPacket::PubRec(rec))) => {
+                confirmations.acknowledged(&peer, rec.pkid);
+            }
             Ok(Event::Incoming(LinkPacket::ConnAck(ack))) => {
+                confirmations.link_up(&peer, ack.session_present);
                 tracing::info!(
                     peer,
                     address,
@@ -471,6 +562,7 @@ async fn drive(
                     tracing::debug!(peer, address, error = %e, "clustering: cannot link to a node yet");
                 }
                 set(&mut connected, false);
+                confirmations.link_down(&peer);
                 tokio::select! {
                     _ = &mut stop => break,
                     () = tokio::time::sleep(backoff) => {}
@@ -528,6 +620,7 @@ mod tests {
             inbound: parking_lot::Mutex::new(HashMap::new()),
             linked: Arc::new(tokio::sync::Notify::new()),
             joined: std::sync::atomic::AtomicBool::new(false),
+            confirmations: Arc::new(Confirmations::default()),
         }
     }
 

@@ -81,8 +81,15 @@ impl<S: Stream> Driver<S> {
         tokio::pin!(shutdown);
         // One subscription to the disk's position for the connection's life.
         let mut disk: watch::Receiver<Position> = self.shared.store.answered();
+        // A cluster node's: how far the other nodes confirmed its forwarded
+        // publishes (a receiver that never moves otherwise).
+        let mut forwarded = self
+            .shared
+            .forwarding_confirmed()
+            .unwrap_or_else(|| watch::Sender::new(0).subscribe());
         loop {
             let waiting_for = machine.waiting_for();
+            let waiting_for_links = machine.waiting_for_links();
             tokio::select! {
                 read = self.socket.fill(), if !machine.reading_paused() => {
                     match read {
@@ -99,6 +106,12 @@ impl<S: Stream> Driver<S> {
                 // held acknowledgements go, reading stopped at a bound
                 // goes on.
                 _ = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
+                    machine.on_disk()?;
+                    self.read_packets(machine)?;
+                }
+                // The other nodes confirmed what held acknowledgements wait
+                // for (a cluster node).
+                _ = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
                     machine.on_disk()?;
                     self.read_packets(machine)?;
                 }

@@ -133,6 +133,12 @@ pub(crate) struct Machine {
     pub(super) shared: Arc<Shared>,
     /// Another cluster node's link (see [`Start::from_link`]).
     from_link: bool,
+    /// A cluster node's: how far the other nodes have confirmed the
+    /// publishes forwarded (see `cluster::confirmations`).
+    forwarded: Option<watch::Receiver<u64>>,
+    /// The forwarding tickets of the publishes the router has to
+    /// acknowledge, in order (a cluster node's).
+    tickets: std::collections::VecDeque<Option<u64>>,
 }
 
 impl Machine {
@@ -169,8 +175,10 @@ impl Machine {
             legacy_2023: shared.settings.broker.legacy_2023_topic,
             principal: start.principal,
             owner: start.owner,
+            forwarded: shared.forwarding_confirmed(),
             shared,
             from_link: start.from_link,
+            tickets: std::collections::VecDeque::new(),
         }
     }
 
@@ -196,11 +204,17 @@ impl Machine {
     /// Queues an acknowledgement for the client, behind those that wait
     /// for the disk (`batch`: what this one waits for itself).
     fn acknowledge(&mut self, ack: Packet, batch: Option<Batch>) {
+        self.acknowledge_after(ack, batch, None);
+    }
+
+    /// [`Machine::acknowledge`], waiting also for forwarding `ticket`.
+    fn acknowledge_after(&mut self, ack: Packet, batch: Option<Batch>, ticket: Option<u64>) {
         // (The disk's position is read only when there is a batch: it is a
         // lock, on every request's path otherwise.)
         let not_done = batch.filter(|&batch| !self.position().covers(batch));
+        let links_not_done = ticket.filter(|&t| !self.confirmed(t));
         let (protocol, wbuf) = (self.protocol, &mut self.wbuf);
-        self.gate.send(ack, not_done, |ack| {
+        self.gate.send(ack, (not_done, links_not_done), |ack| {
             if let Err(e) = protocol.write(ack, wbuf) {
                 tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
             }
@@ -246,13 +260,31 @@ impl Machine {
         self.ack_hold.may_wait(self.wbuf.len(), position)
     }
 
-    /// The disk moved on: what the gate held for it goes, in order.
+    /// Whether the other nodes have confirmed forwarding `ticket`.
+    fn confirmed(&self, ticket: u64) -> bool {
+        self.forwarded
+            .as_ref()
+            .is_none_or(|c| *c.borrow() >= ticket)
+    }
+
+    /// The forwarding ticket held acknowledgements wait for (a cluster
+    /// node's; see `Shared::forwarding_confirmed`).
+    pub fn waiting_for_links(&self) -> Option<u64> {
+        self.gate.waiting_for_links()
+    }
+
+    /// The disk (or the other nodes) moved on: what the gate held for it
+    /// goes, in order.
     pub fn on_disk(&mut self) -> Result<(), End> {
-        if self
+        let disk = self
             .gate
             .waiting_for()
-            .is_some_and(|batch| self.position().covers(batch))
-        {
+            .is_none_or(|batch| self.position().covers(batch));
+        let links = self
+            .gate
+            .waiting_for_links()
+            .is_none_or(|ticket| self.confirmed(ticket));
+        if self.gate.is_closed() && disk && links {
             // What closes the gate again holds the rest.
             for held in self.gate.open() {
                 match held {
@@ -439,17 +471,22 @@ impl Machine {
         }
         // Every other node's subscribers get it too (a cluster node), once:
         // not a QoS 2 retransmission, not what another node forwarded.
+        let mut ticket = None;
         if !self.from_link {
             unmarked(&mut properties, &self.client_id);
             if !retransmitted {
-                self.shared.forward_to_peers(&publish, &mut properties);
+                ticket = self.shared.forward_to_peers(&publish, &mut properties);
             }
         }
         // The router saves what a restart must not lose of it (its PUBACK
-        // waits for the disk, see gate.rs); a retransmission it knows.
+        // waits for the disk, see gate.rs, and on a cluster node for the
+        // other nodes); a retransmission it knows.
         self.route(Packet::Publish(publish, properties));
         if qos > 0 {
             self.ack_order.routed();
+            if self.forwarded.is_some() {
+                self.tickets.push_back(ticket);
+            }
         }
         Ok(())
     }
@@ -626,7 +663,8 @@ impl Machine {
             // here that waited for it.
             ack @ (Packet::PubAck(..) | Packet::PubRec(..)) => {
                 self.inbound.completed(&ack);
-                self.acknowledge(ack, batch);
+                let ticket = self.tickets.pop_front().flatten();
+                self.acknowledge_after(ack, batch, ticket);
                 for held in self.ack_order.router_acknowledged() {
                     self.acknowledge(held, None);
                 }
