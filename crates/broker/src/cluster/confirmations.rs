@@ -156,20 +156,23 @@ impl Confirmations {
         });
     }
 
-    /// Stops waiting for what `node` has owed for longer than
-    /// [`MAX_WAIT`]; how many.
-    pub fn expire(&self, node: &str) -> usize {
+    /// Stops waiting for what a node has owed for longer than
+    /// [`MAX_WAIT`]: how many, by node.
+    pub fn expire(&self) -> Vec<(String, usize)> {
         self.with(|s| {
-            let Some(link) = s.links.get_mut(node) else {
-                return 0;
-            };
-            let mut expired = 0;
-            while let Some(entry) = link.owed.first_entry() {
-                if entry.get().elapsed() < MAX_WAIT {
-                    break;
+            let mut expired = Vec::new();
+            for (node, link) in &mut s.links {
+                let mut count = 0;
+                while let Some(entry) = link.owed.first_entry() {
+                    if entry.get().elapsed() < MAX_WAIT {
+                        break;
+                    }
+                    entry.remove();
+                    count += 1;
                 }
-                entry.remove();
-                expired += 1;
+                if count > 0 {
+                    expired.push((node.clone(), count));
+                }
             }
             expired
         })

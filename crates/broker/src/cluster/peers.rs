@@ -110,6 +110,7 @@ impl Peers {
             confirmations: Arc::new(Confirmations::default()),
         });
         tokio::spawn(follow(Arc::downgrade(&peers), members.clone()));
+        tokio::spawn(expire(Arc::downgrade(&peers.confirmations)));
         tokio::spawn(join(
             Arc::downgrade(&peers),
             members,
@@ -496,6 +497,27 @@ async fn follow(peers: Weak<Peers>, mut members: watch::Receiver<Vec<Member>>) {
     }
 }
 
+/// Every second, stops waiting for what a node has not acknowledged in
+/// [`super::confirmations::MAX_WAIT`]; ends with the links.
+async fn expire(confirmations: Weak<Confirmations>) {
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let Some(confirmations) = confirmations.upgrade() else {
+            return;
+        };
+        for (peer, expired) in confirmations.expire() {
+            crate::metrics::cluster_unconfirmed(expired);
+            tracing::warn!(
+                peer,
+                publishes = expired,
+                "clustering: a node has not acknowledged forwarded publishes in 5 s: their publishers are acknowledged without it"
+            );
+        }
+    }
+}
+
 /// Drives one link: connects, sends, reconnects (backing off) until
 /// `stop` fires or its sender is dropped.
 async fn drive(
@@ -505,8 +527,6 @@ async fn drive(
     confirmations: Arc<Confirmations>,
     mut stop: oneshot::Receiver<()>,
 ) {
-    let mut expiry = tokio::time::interval(Duration::from_secs(1));
-    expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connected = false;
     let mut backoff = Duration::from_millis(100);
     let set = |connected: &mut bool, now: bool| {
@@ -515,21 +535,11 @@ async fn drive(
         }
     };
     loop {
+        // (Nothing else here may interrupt `poll`: it can be cut between
+        // taking a publish and writing it, which then never goes.)
         let event = tokio::select! {
             _ = &mut stop => break,
             event = events.poll() => event,
-            _ = expiry.tick() => {
-                let expired = confirmations.expire(&peer);
-                if expired > 0 {
-                    crate::metrics::cluster_unconfirmed(expired);
-                    tracing::warn!(
-                        peer,
-                        publishes = expired,
-                        "clustering: a node has not acknowledged forwarded publishes in 5 s: their publishers are acknowledged without it"
-                    );
-                }
-                continue;
-            }
         };
         match event {
             Ok(Event::Outgoing(Outgoing::Publish(pkid))) => confirmations.went_out(&peer, pkid),

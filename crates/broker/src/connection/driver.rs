@@ -111,7 +111,10 @@ impl<S: Stream> Driver<S> {
                 }
                 // The other nodes confirmed what held acknowledgements wait
                 // for (a cluster node).
-                _ = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
+                // (The watch's read guard goes first: what follows may
+                // forward a publish, which moves the watch.)
+                seen = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
+                    drop(seen);
                     machine.on_disk()?;
                     self.read_packets(machine)?;
                 }
