@@ -356,7 +356,10 @@ async fn cached_reads_follow_the_watch_and_answer_without_etcd() {
             port: setup.ports[1],
             client_id: "impatient".into(),
             login: None,
-            timeout: std::time::Duration::from_secs(3),
+            // Short: the pause must stay well inside the membership
+            // lease (the node stops serving 4 s after its last renewal,
+            // which may be 1.25 s old when etcd stops).
+            timeout: std::time::Duration::from_secs(1),
             tls: None,
         };
         statebroker_cli::client::Client::connect(&target)
