@@ -1076,6 +1076,18 @@ async fn drain(c: &mut Raw, quiet: Duration) -> Vec<String> {
     }
 }
 
+/// Two members of a group got `expected` between them, each once, and
+/// each member some of it.
+fn each_once_between(got_a: &[String], got_b: &[String], expected: &[&str]) {
+    let mut all: Vec<&str> = got_a.iter().chain(got_b).map(String::as_str).collect();
+    all.sort();
+    assert_eq!(all, expected, "a: {got_a:?}, b: {got_b:?}");
+    assert!(
+        !got_a.is_empty() && !got_b.is_empty(),
+        "a: {got_a:?}, b: {got_b:?}"
+    );
+}
+
 /// MQTT 5 4.8.2: a group shares each message: every message to one of
 /// its members, once, and round robin (the router's default strategy)
 /// gives each member its turn.
@@ -1102,21 +1114,7 @@ async fn a_shared_subscription_delivers_each_message_to_one_member() {
     }
     let quiet = Duration::from_millis(300);
     let (got_a, got_b) = (drain(&mut a, quiet).await, drain(&mut b, quiet).await);
-    let mut all: Vec<u32> = got_a
-        .iter()
-        .chain(&got_b)
-        .map(|s| s.parse().unwrap())
-        .collect();
-    all.sort();
-    assert_eq!(
-        all,
-        (0..10).collect::<Vec<_>>(),
-        "a: {got_a:?}, b: {got_b:?}"
-    );
-    assert!(
-        !got_a.is_empty() && !got_b.is_empty(),
-        "a: {got_a:?}, b: {got_b:?}"
-    );
+    each_once_between(&got_a, &got_b, &PAYLOADS);
 }
 
 /// MQTT 5 4.8.2: a shared subscription is its Share Name *and* its Topic
@@ -1212,17 +1210,7 @@ async fn a_resumed_session_takes_its_turns_in_its_groups() {
     }
     let quiet = Duration::from_millis(300);
     let (got_a, got_b) = (drain(&mut a, quiet).await, drain(&mut b, quiet).await);
-    let mut all: Vec<&str> = got_a.iter().chain(&got_b).map(String::as_str).collect();
-    all.sort();
-    assert_eq!(
-        all,
-        ["0", "1", "2", "3", "4", "5"],
-        "a: {got_a:?}, b: {got_b:?}"
-    );
-    assert!(
-        !got_a.is_empty() && !got_b.is_empty(),
-        "a: {got_a:?}, b: {got_b:?}"
-    );
+    each_once_between(&got_a, &got_b, &["0", "1", "2", "3", "4", "5"]);
 }
 
 /// The mark a cluster node puts on a publish to keep it from a shared
