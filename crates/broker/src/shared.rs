@@ -81,6 +81,7 @@ impl Shared {
             queue_full: settings.broker.queue_full,
             ..settings.router.clone()
         };
+        #[cfg_attr(not(feature = "cluster"), allow(unused_mut))]
         let mut journal = durable
             .clone()
             .map(|durable| durable as Arc<dyn router::Journal>);

@@ -1,0 +1,182 @@
+//! A cluster node's metrics (see `crate::cluster`): declared with the
+//! others' shape, described with them at install.
+
+#[cfg(feature = "cluster")]
+use metrics::{Counter, counter, gauge};
+use metrics::{describe_counter, describe_gauge};
+
+/// Clustering: state store requests refused for etcd's limits, by reason.
+pub const CLUSTER_REFUSED: &str = "statebroker_cluster_requests_refused_total";
+/// Clustering: writes that found the key changed by another node first,
+/// and were planned again.
+pub const CLUSTER_CONFLICTS: &str = "statebroker_cluster_write_conflicts_total";
+/// Clustering: state store requests left unanswered, by reason
+/// (`unreachable`: etcd did not answer; `in_doubt`: a write etcd could
+/// not confirm; `contended`: the key kept changing).
+pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_total";
+/// Clustering: records kept in the node's cache, and their bytes.
+pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
+/// Clustering: see [`CLUSTER_CACHE_RECORDS`].
+pub const CLUSTER_CACHE_BYTES: &str = "statebroker_cluster_cache_bytes";
+/// Clustering: nodes registered in etcd, as this node last read them.
+pub const CLUSTER_MEMBERS: &str = "statebroker_cluster_members";
+/// Clustering: links to other nodes connected now (publishes forwarded).
+pub const CLUSTER_PEER_LINKS: &str = "statebroker_cluster_peer_links";
+/// Clustering: publishes handed to the link to another node, by `peer`.
+pub const CLUSTER_FORWARDED: &str = "statebroker_cluster_forwarded_total";
+/// Clustering: publishes not forwarded to a node, its link's queue full,
+/// by `peer`.
+pub const CLUSTER_FORWARD_DROPPED: &str = "statebroker_cluster_forward_dropped_total";
+/// Clustering: sessions this node gave up to another node (their queued
+/// messages handed over), and the messages it handed over.
+pub const CLUSTER_SESSIONS_HANDED_OVER: &str = "statebroker_cluster_sessions_handed_over_total";
+pub const CLUSTER_MESSAGES_HANDED_OVER: &str = "statebroker_cluster_messages_handed_over_total";
+/// Clustering: (shared subscription, node with members) pairs this node
+/// knows: where its clients' publishes to groups go.
+pub const CLUSTER_SHARED_GROUP_NODES: &str = "statebroker_cluster_shared_group_nodes";
+/// Clustering: forwarded publishes whose publisher was acknowledged
+/// without a node's acknowledgement (not given within 5 s).
+pub const CLUSTER_UNCONFIRMED: &str = "statebroker_cluster_unconfirmed_total";
+/// Clustering: wills of clients whose node died, published by this node.
+pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
+
+/// The cluster metrics' descriptions (with [`super::install`]'s).
+pub(super) fn describe() {
+    describe_counter!(
+        CLUSTER_REFUSED,
+        "Clustering: state store requests refused for etcd's limits, by reason"
+    );
+    describe_counter!(
+        CLUSTER_CONFLICTS,
+        "Clustering: writes planned again because another node changed the key first"
+    );
+    describe_counter!(
+        CLUSTER_UNANSWERED,
+        "Clustering: state store requests left unanswered, by reason"
+    );
+    describe_gauge!(
+        CLUSTER_CACHE_RECORDS,
+        "Clustering: records of keys kept in this node's cache"
+    );
+    describe_gauge!(
+        CLUSTER_CACHE_BYTES,
+        "Clustering: bytes of the records kept in this node's cache ([clustering] cache_bytes)"
+    );
+    describe_gauge!(
+        CLUSTER_MEMBERS,
+        "Clustering: nodes registered in etcd (this one included), as this node last read them"
+    );
+    describe_gauge!(
+        CLUSTER_PEER_LINKS,
+        "Clustering: links to the other nodes connected now (each carries this node's clients' publishes)"
+    );
+    describe_counter!(
+        CLUSTER_FORWARDED,
+        "Clustering: client publishes handed to the link to another node, by peer"
+    );
+    describe_counter!(
+        CLUSTER_SESSIONS_HANDED_OVER,
+        "Clustering: sessions this node gave up to the node their client connected to (queued messages handed over)"
+    );
+    describe_counter!(
+        CLUSTER_MESSAGES_HANDED_OVER,
+        "Clustering: messages queued here for a session that moved, sent to its new node"
+    );
+    describe_gauge!(
+        CLUSTER_SHARED_GROUP_NODES,
+        "Clustering: (shared subscription, node with members) pairs this node knows from etcd"
+    );
+    describe_counter!(
+        CLUSTER_UNCONFIRMED,
+        "Clustering: forwarded publishes acknowledged to their publisher without a node's acknowledgement (none within 5 s)"
+    );
+    describe_counter!(
+        CLUSTER_DEAD_NODE_WILLS,
+        "Clustering: wills of clients whose node died (or lost its lease), published by this node"
+    );
+    describe_counter!(
+        CLUSTER_FORWARD_DROPPED,
+        "Clustering: client publishes not forwarded to a node because its link's queue was full, by peer"
+    );
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a request refused for etcd's limits.
+pub fn cluster_refused(reason: &'static str) {
+    counter!(CLUSTER_REFUSED, "reason" => reason).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a write planned again after another node's.
+pub fn cluster_conflict() {
+    counter!(CLUSTER_CONFLICTS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the nodes registered now.
+pub fn cluster_members(members: usize) {
+    gauge!(CLUSTER_MEMBERS).set(members as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: forwarded publishes no longer waited for (see
+/// [`CLUSTER_UNCONFIRMED`]).
+pub fn cluster_unconfirmed(publishes: usize) {
+    counter!(CLUSTER_UNCONFIRMED).increment(publishes as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the (shared subscription, node) pairs known now.
+pub fn cluster_shared_group_nodes(pairs: usize) {
+    gauge!(CLUSTER_SHARED_GROUP_NODES).set(pairs as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a link to another node came up (`true`) or went down
+/// (each link says so from its own task: increments, not a value set,
+/// so two links changing at once cannot leave a stale count).
+pub fn cluster_peer_link(up: bool) {
+    let gauge = gauge!(CLUSTER_PEER_LINKS);
+    if up {
+        gauge.increment(1.0);
+    } else {
+        gauge.decrement(1.0);
+    }
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the counters of publishes forwarded to `peer` and of those
+/// dropped for it (taken once per link: no lookup per publish).
+pub fn cluster_forward_counters(peer: &str) -> (Counter, Counter) {
+    (
+        counter!(CLUSTER_FORWARDED, "peer" => peer.to_owned()),
+        counter!(CLUSTER_FORWARD_DROPPED, "peer" => peer.to_owned()),
+    )
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: what the node's record cache holds now.
+pub fn cluster_cache(records: usize, bytes: usize) {
+    gauge!(CLUSTER_CACHE_RECORDS).set(records as f64);
+    gauge!(CLUSTER_CACHE_BYTES).set(bytes as f64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: this node gave a session up to another node, handing over
+/// `messages`.
+pub fn session_handed_over(messages: usize) {
+    counter!(CLUSTER_SESSIONS_HANDED_OVER).increment(1);
+    counter!(CLUSTER_MESSAGES_HANDED_OVER).increment(messages as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: this node published the will of a client whose node died.
+pub fn dead_node_will_published() {
+    counter!(CLUSTER_DEAD_NODE_WILLS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a request left unanswered.
+pub fn cluster_unanswered(reason: &'static str) {
+    counter!(CLUSTER_UNANSWERED, "reason" => reason).increment(1);
+}
