@@ -30,12 +30,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{EventType, GetOptions, PutOptions, Txn, TxnOp};
 use parking_lot::RwLock;
 use router::protocol::PublishProperties;
 use tokio::sync::watch;
 
 use super::membership::Member;
+use super::watch::{Ended, follow_prefix};
 use super::{Cluster, Membership};
 
 /// Groups one node records in etcd, at most.
@@ -228,28 +229,17 @@ async fn follow(
         };
         let (mut client, prefix) = (c.client.clone(), s.prefix.clone());
         drop((s, c));
-        let options = WatchOptions::new().with_prefix().with_start_revision(from);
-        let Some(mut stream) = super::watch::open(&mut client, &prefix, options, &mut stop).await
-        else {
-            return;
-        };
-        loop {
-            let message = tokio::select! {
-                m = stream.message() => m,
-                _ = stop.changed() => return,
+        let ended = follow_prefix(&mut client, &prefix, from, &mut stop, |event| {
+            let Some(s) = shares.upgrade() else {
+                return false;
             };
-            let Ok(Some(response)) = message else { break };
-            if response.canceled() {
-                break;
+            if let Some((node, group)) = event.kv().and_then(|kv| s.parse(kv.key())) {
+                s.changed(node, group, event.event_type() == EventType::Put);
             }
-            let Some(s) = shares.upgrade() else { return };
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                from = from.max(kv.mod_revision() + 1);
-                if let Some((node, group)) = s.parse(kv.key()) {
-                    s.changed(node, group, event.event_type() == EventType::Put);
-                }
-            }
+            true
+        });
+        if let Ended::Stopped = ended.await {
+            return;
         }
         // Broken or cancelled (compaction): read everything again.
         loop {

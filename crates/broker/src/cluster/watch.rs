@@ -189,8 +189,6 @@ fn ttl_ms(cluster: &Cluster) -> u64 {
     u64::try_from(cluster.settings.tombstone_ttl.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Watches every key from revision `from`, sending each change to
-/// `changes`; ends when the cluster is dropped or nobody takes changes.
 /// Opens a watch of `prefix` with `options`, trying again every 250 ms
 /// until etcd takes it; `None` once `stop` fires.
 pub(super) async fn open(
@@ -217,6 +215,59 @@ pub(super) async fn open(
     }
 }
 
+/// How one watch of a prefix ([`follow_prefix`]) ended.
+pub(super) enum Ended {
+    /// `stop` fired, or the handler wanted no more.
+    Stopped,
+    /// The stream broke: watch again from this revision.
+    Broken(i64),
+    /// etcd compacted past the revision asked for: changes up to this
+    /// revision are lost to the watch.
+    Compacted(i64),
+}
+
+/// Watches every key under `prefix` from revision `from` until the stream
+/// breaks, handing each event to `on_event` in revision order (`false`:
+/// no more).
+pub(super) async fn follow_prefix(
+    client: &mut Client,
+    prefix: &[u8],
+    from: i64,
+    stop: &mut tokio::sync::watch::Receiver<()>,
+    mut on_event: impl FnMut(&etcd_client::Event) -> bool,
+) -> Ended {
+    let options = WatchOptions::new().with_prefix().with_start_revision(from);
+    let Some(mut stream) = open(client, prefix, options, stop).await else {
+        return Ended::Stopped;
+    };
+    let mut next = from;
+    loop {
+        let message = tokio::select! {
+            m = stream.message() => m,
+            _ = stop.changed() => return Ended::Stopped,
+        };
+        let Ok(Some(response)) = message else {
+            return Ended::Broken(next);
+        };
+        if response.canceled() {
+            return match response.compact_revision() {
+                0 => Ended::Broken(next),
+                compacted => Ended::Compacted(compacted),
+            };
+        }
+        for event in response.events() {
+            if let Some(kv) = event.kv() {
+                next = next.max(kv.mod_revision() + 1);
+            }
+            if !on_event(event) {
+                return Ended::Stopped;
+            }
+        }
+    }
+}
+
+/// Watches every key from revision `from`, sending each change to
+/// `changes`; ends when the cluster is dropped or nobody takes changes.
 pub(super) async fn run(
     cluster: Weak<Cluster>,
     mut client: Client,

@@ -24,12 +24,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+    Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 use parking_lot::Mutex;
 use router::RouterHandle;
 use tokio::sync::Notify;
 
+use super::watch::{Ended, follow_prefix};
 use super::{Cluster, Membership, Peers};
 
 mod records;
@@ -455,49 +456,40 @@ async fn watch(
             o.cluster.node_id().to_owned(),
         );
         drop(o);
-        let options = WatchOptions::new().with_prefix().with_start_revision(from);
-        let Some(mut stream) = super::watch::open(&mut client, &prefix, options, &mut stop).await
-        else {
-            return;
-        };
-        loop {
-            let message = tokio::select! {
-                m = stream.message() => m,
-                _ = stop.changed() => return,
+        let ended = follow_prefix(&mut client, &prefix, from, &mut stop, |event| {
+            let Some(o) = ownership.upgrade() else {
+                return false;
             };
-            let Ok(Some(response)) = message else { break };
-            if response.canceled() {
-                if response.compact_revision() > 0 {
-                    // Takeovers in between are not seen here; the other
-                    // node owns those clients all the same.
-                    tracing::warn!(
-                        from,
-                        "clustering: the owners' watch fell behind etcd's compaction"
-                    );
-                    from = response.compact_revision();
-                }
-                break;
+            let Some(kv) = event.kv() else { return true };
+            if event.event_type() != EventType::Put {
+                return true;
             }
-            let Some(o) = ownership.upgrade() else { return };
-            for event in response.events() {
-                let Some(kv) = event.kv() else { continue };
-                from = from.max(kv.mod_revision() + 1);
-                if event.event_type() != EventType::Put {
-                    continue;
-                }
-                let Some(owner_node) = owner_of(kv.value()) else {
-                    continue;
-                };
-                if owner_node == node {
-                    continue;
-                }
-                let Ok(client_id) = std::str::from_utf8(&kv.key()[prefix.len()..]) else {
-                    continue;
-                };
-                // A clean start ended the session: nothing to hand over.
-                let to = (!started_clean(kv.value())).then_some(owner_node);
-                o.taken(client_id, kv.mod_revision(), to);
+            let Some(owner_node) = owner_of(kv.value()) else {
+                return true;
+            };
+            if owner_node == node {
+                return true;
             }
-        }
+            let Ok(client_id) = std::str::from_utf8(&kv.key()[prefix.len()..]) else {
+                return true;
+            };
+            // A clean start ended the session: nothing to hand over.
+            let to = (!started_clean(kv.value())).then_some(owner_node);
+            o.taken(client_id, kv.mod_revision(), to);
+            true
+        });
+        from = match ended.await {
+            Ended::Stopped => return,
+            Ended::Broken(next) => next,
+            Ended::Compacted(compacted) => {
+                // Takeovers in between are not seen here; the other node
+                // owns those clients all the same.
+                tracing::warn!(
+                    from,
+                    "clustering: the owners' watch fell behind etcd's compaction"
+                );
+                compacted
+            }
+        };
     }
 }
