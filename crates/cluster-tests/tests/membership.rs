@@ -187,3 +187,64 @@ async fn a_node_that_wakes_past_its_lease_serves_nothing_more() {
     sent_away(&mut subscriber).await;
     sent_away(&mut publisher).await;
 }
+
+/// An etcd leader election that outlasts the node's serving deadline
+/// suspends its clients; it does not send them away: once the new leader
+/// confirms the lease (etcd extends every lease across an election), they
+/// go on, on the same connections. Before, every such election sent all
+/// of a node's clients to other nodes at once.
+///
+/// Deterministic timing: the lease is 4 s, renewed every second, so the
+/// node stops serving at most 3.2 s after the kill; etcd's election
+/// timeout is 4 s, so no new leader is elected before ~3.9 s; the node
+/// waits up to two more TTLs (8 s) for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
+    let mut options = statebroker_cluster_harness::EtcdOptions::default();
+    options.extra_args.push("--election-timeout=4000".into());
+    let mut setup = Setup::start_with_etcd(
+        3,
+        options,
+        1,
+        &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "4000")],
+    );
+    let (port, http) = (setup.ports[0], setup.http[0]);
+    let mut subscriber = Raw::connect(addr(port), "steady-sub").await;
+    subscriber
+        .subscribe("e/#", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await;
+    let mut publisher = Raw::connect(addr(port), "steady-pub").await;
+    let leader = setup.etcd.wait_leader(PATIENCE).expect("a leader");
+    setup.etcd.kill(leader).unwrap();
+    eventually("the node suspended", || {
+        metric(http, "statebroker_cluster_suspensions_total").is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    // A publish sent while suspended waits, and goes through after.
+    let reason = publisher
+        .publish(
+            "e/1",
+            "during",
+            rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+            None,
+        )
+        .await;
+    assert_eq!(reason, Some(v5::PubAckReason::Success));
+    let p = subscriber.next_publish().await;
+    assert_eq!(&p.payload[..], b"during");
+    assert_eq!(
+        metric(http, "statebroker_cluster_lease_losses_total"),
+        None,
+        "the lease was never lost"
+    );
+    eventually("ready again", || http_status(http, "/readyz") == Some(200)).await;
+    setup.etcd.restart(leader).unwrap();
+    // The same connections, served.
+    for client in [&mut subscriber, &mut publisher] {
+        client.send(v5::Packet::PingReq(v5::PingReq)).await;
+        match client.recv_within(PATIENCE).await {
+            Recv::Packet(v5::Packet::PingResp(_)) => {}
+            other => panic!("expected PINGRESP, got {other:?}"),
+        }
+    }
+}

@@ -20,6 +20,16 @@ use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use super::Cluster;
 use crate::standing::Standing;
 
+/// How often a suspended node asks etcd about its lease (see `run`).
+const SUSPENDED_RETRY: Duration = Duration::from_millis(250);
+
+/// How long a suspended node waits for etcd to confirm its lease before
+/// it counts it lost and sends its clients away, in TTLs past the
+/// deadline. Holding them longer is safe (the node serves nothing, and a
+/// lease etcd confirms never ran out), but a node cut off from etcd alone
+/// should let its clients find another node soon.
+const GIVE_UP_TTLS: u32 = 2;
+
 /// Why a registration did not happen.
 enum Refused {
     /// etcd did not answer, or answered an error.
@@ -267,6 +277,9 @@ impl Membership {
 }
 
 /// Keeps `lease` alive; when it is lost, says so and registers again.
+/// Past the serving deadline without a renewal the node is suspended (see
+/// `standing.rs`): it keeps asking etcd about the same lease, more often,
+/// for up to [`GIVE_UP_TTLS`] TTLs; a renewal confirmed then resumes it.
 /// Ends when the membership or the cluster is dropped.
 async fn run(
     membership: Weak<Membership>,
@@ -279,21 +292,37 @@ async fn run(
         };
         let every = (m.ttl / 4).clamp(Duration::from_millis(250), Duration::from_secs(2));
         let timeout = m.cluster.settings.request_timeout.min(every * 2);
+        let (ttl, standing) = (m.ttl, Arc::clone(&m.standing));
         let mut client = m.cluster.client.clone();
         drop(m);
-        // Renew until the lease is lost: etcd says so, or the deadline
-        // passed without a renewal.
+        // Renew until the lease is lost: etcd says so, or it did not
+        // answer for GIVE_UP_TTLS TTLs after the deadline.
         let mut renewing = None;
+        let mut suspended = false;
         loop {
+            let wait = if standing.serving() {
+                every
+            } else {
+                SUSPENDED_RETRY
+            };
             tokio::select! {
-                () = tokio::time::sleep(every) => {}
+                () = tokio::time::sleep(wait) => {}
                 _ = stop.changed() => return,
             }
             let Some(m) = membership.upgrade() else {
                 return;
             };
-            if !m.standing.serving() {
-                break;
+            if let Some(overdue) = standing.overdue() {
+                if overdue >= ttl * GIVE_UP_TTLS {
+                    break;
+                }
+                if !std::mem::replace(&mut suspended, true) {
+                    crate::metrics::cluster_suspended();
+                    tracing::warn!(
+                        node_id = m.cluster.node_id(),
+                        "clustering: the membership lease was not renewed in time (etcd electing a leader, or unreachable): clients wait until etcd confirms it"
+                    );
+                }
             }
             if renewing.is_none() {
                 let opened = tokio::time::timeout(timeout, client.lease_keep_alive(lease)).await;
@@ -311,6 +340,12 @@ async fn run(
             match tokio::time::timeout(timeout, renewed).await {
                 Ok(Some(ack)) if ack.ttl() > 0 => {
                     m.standing.serve_until(sent + m.serving_for(ack.ttl()));
+                    if std::mem::replace(&mut suspended, false) {
+                        tracing::info!(
+                            node_id = m.cluster.node_id(),
+                            "clustering: etcd confirmed the membership lease: clients go on"
+                        );
+                    }
                     m.refresh_members().await;
                 }
                 // etcd says the lease is gone.
@@ -324,6 +359,7 @@ async fn run(
             return;
         };
         m.standing.lost();
+        crate::metrics::cluster_lease_lost();
         tracing::warn!(
             node_id = m.cluster.node_id(),
             "clustering: lost the membership lease (cut off from etcd, or paused past its TTL): clients are sent to another node (DISCONNECT 0x9C) and CONNECT is refused until this node registers again"

@@ -162,7 +162,7 @@ pub(crate) async fn accept(
     if !shared.standing.serving() {
         return Err(refuse(
             Refusal::NotAMember,
-            "this cluster node lost its membership lease in etcd: use another node",
+            "this cluster node has no confirmed membership lease in etcd: use another node",
         ));
     }
     if from_node.is_none() && !shared.takes_clients() {

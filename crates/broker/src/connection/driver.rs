@@ -87,18 +87,18 @@ impl<S: Stream> Driver<S> {
             .shared
             .forwarding_confirmed()
             .unwrap_or_else(|| watch::Sender::new(0).subscribe());
+        let mut read = false;
         loop {
             let waiting_for = machine.waiting_for();
             let waiting_for_links = machine.waiting_for_links();
             tokio::select! {
-                read = self.socket.fill(), if !machine.reading_paused() => {
-                    match read {
+                filled = self.socket.fill(), if !machine.reading_paused() => {
+                    match filled {
                         Ok(0) => return Err(End::Closed),
                         Err(e) => return Err(End::Io(e)),
                         Ok(_) => {
                             last_heard = Instant::now();
-                            self.serving()?;
-                            self.read_packets(machine)?;
+                            read = true;
                         }
                     }
                 }
@@ -144,6 +144,11 @@ impl<S: Stream> Driver<S> {
                 }
                 _ = &mut shutdown => return Err(End::Shutdown),
             }
+            // (Outside the select: its outcome may hold a watch's guard.)
+            if std::mem::take(&mut read) {
+                self.serving().await?;
+                self.read_packets(machine)?;
+            }
             self.link.send(&mut machine.to_router).await?;
             // Direct deliveries that are ready (the answers to what was just
             // read among them) go out with the same write.
@@ -160,7 +165,7 @@ impl<S: Stream> Driver<S> {
                 std::sync::atomic::Ordering::Relaxed,
             );
             if !machine.may_hold_output() {
-                self.serving()?;
+                self.serving().await?;
                 self.write(machine).await?;
             }
             if std::mem::take(&mut machine.unscheduled) {
@@ -169,15 +174,20 @@ impl<S: Stream> Driver<S> {
         }
     }
 
-    /// Whether the node serves (a cluster node: while it holds its
+    /// Goes on once the node serves (a cluster node: while it holds its
     /// membership lease, read from the clock): a node that wakes from a
-    /// pause past its lease neither takes a request nor writes a delivery
-    /// before its clients are sent away.
-    fn serving(&self) -> Result<(), End> {
-        if self.shared.standing.serving() {
-            Ok(())
-        } else {
-            Err(End::NotServing)
+    /// pause, or cannot confirm its lease in time, neither takes a request
+    /// nor writes a delivery until etcd confirms the lease again; once the
+    /// node lost it, the connection ends (see `standing.rs`).
+    async fn serving(&self) -> Result<(), End> {
+        let standing = &self.shared.standing;
+        if standing.serving() {
+            return Ok(());
+        }
+        let mut shutdown = self.shared.shutdown.clone();
+        tokio::select! {
+            resumed = standing.resumed(self.peer.epoch) => resumed.map_err(|()| End::NotServing),
+            _ = shutdown.changed() => Err(End::Shutdown),
         }
     }
 

@@ -190,7 +190,7 @@ async fn readyz(State(served): State<Served>) -> impl IntoResponse {
     match served.broker.get() {
         Some(shared) if !shared.standing.serving() => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: this cluster node lost its membership lease in etcd\n",
+            "not ready: this cluster node has no confirmed membership lease in etcd (lost, or etcd not answering)\n",
         ),
         Some(shared) if !shared.takes_clients() => (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -37,6 +37,12 @@ pub const CLUSTER_SHARED_GROUP_NODES: &str = "statebroker_cluster_shared_group_n
 /// Clustering: forwarded publishes whose publisher was acknowledged
 /// without a node's acknowledgement (not given within 5 s).
 pub const CLUSTER_UNCONFIRMED: &str = "statebroker_cluster_unconfirmed_total";
+/// Clustering: times the node's membership lease was not renewed in time
+/// and its clients waited for etcd to confirm it (see `standing.rs`).
+pub const CLUSTER_SUSPENSIONS: &str = "statebroker_cluster_suspensions_total";
+/// Clustering: times the node lost its membership lease and sent its
+/// clients to other nodes (DISCONNECT 0x9C).
+pub const CLUSTER_LEASE_LOSSES: &str = "statebroker_cluster_lease_losses_total";
 /// Clustering: wills of clients whose node died, published by this node.
 pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
 
@@ -91,6 +97,14 @@ pub(super) fn describe() {
         "Clustering: forwarded publishes acknowledged to their publisher without a node's acknowledgement (none within 5 s)"
     );
     describe_counter!(
+        CLUSTER_SUSPENSIONS,
+        "Clustering: times the membership lease was not renewed in time and clients waited for etcd to confirm it"
+    );
+    describe_counter!(
+        CLUSTER_LEASE_LOSSES,
+        "Clustering: times the membership lease was lost and clients were sent to other nodes (DISCONNECT 0x9C)"
+    );
+    describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
         "Clustering: wills of clients whose node died (or lost its lease), published by this node"
     );
@@ -123,6 +137,18 @@ pub fn cluster_members(members: usize) {
 /// [`CLUSTER_UNCONFIRMED`]).
 pub fn cluster_unconfirmed(publishes: usize) {
     counter!(CLUSTER_UNCONFIRMED).increment(publishes as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the node's clients wait for etcd to confirm its lease.
+pub fn cluster_suspended() {
+    counter!(CLUSTER_SUSPENSIONS).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: the node lost its lease.
+pub fn cluster_lease_lost() {
+    counter!(CLUSTER_LEASE_LOSSES).increment(1);
 }
 
 #[cfg(feature = "cluster")]

@@ -58,6 +58,16 @@ impl Setup {
         if let Ok(ms) = std::env::var("STATEBROKER_ETCD_ELECTION_MS") {
             options.extra_args.push(format!("--election-timeout={ms}"));
         }
+        Setup::start_with_etcd(members, options, nodes, env)
+    }
+
+    /// The same, etcd started with `options`.
+    pub fn start_with_etcd(
+        members: usize,
+        options: statebroker_cluster_harness::EtcdOptions,
+        nodes: usize,
+        env: &[(&str, &str)],
+    ) -> Setup {
         let etcd = EtcdCluster::start_with(members, options).expect("etcd starts");
         let mut setup = Setup {
             etcd,
