@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# The long fault run of the clustered state store (docs/cluster.md): for
-# each seed, 3 etcd members and 3 nodes under a 12-process random workload
-# for 120 s while a node is killed and restarted, the etcd leader is killed
-# and restarted, the etcd leader is paused for 10 s and a node is paused
-# for 8 s; the history is checked for linearizability and versions.
-#   bench/cluster-faults.sh [SEED ...]     (default: seeds 1 to 5)
+# The long fault runs of the cluster (docs/cluster.md), 3 etcd members and
+# 3 nodes for 120 s while a node is killed and restarted, the etcd leader
+# is killed and restarted, the etcd leader is paused for 10 s and a node is
+# paused for 8 s:
+#   bench/cluster-faults.sh [SEED ...]       the state store: a 12-process
+#       random workload per seed (default seeds 1 to 5), its history checked
+#       for linearizability and versions;
+#   bench/cluster-faults.sh mqtt [ROUNDS]     MQTT: numbered QoS 1/2 and
+#       retained publishers and persistent QoS 2 subscribers on every node
+#       (tests/mqtt_faults.rs), ROUNDS times (default 5), deliveries checked.
 # STATEBROKER_ETCD_ELECTION_MS=1000 runs etcd with its own default election
 # timeout instead of the harness's 2,500 ms (a leader kill stalls about that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cargo build --release -p statebroker-cluster-tests --tests --bins
+if [ "${1:-}" = mqtt ]; then
+    rounds="${2:-5}"
+    for round in $(seq "$rounds"); do
+        echo "== round $round"
+        STATEBROKER_FAULT_RUN=long \
+            cargo test --release -p statebroker-cluster-tests --test mqtt_faults -- --nocapture \
+            | grep -E "^(nemesis|publisher|s[0-9]: [0-9]|retained|test result)|panicked"
+    done
+    exit 0
+fi
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(1 2 3 4 5)
-cargo build --release -p statebroker-cluster-tests --tests --bins
 for seed in "${seeds[@]}"; do
     echo "== seed $seed"
     STATEBROKER_SEED=$seed STATEBROKER_FAULT_RUN=long \

@@ -66,13 +66,32 @@ impl Raw {
         Raw::connect_over(Box::new(stream), client_id, tweak).await
     }
 
-    /// [`Raw::connect_with`] over a stream already open (TLS, WebSocket).
-    pub async fn connect_over(
-        stream: Box<dyn Io>,
+    /// [`Raw::connect_with`] that fails instead of panicking: the server
+    /// refused the connection, closed it, or sent no CONNACK within
+    /// `wait` (a paused process's socket still accepts).
+    pub async fn try_connect(
+        addr: SocketAddr,
         client_id: &str,
+        wait: Duration,
         tweak: impl FnOnce(&mut (Connect, Option<LastWill>, Option<v5::Login>)),
-    ) -> (Raw, ConnAck) {
-        let mut raw = Raw {
+    ) -> Result<(Raw, ConnAck), String> {
+        let connecting = async {
+            let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+            stream.set_nodelay(true).map_err(|e| e.to_string())?;
+            let mut raw = Raw::new(Box::new(stream), client_id);
+            raw.send_connect(client_id, tweak).await;
+            match raw.recv_within(wait).await {
+                Recv::Packet(Packet::ConnAck(connack)) => Ok((raw, connack)),
+                other => Err(format!("no CONNACK: {other:?}")),
+            }
+        };
+        tokio::time::timeout(wait, connecting)
+            .await
+            .map_err(|_| format!("no CONNACK within {wait:?}"))?
+    }
+
+    fn new(stream: Box<dyn Io>, client_id: &str) -> Raw {
+        Raw {
             stream,
             rbuf: BytesMut::new(),
             next_pkid: 0,
@@ -80,7 +99,14 @@ impl Raw {
             response_topic: format!("clients/{client_id}/services/statestore/response"),
             subscribed: false,
             pending: Default::default(),
-        };
+        }
+    }
+
+    async fn send_connect(
+        &mut self,
+        client_id: &str,
+        tweak: impl FnOnce(&mut (Connect, Option<LastWill>, Option<v5::Login>)),
+    ) {
         let mut connect = (
             Connect {
                 keep_alive: 30,
@@ -92,8 +118,18 @@ impl Raw {
             None,
         );
         tweak(&mut connect);
-        raw.send(Packet::Connect(connect.0, connect.1, connect.2))
+        self.send(Packet::Connect(connect.0, connect.1, connect.2))
             .await;
+    }
+
+    /// [`Raw::connect_with`] over a stream already open (TLS, WebSocket).
+    pub async fn connect_over(
+        stream: Box<dyn Io>,
+        client_id: &str,
+        tweak: impl FnOnce(&mut (Connect, Option<LastWill>, Option<v5::Login>)),
+    ) -> (Raw, ConnAck) {
+        let mut raw = Raw::new(stream, client_id);
+        raw.send_connect(client_id, tweak).await;
         match raw.recv().await {
             Recv::Packet(Packet::ConnAck(connack)) => (raw, connack),
             other => panic!("expected CONNACK, got {other:?}"),

@@ -1,4 +1,5 @@
-//! A history checker for the state store, clustered or not.
+//! A history checker for the state store, clustered or not, and a check of
+//! MQTT deliveries under faults ([`delivery`]).
 //!
 //! Clients record the invoke and the return of each state store operation
 //! they perform, on one monotonic clock ([`history::Recorder`]); this crate
@@ -71,6 +72,7 @@
 //! From a file: `statebroker-check history.jsonl` prints the report and
 //! exits 1 on violations, or [`History::load`] and [`check`].
 
+pub mod delivery;
 pub mod history;
 pub mod linearizability;
 mod model;

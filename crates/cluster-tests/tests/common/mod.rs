@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod traffic;
 pub mod workload;
 
 /// The broker's raw MQTT 5 client (packets as they are: reason codes,
