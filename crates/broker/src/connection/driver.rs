@@ -146,7 +146,9 @@ impl<S: Stream> Driver<S> {
             }
             // (Outside the select: its outcome may hold a watch's guard.)
             if std::mem::take(&mut read) {
-                self.serving().await?;
+                if !self.shared.standing.serving() {
+                    self.suspended().await?;
+                }
                 self.read_packets(machine)?;
             }
             self.link.send(&mut machine.to_router).await?;
@@ -165,7 +167,9 @@ impl<S: Stream> Driver<S> {
                 std::sync::atomic::Ordering::Relaxed,
             );
             if !machine.may_hold_output() {
-                self.serving().await?;
+                if !self.shared.standing.serving() {
+                    self.suspended().await?;
+                }
                 self.write(machine).await?;
             }
             if std::mem::take(&mut machine.unscheduled) {
@@ -174,19 +178,19 @@ impl<S: Stream> Driver<S> {
         }
     }
 
-    /// Goes on once the node serves (a cluster node: while it holds its
-    /// membership lease, read from the clock): a node that wakes from a
-    /// pause, or cannot confirm its lease in time, neither takes a request
-    /// nor writes a delivery until etcd confirms the lease again; once the
-    /// node lost it, the connection ends (see `standing.rs`).
-    async fn serving(&self) -> Result<(), End> {
-        let standing = &self.shared.standing;
-        if standing.serving() {
-            return Ok(());
-        }
+    /// Waits while the node does not serve (a cluster node: while it holds
+    /// its membership lease, read from the clock, checked before the
+    /// connection takes in what it read and before each write): a node
+    /// that wakes from a pause, or cannot confirm its lease in time,
+    /// neither takes a request nor writes a delivery until etcd confirms
+    /// the lease again; once the node lost it, the connection ends (see
+    /// `standing.rs`).
+    async fn suspended(&self) -> Result<(), End> {
         let mut shutdown = self.shared.shutdown.clone();
         tokio::select! {
-            resumed = standing.resumed(self.peer.epoch) => resumed.map_err(|()| End::NotServing),
+            resumed = self.shared.standing.resumed(self.peer.epoch) => {
+                resumed.map_err(|()| End::NotServing)
+            }
             _ = shutdown.changed() => Err(End::Shutdown),
         }
     }
