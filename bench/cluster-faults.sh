@@ -16,13 +16,17 @@ cd "$(dirname "$0")/.."
 cargo build --release -p statebroker-cluster-tests --tests --bins
 if [ "${1:-}" = mqtt ]; then
     rounds="${2:-5}"
+    failed=0
     for round in $(seq "$rounds"); do
         echo "== round $round"
         STATEBROKER_FAULT_RUN=long \
             cargo test --release -p statebroker-cluster-tests --test mqtt_faults -- --nocapture \
-            | grep -E "^(nemesis|publisher|s[0-9]: [0-9]|retained|test result)|panicked"
+            | grep -E "^(nemesis|publisher|s[0-9]: [0-9]|retained|test result)|panicked|left:|right:" \
+            || failed=$((failed + 1))
     done
-    exit 0
+    echo "$failed of $rounds rounds failed"
+    [ "$failed" -eq 0 ]
+    exit
 fi
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(1 2 3 4 5)

@@ -179,10 +179,17 @@ async fn messages_under_node_and_etcd_faults_are_not_lost_nor_doubled() {
             failures.push(report.to_string());
         }
     }
-    assert_eq!(
-        received[0].received.reconnects, 0,
-        "the subscriber on the node never faulted stayed"
-    );
+    // The subscriber on the node never faulted stays, so that the strict
+    // check above ran. Not in the long run: an etcd without the fix of
+    // etcd-io/etcd#15247 (#16822, in 3.4 by #17465 in 2024; Debian's
+    // 3.4.23 is older) revokes every lease when a paused leader wakes up,
+    // and every node then rightly sends its clients away.
+    if !long {
+        assert_eq!(
+            received[0].received.reconnects, 0,
+            "the subscriber on the node never faulted stayed"
+        );
+    }
 
     // Retained: every node serves the same, and each publisher's is the
     // last it had acknowledged or a later one it sent.
