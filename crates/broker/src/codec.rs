@@ -260,6 +260,60 @@ pub fn publish(
     router::protocol::Publish::deserialize(raw.freeze())
 }
 
+/// The MQTT 5 properties of a PUBLISH the broker encodes itself
+/// ([`encode_publish`]): a publish's own, or a direct delivery's (see
+/// `sessions::DirectProperties`).
+pub trait EncodeProperties {
+    /// Their encoded length, without the length field in front.
+    fn encoded_len(&self) -> usize;
+    /// Writes them, without the length field.
+    fn put(&self, out: &mut BytesMut);
+}
+
+impl EncodeProperties for router::protocol::PublishProperties {
+    fn encoded_len(&self) -> usize {
+        let p = self;
+        p.payload_format_indicator.map_or(0, |_| 2)
+            + p.message_expiry_interval.map_or(0, |_| 5)
+            + p.content_type.as_ref().map_or(0, |s| string_len(s.len()))
+            + p.response_topic.as_ref().map_or(0, |s| string_len(s.len()))
+            + p.correlation_data
+                .as_ref()
+                .map_or(0, |s| string_len(s.len()))
+            + subscription_identifiers_len(&p.subscription_identifiers)
+            + p.user_properties
+                .iter()
+                .map(|(k, v)| user_property_len(k, v))
+                .sum::<usize>()
+    }
+
+    fn put(&self, out: &mut BytesMut) {
+        use bytes::BufMut;
+        let p = self;
+        if let Some(v) = p.payload_format_indicator {
+            out.put_u8(0x01);
+            out.put_u8(v);
+        }
+        if let Some(v) = p.message_expiry_interval {
+            out.put_u8(0x02);
+            out.put_u32(v);
+        }
+        if let Some(v) = &p.content_type {
+            put_property_string(out, 0x03, v.as_bytes());
+        }
+        if let Some(v) = &p.response_topic {
+            put_property_string(out, 0x08, v.as_bytes());
+        }
+        if let Some(v) = &p.correlation_data {
+            put_property_string(out, 0x09, v);
+        }
+        put_subscription_identifiers(out, &p.subscription_identifiers);
+        for (k, v) in &p.user_properties {
+            put_user_property(out, k, v);
+        }
+    }
+}
+
 /// Encodes a PUBLISH straight from borrowed parts (no intermediate packet,
 /// no copies of the properties): the broker's own deliveries go this way.
 pub fn encode_publish(
@@ -268,13 +322,13 @@ pub fn encode_publish(
     payload: &[u8],
     qos: u8,
     pkid: u16,
-    properties: &router::protocol::PublishProperties,
+    properties: &impl EncodeProperties,
     out: &mut BytesMut,
 ) {
     use bytes::BufMut;
     let props_len = match protocol {
         Protocol::V4 => 0,
-        Protocol::V5 => properties_len(properties),
+        Protocol::V5 => properties.encoded_len(),
     };
     let mut remaining = 2 + topic.len() + payload.len();
     if qos > 0 {
@@ -293,55 +347,48 @@ pub fn encode_publish(
     }
     if protocol == Protocol::V5 {
         put_varint(out, props_len);
-        let p = properties;
-        if let Some(v) = p.payload_format_indicator {
-            out.put_u8(0x01);
-            out.put_u8(v);
-        }
-        if let Some(v) = p.message_expiry_interval {
-            out.put_u8(0x02);
-            out.put_u32(v);
-        }
-        if let Some(v) = &p.content_type {
-            out.put_u8(0x03);
-            put_string(out, v.as_bytes());
-        }
-        if let Some(v) = &p.response_topic {
-            out.put_u8(0x08);
-            put_string(out, v.as_bytes());
-        }
-        if let Some(v) = &p.correlation_data {
-            out.put_u8(0x09);
-            put_string(out, v);
-        }
-        for id in &p.subscription_identifiers {
-            out.put_u8(0x0B);
-            put_varint(out, *id);
-        }
-        for (k, v) in &p.user_properties {
-            out.put_u8(0x26);
-            put_string(out, k.as_bytes());
-            put_string(out, v.as_bytes());
-        }
+        properties.put(out);
     }
     out.put_slice(payload);
 }
 
-fn properties_len(p: &router::protocol::PublishProperties) -> usize {
-    let string = |s: usize| 1 + 2 + s;
-    p.payload_format_indicator.map_or(0, |_| 2)
-        + p.message_expiry_interval.map_or(0, |_| 5)
-        + p.content_type.as_ref().map_or(0, |s| string(s.len()))
-        + p.response_topic.as_ref().map_or(0, |s| string(s.len()))
-        + p.correlation_data.as_ref().map_or(0, |s| string(s.len()))
-        + p.subscription_identifiers
-            .iter()
-            .map(|id| 1 + varint_len(*id))
-            .sum::<usize>()
-        + p.user_properties
-            .iter()
-            .map(|(k, v)| 1 + 2 + k.len() + 2 + v.len())
-            .sum::<usize>()
+/// The encoded length of a string property of `len` bytes.
+pub(crate) fn string_len(len: usize) -> usize {
+    1 + 2 + len
+}
+
+/// The encoded length of a User Property.
+pub(crate) fn user_property_len(k: &str, v: &str) -> usize {
+    1 + 2 + k.len() + 2 + v.len()
+}
+
+/// The encoded length of Subscription Identifiers.
+pub(crate) fn subscription_identifiers_len(ids: &[usize]) -> usize {
+    ids.iter().map(|id| 1 + varint_len(*id)).sum()
+}
+
+/// Writes property `id` with a string (or binary) value.
+pub(crate) fn put_property_string(out: &mut BytesMut, id: u8, s: &[u8]) {
+    use bytes::BufMut;
+    out.put_u8(id);
+    put_string(out, s);
+}
+
+/// Writes a User Property.
+pub(crate) fn put_user_property(out: &mut BytesMut, k: &str, v: &str) {
+    use bytes::BufMut;
+    out.put_u8(0x26);
+    put_string(out, k.as_bytes());
+    put_string(out, v.as_bytes());
+}
+
+/// Writes Subscription Identifiers.
+pub(crate) fn put_subscription_identifiers(out: &mut BytesMut, ids: &[usize]) {
+    use bytes::BufMut;
+    for id in ids {
+        out.put_u8(0x0B);
+        put_varint(out, *id);
+    }
 }
 
 fn varint_len(mut n: usize) -> usize {

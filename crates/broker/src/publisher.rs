@@ -126,7 +126,7 @@ impl Publisher {
             .map(|m| {
                 let pkid = if m.qos == 0 { 0 } else { link.next_pkid() };
                 let publish = codec::publish(&m.topic, &m.payload, m.qos.min(1), pkid, false);
-                Packet::Publish(publish, Some(m.properties))
+                Packet::Publish(publish, Some(m.properties.into_publish()))
             })
             .collect();
         link.send(packets);
@@ -137,7 +137,7 @@ impl Publisher {
     /// the client's persistent session.
     pub fn redeliver_later(&self, mut messages: Vec<Direct>) {
         for m in &mut messages {
-            m.properties.subscription_identifiers.clear();
+            m.properties.set_subscription_identifiers(Vec::new());
             m.qos = 1;
         }
         self.route(messages);

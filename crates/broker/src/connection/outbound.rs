@@ -509,7 +509,7 @@ mod tests {
         Direct {
             topic: Bytes::from_static(b"t"),
             payload: Bytes::copy_from_slice(&[n]),
-            properties: PublishProperties::default(),
+            properties: PublishProperties::default().into(),
             qos,
         }
     }

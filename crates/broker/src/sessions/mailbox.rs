@@ -127,7 +127,144 @@ pub struct Direct {
     /// The payload.
     pub payload: Bytes,
     /// MQTT 5 properties (subscription identifiers are added on delivery).
-    pub properties: PublishProperties,
+    pub properties: DirectProperties,
     /// QoS 0 or 1.
     pub qos: u8,
+}
+
+/// A direct delivery's MQTT 5 properties.
+#[derive(Debug, Clone)]
+pub enum DirectProperties {
+    /// A publish's own.
+    Publish(PublishProperties),
+    /// Properties most of which are the same for every message of a kind (a
+    /// state store answer, a notification): those are `&'static`, written
+    /// by the encoder, not owned anew for each message (an answer's took 7
+    /// allocations).
+    Fixed {
+        fixed: &'static FixedProperties,
+        correlation_data: Option<Bytes>,
+        /// The one User Property that varies, after the fixed ones.
+        varying: (&'static str, String),
+        subscription_identifiers: Vec<usize>,
+    },
+}
+
+/// What every message of a kind carries (see [`DirectProperties::Fixed`]).
+#[derive(Debug)]
+pub struct FixedProperties {
+    pub content_type: &'static str,
+    pub user_properties: &'static [(&'static str, &'static str)],
+}
+
+impl Default for DirectProperties {
+    fn default() -> Self {
+        DirectProperties::Publish(PublishProperties::default())
+    }
+}
+
+impl From<PublishProperties> for DirectProperties {
+    fn from(properties: PublishProperties) -> Self {
+        DirectProperties::Publish(properties)
+    }
+}
+
+impl DirectProperties {
+    /// The Subscription Identifiers of the subscriptions it is delivered
+    /// for.
+    pub fn set_subscription_identifiers(&mut self, ids: Vec<usize>) {
+        match self {
+            DirectProperties::Publish(p) => p.subscription_identifiers = ids,
+            DirectProperties::Fixed {
+                subscription_identifiers,
+                ..
+            } => *subscription_identifiers = ids,
+        }
+    }
+
+    pub fn subscription_identifiers(&self) -> &[usize] {
+        match self {
+            DirectProperties::Publish(p) => &p.subscription_identifiers,
+            DirectProperties::Fixed {
+                subscription_identifiers,
+                ..
+            } => subscription_identifiers,
+        }
+    }
+
+    /// As a publish's properties (to route the message, or look at it).
+    pub fn into_publish(self) -> PublishProperties {
+        match self {
+            DirectProperties::Publish(p) => p,
+            DirectProperties::Fixed {
+                fixed,
+                correlation_data,
+                varying,
+                subscription_identifiers,
+            } => {
+                let mut user_properties: Vec<(String, String)> = fixed
+                    .user_properties
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect();
+                user_properties.push((varying.0.to_owned(), varying.1));
+                PublishProperties {
+                    content_type: Some(fixed.content_type.to_owned()),
+                    correlation_data,
+                    subscription_identifiers,
+                    user_properties,
+                    ..PublishProperties::default()
+                }
+            }
+        }
+    }
+}
+
+impl crate::codec::EncodeProperties for DirectProperties {
+    fn encoded_len(&self) -> usize {
+        use crate::codec::{string_len, subscription_identifiers_len, user_property_len};
+        match self {
+            DirectProperties::Publish(p) => p.encoded_len(),
+            DirectProperties::Fixed {
+                fixed,
+                correlation_data,
+                varying,
+                subscription_identifiers,
+            } => {
+                string_len(fixed.content_type.len())
+                    + correlation_data.as_ref().map_or(0, |c| string_len(c.len()))
+                    + subscription_identifiers_len(subscription_identifiers)
+                    + fixed
+                        .user_properties
+                        .iter()
+                        .map(|(k, v)| user_property_len(k, v))
+                        .sum::<usize>()
+                    + user_property_len(varying.0, &varying.1)
+            }
+        }
+    }
+
+    fn put(&self, out: &mut bytes::BytesMut) {
+        use crate::codec::{put_property_string, put_subscription_identifiers, put_user_property};
+        match self {
+            DirectProperties::Publish(p) => p.put(out),
+            DirectProperties::Fixed {
+                fixed,
+                correlation_data,
+                varying,
+                subscription_identifiers,
+            } => {
+                // The order PublishProperties' encoding keeps.
+                put_property_string(out, 0x03, fixed.content_type.as_bytes());
+                if let Some(c) = correlation_data {
+                    put_property_string(out, 0x09, c);
+                }
+                put_subscription_identifiers(out, subscription_identifiers);
+                for (k, v) in fixed.user_properties {
+                    put_user_property(out, k, v);
+                }
+                put_user_property(out, varying.0, &varying.1);
+            }
+        }
+    }
 }

@@ -33,7 +33,9 @@ use router::protocol;
 
 pub use acknowledged::{SharedAcknowledged, Wait};
 pub use census::{Census, Peer};
-pub use mailbox::{Direct, Mailbox, QueueBound, ToConnection, Undelivered};
+pub use mailbox::{
+    Direct, DirectProperties, FixedProperties, Mailbox, QueueBound, ToConnection, Undelivered,
+};
 
 struct Live {
     connection: u64,

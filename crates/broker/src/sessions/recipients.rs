@@ -48,7 +48,7 @@ impl Sessions {
             return no_recipient(message);
         };
         message.qos = message.qos.min(granted).min(1);
-        message.properties.subscription_identifiers = ids;
+        message.properties.set_subscription_identifiers(ids);
         let Mailbox { tx, bound } = &live.mailbox;
         let size = message.size();
         if !bound.reserve(size) {
@@ -84,7 +84,7 @@ mod tests {
         Direct {
             topic: Bytes::from_static(b"resp/a"),
             payload: Bytes::new(),
-            properties: PublishProperties::default(),
+            properties: PublishProperties::default().into(),
             qos: 1,
         }
     }
@@ -151,7 +151,7 @@ mod tests {
             panic!("not delivered")
         };
         assert_eq!(
-            (got.qos, got.properties.subscription_identifiers),
+            (got.qos, got.properties.subscription_identifiers().to_vec()),
             (0, vec![7]),
             "QoS capped by the subscription, with its identifier"
         );

@@ -29,7 +29,7 @@ use bytes::Bytes;
 use router::protocol::{self, DisconnectReasonCode, PublishProperties};
 use statestore::{Dialect, Notice, Request};
 
-use crate::sessions::Direct;
+use crate::sessions::{Direct, DirectProperties, FixedProperties};
 use crate::topics;
 
 /// Content type of every state store payload.
@@ -146,19 +146,27 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
     Direct {
         topic: Bytes::from(reply_to.topic),
         payload: Bytes::from(payload),
-        properties: PublishProperties {
+        properties: DirectProperties::Fixed {
+            fixed: &ANSWER,
             correlation_data: reply_to.correlation,
-            content_type: Some(CONTENT_TYPE.to_owned()),
-            user_properties: vec![
-                ("__stat".to_owned(), "200".to_owned()),
-                ("__ts".to_owned(), timestamp),
-                ("__protVer".to_owned(), "1.0".to_owned()),
-            ],
-            ..PublishProperties::default()
+            varying: ("__ts", timestamp),
+            subscription_identifiers: Vec::new(),
         },
         qos: 1,
     }
 }
+
+/// What every answer carries besides its Correlation Data and `__ts`.
+static ANSWER: FixedProperties = FixedProperties {
+    content_type: CONTENT_TYPE,
+    user_properties: &[("__stat", "200"), ("__protVer", "1.0")],
+};
+
+/// What every notification carries besides its `__ts`.
+static NOTIFICATION: FixedProperties = FixedProperties {
+    content_type: CONTENT_TYPE,
+    user_properties: &[("__protVer", "1.0")],
+};
 
 /// The notifications of `notice`, one per watcher, each on the watcher's
 /// own notification topic, with `__ts` = the key's version.
@@ -168,13 +176,11 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
         let message = Direct {
             topic: Bytes::from(topics::notification_topic(watcher, &notice.key)),
             payload: payload.clone(),
-            properties: PublishProperties {
-                content_type: Some(CONTENT_TYPE.to_owned()),
-                user_properties: vec![
-                    ("__ts".to_owned(), notice.version.clone()),
-                    ("__protVer".to_owned(), "1.0".to_owned()),
-                ],
-                ..PublishProperties::default()
+            properties: DirectProperties::Fixed {
+                fixed: &NOTIFICATION,
+                correlation_data: None,
+                varying: ("__ts", notice.version.clone()),
+                subscription_identifiers: Vec::new(),
             },
             qos: 1,
         };
@@ -270,12 +276,16 @@ mod tests {
     }
 
     fn user(message: &Direct, name: &str) -> Option<String> {
-        message
-            .properties
+        published(message)
             .user_properties
-            .iter()
+            .into_iter()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
+            .map(|(_, v)| v)
+    }
+
+    /// The message's properties as a publish has them.
+    fn published(message: &Direct) -> PublishProperties {
+        message.properties.clone().into_publish()
     }
 
     #[test]
@@ -287,8 +297,11 @@ mod tests {
         };
         let r = response(to, b"-ERR syntax error\r\n".to_vec(), "1:2:n".into());
         assert_eq!((&r.topic[..], r.qos), (RESPONSE.as_bytes(), 1));
-        assert_eq!(r.properties.content_type.as_deref(), Some(CONTENT_TYPE));
-        assert_eq!(r.properties.correlation_data.as_deref(), Some(&b"corr"[..]));
+        assert_eq!(published(&r).content_type.as_deref(), Some(CONTENT_TYPE));
+        assert_eq!(
+            published(&r).correlation_data.as_deref(),
+            Some(&b"corr"[..])
+        );
         assert_eq!(user(&r, "__stat").as_deref(), Some("200"));
         assert_eq!(user(&r, "__ts").as_deref(), Some("1:2:n"));
         assert_eq!(user(&r, "__protVer").as_deref(), Some("1.0"));
@@ -309,7 +322,78 @@ mod tests {
             assert_eq!(&n.payload[..], b"*2\r\n$6\r\nNOTIFY\r\n$6\r\nDELETE\r\n");
             assert_eq!(user(&n, "__ts").as_deref(), Some("5:0:n"));
             assert_eq!(user(&n, "__stat"), None);
-            assert_eq!(n.properties.content_type.as_deref(), Some(CONTENT_TYPE));
+            assert_eq!(published(&n).content_type.as_deref(), Some(CONTENT_TYPE));
         }
+    }
+
+    /// An answer's properties, written from their fixed parts, encode to
+    /// the same bytes as the publish properties they stand for, and decode
+    /// back to them (Subscription Identifiers added on delivery included).
+    #[test]
+    fn an_answer_encodes_as_its_publish_properties_do() {
+        use crate::codec::{Protocol, encode_publish};
+        let to = ReplyTo {
+            topic: RESPONSE.into(),
+            correlation: Some(Bytes::from_static(b"corr")),
+            resent: false,
+        };
+        let mut r = response(to, b"+OK\r\n".to_vec(), "1:2:n".into());
+        r.properties.set_subscription_identifiers(vec![7, 300]);
+        let (mut fixed, mut plain) = (bytes::BytesMut::new(), bytes::BytesMut::new());
+        encode_publish(
+            Protocol::V5,
+            &r.topic,
+            &r.payload,
+            1,
+            9,
+            &r.properties,
+            &mut fixed,
+        );
+        let properties = published(&r);
+        encode_publish(
+            Protocol::V5,
+            &r.topic,
+            &r.payload,
+            1,
+            9,
+            &properties,
+            &mut plain,
+        );
+        assert_eq!(fixed, plain);
+        match Protocol::V5.decode(&mut fixed, 1 << 20) {
+            Ok(router::protocol::Packet::Publish(p, Some(decoded))) => {
+                assert_eq!(&p.payload[..], b"+OK\r\n");
+                assert_eq!(decoded, properties);
+            }
+            other => panic!("{other:?}"),
+        }
+        // A notification, the same.
+        let notice = Notice {
+            key: b"k".to_vec(),
+            event: Event::Delete,
+            version: "5:0:n".into(),
+            watchers: vec!["a".into()],
+        };
+        let (_, n) = notifications(&notice).next().unwrap();
+        let (mut fixed, mut plain) = (bytes::BytesMut::new(), bytes::BytesMut::new());
+        encode_publish(
+            Protocol::V5,
+            &n.topic,
+            &n.payload,
+            1,
+            3,
+            &n.properties,
+            &mut fixed,
+        );
+        encode_publish(
+            Protocol::V5,
+            &n.topic,
+            &n.payload,
+            1,
+            3,
+            &published(&n),
+            &mut plain,
+        );
+        assert_eq!(fixed, plain);
     }
 }

@@ -502,7 +502,7 @@ impl Machine {
         let message = crate::sessions::Direct {
             topic: publish.topic,
             payload: publish.payload,
-            properties: properties.unwrap_or_default(),
+            properties: properties.unwrap_or_default().into(),
             qos: publish.qos as u8,
         };
         if self.shared.publisher.deliver_to(client, message).is_err() {

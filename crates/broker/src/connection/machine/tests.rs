@@ -240,7 +240,7 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
     m.on_broker(ToConnection::Deliver(Box::new(Direct {
         topic: Bytes::from_static(b"clients/c1/response"),
         payload: Bytes::from_static(b"+OK\r\n"),
-        properties: PublishProperties::default(),
+        properties: PublishProperties::default().into(),
         qos: 1,
     })))
     .unwrap();
