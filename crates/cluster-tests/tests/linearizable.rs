@@ -37,21 +37,9 @@ async fn a_workload_under_node_and_etcd_leader_kills_is_linearizable() {
     let s = Duration::from_secs;
     // STATEBROKER_FAULT_RUN=long: the two-minute schedule of
     // docs/cluster.md (bench/cluster-faults.sh runs it over seeds).
-    let long = std::env::var("STATEBROKER_FAULT_RUN").as_deref() == Ok("long");
+    let long = long_fault_run();
     let (schedule, duration) = if long {
-        (
-            vec![
-                (s(20), Fault::KillNode(1)),
-                (s(30), Fault::RestartNode(1)),
-                (s(45), Fault::KillEtcdLeader),
-                (s(55), Fault::RestartEtcdDown),
-                (s(70), Fault::PauseEtcdLeader),
-                (s(80), Fault::ResumeEtcdPaused),
-                (s(90), Fault::PauseNode(2)),
-                (s(98), Fault::ResumeNode(2)),
-            ],
-            s(120),
-        )
+        long_fault_schedule()
     } else {
         (
             vec![

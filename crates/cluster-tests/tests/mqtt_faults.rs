@@ -8,12 +8,11 @@
 //! (but for a message its publisher had to send again to another node,
 //! its own having died between forwarding it and its PUBREC, and for one
 //! in flight to a subscriber whose session moved: handed over again at
-//! QoS 1); each
-//! publisher's order for a subscriber that stayed; the same retained
-//! messages on every node after the faults.
+//! QoS 1); each publisher's order for a subscriber that stayed; the same
+//! retained messages on every node after the faults.
 //!
 //! This is the short run of `cargo test`; `bench/cluster-faults.sh mqtt`
-//! runs the long one over seeds.
+//! runs the long one (`STATEBROKER_FAULT_RUN=long`) round after round.
 
 mod common;
 
@@ -23,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::traffic::{self, PublisherLog, PublisherSpec};
-use common::{Setup, eventually, metric};
+use common::{Setup, eventually, long_fault_run, long_fault_schedule, metric};
 use statebroker_checker::delivery;
 use statebroker_cluster_harness::{Cluster, Fault, Nemesis};
 
@@ -40,22 +39,10 @@ async fn messages_under_node_and_etcd_faults_are_not_lost_nor_doubled() {
     let http = setup.http.clone();
     let cluster = Cluster::new(Some(setup.etcd), setup.nodes).shared();
     let s = Duration::from_secs;
-    let long = std::env::var("STATEBROKER_FAULT_RUN").as_deref() == Ok("long");
+    let long = long_fault_run();
     // Node 0 is never faulted: its clients are the ones that stay put.
     let (schedule, duration) = if long {
-        (
-            vec![
-                (s(20), Fault::KillNode(1)),
-                (s(30), Fault::RestartNode(1)),
-                (s(45), Fault::KillEtcdLeader),
-                (s(55), Fault::RestartEtcdDown),
-                (s(70), Fault::PauseEtcdLeader),
-                (s(80), Fault::ResumeEtcdPaused),
-                (s(90), Fault::PauseNode(2)),
-                (s(98), Fault::ResumeNode(2)),
-            ],
-            s(120),
-        )
+        long_fault_schedule()
     } else {
         (
             vec![

@@ -15,6 +15,36 @@ pub mod raw;
 #[path = "../../../../tests/common/mqtt.rs"]
 pub mod mqtt;
 
+/// The two-minute fault schedule of the long runs (docs/cluster.md:
+/// a node killed and restarted, the etcd leader killed and restarted, the
+/// etcd leader paused 10 s, a node paused 8 s), and the run's length.
+pub fn long_fault_schedule() -> (
+    Vec<(Duration, statebroker_cluster_harness::Fault)>,
+    Duration,
+) {
+    use statebroker_cluster_harness::Fault;
+    let s = Duration::from_secs;
+    (
+        vec![
+            (s(20), Fault::KillNode(1)),
+            (s(30), Fault::RestartNode(1)),
+            (s(45), Fault::KillEtcdLeader),
+            (s(55), Fault::RestartEtcdDown),
+            (s(70), Fault::PauseEtcdLeader),
+            (s(80), Fault::ResumeEtcdPaused),
+            (s(90), Fault::PauseNode(2)),
+            (s(98), Fault::ResumeNode(2)),
+        ],
+        s(120),
+    )
+}
+
+/// `STATEBROKER_FAULT_RUN=long`: the fault tests run
+/// [`long_fault_schedule`] (`bench/cluster-faults.sh`).
+pub fn long_fault_run() -> bool {
+    std::env::var("STATEBROKER_FAULT_RUN").as_deref() == Ok("long")
+}
+
 /// How long the raw client waits for a packet.
 pub const TIMEOUT: Duration = PATIENCE;
 
