@@ -448,8 +448,13 @@ pub fn queued_saved(n: usize) {
 /// A state store request was answered.
 pub fn store_request(command: &'static str, ok: bool, took: Duration) {
     let Some(hot) = HOT.get() else { return };
-    if let Some((_, counters)) = hot.requests.iter().find(|(verb, _)| *verb == command) {
-        counters[usize::from(!ok)].increment(1);
+    match hot.requests.iter().find(|(verb, _)| *verb == command) {
+        Some((_, counters)) => counters[usize::from(!ok)].increment(1),
+        // A name outside the known commands ("unknown"): rare.
+        None => {
+            let outcome = if ok { "ok" } else { "error" };
+            counter!(STORE_REQUESTS, "command" => command, "outcome" => outcome).increment(1);
+        }
     }
     hot.request_seconds.record(took.as_secs_f64());
 }
