@@ -49,35 +49,43 @@ impl FromStr for Hlc {
     /// assert!("1700000000000:+3:n".parse::<Hlc>().is_err());
     /// ```
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        // Every request carries one: bytes, not `splitn` and char searches.
-        let (wall_ms, rest) = s.split_once(':').ok_or(MalformedTimestamp)?;
-        let (counter, node) = rest.split_once(':').ok_or(MalformedTimestamp)?;
-        let (wall_ms, counter) = (parse_digits(wall_ms)?, parse_digits(counter)?);
-        if node.as_bytes().contains(&b':') {
+        // Every request carries one or two: one pass over the bytes, not
+        // `split_once` (a memchr call per colon) and then the digits.
+        let bytes = s.as_bytes();
+        let (wall_ms, at) = digits_to_colon(bytes, 0)?;
+        let (counter, at) = digits_to_colon(bytes, at)?;
+        let node = &bytes[at..];
+        if node.contains(&b':') {
             return Err(MalformedTimestamp);
         }
         Ok(Hlc {
             wall_ms,
             counter,
-            node: node.to_owned(),
+            // After an ASCII colon: a character boundary.
+            node: s[at..].to_owned(),
         })
     }
 }
 
-/// Plain decimal digits only (`u64::from_str` would also take a leading
-/// `+`), at most `u64::MAX`.
-fn parse_digits(part: &str) -> Result<u64, MalformedTimestamp> {
-    if part.is_empty() {
-        return Err(MalformedTimestamp);
-    }
-    part.bytes().try_fold(0u64, |n, b| {
-        if !b.is_ascii_digit() {
-            return Err(MalformedTimestamp);
+/// Plain decimal digits from `start` up to the next `:` (at least one
+/// digit; `u64::from_str` would also take a leading `+`; at most
+/// `u64::MAX`): their value and where the text after the colon starts.
+fn digits_to_colon(bytes: &[u8], start: usize) -> Result<(u64, usize), MalformedTimestamp> {
+    let mut n = 0u64;
+    let mut at = start;
+    loop {
+        match bytes.get(at) {
+            Some(b':') if at > start => return Ok((n, at + 1)),
+            Some(&digit @ b'0'..=b'9') => {
+                n = n
+                    .checked_mul(10)
+                    .and_then(|n| n.checked_add(u64::from(digit - b'0')))
+                    .ok_or(MalformedTimestamp)?;
+            }
+            _ => return Err(MalformedTimestamp),
         }
-        n.checked_mul(10)
-            .and_then(|n| n.checked_add(u64::from(b - b'0')))
-            .ok_or(MalformedTimestamp)
-    })
+        at += 1;
+    }
 }
 
 impl fmt::Display for Hlc {
