@@ -124,7 +124,7 @@ impl fmt::Display for Report {
     }
 }
 
-/// How many lost messages a [`Report`] names.
+/// How many lost, and how many reordered, messages a [`Report`] names.
 const SAMPLE: usize = 8;
 
 /// Checks one subscriber's receptions against the publishers' records;

@@ -331,7 +331,20 @@ mod tests {
     /// back to them (Subscription Identifiers added on delivery included).
     #[test]
     fn an_answer_encodes_as_its_publish_properties_do() {
-        use crate::codec::{Protocol, encode_publish};
+        use crate::codec::{EncodeProperties, Protocol, encode_publish};
+        fn encode(m: &Direct, properties: &impl EncodeProperties) -> bytes::BytesMut {
+            let mut out = bytes::BytesMut::new();
+            encode_publish(
+                Protocol::V5,
+                &m.topic,
+                &m.payload,
+                1,
+                9,
+                properties,
+                &mut out,
+            );
+            out
+        }
         let to = ReplyTo {
             topic: RESPONSE.into(),
             correlation: Some(Bytes::from_static(b"corr")),
@@ -339,27 +352,9 @@ mod tests {
         };
         let mut r = response(to, b"+OK\r\n".to_vec(), "1:2:n".into());
         r.properties.set_subscription_identifiers(vec![7, 300]);
-        let (mut fixed, mut plain) = (bytes::BytesMut::new(), bytes::BytesMut::new());
-        encode_publish(
-            Protocol::V5,
-            &r.topic,
-            &r.payload,
-            1,
-            9,
-            &r.properties,
-            &mut fixed,
-        );
         let properties = published(&r);
-        encode_publish(
-            Protocol::V5,
-            &r.topic,
-            &r.payload,
-            1,
-            9,
-            &properties,
-            &mut plain,
-        );
-        assert_eq!(fixed, plain);
+        let mut fixed = encode(&r, &r.properties);
+        assert_eq!(fixed, encode(&r, &properties));
         match Protocol::V5.decode(&mut fixed, 1 << 20) {
             Ok(router::protocol::Packet::Publish(p, Some(decoded))) => {
                 assert_eq!(&p.payload[..], b"+OK\r\n");
@@ -375,25 +370,6 @@ mod tests {
             watchers: vec!["a".into()],
         };
         let (_, n) = notifications(&notice).next().unwrap();
-        let (mut fixed, mut plain) = (bytes::BytesMut::new(), bytes::BytesMut::new());
-        encode_publish(
-            Protocol::V5,
-            &n.topic,
-            &n.payload,
-            1,
-            3,
-            &n.properties,
-            &mut fixed,
-        );
-        encode_publish(
-            Protocol::V5,
-            &n.topic,
-            &n.payload,
-            1,
-            3,
-            &published(&n),
-            &mut plain,
-        );
-        assert_eq!(fixed, plain);
+        assert_eq!(encode(&n, &n.properties), encode(&n, &published(&n)));
     }
 }

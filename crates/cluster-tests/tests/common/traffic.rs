@@ -5,7 +5,7 @@
 //! does. What they record is checked with
 //! `statebroker_checker::delivery`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -176,9 +176,15 @@ pub async fn publisher(
         p.retain = spec.retain;
         v5::Packet::Publish(p)
     };
-    // Number -> (packet id, released: PUBREC came and PUBREL went).
+    // Number -> (packet id, released: PUBREC came and PUBREL went). At
+    // most `window` entries: a packet id's number is found by looking.
     let mut in_flight: BTreeMap<u64, (u16, bool)> = BTreeMap::new();
-    let mut numbers: HashMap<u16, u64> = HashMap::new();
+    let number_of = |in_flight: &BTreeMap<u64, (u16, bool)>, pkid: u16| {
+        in_flight
+            .iter()
+            .find(|(_, (p, _))| *p == pkid)
+            .map(|(&n, _)| n)
+    };
     let (mut conn, _) = Conn::open(&ports, spec.home, &spec.name, true).await;
     let mut next_send = Instant::now();
     let mut stopped_at: Option<Instant> = None;
@@ -194,7 +200,6 @@ pub async fn publisher(
             log.first_sent.push(Instant::now());
             log.published.sent += 1;
             in_flight.insert(n, (pkid, false));
-            numbers.insert(pkid, n);
             next_send = Instant::now() + spec.pause;
         }
         if stopping && (in_flight.is_empty() || stopped_at.unwrap().elapsed() > PATIENCE) {
@@ -212,7 +217,7 @@ pub async fn publisher(
         };
         match conn.next(wait).await {
             Next::Packet(v5::Packet::PubAck(ack)) => {
-                if let Some(n) = numbers.remove(&ack.pkid) {
+                if let Some(n) = number_of(&in_flight, ack.pkid) {
                     in_flight.remove(&n);
                     if matches!(
                         ack.reason,
@@ -226,7 +231,7 @@ pub async fn publisher(
                 }
             }
             Next::Packet(v5::Packet::PubRec(rec)) => {
-                let Some(&n) = numbers.get(&rec.pkid) else {
+                let Some(n) = number_of(&in_flight, rec.pkid) else {
                     continue;
                 };
                 let ok = matches!(
@@ -234,7 +239,6 @@ pub async fn publisher(
                     v5::PubRecReason::Success | v5::PubRecReason::NoMatchingSubscribers
                 );
                 if !ok {
-                    numbers.remove(&rec.pkid);
                     in_flight.remove(&n);
                     log.refused += 1;
                     eprintln!("{}: {n} refused: {:?}", spec.name, rec.reason);
@@ -249,10 +253,9 @@ pub async fn publisher(
                     .await;
             }
             Next::Packet(v5::Packet::PubComp(comp)) => {
-                if let Some(n) = numbers.get(&comp.pkid).copied()
-                    && in_flight.get(&n).is_some_and(|e| e.1)
+                if let Some(n) = number_of(&in_flight, comp.pkid)
+                    && in_flight[&n].1
                 {
-                    numbers.remove(&comp.pkid);
                     in_flight.remove(&n);
                 }
             }
@@ -268,24 +271,18 @@ pub async fn publisher(
                     conn.node,
                     in_flight.len()
                 );
-                let mut done = Vec::new();
-                for (&n, &(pkid, released)) in &in_flight {
-                    match (released, present) {
-                        (false, _) => {
-                            log.published.resent.push(n);
-                            conn.send(publish(n, pkid, true)).await
-                        }
-                        (true, true) => {
-                            conn.send(v5::Packet::PubRel(v5::PubRel::new(pkid, None)))
-                                .await
-                        }
-                        // Received by the broker, its session gone: done.
-                        (true, false) => done.push((n, pkid)),
-                    }
+                // Received by the broker, its session gone: done.
+                if !present {
+                    in_flight.retain(|_, (_, released)| !*released);
                 }
-                for (n, pkid) in done {
-                    in_flight.remove(&n);
-                    numbers.remove(&pkid);
+                for (&n, &(pkid, released)) in &in_flight {
+                    if released {
+                        conn.send(v5::Packet::PubRel(v5::PubRel::new(pkid, None)))
+                            .await;
+                    } else {
+                        log.published.resent.push(n);
+                        conn.send(publish(n, pkid, true)).await;
+                    }
                 }
             }
         }
@@ -336,12 +333,7 @@ pub async fn subscriber(
             match conn.next(Duration::from_millis(500)).await {
                 Next::Packet(v5::Packet::Publish(p)) => {
                     last = Instant::now();
-                    let topic = String::from_utf8_lossy(&p.topic);
-                    let publisher = topic.rsplit('/').next().unwrap_or_default().to_owned();
-                    let n: u64 = std::str::from_utf8(&p.payload)
-                        .ok()
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(u64::MAX);
+                    let (publisher, n) = numbered(&p);
                     let new = match p.qos {
                         QoS::AtMostOnce => true,
                         QoS::AtLeastOnce => {
@@ -394,6 +386,19 @@ pub async fn subscriber(
     })
 }
 
+/// A numbered message's publisher (the topic's last level) and number
+/// (the payload; `u64::MAX` if it is none, which the checker counts as
+/// never sent).
+fn numbered(p: &v5::Publish) -> (String, u64) {
+    let topic = String::from_utf8_lossy(&p.topic);
+    let publisher = topic.rsplit('/').next().unwrap_or_default().to_owned();
+    let n = std::str::from_utf8(&p.payload)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX);
+    (publisher, n)
+}
+
 /// The retained messages under `filter` node `port` serves, as
 /// (publisher, number): what a new subscriber receives until 1 s passes
 /// without one.
@@ -408,12 +413,7 @@ pub async fn retained(port: u16, client_id: &str, filter: &str) -> BTreeMap<Stri
                     raw.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
                         .await;
                 }
-                let topic = String::from_utf8_lossy(&p.topic);
-                let publisher = topic.rsplit('/').next().unwrap_or_default().to_owned();
-                let n = std::str::from_utf8(&p.payload)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(u64::MAX);
+                let (publisher, n) = numbered(&p);
                 got.insert(publisher, n);
             }
             Recv::Packet(_) => {}
