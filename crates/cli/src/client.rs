@@ -102,6 +102,11 @@ pub fn now_hlc(node: &str) -> String {
     format!("{ms:015}:{:05}:{node}", 0)
 }
 
+/// The largest packet the client takes in (its CONNECT's Maximum Packet
+/// Size): an answer carries a value, whose size the broker's
+/// `[state_store] max_value_size` bounds.
+pub const MAX_INCOMING_PACKET: u32 = 64 << 20;
+
 impl Client {
     /// Connects (clean start) and subscribes to its response topic.
     pub async fn connect(target: &Target) -> Result<Client, Failure> {
@@ -109,6 +114,9 @@ impl Client {
             MqttOptions::new(target.client_id.clone(), target.host.clone(), target.port);
         options.set_keep_alive(Duration::from_secs(30));
         options.set_clean_start(true);
+        // rumqttc takes in packets up to 10 KiB unless told: a value up to
+        // the store's limit (1 MiB by default, configurable) must fit.
+        options.set_max_packet_size(Some(MAX_INCOMING_PACKET));
         if let Some((user, password)) = &target.login {
             options.set_credentials(user.clone(), password.clone());
         }

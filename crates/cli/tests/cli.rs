@@ -456,6 +456,30 @@ async fn values_from_hex_a_file_or_stdin() {
     assert!(why.contains("at least 1"), "{why}");
 }
 
+/// A value of a megabyte goes in from a file and comes back whole (the
+/// client once took in no packet over 10 KiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_value_comes_back_whole() {
+    let broker = broker_with(|_| {}).await;
+    let addr = broker.local_addr();
+    let value: Vec<u8> = (0..1_000_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("value");
+    std::fs::write(&file, &value).unwrap();
+    let set = run(addr, &["set", "big", "--file", file.to_str().unwrap()]).await;
+    assert!(set.status.success(), "{set:?}");
+    let got = run(addr, &["get", "big"]).await;
+    assert!(
+        got.status.success(),
+        "{:?}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert_eq!(
+        got.stdout.strip_suffix(b"\n").unwrap_or(&got.stdout),
+        &value[..]
+    );
+}
+
 #[tokio::test]
 async fn completions_and_a_manual_page() {
     let completions = Command::new(env!("CARGO_BIN_EXE_statebroker-cli"))
