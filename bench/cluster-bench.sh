@@ -5,15 +5,22 @@
 # node with [clustering] cached_reads; raw etcd requests shaped like a
 # node's (etcd-txn-bench: the floor); then the single node (no etcd) with
 # the same load, all in the same run.
-#   bench/cluster-bench.sh [SECONDS]      (default 10 per workload)
+#   bench/cluster-bench.sh [SECONDS] [SET|GET ...]
+#       SECONDS per workload (default 10); the workloads (default both).
+#   NODE=path/to/statebroker-node: run that build of the node (to compare
+#   two builds side by side); the default is this tree's release build.
 # Needs etcd 3.4+ on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-10}"
+shift || true
+workloads=("${@:-SET GET}")
+# shellcheck disable=SC2206
+workloads=(${workloads[*]})
 cargo build --release -q -p statebroker-cluster-tests --bins
 txnbench=target/release/etcd-txn-bench
 cargo build --release -q --bin statebroker-bench
-node=target/release/statebroker-node
+node="${NODE:-target/release/statebroker-node}"
 bench=target/release/statebroker-bench
 dir="$(mktemp -d)"
 pids=()
@@ -50,7 +57,7 @@ STATEBROKER__CLUSTERING__CACHED_READS=true "$node" --listen "127.0.0.1:${mp[4]}"
     --cluster-node-id sb4 --etcd-endpoints "$endpoints" >"$dir/sb4.log" 2>&1 &
 pids+=($!)
 single=$(port)
-target/release/statebroker-node --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
+"$node" --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
 pids+=($!)
 for p in "${mp[@]}" "$single"; do
     timeout 30 bash -c "until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do sleep 0.2; done"
@@ -71,7 +78,7 @@ run() { # name what c: one line
     esac
     echo "$name $what c=$c: $line"
 }
-for what in SET GET; do
+for what in "${workloads[@]}"; do
     for c in 1 64; do
         for name in etcd cluster single; do run "$name" "$what" "$c"; done
         [ "$what" = GET ] && run cached GET "$c"

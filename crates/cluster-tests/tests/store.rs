@@ -224,6 +224,77 @@ async fn scan_pages_through_keys_written_on_every_node() {
     assert_eq!(seen, expected);
 }
 
+/// GETs waiting at the same time go to etcd as one request: each still
+/// gets its own key's value, large ones too (16 values of 600 KB in one
+/// answer pass gRPC's default 4 MiB decoding limit); SCAN lists keys
+/// whose values together pass it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_gets_each_get_their_own_key_and_scan_large_values() {
+    const KEYS: usize = 40;
+    const BIG: usize = 10;
+    const READERS: usize = 16;
+    let setup = Setup::start(1, 1);
+    let (port, http) = (setup.ports[0], setup.http[0]);
+    let value = |i: usize| {
+        if i < BIG {
+            format!("{i:06}").repeat(100_000)
+        } else {
+            format!("small-{i}")
+        }
+    };
+    let mut writer = client(port, "writer").await;
+    for i in 0..KEYS {
+        let set = ask(&mut writer, &["SET", &format!("key-{i}"), &value(i)]).await;
+        assert_eq!(text(&set), "+OK");
+    }
+    let before = metric(http, "statebroker_cluster_reads_total").unwrap_or(0.0);
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(READERS));
+    let readers: Vec<_> = (0..READERS)
+        .map(|r| {
+            let start = start.clone();
+            tokio::spawn(async move {
+                let mut c = client(port, &format!("reader-{r}")).await;
+                start.wait().await;
+                // The large values first, each reader from its own one.
+                let order = (0..BIG)
+                    .map(|j| (j + r) % BIG)
+                    .chain((BIG..KEYS).map(|j| BIG + (j + r) % (KEYS - BIG)));
+                for i in order {
+                    let got = ask(&mut c, &["GET", &format!("key-{i}")]).await;
+                    assert!(
+                        text(&got) == format!("${}", value(i)),
+                        "reader {r}, key-{i}: another value ({} bytes)",
+                        text(&got).len()
+                    );
+                }
+            })
+        })
+        .collect();
+    for reader in readers {
+        reader.await.expect("the reader got every value");
+    }
+    let reads = metric(http, "statebroker_cluster_reads_total").expect("counted") - before;
+    let requests = metric(http, "statebroker_cluster_read_requests_total").expect("counted");
+    // A read that fails is tried again and counted again: on one etcd
+    // member on loopback none does, unless a batch's answer is refused.
+    assert_eq!(
+        reads,
+        (READERS * KEYS) as f64,
+        "reads for {} GETs: some failed and were tried again",
+        READERS * KEYS
+    );
+    assert!(
+        requests < reads,
+        "{requests} etcd requests for {reads} reads: none went together"
+    );
+    let page = writer
+        .request(&[b"SCAN", b"key-*"], &[])
+        .await
+        .expect("SCAN");
+    let page = statestore::command::Page::decode(&encode(&page.reply)).expect("a page");
+    assert_eq!(page.keys.len(), KEYS, "{:?}", page.token);
+}
+
 fn encode(reply: &statestore::resp3::Reply) -> Vec<u8> {
     use statestore::resp3::Reply;
     let mut out = Vec::new();

@@ -343,14 +343,24 @@ impl Cluster {
         let budget = page_size.saturating_mul(16);
         let mut keys = Vec::new();
         let mut looked = 0usize;
+        // The page reads etcd in chunks of records an answer can hold, all
+        // at the first chunk's revision: one snapshot.
+        let mut revision = None;
         loop {
-            let limit = i64::try_from(budget - looked).unwrap_or(i64::MAX);
-            let mut client = self.client.clone();
-            let options = GetOptions::new().with_range(end.clone()).with_limit(limit);
-            let response = client
+            let chunk = (budget - looked).min(super::reads::MAX_KEYS);
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(chunk as i64);
+            if let Some(revision) = revision {
+                options = options.with_revision(revision);
+            }
+            let response = self
+                .kv
+                .clone()
                 .get(from.clone(), Some(options))
                 .await
                 .map_err(|e| Unanswered::Unreachable(e.to_string()))?;
+            revision = revision.or(response.header().map(|h| h.revision()));
             let mut last = None;
             let mut full = false;
             for kv in response.kvs() {
@@ -385,20 +395,18 @@ impl Cluster {
         }
     }
 
-    /// A linearizable read of `key`'s record. A read changes nothing, so
+    /// A linearizable read of `key`'s record (with the reads waiting at the
+    /// same time: [`super::reads`]). A read changes nothing, so
     /// one that fails is tried again (up to [`READ_ATTEMPTS`] times): after
     /// etcd members come back, the client's first request may go to one
     /// whose connection is not up yet.
     async fn read(&self, key: &[u8]) -> Result<Read, Unanswered> {
         let mut attempt = 0;
-        let response = loop {
+        let fetched = loop {
             attempt += 1;
-            let mut client = self.client.clone();
-            match client.get(self.key(key), None).await {
-                Ok(response) => break response,
-                Err(e) if attempt >= READ_ATTEMPTS => {
-                    return Err(Unanswered::Unreachable(e.to_string()));
-                }
+            match self.reads.read(self.key(key)).await {
+                Ok(fetched) => break fetched,
+                Err(e) if attempt >= READ_ATTEMPTS => return Err(Unanswered::Unreachable(e)),
                 Err(e) => {
                     tracing::debug!(error = %e, attempt, "clustering: a read failed; reading again");
                     tokio::time::sleep(std::time::Duration::from_millis(100 * attempt as u64))
@@ -406,9 +414,8 @@ impl Cluster {
                 }
             }
         };
-        let read = read_of(key, response.kvs().first());
-        let learned = response.header().map_or(0, |h| h.revision());
-        self.remember(key, read.clone(), learned);
+        let read = read_of(key, fetched.kv.as_ref());
+        self.remember(key, read.clone(), fetched.revision);
         Ok(read)
     }
 

@@ -6,7 +6,8 @@
 //! planned against (the `statestore::plan` seam) and plans again when
 //! another node got there first. There is no consensus code here.
 //!
-//! - [`kv`]: serving a key command and SCAN against etcd.
+//! - [`kv`]: serving a key command and SCAN against etcd; [`reads`]: its
+//!   linearizable reads, those waiting together sent as one.
 //! - [`watch`]: one etcd watch over every key, resumed by revision: the
 //!   changes any node makes, for this node's KEYNOTIFY watchers, and the
 //!   index of what expires.
@@ -42,6 +43,7 @@ pub mod membership;
 mod node;
 pub mod ownership;
 pub mod peers;
+mod reads;
 mod reaper;
 pub mod record;
 pub mod retained;
@@ -82,6 +84,11 @@ pub struct Cluster {
     stop: tokio::sync::watch::Sender<()>,
     /// A deliberately wrong mode, for the checker's test only.
     broken: kv::Broken,
+    /// For the keys' records: answers of up to [`reads::MAX_KEYS`] records
+    /// are decoded.
+    kv: etcd_client::KvClient,
+    /// Linearizable reads of keys, batched (see [`reads`]).
+    reads: reads::Reads,
     /// The last record known of each key (see [`kv::Cache`]).
     cache: Mutex<kv::Cache>,
     /// With `stale-reads`: the first record this node saw of each key.
@@ -139,8 +146,14 @@ impl Cluster {
                 "clustering: STATEBROKER_CLUSTER_BROKEN is set: this node answers WRONGLY on purpose (a test of the history checker)"
             );
         }
+        let kv = client
+            .kv_client()
+            .max_decoding_message_size(reads::decoding_limit(settings.max_request_bytes));
+        let reads = reads::Reads::start(kv.clone(), settings.max_request_bytes);
         Ok(Arc::new(Cluster {
             broken,
+            kv,
+            reads,
             seen: Mutex::new(std::collections::HashMap::new()),
             cache: Mutex::new(kv::Cache::new(settings.cache_bytes)),
             settings,

@@ -14,6 +14,12 @@ pub const CLUSTER_CONFLICTS: &str = "statebroker_cluster_write_conflicts_total";
 /// (`unreachable`: etcd did not answer; `in_doubt`: a write etcd could
 /// not confirm; `contended`: the key kept changing).
 pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_total";
+/// Clustering: linearizable reads of keys (GETs, and writes whose record
+/// had to be read again), and the etcd requests that served them (reads
+/// waiting together go as one request: see `cluster/reads.rs`).
+pub const CLUSTER_READS: &str = "statebroker_cluster_reads_total";
+/// Clustering: see [`CLUSTER_READS`].
+pub const CLUSTER_READ_REQUESTS: &str = "statebroker_cluster_read_requests_total";
 /// Clustering: records kept in the node's cache, and their bytes.
 pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 /// Clustering: see [`CLUSTER_CACHE_RECORDS`].
@@ -51,6 +57,14 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_REFUSED,
         "Clustering: state store requests refused for etcd's limits, by reason"
+    );
+    describe_counter!(
+        CLUSTER_READS,
+        "Clustering: linearizable reads of keys from etcd"
+    );
+    describe_counter!(
+        CLUSTER_READ_REQUESTS,
+        "Clustering: etcd requests that served the linearizable reads (reads waiting together go as one)"
     );
     describe_counter!(
         CLUSTER_CONFLICTS,
@@ -118,6 +132,13 @@ pub(super) fn describe() {
 /// Clustering: a request refused for etcd's limits.
 pub fn cluster_refused(reason: &'static str) {
     counter!(CLUSTER_REFUSED, "reason" => reason).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: one etcd request sent for `reads` linearizable reads.
+pub fn cluster_read_batch(reads: usize) {
+    counter!(CLUSTER_READ_REQUESTS).increment(1);
+    counter!(CLUSTER_READS).increment(reads as u64);
 }
 
 #[cfg(feature = "cluster")]
