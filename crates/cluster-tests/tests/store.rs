@@ -295,6 +295,75 @@ async fn concurrent_gets_each_get_their_own_key_and_scan_large_values() {
     assert_eq!(page.keys.len(), KEYS, "{:?}", page.token);
 }
 
+/// Writes waiting at the same time go to etcd as one transaction, all or
+/// nothing: when another node changed one of their keys first, that write
+/// plans again and the others are sent again. Clients on two nodes race
+/// `SET NX` on the same keys and overwrite three hot keys, between writes
+/// of keys of their own: each raced key has exactly one winner, whom both
+/// nodes then read, and every write of their own is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_on_two_nodes_each_commit_once() {
+    const RACED: usize = 20;
+    const RACERS: usize = 8;
+    let setup = Setup::start(1, 2);
+    let (ports, http) = (setup.ports.clone(), setup.http[0]);
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(RACERS * 2));
+    let mut tasks = Vec::new();
+    for r in 0..RACERS * 2 {
+        let start = start.clone();
+        let port = ports[r % 2];
+        tasks.push(tokio::spawn(async move {
+            let me = format!("racer-{r}");
+            let mut c = client(port, &me).await;
+            start.wait().await;
+            let mut won = Vec::new();
+            for i in 0..RACED {
+                // A key of its own in between: a write that must commit.
+                let own = ask(&mut c, &["SET", &format!("{me}-{i}"), "v"]).await;
+                assert_eq!(text(&own), "+OK");
+                // Keys both nodes keep changing: conflicts in batches.
+                let hot = ask(&mut c, &["SET", &format!("hot-{}", i % 3), &me]).await;
+                assert_eq!(text(&hot), "+OK");
+                let race = ask(&mut c, &["SET", &format!("raced-{i}"), &me, "NX"]).await;
+                match text(&race).as_str() {
+                    "+OK" => won.push(i),
+                    ":-1" => {}
+                    other => panic!("{me}, raced-{i}: {other}"),
+                }
+            }
+            (me, won)
+        }));
+    }
+    let mut winners = vec![Vec::new(); RACED];
+    for task in tasks {
+        let (me, won) = task.await.expect("every write answered");
+        for i in won {
+            winners[i].push(me.clone());
+        }
+    }
+    let mut readers = [
+        client(ports[0], "reader-0").await,
+        client(ports[1], "reader-1").await,
+    ];
+    for (i, won) in winners.iter().enumerate() {
+        assert_eq!(won.len(), 1, "raced-{i}: winners {won:?}");
+        for reader in &mut readers {
+            let got = ask(reader, &["GET", &format!("raced-{i}")]).await;
+            assert_eq!(text(&got), format!("${}", won[0]));
+        }
+        for r in 0..RACERS * 2 {
+            let own = ask(&mut readers[r % 2], &["GET", &format!("racer-{r}-{i}")]).await;
+            assert_eq!(text(&own), "$v");
+        }
+    }
+    let writes = metric(http, "statebroker_cluster_writes_total").expect("counted");
+    let requests = metric(http, "statebroker_cluster_write_requests_total").expect("counted");
+    assert!(
+        requests < writes,
+        "{requests} etcd requests for {writes} writes on node 1: none went together"
+    );
+}
+
 fn encode(reply: &statestore::resp3::Reply) -> Vec<u8> {
     use statestore::resp3::Reply;
     let mut out = Vec::new();

@@ -12,7 +12,8 @@
 //! and the write plans again against it. A write that would change nothing
 //! or be refused (`:-1`, `:0`, a fencing error) is only as current as its
 //! record, so from the cache it is read again linearizably and planned
-//! again before it is answered.
+//! again before it is answered. Reads and writes waiting at the same time
+//! go to etcd together ([`super::reads`], [`super::writes`]).
 //!
 //! **Answers etcd cannot confirm.** A transaction that times out may still
 //! commit. Every record carries the id of the request that wrote it, and
@@ -23,7 +24,7 @@
 //! gets **no answer**: the client times out, as it would if the network had
 //! lost the answer. A wrong answer is never sent.
 
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{GetOptions, Txn, TxnOp};
 use statestore::command::Scan;
 use statestore::db::Entry;
 use statestore::glob::Pattern;
@@ -35,6 +36,7 @@ use statestore::{Error, KeyAccess, Quota};
 
 use super::Cluster;
 use super::record::Record;
+use super::writes::Outcome;
 
 /// A node's hybrid logical clock (kept in its `statestore::Store`).
 pub trait NodeClock: Send + Sync {
@@ -419,55 +421,45 @@ impl Cluster {
         Ok(read)
     }
 
-    /// Puts `record` if the key is still at `revision`; otherwise returns
-    /// the key's current record (read in the same transaction). `Err`:
-    /// unknown.
+    /// Puts `record` if the key is still at `revision` (with the writes
+    /// waiting at the same time: [`super::writes`]); otherwise returns the
+    /// key's current record (read in the same transaction). `Err`: unknown.
     async fn compare_and_put(
         &self,
         key: &[u8],
         revision: i64,
         record: &Record,
-    ) -> Result<Committed, etcd_client::Error> {
-        let full = self.key(key);
-        let compare = match self.broken {
-            Broken::LostUpdate => {
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                vec![]
+    ) -> Result<Committed, String> {
+        let outcome = if self.broken == Broken::LostUpdate {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            let txn = Txn::new().and_then([TxnOp::put(self.key(key), record.encode(), None)]);
+            let response = self.kv.clone().txn(txn).await.map_err(|e| e.to_string())?;
+            Outcome::Committed {
+                revision: response.header().map_or(0, |h| h.revision()),
             }
-            _ => vec![Compare::mod_revision(
-                full.clone(),
-                CompareOp::Equal,
-                revision,
-            )],
+        } else {
+            self.writes
+                .compare_and_put(self.key(key), revision, record.encode())
+                .await?
         };
-        let txn = Txn::new()
-            .when(compare)
-            .and_then([TxnOp::put(full.clone(), record.encode(), None)])
-            .or_else([TxnOp::get(full, None)]);
-        let mut client = self.client.clone();
-        let response = client.txn(txn).await?;
-        let learned = response.header().map_or(0, |h| h.revision());
-        if response.succeeded() {
-            let read = Read {
-                record: Some(record.clone()),
+        match outcome {
+            Outcome::Committed { revision: learned } => {
+                let read = Read {
+                    record: Some(record.clone()),
+                    revision: learned,
+                };
+                self.remember(key, read, learned);
+                Ok(Committed::Yes)
+            }
+            Outcome::Changed {
+                kv,
                 revision: learned,
-            };
-            self.remember(key, read, learned);
-            return Ok(Committed::Yes);
+            } => {
+                let current = read_of(key, kv.as_ref());
+                self.remember(key, current.clone(), learned);
+                Ok(Committed::No(current))
+            }
         }
-        let current = response
-            .op_responses()
-            .into_iter()
-            .find_map(|op| match op {
-                etcd_client::TxnOpResponse::Get(get) => Some(read_of(key, get.kvs().first())),
-                _ => None,
-            })
-            .unwrap_or(Read {
-                record: None,
-                revision: 0,
-            });
-        self.remember(key, current.clone(), learned);
-        Ok(Committed::No(current))
     }
 
     /// The key's record as the watch (or this node's last read or write)

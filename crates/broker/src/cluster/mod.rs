@@ -6,8 +6,9 @@
 //! planned against (the `statestore::plan` seam) and plans again when
 //! another node got there first. There is no consensus code here.
 //!
-//! - [`kv`]: serving a key command and SCAN against etcd; [`reads`]: its
-//!   linearizable reads, those waiting together sent as one.
+//! - [`kv`]: serving a key command and SCAN against etcd; [`reads`] and
+//!   [`writes`]: its linearizable reads and its transactions, those
+//!   waiting together sent as one.
 //! - [`watch`]: one etcd watch over every key, resumed by revision: the
 //!   changes any node makes, for this node's KEYNOTIFY watchers, and the
 //!   index of what expires.
@@ -51,6 +52,7 @@ pub mod sessions;
 pub mod shares;
 pub mod watch;
 pub mod wills;
+mod writes;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -89,6 +91,8 @@ pub struct Cluster {
     kv: etcd_client::KvClient,
     /// Linearizable reads of keys, batched (see [`reads`]).
     reads: reads::Reads,
+    /// Writes of keys' records, batched (see [`writes`]).
+    writes: writes::Writes,
     /// The last record known of each key (see [`kv::Cache`]).
     cache: Mutex<kv::Cache>,
     /// With `stale-reads`: the first record this node saw of each key.
@@ -150,10 +154,12 @@ impl Cluster {
             .kv_client()
             .max_decoding_message_size(reads::decoding_limit(settings.max_request_bytes));
         let reads = reads::Reads::start(kv.clone(), settings.max_request_bytes);
+        let writes = writes::Writes::start(kv.clone(), settings.max_request_bytes);
         Ok(Arc::new(Cluster {
             broken,
             kv,
             reads,
+            writes,
             seen: Mutex::new(std::collections::HashMap::new()),
             cache: Mutex::new(kv::Cache::new(settings.cache_bytes)),
             settings,

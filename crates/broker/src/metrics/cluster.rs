@@ -20,6 +20,11 @@ pub const CLUSTER_UNANSWERED: &str = "statebroker_cluster_requests_unanswered_to
 pub const CLUSTER_READS: &str = "statebroker_cluster_reads_total";
 /// Clustering: see [`CLUSTER_READS`].
 pub const CLUSTER_READ_REQUESTS: &str = "statebroker_cluster_read_requests_total";
+/// Clustering: transactions of clients' writes (SET, DEL, VDEL; not the
+/// reaper's), and the etcd requests that carried them (writes waiting together go as one: see `cluster/writes.rs`).
+pub const CLUSTER_WRITES: &str = "statebroker_cluster_writes_total";
+/// Clustering: see [`CLUSTER_WRITES`].
+pub const CLUSTER_WRITE_REQUESTS: &str = "statebroker_cluster_write_requests_total";
 /// Clustering: records kept in the node's cache, and their bytes.
 pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 /// Clustering: see [`CLUSTER_CACHE_RECORDS`].
@@ -65,6 +70,14 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_READ_REQUESTS,
         "Clustering: etcd requests that served the linearizable reads (reads waiting together go as one)"
+    );
+    describe_counter!(
+        CLUSTER_WRITES,
+        "Clustering: write transactions of keys' records sent to etcd (a batch sent again counts again)"
+    );
+    describe_counter!(
+        CLUSTER_WRITE_REQUESTS,
+        "Clustering: etcd requests that carried the write transactions (writes waiting together go as one)"
     );
     describe_counter!(
         CLUSTER_CONFLICTS,
@@ -139,6 +152,13 @@ pub fn cluster_refused(reason: &'static str) {
 pub fn cluster_read_batch(reads: usize) {
     counter!(CLUSTER_READ_REQUESTS).increment(1);
     counter!(CLUSTER_READS).increment(reads as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: one etcd request sent for `writes` writes.
+pub fn cluster_write_batch(writes: usize) {
+    counter!(CLUSTER_WRITE_REQUESTS).increment(1);
+    counter!(CLUSTER_WRITES).increment(writes as u64);
 }
 
 #[cfg(feature = "cluster")]

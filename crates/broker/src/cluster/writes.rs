@@ -1,0 +1,257 @@
+//! A node's writes of keys' records, batched.
+//!
+//! A write commits with `If mod_revision(key) == m Then Put(record) Else
+//! Get(key)` (see [`super::kv`]). Sent one by one, 64 concurrent writes
+//! are 64 etcd transactions; here the writes that arrive while others are
+//! on their way go together as one: `If` every key's compare `Then` every
+//! put `Else` every get. Each write still commits only on the record it
+//! was planned against, and atomically: the transaction is all or
+//! nothing, at one point between its sending and its answer.
+//!
+//! When a compare fails, nothing is put: each key's current record comes
+//! back; the writes whose key moved get it (to plan again, as alone), and
+//! the others, whose compare held, are sent again at once, in a batch of
+//! their own, so each round ends at least one write and the rounds end.
+//! An error (a timeout: the transaction may have committed) is every
+//! write's, and each one finds out by reading, as alone.
+//!
+//! One task owns the queue and has one batch in etcd at a time (as
+//! [`super::reads`]); it ends when the [`Writes`] handle (the cluster) is
+//! dropped. A batch holds distinct keys, at most [`MAX_KEYS`] of them and
+//! records of at most etcd's request limit together.
+
+use std::collections::HashSet;
+
+use etcd_client::{Compare, CompareOp, KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
+use tokio::sync::{mpsc, oneshot};
+
+/// Keys in one batch: each is a compare, a put and a get (etcd's
+/// `--max-txn-ops`, 128 by default, bounds each of the three lists).
+pub(super) const MAX_KEYS: usize = 64;
+
+/// Bytes of a batch's request beyond its keys and records: etcd's framing
+/// of each operation and the request's header.
+const PER_KEY_FRAMING: usize = 64;
+const FRAMING: usize = 4096;
+
+/// What became of a write.
+pub(super) enum Outcome {
+    /// Its record was put, at etcd revision `revision`.
+    Committed { revision: i64 },
+    /// The key had changed: its current key-value (none: absent), as of
+    /// revision `revision`.
+    Changed { kv: Option<KeyValue>, revision: i64 },
+}
+
+/// A write waiting for its batch.
+struct Wanted {
+    /// The etcd key.
+    key: Vec<u8>,
+    /// The key's mod revision the record was planned against (0: absent).
+    revision: i64,
+    /// The encoded record.
+    record: Vec<u8>,
+    answer: oneshot::Sender<Result<Outcome, String>>,
+}
+
+impl Wanted {
+    fn bytes(&self) -> usize {
+        self.key.len() * 3 + self.record.len() + PER_KEY_FRAMING
+    }
+}
+
+/// The handle: writes go to the task through it.
+pub(super) struct Writes {
+    wanted: mpsc::UnboundedSender<Wanted>,
+}
+
+impl Writes {
+    /// Starts the task, writing through `kv`; `max_request_bytes` is etcd's
+    /// request limit. Must be called within a tokio runtime.
+    pub(super) fn start(kv: KvClient, max_request_bytes: usize) -> Writes {
+        // No bound of its own: every write belongs to a request the service
+        // counted against its bound (`MAX_QUEUED`).
+        let (wanted, queue) = mpsc::unbounded_channel();
+        tokio::spawn(run(kv, queue, max_request_bytes.saturating_sub(FRAMING)));
+        Writes { wanted }
+    }
+
+    /// Puts `record` at etcd key `key` if the key is still at `revision`.
+    /// `Err`: etcd did not confirm (it may have committed).
+    pub(super) async fn compare_and_put(
+        &self,
+        key: Vec<u8>,
+        revision: i64,
+        record: Vec<u8>,
+    ) -> Result<Outcome, String> {
+        let (answer, answered) = oneshot::channel();
+        self.wanted
+            .send(Wanted {
+                key,
+                revision,
+                record,
+                answer,
+            })
+            .map_err(|_| "the node is shutting down".to_owned())?;
+        answered
+            .await
+            .map_err(|_| "the node is shutting down".to_owned())?
+    }
+}
+
+/// Takes writes off the queue and commits them, one batch at a time, until
+/// the handle is dropped.
+async fn run(kv: KvClient, mut queue: mpsc::UnboundedReceiver<Wanted>, max_bytes: usize) {
+    let mut next: Option<Wanted> = None;
+    loop {
+        let first = match next.take() {
+            Some(wanted) => wanted,
+            None => match queue.recv().await {
+                Some(wanted) => wanted,
+                None => return,
+            },
+        };
+        let mut batch = Batch::default();
+        batch.add(first);
+        while let Ok(wanted) = queue.try_recv() {
+            if !batch.fits(&wanted, max_bytes) {
+                next = Some(wanted);
+                break;
+            }
+            batch.add(wanted);
+        }
+        // The writes that come meanwhile make the next batch.
+        while let Some(again) = batch.send(kv.clone()).await {
+            batch = again;
+        }
+    }
+}
+
+/// Writes going to etcd together.
+#[derive(Default)]
+struct Batch {
+    writes: Vec<Wanted>,
+    keys: HashSet<Vec<u8>>,
+    bytes: usize,
+}
+
+impl Batch {
+    /// Whether `wanted` can join: a key not in the batch yet (one write per
+    /// key), within the bounds. A batch always takes its first write.
+    fn fits(&self, wanted: &Wanted, max_bytes: usize) -> bool {
+        !self.keys.contains(&wanted.key)
+            && self.writes.len() < MAX_KEYS
+            && self.bytes + wanted.bytes() <= max_bytes
+    }
+
+    fn add(&mut self, wanted: Wanted) {
+        self.bytes += wanted.bytes();
+        self.keys.insert(wanted.key.clone());
+        self.writes.push(wanted);
+    }
+
+    /// Commits the batch and answers its writes; gives back the writes to
+    /// send again (their compare held, another one's did not).
+    async fn send(self, mut kv: KvClient) -> Option<Batch> {
+        crate::metrics::cluster_write_batch(self.writes.len());
+        let compares: Vec<Compare> = self
+            .writes
+            .iter()
+            .map(|w| Compare::mod_revision(w.key.clone(), CompareOp::Equal, w.revision))
+            .collect();
+        let puts: Vec<TxnOp> = self
+            .writes
+            .iter()
+            .map(|w| TxnOp::put(w.key.clone(), w.record.clone(), None))
+            .collect();
+        let gets: Vec<TxnOp> = self
+            .writes
+            .iter()
+            .map(|w| TxnOp::get(w.key.clone(), None))
+            .collect();
+        let txn = Txn::new().when(compares).and_then(puts).or_else(gets);
+        let response = match kv.txn(txn).await {
+            Ok(response) => response,
+            Err(e) => {
+                let e = e.to_string();
+                for write in self.writes {
+                    let _ = write.answer.send(Err(e.clone()));
+                }
+                return None;
+            }
+        };
+        let revision = response.header().map_or(0, |h| h.revision());
+        if response.succeeded() {
+            for write in self.writes {
+                let _ = write.answer.send(Ok(Outcome::Committed { revision }));
+            }
+            return None;
+        }
+        let current: Vec<Option<KeyValue>> = response
+            .op_responses()
+            .into_iter()
+            .filter_map(|op| match op {
+                TxnOpResponse::Get(mut get) => Some(get.take_kvs().into_iter().next()),
+                _ => None,
+            })
+            .collect();
+        if current.len() != self.writes.len() {
+            let e = format!(
+                "etcd answered {} reads of {} keys",
+                current.len(),
+                self.writes.len()
+            );
+            for write in self.writes {
+                let _ = write.answer.send(Err(e.clone()));
+            }
+            return None;
+        }
+        let held = |write: &Wanted, kv: &Option<KeyValue>| {
+            kv.as_ref().map_or(0, KeyValue::mod_revision) == write.revision
+        };
+        // Had every compare held (it cannot), each write would plan again.
+        let any_moved = self.writes.iter().zip(&current).any(|(w, kv)| !held(w, kv));
+        let mut again = Batch::default();
+        for (write, kv) in self.writes.into_iter().zip(current) {
+            if any_moved && held(&write, &kv) {
+                again.add(write);
+            } else {
+                let _ = write.answer.send(Ok(Outcome::Changed { kv, revision }));
+            }
+        }
+        (!again.writes.is_empty()).then_some(again)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wanted(key: &str, record: usize) -> Wanted {
+        let (answer, _) = oneshot::channel();
+        Wanted {
+            key: key.as_bytes().to_vec(),
+            revision: 0,
+            record: vec![0; record],
+            answer,
+        }
+    }
+
+    #[test]
+    fn a_batch_takes_one_write_per_key_within_its_bounds() {
+        let mut batch = Batch::default();
+        batch.add(wanted("a", 10));
+        assert!(!batch.fits(&wanted("a", 10), usize::MAX), "a key twice");
+        assert!(batch.fits(&wanted("b", 10), usize::MAX));
+        let size = wanted("b", 10).bytes();
+        assert!(
+            !batch.fits(&wanted("b", 10), batch.bytes + size - 1),
+            "bytes"
+        );
+        assert!(batch.fits(&wanted("b", 10), batch.bytes + size));
+        for n in 1..MAX_KEYS {
+            batch.add(wanted(&format!("k{n}"), 1));
+        }
+        assert!(!batch.fits(&wanted("z", 1), usize::MAX), "past MAX_KEYS");
+    }
+}
