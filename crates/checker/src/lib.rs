@@ -1,4 +1,5 @@
-//! A history checker for the state store, clustered or not, and a check of
+//! A history checker for the state store, clustered or not, a check of
+//! KEYNOTIFY notifications against it ([`notifications`]), and a check of
 //! MQTT deliveries under faults ([`delivery`]).
 //!
 //! Clients record the invoke and the return of each state store operation
@@ -76,6 +77,7 @@ pub mod delivery;
 pub mod history;
 pub mod linearizability;
 mod model;
+pub mod notifications;
 pub mod versions;
 
 use std::fmt;

@@ -67,8 +67,12 @@ pub async fn run(
     seed: u64,
     recorder: Arc<Recorder>,
 ) -> Arc<Tally> {
-    let keys: Vec<String> = (0..keys).map(|k| format!("k{k}")).collect();
-    run_on(ports, per_node, &keys, duration, seed, recorder).await
+    run_on(ports, per_node, &key_names(keys), duration, seed, recorder).await
+}
+
+/// The keys [`run`] uses: `k0`, `k1`, ...
+pub fn key_names(keys: usize) -> Vec<String> {
+    (0..keys).map(|k| format!("k{k}")).collect()
 }
 
 /// [`run`] over the keys named (none of which may exist yet: the checker
