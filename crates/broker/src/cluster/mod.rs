@@ -8,7 +8,7 @@
 //!
 //! - [`kv`]: serving a key command and SCAN against etcd; [`reads`] and
 //!   [`writes`]: its linearizable reads and its transactions, those
-//!   waiting together sent as one.
+//!   waiting together sent as one ([`batches`]).
 //! - [`watch`]: one etcd watch over every key, resumed by revision: the
 //!   changes any node makes, for this node's KEYNOTIFY watchers, and the
 //!   index of what expires.
@@ -37,6 +37,7 @@
 //! its own `statestore::Store`, which also holds the node's hybrid logical
 //! clock.
 
+mod batches;
 mod confirmations;
 mod handover;
 pub mod kv;

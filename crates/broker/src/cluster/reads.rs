@@ -13,14 +13,10 @@
 //! inside its own call. The answers are what a read of each key alone
 //! could have returned.
 //!
-//! One task owns the queue; it ends when the [`Reads`] handle (the
-//! cluster) is dropped. One batch is in etcd at a time: a read at low load
-//! goes out at once, and at high load the reads that come while a batch is
-//! out make the next one (etcd's own read index works the same way). With
-//! two, four or eight batches in flight, 64 connections got 20%, 40% and
-//! 45% fewer GETs per second on a machine that etcd and the nodes share
-//! (`bench/cluster-bench.sh`), more etcd requests doing the same work. A
-//! batch holds at most [`MAX_KEYS`] keys and
+//! One task owns the queue ([`batches::run`]); it ends when the [`Reads`]
+//! handle (the cluster) is dropped. A read at low load goes out at once,
+//! and at high load the reads that come while a batch is out make the next
+//! one (etcd's own read index works the same way). A batch holds at most [`MAX_KEYS`] keys and
 //! half etcd's request limit in key bytes; its answer can take up to
 //! [`MAX_KEYS`] records of etcd's request limit each, which the cluster's
 //! key-value client is allowed to decode ([`decoding_limit`]).
@@ -29,6 +25,8 @@ use std::collections::HashMap;
 
 use etcd_client::{KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
+
+use super::batches;
 
 /// Keys in one batch (etcd's `--max-txn-ops` is 128 by default).
 pub(super) const MAX_KEYS: usize = 64;
@@ -60,7 +58,11 @@ impl Reads {
         // The queue needs no bound of its own: every read belongs to a
         // request the service counted against its bound (`MAX_QUEUED`).
         let (wanted, queue) = mpsc::unbounded_channel();
-        tokio::spawn(run(kv, queue, max_request_bytes / 2));
+        let max_key_bytes = max_request_bytes / 2;
+        tokio::spawn(batches::run(kv, queue, move || Batch {
+            max_key_bytes,
+            ..Batch::default()
+        }));
         Reads { wanted }
     }
 
@@ -85,35 +87,11 @@ pub(super) fn decoding_limit(max_request_bytes: usize) -> usize {
         .saturating_add(1 << 20)
 }
 
-/// Takes reads off the queue and sends them to etcd, one batch at a time,
-/// until the handle is dropped.
-async fn run(kv: KvClient, mut queue: mpsc::UnboundedReceiver<Wanted>, max_key_bytes: usize) {
-    let mut next: Option<Wanted> = None;
-    loop {
-        let first = match next.take() {
-            Some(wanted) => wanted,
-            None => match queue.recv().await {
-                Some(wanted) => wanted,
-                None => return,
-            },
-        };
-        let mut batch = Batch::default();
-        batch.add(first);
-        while let Ok(wanted) = queue.try_recv() {
-            if !batch.fits(&wanted.key, max_key_bytes) {
-                next = Some(wanted);
-                break;
-            }
-            batch.add(wanted);
-        }
-        // The reads that come meanwhile make the next batch.
-        batch.send(kv.clone()).await;
-    }
-}
-
 /// Reads going to etcd together: the distinct keys, and who waits for each.
 #[derive(Default)]
 struct Batch {
+    /// The bound of the keys' bytes together.
+    max_key_bytes: usize,
     keys: Vec<Vec<u8>>,
     /// The key's place in `keys`.
     places: HashMap<Vec<u8>, usize>,
@@ -121,11 +99,14 @@ struct Batch {
     waiting: Vec<(usize, oneshot::Sender<Result<Fetched, String>>)>,
 }
 
-impl Batch {
-    /// Whether `key` can join (a key already in the batch always can).
-    fn fits(&self, key: &[u8], max_key_bytes: usize) -> bool {
-        self.places.contains_key(key)
-            || (self.keys.len() < MAX_KEYS && self.key_bytes + key.len() <= max_key_bytes)
+impl batches::Batch for Batch {
+    type Item = Wanted;
+
+    /// A key already in the batch always joins.
+    fn fits(&self, wanted: &Wanted) -> bool {
+        self.places.contains_key(&wanted.key)
+            || (self.keys.len() < MAX_KEYS
+                && self.key_bytes + wanted.key.len() <= self.max_key_bytes)
     }
 
     fn add(&mut self, wanted: Wanted) {
@@ -199,6 +180,7 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
+    use super::batches::Batch as _;
     use super::*;
 
     fn wanted(key: &str) -> (Wanted, oneshot::Receiver<Result<Fetched, String>>) {
@@ -214,11 +196,14 @@ mod tests {
 
     #[test]
     fn a_batch_reads_each_key_once_and_answers_everyone() {
-        let mut batch = Batch::default();
+        let mut batch = Batch {
+            max_key_bytes: 1000,
+            ..Batch::default()
+        };
         let mut receivers = Vec::new();
         for key in ["a", "b", "a", "c", "b"] {
             let (w, r) = wanted(key);
-            assert!(batch.fits(&w.key, 1000));
+            assert!(batch.fits(&w));
             batch.add(w);
             receivers.push(r);
         }
@@ -230,22 +215,29 @@ mod tests {
 
     #[test]
     fn a_batch_keeps_to_its_keys_and_bytes() {
-        let mut batch = Batch::default();
+        let mut batch = Batch {
+            max_key_bytes: usize::MAX,
+            ..Batch::default()
+        };
         for n in 0..MAX_KEYS {
             let (w, _) = wanted(&format!("k{n:03}"));
-            assert!(batch.fits(&w.key, usize::MAX));
+            assert!(batch.fits(&w));
             batch.add(w);
         }
         let (more, _) = wanted("another");
-        assert!(!batch.fits(&more.key, usize::MAX), "past MAX_KEYS");
+        assert!(!batch.fits(&more), "past MAX_KEYS");
         let (again, _) = wanted("k000");
-        assert!(batch.fits(&again.key, usize::MAX), "a key already in");
+        assert!(batch.fits(&again), "a key already in");
 
-        let mut small = Batch::default();
+        let mut small = Batch {
+            max_key_bytes: 20,
+            ..Batch::default()
+        };
         let (w, _) = wanted("0123456789");
         small.add(w);
         let (w, _) = wanted("abcdefghij");
-        assert!(small.fits(&w.key, 20));
-        assert!(!small.fits(&w.key, 19), "past the key bytes");
+        assert!(small.fits(&w));
+        small.max_key_bytes = 19;
+        assert!(!small.fits(&w), "past the key bytes");
     }
 }

@@ -15,15 +15,16 @@
 //! An error (a timeout: the transaction may have committed) is every
 //! write's, and each one finds out by reading, as alone.
 //!
-//! One task owns the queue and has one batch in etcd at a time (as
-//! [`super::reads`]); it ends when the [`Writes`] handle (the cluster) is
-//! dropped. A batch holds distinct keys, at most [`MAX_KEYS`] of them and
+//! One task owns the queue ([`batches::run`], as [`super::reads`]); it
+//! ends when the [`Writes`] handle (the cluster) is dropped. A batch holds distinct keys, at most [`MAX_KEYS`] of them and
 //! records of at most etcd's request limit together.
 
 use std::collections::HashSet;
 
 use etcd_client::{Compare, CompareOp, KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
+
+use super::batches::{self, Batch as _};
 
 /// Keys in one batch: each is a compare, a put and a get (etcd's
 /// `--max-txn-ops`, 128 by default, bounds each of the three lists).
@@ -72,7 +73,11 @@ impl Writes {
         // No bound of its own: every write belongs to a request the service
         // counted against its bound (`MAX_QUEUED`).
         let (wanted, queue) = mpsc::unbounded_channel();
-        tokio::spawn(run(kv, queue, max_request_bytes.saturating_sub(FRAMING)));
+        let max_bytes = max_request_bytes.saturating_sub(FRAMING);
+        tokio::spawn(batches::run(kv, queue, move || Batch {
+            max_bytes,
+            ..Batch::default()
+        }));
         Writes { wanted }
     }
 
@@ -99,49 +104,24 @@ impl Writes {
     }
 }
 
-/// Takes writes off the queue and commits them, one batch at a time, until
-/// the handle is dropped.
-async fn run(kv: KvClient, mut queue: mpsc::UnboundedReceiver<Wanted>, max_bytes: usize) {
-    let mut next: Option<Wanted> = None;
-    loop {
-        let first = match next.take() {
-            Some(wanted) => wanted,
-            None => match queue.recv().await {
-                Some(wanted) => wanted,
-                None => return,
-            },
-        };
-        let mut batch = Batch::default();
-        batch.add(first);
-        while let Ok(wanted) = queue.try_recv() {
-            if !batch.fits(&wanted, max_bytes) {
-                next = Some(wanted);
-                break;
-            }
-            batch.add(wanted);
-        }
-        // The writes that come meanwhile make the next batch.
-        while let Some(again) = batch.send(kv.clone()).await {
-            batch = again;
-        }
-    }
-}
-
 /// Writes going to etcd together.
 #[derive(Default)]
 struct Batch {
+    /// The bound of the request's bytes.
+    max_bytes: usize,
     writes: Vec<Wanted>,
     keys: HashSet<Vec<u8>>,
     bytes: usize,
 }
 
-impl Batch {
-    /// Whether `wanted` can join: a key not in the batch yet (one write per
-    /// key), within the bounds. A batch always takes its first write.
-    fn fits(&self, wanted: &Wanted, max_bytes: usize) -> bool {
+impl batches::Batch for Batch {
+    type Item = Wanted;
+
+    /// A key not in the batch yet (one write per key), within the bounds.
+    fn fits(&self, wanted: &Wanted) -> bool {
         !self.keys.contains(&wanted.key)
             && self.writes.len() < MAX_KEYS
-            && self.bytes + wanted.bytes() <= max_bytes
+            && self.bytes + wanted.bytes() <= self.max_bytes
     }
 
     fn add(&mut self, wanted: Wanted) {
@@ -150,9 +130,20 @@ impl Batch {
         self.writes.push(wanted);
     }
 
+    /// Commits the batch, and again the writes whose compare held while
+    /// another one's did not, until every write is answered.
+    async fn send(self, kv: KvClient) {
+        let mut batch = self;
+        while let Some(again) = batch.commit(kv.clone()).await {
+            batch = again;
+        }
+    }
+}
+
+impl Batch {
     /// Commits the batch and answers its writes; gives back the writes to
     /// send again (their compare held, another one's did not).
-    async fn send(self, mut kv: KvClient) -> Option<Batch> {
+    async fn commit(self, mut kv: KvClient) -> Option<Batch> {
         crate::metrics::cluster_write_batch(self.writes.len());
         let compares: Vec<Compare> = self
             .writes
@@ -211,7 +202,10 @@ impl Batch {
         };
         // Had every compare held (it cannot), each write would plan again.
         let any_moved = self.writes.iter().zip(&current).any(|(w, kv)| !held(w, kv));
-        let mut again = Batch::default();
+        let mut again = Batch {
+            max_bytes: self.max_bytes,
+            ..Batch::default()
+        };
         for (write, kv) in self.writes.into_iter().zip(current) {
             if any_moved && held(&write, &kv) {
                 again.add(write);
@@ -239,19 +233,22 @@ mod tests {
 
     #[test]
     fn a_batch_takes_one_write_per_key_within_its_bounds() {
-        let mut batch = Batch::default();
+        let mut batch = Batch {
+            max_bytes: usize::MAX,
+            ..Batch::default()
+        };
         batch.add(wanted("a", 10));
-        assert!(!batch.fits(&wanted("a", 10), usize::MAX), "a key twice");
-        assert!(batch.fits(&wanted("b", 10), usize::MAX));
+        assert!(!batch.fits(&wanted("a", 10)), "a key twice");
+        assert!(batch.fits(&wanted("b", 10)));
         let size = wanted("b", 10).bytes();
-        assert!(
-            !batch.fits(&wanted("b", 10), batch.bytes + size - 1),
-            "bytes"
-        );
-        assert!(batch.fits(&wanted("b", 10), batch.bytes + size));
+        batch.max_bytes = batch.bytes + size - 1;
+        assert!(!batch.fits(&wanted("b", 10)), "bytes");
+        batch.max_bytes = batch.bytes + size;
+        assert!(batch.fits(&wanted("b", 10)));
+        batch.max_bytes = usize::MAX;
         for n in 1..MAX_KEYS {
             batch.add(wanted(&format!("k{n}"), 1));
         }
-        assert!(!batch.fits(&wanted("z", 1), usize::MAX), "past MAX_KEYS");
+        assert!(!batch.fits(&wanted("z", 1)), "past MAX_KEYS");
     }
 }
