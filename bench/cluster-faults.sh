@@ -35,5 +35,5 @@ for seed in "${seeds[@]}"; do
     STATEBROKER_SEED=$seed STATEBROKER_FAULT_RUN=long \
         cargo test --release -p statebroker-cluster-tests --test linearizable \
         a_workload_under_node_and_etcd_leader_kills_is_linearizable -- --nocapture \
-        | grep -E "seed|operations|watcher|killed|paused|resumed|restarted|test result|panicked|violation"
+        | grep -E "seed|operations|without any answer|watcher|fenced|killed|paused|resumed|restarted|test result|panicked|violation"
 done

@@ -106,6 +106,11 @@ async fn a_workload_under_node_and_etcd_leader_kills_is_linearizable() {
         tally.longest_gap(),
         started.elapsed(),
     );
+    println!(
+        "times without any answer over {:?}: {}",
+        workload::STALL,
+        tally.stalls().join("; ")
+    );
     assert!(
         events.iter().all(|e| e.outcome.is_ok()),
         "every fault was applied"
@@ -115,6 +120,19 @@ async fn a_workload_under_node_and_etcd_leader_kills_is_linearizable() {
         "the workload made progress"
     );
     assert!(report.is_valid(), "seed {seed}: {report}");
+    let fenced = |ok: bool| {
+        history
+            .ops()
+            .iter()
+            .filter(|o| o.op.fencing_token().is_some())
+            .filter(|o| o.answer().is_some_and(|a| a.is_ok() == ok))
+            .count()
+    };
+    println!(
+        "fenced SETs: {} accepted, {} refused (a later token protected the key)",
+        fenced(true),
+        fenced(false)
+    );
     let notified = statebroker_checker::notifications::check(&history, &keys, &received);
     println!("watcher on the node never faulted: {notified}");
     match watcher_lost {

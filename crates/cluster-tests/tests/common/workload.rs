@@ -1,6 +1,6 @@
 //! A recorded workload against several nodes: processes (one client
 //! connection each) send random SET / SET NX / SET NEX / GET / DEL / VDEL
-//! on a few keys and record each operation's invoke and return
+//! on a few keys, and SETs with a fencing token on a fenced one, and record each operation's invoke and return
 //! (`statebroker_checker::Recorder`). A request without an answer within
 //! [`TIMEOUT`] is recorded `info` (it may or may not have taken effect) and
 //! its process goes on under a new id on the next node, as Jepsen's do.
@@ -29,7 +29,14 @@ pub struct Tally {
     /// The longest time without any answer, microseconds: how long the
     /// worst fault stalled every client.
     pub longest_gap_us: AtomicU64,
+    /// Every time without any answer longer than [`STALL`]: when it ended
+    /// (after `start`, to tell which fault it followed; approximate when
+    /// answers race) and how long it was.
+    stalls: parking_lot::Mutex<Vec<(Duration, Duration)>>,
 }
+
+/// A time without any answer this long is listed in [`Tally::stalls`].
+pub const STALL: Duration = Duration::from_secs(1);
 
 impl Tally {
     fn new() -> Tally {
@@ -40,6 +47,7 @@ impl Tally {
             start: Instant::now(),
             last_answer_us: AtomicU64::new(0),
             longest_gap_us: AtomicU64::new(0),
+            stalls: parking_lot::Mutex::new(Vec::new()),
         }
     }
 
@@ -47,8 +55,30 @@ impl Tally {
         self.ok.fetch_add(1, Ordering::Relaxed);
         let now = self.start.elapsed().as_micros() as u64;
         let last = self.last_answer_us.fetch_max(now, Ordering::Relaxed);
-        self.longest_gap_us
-            .fetch_max(now.saturating_sub(last), Ordering::Relaxed);
+        let gap = now.saturating_sub(last);
+        self.longest_gap_us.fetch_max(gap, Ordering::Relaxed);
+        if gap >= STALL.as_micros() as u64 {
+            self.stalls
+                .lock()
+                .push((Duration::from_micros(now), Duration::from_micros(gap)));
+        }
+    }
+
+    /// The times without any answer longer than [`STALL`], as `"4.46 s
+    /// ending at 49.5 s"`, in the order they ended.
+    pub fn stalls(&self) -> Vec<String> {
+        let mut stalls = self.stalls.lock().clone();
+        stalls.sort();
+        stalls
+            .iter()
+            .map(|(end, gap)| {
+                format!(
+                    "{:.2} s ending at {:.1} s",
+                    gap.as_secs_f64(),
+                    end.as_secs_f64()
+                )
+            })
+            .collect()
     }
 
     /// The longest stall.
@@ -58,7 +88,8 @@ impl Tally {
 }
 
 /// Runs `per_node` processes on each of `ports` for `duration` over
-/// `keys` keys (`k0`, `k1`, ...); `seed` picks the operations.
+/// `keys` keys (`k0`, `k1`, ...) and one fenced key; `seed` picks the
+/// operations.
 pub async fn run(
     ports: &[u16],
     per_node: usize,
@@ -67,8 +98,13 @@ pub async fn run(
     seed: u64,
     recorder: Arc<Recorder>,
 ) -> Arc<Tally> {
-    run_on(ports, per_node, &key_names(keys), duration, seed, recorder).await
+    let mut names = key_names(keys);
+    names.push(format!("{FENCED}0"));
+    run_on(ports, per_node, &names, duration, seed, recorder).await
 }
+
+/// Keys written only with a fencing token (`__ft`); [`run`] adds one.
+pub const FENCED: &str = "fenced-";
 
 /// The keys [`run`] uses: `k0`, `k1`, ...
 pub fn key_names(keys: usize) -> Vec<String> {
@@ -128,6 +164,10 @@ async fn process(
     next_process: Arc<AtomicU64>,
 ) {
     let mut seq = 0u64;
+    // The version of this process's last acknowledged SET: the fencing
+    // token it sends (`__ft`) on fenced keys, as a lock holder sends the
+    // version of its lock's SET. Others' later SETs make it stale.
+    let mut token: Option<String> = None;
     'process: while Instant::now() < deadline {
         let id = next_process.fetch_add(1, Ordering::Relaxed);
         let client_id = format!("p{id}");
@@ -149,13 +189,23 @@ async fn process(
             seq += 1;
             let key = keys[rng.usize(..keys.len())].clone();
             let value = format!("p{id}-{seq}");
-            let op = pick(&mut rng, key, value);
+            let op = pick(&mut rng, key, value, token.as_ref());
             let args = args_of(&op);
+            let extra: Vec<(&str, String)> = op
+                .fencing_token()
+                .map(|ft| ("__ft", ft.to_owned()))
+                .into_iter()
+                .collect();
+            let is_set = matches!(op, Op::Set { .. });
             let invoke = recorder.invoke(id, op);
             let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-            match tokio::time::timeout(TIMEOUT, client.request(&args, &[])).await {
+            match tokio::time::timeout(TIMEOUT, client.request(&args, &extra)).await {
                 Ok(Ok(answer)) => {
-                    recorder.ok(invoke, answer_of(&answer.reply), answer.version);
+                    let answered = answer_of(&answer.reply);
+                    if is_set && answered.is_ok() {
+                        token = answer.version.clone().or(token);
+                    }
+                    recorder.ok(invoke, answered, answer.version);
                     tally.answered();
                 }
                 _ => {
@@ -188,21 +238,29 @@ async fn connect(port: u16, client_id: &str) -> Option<Client> {
         .ok()
 }
 
-/// SET 30 %, NX 10 %, NEX 10 %, GET 25 %, DEL 10 %, VDEL 15 % (of a value
-/// some process may have written).
-fn pick(rng: &mut fastrand::Rng, key: String, value: String) -> Op {
+/// On a fenced key: SET with the fencing token `token` 70 % (refused once
+/// a later token protects the key), GET otherwise. On the others: SET 30 %,
+/// NX 10 %, NEX 10 %, GET 25 %, DEL 10 %, VDEL 15 % (of a value some
+/// process may have written).
+fn pick(rng: &mut fastrand::Rng, key: String, value: String, token: Option<&String>) -> Op {
     let roll = rng.u32(..100);
-    let set = |condition| Op::Set {
+    let set = |condition, ft: Option<&String>| Op::Set {
         key: key.clone(),
         value: value.clone(),
         condition,
         px: None,
-        ft: None,
+        ft: ft.cloned(),
     };
+    if key.starts_with(FENCED) {
+        return match token {
+            Some(token) if roll < 70 => set(None, Some(token)),
+            _ => Op::get(key.clone()),
+        };
+    }
     match roll {
-        0..30 => set(None),
-        30..40 => set(Some(Condition::Nx)),
-        40..50 => set(Some(Condition::Nex)),
+        0..30 => set(None, None),
+        30..40 => set(Some(Condition::Nx), None),
+        40..50 => set(Some(Condition::Nex), None),
         50..75 => Op::get(key.clone()),
         75..85 => Op::del(key.clone()),
         _ => Op::vdel(key.clone(), value),
