@@ -9,8 +9,11 @@
 #   bench/cluster-faults.sh mqtt [ROUNDS]     MQTT: numbered QoS 1/2 and
 #       retained publishers and persistent QoS 2 subscribers on every node
 #       (tests/mqtt_faults.rs), ROUNDS times (default 5), deliveries checked.
-# STATEBROKER_ETCD_ELECTION_MS=1000 runs etcd with its own default election
-# timeout instead of the harness's 2,500 ms (a leader kill stalls about that).
+# The store's runs start etcd with its own default election timeout, 1,000
+# ms (STATEBROKER_ETCD_ELECTION_MS=2500 for the harness's default, which
+# keeps a loaded CI machine from spurious elections); a leader kill stalls
+# requests about that long, and each run prints etcd's election time and
+# when answers came again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p statebroker-cluster-tests --tests --bins
@@ -33,7 +36,8 @@ seeds=("$@")
 for seed in "${seeds[@]}"; do
     echo "== seed $seed"
     STATEBROKER_SEED=$seed STATEBROKER_FAULT_RUN=long \
+        STATEBROKER_ETCD_ELECTION_MS="${STATEBROKER_ETCD_ELECTION_MS:-1000}" \
         cargo test --release -p statebroker-cluster-tests --test linearizable \
         a_workload_under_node_and_etcd_leader_kills_is_linearizable -- --nocapture \
-        | grep -E "seed|operations|without any answer|watcher|fenced|killed|paused|resumed|restarted|test result|panicked|violation"
+        | grep -E "seed|operations|without any answer|new leader|no election|watcher|fenced|killed|paused|resumed|restarted|test result|panicked|violation"
 done

@@ -318,6 +318,26 @@ impl EtcdCluster {
         &self.members[i].log
     }
 
+    /// When a member became etcd's leader, every time in every member's
+    /// log, in order (read from the logs' `ts`, the wall clock's time to
+    /// the millisecond): to tell how long an election took after a fault.
+    pub fn elections(&self) -> Vec<SystemTime> {
+        let mut at: Vec<SystemTime> = self
+            .members
+            .iter()
+            .filter_map(|m| std::fs::read_to_string(&m.log).ok())
+            .flat_map(|log| {
+                log.lines()
+                    .filter(|l| l.contains("became leader at term"))
+                    .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                    .filter_map(|v| v.get("ts")?.as_str().and_then(parse_ts))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        at.sort();
+        at
+    }
+
     /// The last 40 lines of member `i`'s log.
     pub fn log_tail(&self, i: usize) -> String {
         tail_file(&self.members[i].log, 40)
@@ -672,5 +692,47 @@ mod tests {
         assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
         assert_eq!(base64_decode("aGVsbG8h").unwrap(), b"hello!");
         assert!(base64_decode("a-b").is_err());
+    }
+}
+
+/// A zap log's `ts`, `2026-11-27T23:29:07.987Z` (UTC).
+fn parse_ts(ts: &str) -> Option<SystemTime> {
+    let (date, time) = ts.strip_suffix('Z')?.split_once('T')?;
+    let mut ymd = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (y, m, d) = (ymd.next()??, ymd.next()??, ymd.next()??);
+    let mut hms = time.splitn(3, ':');
+    let (h, min) = (
+        hms.next()?.parse::<i64>().ok()?,
+        hms.next()?.parse::<i64>().ok()?,
+    );
+    let seconds: f64 = hms.next()?.parse().ok()?;
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+    // days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let whole = u64::try_from(days * 86_400 + h * 3_600 + min * 60).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(whole) + Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod ts_tests {
+    use super::*;
+
+    #[test]
+    fn a_zap_timestamp_is_read_to_the_millisecond() {
+        let at = parse_ts("2026-11-27T23:29:07.987Z").unwrap();
+        let since = at.duration_since(SystemTime::UNIX_EPOCH).unwrap();
+        // date -u -d 2026-11-27T23:29:07Z +%s
+        assert_eq!(since.as_secs(), 1_795_822_147);
+        assert_eq!(since.subsec_millis(), 987);
+        assert_eq!(
+            parse_ts("1970-01-01T00:00:00.000Z"),
+            Some(SystemTime::UNIX_EPOCH)
+        );
+        assert_eq!(parse_ts("not a time"), None);
     }
 }

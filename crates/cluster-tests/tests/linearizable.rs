@@ -10,7 +10,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
 use statebroker_checker::Recorder;
@@ -60,9 +60,21 @@ async fn a_workload_under_node_and_etcd_leader_kills_is_linearizable() {
     }
     let mut notes = watcher.notifications().expect("notifications");
     let nemesis = Nemesis::new(schedule).start(Arc::clone(&cluster));
+    let started_at = nemesis.started_at();
     let recorder = Arc::new(Recorder::new());
     let tally = workload::run(&ports, 4, keys.len(), duration, seed, Arc::clone(&recorder)).await;
     let events = nemesis.join();
+    let elections = {
+        let cluster = Cluster::lock(&cluster);
+        cluster
+            .etcd
+            .as_ref()
+            .map(|e| e.elections())
+            .unwrap_or_default()
+    };
+    for line in leader_faults(&events, started_at, &elections, &tally) {
+        println!("{line}");
+    }
     // A last SET of each key, after every answer: its notification comes
     // after those of every change before it.
     let mut marker = client(ports[0], "marker").await;
@@ -192,4 +204,61 @@ async fn the_checker_flags_stale_reads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_checker_flags_lost_updates() {
     assert!(!broken("lost-update").await.is_valid());
+}
+
+/// For each etcd leader kill or pause: how long etcd took to elect a new
+/// leader (from the members' logs), and when answers came again after
+/// that (the end of the first time without any answer after the fault):
+/// the stall the nodes add to etcd's own.
+fn leader_faults(
+    events: &[statebroker_cluster_harness::Event],
+    started_at: Instant,
+    elections: &[SystemTime],
+    tally: &workload::Tally,
+) -> Vec<String> {
+    let wall_start = SystemTime::now() - started_at.elapsed();
+    let offset = tally.start.saturating_duration_since(started_at);
+    let stalls = tally.stall_times();
+    events
+        .iter()
+        .filter(|e| matches!(e.fault, Fault::KillEtcdLeader | Fault::PauseEtcdLeader))
+        .map(|e| {
+            let at = wall_start + e.at;
+            let elected = elections
+                .iter()
+                .find(|&&t| t >= at)
+                .and_then(|t| t.duration_since(at).ok());
+            let stall = stalls
+                .iter()
+                .map(|(end, gap)| (*end + offset, *gap))
+                // (One that began within a few seconds of the fault.)
+                .find(|(end, gap)| {
+                    *end > e.at && end.saturating_sub(*gap) < e.at + Duration::from_secs(5)
+                });
+            let mut line = format!("{:?} at {:.1} s:", e.fault, e.at.as_secs_f64());
+            match elected {
+                Some(took) => {
+                    line += &format!(
+                        " etcd elected a new leader {:.2} s later;",
+                        took.as_secs_f64()
+                    )
+                }
+                None => line += " no election in etcd's logs;",
+            }
+            match (stall, elected) {
+                (Some((end, gap)), Some(took)) => {
+                    line += &format!(
+                        " no answer for {:.2} s, answers again {:.2} s after the election",
+                        gap.as_secs_f64(),
+                        (end.as_secs_f64() - e.at.as_secs_f64()) - took.as_secs_f64()
+                    )
+                }
+                (Some((_, gap)), None) => {
+                    line += &format!(" no answer for {:.2} s", gap.as_secs_f64())
+                }
+                (None, _) => line += " no time without answers over 1 s",
+            }
+            line
+        })
+        .collect()
 }

@@ -8,7 +8,9 @@
 //!
 //! - [`kv`]: serving a key command and SCAN against etcd; [`reads`] and
 //!   [`writes`]: its linearizable reads and its transactions, those
-//!   waiting together sent as one ([`batches`]).
+//!   waiting together sent as one ([`batches`]); [`leader`]: etcd's
+//!   leader term, for giving up requests stuck at a member after a leader
+//!   change.
 //! - [`watch`]: one etcd watch over every key, resumed by revision: the
 //!   changes any node makes, for this node's KEYNOTIFY watchers, and the
 //!   index of what expires.
@@ -41,6 +43,7 @@ mod batches;
 mod confirmations;
 mod handover;
 pub mod kv;
+mod leader;
 pub mod membership;
 mod node;
 pub mod ownership;
@@ -87,6 +90,8 @@ pub struct Cluster {
     stop: tokio::sync::watch::Sender<()>,
     /// A deliberately wrong mode, for the checker's test only.
     broken: kv::Broken,
+    /// etcd's leader term as last seen (see [`leader`]).
+    leader: Arc<leader::Leader>,
     /// For the keys' records: answers of up to [`reads::MAX_KEYS`] records
     /// are decoded.
     kv: etcd_client::KvClient,
@@ -115,17 +120,19 @@ impl Cluster {
             .with_keep_alive(Duration::from_secs(2), timeout);
         let deadline = timeout.saturating_mul(3).max(Duration::from_secs(5));
         let keys_prefix = format!("{}K/", settings.etcd_prefix).into_bytes();
+        let leader = leader::Leader::new();
         let connect = async {
             let mut client = Client::connect(&settings.etcd_endpoints, Some(options))
                 .await
                 .map_err(|e| e.to_string())?;
-            client
+            let read = client
                 .get(
                     keys_prefix.clone(),
                     Some(GetOptions::new().with_prefix().with_count_only()),
                 )
                 .await
                 .map_err(|e| e.to_string())?;
+            leader.observe(read.header());
             Ok::<_, String>(client)
         };
         let client = match tokio::time::timeout(deadline, connect).await {
@@ -154,9 +161,12 @@ impl Cluster {
         let kv = client
             .kv_client()
             .max_decoding_message_size(reads::decoding_limit(settings.max_request_bytes));
-        let reads = reads::Reads::start(kv.clone(), settings.max_request_bytes);
-        let writes = writes::Writes::start(kv.clone(), settings.max_request_bytes);
+        let reads =
+            reads::Reads::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
+        let writes =
+            writes::Writes::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
         Ok(Arc::new(Cluster {
+            leader,
             broken,
             kv,
             reads,
@@ -202,6 +212,11 @@ impl Cluster {
             .await
             .map_err(|e| format!("cannot read the state store's keys from etcd: {e}"))?;
         tokio::spawn(readiness(Arc::downgrade(self), self.stop.subscribe()));
+        tokio::spawn(leader::probe(
+            Arc::downgrade(&self.leader),
+            self.client.maintenance_client(),
+            self.stop.subscribe(),
+        ));
         tokio::spawn(watch::run(
             Arc::downgrade(self),
             self.client.clone(),
@@ -239,10 +254,13 @@ async fn readiness(cluster: std::sync::Weak<Cluster>, mut stop: tokio::sync::wat
             c.keys_prefix.clone(),
             Some(GetOptions::new().with_prefix().with_count_only()),
         );
-        let ok = matches!(
-            tokio::time::timeout(c.settings.request_timeout, read).await,
-            Ok(Ok(_))
-        );
+        let ok = match tokio::time::timeout(c.settings.request_timeout, read).await {
+            Ok(Ok(read)) => {
+                c.leader.observe(read.header());
+                true
+            }
+            _ => false,
+        };
         let was = c.ready.swap(ok, Ordering::AcqRel);
         if was != ok {
             if ok {

@@ -22,11 +22,13 @@
 //! key-value client is allowed to decode ([`decoding_limit`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use etcd_client::{KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use super::batches;
+use super::leader::Leader;
 
 /// Keys in one batch (etcd's `--max-txn-ops` is 128 by default).
 pub(super) const MAX_KEYS: usize = 64;
@@ -54,12 +56,12 @@ impl Reads {
     /// Starts the task, reading through `kv` (which decodes answers up to
     /// [`decoding_limit`]); `max_request_bytes` is etcd's request limit.
     /// Must be called within a tokio runtime.
-    pub(super) fn start(kv: KvClient, max_request_bytes: usize) -> Reads {
+    pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Reads {
         // The queue needs no bound of its own: every read belongs to a
         // request the service counted against its bound (`MAX_QUEUED`).
         let (wanted, queue) = mpsc::unbounded_channel();
         let max_key_bytes = max_request_bytes / 2;
-        tokio::spawn(batches::run(kv, queue, move || Batch {
+        tokio::spawn(batches::run(kv, leader, queue, move || Batch {
             max_key_bytes,
             ..Batch::default()
         }));
@@ -72,9 +74,7 @@ impl Reads {
         self.wanted
             .send(Wanted { key, answer })
             .map_err(|_| "the node is shutting down".to_owned())?;
-        answered
-            .await
-            .map_err(|_| "the node is shutting down".to_owned())?
+        answered.await.map_err(|_| batches::NO_ANSWER.to_owned())?
     }
 }
 
@@ -124,12 +124,13 @@ impl batches::Batch for Batch {
     }
 
     /// Reads every key in one etcd request and answers each waiting read.
-    async fn send(self, mut kv: KvClient) {
+    async fn send(self, mut kv: KvClient, leader: Arc<Leader>) -> bool {
         crate::metrics::cluster_read_batch(self.waiting.len());
         let found: Result<(Vec<Option<KeyValue>>, i64), String> = if self.keys.len() == 1 {
             kv.get(self.keys[0].clone(), None)
                 .await
                 .map(|mut response| {
+                    leader.observe(response.header());
                     let revision = response.header().map_or(0, |h| h.revision());
                     (vec![response.take_kvs().into_iter().next()], revision)
                 })
@@ -141,6 +142,7 @@ impl batches::Batch for Batch {
                 .await
                 .map_err(|e| e.to_string())
                 .and_then(|response| {
+                    leader.observe(response.header());
                     let revision = response.header().map_or(0, |h| h.revision());
                     let kvs: Vec<Option<KeyValue>> = response
                         .op_responses()
@@ -168,11 +170,13 @@ impl batches::Batch for Batch {
                         revision,
                     }));
                 }
+                true
             }
             Err(e) => {
                 for (_, answer) in self.waiting {
                     let _ = answer.send(Err(e.clone()));
                 }
+                false
             }
         }
     }

@@ -20,11 +20,13 @@
 //! records of at most etcd's request limit together.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use etcd_client::{Compare, CompareOp, KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use super::batches::{self, Batch as _};
+use super::leader::Leader;
 
 /// Keys in one batch: each is a compare, a put and a get (etcd's
 /// `--max-txn-ops`, 128 by default, bounds each of the three lists).
@@ -69,12 +71,12 @@ pub(super) struct Writes {
 impl Writes {
     /// Starts the task, writing through `kv`; `max_request_bytes` is etcd's
     /// request limit. Must be called within a tokio runtime.
-    pub(super) fn start(kv: KvClient, max_request_bytes: usize) -> Writes {
+    pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Writes {
         // No bound of its own: every write belongs to a request the service
         // counted against its bound (`MAX_QUEUED`).
         let (wanted, queue) = mpsc::unbounded_channel();
         let max_bytes = max_request_bytes.saturating_sub(FRAMING);
-        tokio::spawn(batches::run(kv, queue, move || Batch {
+        tokio::spawn(batches::run(kv, leader, queue, move || Batch {
             max_bytes,
             ..Batch::default()
         }));
@@ -98,9 +100,7 @@ impl Writes {
                 answer,
             })
             .map_err(|_| "the node is shutting down".to_owned())?;
-        answered
-            .await
-            .map_err(|_| "the node is shutting down".to_owned())?
+        answered.await.map_err(|_| batches::NO_ANSWER.to_owned())?
     }
 }
 
@@ -132,18 +132,23 @@ impl batches::Batch for Batch {
 
     /// Commits the batch, and again the writes whose compare held while
     /// another one's did not, until every write is answered.
-    async fn send(self, kv: KvClient) {
+    async fn send(self, kv: KvClient, leader: Arc<Leader>) -> bool {
         let mut batch = self;
-        while let Some(again) = batch.commit(kv.clone()).await {
-            batch = again;
+        loop {
+            match batch.commit(kv.clone(), &leader).await {
+                Ok(Some(again)) => batch = again,
+                Ok(None) => return true,
+                Err(()) => return false,
+            }
         }
     }
 }
 
 impl Batch {
     /// Commits the batch and answers its writes; gives back the writes to
-    /// send again (their compare held, another one's did not).
-    async fn commit(self, mut kv: KvClient) -> Option<Batch> {
+    /// send again (their compare held, another one's did not). `Err`: etcd
+    /// did not answer (each write was told).
+    async fn commit(self, mut kv: KvClient, leader: &Leader) -> Result<Option<Batch>, ()> {
         crate::metrics::cluster_write_batch(self.writes.len());
         let compares: Vec<Compare> = self
             .writes
@@ -168,15 +173,16 @@ impl Batch {
                 for write in self.writes {
                     let _ = write.answer.send(Err(e.clone()));
                 }
-                return None;
+                return Err(());
             }
         };
+        leader.observe(response.header());
         let revision = response.header().map_or(0, |h| h.revision());
         if response.succeeded() {
             for write in self.writes {
                 let _ = write.answer.send(Ok(Outcome::Committed { revision }));
             }
-            return None;
+            return Ok(None);
         }
         let current: Vec<Option<KeyValue>> = response
             .op_responses()
@@ -195,7 +201,7 @@ impl Batch {
             for write in self.writes {
                 let _ = write.answer.send(Err(e.clone()));
             }
-            return None;
+            return Err(());
         }
         let held = |write: &Wanted, kv: &Option<KeyValue>| {
             kv.as_ref().map_or(0, KeyValue::mod_revision) == write.revision
@@ -213,7 +219,7 @@ impl Batch {
                 let _ = write.answer.send(Ok(Outcome::Changed { kv, revision }));
             }
         }
-        (!again.writes.is_empty()).then_some(again)
+        Ok((!again.writes.is_empty()).then_some(again))
     }
 }
 

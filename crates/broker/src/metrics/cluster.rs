@@ -25,6 +25,13 @@ pub const CLUSTER_READ_REQUESTS: &str = "statebroker_cluster_read_requests_total
 pub const CLUSTER_WRITES: &str = "statebroker_cluster_writes_total";
 /// Clustering: see [`CLUSTER_WRITES`].
 pub const CLUSTER_WRITE_REQUESTS: &str = "statebroker_cluster_write_requests_total";
+/// Clustering: times this node saw etcd elect a new leader.
+pub const CLUSTER_ETCD_LEADER_CHANGES: &str = "statebroker_cluster_etcd_leader_changes_total";
+/// Clustering: batches of etcd requests given up, by reason
+/// (`leader_changed`: etcd elected a new leader while they were out;
+/// `overtaken`: a batch sent later was answered first); their requests
+/// try again (see `cluster/batches.rs`).
+pub const CLUSTER_GIVEN_UP: &str = "statebroker_cluster_etcd_requests_given_up_total";
 /// Clustering: records kept in the node's cache, and their bytes.
 pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 /// Clustering: see [`CLUSTER_CACHE_RECORDS`].
@@ -74,6 +81,14 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_WRITES,
         "Clustering: write transactions of keys' records sent to etcd (a batch sent again counts again)"
+    );
+    describe_counter!(
+        CLUSTER_ETCD_LEADER_CHANGES,
+        "Clustering: times this node saw etcd elect a new leader"
+    );
+    describe_counter!(
+        CLUSTER_GIVEN_UP,
+        "Clustering: batches of etcd requests given up, by reason (etcd's leader changed, or a later batch was answered first); their requests try again"
     );
     describe_counter!(
         CLUSTER_WRITE_REQUESTS,
@@ -159,6 +174,18 @@ pub fn cluster_read_batch(reads: usize) {
 pub fn cluster_write_batch(writes: usize) {
     counter!(CLUSTER_WRITE_REQUESTS).increment(1);
     counter!(CLUSTER_WRITES).increment(writes as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: etcd elected a new leader (as this node saw).
+pub fn cluster_etcd_leader_changed() {
+    counter!(CLUSTER_ETCD_LEADER_CHANGES).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a batch of etcd requests given up, for `reason`.
+pub fn cluster_requests_given_up(reason: &'static str) {
+    counter!(CLUSTER_GIVEN_UP, "reason" => reason).increment(1);
 }
 
 #[cfg(feature = "cluster")]

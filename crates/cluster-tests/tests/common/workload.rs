@@ -64,12 +64,18 @@ impl Tally {
         }
     }
 
-    /// The times without any answer longer than [`STALL`], as `"4.46 s
-    /// ending at 49.5 s"`, in the order they ended.
-    pub fn stalls(&self) -> Vec<String> {
+    /// The times without any answer longer than [`STALL`]: when each
+    /// ended (after `start`) and how long it was, in the order they ended.
+    pub fn stall_times(&self) -> Vec<(Duration, Duration)> {
         let mut stalls = self.stalls.lock().clone();
         stalls.sort();
         stalls
+    }
+
+    /// The times without any answer longer than [`STALL`], as `"4.46 s
+    /// ending at 49.5 s"`, in the order they ended.
+    pub fn stalls(&self) -> Vec<String> {
+        self.stall_times()
             .iter()
             .map(|(end, gap)| {
                 format!(
