@@ -87,10 +87,16 @@ impl<S: Stream> Driver<S> {
             .shared
             .forwarding_confirmed()
             .unwrap_or_else(|| watch::Sender::new(0).subscribe());
+        // A cluster node's: how far its state store requests have their
+        // outcome out (see `store::tickets`).
+        let mut outcomes = machine
+            .outcomes_done()
+            .unwrap_or_else(|| watch::Sender::new(0).subscribe());
         let mut read = false;
         loop {
             let waiting_for = machine.waiting_for();
             let waiting_for_links = machine.waiting_for_links();
+            let waiting_for_outcome = machine.waiting_for_outcome();
             tokio::select! {
                 filled = self.socket.fill(), if !machine.reading_paused() => {
                     match filled {
@@ -114,6 +120,13 @@ impl<S: Stream> Driver<S> {
                 // (The watch's read guard goes first: what follows may
                 // forward a publish, which moves the watch.)
                 seen = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
+                    drop(seen);
+                    machine.on_disk()?;
+                    self.read_packets(machine)?;
+                }
+                // The requests held acknowledgements wait for have their
+                // outcome out (a cluster node).
+                seen = outcomes.wait_for(|d| Some(*d) >= waiting_for_outcome), if waiting_for_outcome.is_some() => {
                     drop(seen);
                     machine.on_disk()?;
                     self.read_packets(machine)?;

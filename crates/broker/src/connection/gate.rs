@@ -16,7 +16,9 @@
 //!
 //! On a cluster node a publish's acknowledgement also waits until the
 //! other nodes have it (a forwarding ticket, see
-//! `cluster::confirmations`), in the same way and the same order.
+//! `cluster::confirmations`), and a state store request's until its
+//! outcome is out (its ticket, see `store::tickets`), in the same way and
+//! the same order.
 //!
 //! While it holds [`MAX_HELD`] acknowledgements the connection stops
 //! reading: however fast a client sends and however slow the disk, what
@@ -31,13 +33,38 @@ use crate::persistence::Batch;
 /// reading.
 pub(crate) const MAX_HELD: usize = 256;
 
+/// What an acknowledgement waits for; `None` in each: nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Waits {
+    /// A batch the disk does not have yet.
+    pub batch: Option<Batch>,
+    /// A forwarding ticket the other nodes have not confirmed (a cluster
+    /// node's).
+    pub links: Option<u64>,
+    /// A request's ticket whose outcome is not out (a cluster node's).
+    pub outcome: Option<u64>,
+}
+
+impl Waits {
+    fn any(&self) -> bool {
+        self.batch.is_some() || self.links.is_some() || self.outcome.is_some()
+    }
+
+    /// Both: the later of each.
+    fn max(self, other: Waits) -> Waits {
+        Waits {
+            batch: self.batch.max(other.batch),
+            links: self.links.max(other.links),
+            outcome: self.outcome.max(other.outcome),
+        }
+    }
+}
+
 /// What waits for the disk.
 #[derive(Default)]
 pub(crate) struct Gate {
-    /// The batch to wait for; `None`: open (as far as the disk goes).
-    waiting_for: Option<Batch>,
-    /// The forwarding ticket to wait for (a cluster node's).
-    waiting_for_links: Option<u64>,
+    /// What to wait for; nothing: open.
+    waits: Waits,
     held: Vec<Held>,
     /// A SUBACK is among what is held.
     holds_suback: bool,
@@ -51,19 +78,12 @@ pub(crate) enum Held {
 }
 
 impl Gate {
-    /// Queues `ack` for the client with `out` unless it must wait: for its
-    /// own batch `not_done` (one the disk does not have yet) or forwarding
-    /// ticket `links_not_done` (one the other nodes have not confirmed), or
-    /// behind an earlier acknowledgement that waits.
-    pub fn send(
-        &mut self,
-        ack: Packet,
-        (not_done, links_not_done): (Option<Batch>, Option<u64>),
-        out: impl FnOnce(Packet),
-    ) {
-        self.waiting_for = self.waiting_for.max(not_done);
-        self.waiting_for_links = self.waiting_for_links.max(links_not_done);
-        if self.waiting_for.is_some() || self.waiting_for_links.is_some() {
+    /// Queues `ack` for the client with `out` unless it must wait: for what
+    /// `waits` names (what is not done yet of its own), or behind an
+    /// earlier acknowledgement that waits.
+    pub fn send(&mut self, ack: Packet, waits: Waits, out: impl FnOnce(Packet)) {
+        self.waits = self.waits.max(waits);
+        if self.waits.any() {
             self.holds_suback |= matches!(ack, Packet::SubAck(..));
             self.held.push(Held::Ack(ack));
         } else {
@@ -82,19 +102,14 @@ impl Gate {
         }
     }
 
-    /// The batch the gate waits for, while it is closed.
-    pub fn waiting_for(&self) -> Option<Batch> {
-        self.waiting_for
-    }
-
-    /// The forwarding ticket the gate waits for, while it is closed.
-    pub fn waiting_for_links(&self) -> Option<u64> {
-        self.waiting_for_links
+    /// What the gate waits for, while it is closed.
+    pub fn waits(&self) -> Waits {
+        self.waits
     }
 
     /// Whether the gate is closed.
     pub fn is_closed(&self) -> bool {
-        self.waiting_for.is_some() || self.waiting_for_links.is_some()
+        self.waits.any()
     }
 
     /// Whether the connection must stop reading until the disk catches up.
@@ -104,8 +119,7 @@ impl Gate {
 
     /// Opens the gate: what it held, in order.
     pub fn open(&mut self) -> Vec<Held> {
-        self.waiting_for = None;
-        self.waiting_for_links = None;
+        self.waits = Waits::default();
         self.holds_suback = false;
         std::mem::take(&mut self.held)
     }
@@ -126,17 +140,26 @@ mod tests {
         )
     }
 
+    fn batch(n: u64) -> Waits {
+        Waits {
+            batch: Batch::new(n),
+            ..Waits::default()
+        }
+    }
+
     #[test]
     fn holds_until_its_batch_is_done_and_keeps_the_order() {
         let mut gate = Gate::default();
         let mut sent = Vec::new();
-        gate.send(ack(1), (None, None), |p| sent.push(p));
+        gate.send(ack(1), Waits::default(), |p| sent.push(p));
         assert_eq!(sent.len(), 1, "nothing to wait for");
-        assert_eq!(gate.waiting_for(), None);
-        gate.send(ack(3), (Batch::new(5), None), |p| sent.push(p));
-        gate.send(Packet::PingResp(PingResp), (None, None), |p| sent.push(p));
+        assert_eq!(gate.waits(), Waits::default());
+        gate.send(ack(3), batch(5), |p| sent.push(p));
+        gate.send(Packet::PingResp(PingResp), Waits::default(), |p| {
+            sent.push(p)
+        });
         assert_eq!(sent.len(), 1, "held, and what follows it too");
-        assert_eq!(gate.waiting_for(), Batch::new(5));
+        assert_eq!(gate.waits().batch, Batch::new(5));
         assert!(
             gate.defer(Notification::Unschedule).is_some(),
             "no SUBACK held"
@@ -149,21 +172,45 @@ mod tests {
                 Held::Ack(Packet::PingResp(_))
             ]
         ));
-        assert_eq!(gate.waiting_for(), None);
+        assert_eq!(gate.waits(), Waits::default());
     }
 
     #[test]
     fn a_publish_waits_for_the_other_nodes_too() {
         let mut gate = Gate::default();
         let mut sent = Vec::new();
-        gate.send(ack(1), (None, Some(7)), |p| sent.push(p));
-        gate.send(ack(2), (None, None), |p| sent.push(p));
+        let links = Waits {
+            links: Some(7),
+            ..Waits::default()
+        };
+        gate.send(ack(1), links, |p| sent.push(p));
+        gate.send(ack(2), Waits::default(), |p| sent.push(p));
         assert!(sent.is_empty(), "held, and what follows it too");
         assert!(gate.is_closed());
-        assert_eq!(gate.waiting_for_links(), Some(7));
-        assert_eq!(gate.waiting_for(), None);
+        assert_eq!(gate.waits(), links);
         assert_eq!(gate.open().len(), 2);
         assert!(!gate.is_closed());
+    }
+
+    #[test]
+    fn a_request_waits_for_its_outcome_and_the_later_of_each() {
+        let mut gate = Gate::default();
+        let outcome = |n| Waits {
+            outcome: Some(n),
+            ..Waits::default()
+        };
+        gate.send(ack(1), outcome(3), |_| panic!("held"));
+        gate.send(ack(2), batch(4), |_| panic!("held"));
+        gate.send(ack(3), outcome(2), |_| panic!("held"));
+        assert_eq!(
+            gate.waits(),
+            Waits {
+                batch: Batch::new(4),
+                links: None,
+                outcome: Some(3),
+            }
+        );
+        assert_eq!(gate.open().len(), 3);
     }
 
     #[test]
@@ -176,7 +223,7 @@ mod tests {
             },
             None,
         );
-        gate.send(suback, (Batch::new(2), None), |_| panic!("held"));
+        gate.send(suback, batch(2), |_| panic!("held"));
         assert!(gate.defer(Notification::Unschedule).is_none(), "behind it");
         let released = gate.open();
         assert!(matches!(
@@ -194,7 +241,7 @@ mod tests {
         let mut gate = Gate::default();
         for pkid in 1..=MAX_HELD as u16 {
             assert!(!gate.is_full());
-            gate.send(ack(pkid), (Batch::new(9), None), |_| panic!("held"));
+            gate.send(ack(pkid), batch(9), |_| panic!("held"));
         }
         assert!(gate.is_full());
         gate.open();

@@ -226,8 +226,9 @@ pub(crate) struct AckOrder {
     owed: u64,
     received: u64,
     /// Acknowledgements made here, each with the router acknowledgements
-    /// owed before it.
-    held: VecDeque<(u64, Packet)>,
+    /// owed before it and the request ticket it waits for (see
+    /// `store::tickets`).
+    held: VecDeque<(u64, Packet, Option<u64>)>,
 }
 
 impl AckOrder {
@@ -236,27 +237,32 @@ impl AckOrder {
         self.owed += 1;
     }
 
-    /// An acknowledgement made here: to send now, or `None` while the
-    /// router owes acknowledgements of earlier publishes.
-    pub fn local(&mut self, ack: Packet) -> Option<Packet> {
+    /// An acknowledgement made here, waiting for request ticket `outcome`:
+    /// to send now, or `None` while the router owes acknowledgements of
+    /// earlier publishes.
+    pub fn local(&mut self, ack: Packet, outcome: Option<u64>) -> Option<(Packet, Option<u64>)> {
         if self.received >= self.owed && self.held.is_empty() {
-            return Some(ack);
+            return Some((ack, outcome));
         }
-        self.held.push_back((self.owed, ack));
+        self.held.push_back((self.owed, ack, outcome));
         None
     }
 
     /// The router acknowledged a publish (sent before this call's result):
     /// the acknowledgements made here that waited only for it.
-    pub fn router_acknowledged(&mut self) -> Vec<Packet> {
+    pub fn router_acknowledged(&mut self) -> Vec<(Packet, Option<u64>)> {
         self.received += 1;
         let mut ready = Vec::new();
         while self
             .held
             .front()
-            .is_some_and(|(before, _)| *before <= self.received)
+            .is_some_and(|(before, _, _)| *before <= self.received)
         {
-            ready.extend(self.held.pop_front().map(|(_, ack)| ack));
+            ready.extend(
+                self.held
+                    .pop_front()
+                    .map(|(_, ack, outcome)| (ack, outcome)),
+            );
         }
         ready
     }
@@ -355,21 +361,21 @@ mod tests {
             other => panic!("{other:?}"),
         };
         let mut order = AckOrder::default();
-        assert!(order.local(ack(1)).is_some(), "nothing owed: at once");
+        assert!(order.local(ack(1), None).is_some(), "nothing owed: at once");
         order.routed(); // 2 goes to the router
-        assert!(order.local(ack(3)).is_none());
+        assert!(order.local(ack(3), Some(1)).is_none());
         order.routed(); // 4
-        assert!(order.local(ack(5)).is_none());
+        assert!(order.local(ack(5), None).is_none());
         let mut released = || {
             order
                 .router_acknowledged()
                 .iter()
-                .map(pkid)
+                .map(|(ack, outcome)| (pkid(ack), *outcome))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(released(), [3]);
-        assert_eq!(released(), [5]);
-        assert!(order.local(ack(6)).is_some(), "all caught up");
+        assert_eq!(released(), [(3, Some(1))], "with its request's ticket");
+        assert_eq!(released(), [(5, None)]);
+        assert!(order.local(ack(6), None).is_some(), "all caught up");
     }
 
     #[test]

@@ -46,6 +46,10 @@ pub struct ReplyTo {
     /// cluster node answers with the key's last write if that write was
     /// this request's, instead of running it twice.
     pub resent: bool,
+    /// A cluster node's: the requesting connection's acknowledgement waits
+    /// until this is dropped, once the outcome is out (see
+    /// [`super::tickets`]).
+    pub ticket: Option<super::tickets::Ticket>,
 }
 
 /// What to do with a request that passed the connection-ending checks.
@@ -115,6 +119,7 @@ pub fn admit<'a>(
             .as_deref()
             .map(Bytes::copy_from_slice),
         resent: false,
+        ticket: None,
     };
     if qos == 0 {
         return Admission::Refuse(reply_to, "requests must be published with QoS 1");
@@ -294,6 +299,7 @@ mod tests {
             topic: RESPONSE.into(),
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
+            ticket: None,
         };
         let r = response(to, b"-ERR syntax error\r\n".to_vec(), "1:2:n".into());
         assert_eq!((&r.topic[..], r.qos), (RESPONSE.as_bytes(), 1));
@@ -349,6 +355,7 @@ mod tests {
             topic: RESPONSE.into(),
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
+            ticket: None,
         };
         let mut r = response(to, b"+OK\r\n".to_vec(), "1:2:n".into());
         r.properties.set_subscription_identifiers(vec![7, 300]);

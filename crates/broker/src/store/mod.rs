@@ -6,6 +6,8 @@
 //!   and the hand-off to persistence before anything is answered.
 //! - `pending`: which changes not on disk yet an answer could show, and so
 //!   must wait for.
+//! - [`tickets`]: a cluster node's acknowledgements, held until their
+//!   requests' outcome is out.
 //!
 //! Persisted keys go to disk through [`crate::persistence`].
 
@@ -14,6 +16,7 @@ pub mod binding;
 mod clustered;
 mod pending;
 pub mod service;
+pub mod tickets;
 
 /// What a cluster node's service adds (nothing without the `cluster`
 /// feature).

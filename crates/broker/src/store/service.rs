@@ -391,6 +391,12 @@ impl StateStoreService {
         self.publish_outcome(None, notices_only(notices));
     }
 
+    /// Whether a request's acknowledgement waits for its outcome (a
+    /// cluster node: see [`super::tickets`]).
+    pub fn acknowledges_on_outcome(&self) -> bool {
+        self.clustered.is_some()
+    }
+
     /// The cluster side, on a cluster node.
     #[cfg(feature = "cluster")]
     pub(super) fn clustered(&self) -> Option<&super::clustered::Clustered> {
@@ -496,10 +502,12 @@ impl StateStoreService {
 
     /// Answers a request the broker refused before it reached the store:
     /// `-ERR <text>`, stamped by the store's clock.
-    pub fn refuse(&self, reply_to: ReplyTo, requester: &str, text: &str) {
+    pub fn refuse(&self, mut reply_to: ReplyTo, requester: &str, text: &str) {
         let outcome = self.store.lock().refuse(text, self.now());
+        let ticket = reply_to.ticket.take();
         let response = binding::response(reply_to, outcome.payload, outcome.timestamp);
         self.publisher.publish_for(requester, response);
+        drop(ticket);
     }
 
     /// Delivers the response and the notifications of an outcome.
@@ -518,9 +526,12 @@ impl StateStoreService {
                     latency_us: u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
                 });
             }
-            if let Some(to) = reply.to {
+            if let Some(mut to) = reply.to {
+                // The acknowledgement goes once the answer is on its way.
+                let ticket = to.ticket.take();
                 let response = binding::response(to, outcome.payload, outcome.timestamp);
                 self.publisher.publish_for(&reply.requester, response);
+                drop(ticket);
             }
         }
         for notice in &outcome.notices {

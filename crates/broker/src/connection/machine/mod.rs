@@ -33,7 +33,7 @@ use router::protocol::{
 use tokio::sync::watch;
 
 use super::end::End;
-use super::gate::{Gate, Held};
+use super::gate::{Gate, Held, Waits};
 use super::hold::{AckHold, Awaited};
 use super::inbound::{self, AckOrder, Inbound};
 use super::outbound::{self, Outbound};
@@ -139,6 +139,9 @@ pub(crate) struct Machine {
     /// The forwarding tickets of the publishes the router has to
     /// acknowledge, in order (a cluster node's).
     tickets: std::collections::VecDeque<Option<u64>>,
+    /// A cluster node's: the tickets of the state store requests whose
+    /// acknowledgements wait for their outcome (see `store::tickets`).
+    pub(super) outcomes: Option<Arc<crate::store::tickets::Tickets>>,
 }
 
 impl Machine {
@@ -176,6 +179,10 @@ impl Machine {
             principal: start.principal,
             owner: start.owner,
             forwarded: shared.forwarding_confirmed(),
+            outcomes: shared
+                .store
+                .acknowledges_on_outcome()
+                .then(crate::store::tickets::Tickets::new),
             shared,
             from_link: start.from_link,
             tickets: std::collections::VecDeque::new(),
@@ -209,16 +216,48 @@ impl Machine {
 
     /// [`Machine::acknowledge`], waiting also for forwarding `ticket`.
     fn acknowledge_after(&mut self, ack: Packet, batch: Option<Batch>, ticket: Option<u64>) {
+        self.acknowledge_when(ack, batch, ticket, None);
+    }
+
+    /// [`Machine::acknowledge_after`], waiting also for the outcome of the
+    /// request with ticket `outcome` (a cluster node's, see
+    /// `store::tickets`).
+    pub(super) fn acknowledge_when(
+        &mut self,
+        ack: Packet,
+        batch: Option<Batch>,
+        ticket: Option<u64>,
+        outcome: Option<u64>,
+    ) {
         // (The disk's position is read only when there is a batch: it is a
         // lock, on every request's path otherwise.)
-        let not_done = batch.filter(|&batch| !self.position().covers(batch));
-        let links_not_done = ticket.filter(|&t| !self.confirmed(t));
+        let waits = Waits {
+            batch: batch.filter(|&batch| !self.position().covers(batch)),
+            links: ticket.filter(|&t| !self.confirmed(t)),
+            outcome: outcome.filter(|&n| !self.outcome_out(n)),
+        };
         let (protocol, wbuf) = (self.protocol, &mut self.wbuf);
-        self.gate.send(ack, (not_done, links_not_done), |ack| {
+        self.gate.send(ack, waits, |ack| {
             if let Err(e) = protocol.write(ack, wbuf) {
                 tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
             }
         });
+    }
+
+    /// Whether the requests up to ticket `number` have their outcome out.
+    fn outcome_out(&self, number: u64) -> bool {
+        self.outcomes.as_ref().is_none_or(|t| t.is_done(number))
+    }
+
+    /// The request ticket held acknowledgements wait for (a cluster node's;
+    /// see `store::tickets`), and the number to wait on.
+    pub fn waiting_for_outcome(&self) -> Option<u64> {
+        self.gate.waits().outcome
+    }
+
+    /// The tickets' progress to wait on (a cluster node's).
+    pub fn outcomes_done(&self) -> Option<watch::Receiver<u64>> {
+        self.outcomes.as_ref().map(|t| t.done())
     }
 
     /// Whether reading stops until the disk catches up: while too many
@@ -240,7 +279,7 @@ impl Machine {
     /// for the disk or for their answers, and reading stopped at the bound.
     pub fn waiting_for(&self) -> Option<Batch> {
         [
-            self.gate.waiting_for(),
+            self.gate.waits().batch,
             self.ack_hold.waiting_for(),
             self.awaited_full(),
         ]
@@ -270,21 +309,19 @@ impl Machine {
     /// The forwarding ticket held acknowledgements wait for (a cluster
     /// node's; see `Shared::forwarding_confirmed`).
     pub fn waiting_for_links(&self) -> Option<u64> {
-        self.gate.waiting_for_links()
+        self.gate.waits().links
     }
 
-    /// The disk (or the other nodes) moved on: what the gate held for it
-    /// goes, in order.
+    /// The disk (or the other nodes, or requests' outcomes) moved on: what
+    /// the gate held for it goes, in order.
     pub fn on_disk(&mut self) -> Result<(), End> {
-        let disk = self
-            .gate
-            .waiting_for()
+        let waits = self.gate.waits();
+        let disk = waits
+            .batch
             .is_none_or(|batch| self.position().covers(batch));
-        let links = self
-            .gate
-            .waiting_for_links()
-            .is_none_or(|ticket| self.confirmed(ticket));
-        if self.gate.is_closed() && disk && links {
+        let links = waits.links.is_none_or(|ticket| self.confirmed(ticket));
+        let outcome = waits.outcome.is_none_or(|n| self.outcome_out(n));
+        if self.gate.is_closed() && disk && links && outcome {
             // What closes the gate again holds the rest.
             for held in self.gate.open() {
                 match held {
@@ -515,10 +552,16 @@ impl Machine {
 
     /// Acknowledges a publish handled here (not by the router).
     pub(super) fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
+        self.ack_when(qos, pkid, accepted, None);
+    }
+
+    /// [`Machine::ack`], held until the request with ticket `outcome` has
+    /// its outcome out (a cluster node's, see `store::tickets`).
+    pub(super) fn ack_when(&mut self, qos: u8, pkid: u16, accepted: bool, outcome: Option<u64>) {
         if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, accepted) {
             self.inbound.completed(&ack);
-            if let Some(ack) = self.ack_order.local(ack) {
-                self.acknowledge(ack, None);
+            if let Some((ack, outcome)) = self.ack_order.local(ack, outcome) {
+                self.acknowledge_when(ack, None, None, outcome);
             }
         }
     }
@@ -665,8 +708,8 @@ impl Machine {
                 self.inbound.completed(&ack);
                 let ticket = self.tickets.pop_front().flatten();
                 self.acknowledge_after(ack, batch, ticket);
-                for held in self.ack_order.router_acknowledged() {
-                    self.acknowledge(held, None);
+                for (held, outcome) in self.ack_order.router_acknowledged() {
+                    self.acknowledge_when(held, None, None, outcome);
                 }
             }
             packet => {

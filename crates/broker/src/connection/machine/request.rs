@@ -57,8 +57,18 @@ impl Machine {
         // answer may go out.
         let correlation = properties.correlation_data.as_deref();
         let again = self.inbound.ran_already(qos, pkid, dup, correlation);
+        // A cluster node acknowledges a request once its outcome is out
+        // (see `store::tickets`): the acknowledgement is queued after the
+        // request is handed over, held until its ticket is dropped.
+        let mut ticket = match (&self.outcomes, again) {
+            (Some(tickets), None) if qos > 0 => Some(tickets.issue()),
+            _ => None,
+        };
+        let outcome = ticket.as_ref().map(crate::store::tickets::Ticket::number);
         let before_ack = self.wbuf.len();
-        self.ack(qos, pkid, true);
+        if outcome.is_none() {
+            self.ack(qos, pkid, true);
+        }
         if let Some(wait) = again {
             tracing::debug!(
                 client_id = self.client_id,
@@ -73,6 +83,7 @@ impl Machine {
         match binding::admit(&publish.payload, &properties, qos, dialect) {
             Admission::Serve(mut request, mut reply_to) => {
                 reply_to.resent = dup;
+                reply_to.ticket = ticket.take();
                 let caller = Caller {
                     client_id: &self.client_id,
                     connection: self.id,
@@ -132,7 +143,8 @@ impl Machine {
                     return Err(End::Fault(code));
                 }
             }
-            Admission::Refuse(reply_to, text) => {
+            Admission::Refuse(mut reply_to, text) => {
+                reply_to.ticket = ticket.take();
                 tracing::info!(
                     client_id = self.client_id,
                     reason = text,
@@ -146,6 +158,10 @@ impl Machine {
                     "request without response topic ignored"
                 );
             }
+        }
+        drop(ticket);
+        if outcome.is_some() {
+            self.ack_when(qos, pkid, true, outcome);
         }
         Ok(())
     }

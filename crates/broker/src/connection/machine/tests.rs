@@ -11,9 +11,11 @@ use router::{Ack, Forward, Receipt};
 use crate::config::Settings;
 use crate::sessions::{Direct, QueueBound};
 
-/// The broker's shared parts, in memory, without listeners.
-async fn shared() -> Arc<Shared> {
-    let settings = Settings::listening_on("127.0.0.1:0".parse().unwrap());
+/// The broker's shared parts, in memory, without listeners; `tweak`
+/// adjusts the settings.
+async fn shared(tweak: impl FnOnce(&mut Settings)) -> Arc<Shared> {
+    let mut settings = Settings::listening_on("127.0.0.1:0".parse().unwrap());
+    tweak(&mut settings);
     let (_stop, shutdown) = watch::channel(false);
     Shared::build(settings, None, Vec::new(), shutdown)
         .await
@@ -23,7 +25,15 @@ async fn shared() -> Arc<Shared> {
 /// A machine for client `c1` (MQTT 5), joined to the router or not,
 /// with the disk's position in the test's hands.
 async fn machine(joined: bool) -> (Machine, watch::Sender<Position>) {
-    let shared = shared().await;
+    machine_with(joined, |_| {}).await
+}
+
+/// [`machine`], with `tweak` adjusting the broker's settings.
+async fn machine_with(
+    joined: bool,
+    tweak: impl FnOnce(&mut Settings),
+) -> (Machine, watch::Sender<Position>) {
+    let shared = shared(tweak).await;
     let (disk, position) = watch::channel(Position::default());
     let acknowledged = shared.sessions.connected(
         "c1",
@@ -297,4 +307,62 @@ async fn the_end_tells_the_client_why_and_the_router_how_long_to_keep_the_sessio
         panic!("the router is not told")
     };
     assert_eq!(to_router.session_expiry_interval, Some(30));
+}
+
+/// A state store request (RESP3 `args`) with a response topic and
+/// correlation data, at QoS 1.
+fn request(pkid: u16, args: &[&[u8]]) -> Packet {
+    let payload = statestore::resp3::encode_request(args);
+    let publish = crate::codec::publish(
+        crate::topics::REQUEST_TOPIC.as_bytes(),
+        &payload,
+        1,
+        pkid,
+        false,
+    );
+    let properties = PublishProperties {
+        response_topic: Some("c1/answers".into()),
+        correlation_data: Some(Bytes::from(pkid.to_be_bytes().to_vec())),
+        ..PublishProperties::default()
+    };
+    Packet::Publish(publish, Some(properties))
+}
+
+#[tokio::test]
+async fn a_cluster_nodes_acknowledgements_wait_for_their_requests_outcome_in_order() {
+    // A fault delays every SET: its outcome is not out until it runs.
+    let (mut m, _disk) = machine_with(false, |settings| {
+        settings.faults.enabled = true;
+        settings.faults.rules = vec![crate::faults::RuleSpec {
+            commands: vec!["SET".into()],
+            delay_ms: Some(crate::faults::DelaySpec::Fixed(600_000)),
+            ..Default::default()
+        }];
+    })
+    .await;
+    // As on a cluster node (see `store::tickets`).
+    m.outcomes = Some(crate::store::tickets::Tickets::new());
+    m.on_packet(incoming(request(5, &[b"SET", b"k", b"v"])))
+        .unwrap();
+    m.on_packet(incoming(request(6, &[b"PING"]))).unwrap();
+    assert!(
+        written(&mut m).is_empty(),
+        "the SET's PUBACK waits for its outcome, and the PING's behind it"
+    );
+    assert_eq!(m.waiting_for_outcome(), Some(2));
+    m.on_disk().unwrap();
+    assert!(written(&mut m).is_empty(), "still waiting");
+    // The delayed SET is dropped (its connection would have ended): its
+    // outcome is out, and both acknowledgements go, in order.
+    m.later.clear();
+    m.on_disk().unwrap();
+    let pkids: Vec<u16> = written(&mut m)
+        .iter()
+        .map(|p| match p {
+            Packet::PubAck(ack, _) => ack.pkid,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(pkids, [5, 6]);
+    assert_eq!(m.waiting_for_outcome(), None);
 }
