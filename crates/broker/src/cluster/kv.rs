@@ -310,6 +310,12 @@ impl Cluster {
                     });
                 }
                 Ok(Committed::No(current)) => {
+                    // The key moved since the plan. If by this very request
+                    // (sent again by its client on another node, which ran
+                    // it first), it is done: not run twice.
+                    if let Some(record) = current.record.as_ref().filter(|r| r.request == request) {
+                        return Ok(done_earlier(record));
+                    }
                     crate::metrics::cluster_conflict();
                     found = Some(current);
                 }
