@@ -714,3 +714,113 @@ mod tests {
         assert!(cache.get(dropped.as_bytes()).is_none());
     }
 }
+
+/// Against a real etcd member (`etcd` on PATH): two nodes' halves.
+#[cfg(test)]
+mod etcd_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use parking_lot::Mutex;
+    use statestore::command::{Command, Dialect, KeyCommand};
+    use statestore::hlc::HybridClock;
+
+    use super::*;
+    use crate::config::ClusteringSettings;
+
+    struct Clock(Mutex<HybridClock>);
+
+    impl NodeClock for Clock {
+        fn observe(&self, seen: Version) {
+            self.0.lock().observe(seen);
+        }
+        fn mint(&self, now_ms: u64, received: Option<&Hlc>) -> Version {
+            self.0.lock().next(now_ms, received)
+        }
+        fn clock_now(&self, now_ms: u64) -> Version {
+            self.0.lock().now(now_ms)
+        }
+        fn wall_ms(&self) -> u64 {
+            crate::clock::now_ms()
+        }
+    }
+
+    async fn node(id: &str, endpoint: &str) -> Arc<Cluster> {
+        Cluster::connect(ClusteringSettings {
+            node_id: id.into(),
+            etcd_endpoints: vec![endpoint.into()],
+            etcd_prefix: "/kv-test/".into(),
+            request_timeout: Duration::from_secs(5),
+            tombstone_ttl: Duration::from_secs(70),
+            max_request_bytes: 1_572_864,
+            cached_reads: false,
+            cache_bytes: 1 << 20,
+            lease_ttl: Duration::from_secs(5),
+            peer_address: None,
+            forward_queue: 100,
+            session_reap_interval: Duration::from_secs(60),
+        })
+        .await
+        .expect("etcd answers")
+    }
+
+    /// Serves `args` on `node` as request `request`; the answer's RESP3
+    /// and version.
+    async fn serve(node: &Cluster, args: &[&[u8]], request: u64) -> (String, String) {
+        let command = Command::parse(args, Dialect::V1).unwrap();
+        let keyed = Keyed {
+            command: KeyCommand::of(command).unwrap(),
+            timestamp: format!("{}:0:client", crate::clock::now_ms()).parse().ok(),
+            fencing_token: None,
+            persist: false,
+        };
+        let clock = Clock(Mutex::new(HybridClock::starting_after(Version::default())));
+        let answer = node
+            .serve_key(&keyed, (request, false), &Quota::default(), &clock)
+            .await
+            .expect("answered");
+        let mut resp = Vec::new();
+        answer.frame.encode(&mut resp);
+        (String::from_utf8_lossy(&resp).into_owned(), answer.version)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_committed_elsewhere_first_is_not_committed_again() {
+        let etcd = statebroker_cluster_harness::EtcdCluster::start(1).expect("etcd starts");
+        let endpoint = etcd.endpoint(0);
+        let (a, b) = (node("a", &endpoint).await, node("b", &endpoint).await);
+        // Node a writes the key: its cache has that record.
+        assert_eq!(serve(&a, &[b"SET", b"k", b"v0"], 1).await.0, "+OK\r\n");
+        // Request 7 reaches node b first (sent again by its client) and
+        // commits there.
+        let (answer, version) = serve(&b, &[b"SET", b"k", b"v1"], 7).await;
+        assert_eq!(answer, "+OK\r\n");
+        let revision = |etcd: &statebroker_cluster_harness::EtcdCluster| {
+            let out = etcd
+                .etcdctl()
+                .args(["get", "/kv-test/K/k", "-w", "json"])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            text.split("\"mod_revision\":")
+                .nth(1)
+                .and_then(|r| r.split([',', '}']).next())
+                .and_then(|r| r.parse::<i64>().ok())
+                .unwrap_or_else(|| panic!("no mod_revision in {text}"))
+        };
+        let committed = revision(&etcd);
+        // Node a still runs its first copy, planned on its older record:
+        // its transaction fails, finds request 7's record, and answers
+        // with that write instead of committing again.
+        let (again, again_version) = serve(&a, &[b"SET", b"k", b"v1"], 7).await;
+        assert_eq!(again, "+OK\r\n");
+        assert_eq!(
+            again_version, version,
+            "the answer of the write that was made"
+        );
+        assert_eq!(revision(&etcd), committed, "not written again");
+        // Another request on the same key is written, as ever.
+        serve(&a, &[b"SET", b"k", b"v2"], 8).await;
+        assert!(revision(&etcd) > committed);
+    }
+}
