@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use etcd_client::{KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::batches;
 use super::leader::Leader;
@@ -47,9 +47,9 @@ struct Wanted {
     answer: oneshot::Sender<Result<Fetched, String>>,
 }
 
-/// The handle: reads go to the task through it.
+/// The handle: reads go to etcd through it.
 pub(super) struct Reads {
-    wanted: mpsc::UnboundedSender<Wanted>,
+    batcher: batches::Batcher<Batch>,
 }
 
 impl Reads {
@@ -57,23 +57,21 @@ impl Reads {
     /// [`decoding_limit`]); `max_request_bytes` is etcd's request limit.
     /// Must be called within a tokio runtime.
     pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Reads {
-        // The queue needs no bound of its own: every read belongs to a
-        // request the service counted against its bound (`MAX_QUEUED`).
-        let (wanted, queue) = mpsc::unbounded_channel();
         let max_key_bytes = max_request_bytes / 2;
-        tokio::spawn(batches::run(kv, leader, queue, move || Batch {
+        let batcher = batches::Batcher::start(kv, leader, move || Batch {
             max_key_bytes,
             ..Batch::default()
-        }));
-        Reads { wanted }
+        });
+        Reads { batcher }
     }
 
     /// A linearizable read of etcd key `key`.
     pub(super) async fn read(&self, key: Vec<u8>) -> Result<Fetched, String> {
         let (answer, answered) = oneshot::channel();
-        self.wanted
-            .send(Wanted { key, answer })
-            .map_err(|_| "the node is shutting down".to_owned())?;
+        self.batcher
+            .submit(Wanted { key, answer })
+            .await
+            .map_err(|()| "the node is shutting down".to_owned())?;
         answered.await.map_err(|_| batches::NO_ANSWER.to_owned())?
     }
 }

@@ -23,7 +23,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use etcd_client::{Compare, CompareOp, KeyValue, KvClient, Txn, TxnOp, TxnOpResponse};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::batches::{self, Batch as _};
 use super::leader::Leader;
@@ -63,24 +63,21 @@ impl Wanted {
     }
 }
 
-/// The handle: writes go to the task through it.
+/// The handle: writes go to etcd through it.
 pub(super) struct Writes {
-    wanted: mpsc::UnboundedSender<Wanted>,
+    batcher: batches::Batcher<Batch>,
 }
 
 impl Writes {
     /// Starts the task, writing through `kv`; `max_request_bytes` is etcd's
     /// request limit. Must be called within a tokio runtime.
     pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Writes {
-        // No bound of its own: every write belongs to a request the service
-        // counted against its bound (`MAX_QUEUED`).
-        let (wanted, queue) = mpsc::unbounded_channel();
         let max_bytes = max_request_bytes.saturating_sub(FRAMING);
-        tokio::spawn(batches::run(kv, leader, queue, move || Batch {
+        let batcher = batches::Batcher::start(kv, leader, move || Batch {
             max_bytes,
             ..Batch::default()
-        }));
-        Writes { wanted }
+        });
+        Writes { batcher }
     }
 
     /// Puts `record` at etcd key `key` if the key is still at `revision`.
@@ -92,14 +89,15 @@ impl Writes {
         record: Vec<u8>,
     ) -> Result<Outcome, String> {
         let (answer, answered) = oneshot::channel();
-        self.wanted
-            .send(Wanted {
+        self.batcher
+            .submit(Wanted {
                 key,
                 revision,
                 record,
                 answer,
             })
-            .map_err(|_| "the node is shutting down".to_owned())?;
+            .await
+            .map_err(|()| "the node is shutting down".to_owned())?;
         answered.await.map_err(|_| batches::NO_ANSWER.to_owned())?
     }
 }
