@@ -9,6 +9,7 @@
 #       SECONDS per workload (default 10); the workloads (default both).
 #   NODE=path/to/statebroker-node: run that build of the node (to compare
 #   two builds side by side); the default is this tree's release build.
+#   ROUNDS=n: raw etcd and the cluster alternate n times on each line.
 # Needs etcd 3.4+ on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,9 +79,14 @@ run() { # name what c: one line
     esac
     echo "$name $what c=$c: $line"
 }
+# ROUNDS=n: raw etcd and the cluster alternate n times per line (the
+# machine's speed drifts over a run; compare each round's pair).
 for what in "${workloads[@]}"; do
     for c in 1 64; do
-        for name in etcd cluster single; do run "$name" "$what" "$c"; done
+        for _ in $(seq "${ROUNDS:-1}"); do
+            for name in etcd cluster; do run "$name" "$what" "$c"; done
+        done
+        run single "$what" "$c"
         [ "$what" = GET ] && run cached GET "$c"
     done
 done
