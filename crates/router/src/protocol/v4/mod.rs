@@ -225,11 +225,7 @@ fn read_mqtt_bytes(stream: &mut Bytes) -> Result<Bytes, Error> {
 /// Reads a string from bytes stream
 fn read_mqtt_string(stream: &mut Bytes) -> Result<String, Error> {
     let s = read_mqtt_bytes(stream)?;
-    check_no_null(&s)?;
-    match String::from_utf8(s.to_vec()) {
-        Ok(v) => Ok(v),
-        Err(_e) => Err(Error::TopicNotUtf8),
-    }
+    super::mqtt_string(&s)
 }
 
 /// Serializes bytes to stream (including length)
