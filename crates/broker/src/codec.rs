@@ -369,16 +369,16 @@ pub(crate) fn subscription_identifiers_len(ids: &[usize]) -> usize {
 
 /// Writes property `id` with a string (or binary) value.
 pub(crate) fn put_property_string(out: &mut BytesMut, id: u8, s: &[u8]) {
-    use bytes::BufMut;
-    out.put_u8(id);
-    put_string(out, s);
+    // The identifier and the length in one write (each write of a few
+    // bytes is a call).
+    let [hi, lo] = (s.len() as u16).to_be_bytes();
+    out.extend_from_slice(&[id, hi, lo]);
+    out.extend_from_slice(s);
 }
 
 /// Writes a User Property.
 pub(crate) fn put_user_property(out: &mut BytesMut, k: &str, v: &str) {
-    use bytes::BufMut;
-    out.put_u8(0x26);
-    put_string(out, k.as_bytes());
+    put_property_string(out, 0x26, k.as_bytes());
     put_string(out, v.as_bytes());
 }
 
@@ -416,9 +416,8 @@ fn put_varint(out: &mut BytesMut, mut n: usize) {
 }
 
 fn put_string(out: &mut BytesMut, s: &[u8]) {
-    use bytes::BufMut;
-    out.put_u16(s.len() as u16);
-    out.put_slice(s);
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s);
 }
 
 /// The 3.1.1 form of a packet: no properties; `None` if it has none.

@@ -162,16 +162,11 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
 }
 
 /// What every answer carries besides its Correlation Data and `__ts`.
-static ANSWER: FixedProperties = FixedProperties {
-    content_type: CONTENT_TYPE,
-    user_properties: &[("__stat", "200"), ("__protVer", "1.0")],
-};
+static ANSWER: FixedProperties =
+    FixedProperties::new(CONTENT_TYPE, &[("__stat", "200"), ("__protVer", "1.0")]);
 
 /// What every notification carries besides its `__ts`.
-static NOTIFICATION: FixedProperties = FixedProperties {
-    content_type: CONTENT_TYPE,
-    user_properties: &[("__protVer", "1.0")],
-};
+static NOTIFICATION: FixedProperties = FixedProperties::new(CONTENT_TYPE, &[("__protVer", "1.0")]);
 
 /// The notifications of `notice`, one per watcher, each on the watcher's
 /// own notification topic, with `__ts` = the key's version.
