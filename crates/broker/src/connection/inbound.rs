@@ -105,6 +105,12 @@ impl Inbound {
         }
     }
 
+    /// A QoS 1 publish handled here was acknowledged (PUBACK) without a
+    /// packet made for it ([`Inbound::completed`]'s count).
+    pub fn acknowledged_at_once(&mut self) {
+        self.unacknowledged = self.unacknowledged.saturating_sub(1);
+    }
+
     /// Resolves `alias` on `publish`: an empty topic becomes the one the
     /// alias stands for; a topic sets the alias.
     pub fn resolve_alias(&mut self, publish: &mut Publish, alias: u16) -> Result<(), Violation> {
@@ -235,6 +241,12 @@ impl AckOrder {
     /// A QoS 1/2 publish went to the router (which will acknowledge it).
     pub fn routed(&mut self) {
         self.owed += 1;
+    }
+
+    /// Whether an acknowledgement made now goes at once: the router owes
+    /// none before it, and none made here waits.
+    pub fn is_clear(&self) -> bool {
+        self.received >= self.owed && self.held.is_empty()
     }
 
     /// An acknowledgement made here, waiting for request ticket `outcome`:

@@ -87,6 +87,13 @@ pub(crate) struct Start {
     pub from_link: bool,
 }
 
+/// A successful PUBACK without properties, as MQTT 3.1.1 and 5 both encode
+/// it.
+fn puback_bytes(pkid: u16) -> [u8; 4] {
+    let [hi, lo] = pkid.to_be_bytes();
+    [0x40, 0x02, hi, lo]
+}
+
 /// One connection's protocol state; see the module's documentation.
 pub(crate) struct Machine {
     pub id: u64,
@@ -558,6 +565,20 @@ impl Machine {
     /// [`Machine::ack`], held until the request with ticket `outcome` has
     /// its outcome out (a cluster node's, see `store::tickets`).
     pub(super) fn ack_when(&mut self, qos: u8, pkid: u16, accepted: bool, outcome: Option<u64>) {
+        // Every state store request's case: a QoS 1 PUBACK with nothing
+        // ahead of it and nothing to wait for goes straight into the
+        // buffer, the 4 bytes either protocol encodes it as (the packet
+        // made for it, 392 bytes, was moved through five calls).
+        if qos == 1
+            && accepted
+            && outcome.is_none()
+            && !self.gate.is_closed()
+            && self.ack_order.is_clear()
+        {
+            self.inbound.acknowledged_at_once();
+            self.wbuf.extend_from_slice(&puback_bytes(pkid));
+            return;
+        }
         if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, accepted) {
             self.inbound.completed(&ack);
             if let Some((ack, outcome)) = self.ack_order.local(ack, outcome) {

@@ -366,3 +366,20 @@ async fn a_cluster_nodes_acknowledgements_wait_for_their_requests_outcome_in_ord
     assert_eq!(pkids, [5, 6]);
     assert_eq!(m.waiting_for_outcome(), None);
 }
+
+#[test]
+fn a_puback_written_at_once_is_the_codecs() {
+    for protocol in [Protocol::V4, Protocol::V5] {
+        for pkid in [1u16, 0x1234, u16::MAX] {
+            let mut by_codec = BytesMut::new();
+            let ack = PubAck {
+                pkid,
+                reason: PubAckReason::Success,
+            };
+            protocol
+                .write(Packet::PubAck(ack, None), &mut by_codec)
+                .unwrap();
+            assert_eq!(&by_codec[..], &puback_bytes(pkid)[..], "{protocol:?} {pkid}");
+        }
+    }
+}
