@@ -4,37 +4,21 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use azure_iot_operations_services::leased_lock::{ErrorKind, lease, lock};
+use azure_iot_operations_services::leased_lock::ErrorKind;
 use azure_iot_operations_services::state_store::{self, SetOptions};
-use common::{SdkClient, T, TIMEOUT, start_broker};
-
-fn lease_of(c: &SdkClient, holder: &str) -> lease::Client {
-    lease::Client::new(
-        Arc::clone(&c.client),
-        b"the-lease".to_vec(),
-        holder.as_bytes().to_vec(),
-    )
-    .unwrap()
-}
-
-fn lock_of(c: &SdkClient, holder: &str) -> lock::Client {
-    lock::Client::new(
-        Arc::clone(&c.client),
-        b"the-lock".to_vec(),
-        holder.as_bytes().to_vec(),
-    )
-    .unwrap()
-}
+use common::{SdkClient, T, TIMEOUT, lease_client, lock_client, start_broker};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_acquire_contend_release() {
     let broker = start_broker().await;
     let a = SdkClient::connect(broker.local_addr(), "lease-a").await;
     let b = SdkClient::connect(broker.local_addr(), "lease-b").await;
-    let (la, lb) = (lease_of(&a, "A"), lease_of(&b, "B"));
+    let (la, lb) = (
+        lease_client(&a, "the-lease", "A"),
+        lease_client(&b, "the-lease", "B"),
+    );
 
     let token = la.acquire(Duration::from_secs(10), T, None).await.unwrap();
     assert_eq!(la.current_lease_fencing_token(), Some(token.clone()));
@@ -66,7 +50,10 @@ async fn auto_renewal_keeps_the_lease_and_holder_observation_sees_changes() {
     let broker = start_broker().await;
     let a = SdkClient::connect(broker.local_addr(), "renew-a").await;
     let b = SdkClient::connect(broker.local_addr(), "renew-b").await;
-    let (la, lb) = (lease_of(&a, "A"), lease_of(&b, "B"));
+    let (la, lb) = (
+        lease_client(&a, "the-lease", "A"),
+        lease_client(&b, "the-lease", "B"),
+    );
     let mut observation = lb.observe(T).await.unwrap();
 
     la.acquire(
@@ -120,7 +107,10 @@ async fn a_holder_that_stops_renewing_loses_the_lease_and_its_writes_are_fenced(
     let broker = start_broker().await;
     let a = SdkClient::connect(broker.local_addr(), "stale-a").await;
     let b = SdkClient::connect(broker.local_addr(), "stale-b").await;
-    let (la, lb) = (lease_of(&a, "A"), lease_of(&b, "B"));
+    let (la, lb) = (
+        lease_client(&a, "the-lease", "A"),
+        lease_client(&b, "the-lease", "B"),
+    );
 
     let token_a = la
         .acquire(Duration::from_millis(300), T, None)
@@ -188,7 +178,10 @@ async fn two_lockers_take_turns() {
     let broker = start_broker().await;
     let a = SdkClient::connect(broker.local_addr(), "lock-a").await;
     let b = SdkClient::connect(broker.local_addr(), "lock-b").await;
-    let (ka, kb) = (lock_of(&a, "A"), lock_of(&b, "B"));
+    let (ka, kb) = (
+        lock_client(&a, "the-lock", "A"),
+        lock_client(&b, "the-lock", "B"),
+    );
 
     ka.lock(Duration::from_secs(10), T, None).await.unwrap();
     let waiter = tokio::spawn(async move {
@@ -220,7 +213,10 @@ async fn a_waiting_locker_gets_the_lock_when_the_holder_expires() {
     let broker = start_broker().await;
     let a = SdkClient::connect(broker.local_addr(), "expire-a").await;
     let b = SdkClient::connect(broker.local_addr(), "expire-b").await;
-    let (ka, kb) = (lock_of(&a, "A"), lock_of(&b, "B"));
+    let (ka, kb) = (
+        lock_client(&a, "the-lock", "A"),
+        lock_client(&b, "the-lock", "B"),
+    );
     // A takes the lock for 700 ms and never renews nor unlocks.
     ka.lock(Duration::from_millis(700), T, None).await.unwrap();
     let started = std::time::Instant::now();

@@ -138,6 +138,36 @@ impl SdkClient {
     }
 }
 
+/// The SDK's lock client of `key` for `holder`, over `c`'s state store
+/// client.
+pub fn lock_client(
+    c: &SdkClient,
+    key: &str,
+    holder: &str,
+) -> azure_iot_operations_services::leased_lock::lock::Client {
+    azure_iot_operations_services::leased_lock::lock::Client::new(
+        Arc::clone(&c.client),
+        key.as_bytes().to_vec(),
+        holder.as_bytes().to_vec(),
+    )
+    .unwrap()
+}
+
+/// The SDK's lease client of `key` for `holder`, over `c`'s state store
+/// client.
+pub fn lease_client(
+    c: &SdkClient,
+    key: &str,
+    holder: &str,
+) -> azure_iot_operations_services::leased_lock::lease::Client {
+    azure_iot_operations_services::leased_lock::lease::Client::new(
+        Arc::clone(&c.client),
+        key.as_bytes().to_vec(),
+        holder.as_bytes().to_vec(),
+    )
+    .unwrap()
+}
+
 /// The next notification of `observation`, within [`TIMEOUT`].
 pub async fn next_notification(
     observation: &mut state_store::KeyObservation,

@@ -11,31 +11,12 @@ mod common;
 #[allow(dead_code)]
 mod sdk;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use azure_iot_operations_services::leased_lock::{ErrorKind, lease, lock};
+use azure_iot_operations_services::leased_lock::ErrorKind;
 use azure_iot_operations_services::state_store::{self, SetOptions};
 use common::{PATIENCE, Setup, addr};
-use sdk::{SdkClient, T};
-
-fn lock_of(c: &SdkClient, holder: &str) -> lock::Client {
-    lock::Client::new(
-        Arc::clone(&c.client),
-        b"the-lock".to_vec(),
-        holder.as_bytes().to_vec(),
-    )
-    .unwrap()
-}
-
-fn lease_of(c: &SdkClient, holder: &str) -> lease::Client {
-    lease::Client::new(
-        Arc::clone(&c.client),
-        b"the-lock".to_vec(),
-        holder.as_bytes().to_vec(),
-    )
-    .unwrap()
-}
+use sdk::{SdkClient, T, lease_client, lock_client};
 
 /// A SET of `resource` with fencing token `token`.
 async fn fenced_set(
@@ -72,12 +53,15 @@ async fn lockers_on_different_nodes_take_turns_and_a_stale_token_is_refused_ever
     let a = SdkClient::connect(addr(setup.ports[0]), "lock-a").await;
     let b = SdkClient::connect(addr(setup.ports[1]), "lock-b").await;
     let c = SdkClient::connect(addr(setup.ports[2]), "lock-c").await;
-    let (ka, kb) = (lock_of(&a, "A"), lock_of(&b, "B"));
+    let (ka, kb) = (
+        lock_client(&a, "the-lock", "A"),
+        lock_client(&b, "the-lock", "B"),
+    );
 
     let token_a = ka.lock(Duration::from_secs(30), T, None).await.unwrap();
     fenced_set(&a, "by A", &token_a).await.expect("A writes");
     // The lease client on node 3 sees A hold it, and cannot take it.
-    let lc = lease_of(&c, "C");
+    let lc = lease_client(&c, "the-lock", "C");
     assert_eq!(lc.get_holder(T).await.unwrap(), Some(b"A".to_vec()));
     let err = lc
         .acquire(Duration::from_secs(30), T, None)
@@ -130,7 +114,10 @@ async fn a_locker_on_another_node_gets_the_lock_when_the_holders_node_is_killed(
     let a = SdkClient::connect(addr(setup.ports[0]), "dies-a").await;
     let b = SdkClient::connect(addr(setup.ports[1]), "waits-b").await;
     let c = SdkClient::connect(addr(setup.ports[2]), "writes-c").await;
-    let (ka, kb) = (lock_of(&a, "A"), lock_of(&b, "B"));
+    let (ka, kb) = (
+        lock_client(&a, "the-lock", "A"),
+        lock_client(&b, "the-lock", "B"),
+    );
     // A holds the lock for a 3 s term, then its node dies: nobody renews or
     // releases it.
     let term = Duration::from_secs(3);

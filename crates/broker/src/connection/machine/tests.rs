@@ -379,7 +379,11 @@ fn a_puback_written_at_once_is_the_codecs() {
             protocol
                 .write(Packet::PubAck(ack, None), &mut by_codec)
                 .unwrap();
-            assert_eq!(&by_codec[..], &puback_bytes(pkid)[..], "{protocol:?} {pkid}");
+            assert_eq!(
+                &by_codec[..],
+                &puback_bytes(pkid)[..],
+                "{protocol:?} {pkid}"
+            );
         }
     }
 }
