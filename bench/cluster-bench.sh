@@ -10,6 +10,9 @@
 #   NODE=path/to/statebroker-node: run that build of the node (to compare
 #   two builds side by side); the default is this tree's release build.
 #   ROUNDS=n: raw etcd and the cluster alternate n times on each line.
+#   CONNECTIONS="1 64": the connection counts measured.
+# Each cluster line ends with node 1's mean time per request from its
+# /metrics (arrival to answer, and etcd's part of it).
 # Needs etcd 3.4+ on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,12 +71,35 @@ for h in "${hp[@]}"; do
     timeout 30 bash -c "until curl -sf 127.0.0.1:$h/readyz >/dev/null; do sleep 0.2; done"
 done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+# Node 1's time per request, from its /metrics: the sums and counts of
+# arrival-to-answer and of etcd's answers (reads for GET, writes for SET).
+split() { # what
+    local kind
+    kind=$([ "$1" = SET ] && echo write || echo read)
+    curl -s "127.0.0.1:${hp[1]}/metrics" | awk -v kind="$kind" '
+        /^statebroker_statestore_request_duration_seconds_sum/ {s=$2}
+        /^statebroker_statestore_request_duration_seconds_count/ {c=$2}
+        $0 ~ "^statebroker_cluster_etcd_request_duration_seconds_sum.*kind=\"" kind "\"" {es=$2}
+        $0 ~ "^statebroker_cluster_etcd_request_duration_seconds_count.*kind=\"" kind "\"" {ec=$2}
+        END {print s+0, c+0, es+0, ec+0}'
+}
+means() { # before after: the node's and etcd's mean times between them
+    python3 -c 'import sys
+b = [float(x) for x in sys.argv[1].split()]; a = [float(x) for x in sys.argv[2].split()]
+m = lambda i: (a[i] - b[i]) / max(a[i + 1] - b[i + 1], 1) * 1e6
+print(f"| node 1 mean: arrival to answer {m(0):.0f} us, etcd {m(2):.0f} us")' "$1" "$2"
+}
 run() { # name what c: one line
     local name=$1 what=$2 c=$3 ratio line
     ratio=$([ "$what" = SET ] && echo 1 || echo 0)
     case $name in
         etcd) line=$("$txnbench" --endpoints "$endpoints" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio") ;;
-        cluster) line=$("$bench" --target "127.0.0.1:${mp[1]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
+        cluster)
+            local before
+            before=$(split "$what")
+            line=$("$bench" --target "127.0.0.1:${mp[1]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ')
+            line+=$(means "$before" "$(split "$what")")
+            ;;
         cached) line=$("$bench" --target "127.0.0.1:${mp[4]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
         single) line=$("$bench" --target "127.0.0.1:$single" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
     esac
@@ -82,7 +108,7 @@ run() { # name what c: one line
 # ROUNDS=n: raw etcd and the cluster alternate n times per line (the
 # machine's speed drifts over a run; compare each round's pair).
 for what in "${workloads[@]}"; do
-    for c in 1 64; do
+    for c in ${CONNECTIONS:-1 64}; do
         for _ in $(seq "${ROUNDS:-1}"); do
             for name in etcd cluster; do run "$name" "$what" "$c"; done
         done

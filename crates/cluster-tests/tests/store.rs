@@ -287,6 +287,16 @@ async fn concurrent_gets_each_get_their_own_key_and_scan_large_values() {
         requests < reads,
         "{requests} etcd requests for {reads} reads: none went together"
     );
+    // Each answered read request's time is in etcd's histogram.
+    let timed = |what: &str| {
+        metric(
+            http,
+            &format!("statebroker_cluster_etcd_request_duration_seconds_{what}{{kind=\"read\"}}"),
+        )
+        .expect("etcd's time of the reads")
+    };
+    assert_eq!(timed("count"), requests, "every read request timed once");
+    assert!(timed("sum") > 0.0);
     let page = writer
         .request(&[b"SCAN", b"key-*"], &[])
         .await

@@ -26,7 +26,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::KvClient;
 use tokio::sync::{Mutex, MutexGuard, OwnedSemaphorePermit, Semaphore, mpsc, watch};
@@ -47,6 +47,9 @@ const MAX_OUT: usize = 16;
 pub(super) trait Batch: Send + 'static {
     /// One request waiting.
     type Item: Send + 'static;
+    /// `read` or `write`: the label of the batches' etcd time in the
+    /// metrics.
+    const KIND: &'static str;
     /// Whether `item` can join (a batch always takes its first).
     fn fits(&self, item: &Self::Item) -> bool;
     fn add(&mut self, item: Self::Item);
@@ -136,10 +139,12 @@ impl Out {
     ) {
         let number = self.sent.fetch_add(1, Ordering::AcqRel) + 1;
         let term = self.leader.term();
+        let sent = Instant::now();
         let mut sending = Box::pin(batch.send(self.kv.clone(), Arc::clone(&self.leader)));
         tokio::select! {
             ok = &mut sending => {
                 if ok {
+                    crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
                     self.note_answered(number);
                 }
                 drop(slot);
@@ -154,6 +159,7 @@ impl Out {
                     tokio::select! {
                         ok = sending => {
                             if ok {
+                                crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
                                 out.note_answered(number);
                             }
                         }

@@ -99,6 +99,7 @@ struct Batch {
 
 impl batches::Batch for Batch {
     type Item = Wanted;
+    const KIND: &'static str = "read";
 
     /// A key already in the batch always joins.
     fn fits(&self, wanted: &Wanted) -> bool {

@@ -114,6 +114,7 @@ struct Batch {
 
 impl batches::Batch for Batch {
     type Item = Wanted;
+    const KIND: &'static str = "write";
 
     /// A key not in the batch yet (one write per key), within the bounds.
     fn fits(&self, wanted: &Wanted) -> bool {

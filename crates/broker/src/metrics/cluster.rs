@@ -2,8 +2,8 @@
 //! others' shape, described with them at install.
 
 #[cfg(feature = "cluster")]
-use metrics::{Counter, counter, gauge};
-use metrics::{describe_counter, describe_gauge};
+use metrics::{Counter, counter, gauge, histogram};
+use metrics::{describe_counter, describe_gauge, describe_histogram};
 
 /// Clustering: state store requests refused for etcd's limits, by reason.
 pub const CLUSTER_REFUSED: &str = "statebroker_cluster_requests_refused_total";
@@ -32,6 +32,11 @@ pub const CLUSTER_ETCD_LEADER_CHANGES: &str = "statebroker_cluster_etcd_leader_c
 /// `overtaken`: a batch sent later was answered first); their requests
 /// try again (see `cluster/batches.rs`).
 pub const CLUSTER_GIVEN_UP: &str = "statebroker_cluster_etcd_requests_given_up_total";
+/// Clustering: time from sending a batch of reads (`kind="read"`) or
+/// writes (`kind="write"`) to etcd until its answer, for the batches etcd
+/// answered: what etcd takes of a request's time on the node
+/// ([`super::STORE_REQUEST_SECONDS`]); the rest is the node's own.
+pub const CLUSTER_ETCD_SECONDS: &str = "statebroker_cluster_etcd_request_duration_seconds";
 /// Clustering: records kept in the node's cache, and their bytes.
 pub const CLUSTER_CACHE_RECORDS: &str = "statebroker_cluster_cache_records";
 /// Clustering: see [`CLUSTER_CACHE_RECORDS`].
@@ -85,6 +90,11 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_ETCD_LEADER_CHANGES,
         "Clustering: times this node saw etcd elect a new leader"
+    );
+    describe_histogram!(
+        CLUSTER_ETCD_SECONDS,
+        metrics::Unit::Seconds,
+        "Clustering: etcd requests (batches of reads or writes) sent to answered, by kind"
     );
     describe_counter!(
         CLUSTER_GIVEN_UP,
@@ -174,6 +184,12 @@ pub fn cluster_read_batch(reads: usize) {
 pub fn cluster_write_batch(writes: usize) {
     counter!(CLUSTER_WRITE_REQUESTS).increment(1);
     counter!(CLUSTER_WRITES).increment(writes as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: etcd answered a batch of `kind` (`read`, `write`) in `took`.
+pub fn cluster_etcd_answered(kind: &'static str, took: std::time::Duration) {
+    histogram!(CLUSTER_ETCD_SECONDS, "kind" => kind).record(took.as_secs_f64());
 }
 
 #[cfg(feature = "cluster")]

@@ -123,12 +123,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
             .map_or(0, |d| d.as_micros())
     };
+    let mean = latencies.iter().sum::<Duration>() / u32::try_from(latencies.len().max(1))?;
     println!(
-        "{:.0} requests/s, {} errors; latency p50 {} us, p99 {} us",
+        "{:.0} requests/s, {} errors; latency p50 {} us, p99 {} us, mean {} us",
         latencies.len() as f64 / args.duration,
         errors,
         at(0.50),
-        at(0.99)
+        at(0.99),
+        mean.as_micros()
     );
     Ok(())
 }
