@@ -162,7 +162,7 @@ fn builder() -> PrometheusBuilder {
         SECONDS_BUCKETS,
     );
     let b = with(b, PERSISTENCE_SYNC_SECONDS, SECONDS_BUCKETS);
-    let b = with(b, CLUSTER_ETCD_SECONDS, SECONDS_BUCKETS);
+    let b = with(b, cluster::CLUSTER_ETCD_SECONDS, SECONDS_BUCKETS);
     with(b, PERSISTENCE_BATCH, BATCH_BUCKETS)
 }
 
