@@ -37,6 +37,14 @@ pub(crate) fn is_direct(pkid: u16) -> bool {
     pkid >= FIRST_DIRECT_PKID
 }
 
+/// How the maps keyed by packet id hash: FxHash (`rustc-hash`, a multiply
+/// for a `u16`) rather than SipHash (about 120 instructions per look-up,
+/// three per state store request). SipHash's key stops a client from
+/// choosing keys that collide; these maps hold only ids the broker chose
+/// (a client's acknowledgement can look one up or remove it, not add
+/// one), at most the client's Receive Maximum of them.
+type PacketIds = rustc_hash::FxBuildHasher;
+
 /// Everything the connection sends the client at QoS 1/2, and the limits it
 /// sends within.
 #[derive(Debug)]
@@ -49,10 +57,10 @@ pub(crate) struct Outbound {
     router_in_flight: usize,
     /// The router's QoS 2 publishes the client has PUBREC'd (in flight
     /// until PUBCOMP).
-    router_released: HashSet<u16>,
+    router_released: HashSet<u16, PacketIds>,
     /// The QoS of the router's publishes written and not yet PUBACK'd or
     /// PUBREC'd, by packet id: which acknowledgement each wants (4.3).
-    router_qos: HashMap<u16, u8>,
+    router_qos: HashMap<u16, u8, PacketIds>,
     /// The router's QoS 1/2 publishes, encoded, waiting for room.
     held: VecDeque<Bytes>,
     max_packet_size: usize,
@@ -76,8 +84,8 @@ impl Outbound {
             direct: DirectWindow::new(max_packet_size, bound),
             receive_maximum: usize::from(receive_maximum.max(1)),
             router_in_flight: 0,
-            router_released: HashSet::new(),
-            router_qos: HashMap::new(),
+            router_released: HashSet::default(),
+            router_qos: HashMap::default(),
             held: VecDeque::new(),
             max_packet_size,
             discarded: 0,
@@ -171,7 +179,12 @@ impl Outbound {
         out: &mut BytesMut,
     ) {
         self.router.acknowledged(pkid, to_router);
-        self.router_qos.remove(&pkid);
+        // Only a delivery written here and not yet acknowledged changes
+        // what is in flight: an acknowledgement of another id (sent again,
+        // or made up) adds no entry and frees no room.
+        if self.router_qos.remove(&pkid).is_none() {
+            return;
+        }
         if qos2 {
             self.router_released.insert(pkid);
         } else {
@@ -390,7 +403,7 @@ impl TopicAliases {
 #[derive(Debug)]
 pub(crate) struct DirectWindow {
     /// Sent at QoS 1, not yet acknowledged, by packet id.
-    inflight: HashMap<u16, Direct>,
+    inflight: HashMap<u16, Direct, PacketIds>,
     /// Waiting for room under the client's Receive Maximum.
     pending: VecDeque<Direct>,
     last_pkid: u16,
@@ -405,7 +418,7 @@ impl DirectWindow {
     pub fn new(max_packet_size: usize, bound: Arc<QueueBound>) -> DirectWindow {
         DirectWindow {
             bound,
-            inflight: HashMap::new(),
+            inflight: HashMap::default(),
             pending: VecDeque::new(),
             last_pkid: FIRST_DIRECT_PKID - 1,
             max_packet_size,
@@ -575,6 +588,26 @@ mod tests {
             .map(|m| m.payload[0])
             .collect();
         assert_eq!(left, vec![4]);
+    }
+
+    /// An acknowledgement of an id not in flight (sent again, or made up)
+    /// neither adds a QoS 2 flow nor frees room.
+    #[test]
+    fn acknowledgements_of_ids_not_in_flight_change_nothing() {
+        let mut o = outbound(1, usize::MAX);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        o.forward(routed(1, 1), false, Protocol::V5, &mut out, &mut to_router);
+        o.forward(routed(2, 2), false, Protocol::V5, &mut out, &mut to_router);
+        assert_eq!(sent(&mut out), vec![(1, 1)], "one in flight");
+        o.router_acknowledged(9, true, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(o.delivery_qos(9), None, "no QoS 2 flow for id 9");
+        o.router_acknowledged(9, false, &mut to_router, Protocol::V5, &mut out);
+        o.router_completed(9, Protocol::V5, &mut out);
+        assert!(sent(&mut out).is_empty(), "no room freed");
+        o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(2, 2)]);
+        o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(o.router_in_flight, 1, "a second PUBACK of 1 frees nothing");
     }
 
     #[test]
