@@ -64,9 +64,9 @@ pub(crate) async fn read_connect<S: Stream>(
         }
         Ok(Ok(Packet::Connect(connect, properties, will, will_properties, login))) => Some(Hello {
             connect,
-            properties,
-            will,
-            will_properties,
+            properties: properties.map(|p| *p),
+            will: will.map(|w| *w),
+            will_properties: will_properties.map(|p| *p),
             login,
         }),
         Ok(Ok(_)) => None,
@@ -185,7 +185,7 @@ pub(crate) fn refusal(protocol: Protocol, refusal: Refusal) -> Option<Packet> {
             session_present: false,
             code,
         },
-        properties,
+        properties.map(Box::new),
     ))
 }
 
@@ -431,7 +431,7 @@ pub(crate) fn connack(session_present: bool, properties: ConnAckProperties) -> P
         session_present,
         code: ConnectReturnCode::Success,
     };
-    Packet::ConnAck(ack, Some(properties))
+    Packet::ConnAck(ack, Some(Box::new(properties)))
 }
 
 /// The properties of the CONNACK that accepts a connection (MQTT 5), within

@@ -18,14 +18,18 @@ use crate::Notification;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Packet {
+    // statebroker patch 31: the large parts of CONNECT and CONNACK are
+    // boxed, so that a `Packet` is as large as a PUBLISH with its
+    // properties (216 bytes), not a CONNECT's 392: every packet is moved
+    // several times between the socket and the router.
     Connect(
         Connect,
-        Option<ConnectProperties>,
-        Option<LastWill>,
-        Option<LastWillProperties>,
+        Option<Box<ConnectProperties>>,
+        Option<Box<LastWill>>,
+        Option<Box<LastWillProperties>>,
         Option<Login>,
     ),
-    ConnAck(ConnAck, Option<ConnAckProperties>),
+    ConnAck(ConnAck, Option<Box<ConnAckProperties>>),
     Publish(Publish, Option<PublishProperties>),
     PubAck(PubAck, Option<PubAckProperties>),
     PingReq(PingReq),
@@ -840,6 +844,81 @@ pub(crate) fn check_no_null(s: &[u8]) -> Result<(), Error> {
 pub trait Protocol {
     fn read_mut(&mut self, stream: &mut BytesMut, max_size: usize) -> Result<Packet, Error>;
     fn write(&self, packet: Packet, write: &mut BytesMut) -> Result<usize, Error>;
+}
+
+/// Patch 31: a packet is no larger than a PUBLISH with its properties,
+/// and a CONNECT and a CONNACK with every boxed part still go through
+/// both codecs unchanged.
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    #[test]
+    fn a_packet_is_as_large_as_a_publish_with_its_properties() {
+        let publish = std::mem::size_of::<(Publish, Option<PublishProperties>)>();
+        let packet = std::mem::size_of::<Packet>();
+        assert!(
+            packet <= publish + 8,
+            "Packet is {packet} bytes, a publish with its properties {publish}"
+        );
+    }
+
+    #[test]
+    fn a_connect_and_a_connack_with_every_part_come_back_the_same() {
+        let connect = Packet::Connect(
+            Connect {
+                keep_alive: 30,
+                client_id: "c".into(),
+                clean_session: false,
+            },
+            Some(Box::new(ConnectProperties {
+                session_expiry_interval: Some(60),
+                receive_maximum: Some(10),
+                max_packet_size: Some(1000),
+                topic_alias_max: Some(4),
+                request_response_info: Some(1),
+                request_problem_info: Some(0),
+                user_properties: vec![("k".into(), "v".into())],
+                authentication_method: None,
+                authentication_data: None,
+            })),
+            Some(Box::new(LastWill {
+                topic: Bytes::from_static(b"w"),
+                message: Bytes::from_static(b"gone"),
+                qos: QoS::AtLeastOnce,
+                retain: true,
+            })),
+            Some(Box::new(LastWillProperties {
+                delay_interval: Some(5),
+                payload_format_indicator: Some(1),
+                message_expiry_interval: Some(30),
+                content_type: Some("text/plain".into()),
+                response_topic: Some("r".into()),
+                correlation_data: Some(Bytes::from_static(b"c")),
+                user_properties: vec![("wk".into(), "wv".into())],
+            })),
+            Some(Login {
+                username: "u".into(),
+                password: "p".into(),
+            }),
+        );
+        let connack = Packet::ConnAck(
+            ConnAck {
+                session_present: true,
+                code: ConnectReturnCode::Success,
+            },
+            Some(Box::new(ConnAckProperties {
+                session_expiry_interval: Some(60),
+                ..ConnAckProperties::default()
+            })),
+        );
+        for packet in [connect, connack] {
+            let mut buffer = BytesMut::new();
+            v5::V5.write(packet.clone(), &mut buffer).unwrap();
+            let back = v5::V5.read_mut(&mut buffer, 1 << 20).unwrap();
+            assert_eq!(back, packet);
+        }
+    }
 }
 
 /// Patch 30: [`mqtt_string`] against the checks it replaced.

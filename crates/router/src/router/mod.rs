@@ -160,7 +160,7 @@ pub enum Ack {
 impl From<Ack> for Packet {
     fn from(value: Ack) -> Self {
         match value {
-            Ack::ConnAck(_id, connack, props) => Packet::ConnAck(connack, props),
+            Ack::ConnAck(_id, connack, props) => Packet::ConnAck(connack, props.map(Box::new)),
             Ack::PubAck(puback) => Packet::PubAck(puback, None),
             Ack::PubAckWithProperties(puback, prop) => Packet::PubAck(puback, Some(prop)),
             Ack::SubAck(suback) => Packet::SubAck(suback, None),

@@ -309,7 +309,7 @@ impl Protocol for V4 {
         let packet = match packet_type {
             PacketType::Connect => {
                 let (connect, login, lastwill) = connect::read(fixed_header, packet)?;
-                Packet::Connect(connect, None, lastwill, None, login)
+                Packet::Connect(connect, None, lastwill.map(Box::new), None, login)
             }
             PacketType::ConnAck => Packet::ConnAck(connack::read(fixed_header, packet)?, None),
             PacketType::Publish => Packet::Publish(publish::read(fixed_header, packet)?, None),
@@ -339,7 +339,7 @@ impl Protocol for V4 {
     fn write(&self, packet: Packet, buffer: &mut BytesMut) -> Result<usize, Error> {
         let size = match packet {
             Packet::Connect(connect, None, last_will, None, login) => {
-                connect::write(&connect, &login, &last_will, buffer)?
+                connect::write(&connect, &login, &last_will.map(|w| *w), buffer)?
             }
             // TODO: set ConnAckProperties conditionally based on version
             // currently we can't conditionally set them based on v5 or v4,

@@ -382,7 +382,13 @@ impl Protocol for V5 {
             PacketType::Connect => {
                 let (connect, properties, will, willproperties, login) =
                     connect::read(fixed_header, packet)?;
-                Packet::Connect(connect, properties, will, willproperties, login)
+                Packet::Connect(
+                    connect,
+                    properties.map(Box::new),
+                    will.map(Box::new),
+                    willproperties.map(Box::new),
+                    login,
+                )
             }
             PacketType::Publish => {
                 let (publish, properties) = publish::read(fixed_header, packet)?;
@@ -426,7 +432,7 @@ impl Protocol for V5 {
             // reads (these two were an `unreachable!()` panic).
             PacketType::ConnAck => {
                 let (connack, properties) = connack::read(fixed_header, packet)?;
-                Packet::ConnAck(connack, properties)
+                Packet::ConnAck(connack, properties.map(Box::new))
             }
             PacketType::UnsubAck => {
                 let (unsuback, properties) = unsuback::read(fixed_header, packet)?;
@@ -447,13 +453,15 @@ impl Protocol for V5 {
                 login,
             ) => connect::write(
                 &connect,
-                &connect_properties,
-                &last_will,
-                &last_will_properties,
+                &connect_properties.map(|p| *p),
+                &last_will.map(|w| *w),
+                &last_will_properties.map(|p| *p),
                 &login,
                 buffer,
             )?,
-            Packet::ConnAck(connack, properties) => connack::write(&connack, &properties, buffer)?,
+            Packet::ConnAck(connack, properties) => {
+                connack::write(&connack, &properties.map(|p| *p), buffer)?
+            }
             Packet::Publish(publish, properties) => publish::write(&publish, &properties, buffer)?,
             Packet::PubAck(puback, properties) => puback::write(&puback, &properties, buffer)?,
             Packet::Subscribe(subscribe, properties) => {
