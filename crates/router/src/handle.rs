@@ -354,8 +354,8 @@ mod tests {
         let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
         let mark = crate::protocol::PublishProperties {
             user_properties: vec![
-                (crate::NOT_FOR_GROUP.to_owned(), "$share/g/t".to_owned()),
-                ("kept".to_owned(), "yes".to_owned()),
+                (crate::NOT_FOR_GROUP.into(), "$share/g/t".into()),
+                ("kept".into(), "yes".into()),
             ],
             ..Default::default()
         };

@@ -231,7 +231,12 @@ impl Peers {
             if !assignment.is_empty() {
                 let mut marks = PublishProperties::default();
                 super::Shares::mark(assignment, &link.node_id, &mut marks);
-                properties.user_properties.extend(marks.user_properties);
+                properties.user_properties.extend(
+                    marks
+                        .user_properties
+                        .into_iter()
+                        .map(|(k, v)| (k.into(), v.into())),
+                );
             }
             let sent = link.client.try_publish_with_properties(
                 topic,
@@ -406,11 +411,15 @@ fn link_properties(p: &PublishProperties) -> LinkProperties {
         payload_format_indicator: p.payload_format_indicator,
         message_expiry_interval: p.message_expiry_interval,
         topic_alias: None,
-        response_topic: p.response_topic.clone(),
+        response_topic: p.response_topic.as_deref().map(str::to_owned),
         correlation_data: p.correlation_data.clone(),
-        user_properties: p.user_properties.clone(),
+        user_properties: p
+            .user_properties
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         subscription_identifiers: Vec::new(),
-        content_type: p.content_type.clone(),
+        content_type: p.content_type.as_deref().map(str::to_owned),
     }
 }
 

@@ -123,7 +123,7 @@ impl Shares {
             if to != node {
                 properties
                     .user_properties
-                    .push((router::NOT_FOR_GROUP.to_owned(), group.clone()));
+                    .push((router::NOT_FOR_GROUP.into(), group.as_str().into()));
             }
         }
     }
@@ -393,7 +393,7 @@ mod tests {
         Shares::mark(&turns[0], "b", &mut to_b);
         assert_eq!(
             to_b.user_properties,
-            [(router::NOT_FOR_GROUP.to_owned(), "$share/g/t/+".to_owned())]
+            [(router::NOT_FOR_GROUP.into(), "$share/g/t/+".into())]
         );
         let mut to_a = PublishProperties::default();
         Shares::mark(&turns[0], "a", &mut to_a);

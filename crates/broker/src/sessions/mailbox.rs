@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use router::protocol::PublishProperties;
+use router::protocol::{ByteString, PublishProperties};
 use tokio::sync::mpsc;
 
 /// What the broker tells a connection task.
@@ -234,14 +234,14 @@ impl DirectProperties {
                 varying,
                 subscription_identifiers,
             } => {
-                let mut user_properties: Vec<(String, String)> = fixed
+                let mut user_properties: Vec<(ByteString, ByteString)> = fixed
                     .user_properties
                     .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .map(|&(k, v)| (ByteString::from_static(k), ByteString::from_static(v)))
                     .collect();
-                user_properties.push((varying.0.to_owned(), varying.1));
+                user_properties.push((ByteString::from_static(varying.0), varying.1.into()));
                 PublishProperties {
-                    content_type: Some(fixed.content_type.to_owned()),
+                    content_type: Some(ByteString::from_static(fixed.content_type)),
                     correlation_data,
                     subscription_identifiers,
                     user_properties,

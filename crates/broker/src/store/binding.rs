@@ -107,11 +107,12 @@ pub fn admit<'a>(
     qos: u8,
     dialect: Dialect,
 ) -> Admission<'a> {
-    let Some(topic) = properties.response_topic.clone() else {
+    let Some(topic) = &properties.response_topic else {
         return Admission::Ignore;
     };
     let reply_to = ReplyTo {
-        topic,
+        // A copy, as the correlation data's below.
+        topic: topic.to_string(),
         // A copy: a slice would keep the whole read buffer alive for as
         // long as the router keeps the response.
         correlation: properties
@@ -132,7 +133,7 @@ pub fn admit<'a>(
             .user_properties
             .iter()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+            .map(|(_, v)| &**v)
     };
     let request = Request {
         payload,
@@ -197,7 +198,7 @@ mod tests {
 
     fn props(response_topic: Option<&str>, correlation: Option<&[u8]>) -> PublishProperties {
         PublishProperties {
-            response_topic: response_topic.map(str::to_owned),
+            response_topic: response_topic.map(Into::into),
             correlation_data: correlation.map(Bytes::copy_from_slice),
             user_properties: vec![
                 ("__ts".into(), "1:0:c1".into()),
@@ -280,7 +281,7 @@ mod tests {
             .user_properties
             .into_iter()
             .find(|(k, _)| k == name)
-            .map(|(_, v)| v)
+            .map(|(_, v)| v.into())
     }
 
     /// The message's properties as a publish has them.

@@ -10,6 +10,7 @@ use std::{io, str::Utf8Error, string::FromUtf8Error};
 /// MQTT is the core protocol that this broker supports, a lot of structs closely
 /// map to what MQTT specifies in its protocol
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+pub use bytestring::ByteString;
 
 use crate::Notification;
 
@@ -247,16 +248,19 @@ impl Publish {
     }
 }
 
+/// statebroker patch 32: the strings are [`ByteString`]s, which share the
+/// packet's bytes (a state store request has six: taken without a copy or
+/// an allocation each).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PublishProperties {
     pub payload_format_indicator: Option<u8>,
     pub message_expiry_interval: Option<u32>,
     pub topic_alias: Option<u16>,
-    pub response_topic: Option<String>,
+    pub response_topic: Option<ByteString>,
     pub correlation_data: Option<Bytes>,
-    pub user_properties: Vec<(String, String)>,
+    pub user_properties: Vec<(ByteString, ByteString)>,
     pub subscription_identifiers: Vec<usize>,
-    pub content_type: Option<String>,
+    pub content_type: Option<ByteString>,
 }
 
 //--------------------------- PublishAck packet -------------------------------
@@ -801,6 +805,17 @@ pub(crate) fn check_fixed_header_flags(byte1: u8) -> Result<(), Error> {
 /// the validation); other strings are checked as before (statebroker patch
 /// 30: a NUL search, then the UTF-8 validation, was ~170 instructions per
 /// string, six strings per state store request).
+/// statebroker patch 32: [`mqtt_string`]'s checks, the string sharing
+/// `bytes` rather than copied.
+pub(crate) fn mqtt_byte_string(bytes: Bytes) -> Result<ByteString, Error> {
+    if !ascii_without_nul(&bytes) {
+        check_no_null(&bytes)?;
+        std::str::from_utf8(&bytes).map_err(|_| Error::TopicNotUtf8)?;
+    }
+    // SAFETY: the bytes are ASCII, or were just checked to be UTF-8.
+    Ok(unsafe { ByteString::from_bytes_unchecked(bytes) })
+}
+
 pub(crate) fn mqtt_string(bytes: &[u8]) -> Result<String, Error> {
     if ascii_without_nul(bytes) {
         // SAFETY: every byte is ASCII (below 0x80), and ASCII is UTF-8.
@@ -933,11 +948,40 @@ mod string_tests {
     }
 
     fn same(bytes: &[u8]) {
-        assert_eq!(
-            format!("{:?}", mqtt_string(bytes)),
-            format!("{:?}", before(bytes)),
-            "{bytes:?}"
+        let old = format!("{:?}", before(bytes));
+        assert_eq!(format!("{:?}", mqtt_string(bytes)), old, "{bytes:?}");
+        // Patch 32: a string sharing the packet's bytes, the same checks.
+        let shared = mqtt_byte_string(Bytes::copy_from_slice(bytes)).map(String::from);
+        assert_eq!(format!("{shared:?}"), old, "{bytes:?}");
+    }
+
+    /// Patch 32: a publish's property strings, ASCII or not, come back
+    /// as they were written; one that is not UTF-8 is refused.
+    #[test]
+    fn a_publishs_property_strings_come_back_the_same() {
+        let publish = Packet::Publish(
+            Publish::new("t", "p", false),
+            Some(PublishProperties {
+                response_topic: Some("réponse/1".into()),
+                content_type: Some("application/octet-stream".into()),
+                user_properties: vec![("__ts".into(), "1:0:c".into()), ("clé".into(), "".into())],
+                correlation_data: Some(Bytes::from_static(b"c")),
+                ..PublishProperties::default()
+            }),
         );
+        let mut buffer = BytesMut::new();
+        v5::V5.write(publish.clone(), &mut buffer).unwrap();
+        let written = buffer.clone();
+        assert_eq!(v5::V5.read_mut(&mut buffer, 1 << 20).unwrap(), publish);
+        // "clé" as Latin-1: not UTF-8.
+        let at = written
+            .windows(4)
+            .position(|w| w == "clé".as_bytes())
+            .unwrap();
+        let mut broken = written.to_vec();
+        broken.splice(at..at + 4, [b'c', b'l', 0xe9, b'!']);
+        let mut broken = BytesMut::from(&broken[..]);
+        assert!(v5::V5.read_mut(&mut broken, 1 << 20).is_err());
     }
 
     #[test]

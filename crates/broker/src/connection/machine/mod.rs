@@ -836,5 +836,5 @@ fn handed_over(properties: Option<&mut PublishProperties>) -> Option<String> {
         .user_properties
         .iter()
         .position(|(k, _)| k == crate::publisher::HANDOVER)?;
-    Some(properties.user_properties.remove(at).1)
+    Some(properties.user_properties.remove(at).1.into())
 }

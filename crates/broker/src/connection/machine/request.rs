@@ -46,7 +46,7 @@ impl Machine {
         {
             tracing::info!(
                 client_id = self.client_id,
-                response_topic = topic,
+                response_topic = &**topic,
                 "request refused: the authorization policy denies subscribing to its response topic"
             );
             self.ack(qos, pkid, false);

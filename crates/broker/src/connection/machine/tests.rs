@@ -230,7 +230,10 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
     let properties = PublishProperties {
         response_topic: Some("clients/c1/response".into()),
         correlation_data: Some(Bytes::from_static(b"1")),
-        user_properties: vec![("__ts".into(), format!("{}:0:c1", crate::clock::now_ms()))],
+        user_properties: vec![(
+            "__ts".into(),
+            format!("{}:0:c1", crate::clock::now_ms()).into(),
+        )],
         ..PublishProperties::default()
     };
     let request = crate::codec::publish(topics::REQUEST_TOPIC.as_bytes(), &payload, 1, 9, false);

@@ -271,6 +271,11 @@ fn read_mqtt_string(stream: &mut Bytes) -> Result<String, Error> {
     super::mqtt_string(&s)
 }
 
+/// statebroker patch 32: a string that shares the packet's bytes.
+fn read_mqtt_byte_string(stream: &mut Bytes) -> Result<super::ByteString, Error> {
+    super::mqtt_byte_string(read_mqtt_bytes(stream)?)
+}
+
 /// Serializes bytes to stream (including length)
 fn write_mqtt_bytes(stream: &mut BytesMut, bytes: &[u8]) {
     stream.put_u16(bytes.len() as u16);

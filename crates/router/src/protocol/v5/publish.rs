@@ -170,7 +170,7 @@ mod properties {
                     cursor += 2;
                 }
                 PropertyType::ResponseTopic => {
-                    let topic = read_mqtt_string(bytes)?;
+                    let topic = read_mqtt_byte_string(bytes)?;
                     cursor += 2 + topic.len();
                     response_topic = Some(topic);
                 }
@@ -180,8 +180,8 @@ mod properties {
                     correlation_data = Some(data);
                 }
                 PropertyType::UserProperty => {
-                    let key = read_mqtt_string(bytes)?;
-                    let value = read_mqtt_string(bytes)?;
+                    let key = read_mqtt_byte_string(bytes)?;
+                    let value = read_mqtt_byte_string(bytes)?;
                     cursor += 2 + key.len() + 2 + value.len();
                     user_properties.push((key, value));
                 }
@@ -192,7 +192,7 @@ mod properties {
                     subscription_identifiers.push(id);
                 }
                 PropertyType::ContentType => {
-                    let typ = read_mqtt_string(bytes)?;
+                    let typ = read_mqtt_byte_string(bytes)?;
                     cursor += 2 + typ.len();
                     content_type = Some(typ);
                 }
