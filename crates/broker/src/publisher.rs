@@ -231,19 +231,7 @@ pub fn will_publish(
         pkid,
         will.retain,
     );
-    let properties = properties.map(|p| PublishProperties {
-        payload_format_indicator: p.payload_format_indicator,
-        message_expiry_interval: p.message_expiry_interval,
-        content_type: p.content_type.map(Into::into),
-        response_topic: p.response_topic.map(Into::into),
-        correlation_data: p.correlation_data,
-        user_properties: p
-            .user_properties
-            .into_iter()
-            .map(|(k, v)| (k.into(), v.into()))
-            .collect(),
-        ..PublishProperties::default()
-    });
+    let properties = properties.map(PublishProperties::from);
     (publish, properties)
 }
 

@@ -263,6 +263,26 @@ pub struct PublishProperties {
     pub content_type: Option<ByteString>,
 }
 
+/// A will's properties as its publish carries them (the router's wills and
+/// the broker's, statebroker patch 32: the strings become `ByteString`s).
+impl From<LastWillProperties> for PublishProperties {
+    fn from(props: LastWillProperties) -> PublishProperties {
+        PublishProperties {
+            payload_format_indicator: props.payload_format_indicator,
+            message_expiry_interval: props.message_expiry_interval,
+            response_topic: props.response_topic.map(Into::into),
+            correlation_data: props.correlation_data,
+            user_properties: props
+                .user_properties
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
+            content_type: props.content_type.map(Into::into),
+            ..PublishProperties::default()
+        }
+    }
+}
+
 //--------------------------- PublishAck packet -------------------------------
 
 /// Return code in puback
@@ -798,31 +818,34 @@ pub(crate) fn check_fixed_header_flags(byte1: u8) -> Result<(), Error> {
     }
 }
 
-/// An MQTT UTF-8 string as a `String`: valid UTF-8 ([MQTT-1.5.4-1])
+/// Whether `bytes` are an MQTT UTF-8 string: valid UTF-8 ([MQTT-1.5.4-1])
 /// without U+0000 ([MQTT-1.5.4-2], patch 18). Nearly every topic and
 /// property is ASCII: one pass over its bytes tells that it is ASCII with
-/// no NUL, and it is taken without UTF-8 validation (the ASCII check is
-/// the validation); other strings are checked as before (statebroker patch
+/// no NUL, which needs no UTF-8 validation (the ASCII check is the
+/// validation); other strings are checked as before (statebroker patch
 /// 30: a NUL search, then the UTF-8 validation, was ~170 instructions per
 /// string, six strings per state store request).
-/// statebroker patch 32: [`mqtt_string`]'s checks, the string sharing
-/// `bytes` rather than copied.
-pub(crate) fn mqtt_byte_string(bytes: Bytes) -> Result<ByteString, Error> {
-    if !ascii_without_nul(&bytes) {
-        check_no_null(&bytes)?;
-        std::str::from_utf8(&bytes).map_err(|_| Error::TopicNotUtf8)?;
+fn check_mqtt_string(bytes: &[u8]) -> Result<(), Error> {
+    if !ascii_without_nul(bytes) {
+        check_no_null(bytes)?;
+        std::str::from_utf8(bytes).map_err(|_| Error::TopicNotUtf8)?;
     }
-    // SAFETY: the bytes are ASCII, or were just checked to be UTF-8.
-    Ok(unsafe { ByteString::from_bytes_unchecked(bytes) })
+    Ok(())
 }
 
+/// An MQTT UTF-8 string as a `String` (see [`check_mqtt_string`]).
 pub(crate) fn mqtt_string(bytes: &[u8]) -> Result<String, Error> {
-    if ascii_without_nul(bytes) {
-        // SAFETY: every byte is ASCII (below 0x80), and ASCII is UTF-8.
-        return Ok(unsafe { String::from_utf8_unchecked(bytes.to_vec()) });
-    }
-    check_no_null(bytes)?;
-    String::from_utf8(bytes.to_vec()).map_err(|_| Error::TopicNotUtf8)
+    check_mqtt_string(bytes)?;
+    // SAFETY: checked to be UTF-8 just above.
+    Ok(unsafe { String::from_utf8_unchecked(bytes.to_vec()) })
+}
+
+/// statebroker patch 32: an MQTT UTF-8 string sharing `bytes` rather than
+/// copied, with [`mqtt_string`]'s checks.
+pub(crate) fn mqtt_byte_string(bytes: Bytes) -> Result<ByteString, Error> {
+    check_mqtt_string(&bytes)?;
+    // SAFETY: checked to be UTF-8 just above.
+    Ok(unsafe { ByteString::from_bytes_unchecked(bytes) })
 }
 
 /// Whether every byte is in 1..=0x7f: eight bytes at a time (a word with

@@ -1801,19 +1801,7 @@ impl Router {
             payload: will.message,
         };
 
-        let properties = will_props.map(|props| PublishProperties {
-            payload_format_indicator: props.payload_format_indicator,
-            message_expiry_interval: props.message_expiry_interval,
-            response_topic: props.response_topic.map(Into::into),
-            correlation_data: props.correlation_data,
-            user_properties: props
-                .user_properties
-                .into_iter()
-                .map(|(k, v)| (k.into(), v.into()))
-                .collect(),
-            content_type: props.content_type.map(Into::into),
-            ..Default::default()
-        });
+        let properties = will_props.map(PublishProperties::from);
 
         match append_will_message(
             publish,
