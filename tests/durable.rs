@@ -420,3 +420,60 @@ async fn a_discarded_session_stays_discarded_across_a_restart() {
     assert!(!connack.session_present, "the clean start discarded it");
     goodbye(c, Some(0)).await;
 }
+
+/// The packet ids of the next `n` QoS 2 publishes `c` receives, each
+/// PUBREC'd and its PUBREL left unanswered: the client keeps those ids
+/// (MQTT 5 4.3.3, method B).
+async fn kept_qos2_ids(c: &mut Raw, n: usize) -> Vec<u16> {
+    let mut ids = Vec::new();
+    while ids.len() < n {
+        match c.recv().await {
+            Recv::Packet(Packet::Publish(p)) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce, "{p:?}");
+                c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await;
+                ids.push(p.pkid);
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH, got {other:?}"),
+        }
+    }
+    ids
+}
+
+/// QoS 2 packet ids a client keeps across a restart (its PUBRELs were
+/// owed when the broker stopped, and are not sent again) are not used for
+/// new messages after it: each run on a data directory numbers the
+/// router's deliveries in a block of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut broker = start(dir.path()).await;
+    let (mut c, _) =
+        Raw::connect_with(broker.local_addr(), "keeper", session(true, Some(3600))).await;
+    subscribe_with(&mut c, filter("k2/#", QoS::ExactlyOnce, |_| {})).await;
+    let mut kept: Vec<u16> = Vec::new();
+    for run in 0..3 {
+        if run > 0 {
+            drop(c);
+            broker = restart(broker, dir.path()).await;
+            let connack;
+            (c, connack) =
+                Raw::connect_with(broker.local_addr(), "keeper", session(false, Some(3600))).await;
+            assert!(connack.session_present, "run {run}: the session came back");
+        }
+        let mut p = Raw::connect(broker.local_addr(), "publisher").await;
+        for m in 0..3 {
+            let topic = format!("k2/{run}/{m}");
+            publish_complete(&mut p, &topic, b"x", QoS::ExactlyOnce, false).await;
+        }
+        let ids = kept_qos2_ids(&mut c, 3).await;
+        eprintln!("run {run}: QoS 2 packet ids {ids:?}");
+        for id in &ids {
+            assert!(
+                !kept.contains(id),
+                "run {run}: id {id} reused, kept {kept:?}"
+            );
+        }
+        kept.extend(ids);
+    }
+}

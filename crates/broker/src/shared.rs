@@ -15,6 +15,7 @@ use crate::durable::Durable;
 use crate::faults::Faults;
 use crate::persistence::{Loaded, Persistence};
 use crate::publisher::{INTERNAL_LINKS, Publisher};
+use crate::sessions::PacketIdBlock;
 use crate::sessions::Sessions;
 use crate::standing::Standing;
 use crate::store::StateStoreService;
@@ -39,6 +40,11 @@ pub(crate) struct Shared {
     pub started_nanos: u128,
     /// When the broker started (for its uptime).
     pub started: std::time::Instant,
+    /// The packet ids the router's deliveries take in sessions that start
+    /// (or come back from the data directory) in this run: the run's
+    /// number on its data directory, so that no id a client kept from
+    /// the run before is used again (see [`PacketIdBlock`]).
+    pub run_ids: PacketIdBlock,
     /// Requests and notifications as they happen (the web view's live list).
     pub activity: Arc<Activity>,
     /// Becomes `true` when the broker stops.
@@ -87,8 +93,8 @@ impl Shared {
             .map(|durable| durable as Arc<dyn router::Journal>);
         // A cluster node keeps persistent sessions in etcd too.
         #[cfg(feature = "cluster")]
-        let session_journal = settings.clustering.as_ref().map(|clustering| {
-            let sessions = crate::cluster::SessionJournal::new(journal.take(), &clustering.node_id);
+        let session_journal = settings.clustering.as_ref().map(|_| {
+            let sessions = crate::cluster::SessionJournal::new(journal.take());
             journal = Some(Arc::clone(&sessions) as Arc<dyn router::Journal>);
             sessions
         });
@@ -96,6 +102,11 @@ impl Shared {
             router::RouterHandle::spawn(settings.router_id, router_config, INTERNAL_LINKS, journal);
         let sessions = Arc::new(Sessions::new(Arc::clone(router.subscriptions())));
         let publisher = Publisher::start(&router, Arc::clone(&sessions)).await?;
+        let run_ids = persistence
+            .as_ref()
+            .map_or_else(PacketIdBlock::default, |(_, loaded)| {
+                PacketIdBlock::new((loaded.starts % u64::from(PacketIdBlock::COUNT)) as u8)
+            });
         let persistence = match (persistence, &durable) {
             (Some((persistence, mut loaded)), Some(durable)) => {
                 let kept = crate::durable::Saved {
@@ -212,6 +223,7 @@ impl Shared {
             next_connection: AtomicU64::new(1),
             started_nanos: crate::clock::now_nanos(),
             started: std::time::Instant::now(),
+            run_ids,
             activity,
             shutdown,
             authenticator,
@@ -256,7 +268,8 @@ impl Shared {
     /// Records this node as the owner of `client_id` for `connection` (a
     /// cluster node: its connection on another node ends; in the
     /// background).
-    /// `clean_start`: the session kept in etcd ends; `will`: the
+    /// `clean_start`: the session kept in etcd ends; `ids`: the packet ids
+    /// its router deliveries take, kept with its records; `will`: the
     /// connection's will, kept in etcd for the case its node dies, with
     /// the Session Expiry Interval that bounds its delay.
     pub fn claim_client(
@@ -264,6 +277,7 @@ impl Shared {
         _client_id: &str,
         _connection: u64,
         _clean_start: bool,
+        _ids: PacketIdBlock,
         _will: Option<(
             &router::protocol::LastWill,
             Option<&router::protocol::LastWillProperties>,
@@ -276,7 +290,7 @@ impl Shared {
                 crate::cluster::wills::encode(will, properties, session_expiry)
             });
             node.ownership()
-                .claim(_client_id, _connection, _clean_start, will);
+                .claim(_client_id, _connection, _clean_start, _ids, will);
         }
     }
 
@@ -291,14 +305,17 @@ impl Shared {
 
     /// Before a CONNECT with Clean Start 0 of `client_id` links: a cluster
     /// node makes its router's session the current one across the cluster
-    /// (it may come from etcd). `Err`: etcd did not answer.
-    pub async fn resume_session(&self, _client_id: &str) -> Result<(), String> {
+    /// (it may come from etcd). Returns the packet ids the session's
+    /// router deliveries take (see [`PacketIdBlock`]: on a single node the
+    /// run's; on a cluster node the next block when the session moved
+    /// here). `Err`: etcd did not answer.
+    pub async fn resume_session(&self, _client_id: &str) -> Result<PacketIdBlock, String> {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             let max_expiry = self.settings.broker.max_session_expiry_secs;
-            node.resume(_client_id, max_expiry).await?;
+            return node.resume(_client_id, max_expiry, self.run_ids).await;
         }
-        Ok(())
+        Ok(self.run_ids)
     }
 
     /// The broker stops normally, its clients told (a cluster node: it

@@ -113,12 +113,18 @@ impl Node {
     /// Makes the router's session of `client_id` the current one across
     /// the cluster before a CONNECT with Clean Start 0 links (see
     /// [`sessions::resume`]).
-    pub async fn resume(&self, client_id: &str, max_expiry: u32) -> Result<(), String> {
+    pub async fn resume(
+        &self,
+        client_id: &str,
+        max_expiry: u32,
+        fresh: crate::sessions::PacketIdBlock,
+    ) -> Result<crate::sessions::PacketIdBlock, String> {
         sessions::resume(
             &self.ownership,
             &self.router,
             client_id,
             max_expiry,
+            fresh,
             self.cluster.settings.request_timeout,
             self.cluster.client.clone(),
         )

@@ -1,9 +1,11 @@
 //! Persistent sessions kept in etcd: a client finds its session on
 //! whichever node it connects to next.
 //!
-//! `<etcd_prefix>S/<client id>` = `[node id length u8][node id][the
-//! session as the data directory keeps it (see `durable`: Session Expiry
-//! Interval, when its connection ended, its subscriptions)]`. The node that
+//! `<etcd_prefix>S/<client id>` = the node that wrote it, the packet ids
+//! the session's router deliveries take there, and the session as the
+//! data directory keeps it (see `durable`: Session Expiry Interval, when
+//! its connection ended, its subscriptions; the format:
+//! [`super::ownership::SessionValue`]). The node that
 //! owns the client writes it at each change the router journals (CONNECT,
 //! SUBSCRIBE, UNSUBSCRIBE, the connection's end) and removes it when the
 //! session ends, each time in a transaction that compares the owner record
@@ -23,7 +25,10 @@
 //!
 //! What moves is the subscriptions and the expiry, and, from a node that
 //! is alive, the messages queued there for the session (see
-//! [`super::handover`]).
+//! [`super::handover`]). The session's router deliveries take the next
+//! block of packet ids after the one they took on the node it left
+//! ([`PacketIdBlock`]): that node could not release the QoS 2 ids the
+//! client still keeps.
 //!
 //! A record nobody owns (no owner record: its node died or lost its
 //! lease, and the client did not come back) is removed by [`reap`] once
@@ -37,27 +42,25 @@ use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 use tokio::time::Instant;
 
-use super::ownership::owner_of;
+use super::ownership::{SessionValue, owner_ids, owner_of};
 use super::{Cluster, Ownership};
 use crate::clock::now_ms;
-use crate::durable::format::{decode_session, encode_session};
+use crate::durable::format::encode_session;
+use crate::sessions::PacketIdBlock;
 
 /// The router's journal on a cluster node: sessions go to etcd (through
 /// the node's [`Ownership`]) besides the data directory's journal, if any.
 pub struct SessionJournal {
     data_dir: Option<Arc<dyn Journal>>,
     ownership: OnceLock<Weak<Ownership>>,
-    node_id: String,
 }
 
 impl SessionJournal {
-    /// Around the data directory's journal (`data_dir`), for node
-    /// `node_id`.
-    pub fn new(data_dir: Option<Arc<dyn Journal>>, node_id: &str) -> Arc<SessionJournal> {
+    /// Around the data directory's journal (`data_dir`).
+    pub fn new(data_dir: Option<Arc<dyn Journal>>) -> Arc<SessionJournal> {
         Arc::new(SessionJournal {
             data_dir,
             ownership: OnceLock::new(),
-            node_id: node_id.to_owned(),
         })
     }
 
@@ -70,7 +73,7 @@ impl SessionJournal {
 impl Journal for SessionJournal {
     fn session(&self, client: &str, session: Option<&SessionRecord>) -> Option<Receipt> {
         if let Some(ownership) = self.ownership.get().and_then(Weak::upgrade) {
-            ownership.session_changed(client, session.map(|s| encode(&self.node_id, s)));
+            ownership.session_changed(client, session.map(encode_session));
         }
         self.data_dir.as_ref()?.session(client, session)
     }
@@ -94,40 +97,24 @@ impl Journal for SessionJournal {
     }
 }
 
-/// A session record's value.
-fn encode(node_id: &str, session: &SessionRecord) -> Vec<u8> {
-    // Node ids are checked at start: short, no `/` or `:`.
-    let id = &node_id.as_bytes()[..node_id.len().min(255)];
-    let mut value = Vec::with_capacity(1 + id.len() + 64);
-    value.push(id.len() as u8);
-    value.extend_from_slice(id);
-    value.extend_from_slice(&encode_session(session));
-    value
-}
-
-/// The node that wrote a session record, and the session.
-fn decode(value: &[u8]) -> Result<(&str, SessionRecord), String> {
-    let (&len, rest) = value.split_first().ok_or("empty session record")?;
-    let len = usize::from(len);
-    if rest.len() < len {
-        return Err("session record shorter than its node id".into());
-    }
-    let node = std::str::from_utf8(&rest[..len]).map_err(|_| "node id not UTF-8")?;
-    Ok((node, decode_session(&rest[len..])?))
-}
-
 /// Makes the router's session of `client_id` the current one before a
 /// CONNECT with Clean Start 0 links (see the module's documentation);
-/// `max_expiry`: `[broker] max_session_expiry_secs`. `Err`: etcd did not
-/// answer (the CONNECT is refused: accepting it could lose the session).
+/// `max_expiry`: `[broker] max_session_expiry_secs`. Returns the packet
+/// ids the session's router deliveries take here (see
+/// [`PacketIdBlock`]): this node's own when its copy is current, the next
+/// block after the other node's when the session comes from etcd (or
+/// from this node's data directory, after a restart), `fresh` for a new
+/// session. `Err`: etcd did not answer (the CONNECT is refused:
+/// accepting it could lose the session).
 pub async fn resume(
     ownership: &Ownership,
     router: &RouterHandle,
     client_id: &str,
     max_expiry: u32,
+    fresh: PacketIdBlock,
     timeout: std::time::Duration,
     mut client: etcd_client::Client,
-) -> Result<(), String> {
+) -> Result<PacketIdBlock, String> {
     let txn = Txn::new().and_then([
         TxnOp::get(ownership.key(client_id), None),
         TxnOp::get(ownership.session_key(client_id), None),
@@ -146,21 +133,35 @@ pub async fn resume(
     let owner = found.next().flatten();
     let record = found.next().flatten();
     let node = ownership.node_id();
+    let mine = ownership.ids_of(client_id).unwrap_or(fresh);
     if owner
         .as_ref()
         .is_some_and(|(revision, _)| ownership.holds(client_id, *revision))
     {
-        return Ok(());
+        return Ok(mine);
     }
     let kept_here = router.subscriptions().has_kept_session(client_id);
     let session = match record {
-        None if ownership.writing(client_id) => return Ok(()),
+        None if ownership.writing(client_id) => return Ok(mine),
         None => None,
-        Some((_, value)) => match decode(&value) {
-            Ok((writer, _)) if writer == node && owner.is_none() && kept_here => {
-                return Ok(());
+        Some((_, value)) => match SessionValue::read(&value) {
+            // This node's copy (its lease ended and came back; or, without
+            // a claim, it restarted and its data directory kept the session).
+            Ok(record) if record.node == node && owner.is_none() && kept_here => {
+                return Ok(ownership
+                    .ids_of(client_id)
+                    .unwrap_or_else(|| record.ids.next()));
             }
-            Ok((_, session)) => Some(session),
+            // After the block of the node that has the client now, if it
+            // says (its record may not be written yet), or of the record.
+            Ok(record) => Some((
+                owner
+                    .as_ref()
+                    .and_then(|(_, value)| owner_ids(value))
+                    .unwrap_or(record.ids)
+                    .next(),
+                record.session,
+            )),
             Err(why) => {
                 tracing::error!(
                     client_id,
@@ -176,8 +177,10 @@ pub async fn resume(
         .and_then(|(_, value)| owner_of(value))
         .unwrap_or("none")
         .to_owned();
-    let restored = session.and_then(|session| {
+    let mut ids = fresh;
+    let restored = session.and_then(|(next, session)| {
         let expires_in = crate::durable::remaining(&session, now_ms(), max_expiry)?;
+        ids = next;
         Some(RestoredSession {
             client_id: client_id.to_owned(),
             filters: session.filters,
@@ -187,7 +190,7 @@ pub async fn resume(
         })
     });
     if restored.is_none() && !kept_here {
-        return Ok(());
+        return Ok(ids);
     }
     let from_etcd = restored.is_some();
     let replaced = router
@@ -199,9 +202,10 @@ pub async fn resume(
         owner = from,
         from_etcd,
         replaced,
+        ids = ids.number(),
         "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
-    Ok(())
+    Ok(ids)
 }
 
 /// Removes session records nobody owns once their session would have
@@ -283,8 +287,8 @@ async fn reap_once(
                 let Some(kv) = response.kvs().first() else {
                     continue;
                 };
-                let due = match decode(kv.value()) {
-                    Ok((_, mut session)) => {
+                let due = match SessionValue::read(kv.value()) {
+                    Ok(SessionValue { mut session, .. }) => {
                         // Connected when its node went: from now.
                         let at = session.disconnected_at_ms.unwrap_or_else(now_ms);
                         session.disconnected_at_ms = Some(at);
@@ -321,28 +325,4 @@ async fn reap_once(
         orphans.remove(&client_id);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_session_record_names_its_node_and_garbage_is_refused() {
-        let session = SessionRecord {
-            expiry: 300,
-            disconnected_at_ms: Some(1_000),
-            filters: vec![("a/#".into(), router::SubOptions::default())],
-            queue_full: None,
-        };
-        let value = encode("sb2", &session);
-        let (node, back) = decode(&value).unwrap();
-        assert_eq!(node, "sb2");
-        assert_eq!(back.expiry, 300);
-        assert_eq!(back.disconnected_at_ms, Some(1_000));
-        assert_eq!(back.filters.len(), 1);
-        assert!(decode(&[]).is_err());
-        assert!(decode(&[9, b's']).is_err());
-        assert!(decode(&value[..value.len() - 1]).is_err());
-    }
 }

@@ -40,6 +40,9 @@ pub(crate) struct Accepted {
     pub from_node: Option<String>,
     /// The node's stops before it was accepted (see [`crate::standing`]).
     pub epoch: u64,
+    /// The packet ids the router's deliveries take (a session that moved
+    /// here from another cluster node goes on in the next block).
+    pub ids: crate::sessions::PacketIdBlock,
 }
 
 /// Where a CONNECT came from.
@@ -181,16 +184,20 @@ pub(crate) async fn accept(
         return Err(refuse(Refusal::Busy, "connection limit reached"));
     };
     // A cluster node: the session may have been on another node since.
-    if !terms.clean_start
-        && from_node.is_none()
-        && let Err(e) = shared.resume_session(client_id).await
-    {
-        tracing::warn!(%peer, client_id, error = e, "clustering: cannot read the client's session from etcd");
-        return Err(refuse(
-            Refusal::SessionUnavailable,
-            "this cluster node cannot read the client's session from etcd now",
-        ));
-    }
+    let ids = if terms.clean_start || from_node.is_some() {
+        shared.run_ids
+    } else {
+        match shared.resume_session(client_id).await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(%peer, client_id, error = e, "clustering: cannot read the client's session from etcd");
+                return Err(refuse(
+                    Refusal::SessionUnavailable,
+                    "this cluster node cannot read the client's session from etcd now",
+                ));
+            }
+        }
+    };
     // A connection that starts clean, keeps nothing after it ends and has
     // no session to discard joins on first need.
     let lazy = terms.clean_start
@@ -237,5 +244,6 @@ pub(crate) async fn accept(
         permit,
         from_node,
         epoch,
+        ids,
     })
 }

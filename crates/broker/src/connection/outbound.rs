@@ -3,8 +3,10 @@
 //!
 //! Two sources send publishes to a client, and they share its packet ids:
 //!
-//! - **the router** numbers its deliveries `1..=`[`ROUTER_MAX_PKID`] and
-//!   wants their acknowledgements in order. The connection drops some of them
+//! - **the router** numbers its deliveries `1..=`[`router::MAX_ROUTER_PKID`] and
+//!   wants their acknowledgements in order; the client sees them in the
+//!   session's block of ids ([`PacketIdBlock`]: the router's id plus the
+//!   block's base, taken off again by [`Outbound::router_id`]). The connection drops some of them
 //!   (another client's notifications reached through a wildcard); those are
 //!   acknowledged to the router by the connection, in their turn:
 //!   [`RouterAcks`];
@@ -26,11 +28,11 @@ use bytes::{Bytes, BytesMut};
 use router::protocol::{Packet, PubAck, PubAckReason};
 
 use crate::codec::{self, Protocol};
-use crate::sessions::{Direct, QueueBound, ToConnection};
-use router::MAX_ROUTER_PKID as ROUTER_MAX_PKID;
+use crate::sessions::{Direct, PacketIdBlock, QueueBound, ToConnection};
 
-/// The first packet id of direct deliveries.
-pub(crate) const FIRST_DIRECT_PKID: u16 = ROUTER_MAX_PKID + 1;
+/// The first packet id of direct deliveries: above every block of the
+/// router's.
+pub(crate) const FIRST_DIRECT_PKID: u16 = PacketIdBlock::END;
 
 /// Whether a client's PUBACK for `pkid` is for a direct delivery.
 pub(crate) fn is_direct(pkid: u16) -> bool {
@@ -69,6 +71,8 @@ pub(crate) struct Outbound {
     client_id: String,
     /// Topic aliases of the router's publishes to this client.
     aliases: TopicAliases,
+    /// The ids the client sees for the router's.
+    ids: PacketIdBlock,
 }
 
 impl Outbound {
@@ -78,8 +82,10 @@ impl Outbound {
         max_packet_size: usize,
         bound: Arc<QueueBound>,
         client_topic_alias_max: u16,
+        ids: PacketIdBlock,
     ) -> Outbound {
         Outbound {
+            ids,
             router: RouterAcks::default(),
             direct: DirectWindow::new(max_packet_size, bound),
             receive_maximum: usize::from(receive_maximum.max(1)),
@@ -99,6 +105,19 @@ impl Outbound {
         self.max_packet_size
     }
 
+    /// The router's packet id for the client's acknowledgement of its
+    /// delivery `pkid` (below [`FIRST_DIRECT_PKID`]); `None`: not an id of
+    /// this session's block (one a node the session left had used, or
+    /// made up).
+    pub fn router_id(&self, pkid: u16) -> Option<u16> {
+        self.ids.to_router(pkid)
+    }
+
+    /// The id the client sees for the router's packet id `pkid`.
+    pub fn client_id(&self, pkid: u16) -> u16 {
+        self.ids.to_client(pkid)
+    }
+
     /// QoS 1/2 publishes written and not yet acknowledged, from both sources.
     pub fn in_flight(&self) -> usize {
         self.router_in_flight + self.direct.in_flight()
@@ -109,14 +128,15 @@ impl Outbound {
         self.in_flight() < self.receive_maximum
     }
 
-    /// A publish from the router: encoded into `out` unless `withheld` (a
-    /// notification of another client's) or too large for the client, and
-    /// held while the client's Receive Maximum is reached. Acknowledgements
-    /// owed to the router go to `to_router`. Returns the packet id the
+    /// A publish from the router: encoded into `out` (its packet id in the
+    /// session's block) unless `withheld` (a notification of another
+    /// client's) or too large for the client, and held while the client's
+    /// Receive Maximum is reached. Acknowledgements owed to the router go
+    /// to `to_router`. Returns the router's packet id of a publish the
     /// client will acknowledge (`None`: sent at QoS 0, or not at all).
     pub fn forward(
         &mut self,
-        publish: Packet,
+        mut publish: Packet,
         withheld: bool,
         protocol: Protocol,
         out: &mut BytesMut,
@@ -125,8 +145,9 @@ impl Outbound {
         let start = out.len();
         // A publish held for room goes out after later QoS 0 ones: it may
         // use an alias the client knows, not bring a new one.
-        let now = match &publish {
+        let now = match &mut publish {
             Packet::Publish(p, _) => {
+                p.pkid = self.ids.to_client(p.pkid);
                 p.qos == router::protocol::QoS::AtMostOnce || (self.held.is_empty() && self.room())
             }
             _ => true,
@@ -153,6 +174,7 @@ impl Outbound {
             crate::metrics::sent(qos, out.len() - start);
         }
         let (qos, pkid) = id.filter(|&(qos, _)| qos > 0)?;
+        let pkid = self.ids.to_router(pkid)?;
         self.router.sent(pkid, dropped, to_router);
         if dropped {
             return None;
@@ -516,6 +538,9 @@ impl DirectWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first direct delivery's packet id.
+    const D: u16 = FIRST_DIRECT_PKID;
     use router::protocol::PublishProperties;
 
     fn message(n: u8, qos: u8) -> Direct {
@@ -532,7 +557,14 @@ mod tests {
     }
 
     fn outbound(receive_maximum: u16, max_packet_size: usize) -> Outbound {
-        Outbound::new("c", receive_maximum, max_packet_size, unbounded(), 0)
+        Outbound::new(
+            "c",
+            receive_maximum,
+            max_packet_size,
+            unbounded(),
+            0,
+            PacketIdBlock::default(),
+        )
     }
 
     /// A publish as the router forwards it.
@@ -563,15 +595,15 @@ mod tests {
         o.deliver(message(9, 0), Protocol::V5, &mut out);
         assert_eq!(
             sent(&mut out),
-            vec![(1, 1), (101, 2), (0, 9)],
+            vec![(1, 1), (D, 2), (0, 9)],
             "two in flight; QoS 0 never waits"
         );
         o.direct_acknowledged(7, Protocol::V5, &mut out);
         assert!(sent(&mut out).is_empty(), "an unknown id frees nothing");
-        o.direct_acknowledged(101, Protocol::V5, &mut out);
+        o.direct_acknowledged(D, Protocol::V5, &mut out);
         assert_eq!(sent(&mut out), vec![(2, 3)], "the router's first");
         o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(102, 4)]);
+        assert_eq!(sent(&mut out), vec![(D + 1, 4)]);
         // QoS 2: in flight until PUBCOMP.
         o.router_acknowledged(2, true, &mut to_router, Protocol::V5, &mut out);
         o.forward(routed(5, 3), false, Protocol::V5, &mut out, &mut to_router);
@@ -588,6 +620,30 @@ mod tests {
             .map(|m| m.payload[0])
             .collect();
         assert_eq!(left, vec![4]);
+    }
+
+    /// The client sees the router's ids in the session's block; what goes
+    /// back to the router carries the router's own.
+    #[test]
+    fn the_router_ids_go_out_in_the_sessions_block() {
+        let block = PacketIdBlock::new(3);
+        let mut o = Outbound::new("c", 10, usize::MAX, unbounded(), 0, block);
+        let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+        let id = o.forward(routed(1, 5), false, Protocol::V5, &mut out, &mut to_router);
+        assert_eq!(id, Some(5), "the router's id");
+        o.forward(routed(2, 6), true, Protocol::V5, &mut out, &mut to_router);
+        o.deliver(message(3, 1), Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(305, 1), (D, 3)]);
+        assert_eq!((o.router_id(305), o.client_id(5)), (Some(5), 305));
+        assert_eq!(o.router_id(5), None, "block 0's id is not this session's");
+        assert_eq!(o.router_id(405), None);
+        assert_eq!(o.delivery_qos(5), Some(1));
+        o.router_acknowledged(5, false, &mut to_router, Protocol::V5, &mut out);
+        assert_eq!(
+            acks(&to_router),
+            vec![6],
+            "the withheld one, by the router's id"
+        );
     }
 
     /// An acknowledgement of an id not in flight (sent again, or made up)
@@ -614,12 +670,12 @@ mod tests {
     fn packet_ids_wrap_past_those_in_flight() {
         let mut w = DirectWindow::new(usize::MAX, unbounded());
         let mut out = BytesMut::new();
-        w.send(message(1, 1), Protocol::V5, &mut out, true); // 101, stays in flight
+        w.send(message(1, 1), Protocol::V5, &mut out, true); // the first direct id, stays in flight
         w.last_pkid = u16::MAX - 1;
         w.send(message(2, 1), Protocol::V5, &mut out, true);
         w.send(message(3, 1), Protocol::V5, &mut out, true);
-        assert_eq!(sent(&mut out), vec![(101, 1), (u16::MAX, 2), (102, 3)]);
-        assert!(is_direct(101) && !is_direct(ROUTER_MAX_PKID));
+        assert_eq!(sent(&mut out), vec![(D, 1), (u16::MAX, 2), (D + 1, 3)]);
+        assert!(is_direct(D) && !is_direct(D - 1));
     }
 
     #[test]
@@ -634,8 +690,8 @@ mod tests {
             Packet::Publish(crate::codec::publish(b"r", &[b'y'; 100], 1, 1, false), None);
         o.forward(routed_big, false, Protocol::V5, &mut out, &mut to_router);
         assert_eq!(o.discarded(), 1, "the routed one, at once");
-        o.direct_acknowledged(101, Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(101, 1)]);
+        o.direct_acknowledged(D, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(D, 1)]);
         assert_eq!(o.discarded(), 2, "the waiting one, when its turn came");
     }
 
@@ -671,7 +727,7 @@ mod tests {
     #[test]
     fn room_is_given_back_when_a_message_is_done_with() {
         let bound = QueueBound::new(100, 10_000);
-        let mut o = Outbound::new("c", 1, 60, Arc::clone(&bound), 0);
+        let mut o = Outbound::new("c", 1, 60, Arc::clone(&bound), 0, PacketIdBlock::default());
         let mut out = BytesMut::new();
         let size = message(0, 1).size();
         let hand_over = |n: u8, qos: u8| {
@@ -682,7 +738,7 @@ mod tests {
         o.deliver(hand_over(2, 1), Protocol::V5, &mut out); // in flight
         o.deliver(hand_over(3, 1), Protocol::V5, &mut out); // waiting for room
         assert_eq!(bound.held(), (2, 2 * size));
-        o.direct_acknowledged(101, Protocol::V5, &mut out);
+        o.direct_acknowledged(D, Protocol::V5, &mut out);
         assert_eq!(bound.held(), (1, size), "3 is in flight now");
         let mut big = message(4, 0);
         big.payload = Bytes::from(vec![b'x'; 100]);
@@ -702,12 +758,12 @@ mod tests {
         for n in 1..=4 {
             o.deliver(message(n, 1), Protocol::V5, &mut out);
         }
-        assert_eq!(sent(&mut out), vec![(101, 1)]);
-        o.direct_acknowledged(101, Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(102, 2)]);
+        assert_eq!(sent(&mut out), vec![(D, 1)]);
+        o.direct_acknowledged(D, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(D + 1, 2)]);
         o.deliver(message(5, 1), Protocol::V5, &mut out);
-        o.direct_acknowledged(102, Protocol::V5, &mut out);
-        assert_eq!(sent(&mut out), vec![(103, 3)], "5 waits behind 4");
+        o.direct_acknowledged(D + 1, Protocol::V5, &mut out);
+        assert_eq!(sent(&mut out), vec![(D + 2, 3)], "5 waits behind 4");
     }
 
     /// What the client gets: (topic, alias) of each publish.
@@ -732,7 +788,7 @@ mod tests {
 
     #[test]
     fn topic_aliases_name_a_topic_once_then_replace_it() {
-        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 2);
+        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 2, PacketIdBlock::default());
         let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
         for (n, topic) in ["a", "a", "b", "c", "b", "c"].iter().enumerate() {
             o.forward(
@@ -757,7 +813,7 @@ mod tests {
             ]
         );
         // A client that accepts none gets none.
-        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 0);
+        let mut o = Outbound::new("c", 10, 1 << 20, unbounded(), 0, PacketIdBlock::default());
         o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
         o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
         assert_eq!(
@@ -770,7 +826,7 @@ mod tests {
     fn a_held_publish_brings_no_new_alias() {
         // Receive Maximum 1: the second QoS 1 publish waits, and a QoS 0
         // publish of its topic goes out before it.
-        let mut o = Outbound::new("c", 1, 1 << 20, unbounded(), 10);
+        let mut o = Outbound::new("c", 1, 1 << 20, unbounded(), 10, PacketIdBlock::default());
         let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
         o.forward(on("a", 1, 1), false, Protocol::V5, &mut out, &mut to_router);
         o.forward(on("b", 1, 2), false, Protocol::V5, &mut out, &mut to_router);
@@ -790,7 +846,7 @@ mod tests {
 
     #[test]
     fn a_publish_too_large_for_the_client_takes_no_alias() {
-        let mut o = Outbound::new("c", 10, 40, unbounded(), 10);
+        let mut o = Outbound::new("c", 10, 40, unbounded(), 10, PacketIdBlock::default());
         let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
         let big = Packet::Publish(crate::codec::publish(b"a", &[0; 100], 0, 0, false), None);
         o.forward(big, false, Protocol::V5, &mut out, &mut to_router);

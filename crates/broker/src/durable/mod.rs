@@ -34,7 +34,9 @@
 //! Not kept (see the README's known limitations): where an outgoing QoS 2
 //! delivery stood after PUBREC (the PUBREL is not sent again after a
 //! restart), the packet ids of deliveries in flight (they are sent again
-//! with new ones), QoS 0 messages, and messages for shared subscriptions.
+//! with new ones, of the run's own block: see
+//! [`crate::sessions::PacketIdBlock`]), QoS 0 messages, and messages for
+//! shared subscriptions.
 //!
 //! # Formats
 //!

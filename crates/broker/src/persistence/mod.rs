@@ -3,7 +3,7 @@
 //! waits for.
 //!
 //! One fjall database, five keyspaces: `keys` (the state store's persisted
-//! keys), `meta` (the clock mark), `retained` (retained messages by topic),
+//! keys), `meta` (the clock mark, the count of starts), `retained` (retained messages by topic),
 //! `sessions` (persistent sessions by client id) and `queued` (messages for
 //! persistent sessions, by client id and number). The state store and
 //! the MQTT side ([`crate::durable`]) submit to the same writer, so one
@@ -74,6 +74,8 @@ mod writer;
 pub use batch::{Batch, Position};
 
 const CLOCK_MARK: &[u8] = b"clock_mark";
+/// How many times the broker has started on this directory (u64 BE).
+const STARTS: &[u8] = b"starts";
 
 /// How much of each keyspace fjall keeps in memory before it writes it
 /// out as a table (its memtable). fjall's default is 64 MiB per keyspace,
@@ -131,6 +133,9 @@ pub struct Loaded {
     pub records: Vec<Record>,
     /// The last clock mark.
     pub clock_mark: Option<u64>,
+    /// This start's number on the directory: 1 for a new one (on disk
+    /// before anything is served).
+    pub starts: u64,
     /// Records that could not be decoded.
     pub corrupt: usize,
     /// Time taken to open and read everything.
@@ -299,6 +304,20 @@ fn open_engine(dir: &Path) -> Result<Engine, OpenError> {
     })
 }
 
+/// Counts this start in the `meta` keyspace, on disk (fsync) before it
+/// returns; returns its number.
+fn count_start(engine: &Engine) -> fjall::Result<u64> {
+    let before = engine
+        .meta
+        .get(STARTS)?
+        .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+        .map_or(0, u64::from_be_bytes);
+    let starts = before.saturating_add(1);
+    engine.meta.insert(STARTS, starts.to_be_bytes())?;
+    engine.db.persist(fjall::PersistMode::SyncAll)?;
+    Ok(starts)
+}
+
 /// [`open_engine`] after the checks of `check.rs`: a lost journal, or
 /// less than the last clean shutdown left, is refused unless `accept`.
 fn open_checked(dir: &Path, accept: bool) -> Result<Engine, OpenError> {
@@ -343,6 +362,7 @@ impl Persistence {
             .map_err(read_error)?
             .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
             .map(u64::from_be_bytes);
+        let starts = count_start(&engine).map_err(read_error)?;
         let mut records = Vec::new();
         let mut corrupt = 0;
         for item in engine.keys.iter() {
@@ -372,6 +392,7 @@ impl Persistence {
             queued: read_all(&engine.queued)?,
             records,
             clock_mark,
+            starts,
             corrupt,
             elapsed: started.elapsed(),
         };

@@ -22,6 +22,7 @@
 mod acknowledged;
 mod census;
 mod mailbox;
+mod packet_ids;
 mod recipients;
 
 use std::collections::HashMap;
@@ -36,6 +37,7 @@ pub use census::{Census, Peer};
 pub use mailbox::{
     Direct, DirectProperties, FixedProperties, Mailbox, QueueBound, ToConnection, Undelivered,
 };
+pub use packet_ids::PacketIdBlock;
 
 struct Live {
     connection: u64,

@@ -3,7 +3,8 @@
 //!
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
-//! connection number>` (and `\nclean` for a clean start), under its
+//! connection number>\nids <its packet id block>` (see
+//! [`crate::sessions::PacketIdBlock`]; and `\nclean` for a clean start), under its
 //! membership lease (so the record goes with the node: killed, cut off or
 //! paused past its lease). Every node
 //! watches these records; a node whose client connected later to another
@@ -34,7 +35,8 @@ use super::watch::{Ended, follow_prefix};
 use super::{Cluster, Membership, Peers};
 
 mod records;
-use crate::sessions::Sessions;
+use crate::sessions::{PacketIdBlock, Sessions};
+pub use records::SessionValue;
 use records::write_records;
 
 /// This node's claim on a client id.
@@ -52,6 +54,8 @@ struct Claim {
     ended: bool,
     /// The session outlives the connection (kept by the router).
     kept: bool,
+    /// The packet ids its router deliveries take.
+    ids: PacketIdBlock,
 }
 
 /// A session record waiting to be written, numbered so that a newer one
@@ -154,6 +158,11 @@ impl Ownership {
         self.cluster.node_id()
     }
 
+    /// The packet ids of this node's claim on `client_id`, if it has one.
+    pub fn ids_of(&self, client_id: &str) -> Option<PacketIdBlock> {
+        self.state.lock().claims.get(client_id).map(|c| c.ids)
+    }
+
     /// Whether this node's claim on `client_id` is the owner record put at
     /// `revision`.
     pub fn holds(&self, client_id: &str, revision: i64) -> bool {
@@ -170,14 +179,16 @@ impl Ownership {
     /// serves). A CONNECT another node recorded after it ends
     /// `connection` (0x8E), whichever record etcd took first.
     /// `clean_start`: the claim also removes the session record another
-    /// node left (the session ended with this CONNECT); `will`: the
-    /// connection's will record (see [`super::wills`]), put with the claim
-    /// (none: an older one goes).
+    /// node left (the session ended with this CONNECT); `ids`: the packet
+    /// ids the session's router deliveries take here, kept in the owner
+    /// and session records; `will`: the connection's will record (see
+    /// [`super::wills`]), put with the claim (none: an older one goes).
     pub fn claim(
         self: &Arc<Self>,
         client_id: &str,
         connection: u64,
         clean_start: bool,
+        ids: PacketIdBlock,
         will: Option<Vec<u8>>,
     ) {
         self.state.lock().claims.insert(
@@ -189,6 +200,7 @@ impl Ownership {
                 clean_start,
                 ended: false,
                 kept: false,
+                ids,
             },
         );
         let ownership = Arc::clone(self);
@@ -227,14 +239,19 @@ impl Ownership {
         connection: u64,
         will: Option<&[u8]>,
     ) -> Result<(), Option<String>> {
-        let Some(clean_start) = claim_of(&mut self.state.lock().claims, client_id, connection)
-            .map(|c| c.clean_start)
-            .filter(|_| self.membership.standing().serving())
+        let Some((clean_start, ids)) =
+            claim_of(&mut self.state.lock().claims, client_id, connection)
+                .map(|c| (c.clean_start, c.ids))
+                .filter(|_| self.membership.standing().serving())
         else {
             return Err(None);
         };
         let clean = if clean_start { "\nclean" } else { "" };
-        let value = format!("{}\n{connection}{clean}", self.cluster.node_id());
+        let value = format!(
+            "{}\n{connection}\nids {}{clean}",
+            self.cluster.node_id(),
+            ids.number()
+        );
         let lease = self.membership.lease();
         let options = PutOptions::new().with_lease(lease).with_prev_key();
         let mut ops = vec![
@@ -426,12 +443,22 @@ fn claim_of<'a>(
         .filter(|c| c.connection == connection)
 }
 
-/// The node an owner's record (`<node id>\n<connection>[\nclean]`)
-/// names.
+/// The node an owner's record (`<node id>\n<connection>[\nids
+/// <block>][\nclean]`) names.
 pub fn owner_of(value: &[u8]) -> Option<&str> {
     let mut lines = std::str::from_utf8(value).ok()?.split('\n');
     let node = lines.next()?;
     lines.next()?.parse::<u64>().ok().map(|_| node)
+}
+
+/// The packet ids an owner's record says its claim's session takes
+/// (`None`: a record without them, of an earlier version).
+pub fn owner_ids(value: &[u8]) -> Option<PacketIdBlock> {
+    let lines = std::str::from_utf8(value).ok()?.split('\n');
+    lines
+        .skip(2)
+        .find_map(|line| line.strip_prefix("ids ")?.parse().ok())
+        .map(PacketIdBlock::new)
 }
 
 /// Whether an owner's record is of a CONNECT with Clean Start 1 (the

@@ -10,6 +10,53 @@ use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::Notify;
 
 use super::{Claim, Ownership, Pending, delete_at, owner_of, started_clean};
+use crate::durable::format::decode_session;
+use crate::sessions::PacketIdBlock;
+
+/// A session record's value: `[0][packet id block][node id length][node
+/// id][the session as the data directory keeps it (see `durable`)]`, the
+/// node being the one that wrote it. A record of an earlier version has
+/// no block: it starts with the node id's length (never 0), and is read
+/// as block 0.
+pub fn session_value(node_id: &str, ids: PacketIdBlock, session: &[u8]) -> Vec<u8> {
+    // Node ids are checked at start: short, no `/` or `:`.
+    let id = &node_id.as_bytes()[..node_id.len().min(255)];
+    let mut value = Vec::with_capacity(3 + id.len() + session.len());
+    value.extend_from_slice(&[0, ids.number(), id.len() as u8]);
+    value.extend_from_slice(id);
+    value.extend_from_slice(session);
+    value
+}
+
+/// A session record read back (written by [`session_value`]).
+pub struct SessionValue<'a> {
+    /// The node that wrote it.
+    pub node: &'a str,
+    /// The packet ids the session's router deliveries took there.
+    pub ids: PacketIdBlock,
+    pub session: router::SessionRecord,
+}
+
+impl SessionValue<'_> {
+    pub fn read(value: &[u8]) -> Result<SessionValue<'_>, String> {
+        let (ids, rest) = match value {
+            [0, ids, rest @ ..] => (PacketIdBlock::new(*ids), rest),
+            [0] => return Err("session record without its node id".into()),
+            rest => (PacketIdBlock::default(), rest),
+        };
+        let (&len, rest) = rest.split_first().ok_or("empty session record")?;
+        let len = usize::from(len);
+        if rest.len() < len {
+            return Err("session record shorter than its node id".into());
+        }
+        let node = std::str::from_utf8(&rest[..len]).map_err(|_| "node id not UTF-8")?;
+        Ok(SessionValue {
+            node,
+            ids,
+            session: decode_session(&rest[len..])?,
+        })
+    }
+}
 
 impl Ownership {
     /// `client_id`'s will record.
@@ -78,9 +125,10 @@ impl Ownership {
         self.state.lock().records.contains_key(client_id)
     }
 
-    /// The router journaled `client_id`'s persistent session: its record
-    /// (see [`super::sessions`]), or `None` when it ended. Written while
-    /// this node owns the client.
+    /// The router journaled `client_id`'s persistent session: the session
+    /// as the data directory keeps it (see `durable`), or `None` when it
+    /// ended. Its record (see [`session_value`]) is written while this
+    /// node owns the client.
     pub fn session_changed(&self, client_id: &str, value: Option<Vec<u8>>) {
         let mut state = self.state.lock();
         if value.is_none() && !state.claims.contains_key(client_id) {
@@ -125,6 +173,7 @@ impl Ownership {
             let key = self.session_key(&client_id);
             let limit = self.cluster.settings.max_request_bytes / 2;
             let mut ops = Vec::with_capacity(2);
+            let value = value.map(|v| session_value(self.cluster.node_id(), claim.ids, &v));
             match value {
                 Some(value) if value.len() + key.len() > limit => {
                     tracing::warn!(
@@ -239,5 +288,63 @@ pub(super) async fn write_records(
             _ = notified => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::durable::format::encode_session;
+    use router::SessionRecord;
+
+    fn session() -> SessionRecord {
+        SessionRecord {
+            expiry: 300,
+            disconnected_at_ms: Some(1_000),
+            filters: vec![("a/#".into(), router::SubOptions::default())],
+            queue_full: None,
+        }
+    }
+
+    #[test]
+    fn a_session_record_names_its_node_and_block_and_garbage_is_refused() {
+        let value = session_value("sb2", PacketIdBlock::new(7), &encode_session(&session()));
+        let back = SessionValue::read(&value).unwrap();
+        assert_eq!((back.node, back.ids), ("sb2", PacketIdBlock::new(7)));
+        assert_eq!(back.session.expiry, 300);
+        assert_eq!(back.session.disconnected_at_ms, Some(1_000));
+        assert_eq!(back.session.filters.len(), 1);
+        for bad in [
+            &[][..],
+            &[0],
+            &[0, 1],
+            &[9, b's'],
+            &value[..value.len() - 1],
+        ] {
+            assert!(SessionValue::read(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_record_without_a_block_is_read_as_block_0() {
+        let mut value = vec![3];
+        value.extend_from_slice(b"sb1");
+        value.extend_from_slice(&encode_session(&session()));
+        let back = SessionValue::read(&value).unwrap();
+        assert_eq!((back.node, back.ids), ("sb1", PacketIdBlock::default()));
+        assert_eq!(back.session.filters.len(), 1);
+    }
+
+    #[test]
+    fn an_owner_record_names_its_node_block_and_clean_start() {
+        let value = b"sb3\n42\nids 5\nclean";
+        assert_eq!(owner_of(value), Some("sb3"));
+        assert_eq!(super::super::owner_ids(value), Some(PacketIdBlock::new(5)));
+        assert!(started_clean(value));
+        let earlier = b"sb3\n42";
+        assert_eq!(owner_of(earlier), Some("sb3"));
+        assert_eq!(super::super::owner_ids(earlier), None);
+        assert!(!started_clean(earlier));
+        assert_eq!(owner_of(b"sb3"), None);
     }
 }

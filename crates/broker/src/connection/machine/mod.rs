@@ -85,6 +85,8 @@ pub(crate) struct Start {
     /// Another cluster node's link: what it publishes was checked on its
     /// own node and goes to this node's subscribers only.
     pub from_link: bool,
+    /// The packet ids the router's deliveries take on this connection.
+    pub ids: crate::sessions::PacketIdBlock,
 }
 
 /// A successful PUBACK without properties, as MQTT 3.1.1 and 5 both encode
@@ -162,6 +164,7 @@ impl Machine {
                 start.max_packet_size,
                 start.bound,
                 start.client_topic_alias_max,
+                start.ids,
             ),
             client_id: start.client_id,
             protocol: start.protocol,
@@ -341,8 +344,11 @@ impl Machine {
     }
 
     /// A packet from the client.
-    pub fn on_packet(&mut self, incoming: Incoming) -> Result<(), End> {
+    pub fn on_packet(&mut self, mut incoming: Incoming) -> Result<(), End> {
         let header = (incoming.qos, incoming.pkid, incoming.dup);
+        if !self.router_ids(&mut incoming.packet) {
+            return Ok(());
+        }
         match incoming.packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, header),
             Packet::PubRel(pubrel, properties) => {
@@ -627,6 +633,33 @@ impl Machine {
         }
     }
 
+    /// Puts the router's packet id into the client's acknowledgement of
+    /// one of its deliveries (see [`crate::sessions::PacketIdBlock`]);
+    /// `false`: the id is not of this session's block (a node the session
+    /// left had used it, or the client made it up): nothing to do.
+    fn router_ids(&mut self, packet: &mut Packet) -> bool {
+        let pkid = match packet {
+            Packet::PubAck(ack, _) if !outbound::is_direct(ack.pkid) => &mut ack.pkid,
+            Packet::PubRec(rec, _) => &mut rec.pkid,
+            Packet::PubComp(comp, _) => &mut comp.pkid,
+            _ => return true,
+        };
+        match self.out.router_id(*pkid) {
+            Some(id) => {
+                *pkid = id;
+                true
+            }
+            None => {
+                tracing::debug!(
+                    client_id = self.client_id,
+                    pkid = *pkid,
+                    "acknowledgement of a packet id this session has not used here: ignored"
+                );
+                false
+            }
+        }
+    }
+
     /// The client acknowledged the router's delivery `pkid` with `ack`
     /// (PUBACK, or PUBREC: `qos2`).
     fn on_router_ack(&mut self, pkid: u16, qos2: bool, ack: Packet) {
@@ -732,6 +765,11 @@ impl Machine {
                 for (held, outcome) in self.ack_order.router_acknowledged() {
                     self.acknowledge_when(held, None, None, outcome);
                 }
+            }
+            // The router releases its QoS 2 delivery: by the client's id.
+            Packet::PubRel(mut rel, properties) => {
+                rel.pkid = self.out.client_id(rel.pkid);
+                self.acknowledge(Packet::PubRel(rel, properties), batch);
             }
             packet => {
                 self.inbound.completed(&packet);

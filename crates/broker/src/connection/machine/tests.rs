@@ -71,6 +71,7 @@ async fn machine_with(
         owner: "addr:127.0.0.1".into(),
         disk: position,
         from_link: false,
+        ids: crate::sessions::PacketIdBlock::default(),
     };
     (Machine::new(start, shared), disk)
 }
@@ -260,7 +261,7 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
     let Packet::Publish(answer, _) = &written(&mut m)[0] else {
         panic!("no answer")
     };
-    assert_eq!(answer.pkid, router::MAX_ROUTER_PKID + 1);
+    assert_eq!(answer.pkid, outbound::FIRST_DIRECT_PKID);
 }
 
 #[tokio::test]
@@ -389,4 +390,69 @@ fn a_puback_written_at_once_is_the_codecs() {
             );
         }
     }
+}
+
+/// A session in block 2 (it moved twice): the client sees the router's
+/// ids 200 higher, the router gets its own back, and an acknowledgement
+/// of an id outside the block (one a node the session left had used)
+/// reaches neither.
+#[tokio::test]
+async fn the_router_ids_are_the_sessions_block_to_the_client() {
+    use router::protocol::{PubComp, PubCompReason, PubRec, PubRecReason, PubRel, PubRelReason};
+    let (mut m, _disk) = machine(true).await;
+    m.out = Outbound::new(
+        "c1",
+        10,
+        1 << 20,
+        QueueBound::new(100, 1 << 20),
+        0,
+        crate::sessions::PacketIdBlock::new(2),
+    );
+    m.on_router(Notification::Forward(Forward {
+        cursor: None,
+        size: 0,
+        publish: crate::codec::publish(b"q/1", b"x", 2, 5, false),
+        properties: None,
+        queued: None,
+    }))
+    .unwrap();
+    let [Packet::Publish(p, _)] = &written(&mut m)[..] else {
+        panic!("no publish")
+    };
+    assert_eq!(p.pkid, 205);
+    let rec = |pkid| PubRec {
+        pkid,
+        reason: PubRecReason::Success,
+    };
+    // Block 0's id 5 and block 3's id 305: not this session's here.
+    m.on_packet(incoming(Packet::PubRec(rec(5), None))).unwrap();
+    m.on_packet(incoming(Packet::PubRec(rec(305), None)))
+        .unwrap();
+    assert!(m.to_router.is_empty() && written(&mut m).is_empty());
+    m.on_packet(incoming(Packet::PubRec(rec(205), None)))
+        .unwrap();
+    assert!(matches!(
+        m.to_router[..],
+        [Packet::PubRec(PubRec { pkid: 5, .. }, _)]
+    ));
+    m.to_router.clear();
+    m.on_router(Notification::DeviceAck(Ack::PubRel(PubRel {
+        pkid: 5,
+        reason: PubRelReason::Success,
+    })))
+    .unwrap();
+    assert!(matches!(
+        written(&mut m)[..],
+        [Packet::PubRel(PubRel { pkid: 205, .. }, _)]
+    ));
+    let comp = PubComp {
+        pkid: 205,
+        reason: PubCompReason::Success,
+    };
+    m.on_packet(incoming(Packet::PubComp(comp, None))).unwrap();
+    assert!(matches!(
+        m.to_router[..],
+        [Packet::PubComp(PubComp { pkid: 5, .. }, _)]
+    ));
+    assert_eq!(m.out.in_flight(), 0);
 }

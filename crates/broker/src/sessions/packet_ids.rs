@@ -1,0 +1,105 @@
+//! Which packet ids a session's deliveries from the router take.
+//!
+//! The router numbers a connection's QoS 1/2 deliveries `1..=`
+//! [`router::MAX_ROUTER_PKID`] in turn. A client keeps a QoS 2 packet id
+//! from the PUBLISH until the PUBREL (MQTT 5 4.3.3, method B): a
+//! PUBLISH without DUP on an id it keeps is taken for the one it has and
+//! dropped. When a session moves to another cluster node, the node it
+//! leaves cannot send the PUBRELs it owed (it died, or its connection
+//! ended), and the new node does not know which ids the client keeps;
+//! nor does a broker restarted on its data directory.
+//!
+//! So each session's router deliveries take one of [`PacketIdBlock::COUNT`]
+//! blocks of ids, `block × MAX_ROUTER_PKID + 1 ..= (block + 1) ×
+//! MAX_ROUTER_PKID`: the connection adds the block's base to each id the
+//! router gives and takes it off the client's acknowledgements. A session
+//! starts in its run's block (`Shared::run_ids`: the count of starts its
+//! data directory keeps, so that a session restored after a restart does
+//! not reuse the ids of the run before either; block 0 without one); a
+//! session that moved to another node goes on in the next block after
+//! the one it had there (the cluster's session and owner records carry
+//! it), so no id the client may still keep from the node it left comes
+//! again until the session has moved [`PacketIdBlock::COUNT`] times. The
+//! state store's own deliveries (QoS 0/1) take the ids above every block.
+
+use router::MAX_ROUTER_PKID;
+
+/// One block of packet ids for the router's deliveries (see the module's
+/// documentation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PacketIdBlock(u8);
+
+impl PacketIdBlock {
+    /// How many blocks there are.
+    pub const COUNT: u8 = 64;
+
+    /// The first packet id above every block.
+    pub const END: u16 = MAX_ROUTER_PKID * Self::COUNT as u16 + 1;
+
+    /// Block `number` (modulo [`Self::COUNT`]).
+    pub fn new(number: u8) -> PacketIdBlock {
+        PacketIdBlock(number % Self::COUNT)
+    }
+
+    /// The block's number, as records keep it.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub fn number(self) -> u8 {
+        self.0
+    }
+
+    /// The block a session takes on a node it moved to from this one.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub fn next(self) -> PacketIdBlock {
+        PacketIdBlock::new(self.0 + 1)
+    }
+
+    fn base(self) -> u16 {
+        u16::from(self.0) * MAX_ROUTER_PKID
+    }
+
+    /// The id the client sees for the router's packet id `pkid` (0, no
+    /// id, stays 0).
+    pub fn to_client(self, pkid: u16) -> u16 {
+        if pkid == 0 { 0 } else { pkid + self.base() }
+    }
+
+    /// The router's packet id for the client's `pkid`; `None` if `pkid`
+    /// is not of this block.
+    pub fn to_router(self, pkid: u16) -> Option<u16> {
+        pkid.checked_sub(self.base())
+            .filter(|id| (1..=MAX_ROUTER_PKID).contains(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_do_not_overlap_and_stay_below_the_direct_ids() {
+        let mut seen = std::collections::HashSet::new();
+        for number in 0..PacketIdBlock::COUNT {
+            let block = PacketIdBlock::new(number);
+            for pkid in 1..=MAX_ROUTER_PKID {
+                let wire = block.to_client(pkid);
+                assert!(wire < PacketIdBlock::END);
+                assert!(seen.insert(wire), "{wire} in two blocks");
+                assert_eq!(block.to_router(wire), Some(pkid));
+                assert_eq!(block.next().to_router(wire), None);
+            }
+            assert_eq!(block.to_client(0), 0);
+            assert_eq!(block.to_router(0), None);
+        }
+        assert_eq!(seen.len(), usize::from(PacketIdBlock::END) - 1);
+        assert_eq!(PacketIdBlock::END, 6_401);
+    }
+
+    #[test]
+    fn the_next_block_wraps_after_the_last() {
+        assert_eq!(PacketIdBlock::default().next(), PacketIdBlock::new(1));
+        let last = PacketIdBlock::new(PacketIdBlock::COUNT - 1);
+        assert_eq!(last.next(), PacketIdBlock::default());
+        assert_eq!(PacketIdBlock::new(PacketIdBlock::COUNT + 3).number(), 3);
+        assert_eq!(PacketIdBlock::new(255).number(), 255 % PacketIdBlock::COUNT);
+    }
+}
