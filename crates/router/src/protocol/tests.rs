@@ -1,0 +1,396 @@
+//! Tests of statebroker's patches to the protocol module (see
+//! PATCHES.md): packet size, strings, malformed packets.
+
+/// Patch 31: a packet is no larger than a PUBLISH with its properties,
+/// and a CONNECT and a CONNACK with every boxed part still go through
+/// both codecs unchanged.
+mod size_tests {
+    use crate::protocol::*;
+
+    #[test]
+    fn a_packet_is_as_large_as_a_publish_with_its_properties() {
+        let publish = std::mem::size_of::<(Publish, Option<PublishProperties>)>();
+        let packet = std::mem::size_of::<Packet>();
+        assert!(
+            packet <= publish + 8,
+            "Packet is {packet} bytes, a publish with its properties {publish}"
+        );
+    }
+
+    #[test]
+    fn a_connect_and_a_connack_with_every_part_come_back_the_same() {
+        let connect = Packet::Connect(
+            Connect {
+                keep_alive: 30,
+                client_id: "c".into(),
+                clean_session: false,
+            },
+            Some(Box::new(ConnectProperties {
+                session_expiry_interval: Some(60),
+                receive_maximum: Some(10),
+                max_packet_size: Some(1000),
+                topic_alias_max: Some(4),
+                request_response_info: Some(1),
+                request_problem_info: Some(0),
+                user_properties: vec![("k".into(), "v".into())],
+                authentication_method: None,
+                authentication_data: None,
+            })),
+            Some(Box::new(LastWill {
+                topic: Bytes::from_static(b"w"),
+                message: Bytes::from_static(b"gone"),
+                qos: QoS::AtLeastOnce,
+                retain: true,
+            })),
+            Some(Box::new(LastWillProperties {
+                delay_interval: Some(5),
+                payload_format_indicator: Some(1),
+                message_expiry_interval: Some(30),
+                content_type: Some("text/plain".into()),
+                response_topic: Some("r".into()),
+                correlation_data: Some(Bytes::from_static(b"c")),
+                user_properties: vec![("wk".into(), "wv".into())],
+            })),
+            Some(Login {
+                username: "u".into(),
+                password: "p".into(),
+            }),
+        );
+        let connack = Packet::ConnAck(
+            ConnAck {
+                session_present: true,
+                code: ConnectReturnCode::Success,
+            },
+            Some(Box::new(ConnAckProperties {
+                session_expiry_interval: Some(60),
+                ..ConnAckProperties::default()
+            })),
+        );
+        for packet in [connect, connack] {
+            let mut buffer = BytesMut::new();
+            v5::V5.write(packet.clone(), &mut buffer).unwrap();
+            let back = v5::V5.read_mut(&mut buffer, 1 << 20).unwrap();
+            assert_eq!(back, packet);
+        }
+    }
+}
+
+/// Patch 30: [`mqtt_string`] against the checks it replaced.
+mod string_tests {
+    use crate::protocol::*;
+
+    /// The check before patch 30.
+    fn before(bytes: &[u8]) -> Result<String, Error> {
+        check_no_null(bytes)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| Error::TopicNotUtf8)
+    }
+
+    fn same(bytes: &[u8]) {
+        let old = format!("{:?}", before(bytes));
+        assert_eq!(format!("{:?}", mqtt_string(bytes)), old, "{bytes:?}");
+        // Patch 32: a string sharing the packet's bytes, the same checks.
+        let shared = mqtt_byte_string(Bytes::copy_from_slice(bytes)).map(String::from);
+        assert_eq!(format!("{shared:?}"), old, "{bytes:?}");
+    }
+
+    /// Patch 32: a publish's property strings, ASCII or not, come back
+    /// as they were written; one that is not UTF-8 is refused.
+    #[test]
+    fn a_publishs_property_strings_come_back_the_same() {
+        let publish = Packet::Publish(
+            Publish::new("t", "p", false),
+            Some(PublishProperties {
+                response_topic: Some("réponse/1".into()),
+                content_type: Some("application/octet-stream".into()),
+                user_properties: vec![("__ts".into(), "1:0:c".into()), ("clé".into(), "".into())],
+                correlation_data: Some(Bytes::from_static(b"c")),
+                ..PublishProperties::default()
+            }),
+        );
+        let mut buffer = BytesMut::new();
+        v5::V5.write(publish.clone(), &mut buffer).unwrap();
+        let written = buffer.clone();
+        assert_eq!(v5::V5.read_mut(&mut buffer, 1 << 20).unwrap(), publish);
+        // "clé" as Latin-1: not UTF-8.
+        let at = written
+            .windows(4)
+            .position(|w| w == "clé".as_bytes())
+            .unwrap();
+        let mut broken = written.to_vec();
+        broken.splice(at..at + 4, [b'c', b'l', 0xe9, b'!']);
+        let mut broken = BytesMut::from(&broken[..]);
+        assert!(v5::V5.read_mut(&mut broken, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn strings_are_taken_or_refused_as_before() {
+        for case in [
+            &b""[..],
+            b"a/b/c",
+            b"\x7f",
+            b"\x01",
+            b"nul\0inside",
+            b"\0",
+            b"caf\xc3\xa9",
+            b"\xc3\xa9\0",
+            b"\x80",
+            b"\xff",
+            b"half \xc3",
+            b"\xed\xa0\x80",
+        ] {
+            same(case);
+        }
+        // Every byte alone, after ASCII, and at every place of a string
+        // longer than a word (in the words and in the rest).
+        for b in 0..=255u8 {
+            same(&[b]);
+            same(&[b'x', b'y', b]);
+            for at in 0..21 {
+                let mut long = vec![b'a'; 21];
+                long[at] = b;
+                same(&long);
+            }
+        }
+        // Pseudo-random strings, mostly ASCII, some not.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let len = (x % 40) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| {
+                    let r = x.rotate_left(i as u32 * 7) as u8;
+                    if x.is_multiple_of(5) {
+                        r
+                    } else {
+                        r & 0x7f
+                    }
+                })
+                .collect();
+            same(&bytes);
+        }
+    }
+}
+
+/// statebroker patch 18: what both decoders refuse as malformed.
+mod malformed_tests {
+    use crate::protocol::v4::V4;
+    use crate::protocol::v5::V5;
+    use crate::protocol::{Error, Protocol};
+    use bytes::BytesMut;
+
+    fn s(bytes: &[u8]) -> Vec<u8> {
+        let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    fn packet(byte0: u8, body: &[u8]) -> Vec<u8> {
+        assert!(body.len() < 128);
+        let mut out = vec![byte0, body.len() as u8];
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// A CONNECT of `level` with `flags` and `payload` (MQTT 5: no properties).
+    fn connect(level: u8, flags: u8, payload: &[&[u8]]) -> Vec<u8> {
+        let mut body = s(b"MQTT");
+        body.extend([level, flags, 0, 30]);
+        if level == 5 {
+            body.push(0);
+        }
+        for field in payload {
+            body.extend(s(field));
+        }
+        packet(0x10, &body)
+    }
+
+    fn read(level: u8, bytes: &[u8]) -> Result<crate::protocol::Packet, Error> {
+        let mut buf = BytesMut::from(bytes);
+        match level {
+            5 => V5.read_mut(&mut buf, 1024),
+            _ => V4.read_mut(&mut buf, 1024),
+        }
+    }
+
+    /// `rest` after the packet id: MQTT 5 has an empty property length first.
+    fn with_id(level: u8, pkid: u16, rest: &[u8]) -> Vec<u8> {
+        let mut body = pkid.to_be_bytes().to_vec();
+        if level == 5 {
+            body.push(0);
+        }
+        body.extend_from_slice(rest);
+        body
+    }
+
+    #[test]
+    fn malformed_packets_are_refused() {
+        for level in [5u8, 4] {
+            let will_props: &[u8] = if level == 5 { &[0] } else { &[] };
+            let mut will = s(b"c");
+            will.extend_from_slice(will_props);
+            will.extend(s(b"a\0b"));
+            will.extend(s(b"bye"));
+            let mut will_connect = s(b"MQTT");
+            will_connect.extend([level, 0x06, 0, 30]);
+            if level == 5 {
+                will_connect.push(0);
+            }
+            will_connect.extend(will);
+            let mut filter = s(b"a");
+            filter.push(1);
+            let mut null_filter = s(b"a\0");
+            null_filter.push(0);
+            let mut publish = s(b"a\0b");
+            if level == 5 {
+                publish.push(0);
+            }
+            let reserved_option = if level == 5 { 0x41 } else { 0x05 };
+            let mut reserved = s(b"a");
+            reserved.push(reserved_option);
+            let cases: Vec<(Vec<u8>, Error, &str)> = vec![
+                (
+                    connect(level, 0x03, &[b"c"]),
+                    Error::ReservedConnectFlag,
+                    "reserved flag",
+                ),
+                (
+                    connect(level, 0x02, &[b"c", b"user"]),
+                    Error::UnannouncedConnectField,
+                    "user name, flag 0",
+                ),
+                (
+                    connect(level, 0x82, &[b"c", b"user", b"pw"]),
+                    Error::UnannouncedConnectField,
+                    "password, flag 0",
+                ),
+                (
+                    connect(level, 0x02, &[b"c\0"]),
+                    Error::NullCharacter,
+                    "client id",
+                ),
+                (
+                    connect(level, 0x82, &[b"c", b"u\0"]),
+                    Error::NullCharacter,
+                    "user name",
+                ),
+                (
+                    packet(0x10, &will_connect),
+                    Error::NullCharacter,
+                    "will topic",
+                ),
+                (packet(0x30, &publish), Error::NullCharacter, "topic"),
+                (
+                    packet(0x82, &with_id(level, 1, &null_filter)),
+                    Error::NullCharacter,
+                    "filter",
+                ),
+                (
+                    packet(0x82, &with_id(level, 0, &filter)),
+                    Error::PacketIdZero,
+                    "SUBSCRIBE id 0",
+                ),
+                (
+                    packet(0xA2, &with_id(level, 0, &s(b"a"))),
+                    Error::PacketIdZero,
+                    "UNSUBSCRIBE id 0",
+                ),
+                (
+                    packet(0xA2, &with_id(level, 1, &[])),
+                    Error::EmptyUnsubscribe,
+                    "UNSUBSCRIBE without filter",
+                ),
+                (
+                    packet(0x80, &with_id(level, 1, &filter)),
+                    Error::InvalidFixedHeaderFlags(0x80),
+                    "SUBSCRIBE flags",
+                ),
+                (
+                    packet(0xA3, &with_id(level, 1, &s(b"a"))),
+                    Error::InvalidFixedHeaderFlags(0xA3),
+                    "UNSUBSCRIBE flags",
+                ),
+                (
+                    packet(0x60, &[0, 1]),
+                    Error::InvalidFixedHeaderFlags(0x60),
+                    "PUBREL flags",
+                ),
+                (
+                    packet(0x41, &[0, 1]),
+                    Error::InvalidFixedHeaderFlags(0x41),
+                    "PUBACK flags",
+                ),
+                (
+                    packet(0x82, &with_id(level, 1, &reserved)),
+                    Error::ReservedSubscriptionOptions(reserved_option),
+                    "options",
+                ),
+            ];
+            for (bytes, error, what) in cases {
+                assert_eq!(read(level, &bytes), Err(error), "{what}, level {level}");
+            }
+        }
+        // 3.1.1 only: a Password without a User Name.
+        assert_eq!(
+            read(4, &connect(4, 0x42, &[b"c", b"pw"])),
+            Err(Error::PasswordWithoutUserName)
+        );
+        // MQTT 5 only: a Password is Binary Data, U+0000 allowed.
+        assert!(read(5, &connect(5, 0xC2, &[b"c", b"u", b"p\0w"])).is_ok());
+    }
+
+    #[test]
+    fn well_formed_packets_still_decode() {
+        for level in [5u8, 4] {
+            let mut filter = s(b"a/+");
+            filter.push(if level == 5 { 0x2E } else { 0x02 });
+            for bytes in [
+                connect(level, 0xC2, &[b"c", b"user", b"pw"]),
+                connect(level, 0x82, &[b"c", b"user"]),
+                packet(0x82, &with_id(level, 1, &filter)),
+                packet(0xA2, &with_id(level, 1, &s(b"a/+"))),
+                packet(0x62, &[0, 1]),
+                packet(0x40, &[0, 1]),
+                packet(0x3B, &{
+                    let mut p = s(b"a");
+                    p.extend([0, 1]);
+                    if level == 5 {
+                        p.push(0);
+                    }
+                    p
+                }),
+            ] {
+                assert!(read(level, &bytes).is_ok(), "{bytes:02x?}, level {level}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_topic_with_a_wildcard_anywhere_is_not_valid() {
+        use crate::protocol::valid_topic;
+        for topic in ["a/b", "", "/", "a b/ç/😀", "statestore/v1/x/command/invoke"] {
+            assert!(valid_topic(topic), "{topic:?}");
+        }
+        for topic in [
+            "+",
+            "#",
+            "a/+/b",
+            "a/#",
+            "a+b",
+            "x#",
+            "ç/+",
+            &"a/".repeat(100),
+        ]
+        .iter()
+        .map(|t| t.to_string())
+        .chain([format!("{}+", "a/".repeat(100))])
+        {
+            if topic.contains(['+', '#']) {
+                assert!(!valid_topic(&topic), "{topic:?}");
+            } else {
+                assert!(valid_topic(&topic), "{topic:?}");
+            }
+        }
+    }
+}
