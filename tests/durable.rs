@@ -10,8 +10,8 @@ use std::time::Duration;
 use broker::RunningBroker;
 use broker::config::{Mode, PersistenceSettings};
 use common::mqtt::{
-    ack, filter, goodbye, next_raw_publish, publish_complete, publish_complete_with, session,
-    subscribe_with, subscribe_with_id,
+    ack, filter, goodbye, kept_qos2_ids, next_raw_publish, publish_complete, publish_complete_with,
+    session, subscribe_with, subscribe_with_id,
 };
 use common::raw::{Raw, Recv, v5};
 use common::start_broker_with;
@@ -419,25 +419,6 @@ async fn a_discarded_session_stays_discarded_across_a_restart() {
     let (c, connack) = Raw::connect_with(addr, "empty-discarded", session(false, Some(3600))).await;
     assert!(!connack.session_present, "the clean start discarded it");
     goodbye(c, Some(0)).await;
-}
-
-/// The packet ids of the next `n` QoS 2 publishes `c` receives, each
-/// PUBREC'd and its PUBREL left unanswered: the client keeps those ids
-/// (MQTT 5 4.3.3, method B).
-async fn kept_qos2_ids(c: &mut Raw, n: usize) -> Vec<u16> {
-    let mut ids = Vec::new();
-    while ids.len() < n {
-        match c.recv().await {
-            Recv::Packet(Packet::Publish(p)) => {
-                assert_eq!(p.qos, QoS::ExactlyOnce, "{p:?}");
-                c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await;
-                ids.push(p.pkid);
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH, got {other:?}"),
-        }
-    }
-    ids
 }
 
 /// QoS 2 packet ids a client keeps across a restart (its PUBRELs were

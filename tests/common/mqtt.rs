@@ -163,3 +163,27 @@ pub async fn acknowledgement_and_answers(c: &mut Raw, pkid: u16) -> (bool, Vec<B
         }
     }
 }
+
+/// The packet ids of the next `n` QoS 2 publishes `c` receives, each
+/// PUBREC'd and its PUBREL left unanswered: the client keeps those ids
+/// (MQTT 5 4.3.3, method B). QoS 1 ones (a cluster node hands a moved
+/// session's queued messages over at QoS 1) are acknowledged and passed
+/// over.
+pub async fn kept_qos2_ids(c: &mut Raw, n: usize) -> Vec<u16> {
+    let mut ids = Vec::new();
+    while ids.len() < n {
+        match c.recv().await {
+            Recv::Packet(Packet::Publish(p)) if p.qos == QoS::AtLeastOnce => {
+                c.send(Packet::PubAck(v5::PubAck::new(p.pkid, None))).await;
+            }
+            Recv::Packet(Packet::Publish(p)) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce, "{p:?}");
+                c.send(Packet::PubRec(v5::PubRec::new(p.pkid, None))).await;
+                ids.push(p.pkid);
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH, got {other:?}"),
+        }
+    }
+    ids
+}

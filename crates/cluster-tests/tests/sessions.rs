@@ -9,6 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::mqtt::{kept_qos2_ids, publish_complete};
 use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, v5};
 use common::{PATIENCE, Setup, addr, eventually, metric};
 use rumqttc::v5::mqttbytes::QoS;
@@ -439,58 +440,6 @@ async fn a_subscribers_session_survives_its_node_killed_under_load() {
     }
 }
 
-/// Publishes `topic` at QoS 2 from `publisher`, through to its PUBCOMP.
-async fn publish_qos2(publisher: &mut Raw, topic: &str) {
-    let mut publish = v5::Publish::new(topic, QoS::ExactlyOnce, "x", None);
-    publish.pkid = publisher.pkid();
-    let pkid = publish.pkid;
-    publisher.send(v5::Packet::Publish(publish)).await;
-    loop {
-        match publisher.recv().await {
-            Recv::Packet(v5::Packet::PubRec(rec)) if rec.pkid == pkid => break,
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBREC, got {other:?}"),
-        }
-    }
-    publisher
-        .send(v5::Packet::PubRel(v5::PubRel::new(pkid, None)))
-        .await;
-    loop {
-        match publisher.recv().await {
-            Recv::Packet(v5::Packet::PubComp(comp)) if comp.pkid == pkid => return,
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBCOMP, got {other:?}"),
-        }
-    }
-}
-
-/// The packet ids of the next `n` QoS 2 publishes `client` receives, each
-/// PUBREC'd and its PUBREL left unanswered: the client keeps those ids
-/// (MQTT 5 4.3.3, method B). QoS 1 ones (a message the node the session
-/// left handed over as well) are acknowledged and passed over.
-async fn kept_qos2_ids(client: &mut Raw, n: usize) -> Vec<u16> {
-    let mut ids = Vec::new();
-    while ids.len() < n {
-        match client.recv().await {
-            Recv::Packet(v5::Packet::Publish(p)) if p.qos == QoS::AtLeastOnce => {
-                client
-                    .send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
-                    .await;
-            }
-            Recv::Packet(v5::Packet::Publish(p)) => {
-                assert_eq!(p.qos, QoS::ExactlyOnce, "{p:?}");
-                client
-                    .send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
-                    .await;
-                ids.push(p.pkid);
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH, got {other:?}"),
-        }
-    }
-    ids
-}
-
 /// A QoS 2 packet id the client still keeps (its PUBREL never came) is
 /// not used for a new message by the node its session moves to, whether
 /// the node it left was killed or is alive (issue #29: QoS 2 exactly once
@@ -521,7 +470,8 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
             assert!(present, "{step}: Session Present 1");
         }
         for m in 0..3 {
-            publish_qos2(&mut publisher, &format!("k2/{n}/{m}")).await;
+            let topic = format!("k2/{n}/{m}");
+            publish_complete(&mut publisher, &topic, b"x", QoS::ExactlyOnce, false).await;
         }
         let ids = kept_qos2_ids(&mut c, 3).await;
         eprintln!("{step}: QoS 2 packet ids {ids:?}");
