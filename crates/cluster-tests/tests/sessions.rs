@@ -481,3 +481,61 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
         kept.extend(ids);
     }
 }
+
+/// The publishes `client` receives until none comes for `wait`, not
+/// acknowledged.
+async fn unacknowledged_within(client: &mut Raw, wait: Duration) -> Vec<String> {
+    let mut got = Vec::new();
+    while let Recv::Packet(packet) = client.recv_within(wait).await {
+        if let v5::Packet::Publish(p) = packet {
+            got.push(String::from_utf8_lossy(&p.topic).into_owned());
+        }
+    }
+    got
+}
+
+/// Messages a live node handed over to a session that moved, which its
+/// client leaves the new node without acknowledging, stay that
+/// session's: they come at its next connection, and no other subscriber
+/// of their topic gets them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_messages_stay_with_their_session() {
+    let setup = Setup::three_linked().await;
+    let (mut c, _) = connect(setup.ports[0], "handed", false, 300).await;
+    c.subscribe("h/#", QoS::AtLeastOnce).await;
+    leave(c).await;
+    let (mut other, _) = connect(setup.ports[1], "other", true, 0).await;
+    other.subscribe("h/#", QoS::AtLeastOnce).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for n in 0..5 {
+        publisher
+            .publish(&format!("h/{n}"), "x", QoS::AtLeastOnce, None)
+            .await;
+    }
+    let expected: Vec<String> = (0..5).map(|n| format!("h/{n}")).collect();
+    assert_eq!(
+        topics_within(&mut other, Duration::from_secs(2)).await,
+        expected
+    );
+    eventually("node 1 received the 5 messages", || {
+        metric(
+            setup.http[0],
+            "statebroker_messages_received_total{qos=\"1\"}",
+        )
+        .is_some_and(|n| n >= 5.0)
+    })
+    .await;
+    let (mut c, present) = connect(setup.ports[1], "handed", false, 300).await;
+    assert!(present);
+    let got = unacknowledged_within(&mut c, Duration::from_secs(3)).await;
+    assert_eq!(got, expected, "handed over, not acknowledged");
+    leave(c).await;
+    other.no_publish_within(Duration::from_secs(2)).await;
+    let (mut c, present) = connect(setup.ports[1], "handed", false, 300).await;
+    assert!(present);
+    assert_eq!(
+        topics_within(&mut c, Duration::from_secs(2)).await,
+        expected,
+        "at the session's next connection"
+    );
+}

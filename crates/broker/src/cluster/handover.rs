@@ -15,6 +15,7 @@ use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties};
 
 use super::Peers;
+use crate::sessions::Sessions;
 
 /// Messages one session hands over, at most (past them: dropped, WARN).
 const HANDOVER_MAX: usize = 10_000;
@@ -22,8 +23,16 @@ const HANDOVER_MAX: usize = 10_000;
 /// `client_id`'s session moved to node `to`: takes the messages this
 /// node's router queued for it (resuming it on an internal link, each
 /// acknowledged), ends it here, and sends them to `to` (see the module's
-/// documentation). Without messages (or a session) it just ends.
-pub async fn hand_over(router: &RouterHandle, peers: &Peers, client_id: &str, to: &str) {
+/// documentation), after those handed over to it here earlier that its
+/// connection did not acknowledge (kept by `sessions`). Without messages
+/// (or a session) it just ends.
+pub async fn hand_over(
+    router: &RouterHandle,
+    sessions: &Sessions,
+    peers: &Peers,
+    client_id: &str,
+    to: &str,
+) {
     use router::protocol::Packet;
     // Session expiry 0: the session ends with this link.
     let Ok((mut tx, mut rx, connack)) = router.link(client_id, false, 0, None).await else {
@@ -33,11 +42,22 @@ pub async fn hand_over(router: &RouterHandle, peers: &Peers, client_id: &str, to
         Option::<Packet>::from(connack),
         Some(Packet::ConnAck(ack, _)) if ack.session_present
     );
-    let (messages, dropped) = if present {
+    let (drained, dropped) = if present {
         drain(&mut tx, &mut rx).await
     } else {
         (Vec::new(), 0)
     };
+    // Taken after the drain: the connection that kept them has ended by
+    // then.
+    let mut messages: Vec<_> = sessions
+        .take_handed_over(client_id)
+        .into_iter()
+        .map(|m| {
+            let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, false);
+            (publish, Some(m.properties.into_publish()))
+        })
+        .collect();
+    messages.extend(drained);
     let disconnect = router::protocol::Disconnect {
         reason_code: router::protocol::DisconnectReasonCode::NormalDisconnection,
     };

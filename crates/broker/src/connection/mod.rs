@@ -117,6 +117,16 @@ pub(crate) async fn serve<S: Stream>(
         mailbox,
         Arc::clone(&peer_view),
     );
+    // What another node handed over for the session and an earlier
+    // connection here did not acknowledge comes first.
+    for message in shared.sessions.take_handed_over(&client_id) {
+        if shared.publisher.deliver_to(&client_id, message).is_err() {
+            tracing::warn!(
+                client_id,
+                "a handed-over message kept for the session cannot be delivered: dropped"
+            );
+        }
+    }
     // A cluster node records that it owns the client id now: its
     // connection on another node ends (0x8E). A link between nodes is not
     // a client.
@@ -188,7 +198,16 @@ pub(crate) async fn serve<S: Stream>(
     shared
         .sessions
         .disconnected(&client_id, id, machine.session_expiry);
-    let unacked = machine.out.hand_back(&mut driver.direct_rx);
+    let (handed_over, unacked): (Vec<_>, Vec<_>) = machine
+        .out
+        .hand_back(&mut driver.direct_rx)
+        .into_iter()
+        .partition(|m| m.handed_over);
+    // Those another node handed over are the session's alone: published
+    // on their topics, every subscriber would get them again.
+    if machine.session_expiry > 0 && !handed_over.is_empty() {
+        shared.sessions.keep_handed_over(&client_id, handed_over);
+    }
     if machine.session_expiry > 0 && !unacked.is_empty() && !matches!(end, end::End::Shutdown) {
         tracing::debug!(
             client_id,

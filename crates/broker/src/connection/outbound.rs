@@ -527,9 +527,17 @@ impl DirectWindow {
         }
     }
 
-    /// Everything sent and not acknowledged, and everything still waiting.
+    /// Everything sent and not acknowledged, in the order it was sent,
+    /// then everything still waiting.
     pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
-        let mut all: Vec<Direct> = self.inflight.drain().map(|(_, m)| m).collect();
+        // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
+        // oldest in flight is the first after the last one used.
+        let ring = u32::from(u16::MAX - FIRST_DIRECT_PKID) + 1;
+        let last = u32::from(self.last_pkid - FIRST_DIRECT_PKID);
+        let age = |pkid: u16| (u32::from(pkid - FIRST_DIRECT_PKID) + ring - last - 1) % ring;
+        let mut sent: Vec<(u16, Direct)> = self.inflight.drain().collect();
+        sent.sort_unstable_by_key(|(pkid, _)| age(*pkid));
+        let mut all: Vec<Direct> = sent.into_iter().map(|(_, m)| m).collect();
         all.extend(self.pending.drain(..));
         all
     }
@@ -549,6 +557,7 @@ mod tests {
             payload: Bytes::copy_from_slice(&[n]),
             properties: PublishProperties::default().into(),
             qos,
+            handed_over: false,
         }
     }
 
@@ -664,6 +673,25 @@ mod tests {
         assert_eq!(sent(&mut out), vec![(2, 2)]);
         o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
         assert_eq!(o.router_in_flight, 1, "a second PUBACK of 1 frees nothing");
+    }
+
+    #[test]
+    fn what_was_not_acknowledged_comes_back_in_the_order_it_was_sent() {
+        let mut w = DirectWindow::new(usize::MAX, unbounded());
+        let mut out = BytesMut::new();
+        w.last_pkid = u16::MAX - 2;
+        for n in 1..=6 {
+            w.send(message(n, 1), Protocol::V5, &mut out, true);
+        }
+        assert_eq!(sent(&mut out)[1..3], [(u16::MAX, 2), (D, 3)], "wrapped");
+        w.acknowledged(u16::MAX);
+        w.send(message(7, 1), Protocol::V5, &mut out, false); // waits
+        let back: Vec<u8> = w
+            .take_unacknowledged()
+            .iter()
+            .map(|m| m.payload[0])
+            .collect();
+        assert_eq!(back, vec![1, 3, 4, 5, 6, 7]);
     }
 
     #[test]

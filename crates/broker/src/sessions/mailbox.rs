@@ -130,6 +130,9 @@ pub struct Direct {
     pub properties: DirectProperties,
     /// QoS 0 or 1.
     pub qos: u8,
+    /// Another cluster node handed it over for this client's session
+    /// alone (see `cluster::handover`): never published on its topic.
+    pub handed_over: bool,
 }
 
 /// A direct delivery's MQTT 5 properties.

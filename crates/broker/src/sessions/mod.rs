@@ -50,7 +50,15 @@ struct Client {
     live: Option<Live>,
     /// The state store requests its session's connections acknowledged.
     acknowledged: SharedAcknowledged,
+    /// Messages another cluster node handed over for the session that a
+    /// connection ended without acknowledging: for its next connection
+    /// (or the next node it moves to). At most [`HANDED_OVER_MAX`].
+    handed_over: Vec<Direct>,
 }
+
+/// Handed-over messages kept for one session, at most (past them, the
+/// oldest go: WARN).
+pub const HANDED_OVER_MAX: usize = 10_000;
 
 /// The broker's clients, by client id.
 pub struct Sessions {
@@ -94,6 +102,7 @@ impl Sessions {
         let state = clients.entry(key).or_default();
         if !resumed {
             state.acknowledged = SharedAcknowledged::default();
+            state.handed_over = Vec::new();
         }
         let previous = state.live.replace(Live {
             connection,
@@ -164,6 +173,43 @@ impl Sessions {
         if session_expiry == 0 {
             clients.remove(client);
         }
+    }
+
+    /// Keeps `messages` (handed over by another cluster node, not
+    /// acknowledged by the connection that ended) for `client`'s session,
+    /// which a later connection or node gets ([`Sessions::take_handed_over`]):
+    /// they are the session's alone, not to publish on their topics again.
+    pub fn keep_handed_over(&self, client: &str, messages: Vec<Direct>) {
+        let mut clients = self.clients.write();
+        let Some(state) = clients.get_mut(client) else {
+            tracing::warn!(
+                client_id = client,
+                dropped = messages.len(),
+                "messages handed over for a session that ended are dropped"
+            );
+            return;
+        };
+        state.handed_over.extend(messages);
+        let over = state.handed_over.len().saturating_sub(HANDED_OVER_MAX);
+        if over > 0 {
+            state.handed_over.drain(..over);
+            tracing::warn!(
+                client_id = client,
+                dropped = over,
+                kept = HANDED_OVER_MAX,
+                "more handed-over messages kept for a session than allowed: the oldest are dropped"
+            );
+        }
+    }
+
+    /// The handed-over messages kept for `client`'s session (see
+    /// [`Sessions::keep_handed_over`]), in order; none are kept after.
+    pub fn take_handed_over(&self, client: &str) -> Vec<Direct> {
+        let mut clients = self.clients.write();
+        clients
+            .get_mut(client)
+            .map(|state| std::mem::take(&mut state.handed_over))
+            .unwrap_or_default()
     }
 
     /// Forgets the clients without a connection whose session the router

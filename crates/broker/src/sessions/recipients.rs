@@ -86,6 +86,7 @@ mod tests {
             payload: Bytes::new(),
             properties: PublishProperties::default().into(),
             qos: 1,
+            handed_over: false,
         }
     }
 

@@ -159,6 +159,7 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
             subscription_identifiers: Vec::new(),
         },
         qos: 1,
+        handed_over: false,
     }
 }
 
@@ -184,6 +185,7 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
                 subscription_identifiers: Vec::new(),
             },
             qos: 1,
+            handed_over: false,
         };
         (&**watcher, message)
     })

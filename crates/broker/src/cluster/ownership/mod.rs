@@ -343,8 +343,9 @@ impl Ownership {
         let client_id = client_id.to_owned();
         if let Some(to) = to.map(str::to_owned).filter(|_| claim.kept || !claim.ended) {
             let peers = Arc::clone(&self.peers);
+            let sessions = Arc::clone(&self.sessions);
             tokio::spawn(async move {
-                super::handover::hand_over(&router, &peers, &client_id, &to).await;
+                super::handover::hand_over(&router, &sessions, &peers, &client_id, &to).await;
             });
             return;
         }

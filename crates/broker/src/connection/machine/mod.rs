@@ -554,6 +554,7 @@ impl Machine {
             payload: publish.payload,
             properties: properties.unwrap_or_default().into(),
             qos: publish.qos as u8,
+            handed_over: true,
         };
         if self.shared.publisher.deliver_to(client, message).is_err() {
             tracing::warn!(

@@ -256,6 +256,7 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
         payload: Bytes::from_static(b"+OK\r\n"),
         properties: PublishProperties::default().into(),
         qos: 1,
+        handed_over: false,
     })))
     .unwrap();
     let Packet::Publish(answer, _) = &written(&mut m)[0] else {
