@@ -539,3 +539,46 @@ async fn handed_over_messages_stay_with_their_session() {
         "at the session's next connection"
     );
 }
+
+/// Messages a live node hands over to a session whose client has already
+/// left the new node wait there for its next connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_messages_wait_for_a_client_that_left() {
+    let setup = Setup::three_linked().await;
+    let (mut c, _) = connect(setup.ports[0], "brief", false, 300).await;
+    c.subscribe("w/#", QoS::AtLeastOnce).await;
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for n in 0..5 {
+        publisher
+            .publish(&format!("w/{n}"), "x", QoS::AtLeastOnce, None)
+            .await;
+    }
+    eventually("node 1 received the 5 messages", || {
+        metric(
+            setup.http[0],
+            "statebroker_messages_received_total{qos=\"1\"}",
+        )
+        .is_some_and(|n| n >= 5.0)
+    })
+    .await;
+    // In and out of node 2 before node 1 has handed anything over (it
+    // waits for etcd's watch and 300 ms of quiet).
+    let (c, present) = connect(setup.ports[1], "brief", false, 300).await;
+    assert!(present);
+    leave(c).await;
+    eventually("node 1 handed the 5 messages over", || {
+        metric(
+            setup.http[0],
+            "statebroker_cluster_messages_handed_over_total",
+        ) == Some(5.0)
+    })
+    .await;
+    let (mut c, present) = connect(setup.ports[1], "brief", false, 300).await;
+    assert!(present);
+    let expected: Vec<String> = (0..5).map(|n| format!("w/{n}")).collect();
+    assert_eq!(
+        topics_within(&mut c, Duration::from_secs(2)).await,
+        expected
+    );
+}

@@ -44,7 +44,7 @@ mod request;
 use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
 use crate::persistence::{Batch, Position};
-use crate::sessions::{SharedAcknowledged, ToConnection};
+use crate::sessions::{SharedAcknowledged, ToConnection, Undelivered};
 use crate::shared::Shared;
 use crate::store::binding;
 use crate::topics;
@@ -556,11 +556,18 @@ impl Machine {
             qos: publish.qos as u8,
             handed_over: true,
         };
-        if self.shared.publisher.deliver_to(client, message).is_err() {
-            tracing::warn!(
+        match self.shared.publisher.deliver_to(client, message) {
+            Ok(()) => {}
+            // Not connected now: for the session's next connection.
+            Err(Undelivered::NoRecipient(message)) => {
+                self.shared
+                    .sessions
+                    .keep_handed_over(client, vec![*message]);
+            }
+            Err(Undelivered::Overflow) => tracing::warn!(
                 client_id = client,
-                "clustering: a message handed over from the session's previous node is lost: the client is not connected here or its queue is full"
-            );
+                "clustering: a message handed over from the session's previous node is lost: the client's queue is full"
+            ),
         }
     }
 
