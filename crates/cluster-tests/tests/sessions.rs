@@ -266,31 +266,42 @@ async fn an_ownerless_session_record_goes_when_its_session_expires() {
     assert!(present);
 }
 
+/// `client_id` subscribes to `{prefix}/#` on node 1 and leaves (its
+/// session kept there); then `count` messages `{prefix}/0..count` are
+/// published at QoS 1 on node 3 until node 1 has them all (forwarded by
+/// node 3's link). Returns the publisher and the topics, in order.
+async fn queued_on_node_1(
+    setup: &Setup,
+    client_id: &str,
+    prefix: &str,
+    count: usize,
+) -> (Raw, Vec<String>) {
+    let (mut c, _) = connect(setup.ports[0], client_id, false, 300).await;
+    c.subscribe(&format!("{prefix}/#"), QoS::AtLeastOnce).await;
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    let topics: Vec<String> = (0..count).map(|n| format!("{prefix}/{n}")).collect();
+    for topic in &topics {
+        publisher.publish(topic, "x", QoS::AtLeastOnce, None).await;
+    }
+    eventually("node 1 received the messages", || {
+        metric(
+            setup.http[0],
+            "statebroker_messages_received_total{qos=\"1\"}",
+        )
+        .is_some_and(|n| n >= count as f64)
+    })
+    .await;
+    (publisher, topics)
+}
+
 /// What a live node had queued for a session moves with it: a client that
 /// left node 1 with messages waiting there gets them on node 2, once, in
 /// order, and what is published after the move too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_messages_move_with_the_session_from_a_live_node() {
     let setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "queued", false, 300).await;
-    c.subscribe("q/#", QoS::AtLeastOnce).await;
-    leave(c).await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    for n in 0..20 {
-        publisher
-            .publish(&format!("q/{n}"), "x", QoS::AtLeastOnce, None)
-            .await;
-    }
-    // Node 1 has them all (forwarded by node 3's link) before the client
-    // moves.
-    eventually("node 1 received the 20 messages", || {
-        metric(
-            setup.http[0],
-            "statebroker_messages_received_total{qos=\"1\"}",
-        )
-        .is_some_and(|n| n >= 20.0)
-    })
-    .await;
+    let (mut publisher, expected) = queued_on_node_1(&setup, "queued", "q", 20).await;
     let (mut c, present) = connect(setup.ports[1], "queued", false, 300).await;
     assert!(present);
     eventually("node 1 handed the session over", || {
@@ -298,7 +309,6 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
     })
     .await;
     let got = topics_within(&mut c, Duration::from_secs(3)).await;
-    let expected: Vec<String> = (0..20).map(|n| format!("q/{n}")).collect();
     assert_eq!(got, expected, "the queued messages, once, in order");
     assert_eq!(
         metric(
@@ -501,30 +511,13 @@ async fn unacknowledged_within(client: &mut Raw, wait: Duration) -> Vec<String> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handed_over_messages_stay_with_their_session() {
     let setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "handed", false, 300).await;
-    c.subscribe("h/#", QoS::AtLeastOnce).await;
-    leave(c).await;
     let (mut other, _) = connect(setup.ports[1], "other", true, 0).await;
     other.subscribe("h/#", QoS::AtLeastOnce).await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    for n in 0..5 {
-        publisher
-            .publish(&format!("h/{n}"), "x", QoS::AtLeastOnce, None)
-            .await;
-    }
-    let expected: Vec<String> = (0..5).map(|n| format!("h/{n}")).collect();
+    let (_publisher, expected) = queued_on_node_1(&setup, "handed", "h", 5).await;
     assert_eq!(
         topics_within(&mut other, Duration::from_secs(2)).await,
         expected
     );
-    eventually("node 1 received the 5 messages", || {
-        metric(
-            setup.http[0],
-            "statebroker_messages_received_total{qos=\"1\"}",
-        )
-        .is_some_and(|n| n >= 5.0)
-    })
-    .await;
     let (mut c, present) = connect(setup.ports[1], "handed", false, 300).await;
     assert!(present);
     let got = unacknowledged_within(&mut c, Duration::from_secs(3)).await;
@@ -545,23 +538,7 @@ async fn handed_over_messages_stay_with_their_session() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handed_over_messages_wait_for_a_client_that_left() {
     let setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "brief", false, 300).await;
-    c.subscribe("w/#", QoS::AtLeastOnce).await;
-    leave(c).await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    for n in 0..5 {
-        publisher
-            .publish(&format!("w/{n}"), "x", QoS::AtLeastOnce, None)
-            .await;
-    }
-    eventually("node 1 received the 5 messages", || {
-        metric(
-            setup.http[0],
-            "statebroker_messages_received_total{qos=\"1\"}",
-        )
-        .is_some_and(|n| n >= 5.0)
-    })
-    .await;
+    let (_publisher, expected) = queued_on_node_1(&setup, "brief", "w", 5).await;
     // In and out of node 2 before node 1 has handed anything over (it
     // waits for etcd's watch and 300 ms of quiet).
     let (c, present) = connect(setup.ports[1], "brief", false, 300).await;
@@ -576,7 +553,6 @@ async fn handed_over_messages_wait_for_a_client_that_left() {
     .await;
     let (mut c, present) = connect(setup.ports[1], "brief", false, 300).await;
     assert!(present);
-    let expected: Vec<String> = (0..5).map(|n| format!("w/{n}")).collect();
     assert_eq!(
         topics_within(&mut c, Duration::from_secs(2)).await,
         expected
