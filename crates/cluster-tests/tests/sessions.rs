@@ -520,6 +520,10 @@ async fn handed_over_messages_stay_with_their_session() {
     );
     let (mut c, present) = connect(setup.ports[1], "handed", false, 300).await;
     assert!(present);
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
+    })
+    .await;
     let got = unacknowledged_within(&mut c, Duration::from_secs(3)).await;
     assert_eq!(got, expected, "handed over, not acknowledged");
     leave(c).await;
