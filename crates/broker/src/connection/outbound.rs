@@ -532,9 +532,12 @@ impl DirectWindow {
     pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
         // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
         // oldest in flight is the first after the last one used.
-        let ring = u32::from(u16::MAX - FIRST_DIRECT_PKID) + 1;
-        let last = u32::from(self.last_pkid - FIRST_DIRECT_PKID);
-        let age = |pkid: u16| (u32::from(pkid - FIRST_DIRECT_PKID) + ring - last - 1) % ring;
+        // (`last_pkid` is FIRST_DIRECT_PKID - 1 before the first.)
+        let ring = i32::from(u16::MAX - FIRST_DIRECT_PKID) + 1;
+        let last = i32::from(self.last_pkid) - i32::from(FIRST_DIRECT_PKID);
+        let age = |pkid: u16| {
+            (i32::from(pkid) - i32::from(FIRST_DIRECT_PKID) - last - 1).rem_euclid(ring)
+        };
         let mut sent: Vec<(u16, Direct)> = self.inflight.drain().collect();
         sent.sort_unstable_by_key(|(pkid, _)| age(*pkid));
         let mut all: Vec<Direct> = sent.into_iter().map(|(_, m)| m).collect();
@@ -692,6 +695,10 @@ mod tests {
             .map(|m| m.payload[0])
             .collect();
         assert_eq!(back, vec![1, 3, 4, 5, 6, 7]);
+        // Nothing ever sent, one waiting.
+        let mut w = DirectWindow::new(usize::MAX, unbounded());
+        w.send(message(8, 1), Protocol::V5, &mut out, false);
+        assert_eq!(w.take_unacknowledged()[0].payload[0], 8);
     }
 
     #[test]
