@@ -9,7 +9,14 @@
 //!   shows of it ([`Peer`]). A new connection with the same client id takes
 //!   over: the old one is told to end;
 //! - the state store requests its session **acknowledged**
-//!   ([`Acknowledged`]), so that one resent after a reconnect runs once.
+//!   ([`Acknowledged`]), so that one resent after a reconnect runs once;
+//! - the messages another cluster node **handed over** for its session
+//!   that no connection has acknowledged yet
+//!   ([`Sessions::keep_handed_over`]): the session's alone, for its next
+//!   connection here or the next node it moves to;
+//! - the block of **packet ids** its router deliveries take
+//!   ([`PacketIdBlock`]) is chosen at CONNECT and kept by the connection
+//!   (and, on a cluster node, by the session's records in etcd).
 //!
 //! With the router's answer to "who subscribes to what", the state store
 //! delivers its messages **directly** to the connection that must get them
