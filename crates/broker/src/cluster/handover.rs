@@ -15,10 +15,7 @@ use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties};
 
 use super::Peers;
-use crate::sessions::Sessions;
-
-/// Messages one session hands over, at most (past them: dropped, WARN).
-const HANDOVER_MAX: usize = 10_000;
+use crate::sessions::{HANDED_OVER_MAX, Sessions, bound_handed_over};
 
 /// `client_id`'s session moved to node `to`: takes the messages this
 /// node's router queued for it (resuming it on an internal link, each
@@ -42,7 +39,7 @@ pub async fn hand_over(
         Option::<Packet>::from(connack),
         Some(Packet::ConnAck(ack, _)) if ack.session_present
     );
-    let (drained, dropped) = if present {
+    let (drained, mut dropped) = if present {
         drain(&mut tx, &mut rx).await
     } else {
         (Vec::new(), 0)
@@ -58,6 +55,7 @@ pub async fn hand_over(
         })
         .collect();
     messages.extend(drained);
+    dropped += bound_handed_over(&mut messages);
     let disconnect = router::protocol::Disconnect {
         reason_code: router::protocol::DisconnectReasonCode::NormalDisconnection,
     };
@@ -66,8 +64,8 @@ pub async fn hand_over(
         tracing::warn!(
             client_id,
             dropped,
-            kept = HANDOVER_MAX,
-            "clustering: more messages queued for a session that moved than are handed over: the oldest are sent"
+            kept = HANDED_OVER_MAX,
+            "clustering: more messages queued for a session that moved than are handed over: the oldest are dropped"
         );
     }
     let count = messages.len();
@@ -88,7 +86,8 @@ pub async fn hand_over(
 
 /// Takes what the router gives a resumed session's link, acknowledging
 /// each message, until it has given nothing for 300 ms; returns the
-/// messages (at most [`HANDOVER_MAX`]) and how many more were dropped.
+/// messages, oldest first (the newest [`HANDED_OVER_MAX`]), and how many
+/// older ones were dropped.
 async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
@@ -96,7 +95,7 @@ async fn drain(
     use router::protocol::{
         Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason, QoS,
     };
-    let mut messages = Vec::new();
+    let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
     loop {
         let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
@@ -130,9 +129,9 @@ async fn drain(
                         None,
                     )),
                 };
-                if messages.len() < HANDOVER_MAX {
-                    messages.push((publish, properties));
-                } else {
+                messages.push_back((publish, properties));
+                if messages.len() > HANDED_OVER_MAX {
+                    messages.pop_front();
                     dropped += 1;
                 }
                 answer
@@ -152,5 +151,5 @@ async fn drain(
             break;
         }
     }
-    (messages, dropped)
+    (messages.into(), dropped)
 }

@@ -63,9 +63,18 @@ struct Client {
     handed_over: Vec<Direct>,
 }
 
-/// Handed-over messages kept for one session, at most (past them, the
-/// oldest go: WARN).
+/// Handed-over messages one session keeps, and one handover sends, at
+/// most: past them the oldest go (as a subscriber that falls behind the
+/// router's log loses the oldest), with a WARN.
 pub const HANDED_OVER_MAX: usize = 10_000;
+
+/// Drops the oldest of `messages` (oldest first) past
+/// [`HANDED_OVER_MAX`]; returns how many it dropped.
+pub fn bound_handed_over<T>(messages: &mut Vec<T>) -> usize {
+    let over = messages.len().saturating_sub(HANDED_OVER_MAX);
+    messages.drain(..over);
+    over
+}
 
 /// The broker's clients, by client id.
 pub struct Sessions {
@@ -197,9 +206,8 @@ impl Sessions {
             return;
         };
         state.handed_over.extend(messages);
-        let over = state.handed_over.len().saturating_sub(HANDED_OVER_MAX);
+        let over = bound_handed_over(&mut state.handed_over);
         if over > 0 {
-            state.handed_over.drain(..over);
             tracing::warn!(
                 client_id = client,
                 dropped = over,
@@ -238,6 +246,7 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use std::sync::atomic::AtomicUsize;
     use tokio::sync::mpsc;
 
@@ -300,6 +309,46 @@ mod tests {
         assert!(!s.is_live("a", 2));
         assert_eq!(s.tracked(), 0, "a session without expiry leaves nothing");
         assert!(!s.disconnect("a", protocol::DisconnectReasonCode::UseAnotherServer));
+    }
+
+    /// One bound for what a session keeps and what a handover sends (the
+    /// two had 10,000 each, and a handover sent the kept ones on top of
+    /// 10,000 drained ones): past it the oldest go.
+    #[test]
+    fn handed_over_messages_are_bounded_oldest_dropped() {
+        let s = Sessions::new(Arc::default());
+        let (tx, _rx) = mpsc::unbounded_channel();
+        s.connected("h", 1, false, mailbox(tx), peer());
+        let direct = |n: usize| Direct {
+            topic: Bytes::from(n.to_string()),
+            payload: Bytes::new(),
+            properties: DirectProperties::Publish(Default::default()),
+            qos: 1,
+            handed_over: true,
+        };
+        s.keep_handed_over("h", (0..HANDED_OVER_MAX - 1).map(direct).collect());
+        s.keep_handed_over(
+            "h",
+            (HANDED_OVER_MAX - 1..HANDED_OVER_MAX + 2)
+                .map(direct)
+                .collect(),
+        );
+        let kept = s.take_handed_over("h");
+        assert_eq!(kept.len(), HANDED_OVER_MAX);
+        assert_eq!(kept[0].topic, "2", "the two oldest went");
+        assert_eq!(
+            kept[HANDED_OVER_MAX - 1].topic,
+            (HANDED_OVER_MAX + 1).to_string()
+        );
+        assert!(s.take_handed_over("h").is_empty(), "taken once");
+
+        // A handover: the kept ones, then the drained ones, bounded together.
+        let mut sent: Vec<usize> = (0..HANDED_OVER_MAX + 5).collect();
+        assert_eq!(bound_handed_over(&mut sent), 5);
+        assert_eq!((sent.len(), sent[0]), (HANDED_OVER_MAX, 5));
+        let mut few = vec![1, 2];
+        assert_eq!(bound_handed_over(&mut few), 0);
+        assert_eq!(few, [1, 2]);
     }
 
     #[test]
