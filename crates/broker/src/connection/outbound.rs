@@ -109,12 +109,12 @@ impl Outbound {
     /// delivery `pkid` (below [`FIRST_DIRECT_PKID`]); `None`: not an id of
     /// this session's block (one a node the session left had used, or
     /// made up).
-    pub fn router_id(&self, pkid: u16) -> Option<u16> {
+    pub fn router_pkid(&self, pkid: u16) -> Option<u16> {
         self.ids.to_router(pkid)
     }
 
     /// The id the client sees for the router's packet id `pkid`.
-    pub fn client_id(&self, pkid: u16) -> u16 {
+    pub fn client_pkid(&self, pkid: u16) -> u16 {
         self.ids.to_client(pkid)
     }
 
@@ -646,9 +646,9 @@ mod tests {
         o.forward(routed(2, 6), true, Protocol::V5, &mut out, &mut to_router);
         o.deliver(message(3, 1), Protocol::V5, &mut out);
         assert_eq!(sent(&mut out), vec![(305, 1), (D, 3)]);
-        assert_eq!((o.router_id(305), o.client_id(5)), (Some(5), 305));
-        assert_eq!(o.router_id(5), None, "block 0's id is not this session's");
-        assert_eq!(o.router_id(405), None);
+        assert_eq!((o.router_pkid(305), o.client_pkid(5)), (Some(5), 305));
+        assert_eq!(o.router_pkid(5), None, "block 0's id is not this session's");
+        assert_eq!(o.router_pkid(405), None);
         assert_eq!(o.delivery_qos(5), Some(1));
         o.router_acknowledged(5, false, &mut to_router, Protocol::V5, &mut out);
         assert_eq!(

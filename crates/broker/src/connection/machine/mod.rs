@@ -346,7 +346,7 @@ impl Machine {
     /// A packet from the client.
     pub fn on_packet(&mut self, mut incoming: Incoming) -> Result<(), End> {
         let header = (incoming.qos, incoming.pkid, incoming.dup);
-        if !self.router_ids(&mut incoming.packet) {
+        if !self.translate_acks(&mut incoming.packet) {
             return Ok(());
         }
         match incoming.packet {
@@ -645,14 +645,14 @@ impl Machine {
     /// one of its deliveries (see [`crate::sessions::PacketIdBlock`]);
     /// `false`: the id is not of this session's block (a node the session
     /// left had used it, or the client made it up): nothing to do.
-    fn router_ids(&mut self, packet: &mut Packet) -> bool {
+    fn translate_acks(&mut self, packet: &mut Packet) -> bool {
         let pkid = match packet {
             Packet::PubAck(ack, _) if !outbound::is_direct(ack.pkid) => &mut ack.pkid,
             Packet::PubRec(rec, _) => &mut rec.pkid,
             Packet::PubComp(comp, _) => &mut comp.pkid,
             _ => return true,
         };
-        match self.out.router_id(*pkid) {
+        match self.out.router_pkid(*pkid) {
             Some(id) => {
                 *pkid = id;
                 true
@@ -776,7 +776,7 @@ impl Machine {
             }
             // The router releases its QoS 2 delivery: by the client's id.
             Packet::PubRel(mut rel, properties) => {
-                rel.pkid = self.out.client_id(rel.pkid);
+                rel.pkid = self.out.client_pkid(rel.pkid);
                 self.acknowledge(Packet::PubRel(rel, properties), batch);
             }
             packet => {
