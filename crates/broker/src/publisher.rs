@@ -38,6 +38,10 @@ pub const LINK_USERNAME: &str = "statebroker:peer";
 /// The User Property of a publish another node's link hands over: the
 /// client id whose session moved to this node, to whom alone it goes.
 pub const HANDOVER: &str = "statebroker:handover";
+/// With [`HANDOVER`], on a QoS 2 message the other node had in flight to
+/// the client: the packet id it went under (see
+/// `crate::sessions::Direct::kept_pkid`).
+pub const HANDOVER_PKID: &str = "statebroker:handover-pkid";
 
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;

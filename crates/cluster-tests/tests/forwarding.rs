@@ -265,6 +265,34 @@ async fn a_link_needs_the_clusters_secret() {
     assert_eq!(ack.code, v5::ConnectReturnCode::Success);
 }
 
+/// The User Property by which a node hands a moved session's messages
+/// over to one client is the links' alone: a client that sets it on its
+/// publish (naming another client) gets it forwarded like any other, to
+/// every subscriber on every node. Before, the node it was forwarded to
+/// took it for a handover and delivered it to the named client alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_handover_mark_is_not_honoured() {
+    let setup = Setup::three_linked().await;
+    let (_named, mut named_rx) = subscriber(setup.ports[1], "named", "h/#", QoS::AtLeastOnce).await;
+    let (_other, mut other_rx) = subscriber(setup.ports[1], "other", "h/#", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr(setup.ports[0]), "marker").await;
+    let properties = v5::PublishProperties {
+        user_properties: vec![
+            ("statebroker:handover".into(), "named".into()),
+            ("statebroker:handover-pkid".into(), "7".into()),
+        ],
+        ..Default::default()
+    };
+    let reason = publisher
+        .publish("h/x", "for all", QoS::AtLeastOnce, Some(properties))
+        .await;
+    assert_eq!(reason, Some(v5::PubAckReason::Success));
+    for rx in [&mut named_rx, &mut other_rx] {
+        let got = receive(rx, 1).await;
+        assert_eq!(got[0].1, Bytes::from_static(b"for all"));
+    }
+}
+
 /// A node killed and started again: the others' links to it come back by
 /// themselves, and so do its links to them; publishes cross both ways.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

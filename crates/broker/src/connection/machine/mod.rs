@@ -855,21 +855,27 @@ fn failed(reason: &protocol::PubRecReason) -> bool {
 #[cfg(test)]
 mod tests;
 
-/// Removes from a client's publish the marks only links may set (see
-/// `router::NOT_FOR_GROUP`): a client cannot keep its message from a
-/// shared subscription.
+/// Removes from a client's publish the marks only links may set: a
+/// client cannot keep its message from a shared subscription
+/// (`router::NOT_FOR_GROUP`), nor have other nodes deliver it to one
+/// client alone as if handed over (`crate::publisher::HANDOVER`,
+/// `HANDOVER_PKID`).
 fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
+    const MARKS: [&str; 3] = [
+        router::NOT_FOR_GROUP,
+        crate::publisher::HANDOVER,
+        crate::publisher::HANDOVER_PKID,
+    ];
     if let Some(p) = properties
         && p.user_properties
             .iter()
-            .any(|(k, _)| k == router::NOT_FOR_GROUP)
+            .any(|(k, _)| MARKS.contains(&k.as_ref()))
     {
         p.user_properties
-            .retain(|(k, _)| k != router::NOT_FOR_GROUP);
+            .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the User Property {} is the broker's; removed",
-            router::NOT_FOR_GROUP
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid) removed"
         );
     }
 }
