@@ -7,8 +7,9 @@
 //! subscriber after it resumed its session elsewhere; QoS 2 exactly once
 //! (but for a message its publisher had to send again to another node,
 //! its own having died between forwarding it and its PUBREC, and for one
-//! in flight to a subscriber whose session moved: handed over again at
-//! QoS 1); each publisher's order for a subscriber that stayed; the same
+//! published while a subscriber's session moved, which reached both
+//! nodes' copies of it: handed over at QoS 1); each publisher's order for
+//! a subscriber that stayed; the same
 //! retained messages on every node after the faults.
 //!
 //! This is the short run of `cargo test`; `bench/cluster-faults.sh mqtt`

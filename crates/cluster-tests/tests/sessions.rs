@@ -492,6 +492,78 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
     }
 }
 
+/// A QoS 2 message a live node had sent the client, which the client has
+/// not acknowledged (it may have it, and keeps its id until the PUBREL),
+/// moves with the session under the id the client saw, QoS 2 and DUP: a
+/// client that keeps the id takes it as the same message (MQTT 5 4.3.3),
+/// and the new node finishes the flow (PUBREL, PUBCOMP). Before, such a
+/// message came again at QoS 1 under a new id: a second delivery (issue
+/// #29: QoS 2 exactly once across nodes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
+    let setup = Setup::three_linked().await;
+    let (mut c, _) = connect(setup.ports[0], "inflight", false, 300).await;
+    c.subscribe("f/#", QoS::ExactlyOnce).await;
+    eventually("the subscription in etcd", || {
+        record(&setup, "inflight").is_some_and(|r| r.contains("f/#"))
+    })
+    .await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for m in 0..3 {
+        publish_complete(
+            &mut publisher,
+            &format!("f/{m}"),
+            b"x",
+            QoS::ExactlyOnce,
+            false,
+        )
+        .await;
+    }
+    // Received on node 1, not acknowledged.
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        match c.recv().await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce);
+                seen.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH, got {other:?}"),
+        }
+    }
+    let (mut c, present) = connect(setup.ports[1], "inflight", false, 300).await;
+    assert!(present);
+    let mut again = Vec::new();
+    let mut completed = 0;
+    while completed < 3 {
+        match c.recv().await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
+                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(v5::Packet::PubRel(rel)) => {
+                assert!(again.iter().any(|(id, _)| *id == rel.pkid), "{rel:?}");
+                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+                completed += 1;
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH or PUBREL, got {other:?} after {again:?}"),
+        }
+    }
+    assert_eq!(again, seen, "the same messages under the same ids");
+    assert_eq!(
+        unacknowledged_within(&mut c, Duration::from_secs(2)).await,
+        Vec::<String>::new()
+    );
+    // A new message goes on under an id of the node's own.
+    publish_complete(&mut publisher, "f/new", b"x", QoS::ExactlyOnce, false).await;
+    let ids = kept_qos2_ids(&mut c, 1).await;
+    assert!(seen.iter().all(|(id, _)| *id != ids[0]), "{ids:?} {seen:?}");
+}
+
 /// The publishes `client` receives until none comes for `wait`, not
 /// acknowledged.
 async fn unacknowledged_within(client: &mut Raw, wait: Duration) -> Vec<String> {

@@ -4,7 +4,11 @@
 //! The node resumes the session on an internal router link, takes what
 //! the router gives it (acknowledging each), ends the session and sends
 //! the messages over its link to the new node, which delivers them to the
-//! client alone, at most at QoS 1 (see `crate::publisher::HANDOVER`). They
+//! client alone, at most at QoS 1 (see `crate::publisher::HANDOVER`), but
+//! for a QoS 2 message this node had sent the client and not had
+//! completed: that one goes at QoS 2 under the packet id the client saw
+//! (`crate::publisher::HANDOVER_PKID`), so that a client that keeps the
+//! id takes it as the same message (MQTT 5 4.3.3). They
 //! come after what was published since the move, and a message published
 //! while the session moves (from the new node's CONNECT until this node
 //! has handed over, about the time etcd's watch takes plus 300 ms)
@@ -12,14 +16,19 @@
 //! never lost.
 
 use router::RouterHandle;
-use router::protocol::{Publish, PublishProperties};
+use router::protocol::{Publish, PublishProperties, QoS};
 
 use super::Peers;
-use crate::sessions::{HANDED_OVER_MAX, Sessions, bound_handed_over};
+use crate::sessions::{HANDED_OVER_MAX, PacketIdBlock, Sessions, bound_handed_over};
+
+/// A message handed over: the publish and, for a QoS 2 one in flight to
+/// the client, the packet id the client saw.
+type HandedOver = (Publish, Option<PublishProperties>, Option<u16>);
 
 /// `client_id`'s session moved to node `to`: takes the messages this
 /// node's router queued for it (resuming it on an internal link, each
-/// acknowledged), ends it here, and sends them to `to` (see the module's
+/// acknowledged; `ids`: the packet ids its deliveries took here), ends it
+/// here, and sends them to `to` (see the module's
 /// documentation), after those handed over to it here earlier that its
 /// connection did not acknowledge (kept by `sessions`). Without messages
 /// (or a session) it just ends.
@@ -29,6 +38,7 @@ pub async fn hand_over(
     peers: &Peers,
     client_id: &str,
     to: &str,
+    ids: PacketIdBlock,
 ) {
     use router::protocol::Packet;
     // Session expiry 0: the session ends with this link.
@@ -40,7 +50,7 @@ pub async fn hand_over(
         Some(Packet::ConnAck(ack, _)) if ack.session_present
     );
     let (drained, mut dropped) = if present {
-        drain(&mut tx, &mut rx).await
+        drain(&mut tx, &mut rx, ids).await
     } else {
         (Vec::new(), 0)
     };
@@ -51,7 +61,7 @@ pub async fn hand_over(
         .into_iter()
         .map(|m| {
             let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, false);
-            (publish, Some(m.properties.into_publish()))
+            (publish, Some(m.properties.into_publish()), m.kept_pkid)
         })
         .collect();
     messages.extend(drained);
@@ -69,7 +79,22 @@ pub async fn hand_over(
         );
     }
     let count = messages.len();
-    let sent = if messages.is_empty() {
+    let messages = messages
+        .into_iter()
+        .map(|(publish, mut properties, kept)| {
+            if let Some(pkid) = kept.filter(|_| publish.qos == QoS::ExactlyOnce) {
+                let user = &mut properties
+                    .get_or_insert_with(Default::default)
+                    .user_properties;
+                user.push((
+                    crate::publisher::HANDOVER_PKID.into(),
+                    pkid.to_string().into(),
+                ));
+            }
+            (publish, properties)
+        })
+        .collect();
+    let sent = if count == 0 {
         0
     } else {
         peers.hand_over(to, client_id, messages).await
@@ -85,15 +110,18 @@ pub async fn hand_over(
 }
 
 /// Takes what the router gives a resumed session's link, acknowledging
-/// each message, until it has given nothing for 300 ms; returns the
+/// each message, until it has given nothing for 300 ms (a QoS 2 one sent
+/// again, DUP, was in flight to the client: with the id the client saw,
+/// in `ids`); returns the
 /// messages, oldest first (the newest [`HANDED_OVER_MAX`]), and how many
 /// older ones were dropped.
 async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
-) -> (Vec<(Publish, Option<PublishProperties>)>, usize) {
+    ids: PacketIdBlock,
+) -> (Vec<HandedOver>, usize) {
     use router::protocol::{
-        Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason, QoS,
+        Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason,
     };
     let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
@@ -129,7 +157,9 @@ async fn drain(
                         None,
                     )),
                 };
-                messages.push_back((publish, properties));
+                let kept =
+                    (publish.qos == QoS::ExactlyOnce && publish.dup).then(|| ids.to_client(pkid));
+                messages.push_back((publish, properties, kept));
                 if messages.len() > HANDED_OVER_MAX {
                     messages.pop_front();
                     dropped += 1;

@@ -12,6 +12,10 @@
 //!   [`RouterAcks`];
 //! - **direct deliveries** (state store answers and notifications, see
 //!   [`crate::sessions`]) use the ids above the router's: [`DirectWindow`].
+//!   So do messages another cluster node handed over; a QoS 2 one it had
+//!   in flight to the client goes again under the id the client may keep
+//!   for it (the old node's block, not this one's), with DUP, and its
+//!   PUBREC / PUBREL / PUBCOMP are finished here ([`Outbound::kept_ack`]).
 //!
 //! [`Outbound`] puts both together within the client's limits: at most
 //! Receive Maximum QoS 1/2 publishes unacknowledged from both sources
@@ -25,7 +29,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use router::protocol::{Packet, PubAck, PubAckReason};
+use router::protocol::{Packet, PubAck, PubAckReason, PubRel, PubRelReason};
 
 use crate::codec::{self, Protocol};
 use crate::sessions::{Direct, PacketIdBlock, QueueBound, ToConnection};
@@ -224,6 +228,9 @@ impl Outbound {
             // The broker's own deliveries go at QoS 1 only.
             return self.direct.inflight.contains_key(&pkid).then_some(1);
         }
+        if self.direct.is_kept(pkid) {
+            return Some(2);
+        }
         if self.router_released.contains(&pkid) {
             return Some(2);
         }
@@ -239,11 +246,57 @@ impl Outbound {
     }
 
     /// A direct delivery.
-    pub fn deliver(&mut self, message: Direct, protocol: Protocol, out: &mut BytesMut) {
+    pub fn deliver(&mut self, mut message: Direct, protocol: Protocol, out: &mut BytesMut) {
+        // A kept id in this session's block, or among the direct ones,
+        // would be taken for another delivery's: then it goes as a new
+        // message (QoS 1, a new id).
+        if message
+            .kept_pkid
+            .is_some_and(|id| id == 0 || is_direct(id) || self.ids.to_router(id).is_some())
+        {
+            message.kept_pkid = None;
+            message.qos = message.qos.min(1);
+        }
         // In order: nothing overtakes what already waits.
         let room = self.held.is_empty() && self.direct.pending.is_empty() && self.room();
         let sent = self.direct.send(message, protocol, out, room);
         self.count_discarded(u64::from(!sent));
+    }
+
+    /// The client's PUBREC or PUBCOMP of a handed-over QoS 2 message sent
+    /// under its kept packet id (see [`crate::sessions::Direct::kept_pkid`]):
+    /// a PUBREC is answered with a PUBREL into `out` (unless it refused the
+    /// message, 0x80 or more: done), a PUBCOMP completes it. `false`: not
+    /// such an acknowledgement (the router's, or a direct delivery's).
+    pub fn kept_ack(&mut self, packet: &Packet, protocol: Protocol, out: &mut BytesMut) -> bool {
+        let done = match packet {
+            Packet::PubRec(rec, _) if self.direct.is_kept(rec.pkid) => {
+                use router::protocol::PubRecReason;
+                let accepted = matches!(
+                    rec.reason,
+                    PubRecReason::Success | PubRecReason::NoMatchingSubscribers
+                );
+                if accepted {
+                    self.direct.released.insert(rec.pkid);
+                    let rel = PubRel {
+                        pkid: rec.pkid,
+                        reason: PubRelReason::Success,
+                    };
+                    if let Err(e) = protocol.write(Packet::PubRel(rel, None), out) {
+                        tracing::warn!(error = %e, "a PUBREL cannot be encoded");
+                    }
+                    return true;
+                }
+                rec.pkid
+            }
+            Packet::PubComp(comp, _) if self.direct.released.contains(&comp.pkid) => comp.pkid,
+            _ => return false,
+        };
+        self.direct.released.remove(&done);
+        if self.direct.acknowledged(done) {
+            self.fill(protocol, out);
+        }
+        true
     }
 
     /// The client acknowledged direct delivery `pkid`.
@@ -424,8 +477,11 @@ impl TopicAliases {
 
 #[derive(Debug)]
 pub(crate) struct DirectWindow {
-    /// Sent at QoS 1, not yet acknowledged, by packet id.
+    /// Sent at QoS 1 (or, under a kept id, 2), not yet acknowledged (a
+    /// QoS 2 one: completed), by packet id.
     inflight: HashMap<u16, Direct, PacketIds>,
+    /// Kept ids in flight whose PUBREC came (until PUBCOMP).
+    released: HashSet<u16, PacketIds>,
     /// Waiting for room under the client's Receive Maximum.
     pending: VecDeque<Direct>,
     last_pkid: u16,
@@ -441,6 +497,7 @@ impl DirectWindow {
         DirectWindow {
             bound,
             inflight: HashMap::default(),
+            released: HashSet::default(),
             pending: VecDeque::new(),
             last_pkid: FIRST_DIRECT_PKID - 1,
             max_packet_size,
@@ -457,23 +514,37 @@ impl DirectWindow {
         self.pending.pop_front()
     }
 
-    /// Encodes `message` into `out` at its QoS (0 or 1), with a packet id of
-    /// the direct range, or (QoS 1 without `room`) holds it. `false`: the message is larger than the client accepts and
-    /// was discarded.
+    /// Whether `pkid` is a handed-over QoS 2 message's kept id in flight.
+    fn is_kept(&self, pkid: u16) -> bool {
+        !is_direct(pkid) && self.inflight.contains_key(&pkid)
+    }
+
+    /// Encodes `message` into `out` at its QoS, with a packet id of the
+    /// direct range (or its kept id, with DUP: see
+    /// [`Direct::kept_pkid`]), or (QoS 1/2 without `room`) holds it.
+    /// `false`: the message is larger than the client accepts and was
+    /// discarded.
     pub fn send(
         &mut self,
-        message: Direct,
+        mut message: Direct,
         protocol: Protocol,
         out: &mut BytesMut,
         room: bool,
     ) -> bool {
-        let pkid = match message.qos {
-            0 => 0,
+        let pkid = match (message.qos, message.kept_pkid) {
+            (0, _) => 0,
             _ if !room => {
                 self.pending.push_back(message);
                 return true;
             }
-            _ => self.next_pkid(),
+            (2, Some(kept)) if !self.inflight.contains_key(&kept) => kept,
+            _ => {
+                // QoS 2 goes only under a kept id: one handed over twice
+                // under the same id goes as a new message.
+                message.qos = message.qos.min(1);
+                message.kept_pkid = None;
+                self.next_pkid()
+            }
         };
         let start = out.len();
         codec::encode_publish(
@@ -489,6 +560,10 @@ impl DirectWindow {
             out.truncate(start);
             self.bound.release(message.size());
             return false;
+        }
+        if message.kept_pkid.is_some() {
+            // DUP (MQTT 5 3.3.1.1): the client may have had it.
+            out[start] |= 0b1000;
         }
         crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
@@ -527,9 +602,18 @@ impl DirectWindow {
         }
     }
 
-    /// Everything sent and not acknowledged, in the order it was sent,
-    /// then everything still waiting.
+    /// Everything sent and not acknowledged, in the order it was sent
+    /// (handed-over QoS 2 ones under their kept ids first: they came
+    /// first), then everything still waiting. A kept id's message the
+    /// client has PUBREC'd is not among them: the client has it (its
+    /// PUBREL is not sent again, as a node that hands a session over does
+    /// not pass on the router's).
     pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
+        for pkid in self.released.drain() {
+            if let Some(done) = self.inflight.remove(&pkid) {
+                self.bound.release(done.size());
+            }
+        }
         // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
         // oldest in flight is the first after the last one used.
         // (`last_pkid` is FIRST_DIRECT_PKID - 1 before the first.)
@@ -539,7 +623,7 @@ impl DirectWindow {
             (i32::from(pkid) - i32::from(FIRST_DIRECT_PKID) - last - 1).rem_euclid(ring)
         };
         let mut sent: Vec<(u16, Direct)> = self.inflight.drain().collect();
-        sent.sort_unstable_by_key(|(pkid, _)| age(*pkid));
+        sent.sort_unstable_by_key(|(pkid, _)| (is_direct(*pkid), age(*pkid)));
         let mut all: Vec<Direct> = sent.into_iter().map(|(_, m)| m).collect();
         all.extend(self.pending.drain(..));
         all
@@ -561,6 +645,7 @@ mod tests {
             properties: PublishProperties::default().into(),
             qos,
             handed_over: false,
+            kept_pkid: None,
         }
     }
 
@@ -783,6 +868,84 @@ mod tests {
             bound.held(),
             (1, size),
             "a discarded message gives its room back"
+        );
+    }
+
+    /// A QoS 2 message another node handed over while in flight goes under
+    /// the id the client saw there, with DUP, and its flow ends here:
+    /// PUBREC -> PUBREL, PUBCOMP -> done. A kept id this session's block
+    /// (or the direct range) uses goes as a new QoS 1 message.
+    #[test]
+    fn a_handed_over_qos2_message_goes_under_its_kept_id() {
+        let block = PacketIdBlock::default().next().next();
+        let mut o = Outbound::new("c", 3, usize::MAX, unbounded(), 0, block);
+        let kept = |n: u8, pkid: u16| Direct {
+            handed_over: true,
+            kept_pkid: Some(pkid),
+            ..message(n, 2)
+        };
+        let mut out = BytesMut::new();
+        o.deliver(kept(1, 105), Protocol::V5, &mut out);
+        o.deliver(kept(2, 205), Protocol::V5, &mut out); // block 2's own
+        o.deliver(kept(3, 106), Protocol::V5, &mut out);
+        let mut written = Vec::new();
+        while let Some(incoming) = Protocol::V5.read(&mut out, 1 << 20).unwrap() {
+            let Packet::Publish(p, _) = incoming.packet else {
+                panic!("not a publish")
+            };
+            written.push((p.pkid, p.qos as u8, p.dup, p.payload[0]));
+        }
+        assert_eq!(
+            written,
+            [(105, 2, true, 1), (D, 1, false, 2), (106, 2, true, 3)]
+        );
+        assert_eq!(o.delivery_qos(105), Some(2));
+        assert_eq!(o.in_flight(), 3, "Receive Maximum reached");
+        o.deliver(message(4, 1), Protocol::V5, &mut out);
+        assert!(out.is_empty(), "waits for room");
+
+        use router::protocol::{PubComp, PubCompReason, PubRec, PubRecReason};
+        let rec = |pkid| {
+            let reason = PubRecReason::Success;
+            Packet::PubRec(PubRec { pkid, reason }, None)
+        };
+        let comp = |pkid| {
+            let reason = PubCompReason::Success;
+            Packet::PubComp(PubComp { pkid, reason }, None)
+        };
+        assert!(!o.kept_ack(&rec(107), Protocol::V5, &mut out), "not kept");
+        assert!(
+            !o.kept_ack(&comp(105), Protocol::V5, &mut out),
+            "no PUBREC yet"
+        );
+        assert!(o.kept_ack(&rec(105), Protocol::V5, &mut out));
+        let Some(incoming) = Protocol::V5.read(&mut out, 1 << 20).unwrap() else {
+            panic!("a PUBREL")
+        };
+        assert!(matches!(incoming.packet, Packet::PubRel(rel, _) if rel.pkid == 105));
+        assert!(out.is_empty());
+        assert_eq!(o.in_flight(), 3, "in flight until PUBCOMP");
+        assert!(o.kept_ack(&comp(105), Protocol::V5, &mut out));
+        assert_eq!(sent(&mut out), vec![(D + 1, 4)], "room for the next");
+        assert_eq!(o.delivery_qos(105), None);
+
+        // At the connection's end: 106 (not acknowledged) stays the
+        // session's under its id, first; 107, PUBREC'd, does not (the
+        // client has it); 108 waited for room.
+        o.deliver(kept(5, 107), Protocol::V5, &mut out);
+        o.direct_acknowledged(D, Protocol::V5, &mut out);
+        o.deliver(kept(6, 108), Protocol::V5, &mut out);
+        assert!(o.kept_ack(&rec(107), Protocol::V5, &mut out));
+        let (_tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let back: Vec<_> = o
+            .hand_back(&mut rx)
+            .into_iter()
+            .map(|m| (m.kept_pkid, m.payload[0]))
+            .collect();
+        assert_eq!(
+            back,
+            [(Some(106), 3), (None, 4), (Some(108), 6)],
+            "in flight (the kept id first), then waiting"
         );
     }
 

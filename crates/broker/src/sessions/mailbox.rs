@@ -128,11 +128,17 @@ pub struct Direct {
     pub payload: Bytes,
     /// MQTT 5 properties (subscription identifiers are added on delivery).
     pub properties: DirectProperties,
-    /// QoS 0 or 1.
+    /// QoS 0 or 1; 2 only with [`Direct::kept_pkid`].
     pub qos: u8,
     /// Another cluster node handed it over for this client's session
     /// alone (see `cluster::handover`): never published on its topic.
     pub handed_over: bool,
+    /// A QoS 2 message handed over while in flight to the client under
+    /// this packet id (the id of the node the session left, which the
+    /// client may keep until a PUBREL, MQTT 5 4.3.3): sent again under it
+    /// at QoS 2 with DUP, so that a client that has it takes it as the
+    /// same message. `None` for every other message.
+    pub kept_pkid: Option<u16>,
 }
 
 /// A direct delivery's MQTT 5 properties.

@@ -325,6 +325,7 @@ mod tests {
             properties: DirectProperties::Publish(Default::default()),
             qos: 1,
             handed_over: true,
+            kept_pkid: None,
         };
         s.keep_handed_over("h", (0..HANDED_OVER_MAX - 1).map(direct).collect());
         s.keep_handed_over(

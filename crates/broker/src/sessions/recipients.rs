@@ -47,7 +47,14 @@ impl Sessions {
         let Some(live) = clients.get(client).and_then(|c| c.live.as_ref()) else {
             return no_recipient(message);
         };
-        message.qos = message.qos.min(granted).min(1);
+        // The broker's own deliveries go at QoS 1 at most; a QoS 2 message
+        // handed over in flight keeps QoS 2 and its packet id while the
+        // client's subscriptions still grant it.
+        let most = if message.kept_pkid.is_some() { 2 } else { 1 };
+        message.qos = message.qos.min(granted).min(most);
+        if message.qos < 2 {
+            message.kept_pkid = None;
+        }
         message.properties.set_subscription_identifiers(ids);
         let Mailbox { tx, bound } = &live.mailbox;
         let size = message.size();
@@ -87,6 +94,7 @@ mod tests {
             properties: PublishProperties::default().into(),
             qos: 1,
             handed_over: false,
+            kept_pkid: None,
         }
     }
 

@@ -160,6 +160,7 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
         },
         qos: 1,
         handed_over: false,
+        kept_pkid: None,
     }
 }
 
@@ -186,6 +187,7 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
             },
             qos: 1,
             handed_over: false,
+            kept_pkid: None,
         };
         (&**watcher, message)
     })

@@ -345,7 +345,8 @@ impl Ownership {
             let peers = Arc::clone(&self.peers);
             let sessions = Arc::clone(&self.sessions);
             tokio::spawn(async move {
-                super::handover::hand_over(&router, &sessions, &peers, &client_id, &to).await;
+                super::handover::hand_over(&router, &sessions, &peers, &client_id, &to, claim.ids)
+                    .await;
             });
             return;
         }

@@ -346,6 +346,13 @@ impl Machine {
     /// A packet from the client.
     pub fn on_packet(&mut self, mut incoming: Incoming) -> Result<(), End> {
         let header = (incoming.qos, incoming.pkid, incoming.dup);
+        // A handed-over QoS 2 message's flow is finished here.
+        if self
+            .out
+            .kept_ack(&incoming.packet, self.protocol, &mut self.wbuf)
+        {
+            return Ok(());
+        }
         if !self.translate_acks(&mut incoming.packet) {
             return Ok(());
         }
@@ -513,9 +520,9 @@ impl Machine {
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
         if self.from_link
-            && let Some(client) = handed_over(properties.as_mut())
+            && let Some((client, kept_pkid)) = handed_over(properties.as_mut())
         {
-            self.deliver_handed_over(&client, publish, properties);
+            self.deliver_handed_over(&client, publish, properties, kept_pkid);
             self.ack(qos, pkid, true);
             return Ok(());
         }
@@ -542,19 +549,26 @@ impl Machine {
     }
 
     /// Delivers to `client` a message its session's previous node handed
-    /// over (at most QoS 1, as direct deliveries go).
+    /// over (at most QoS 1, as direct deliveries go; QoS 2 under
+    /// `kept_pkid`, the id of one that was in flight to the client).
     fn deliver_handed_over(
         &self,
         client: &str,
         publish: Publish,
         properties: Option<PublishProperties>,
+        kept_pkid: Option<u16>,
     ) {
         let message = crate::sessions::Direct {
             topic: publish.topic,
             payload: publish.payload,
             properties: properties.unwrap_or_default().into(),
-            qos: publish.qos as u8,
+            qos: if kept_pkid.is_some() {
+                2
+            } else {
+                publish.qos as u8
+            },
             handed_over: true,
+            kept_pkid,
         };
         match self.shared.publisher.deliver_to(client, message) {
             Ok(()) => {}
@@ -881,12 +895,20 @@ fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
 }
 
 /// The client a publish from another node's link is handed over to (see
-/// `crate::publisher::HANDOVER`), its User Property removed.
-fn handed_over(properties: Option<&mut PublishProperties>) -> Option<String> {
+/// `crate::publisher::HANDOVER`) and, for a QoS 2 message that node had
+/// in flight, the packet id the client saw (`HANDOVER_PKID`); their User
+/// Properties removed.
+fn handed_over(properties: Option<&mut PublishProperties>) -> Option<(String, Option<u16>)> {
     let properties = properties?;
-    let at = properties
-        .user_properties
+    let user = &mut properties.user_properties;
+    let at = user
         .iter()
         .position(|(k, _)| k == crate::publisher::HANDOVER)?;
-    Some(properties.user_properties.remove(at).1.into())
+    let client = user.remove(at).1.into();
+    let kept_pkid = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::HANDOVER_PKID)
+        .and_then(|at| user.remove(at).1.parse::<u16>().ok())
+        .filter(|&pkid| pkid > 0);
+    Some((client, kept_pkid))
 }
