@@ -11,7 +11,7 @@
 //!    what it may do: authorization/ (the policy; store keys via
 //!    statestore::KeyAccess)
 //!    handshake.rs: CONNECT checks, CONNACK      subscriptions.rs: SUBSCRIBE policy
-//!    outbound.rs: acks, in-flight windows       mod.rs: run loop, dispatch, teardown
+//!    outbound/: acks, in-flight windows         mod.rs: run loop, dispatch, teardown
 //!    │ state store requests ──────────────► store/: binding.rs (request rules,
 //!    │                                       response properties), service.rs
 //!    │                                       (statestore::Store, expiry,

@@ -15,7 +15,7 @@
 //!   router; UNSUBSCRIBE to the router, or answered here when the
 //!   connection never joined it;
 //! - what goes to the client at QoS 1/2 from the router and the broker
-//!   together, within the client's limits (`outbound.rs`);
+//!   together, within the client's limits (`outbound/`);
 //! - acknowledgements in order (`inbound::AckOrder`), held while what they
 //!   acknowledge is not on disk (`gate.rs`), or to leave with their
 //!   answers (`hold.rs`);
