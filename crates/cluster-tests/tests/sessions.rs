@@ -564,6 +564,39 @@ async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
     assert!(seen.iter().all(|(id, _)| *id != ids[0]), "{ids:?} {seen:?}");
 }
 
+/// A node that takes a session from etcd writes the packet id block it
+/// takes into the session record before its CONNACK. Before, the record
+/// kept the old block until the node's own record followed its claim: a
+/// node that died in between (or, here, is paused right after the
+/// CONNACK and then killed) left the old block, and the next node took
+/// the same block again, whose QoS 2 ids the client may still keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_sessions_block_is_in_etcd_before_its_connack() {
+    let mut setup = Setup::three_linked().await;
+    let (mut c, _) = connect(setup.ports[0], "blocky", false, 300).await;
+    c.subscribe("bk/#", QoS::ExactlyOnce).await;
+    eventually("the subscription in etcd", || {
+        record(&setup, "blocky").is_some_and(|r| r.contains("bk/#"))
+    })
+    .await;
+    let block = |setup: &Setup| {
+        let value = setup.etcd.get("/statebroker/S/blocky").unwrap().unwrap();
+        (value[0], value[1])
+    };
+    assert_eq!(block(&setup), (0, 0), "node 1's block");
+    let (_c2, present) = connect(setup.ports[1], "blocky", false, 300).await;
+    setup.nodes[1].pause().unwrap();
+    assert!(present);
+    assert_eq!(block(&setup), (0, 1), "node 2's block, at its CONNACK");
+    setup.nodes[1].kill().unwrap();
+    let (mut c, present) = connect(setup.ports[2], "blocky", false, 300).await;
+    assert!(present);
+    let (mut publisher, _) = connect(setup.ports[0], "publisher", true, 0).await;
+    publish_complete(&mut publisher, "bk/1", b"x", QoS::ExactlyOnce, false).await;
+    let ids = kept_qos2_ids(&mut c, 1).await;
+    assert!((201..=300).contains(&ids[0]), "node 3's block: {ids:?}");
+}
+
 /// The publishes `client` receives until none comes for `wait`, not
 /// acknowledged.
 async fn unacknowledged_within(client: &mut Raw, wait: Duration) -> Vec<String> {

@@ -28,7 +28,10 @@
 //! [`super::handover`]). The session's router deliveries take the next
 //! block of packet ids after the one they took on the node it left
 //! ([`PacketIdBlock`]): that node could not release the QoS 2 ids the
-//! client still keeps.
+//! client still keeps. The node writes that block into the session
+//! record before its CONNACK (compared on the record's revision; a record
+//! that changed meanwhile is read again), so that a node that dies right
+//! after taking the session over leaves its block there for the next.
 //!
 //! A record nobody owns (no owner record: its node died or lost its
 //! lease, and the client did not come back) is removed by [`reap`] once
@@ -104,8 +107,9 @@ impl Journal for SessionJournal {
 /// [`PacketIdBlock`]): this node's own when its copy is current, the next
 /// block after the other node's when the session comes from etcd (or
 /// from this node's data directory, after a restart), `fresh` for a new
-/// session. `Err`: etcd did not answer (the CONNECT is refused:
-/// accepting it could lose the session).
+/// session. A block taken after the record's is written into the record
+/// before the CONNACK (see [`record_block`]). `Err`: etcd did not answer
+/// (the CONNECT is refused: accepting it could lose the session).
 pub async fn resume(
     ownership: &Ownership,
     router: &RouterHandle,
@@ -113,8 +117,40 @@ pub async fn resume(
     max_expiry: u32,
     fresh: PacketIdBlock,
     timeout: std::time::Duration,
-    mut client: etcd_client::Client,
+    client: etcd_client::Client,
 ) -> Result<PacketIdBlock, String> {
+    // A record that changed between the read and the block's write is
+    // read again (its writer was still at work: the newer one is the
+    // session).
+    for _ in 0..3 {
+        if let Some(ids) = resume_once(
+            ownership,
+            router,
+            client_id,
+            max_expiry,
+            fresh,
+            timeout,
+            client.clone(),
+        )
+        .await?
+        {
+            return Ok(ids);
+        }
+    }
+    Err("the session record kept changing".to_owned())
+}
+
+/// One try of [`resume`]: `None` when the session record changed before
+/// its new block was written.
+async fn resume_once(
+    ownership: &Ownership,
+    router: &RouterHandle,
+    client_id: &str,
+    max_expiry: u32,
+    fresh: PacketIdBlock,
+    timeout: std::time::Duration,
+    mut client: etcd_client::Client,
+) -> Result<Option<PacketIdBlock>, String> {
     let txn = Txn::new().and_then([
         TxnOp::get(ownership.key(client_id), None),
         TxnOp::get(ownership.session_key(client_id), None),
@@ -138,27 +174,35 @@ pub async fn resume(
         .as_ref()
         .is_some_and(|(revision, _)| ownership.holds(client_id, *revision))
     {
-        return Ok(mine);
+        return Ok(Some(mine));
     }
     let kept_here = router.subscriptions().has_kept_session(client_id);
-    let session = match record {
-        None if ownership.writing(client_id) => return Ok(mine),
+    let session = match &record {
+        None if ownership.writing(client_id) => return Ok(Some(mine)),
         None => None,
-        Some((_, value)) => match SessionValue::read(&value) {
+        Some((revision, value)) => match SessionValue::read(value) {
             // This node's copy (its lease ended and came back; or, without
             // a claim, it restarted and its data directory kept the session).
             Ok(record) if record.node == node && owner.is_none() && kept_here => {
-                return Ok(ownership
-                    .ids_of(client_id)
-                    .unwrap_or_else(|| record.ids.next()));
+                let ids = ownership.ids_of(client_id);
+                if ids.is_none() {
+                    let next = record.ids.next();
+                    let key = ownership.session_key(client_id);
+                    let written =
+                        record_block(&mut client, key, *revision, value, next, timeout).await?;
+                    return Ok(written.then_some(next));
+                }
+                return Ok(ids);
             }
             // After the block of the node that has the client now, if it
-            // says (its record may not be written yet), or of the record.
+            // says (its record may not be written yet), or of the record
+            // if that is later (a node that resumed the session wrote its
+            // block there and died before its claim).
             Ok(record) => Some((
                 owner
                     .as_ref()
                     .and_then(|(_, value)| owner_ids(value))
-                    .unwrap_or(record.ids)
+                    .map_or(record.ids, |ids| ids.later(record.ids))
                     .next(),
                 record.session,
             )),
@@ -189,8 +233,14 @@ pub async fn resume(
             waiting: Vec::new(),
         })
     });
+    if let (Some(_), Some((revision, value))) = (&restored, &record) {
+        let key = ownership.session_key(client_id);
+        if !record_block(&mut client, key, *revision, value, ids, timeout).await? {
+            return Ok(None);
+        }
+    }
     if restored.is_none() && !kept_here {
-        return Ok(ids);
+        return Ok(Some(ids));
     }
     let from_etcd = restored.is_some();
     let replaced = router
@@ -205,7 +255,39 @@ pub async fn resume(
         ids = ids.number(),
         "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
-    Ok(ids)
+    Ok(Some(ids))
+}
+
+/// Writes `ids` into the session record `value` at `key` if it is still
+/// the one put at `revision` (`false`: it is not; read it again). The
+/// node takes that block for the session's deliveries from its CONNACK
+/// on; its own record follows its claim, two etcd round trips later, and
+/// a node that died in between left the record's older block: the next
+/// node would have taken the same block again, and the QoS 2 ids the
+/// client kept from the one that died with it.
+async fn record_block(
+    client: &mut etcd_client::Client,
+    key: Vec<u8>,
+    revision: i64,
+    value: &[u8],
+    ids: PacketIdBlock,
+    timeout: std::time::Duration,
+) -> Result<bool, String> {
+    let Some(value) = super::ownership::with_block(value, ids) else {
+        return Ok(true);
+    };
+    let txn = Txn::new()
+        .when([Compare::mod_revision(
+            key.clone(),
+            CompareOp::Equal,
+            revision,
+        )])
+        .and_then([TxnOp::put(key, value, None)]);
+    let response = tokio::time::timeout(timeout, client.txn(txn))
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    Ok(response.succeeded())
 }
 
 /// Removes session records nobody owns once their session would have

@@ -53,6 +53,19 @@ impl PacketIdBlock {
         PacketIdBlock::new(self.0 + 1)
     }
 
+    /// The later of two blocks of one session: the one ahead of the other
+    /// by less than half the ring (blocks go on by one per move, so two
+    /// records of a session are a few blocks apart at most).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub fn later(self, other: PacketIdBlock) -> PacketIdBlock {
+        let ahead = (other.0 + Self::COUNT - self.0) % Self::COUNT;
+        if ahead > 0 && ahead < Self::COUNT / 2 {
+            other
+        } else {
+            self
+        }
+    }
+
     fn base(self) -> u16 {
         u16::from(self.0) * MAX_ROUTER_PKID
     }
@@ -92,6 +105,17 @@ mod tests {
         }
         assert_eq!(seen.len(), usize::from(PacketIdBlock::END) - 1);
         assert_eq!(PacketIdBlock::END, 6_401);
+    }
+
+    #[test]
+    fn the_later_block_is_the_one_ahead_around_the_ring() {
+        let b = PacketIdBlock::new;
+        assert_eq!(b(3).later(b(4)), b(4));
+        assert_eq!(b(4).later(b(3)), b(4));
+        assert_eq!(b(5).later(b(5)), b(5));
+        assert_eq!(b(63).later(b(0)), b(0), "wrapped");
+        assert_eq!(b(0).later(b(63)), b(0));
+        assert_eq!(b(1).later(b(62)), b(1));
     }
 
     #[test]

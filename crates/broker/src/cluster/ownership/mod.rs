@@ -36,8 +36,8 @@ use super::{Cluster, Membership, Peers};
 
 mod records;
 use crate::sessions::{PacketIdBlock, Sessions};
-pub use records::SessionValue;
 use records::write_records;
+pub use records::{SessionValue, with_block};
 
 /// This node's claim on a client id.
 #[derive(Debug, Clone, Copy)]

@@ -28,6 +28,19 @@ pub fn session_value(node_id: &str, ids: PacketIdBlock, session: &[u8]) -> Vec<u
     value
 }
 
+/// The session record `value` with its packet id block set to `ids`
+/// (written by the node it names, with the session it holds); `None` if
+/// the block is `ids` already (or the value is not a record).
+pub fn with_block(value: &[u8], ids: PacketIdBlock) -> Option<Vec<u8>> {
+    match value {
+        [0, block, _, ..] if *block == ids.number() => None,
+        [0, _, rest @ ..] => Some([&[0, ids.number()], rest].concat()),
+        // The format without a block (block 0).
+        [len, ..] if *len > 0 && ids.number() != 0 => Some([&[0, ids.number()], value].concat()),
+        _ => None,
+    }
+}
+
 /// A session record read back (written by [`session_value`]).
 pub struct SessionValue<'a> {
     /// The node that wrote it.
@@ -333,6 +346,27 @@ mod tests {
         let back = SessionValue::read(&value).unwrap();
         assert_eq!((back.node, back.ids), ("sb1", PacketIdBlock::default()));
         assert_eq!(back.session.filters.len(), 1);
+    }
+
+    /// A node that takes a session from a record writes its block into
+    /// the record before the CONNACK: the same record (node, session),
+    /// another block; nothing to write for the same block.
+    #[test]
+    fn a_records_block_is_set_without_changing_the_rest() {
+        let value = session_value("sb2", PacketIdBlock::new(7), &encode_session(&session()));
+        let moved = with_block(&value, PacketIdBlock::new(8)).unwrap();
+        let back = SessionValue::read(&moved).unwrap();
+        assert_eq!((back.node, back.ids), ("sb2", PacketIdBlock::new(8)));
+        assert_eq!(moved[2..], value[2..]);
+        assert_eq!(with_block(&value, PacketIdBlock::new(7)), None);
+        let mut old = vec![3];
+        old.extend_from_slice(b"sb1");
+        old.extend_from_slice(&encode_session(&session()));
+        let moved = with_block(&old, PacketIdBlock::new(1)).unwrap();
+        let back = SessionValue::read(&moved).unwrap();
+        assert_eq!((back.node, back.ids), ("sb1", PacketIdBlock::new(1)));
+        assert_eq!(with_block(&old, PacketIdBlock::default()), None);
+        assert_eq!(with_block(&[], PacketIdBlock::new(1)), None);
     }
 
     #[test]
