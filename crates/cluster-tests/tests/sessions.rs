@@ -50,6 +50,19 @@ fn record(setup: &Setup, client_id: &str) -> Option<String> {
     value.map(|v| String::from_utf8_lossy(&v).into_owned())
 }
 
+/// `client_id` connected to node 1 with a persistent session and
+/// subscribed to `filter` at `qos`, once the session record in etcd has
+/// the subscription (it is written just after the SUBACK).
+async fn subscribed_in_etcd(setup: &Setup, client_id: &str, filter: &str, qos: QoS) -> Raw {
+    let (mut c, _) = connect(setup.ports[0], client_id, false, 300).await;
+    c.subscribe(filter, qos).await;
+    eventually("the subscription in etcd", || {
+        record(setup, client_id).is_some_and(|r| r.contains(filter))
+    })
+    .await;
+    c
+}
+
 /// The topics `client` receives within a short while (acknowledged).
 async fn topics_within(client: &mut Raw, wait: Duration) -> Vec<String> {
     let messages = received_within(client, wait).await;
@@ -173,12 +186,7 @@ async fn a_session_follows_its_client_from_node_to_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connected_client_that_moves_takes_its_session_along() {
     let setup = Setup::three_linked().await;
-    let (mut old, _) = connect(setup.ports[0], "live", false, 300).await;
-    old.subscribe("l/#", QoS::AtLeastOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "live").is_some_and(|r| r.contains("l/#"))
-    })
-    .await;
+    let mut old = subscribed_in_etcd(&setup, "live", "l/#", QoS::AtLeastOnce).await;
     let (mut new, present) = connect(setup.ports[1], "live", false, 300).await;
     assert!(present);
     match old.recv_within(PATIENCE).await {
@@ -208,12 +216,7 @@ async fn a_connected_client_that_moves_takes_its_session_along() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_sessions_resume_elsewhere() {
     let mut setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "survivor", false, 300).await;
-    c.subscribe("k/#", QoS::AtLeastOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "survivor").is_some_and(|r| r.contains("k/#"))
-    })
-    .await;
+    let _c = subscribed_in_etcd(&setup, "survivor", "k/#", QoS::AtLeastOnce).await;
     setup.nodes[0].kill().unwrap();
     let started = Instant::now();
     let (mut c, present) = connect(setup.ports[1], "survivor", false, 300).await;
@@ -379,12 +382,7 @@ async fn a_subscribers_session_survives_its_node_killed_under_load() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let mut setup = Setup::three_linked().await;
-    let (mut s, _) = connect(setup.ports[0], "steady", false, 300).await;
-    s.subscribe("f/#", QoS::AtLeastOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "steady").is_some_and(|r| r.contains("f/#"))
-    })
-    .await;
+    let mut s = subscribed_in_etcd(&setup, "steady", "f/#", QoS::AtLeastOnce).await;
     let stop = Arc::new(AtomicBool::new(false));
     let mut next = Vec::new();
     let mut publishers = Vec::new();
@@ -458,12 +456,7 @@ async fn a_subscribers_session_survives_its_node_killed_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
     let mut setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "keeper", false, 300).await;
-    c.subscribe("k2/#", QoS::ExactlyOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "keeper").is_some_and(|r| r.contains("k2/#"))
-    })
-    .await;
+    let mut c = subscribed_in_etcd(&setup, "keeper", "k2/#", QoS::ExactlyOnce).await;
     let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
     let mut kept = Vec::new();
     for (step, n) in [
@@ -502,12 +495,7 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
     let setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "inflight", false, 300).await;
-    c.subscribe("f/#", QoS::ExactlyOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "inflight").is_some_and(|r| r.contains("f/#"))
-    })
-    .await;
+    let mut c = subscribed_in_etcd(&setup, "inflight", "f/#", QoS::ExactlyOnce).await;
     let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
     for m in 0..3 {
         publish_complete(
@@ -573,12 +561,7 @@ async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_sessions_block_is_in_etcd_before_its_connack() {
     let mut setup = Setup::three_linked().await;
-    let (mut c, _) = connect(setup.ports[0], "blocky", false, 300).await;
-    c.subscribe("bk/#", QoS::ExactlyOnce).await;
-    eventually("the subscription in etcd", || {
-        record(&setup, "blocky").is_some_and(|r| r.contains("bk/#"))
-    })
-    .await;
+    let _c = subscribed_in_etcd(&setup, "blocky", "bk/#", QoS::ExactlyOnce).await;
     let block = |setup: &Setup| {
         let value = setup.etcd.get("/statebroker/S/blocky").unwrap().unwrap();
         (value[0], value[1])
