@@ -42,6 +42,10 @@ pub const HANDOVER: &str = "statebroker:handover";
 /// the client: the packet id it went under (see
 /// `crate::sessions::Direct::kept_pkid`).
 pub const HANDOVER_PKID: &str = "statebroker:handover-pkid";
+/// On a QoS 2 publish another node's link forwards: its origin,
+/// `<packet id> <1 if sent again (DUP), else 0> <client id>` (see
+/// `crate::cluster::origins`).
+pub const ORIGIN: &str = "statebroker:origin";
 
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;

@@ -245,14 +245,51 @@ impl Shared {
     #[inline]
     pub fn forward_to_peers(
         &self,
+        _client: &str,
         _publish: &router::protocol::Publish,
         _properties: &mut Option<router::protocol::PublishProperties>,
     ) -> Option<u64> {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            return node.client_published(_publish, _properties);
+            return node.client_published(_client, _publish, _properties);
         }
         None
+    }
+
+    /// Whether `client`'s QoS 2 `publish`, which it sends again here
+    /// (DUP), came from another node before: its node died before its
+    /// PUBREC (a cluster node; see `cluster::origins`).
+    pub fn had_from_another_node(
+        &self,
+        _client: &str,
+        _publish: &router::protocol::Publish,
+    ) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            let digest = crate::cluster::origins::digest(&_publish.topic, &_publish.payload);
+            return node.origins().had(_client, _publish.pkid, digest);
+        }
+        false
+    }
+
+    /// Whether a QoS 2 publish another node forwarded with its `origin`
+    /// (see `crate::publisher::ORIGIN`) is a copy sent again of one this
+    /// node had (a cluster node; see `cluster::origins`).
+    pub fn had_copy_from_another_node(&self, _origin: &str) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            return node.origins().had_copy(_origin);
+        }
+        false
+    }
+
+    /// A QoS 2 publish another node forwarded with its `origin` was
+    /// released to the router (its PUBREL came): this node has it.
+    pub fn released_from_another_node(&self, _origin: &str) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.origins().released(_origin);
+        }
     }
 
     /// How far the other nodes have confirmed this node's forwarded

@@ -191,6 +191,63 @@ async fn qos_2_across_nodes_is_exactly_once() {
     }
 }
 
+/// A QoS 2 publish whose node died after forwarding it and before its
+/// PUBREC, sent again (DUP, same packet id) by its publisher on another
+/// node, is not delivered again there: that node had it from the dead
+/// node's link, with its origin (`cluster::origins`). Node 3 is paused so
+/// that node 1 holds the PUBREC (it waits for every node's copy). Before,
+/// node 2's subscriber got the message twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos2_publish_sent_again_after_its_node_died_is_delivered_once() {
+    let mut setup = Setup::three_linked().await;
+    let (_c, mut rx) = subscriber(setup.ports[1], "o-sub", "o/#", QoS::ExactlyOnce).await;
+    setup.nodes[2].pause().unwrap();
+    let connect = async |port: u16| {
+        let (raw, ack) = Raw::connect_with(addr(port), "o-pub", |c| {
+            c.0.clean_start = false;
+            let mut properties = v5::ConnectProperties::new();
+            properties.session_expiry_interval = Some(300);
+            c.0.properties = Some(properties);
+        })
+        .await;
+        assert_eq!(ack.code, v5::ConnectReturnCode::Success);
+        raw
+    };
+    let mut publisher = connect(setup.ports[0]).await;
+    let mut publish = v5::Publish::new("o/x", QoS::ExactlyOnce, Bytes::from("once"), None);
+    publish.pkid = 9;
+    publisher.send(v5::Packet::Publish(publish.clone())).await;
+    let got = receive(&mut rx, 1).await;
+    assert_eq!(got[0].1, Bytes::from("once"));
+    if let common::raw::Recv::Packet(v5::Packet::PubRec(rec)) =
+        publisher.recv_within(Duration::from_millis(500)).await
+    {
+        panic!("node 1 acknowledged before node 3 had it: {rec:?}")
+    }
+    setup.nodes[0].kill().unwrap();
+    let mut publisher = connect(setup.ports[1]).await;
+    publish.dup = true;
+    publisher.send(v5::Packet::Publish(publish)).await;
+    match publisher.recv().await {
+        common::raw::Recv::Packet(v5::Packet::PubRec(rec)) => assert_eq!(rec.pkid, 9),
+        other => panic!("expected PUBREC, got {other:?}"),
+    }
+    publisher
+        .send(v5::Packet::PubRel(v5::PubRel::new(9, None)))
+        .await;
+    match publisher.recv().await {
+        common::raw::Recv::Packet(v5::Packet::PubComp(comp)) => assert_eq!(comp.pkid, 9),
+        other => panic!("expected PUBCOMP, got {other:?}"),
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_secs(2), rx.recv())
+            .await
+            .is_err(),
+        "delivered again"
+    );
+    setup.nodes[2].resume().unwrap();
+}
+
 /// A retained message published on one node is retained on the others: a
 /// subscriber that comes later to another node gets it; clearing it on
 /// a third clears it everywhere.

@@ -46,6 +46,7 @@ pub mod kv;
 mod leader;
 pub mod membership;
 mod node;
+pub mod origins;
 pub mod ownership;
 pub mod peers;
 mod reads;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use router::protocol::{Publish, PublishProperties};
 
+use super::origins::Origins;
 use super::sessions;
 use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal, Shares};
 use crate::config::Settings;
@@ -23,6 +24,7 @@ pub struct Node {
     ownership: Arc<Ownership>,
     retained: Arc<Retained>,
     shares: Arc<Shares>,
+    origins: Origins,
 }
 
 impl Node {
@@ -49,7 +51,7 @@ impl Node {
         let links = Arc::downgrade(&peers);
         publisher.forward_wills(Box::new(move |publish, properties| {
             if let Some(links) = links.upgrade() {
-                links.forward(publish, properties, &Vec::new());
+                links.forward(publish, properties, &Vec::new(), None);
             }
         }));
         let shares = Shares::start(cluster, &membership, router.shared_groups())
@@ -92,6 +94,7 @@ impl Node {
             ownership,
             retained,
             shares,
+            origins: Origins::default(),
         })
     }
 
@@ -103,6 +106,11 @@ impl Node {
     /// The node's links to the others, and theirs to it.
     pub fn peers(&self) -> &Peers {
         &self.peers
+    }
+
+    /// The QoS 2 publishes this node had from the others, by origin.
+    pub fn origins(&self) -> &Origins {
+        &self.origins
     }
 
     /// Which node each client id is connected to.
@@ -133,18 +141,29 @@ impl Node {
 
     /// A client of this node published `publish`: to every other node,
     /// and to etcd if retained. `properties` get this node's marks (see
-    /// [`Shares`]) for its own router. A QoS 1/2 publish's forwarding
-    /// ticket (see [`Peers::forward`]).
+    /// [`Shares`]) for its own router; a QoS 2 publish goes with its
+    /// origin, `client`'s (see [`super::origins`]). A QoS 1/2 publish's
+    /// forwarding ticket (see [`Peers::forward`]).
     pub fn client_published(
         &self,
+        client: &str,
         publish: &Publish,
         properties: &mut Option<PublishProperties>,
     ) -> Option<u64> {
         let topic = std::str::from_utf8(&publish.topic).unwrap_or_default();
         let assignment = self.shares.assign(topic);
+        let origin = (publish.qos == router::protocol::QoS::ExactlyOnce).then(|| {
+            super::origins::origin(
+                client,
+                publish.pkid,
+                publish.dup,
+                &publish.topic,
+                &publish.payload,
+            )
+        });
         let ticket = self
             .peers
-            .forward(publish, properties.as_ref(), &assignment);
+            .forward(publish, properties.as_ref(), &assignment, origin);
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
         }

@@ -189,13 +189,15 @@ impl Peers {
     /// Hands a publish of this node's clients to every link (never waits:
     /// a link whose queue is full does not get it, counted), each marked
     /// not for the groups `assignment` gives another node (see
-    /// [`super::Shares`]). A QoS 1/2 publish's ticket: its acknowledgement
+    /// [`super::Shares`]), and with its `origin` (a QoS 2 publish's, see
+    /// [`super::origins`]). A QoS 1/2 publish's ticket: its acknowledgement
     /// waits until [`Peers::confirmed`] reaches it.
     pub fn forward(
         &self,
         publish: &Publish,
         properties: Option<&PublishProperties>,
         assignment: &super::shares::Assignment,
+        origin: Option<String>,
     ) -> Option<u64> {
         let links = self.links.read();
         if links.is_empty() {
@@ -205,7 +207,12 @@ impl Peers {
             return None;
         };
         let qos = link_qos(publish.qos);
-        let properties = properties.map(link_properties).unwrap_or_default();
+        let mut properties = properties.map(link_properties).unwrap_or_default();
+        if let Some(origin) = origin {
+            properties
+                .user_properties
+                .push((crate::publisher::ORIGIN.to_owned(), origin));
+        }
         self.confirmations.with(|state| {
             let ticket = (qos != LinkQoS::AtMostOnce).then(|| state.issue());
             for link in links.iter() {

@@ -142,6 +142,10 @@ pub(crate) struct Machine {
     pub(super) shared: Arc<Shared>,
     /// Another cluster node's link (see [`Start::from_link`]).
     from_link: bool,
+    /// A link's QoS 2 publishes with their origin (see
+    /// `cluster::origins`), by packet id, until the PUBREL releases them
+    /// to the router (at most the link's QoS 2 publishes in flight).
+    link_origins: std::collections::HashMap<u16, String>,
     /// A cluster node's: how far the other nodes have confirmed the
     /// publishes forwarded (see `cluster::confirmations`).
     forwarded: Option<watch::Receiver<u64>>,
@@ -195,6 +199,7 @@ impl Machine {
                 .then(crate::store::tickets::Tickets::new),
             shared,
             from_link: start.from_link,
+            link_origins: std::collections::HashMap::new(),
             tickets: std::collections::VecDeque::new(),
         }
     }
@@ -359,6 +364,10 @@ impl Machine {
         match incoming.packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, header),
             Packet::PubRel(pubrel, properties) => {
+                if let Some(origin) = self.link_origins.remove(&pubrel.pkid) {
+                    // The router delivers it now: had here from now on.
+                    self.shared.released_from_another_node(&origin);
+                }
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
                     self.queue(pubcomp);
@@ -526,14 +535,48 @@ impl Machine {
             self.ack(qos, pkid, true);
             return Ok(());
         }
+        // A QoS 2 publish another node forwarded: sent again there after
+        // its first copy came here and was released, had (see
+        // `cluster::origins`); otherwise had once its PUBREL releases it.
+        if self.from_link
+            && let Some(origin) = take_origin(properties.as_mut())
+        {
+            if self.shared.had_copy_from_another_node(&origin) {
+                tracing::debug!(
+                    origin,
+                    "a QoS 2 publish sent again, had from its first node"
+                );
+                self.ack(qos, pkid, true);
+                return Ok(());
+            }
+            self.link_origins.insert(pkid, origin);
+        }
         // Every other node's subscribers get it too (a cluster node), once:
         // not a QoS 2 retransmission, not what another node forwarded.
         let mut ticket = None;
         if !self.from_link {
             unmarked(&mut properties, &self.client_id);
             if !retransmitted {
-                ticket = self.shared.forward_to_peers(&publish, &mut properties);
+                ticket = self
+                    .shared
+                    .forward_to_peers(&self.client_id, &publish, &mut properties);
             }
+        }
+        // The publisher's node died after forwarding it, before its
+        // PUBREC: this node has it, and the others now too.
+        if !self.from_link
+            && !retransmitted
+            && qos == 2
+            && dup
+            && self.shared.had_from_another_node(&self.client_id, &publish)
+        {
+            tracing::info!(
+                client_id = self.client_id,
+                pkid,
+                "a QoS 2 publish sent again after its first node died: had from that node, not delivered again"
+            );
+            self.ack_forwarded(qos, pkid, ticket);
+            return Ok(());
         }
         // The router saves what a restart must not lose of it (its PUBACK
         // waits for the disk, see gate.rs, and on a cluster node for the
@@ -588,6 +631,17 @@ impl Machine {
     /// Acknowledges a publish handled here (not by the router).
     pub(super) fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
         self.ack_when(qos, pkid, accepted, None);
+    }
+
+    /// Acknowledges a publish not routed here once the other nodes have
+    /// its forwarded copy (`ticket`).
+    fn ack_forwarded(&mut self, qos: u8, pkid: u16, ticket: Option<u64>) {
+        if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, true) {
+            self.inbound.completed(&ack);
+            if let Some((ack, outcome)) = self.ack_order.local(ack, None) {
+                self.acknowledge_when(ack, None, ticket, outcome);
+            }
+        }
     }
 
     /// [`Machine::ack`], held until the request with ticket `outcome` has
@@ -875,10 +929,11 @@ mod tests;
 /// client alone as if handed over (`crate::publisher::HANDOVER`,
 /// `HANDOVER_PKID`).
 fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
-    const MARKS: [&str; 3] = [
+    const MARKS: [&str; 4] = [
         router::NOT_FOR_GROUP,
         crate::publisher::HANDOVER,
         crate::publisher::HANDOVER_PKID,
+        crate::publisher::ORIGIN,
     ];
     if let Some(p) = properties
         && p.user_properties
@@ -892,6 +947,16 @@ fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
             "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid) removed"
         );
     }
+}
+
+/// The origin another node's link forwarded a QoS 2 publish with (see
+/// `crate::publisher::ORIGIN`), its User Property removed.
+fn take_origin(properties: Option<&mut PublishProperties>) -> Option<String> {
+    let user = &mut properties?.user_properties;
+    let at = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::ORIGIN)?;
+    Some(user.remove(at).1.into())
 }
 
 /// The client a publish from another node's link is handed over to (see
