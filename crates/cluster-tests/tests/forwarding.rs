@@ -377,6 +377,47 @@ async fn links_come_back_after_a_node_is_killed_and_restarted() {
     }
 }
 
+/// A restarted node's link starts afresh on the other nodes (Clean Start
+/// 1, then 0 for its reconnections). Before, it resumed its earlier
+/// link's session there: a QoS 2 publish that earlier link had sent and
+/// not released (its node was killed) waited under its packet id, the new
+/// link numbered its own publishes from 1 again, and the router took the
+/// new publish on that id for the old one: the new message was lost for
+/// that node's subscribers, and the old one delivered at its PUBREL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_nodes_links_start_afresh() {
+    let mut setup = Setup::three_linked().await;
+    let (_s2, mut on_2) = subscriber(setup.ports[1], "z2", "z/#", QoS::ExactlyOnce).await;
+    let (_s3, mut on_3) = subscriber(setup.ports[2], "z3", "z/#", QoS::ExactlyOnce).await;
+    // Node 2 paused: node 1's link writes the publish to it, gets no
+    // PUBREC, and node 1 is killed before any PUBREL.
+    setup.nodes[1].pause().unwrap();
+    let mut old = Raw::connect(addr(setup.ports[0]), "z-old").await;
+    let mut publish = v5::Publish::new("z/old", QoS::ExactlyOnce, Bytes::from("old-0"), None);
+    publish.pkid = 1;
+    old.send(v5::Packet::Publish(publish)).await;
+    assert_eq!(receive(&mut on_3, 1).await[0].1, Bytes::from("old-0"));
+    setup.nodes[0].kill().unwrap();
+    setup.nodes[1].resume().unwrap();
+    setup.nodes[0].restart().unwrap();
+    setup.nodes[0].wait_tcp(setup.ports[0], PATIENCE).unwrap();
+    for &http in &setup.http {
+        eventually("every node linked to the two others again", || {
+            metric(http, LINKS) == Some(2.0)
+        })
+        .await;
+    }
+    let mut new = Raw::connect(addr(setup.ports[0]), "z-new").await;
+    for n in 0..5 {
+        let payload: &'static [u8] = Box::leak(format!("new-{n}").into_bytes().into_boxed_slice());
+        common::mqtt::publish_complete(&mut new, "z/new", payload, QoS::ExactlyOnce, false).await;
+    }
+    for rx in [&mut on_2, &mut on_3] {
+        let got = sequences(&receive(rx, 5).await);
+        assert_eq!(got.get("new"), Some(&(0..5).collect::<Vec<_>>()), "{got:?}");
+    }
+}
+
 /// A client whose connection breaks on one node: its will reaches the
 /// subscribers of every node; a client that says goodbye leaves none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

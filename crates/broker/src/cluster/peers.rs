@@ -372,9 +372,17 @@ impl Peers {
             .ok_or_else(|| format!("`{address}` is not host:port"))?;
         let mut options =
             MqttOptions::new(format!("{LINK_CLIENT_PREFIX}{}", self.node_id), host, port);
+        // Clean Start 1 at first: the other node may keep a session of an
+        // earlier link of this node's (before a restart, or before the
+        // link was closed), whose QoS 2 publishes waiting for a PUBREL this
+        // link knows nothing of: it numbers its own from 1, and the router
+        // would take a new publish on such an id for the old one (dropping
+        // it, and delivering the old one at its PUBREL). Clean Start 0
+        // once connected (see `drive`), so that what a broken connection
+        // had in flight is sent again.
         options
             .set_credentials(LINK_USERNAME, self.secret.clone())
-            .set_clean_start(false)
+            .set_clean_start(true)
             .set_session_expiry_interval(Some(LINK_SESSION_EXPIRY))
             .set_keep_alive(Duration::from_secs(5))
             .set_max_packet_size(Some(u32::MAX >> 4))
@@ -567,6 +575,7 @@ async fn drive(
                 confirmations.acknowledged(&peer, rec.pkid);
             }
             Ok(Event::Incoming(LinkPacket::ConnAck(ack))) => {
+                events.options.set_clean_start(false);
                 confirmations.link_up(&peer, ack.session_present);
                 tracing::info!(
                     peer,
