@@ -570,7 +570,7 @@ impl Machine {
             && dup
             && self.shared.had_from_another_node(&self.client_id, &publish)
         {
-            tracing::info!(
+            tracing::debug!(
                 client_id = self.client_id,
                 pkid,
                 "a QoS 2 publish sent again after its first node died: had from that node, not delivered again"
@@ -927,7 +927,8 @@ mod tests;
 /// client cannot keep its message from a shared subscription
 /// (`router::NOT_FOR_GROUP`), nor have other nodes deliver it to one
 /// client alone as if handed over (`crate::publisher::HANDOVER`,
-/// `HANDOVER_PKID`).
+/// `HANDOVER_PKID`), nor pass its publish for another's sent again
+/// (`crate::publisher::ORIGIN`).
 fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
     const MARKS: [&str; 4] = [
         router::NOT_FOR_GROUP,
@@ -944,7 +945,7 @@ fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
             .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid) removed"
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:origin) removed"
         );
     }
 }
