@@ -356,14 +356,7 @@ async fn a_clients_handover_mark_is_not_honoured() {
 async fn links_come_back_after_a_node_is_killed_and_restarted() {
     let mut setup = Setup::three_linked().await;
     setup.nodes[1].kill().unwrap();
-    setup.nodes[1].restart().unwrap();
-    setup.nodes[1].wait_tcp(setup.ports[1], PATIENCE).unwrap();
-    for &http in &setup.http {
-        eventually("every node linked to the two others again", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
+    setup.restart_node(1).await;
     let (_s1, mut on_1) = subscriber(setup.ports[0], "s1", "back", QoS::AtLeastOnce).await;
     let (_s2, mut on_2) = subscriber(setup.ports[1], "s2", "back", QoS::AtLeastOnce).await;
     let mut to_2 = Raw::connect(addr(setup.ports[1]), "p-restarted").await;
@@ -399,14 +392,7 @@ async fn a_restarted_nodes_links_start_afresh() {
     assert_eq!(receive(&mut on_3, 1).await[0].1, Bytes::from("old-0"));
     setup.nodes[0].kill().unwrap();
     setup.nodes[1].resume().unwrap();
-    setup.nodes[0].restart().unwrap();
-    setup.nodes[0].wait_tcp(setup.ports[0], PATIENCE).unwrap();
-    for &http in &setup.http {
-        eventually("every node linked to the two others again", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
+    setup.restart_node(0).await;
     let mut new = Raw::connect(addr(setup.ports[0]), "z-new").await;
     for n in 0..5 {
         let payload: &'static [u8] = Box::leak(format!("new-{n}").into_bytes().into_boxed_slice());
@@ -469,12 +455,7 @@ async fn forwarding_holds_through_an_etcd_leader_kill_and_a_paused_node() {
     // A lease longer than etcd's election (2.5 s): the leader's kill does
     // not cost the nodes their membership.
     let mut setup = Setup::start_with(3, 3, &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "10000")]);
-    for &http in &setup.http {
-        eventually("every node linked to the two others", || {
-            metric(http, LINKS) == Some(2.0)
-        })
-        .await;
-    }
+    setup.all_linked().await;
     let (_s1, mut on_1) = subscriber(setup.ports[0], "fs1", "f/#", QoS::AtLeastOnce).await;
     let (_s2, mut on_2) = subscriber(setup.ports[1], "fs2", "f/#", QoS::AtLeastOnce).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

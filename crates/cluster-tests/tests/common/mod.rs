@@ -115,13 +115,27 @@ impl Setup {
     /// Three nodes on one etcd member, each linked to the two others.
     pub async fn three_linked() -> Setup {
         let setup = Setup::start(1, 3);
-        for &http in &setup.http {
-            eventually("every node linked to the two others", || {
-                metric(http, "statebroker_cluster_peer_links") == Some(2.0)
+        setup.all_linked().await;
+        setup
+    }
+
+    /// Waits until every node is linked to every other.
+    pub async fn all_linked(&self) {
+        let others = (self.nodes.len() - 1) as f64;
+        for &http in &self.http {
+            eventually("every node linked to the others", || {
+                metric(http, "statebroker_cluster_peer_links") == Some(others)
             })
             .await;
         }
-        setup
+    }
+
+    /// Starts node `i` again (killed before, or it is killed now) and
+    /// waits until every node is linked to every other again.
+    pub async fn restart_node(&mut self, i: usize) {
+        self.nodes[i].restart().unwrap();
+        self.nodes[i].wait_tcp(self.ports[i], PATIENCE).unwrap();
+        self.all_linked().await;
     }
 
     /// One more node (`sb<n>`), with `env`, ready.
