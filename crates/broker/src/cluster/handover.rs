@@ -21,9 +21,25 @@ use router::protocol::{Publish, PublishProperties, QoS};
 use super::Peers;
 use crate::sessions::{HANDED_OVER_MAX, PacketIdBlock, Sessions, bound_handed_over};
 
-/// A message handed over: the publish and, for a QoS 2 one in flight to
-/// the client, the packet id the client saw.
-type HandedOver = (Publish, Option<PublishProperties>, Option<u16>);
+/// A message handed over: `publish` and its `properties`, with the packet
+/// id the client saw (`kept`) for a QoS 2 one in flight to it (the User
+/// Property `crate::publisher::HANDOVER_PKID`).
+fn handed_over(
+    publish: Publish,
+    mut properties: Option<PublishProperties>,
+    kept: Option<u16>,
+) -> (Publish, Option<PublishProperties>) {
+    if let Some(pkid) = kept.filter(|_| publish.qos == QoS::ExactlyOnce) {
+        let user = &mut properties
+            .get_or_insert_with(Default::default)
+            .user_properties;
+        user.push((
+            crate::publisher::HANDOVER_PKID.into(),
+            pkid.to_string().into(),
+        ));
+    }
+    (publish, properties)
+}
 
 /// `client_id`'s session moved to node `to`: takes the messages this
 /// node's router queued for it (resuming it on an internal link, each
@@ -61,7 +77,7 @@ pub async fn hand_over(
         .into_iter()
         .map(|m| {
             let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, false);
-            (publish, Some(m.properties.into_publish()), m.kept_pkid)
+            handed_over(publish, Some(m.properties.into_publish()), m.kept_pkid)
         })
         .collect();
     messages.extend(drained);
@@ -79,21 +95,6 @@ pub async fn hand_over(
         );
     }
     let count = messages.len();
-    let messages = messages
-        .into_iter()
-        .map(|(publish, mut properties, kept)| {
-            if let Some(pkid) = kept.filter(|_| publish.qos == QoS::ExactlyOnce) {
-                let user = &mut properties
-                    .get_or_insert_with(Default::default)
-                    .user_properties;
-                user.push((
-                    crate::publisher::HANDOVER_PKID.into(),
-                    pkid.to_string().into(),
-                ));
-            }
-            (publish, properties)
-        })
-        .collect();
     let sent = if count == 0 {
         0
     } else {
@@ -119,7 +120,7 @@ async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
     ids: PacketIdBlock,
-) -> (Vec<HandedOver>, usize) {
+) -> (Vec<(Publish, Option<PublishProperties>)>, usize) {
     use router::protocol::{
         Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason,
     };
@@ -159,7 +160,7 @@ async fn drain(
                 };
                 let kept =
                     (publish.qos == QoS::ExactlyOnce && publish.dup).then(|| ids.to_client(pkid));
-                messages.push_back((publish, properties, kept));
+                messages.push_back(handed_over(publish, properties, kept));
                 if messages.len() > HANDED_OVER_MAX {
                     messages.pop_front();
                     dropped += 1;

@@ -6,7 +6,7 @@
 //! - **the router** numbers its deliveries `1..=`[`router::MAX_ROUTER_PKID`] and
 //!   wants their acknowledgements in order; the client sees them in the
 //!   session's block of ids ([`PacketIdBlock`]: the router's id plus the
-//!   block's base, taken off again by [`Outbound::router_id`]). The connection drops some of them
+//!   block's base, taken off again by [`Outbound::router_pkid`]). The connection drops some of them
 //!   (another client's notifications reached through a wildcard); those are
 //!   acknowledged to the router by the connection, in their turn:
 //!   [`RouterAcks`];
