@@ -418,6 +418,16 @@ impl EtcdCluster {
         }
     }
 
+    /// How many keys start with `prefix` (`etcdctl get --prefix
+    /// --keys-only`, linearizable; etcdctl 3.4 has no `--count-only`).
+    pub fn count_prefix(&self, prefix: &str) -> io::Result<u64> {
+        let mut cmd = self.etcdctl();
+        cmd.args(["get", "--prefix", "--keys-only", "-w", "json", "--", prefix]);
+        let out = run(cmd)?;
+        let json: Value = serde_json::from_slice(&out.stdout).map_err(io::Error::other)?;
+        Ok(json["count"].as_u64().unwrap_or(0))
+    }
+
     /// `etcdctl endpoint status` of the running members (paused and killed
     /// ones are not asked); members that do not answer within about 1 s
     /// are missing from the result.

@@ -85,8 +85,10 @@ pub trait Journal: Send + Sync {
     fn retained(&self, topic: &str, message: Option<&Message>) -> Option<Receipt>;
 
     /// `message` (QoS 1 or 2) reaches the persistent sessions of `clients`:
-    /// save a copy for each until it is delivered.
-    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Receipt)>;
+    /// save a copy for each until it is delivered. Returns its number and,
+    /// if its acknowledgement is to wait for the save, the receipt (`None`:
+    /// saved in the background, not waited for; `None` in all: not saved).
+    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Option<Receipt>)>;
 
     /// `client` has `message` (it acknowledged the delivery, or got it at
     /// QoS 0): its copy is no longer needed. A message never saved for

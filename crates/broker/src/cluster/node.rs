@@ -9,7 +9,7 @@ use router::protocol::{Publish, PublishProperties};
 
 use super::origins::Origins;
 use super::sessions;
-use super::{Cluster, Membership, Ownership, Peers, Retained, SessionJournal, Shares};
+use super::{Cluster, Membership, Ownership, Peers, Queue, Retained, SessionJournal, Shares};
 use crate::config::Settings;
 use crate::publisher::Publisher;
 use crate::sessions::Sessions;
@@ -24,6 +24,7 @@ pub struct Node {
     ownership: Arc<Ownership>,
     retained: Arc<Retained>,
     shares: Arc<Shares>,
+    queue: Arc<Queue>,
     origins: Origins,
 }
 
@@ -76,7 +77,8 @@ impl Node {
         )
         .await
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
-        journal.attach(&ownership);
+        let queue = Queue::start(Arc::clone(cluster), journal.has_data_dir());
+        journal.attach(&ownership, &queue);
         tokio::spawn(sessions::reap(
             Arc::downgrade(cluster),
             settings.broker.max_session_expiry_secs,
@@ -94,6 +96,7 @@ impl Node {
             ownership,
             retained,
             shares,
+            queue,
             origins: Origins::default(),
         })
     }
@@ -127,16 +130,15 @@ impl Node {
         max_expiry: u32,
         fresh: crate::sessions::PacketIdBlock,
     ) -> Result<crate::sessions::PacketIdBlock, String> {
-        sessions::resume(
-            &self.ownership,
-            &self.router,
-            client_id,
-            max_expiry,
-            fresh,
-            self.cluster.settings.request_timeout,
-            self.cluster.client.clone(),
-        )
-        .await
+        let node = sessions::Resume {
+            ownership: &self.ownership,
+            queue: &self.queue,
+            peers: &self.peers,
+            router: &self.router,
+            timeout: self.cluster.settings.request_timeout,
+            client: self.cluster.client.clone(),
+        };
+        sessions::resume(node, client_id, max_expiry, fresh).await
     }
 
     /// A client of this node published `publish`: to every other node,

@@ -164,6 +164,15 @@ impl Peers {
             .collect()
     }
 
+    /// Whether `node`'s link to this one is connected now (it could hand
+    /// a session over).
+    pub fn linked_from(&self, node: &str) -> bool {
+        self.inbound
+            .lock()
+            .get(node)
+            .is_some_and(|links| !links.is_empty())
+    }
+
     /// Whether a CONNECT with `client_id` and this login is another node's
     /// link: its node id, if it is.
     pub fn link_login<'a>(

@@ -41,12 +41,12 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, Weak};
 
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 use tokio::time::Instant;
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
-use super::{Cluster, Ownership};
+use super::{Cluster, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
 use crate::sessions::PacketIdBlock;
@@ -56,6 +56,7 @@ use crate::sessions::PacketIdBlock;
 pub struct SessionJournal {
     data_dir: Option<Arc<dyn Journal>>,
     ownership: OnceLock<Weak<Ownership>>,
+    queue: OnceLock<Weak<Queue>>,
 }
 
 impl SessionJournal {
@@ -64,12 +65,24 @@ impl SessionJournal {
         Arc::new(SessionJournal {
             data_dir,
             ownership: OnceLock::new(),
+            queue: OnceLock::new(),
         })
     }
 
-    /// Sessions journaled from now on go to etcd through `ownership`.
-    pub fn attach(&self, ownership: &Arc<Ownership>) {
+    /// Whether it writes to a data directory too.
+    pub fn has_data_dir(&self) -> bool {
+        self.data_dir.is_some()
+    }
+
+    /// Sessions journaled from now on go to etcd through `ownership`, and
+    /// the messages queued for them through `queue`.
+    pub fn attach(&self, ownership: &Arc<Ownership>, queue: &Arc<Queue>) {
         let _ = self.ownership.set(Arc::downgrade(ownership));
+        let _ = self.queue.set(Arc::downgrade(queue));
+    }
+
+    fn queue(&self) -> Option<Arc<Queue>> {
+        self.queue.get().and_then(Weak::upgrade)
     }
 }
 
@@ -78,6 +91,11 @@ impl Journal for SessionJournal {
         if let Some(ownership) = self.ownership.get().and_then(Weak::upgrade) {
             ownership.session_changed(client, session.map(encode_session));
         }
+        if session.is_none()
+            && let Some(queue) = self.queue()
+        {
+            queue.forget(client);
+        }
         self.data_dir.as_ref()?.session(client, session)
     }
 
@@ -85,19 +103,40 @@ impl Journal for SessionJournal {
         self.data_dir.as_ref()?.retained(topic, message)
     }
 
-    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Receipt)> {
-        self.data_dir.as_ref()?.queued(clients, message)
+    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Option<Receipt>)> {
+        let queue = self.queue();
+        let (number, receipt) = match &self.data_dir {
+            Some(journal) => journal.queued(clients, message)?,
+            None => (queue.as_ref()?.number(), None),
+        };
+        if let Some(queue) = queue {
+            queue.keep(clients, number, message);
+        }
+        Some((number, receipt))
     }
 
     fn delivered(&self, client: &str, message: MessageId) {
+        if let Some(queue) = self.queue() {
+            queue.delivered(client, message);
+        }
         if let Some(journal) = &self.data_dir {
             journal.delivered(client, message);
         }
     }
 
     fn keeps_messages(&self) -> bool {
-        self.data_dir.is_some()
+        self.data_dir.is_some() || self.queue.get().is_some()
     }
+}
+
+/// What [`resume`] works with: the node's parts.
+pub struct Resume<'a> {
+    pub ownership: &'a Ownership,
+    pub queue: &'a Queue,
+    pub peers: &'a Peers,
+    pub router: &'a RouterHandle,
+    pub timeout: std::time::Duration,
+    pub client: etcd_client::Client,
 }
 
 /// Makes the router's session of `client_id` the current one before a
@@ -111,29 +150,16 @@ impl Journal for SessionJournal {
 /// before the CONNACK (see [`record_block`]). `Err`: etcd did not answer
 /// (the CONNECT is refused: accepting it could lose the session).
 pub async fn resume(
-    ownership: &Ownership,
-    router: &RouterHandle,
+    node: Resume<'_>,
     client_id: &str,
     max_expiry: u32,
     fresh: PacketIdBlock,
-    timeout: std::time::Duration,
-    client: etcd_client::Client,
 ) -> Result<PacketIdBlock, String> {
     // A record that changed between the read and the block's write is
     // read again (its writer was still at work: the newer one is the
     // session).
     for _ in 0..3 {
-        if let Some(ids) = resume_once(
-            ownership,
-            router,
-            client_id,
-            max_expiry,
-            fresh,
-            timeout,
-            client.clone(),
-        )
-        .await?
-        {
+        if let Some(ids) = resume_once(&node, client_id, max_expiry, fresh).await? {
             return Ok(ids);
         }
     }
@@ -143,14 +169,13 @@ pub async fn resume(
 /// One try of [`resume`]: `None` when the session record changed before
 /// its new block was written.
 async fn resume_once(
-    ownership: &Ownership,
-    router: &RouterHandle,
+    node: &Resume<'_>,
     client_id: &str,
     max_expiry: u32,
     fresh: PacketIdBlock,
-    timeout: std::time::Duration,
-    mut client: etcd_client::Client,
 ) -> Result<Option<PacketIdBlock>, String> {
+    let (ownership, router, timeout) = (node.ownership, node.router, node.timeout);
+    let mut client = node.client.clone();
     let txn = Txn::new().and_then([
         TxnOp::get(ownership.key(client_id), None),
         TxnOp::get(ownership.session_key(client_id), None),
@@ -168,7 +193,7 @@ async fn resume_once(
     });
     let owner = found.next().flatten();
     let record = found.next().flatten();
-    let node = ownership.node_id();
+    let node_id = ownership.node_id();
     let mine = ownership.ids_of(client_id).unwrap_or(fresh);
     if owner
         .as_ref()
@@ -183,7 +208,7 @@ async fn resume_once(
         Some((revision, value)) => match SessionValue::read(value) {
             // This node's copy (its lease ended and came back; or, without
             // a claim, it restarted and its data directory kept the session).
-            Ok(record) if record.node == node && owner.is_none() && kept_here => {
+            Ok(record) if record.node == node_id && owner.is_none() && kept_here => {
                 let ids = ownership.ids_of(client_id);
                 if ids.is_none() {
                     let next = record.ids.next();
@@ -221,18 +246,29 @@ async fn resume_once(
         .and_then(|(_, value)| owner_of(value))
         .unwrap_or("none")
         .to_owned();
+    // The messages queued for the session come from etcd when no node can
+    // hand them over: its owner is gone, or has no link here.
+    let from_queue = owner.is_none() || (from != node_id && !node.peers.linked_from(&from));
     let mut ids = fresh;
-    let restored = session.and_then(|(next, session)| {
-        let expires_in = crate::durable::remaining(&session, now_ms(), max_expiry)?;
+    let mut keys = Vec::new();
+    let mut restored = None;
+    if let Some((next, session)) = session
+        && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
+    {
         ids = next;
-        Some(RestoredSession {
+        let waiting = if from_queue {
+            waiting_in_etcd(node.queue, client_id, &session, &mut keys).await?
+        } else {
+            Vec::new()
+        };
+        restored = Some(RestoredSession {
             client_id: client_id.to_owned(),
             filters: session.filters,
             expires_in,
             queue_full: session.queue_full,
-            waiting: Vec::new(),
-        })
-    });
+            waiting,
+        });
+    }
     if let (Some(_), Some((revision, value))) = (&restored, &record) {
         let key = ownership.session_key(client_id);
         if !record_block(&mut client, key, *revision, value, ids, timeout).await? {
@@ -247,15 +283,49 @@ async fn resume_once(
         .replace_session(client_id, restored)
         .await
         .map_err(|e| e.to_string())?;
+    let queued = keys.len();
+    if replaced && from_etcd && from_queue {
+        node.queue.restored(client_id, keys);
+        ownership.took_queue(client_id);
+    }
     tracing::info!(
         client_id,
         owner = from,
         from_etcd,
+        from_queue,
+        queued,
         replaced,
         ids = ids.number(),
         "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
     Ok(Some(ids))
+}
+
+/// The messages kept in etcd for `client_id`'s `session` (see
+/// [`super::queue`]), each for the session as its subscriptions take it
+/// now, numbered here; their keys by number go to `keys`. Those none of
+/// its subscriptions take any more go from etcd.
+async fn waiting_in_etcd(
+    queue: &Queue,
+    client_id: &str,
+    session: &SessionRecord,
+    keys: &mut Vec<(MessageId, Vec<u8>)>,
+) -> Result<Vec<(MessageId, Message)>, String> {
+    let mut waiting = Vec::new();
+    let mut gone = Vec::new();
+    for (key, mut message) in queue.read(client_id).await? {
+        if !crate::durable::for_session(session, &mut message) {
+            gone.push(key);
+            continue;
+        }
+        let number = queue.restored_number();
+        keys.push((number, key));
+        waiting.push((number, message));
+    }
+    if !gone.is_empty() {
+        queue.remove(gone);
+    }
+    Ok(waiting)
 }
 
 /// Writes `ids` into the session record `value` at `key` if it is still
@@ -394,7 +464,14 @@ async fn reap_once(
                 Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
                 Compare::create_revision(owner, CompareOp::Equal, 0),
             ])
-            .and_then([TxnOp::delete(key, None)]);
+            .and_then([
+                TxnOp::delete(key, None),
+                // Its messages queued in etcd go with it.
+                TxnOp::delete(
+                    Queue::session_prefix(prefix, &String::from_utf8_lossy(&client_id)),
+                    Some(DeleteOptions::new().with_prefix()),
+                ),
+            ]);
         let done = tokio::time::timeout(timeout, client.txn(txn)).await;
         if let Ok(Ok(response)) = done
             && response.succeeded()

@@ -272,20 +272,10 @@ impl Durable {
                     continue;
                 }
             };
-            let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
-            // Saved only for QoS 1/2 subscriptions, not shared ones.
-            let filters = session.filters.iter().map(|(f, s)| (f, s));
-            let Some((granted, ids)) = granted(filters, topic, false).filter(|(q, _)| *q > 0)
-            else {
+            if !for_session(session, &mut message) {
                 removals.push(queue::removal(client, seq));
                 continue;
-            };
-            let qos = (message.publish.qos as u8).min(granted);
-            message.publish.qos = protocol::qos(qos).unwrap_or(QoS::AtLeastOnce);
-            message
-                .properties
-                .get_or_insert_with(Default::default)
-                .subscription_identifiers = ids;
+            }
             self.queue.restore(client, seq);
             messages.push((MessageId(seq), message));
         }
@@ -339,7 +329,7 @@ impl Journal for Durable {
         }])
     }
 
-    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Receipt)> {
+    fn queued(&self, clients: &[&str], message: &Message) -> Option<(MessageId, Option<Receipt>)> {
         let Some(value) = encode_message(&message.publish, message.properties.as_ref(), now_ms())
         else {
             tracing::error!(topic = %String::from_utf8_lossy(&message.publish.topic), "cannot save a message for persistent sessions: it will not survive a restart");
@@ -348,7 +338,7 @@ impl Journal for Durable {
         let number = self.queue.number();
         let puts = self.queue.add(clients.iter().copied(), number, &value);
         crate::metrics::queued_saved(clients.len());
-        Some((MessageId(number), self.put(puts)?))
+        Some((MessageId(number), Some(self.put(puts)?)))
     }
 
     fn delivered(&self, client: &str, message: MessageId) {
@@ -356,6 +346,25 @@ impl Journal for Durable {
             self.persistence.put(vec![put]);
         }
     }
+}
+
+/// Makes a saved `message` one for `session` to wait for: at the QoS and
+/// with the subscription identifiers of its subscriptions that match it
+/// now. `false`: none does (at QoS 1 or 2; messages are saved only for
+/// those, and not for shared subscriptions): it is not for the session.
+pub(crate) fn for_session(session: &SessionRecord, message: &mut Message) -> bool {
+    let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
+    let filters = session.filters.iter().map(|(f, s)| (f, s));
+    let Some((granted, ids)) = granted(filters, topic, false).filter(|(q, _)| *q > 0) else {
+        return false;
+    };
+    let qos = (message.publish.qos as u8).min(granted);
+    message.publish.qos = protocol::qos(qos).unwrap_or(QoS::AtLeastOnce);
+    message
+        .properties
+        .get_or_insert_with(Default::default)
+        .subscription_identifiers = ids;
+    true
 }
 
 /// How long a saved session is still kept, as of `now` (Unix ms): `None`

@@ -1523,7 +1523,7 @@ impl Router {
                 let clients: Vec<&str> = clients.iter().map(|c| &**c).collect();
                 if let Some((number, saved)) = journal.queued(&clients, &message()) {
                     queued = Some(number);
-                    receipt = receipt.max(Some(saved));
+                    receipt = receipt.max(saved);
                 }
             }
         }

@@ -20,7 +20,7 @@
 //! kept; the record goes when the session ends, the session's record with
 //! it. Writing the session and will records is [`records`]'.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -56,6 +56,9 @@ struct Claim {
     kept: bool,
     /// The packet ids its router deliveries take.
     ids: PacketIdBlock,
+    /// The session's queued messages came from etcd (see
+    /// [`Ownership::took_queue`]).
+    took_queue: bool,
 }
 
 /// A session record waiting to be written, numbered so that a newer one
@@ -76,8 +79,15 @@ struct State {
     /// Will records this node put and has not seen removed, by client id:
     /// the revision of the claim that put each (bounded as the claims).
     wills: HashMap<String, i64>,
+    /// Client ids whose next claim says their session's queued messages
+    /// came from etcd (at most [`TOOK_QUEUE_MAX`]).
+    took_queue: HashSet<String>,
     numbers: u64,
 }
+
+/// Resumed sessions waiting for their claim, at most (a CONNECT that ends
+/// between the two leaves one; past it, they are forgotten).
+const TOOK_QUEUE_MAX: usize = 10_000;
 
 /// The client ids this node owns, and the watch that ends them when
 /// another node takes one over.
@@ -191,7 +201,9 @@ impl Ownership {
         ids: PacketIdBlock,
         will: Option<Vec<u8>>,
     ) {
-        self.state.lock().claims.insert(
+        let mut state = self.state.lock();
+        let took_queue = state.took_queue.remove(client_id) && !clean_start;
+        state.claims.insert(
             client_id.to_owned(),
             Claim {
                 connection,
@@ -201,8 +213,10 @@ impl Ownership {
                 ended: false,
                 kept: false,
                 ids,
+                took_queue,
             },
         );
+        drop(state);
         let ownership = Arc::clone(self);
         let client_id = client_id.to_owned();
         tokio::spawn(async move {
@@ -229,6 +243,18 @@ impl Ownership {
         });
     }
 
+    /// `client_id`'s session, resumed here, took its queued messages from
+    /// etcd (see [`super::queue`]): its next claim says so (`\nqueue`), so
+    /// that the node it was on, paused past its lease or cut off from this
+    /// one, does not hand the same messages over when it comes back.
+    pub fn took_queue(&self, client_id: &str) {
+        let mut state = self.state.lock();
+        if state.took_queue.len() >= TOOK_QUEUE_MAX {
+            state.took_queue.clear();
+        }
+        state.took_queue.insert(client_id.to_owned());
+    }
+
     /// Puts the record of `connection`'s claim (and, for a clean start,
     /// removes the session record). `Err(Some(why))`: etcd did not take
     /// it, try again; `Err(None)`: no more to do (the claim is gone, or
@@ -239,14 +265,18 @@ impl Ownership {
         connection: u64,
         will: Option<&[u8]>,
     ) -> Result<(), Option<String>> {
-        let Some((clean_start, ids)) =
+        let Some((clean_start, ids, took_queue)) =
             claim_of(&mut self.state.lock().claims, client_id, connection)
-                .map(|c| (c.clean_start, c.ids))
+                .map(|c| (c.clean_start, c.ids, c.took_queue))
                 .filter(|_| self.membership.standing().serving())
         else {
             return Err(None);
         };
-        let clean = if clean_start { "\nclean" } else { "" };
+        let clean = match (clean_start, took_queue) {
+            (true, _) => "\nclean",
+            (false, true) => "\nqueue",
+            (false, false) => "",
+        };
         let value = format!(
             "{}\n{connection}\nids {}{clean}",
             self.cluster.node_id(),
@@ -267,6 +297,7 @@ impl Ownership {
         ];
         if clean_start {
             ops.push(TxnOp::delete(self.session_key(client_id), None));
+            ops.push(self.delete_queue(client_id));
         }
         let mut client = self.cluster.client.clone();
         let txn = client.txn(Txn::new().and_then(ops));
@@ -446,7 +477,7 @@ fn claim_of<'a>(
 }
 
 /// The node an owner's record (`<node id>\n<connection>[\nids
-/// <block>][\nclean]`) names.
+/// <block>][\nclean|\nqueue]`) names.
 pub fn owner_of(value: &[u8]) -> Option<&str> {
     let mut lines = std::str::from_utf8(value).ok()?.split('\n');
     let node = lines.next()?;
@@ -463,10 +494,11 @@ pub fn owner_ids(value: &[u8]) -> Option<PacketIdBlock> {
         .map(PacketIdBlock::new)
 }
 
-/// Whether an owner's record is of a CONNECT with Clean Start 1 (the
-/// session before it ended: nothing to hand over).
-fn started_clean(value: &[u8]) -> bool {
-    value.ends_with(b"\nclean")
+/// Whether the node an owner's record names wants the session's queued
+/// messages handed over: not after a CONNECT with Clean Start 1 (the
+/// session before it ended), nor when it took them from etcd (`\nqueue`).
+fn wants_handover(value: &[u8]) -> bool {
+    !value.ends_with(b"\nclean") && !value.ends_with(b"\nqueue")
 }
 
 /// Watches the owners' records from revision `from`, resumed after the
@@ -502,8 +534,9 @@ async fn watch(
             let Ok(client_id) = std::str::from_utf8(&kv.key()[prefix.len()..]) else {
                 return true;
             };
-            // A clean start ended the session: nothing to hand over.
-            let to = (!started_clean(kv.value())).then_some(owner_node);
+            // A clean start ended the session, or the other node took its
+            // messages from etcd: nothing to hand over.
+            let to = wants_handover(kv.value()).then_some(owner_node);
             o.taken(client_id, kv.mod_revision(), to);
             true
         });

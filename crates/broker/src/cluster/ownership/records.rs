@@ -6,10 +6,12 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp, TxnOpResponse};
+
+use crate::cluster::Queue;
 use tokio::sync::Notify;
 
-use super::{Claim, Ownership, Pending, delete_at, owner_of, started_clean};
+use super::{Claim, Ownership, Pending, delete_at, owner_of, wants_handover};
 use crate::durable::format::decode_session;
 use crate::sessions::PacketIdBlock;
 
@@ -128,6 +130,13 @@ impl Ownership {
         }
     }
 
+    /// Removes every message queued in etcd for `client_id`'s session
+    /// (see [`crate::cluster::queue`]).
+    pub(super) fn delete_queue(&self, client_id: &str) -> TxnOp {
+        let prefix = Queue::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
+        TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix()))
+    }
+
     /// `client_id`'s session record.
     pub fn session_key(&self, client_id: &str) -> Vec<u8> {
         [self.sessions_prefix.as_slice(), client_id.as_bytes()].concat()
@@ -197,7 +206,8 @@ impl Ownership {
                     );
                 }
                 Some(value) => ops.push(TxnOp::put(key, value, None)),
-                None => ops.push(TxnOp::delete(key, None)),
+                // The messages queued for it in etcd go with it.
+                None => ops.extend([TxnOp::delete(key, None), self.delete_queue(&client_id)]),
             }
             if done {
                 ops.push(TxnOp::delete(owner.clone(), None));
@@ -222,7 +232,7 @@ impl Ownership {
                     // after a clean start).
                     let taken = holder.as_deref().and_then(|value| {
                         let node = owner_of(value).filter(|n| *n != self.cluster.node_id())?;
-                        Some((!started_clean(value)).then(|| node.to_owned()))
+                        Some(wants_handover(value).then(|| node.to_owned()))
                     });
                     (response.succeeded(), taken)
                 }
@@ -370,15 +380,22 @@ mod tests {
     }
 
     #[test]
-    fn an_owner_record_names_its_node_block_and_clean_start() {
+    fn an_owner_record_names_its_node_block_and_whether_to_hand_over() {
         let value = b"sb3\n42\nids 5\nclean";
         assert_eq!(owner_of(value), Some("sb3"));
         assert_eq!(super::super::owner_ids(value), Some(PacketIdBlock::new(5)));
-        assert!(started_clean(value));
+        assert!(!wants_handover(value));
+        let from_etcd = b"sb3\n42\nids 5\nqueue";
+        assert_eq!(
+            super::super::owner_ids(from_etcd),
+            Some(PacketIdBlock::new(5))
+        );
+        assert!(!wants_handover(from_etcd));
+        assert!(wants_handover(b"sb3\n42\nids 5"));
         let earlier = b"sb3\n42";
         assert_eq!(owner_of(earlier), Some("sb3"));
         assert_eq!(super::super::owner_ids(earlier), None);
-        assert!(!started_clean(earlier));
+        assert!(wants_handover(earlier));
         assert_eq!(owner_of(b"sb3"), None);
     }
 }
