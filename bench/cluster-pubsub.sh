@@ -6,13 +6,18 @@
 # node 1 ("same node": its publishes still go to the two other nodes), the
 # single node (no cluster) and mosquitto.
 #   bench/cluster-pubsub.sh [SECONDS] [CLIENTS]   (default 5 s, 16 clients)
+# PERSISTENT=1: subscribers keep persistent sessions (a cluster node then
+# keeps each QoS 1 message for them in etcd too, until acknowledged);
+# NODE=path: another statebroker-node binary (an older build, to compare).
 # Needs etcd and mosquitto on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-5}" n="${2:-16}"
 cargo build --release -q -p statebroker-cluster-tests --bin statebroker-node
 cargo build --release -q --bin statebroker-bench
-node=target/release/statebroker-node
+node="${NODE:-target/release/statebroker-node}"
+persistent=()
+[ "${PERSISTENT:-0}" = 1 ] && persistent=(--persistent)
 bench=target/release/statebroker-bench
 dir="$(mktemp -d)"
 pids=()
@@ -48,11 +53,11 @@ for h in "${hp[@]}"; do
     timeout 30 bash -c "until curl -s 127.0.0.1:$h/metrics | grep -q '^statebroker_cluster_peer_links 2'; do sleep 0.2; done"
     timeout 30 bash -c "until curl -sf 127.0.0.1:$h/readyz >/dev/null; do sleep 0.2; done"
 done
-echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $n clients, $secs s each"
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; $n clients, $secs s each; node $node${persistent:+, persistent subscribers}"
 printf '%-8s %-4s %-22s %12s %10s %10s %6s %6s\n' pattern qos system msgs/s p50_us p99_us lost dup
 run() { # pattern qos name publisher-port [subscriber-port]
     local pattern=$1 qos=$2 name=$3 pub=$4 sub=${5:-$4} out
-    out=$("$bench" pubsub --json --pattern "$pattern" -n "$n" --qos "$qos" -d "$secs" --warmup 1 \
+    out=$("$bench" pubsub --json --pattern "$pattern" -n "$n" --qos "$qos" -d "$secs" --warmup 1 "${persistent[@]}" \
         --target "127.0.0.1:$pub" --subscriber-target "127.0.0.1:$sub")
     python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%-8s %-4s %-22s %12.0f %10d %10d %6d %6d" % (sys.argv[2], sys.argv[3], sys.argv[4], r["messages_per_sec"], r["p50_us"], r["p99_us"], r["lost"], r["duplicated"]))' \
         "$out" "$pattern" "$qos" "$name"

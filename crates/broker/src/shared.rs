@@ -283,6 +283,20 @@ impl Shared {
         false
     }
 
+    /// Whether messages handed over for `client_id` over the link with
+    /// client id `link` are to be delivered (a cluster node: not those
+    /// etcd gave already, see `cluster::awaited`).
+    pub fn handover_welcome(&self, _link: &str, _client_id: &str) -> bool {
+        #[cfg(feature = "cluster")]
+        if let (Some(node), Some(from)) = (
+            &self.cluster_node,
+            _link.strip_prefix(crate::publisher::LINK_CLIENT_PREFIX),
+        ) {
+            return node.handover_welcome(from, _client_id);
+        }
+        true
+    }
+
     /// A QoS 2 publish another node forwarded with its `origin` was
     /// released to the router (its PUBREL came): this node has it.
     pub fn released_from_another_node(&self, _origin: &str) {

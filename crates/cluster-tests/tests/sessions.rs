@@ -396,6 +396,42 @@ async fn a_paused_node_does_not_hand_over_what_etcd_gave() {
     assert_eq!(metric(setup.http[0], HANDED_OVER).unwrap_or(0.0), 0.0);
 }
 
+/// A node that dies with its links up (paused here, as a machine that
+/// died: its sockets stay open) looks alive to the node its client comes
+/// back to, which waits for its handover. Once its lease has ended, the
+/// messages it kept in etcd come from there, once, in order; when it
+/// comes back, the handover it then makes is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_nodes_queue_comes_from_etcd_once_it_leaves() {
+    let mut setup = Setup::three_linked().await;
+    let (_publisher, expected) = queued_on_node_1(&setup, "silent", "m", 10).await;
+    eventually("the queued messages in etcd", || {
+        queued_in_etcd(&setup, "silent") == 10
+    })
+    .await;
+    setup.nodes[0].pause().unwrap();
+    let (mut c, present) = connect(setup.ports[1], "silent", false, 300).await;
+    assert!(present);
+    // Nothing comes until node 1's lease (5 s) has ended.
+    let mut got = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while got.len() < expected.len() && Instant::now() < deadline {
+        got.extend(topics_within(&mut c, Duration::from_secs(1)).await);
+    }
+    assert_eq!(got, expected, "the queued messages, once, in order");
+    eventually("their copies gone from etcd", || {
+        queued_in_etcd(&setup, "silent") == 0
+    })
+    .await;
+    setup.nodes[0].resume().unwrap();
+    eventually("node 1 gave its copy up", || {
+        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
+    })
+    .await;
+    let again = topics_within(&mut c, Duration::from_secs(2)).await;
+    assert_eq!(again, Vec::<String>::new(), "nothing delivered again");
+}
+
 /// A state store request the client sends again (DUP) after its session
 /// moved to another node runs once: the new node finds the key's last
 /// write is that request's and answers with it (issue #28 item 5).

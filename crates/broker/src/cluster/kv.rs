@@ -759,6 +759,7 @@ mod etcd_tests {
             peer_address: None,
             forward_queue: 100,
             session_reap_interval: Duration::from_secs(60),
+            keep_queued_in_etcd: true,
         })
         .await
         .expect("etcd answers")

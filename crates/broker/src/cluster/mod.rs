@@ -39,6 +39,7 @@
 //! its own `statestore::Store`, which also holds the node's hybrid logical
 //! clock.
 
+mod awaited;
 mod batches;
 mod confirmations;
 mod handover;
@@ -68,6 +69,7 @@ use etcd_client::{Client, ConnectOptions, GetOptions};
 use parking_lot::Mutex;
 
 use crate::config::ClusteringSettings;
+pub use awaited::Awaited;
 pub use kv::{NodeClock, Unanswered};
 pub use membership::Membership;
 pub use node::Node;

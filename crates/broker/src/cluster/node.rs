@@ -9,7 +9,9 @@ use router::protocol::{Publish, PublishProperties};
 
 use super::origins::Origins;
 use super::sessions;
-use super::{Cluster, Membership, Ownership, Peers, Queue, Retained, SessionJournal, Shares};
+use super::{
+    Awaited, Cluster, Membership, Ownership, Peers, Queue, Retained, SessionJournal, Shares,
+};
 use crate::config::Settings;
 use crate::publisher::Publisher;
 use crate::sessions::Sessions;
@@ -25,6 +27,7 @@ pub struct Node {
     retained: Arc<Retained>,
     shares: Arc<Shares>,
     queue: Arc<Queue>,
+    awaited: Arc<Awaited>,
     origins: Origins,
 }
 
@@ -79,6 +82,13 @@ impl Node {
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
         let queue = Queue::start(Arc::clone(cluster), journal.has_data_dir());
         journal.attach(&ownership, &queue);
+        let awaited = Awaited::new(
+            Arc::clone(&queue),
+            Arc::clone(sessions),
+            membership.watch(),
+            cluster.settings.lease_ttl * 2 + cluster.settings.request_timeout,
+            cluster.stop.subscribe(),
+        );
         tokio::spawn(sessions::reap(
             Arc::downgrade(cluster),
             settings.broker.max_session_expiry_secs,
@@ -97,6 +107,7 @@ impl Node {
             retained,
             shares,
             queue,
+            awaited,
             origins: Origins::default(),
         })
     }
@@ -116,6 +127,12 @@ impl Node {
         &self.origins
     }
 
+    /// Whether a handover for `client_id` that came over `node`'s link is
+    /// to be delivered (see [`super::awaited`]).
+    pub fn handover_welcome(&self, node: &str, client_id: &str) -> bool {
+        self.awaited.came(client_id, node)
+    }
+
     /// Which node each client id is connected to.
     pub fn ownership(&self) -> &Arc<Ownership> {
         &self.ownership
@@ -133,6 +150,7 @@ impl Node {
         let node = sessions::Resume {
             ownership: &self.ownership,
             queue: &self.queue,
+            awaited: &self.awaited,
             peers: &self.peers,
             router: &self.router,
             timeout: self.cluster.settings.request_timeout,

@@ -3,26 +3,30 @@
 //!
 //! Each QoS 1 message the router saves for persistent sessions
 //! ([`router::Journal::queued`]) is written for each of them to
-//! `<etcd_prefix>Q/<client id length>:<client id>/<node id>.<run>.<number>`
+//! `<etcd_prefix>Q/<client id length>:<client id>/<node id>/<run>.<number>`
 //! (the run: `d` on a node with a data directory, whose numbers go on
 //! across restarts; otherwise when the process started; the number in 16
 //! hex digits), the value the message as the data directory keeps it
-//! (`crate::durable::format`). The writes leave in the background, in
-//! batches, and the publisher's acknowledgement does not wait for them
-//! (it waits for the other nodes' links and, with a data directory, for
-//! the disk): what a node had queued less than about one etcd round trip
-//! before it died is lost with it. A message the client acknowledges is
-//! removed; one acknowledged before its write left is never written.
+//! (`crate::durable::format`). The writes leave in the background,
+//! [`LINGER`] after the message was queued, in batches, and the
+//! publisher's acknowledgement does not wait for them (it waits for the
+//! other nodes' links and, with a data directory, for the disk): what a
+//! node had queued less than that plus an etcd round trip before it died
+//! is lost with it. A message the client acknowledges is removed; one
+//! acknowledged before its write left is never written, so a subscriber
+//! that keeps up costs etcd nothing. `[clustering] keep_queued_in_etcd =
+//! false` turns the writes off.
 //!
 //! A node that resumes a session its owner left (no owner record: the
-//! node died, or lost its lease) reads them ([`Queue::read`]), in the
+//! node died, or lost its lease; or an owner whose link to this node is
+//! down: killed moments ago) reads them ([`Queue::read`]), in the
 //! order they were written, and gives them to its router with the session
 //! ([`router::RestoredSession::waiting`]) under numbers of its own (the
 //! top bit set: never one the data directory gives); each is removed from
 //! etcd when the client acknowledges it there, so a node that dies before
 //! leaves it for the next. Its owner record then says so (see
-//! `super::ownership`): a node that was paused past its lease and comes
-//! back does not hand the same messages over again. A session that moves
+//! `super::ownership`): a node that was paused past its lease, or cut off,
+//! and comes back does not hand the same messages over again. A session that moves
 //! from a live node takes its messages along over the link instead (see
 //! [`super::handover`]: the old node's router gives them up, acknowledged,
 //! and their copies here go).
@@ -48,7 +52,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{GetOptions, SortOrder, SortTarget, Txn, TxnOp};
 use parking_lot::Mutex;
@@ -68,11 +72,19 @@ const BATCH_OPS: usize = 128;
 const PAGE: i64 = 500;
 /// The numbers of messages read back from etcd have it set.
 const RESTORED: u64 = 1 << 63;
+/// How long a message waits before it is written: one its client
+/// acknowledges by then is never written (a subscriber that keeps up
+/// costs etcd nothing).
+pub const LINGER: Duration = Duration::from_millis(100);
 
 /// See the module's documentation.
 pub struct Queue {
     cluster: Arc<Cluster>,
-    /// `<node id>.<run>.`: this run's keys, after the client's part.
+    /// `[clustering] keep_queued_in_etcd`: messages are written (those
+    /// kept earlier are read back and removed either way).
+    keep: bool,
+    /// `<node id>/<run>.`: this run's keys, after the client's part (node
+    /// ids have no `/`).
     own: String,
     /// The numbers this node gives without a data directory.
     next: AtomicU64,
@@ -86,7 +98,7 @@ pub struct Queue {
 
 #[derive(Default)]
 struct State {
-    /// Writes to make, in order.
+    /// Writes to make, in order (puts due [`LINGER`] after they came).
     changes: VecDeque<Change>,
     /// The keys of the puts in `changes`.
     unsent: HashSet<Vec<u8>>,
@@ -103,14 +115,16 @@ impl Queue {
     /// `data_dir`: the node has one (its message numbers go on across
     /// restarts).
     pub fn start(cluster: Arc<Cluster>, data_dir: bool) -> Arc<Queue> {
+        let keep = cluster.settings.keep_queued_in_etcd;
         let run = if data_dir {
             "d".to_owned()
         } else {
             format!("{:x}", crate::clock::now_nanos() as u64)
         };
-        let own = format!("{}.{run}.", cluster.node_id());
+        let own = format!("{}/{run}.", cluster.node_id());
         let queue = Arc::new(Queue {
             cluster,
+            keep,
             own,
             next: AtomicU64::new(0),
             next_restored: AtomicU64::new(RESTORED),
@@ -122,6 +136,11 @@ impl Queue {
             queue.cluster.stop.subscribe(),
         ));
         queue
+    }
+
+    /// Whether it keeps messages (`[clustering] keep_queued_in_etcd`).
+    pub fn keeps(&self) -> bool {
+        self.keep
     }
 
     /// A number for a message, given no data directory.
@@ -144,7 +163,7 @@ impl Queue {
     /// `message`, numbered `number`, is queued for the persistent sessions
     /// of `clients`: written for each (see the module's documentation).
     pub fn keep(&self, clients: &[&str], number: MessageId, message: &Message) {
-        if message.publish.qos != QoS::AtLeastOnce {
+        if !self.keep || message.publish.qos != QoS::AtLeastOnce {
             return;
         }
         let Some(value) = encode_message(
@@ -162,6 +181,7 @@ impl Queue {
             );
             return;
         }
+        let now = Instant::now();
         let mut state = self.state.lock();
         for client in clients {
             let count = state.counts.get(*client).copied().unwrap_or(0);
@@ -176,7 +196,7 @@ impl Queue {
                 continue;
             }
             *state.counts.entry((*client).to_owned()).or_default() += 1;
-            state.put(self.key(client, number), value.clone());
+            state.put(self.key(client, number), value.clone(), now);
         }
         drop(state);
         self.wake.notify_one();
@@ -196,7 +216,7 @@ impl Queue {
             }
             self.key(client, number)
         };
-        if state.remove(key) {
+        if state.remove(key, Instant::now()) {
             drop(state);
             self.wake.notify_one();
         }
@@ -218,6 +238,25 @@ impl Queue {
     /// expired, are removed). Read in pages at one revision.
     pub async fn read(&self, client_id: &str) -> Result<Vec<(Vec<u8>, Message)>, String> {
         let prefix = Self::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
+        self.read_prefix(client_id, prefix).await
+    }
+
+    /// The same, of those node `node` wrote.
+    pub async fn read_from(
+        &self,
+        client_id: &str,
+        node: &str,
+    ) -> Result<Vec<(Vec<u8>, Message)>, String> {
+        let mut prefix = Self::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
+        prefix.extend_from_slice(format!("{node}/").as_bytes());
+        self.read_prefix(client_id, prefix).await
+    }
+
+    async fn read_prefix(
+        &self,
+        client_id: &str,
+        prefix: Vec<u8>,
+    ) -> Result<Vec<(Vec<u8>, Message)>, String> {
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         let now = crate::clock::now_ms();
@@ -295,8 +334,9 @@ impl Queue {
     /// Removes `keys` (read back and not for the session).
     pub fn remove(&self, keys: Vec<Vec<u8>>) {
         let mut state = self.state.lock();
+        let now = Instant::now();
         for key in keys {
-            state.remove(key);
+            state.remove(key, now);
         }
         drop(state);
         self.wake.notify_one();
@@ -304,23 +344,38 @@ impl Queue {
 }
 
 /// A write: a put (`Some`) or a removal.
-type Change = (Vec<u8>, Option<Vec<u8>>);
+type Write = (Vec<u8>, Option<Vec<u8>>);
+
+/// A write waiting, and from when it may leave.
+struct Change {
+    key: Vec<u8>,
+    value: Option<Vec<u8>>,
+    due: Instant,
+}
 
 impl State {
-    /// Puts `value` at `key` (a new key).
-    fn put(&mut self, key: Vec<u8>, value: Vec<u8>) {
+    /// Puts `value` at `key` (a new key), [`LINGER`] after `now`.
+    fn put(&mut self, key: Vec<u8>, value: Vec<u8>, now: Instant) {
         self.unsent.insert(key.clone());
-        self.changes.push_back((key, Some(value)));
+        self.changes.push_back(Change {
+            key,
+            value: Some(value),
+            due: now + LINGER,
+        });
     }
 
     /// Removes `key`: `true` if that is a write to make (`false`: its put
     /// had not left, and now will not).
-    fn remove(&mut self, key: Vec<u8>) -> bool {
+    fn remove(&mut self, key: Vec<u8>, now: Instant) -> bool {
         if self.unsent.remove(&key) {
             self.cancelled.insert(key);
             return false;
         }
-        self.changes.push_back((key, None));
+        self.changes.push_back(Change {
+            key,
+            value: None,
+            due: now,
+        });
         true
     }
 
@@ -338,29 +393,32 @@ impl State {
         }
     }
 
-    /// Up to [`BATCH_OPS`] writes, taken out in order, within `budget`
-    /// bytes (one at least), no key twice (etcd refuses a transaction that
-    /// writes a key twice).
-    fn take(&mut self, budget: usize) -> Vec<Change> {
+    /// Up to [`BATCH_OPS`] writes due by `now`, taken out in order, within
+    /// `budget` bytes (one at least), no key twice (etcd refuses a
+    /// transaction that writes a key twice).
+    fn take(&mut self, budget: usize, now: Instant) -> Vec<Write> {
         let mut batch = Vec::new();
         let mut keys = HashSet::new();
         let mut bytes = 0;
         while batch.len() < BATCH_OPS {
-            let Some((key, value)) = self.changes.front() else {
+            let Some(change) = self.changes.front() else {
                 break;
             };
-            if value.is_some() && self.cancelled.contains(key) {
-                if let Some((key, _)) = self.changes.pop_front() {
-                    self.cancelled.remove(&key);
+            if change.value.is_some() && self.cancelled.contains(&change.key) {
+                if let Some(change) = self.changes.pop_front() {
+                    self.cancelled.remove(&change.key);
                 }
                 continue;
             }
-            let size = key.len() + value.as_ref().map_or(0, Vec::len) + 64;
-            if keys.contains(key) || (!batch.is_empty() && bytes + size > budget) {
+            let size = change.key.len() + change.value.as_ref().map_or(0, Vec::len) + 64;
+            if change.due > now
+                || keys.contains(&change.key)
+                || (!batch.is_empty() && bytes + size > budget)
+            {
                 break;
             }
             bytes += size;
-            let Some((key, value)) = self.changes.pop_front() else {
+            let Some(Change { key, value, .. }) = self.changes.pop_front() else {
                 break;
             };
             if value.is_some() {
@@ -372,13 +430,22 @@ impl State {
         batch
     }
 
-    /// Puts a batch that failed back in front, in its order.
-    fn put_back(&mut self, batch: Vec<Change>) {
+    /// When the first write waiting may leave.
+    fn next_due(&self) -> Option<Instant> {
+        self.changes.front().map(|c| c.due)
+    }
+
+    /// Puts a batch that failed back in front, in its order, due at `now`.
+    fn put_back(&mut self, batch: Vec<Write>, now: Instant) {
         for (key, value) in batch.into_iter().rev() {
             if value.is_some() {
                 self.unsent.insert(key.clone());
             }
-            self.changes.push_front((key, value));
+            self.changes.push_front(Change {
+                key,
+                value,
+                due: now,
+            });
         }
     }
 }
@@ -388,21 +455,22 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
     loop {
         let Some(q) = queue.upgrade() else { return };
         let budget = q.cluster.settings.max_request_bytes / 2;
-        let batch = q.state.lock().take(budget);
+        let batch = q.state.lock().take(budget, Instant::now());
         if batch.is_empty() {
             let wake = Arc::clone(&q.wake);
             let woken = wake.notified();
             tokio::pin!(woken);
             // Registered before the last look: a write after it wakes us.
             woken.as_mut().enable();
-            if !q.state.lock().changes.is_empty() {
-                continue;
-            }
+            let due = q.state.lock().next_due();
             drop(q);
+            let until = due.map_or(far_future(), tokio::time::Instant::from_std);
             tokio::select! {
-                () = woken => continue,
+                () = woken => {}
+                () = tokio::time::sleep_until(until) => {}
                 _ = stop.changed() => return,
             }
+            continue;
         }
         let ops: Vec<TxnOp> = batch
             .iter()
@@ -416,7 +484,7 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
         let written = tokio::time::timeout(timeout, client.txn(Txn::new().and_then(ops))).await;
         if !matches!(written, Ok(Ok(_))) {
             tracing::debug!("clustering: queued messages not written to etcd yet: trying again");
-            q.state.lock().put_back(batch);
+            q.state.lock().put_back(batch, Instant::now());
             drop(q);
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(250)) => {}
@@ -424,6 +492,11 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
             }
         }
     }
+}
+
+/// An instant nothing waits for (a day from now).
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400)
 }
 
 #[cfg(test)]
@@ -434,55 +507,66 @@ mod tests {
         vec![b'k', n]
     }
 
+    const ALL: usize = 1 << 20;
+
     #[test]
-    fn a_message_delivered_before_its_put_left_is_never_written() {
+    fn a_message_waits_before_it_is_written_and_goes_unwritten_if_delivered() {
+        let t = Instant::now();
         let mut state = State::default();
-        state.put(k(1), b"one".to_vec());
-        state.put(k(2), b"two".to_vec());
-        assert!(!state.remove(k(1)), "nothing to write for it");
-        let batch = state.take(1 << 20);
+        state.put(k(1), b"one".to_vec(), t);
+        state.put(k(2), b"two".to_vec(), t);
+        assert!(state.take(ALL, t).is_empty(), "not due yet");
+        assert_eq!(state.next_due(), Some(t + LINGER));
+        assert!(!state.remove(k(1), t), "nothing to write for it");
+        let batch = state.take(ALL, t + LINGER);
         assert_eq!(batch, [(k(2), Some(b"two".to_vec()))]);
-        // Its put left: the removal is a write.
-        assert!(state.remove(k(2)));
-        assert_eq!(state.take(1 << 20), [(k(2), None)]);
-        assert!(state.take(1 << 20).is_empty());
+        // Its put left: the removal is a write, at once.
+        assert!(state.remove(k(2), t + LINGER));
+        assert_eq!(state.take(ALL, t + LINGER), [(k(2), None)]);
+        assert!(state.take(ALL, t + LINGER * 2).is_empty());
+        assert_eq!(state.next_due(), None);
     }
 
     #[test]
     fn a_batch_writes_no_key_twice_and_stays_in_order() {
+        let t = Instant::now();
+        let later = t + LINGER;
         let mut state = State::default();
-        state.put(k(1), b"one".to_vec());
-        let failed = state.take(1 << 20);
+        state.put(k(1), b"one".to_vec(), t);
+        let failed = state.take(ALL, later);
         // Removed while its put was on its way, which then failed.
-        assert!(state.remove(k(1)));
-        state.put_back(failed);
-        state.put(k(2), b"two".to_vec());
-        assert_eq!(state.take(1 << 20), [(k(1), Some(b"one".to_vec()))]);
+        assert!(state.remove(k(1), later));
+        state.put_back(failed, later);
+        state.put(k(2), b"two".to_vec(), t);
+        assert_eq!(state.take(ALL, later), [(k(1), Some(b"one".to_vec()))]);
         assert_eq!(
-            state.take(1 << 20),
+            state.take(ALL, later),
             [(k(1), None), (k(2), Some(b"two".to_vec()))]
         );
     }
 
     #[test]
     fn a_batch_is_bounded_in_operations_and_bytes() {
+        let t = Instant::now();
         let mut state = State::default();
         for n in 0..200u8 {
-            state.put(vec![b'k', n], vec![0; 10]);
+            state.put(vec![b'k', n], vec![0; 10], t);
         }
-        assert_eq!(state.take(1 << 20).len(), BATCH_OPS);
-        assert_eq!(state.take(200).len(), 2, "(2 + 10 + 64) bytes each");
-        assert_eq!(state.take(1).len(), 1, "one at least");
+        let due = t + LINGER;
+        assert_eq!(state.take(ALL, due).len(), BATCH_OPS);
+        assert_eq!(state.take(200, due).len(), 2, "(2 + 10 + 64) bytes each");
+        assert_eq!(state.take(1, due).len(), 1, "one at least");
     }
 
     #[test]
     fn an_ended_sessions_puts_do_not_leave() {
+        let t = Instant::now();
         let mut state = State::default();
-        state.put(b"Q/1:a/x".to_vec(), b"1".to_vec());
-        state.put(b"Q/2:ab/x".to_vec(), b"2".to_vec());
+        state.put(b"Q/1:a/x".to_vec(), b"1".to_vec(), t);
+        state.put(b"Q/2:ab/x".to_vec(), b"2".to_vec(), t);
         state.cancel_puts(b"Q/1:a/");
         assert_eq!(
-            state.take(1 << 20),
+            state.take(ALL, t + LINGER),
             [(b"Q/2:ab/x".to_vec(), Some(b"2".to_vec()))]
         );
     }

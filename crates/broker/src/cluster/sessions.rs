@@ -39,6 +39,7 @@
 //! ended, or from when a node first found it without an owner.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
@@ -46,7 +47,7 @@ use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle
 use tokio::time::Instant;
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
-use super::{Cluster, Ownership, Peers, Queue};
+use super::{Awaited, Cluster, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
 use crate::sessions::PacketIdBlock;
@@ -57,6 +58,8 @@ pub struct SessionJournal {
     data_dir: Option<Arc<dyn Journal>>,
     ownership: OnceLock<Weak<Ownership>>,
     queue: OnceLock<Weak<Queue>>,
+    /// The queue keeps messages in etcd.
+    keeps: AtomicBool,
 }
 
 impl SessionJournal {
@@ -66,6 +69,7 @@ impl SessionJournal {
             data_dir,
             ownership: OnceLock::new(),
             queue: OnceLock::new(),
+            keeps: AtomicBool::new(false),
         })
     }
 
@@ -79,6 +83,7 @@ impl SessionJournal {
     pub fn attach(&self, ownership: &Arc<Ownership>, queue: &Arc<Queue>) {
         let _ = self.ownership.set(Arc::downgrade(ownership));
         let _ = self.queue.set(Arc::downgrade(queue));
+        self.keeps.store(queue.keeps(), Ordering::Release);
     }
 
     fn queue(&self) -> Option<Arc<Queue>> {
@@ -107,7 +112,7 @@ impl Journal for SessionJournal {
         let queue = self.queue();
         let (number, receipt) = match &self.data_dir {
             Some(journal) => journal.queued(clients, message)?,
-            None => (queue.as_ref()?.number(), None),
+            None => (queue.as_ref().filter(|q| q.keeps())?.number(), None),
         };
         if let Some(queue) = queue {
             queue.keep(clients, number, message);
@@ -125,7 +130,7 @@ impl Journal for SessionJournal {
     }
 
     fn keeps_messages(&self) -> bool {
-        self.data_dir.is_some() || self.queue.get().is_some()
+        self.data_dir.is_some() || self.keeps.load(Ordering::Acquire)
     }
 }
 
@@ -133,6 +138,7 @@ impl Journal for SessionJournal {
 pub struct Resume<'a> {
     pub ownership: &'a Ownership,
     pub queue: &'a Queue,
+    pub awaited: &'a Arc<Awaited>,
     pub peers: &'a Peers,
     pub router: &'a RouterHandle,
     pub timeout: std::time::Duration,
@@ -175,6 +181,7 @@ async fn resume_once(
     fresh: PacketIdBlock,
 ) -> Result<Option<PacketIdBlock>, String> {
     let (ownership, router, timeout) = (node.ownership, node.router, node.timeout);
+    ownership.took_queue(client_id, false);
     let mut client = node.client.clone();
     let txn = Txn::new().and_then([
         TxnOp::get(ownership.key(client_id), None),
@@ -286,7 +293,11 @@ async fn resume_once(
     let queued = keys.len();
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
-        ownership.took_queue(client_id);
+        ownership.took_queue(client_id, true);
+    } else if replaced && from_etcd && from != node_id && owner.is_some() {
+        // The owner is to hand the messages over; it may be dead all the
+        // same (see `super::awaited`).
+        node.awaited.wait(client_id, &from);
     }
     tracing::info!(
         client_id,

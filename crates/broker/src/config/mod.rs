@@ -101,6 +101,9 @@ pub struct ClusteringSettings {
     /// `session_reap_interval_s`: how often ownerless session records are
     /// looked for.
     pub session_reap_interval: Duration,
+    /// `keep_queued_in_etcd`: QoS 1 messages queued for persistent
+    /// sessions are kept in etcd too (see `cluster::queue`).
+    pub keep_queued_in_etcd: bool,
 }
 
 impl ClusteringSettings {
@@ -190,6 +193,7 @@ impl ClusteringSettings {
             peer_address: (!peer_address.is_empty()).then_some(peer_address),
             forward_queue: section.forward_queue,
             session_reap_interval: Duration::from_secs(section.session_reap_interval_s),
+            keep_queued_in_etcd: section.keep_queued_in_etcd,
             node_id,
             etcd_endpoints: endpoints,
             etcd_prefix: prefix,

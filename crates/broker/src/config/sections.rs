@@ -90,6 +90,8 @@ pub struct ClusteringSection {
     pub forward_queue: usize,
     /// How often ownerless session records are looked for, seconds.
     pub session_reap_interval_s: u64,
+    /// QoS 1 messages queued for persistent sessions are kept in etcd too.
+    pub keep_queued_in_etcd: bool,
 }
 
 /// `[log]`

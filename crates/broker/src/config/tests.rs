@@ -547,11 +547,24 @@ fn clustering_is_off_by_default_and_on_with_endpoints() {
     assert_eq!(c.etcd_prefix, "/sb/a/", "the prefix ends in /");
     assert_eq!(c.request_timeout, Duration::from_millis(2000));
     assert_eq!(c.tombstone_ttl, Duration::from_secs(70));
+    assert!(c.keep_queued_in_etcd, "on by default");
     // The cluster's node id is the versions' node id, and no clock marks
     // go to a data directory that holds no keys.
     let store = s.store_config();
     assert_eq!(store.node_id, "sb2");
     assert_eq!(store.clock_lease_ms, None);
+}
+
+#[test]
+fn queued_messages_can_stay_out_of_etcd() {
+    let env = [
+        ("NODE_ID", "sb1"),
+        ("ETCD_ENDPOINTS", "http://127.0.0.1:2379"),
+        ("KEEP_QUEUED_IN_ETCD", "false"),
+    ]
+    .map(|(k, v)| (format!("STATEBROKER__CLUSTERING__{k}"), v.to_owned()));
+    let s = Settings::load_with_env(None, &[], env.to_vec()).unwrap();
+    assert!(!s.clustering.expect("clustering on").keep_queued_in_etcd);
 }
 
 #[test]

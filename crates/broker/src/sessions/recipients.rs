@@ -17,6 +17,25 @@ impl Sessions {
         self.deliver_granted(client, message, grant)
     }
 
+    /// Delivers `message`, handed over from the node `client`'s session
+    /// was on (or read back from etcd for it), to `client` alone: now if
+    /// it is connected, otherwise kept for the session's next connection
+    /// (see [`Sessions::keep_handed_over`]); dropped, with a WARN, if its
+    /// queue is full.
+    pub fn deliver_handed_over(&self, client: &str, message: Direct) {
+        match self.deliver(client, message) {
+            Ok(()) => {}
+            // Not connected now: for the session's next connection.
+            Err(Undelivered::NoRecipient(message)) => {
+                self.keep_handed_over(client, vec![*message]);
+            }
+            Err(Undelivered::Overflow) => tracing::warn!(
+                client_id = client,
+                "clustering: a message handed over from the session's previous node is lost: the client's queue is full"
+            ),
+        }
+    }
+
     /// Delivers to `client` if it is the only subscriber of the message's
     /// topic (and connected, and its queue has room); otherwise gives it
     /// back (see [`Sessions::deliver`]).

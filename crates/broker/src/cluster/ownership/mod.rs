@@ -247,8 +247,14 @@ impl Ownership {
     /// etcd (see [`super::queue`]): its next claim says so (`\nqueue`), so
     /// that the node it was on, paused past its lease or cut off from this
     /// one, does not hand the same messages over when it comes back.
-    pub fn took_queue(&self, client_id: &str) {
+    /// `took`: whether it did (`false` forgets an earlier resumption's
+    /// that no claim followed).
+    pub fn took_queue(&self, client_id: &str, took: bool) {
         let mut state = self.state.lock();
+        if !took {
+            state.took_queue.remove(client_id);
+            return;
+        }
         if state.took_queue.len() >= TOOK_QUEUE_MAX {
             state.took_queue.clear();
         }

@@ -44,7 +44,7 @@ mod request;
 use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
 use crate::persistence::{Batch, Position};
-use crate::sessions::{SharedAcknowledged, ToConnection, Undelivered};
+use crate::sessions::{SharedAcknowledged, ToConnection};
 use crate::shared::Shared;
 use crate::store::binding;
 use crate::topics;
@@ -531,7 +531,15 @@ impl Machine {
         if self.from_link
             && let Some((client, kept_pkid)) = handed_over(properties.as_mut())
         {
-            self.deliver_handed_over(&client, publish, properties, kept_pkid);
+            if self.shared.handover_welcome(&self.client_id, &client) {
+                self.deliver_handed_over(&client, publish, properties, kept_pkid);
+            } else {
+                tracing::debug!(
+                    client_id = client,
+                    link = self.client_id,
+                    "a handed-over message dropped: etcd gave the session's messages when that node left"
+                );
+            }
             self.ack(qos, pkid, true);
             return Ok(());
         }
@@ -613,19 +621,7 @@ impl Machine {
             handed_over: true,
             kept_pkid,
         };
-        match self.shared.publisher.deliver_to(client, message) {
-            Ok(()) => {}
-            // Not connected now: for the session's next connection.
-            Err(Undelivered::NoRecipient(message)) => {
-                self.shared
-                    .sessions
-                    .keep_handed_over(client, vec![*message]);
-            }
-            Err(Undelivered::Overflow) => tracing::warn!(
-                client_id = client,
-                "clustering: a message handed over from the session's previous node is lost: the client's queue is full"
-            ),
-        }
+        self.shared.sessions.deliver_handed_over(client, message);
     }
 
     /// Acknowledges a publish handled here (not by the router).
