@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
+use router::protocol::QoS;
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 use tokio::time::Instant;
 
@@ -112,7 +113,12 @@ impl Journal for SessionJournal {
         let queue = self.queue();
         let (number, receipt) = match &self.data_dir {
             Some(journal) => journal.queued(clients, message)?,
-            None => (queue.as_ref().filter(|q| q.keeps())?.number(), None),
+            // Only QoS 1 messages go to etcd (see `super::queue`): the
+            // router need not tell this journal about the others.
+            None if message.publish.qos == QoS::AtLeastOnce => {
+                (queue.as_ref().filter(|q| q.keeps())?.number(), None)
+            }
+            None => return None,
         };
         if let Some(queue) = queue {
             queue.keep(clients, number, message);

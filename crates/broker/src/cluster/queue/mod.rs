@@ -49,18 +49,21 @@
 //! "queue_backlog"}`, logged); a message over half of etcd's request limit
 //! is not kept there.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use etcd_client::{GetOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{GetOptions, SortOrder, SortTarget, Txn};
 use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
 
 use super::Cluster;
 use crate::durable::format::{decode_message, encode_message};
+
+mod pending;
+use pending::{Keys, Pending};
 
 /// Messages kept in etcd per session, at most.
 pub const MAX_PER_SESSION: usize = 10_000;
@@ -83,31 +86,16 @@ pub struct Queue {
     /// `[clustering] keep_queued_in_etcd`: messages are written (those
     /// kept earlier are read back and removed either way).
     keep: bool,
-    /// `<node id>/<run>.`: this run's keys, after the client's part (node
-    /// ids have no `/`).
-    own: String,
     /// The numbers this node gives without a data directory.
     next: AtomicU64,
     /// The numbers of messages read back.
     next_restored: AtomicU64,
-    state: Mutex<State>,
+    pending: Mutex<Pending>,
+    /// The keys of the messages read back, by client and number.
+    restored: Mutex<HashMap<(String, u64), Vec<u8>>>,
     /// Wakes the writer (shared with it: it holds no strong reference
     /// while it waits).
     wake: Arc<tokio::sync::Notify>,
-}
-
-#[derive(Default)]
-struct State {
-    /// Writes to make, in order (puts due [`LINGER`] after they came).
-    changes: VecDeque<Change>,
-    /// The keys of the puts in `changes`.
-    unsent: HashSet<Vec<u8>>,
-    /// Puts in `changes` not to make after all (delivered first).
-    cancelled: HashSet<Vec<u8>>,
-    /// How many messages each session has in etcd (by this node).
-    counts: HashMap<String, usize>,
-    /// The keys of the messages read back, by client and number.
-    restored: HashMap<(String, u64), Vec<u8>>,
 }
 
 impl Queue {
@@ -121,14 +109,18 @@ impl Queue {
         } else {
             format!("{:x}", crate::clock::now_nanos() as u64)
         };
-        let own = format!("{}/{run}.", cluster.node_id());
+        let keys = Keys {
+            etcd_prefix: cluster.settings.etcd_prefix.clone(),
+            // Node ids have no `/`.
+            own: format!("{}/{run}.", cluster.node_id()),
+        };
         let queue = Arc::new(Queue {
             cluster,
             keep,
-            own,
             next: AtomicU64::new(0),
             next_restored: AtomicU64::new(RESTORED),
-            state: Mutex::new(State::default()),
+            pending: Mutex::new(Pending::new(keys)),
+            restored: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
         });
         tokio::spawn(write(
@@ -151,13 +143,7 @@ impl Queue {
     /// Where `client_id`'s messages are: `<etcd_prefix>Q/<length>:<client
     /// id>/` (the length, so that no client's prefix is another's).
     pub fn session_prefix(prefix: &str, client_id: &str) -> Vec<u8> {
-        format!("{prefix}Q/{}:{client_id}/", client_id.len()).into_bytes()
-    }
-
-    fn key(&self, client: &str, number: MessageId) -> Vec<u8> {
-        let mut key = Self::session_prefix(&self.cluster.settings.etcd_prefix, client);
-        key.extend_from_slice(format!("{}{:016x}", self.own, number.0).as_bytes());
-        key
+        Keys::session(prefix, client_id)
     }
 
     /// `message`, numbered `number`, is queued for the persistent sessions
@@ -181,43 +167,52 @@ impl Queue {
             );
             return;
         }
+        let value = Arc::new(value);
         let now = Instant::now();
-        let mut state = self.state.lock();
+        let mut pending = self.pending.lock();
+        let idle = pending.len() == 0;
         for client in clients {
-            let count = state.counts.get(*client).copied().unwrap_or(0);
-            if count >= MAX_PER_SESSION || state.changes.len() >= MAX_PENDING {
+            let count = pending.count(client);
+            if count >= MAX_PER_SESSION || pending.len() >= MAX_PENDING {
                 crate::metrics::cluster_refused("queue_backlog");
-                tracing::warn!(
-                    client_id = client,
-                    count,
-                    waiting = state.changes.len(),
-                    "clustering: a message queued for a persistent session is not kept in etcd: the session has too many there, or too many writes wait"
-                );
+                // Once as the bound is reached, not for every message past it.
+                if count == MAX_PER_SESSION || pending.len() == MAX_PENDING {
+                    tracing::warn!(
+                        client_id = client,
+                        count,
+                        waiting = pending.len(),
+                        "clustering: messages queued for a persistent session are not kept in etcd from now: the session has too many there, or too many writes wait"
+                    );
+                }
                 continue;
             }
-            *state.counts.entry((*client).to_owned()).or_default() += 1;
-            state.put(self.key(client, number), value.clone(), now);
+            pending.put(client, number.0, Arc::clone(&value), now);
         }
-        drop(state);
-        self.wake.notify_one();
+        drop(pending);
+        // A writer with something to write has its time to wake already.
+        if idle {
+            self.wake.notify_one();
+        }
     }
 
     /// `client` has message `number`: its copy goes (or is not written).
     pub fn delivered(&self, client: &str, number: MessageId) {
-        let mut state = self.state.lock();
         let key = if number.0 & RESTORED != 0 {
-            match state.restored.remove(&(client.to_owned(), number.0)) {
-                Some(key) => key,
-                None => return,
-            }
+            self.restored.lock().remove(&(client.to_owned(), number.0))
         } else {
-            if let Some(count) = state.counts.get_mut(client) {
-                *count = count.saturating_sub(1);
-            }
-            self.key(client, number)
+            None
         };
-        if state.remove(key, Instant::now()) {
-            drop(state);
+        let mut pending = self.pending.lock();
+        let idle = pending.len() == 0;
+        let removal = match key {
+            Some(key) => {
+                pending.remove(key);
+                true
+            }
+            None => pending.delivered(client, number.0),
+        };
+        drop(pending);
+        if removal && idle {
             self.wake.notify_one();
         }
     }
@@ -226,11 +221,8 @@ impl Queue {
     /// and its writes not made yet are not made. Its copies in etcd go
     /// with its session record (see the module's documentation).
     pub fn forget(&self, client: &str) {
-        let mut state = self.state.lock();
-        state.counts.remove(client);
-        state.restored.retain(|(c, _), _| c != client);
-        let prefix = Self::session_prefix(&self.cluster.settings.etcd_prefix, client);
-        state.cancel_puts(&prefix);
+        self.restored.lock().retain(|(c, _), _| c != client);
+        self.pending.lock().forget(client);
     }
 
     /// The messages kept in etcd for `client_id`, in the order they were
@@ -325,128 +317,20 @@ impl Queue {
     /// `client`'s router took the messages read back (`key` by number): each
     /// goes from etcd when the client has it.
     pub fn restored(&self, client: &str, messages: Vec<(MessageId, Vec<u8>)>) {
-        let mut state = self.state.lock();
+        let mut restored = self.restored.lock();
         for (number, key) in messages {
-            state.restored.insert((client.to_owned(), number.0), key);
+            restored.insert((client.to_owned(), number.0), key);
         }
     }
 
     /// Removes `keys` (read back and not for the session).
     pub fn remove(&self, keys: Vec<Vec<u8>>) {
-        let mut state = self.state.lock();
-        let now = Instant::now();
+        let mut pending = self.pending.lock();
         for key in keys {
-            state.remove(key, now);
+            pending.remove(key);
         }
-        drop(state);
+        drop(pending);
         self.wake.notify_one();
-    }
-}
-
-/// A write: a put (`Some`) or a removal.
-type Write = (Vec<u8>, Option<Vec<u8>>);
-
-/// A write waiting, and from when it may leave.
-struct Change {
-    key: Vec<u8>,
-    value: Option<Vec<u8>>,
-    due: Instant,
-}
-
-impl State {
-    /// Puts `value` at `key` (a new key), [`LINGER`] after `now`.
-    fn put(&mut self, key: Vec<u8>, value: Vec<u8>, now: Instant) {
-        self.unsent.insert(key.clone());
-        self.changes.push_back(Change {
-            key,
-            value: Some(value),
-            due: now + LINGER,
-        });
-    }
-
-    /// Removes `key`: `true` if that is a write to make (`false`: its put
-    /// had not left, and now will not).
-    fn remove(&mut self, key: Vec<u8>, now: Instant) -> bool {
-        if self.unsent.remove(&key) {
-            self.cancelled.insert(key);
-            return false;
-        }
-        self.changes.push_back(Change {
-            key,
-            value: None,
-            due: now,
-        });
-        true
-    }
-
-    /// The puts of keys starting with `prefix` that have not left will not.
-    fn cancel_puts(&mut self, prefix: &[u8]) {
-        let unsent: Vec<Vec<u8>> = self
-            .unsent
-            .iter()
-            .filter(|key| key.starts_with(prefix))
-            .cloned()
-            .collect();
-        for key in unsent {
-            self.unsent.remove(&key);
-            self.cancelled.insert(key);
-        }
-    }
-
-    /// Up to [`BATCH_OPS`] writes due by `now`, taken out in order, within
-    /// `budget` bytes (one at least), no key twice (etcd refuses a
-    /// transaction that writes a key twice).
-    fn take(&mut self, budget: usize, now: Instant) -> Vec<Write> {
-        let mut batch = Vec::new();
-        let mut keys = HashSet::new();
-        let mut bytes = 0;
-        while batch.len() < BATCH_OPS {
-            let Some(change) = self.changes.front() else {
-                break;
-            };
-            if change.value.is_some() && self.cancelled.contains(&change.key) {
-                if let Some(change) = self.changes.pop_front() {
-                    self.cancelled.remove(&change.key);
-                }
-                continue;
-            }
-            let size = change.key.len() + change.value.as_ref().map_or(0, Vec::len) + 64;
-            if change.due > now
-                || keys.contains(&change.key)
-                || (!batch.is_empty() && bytes + size > budget)
-            {
-                break;
-            }
-            bytes += size;
-            let Some(Change { key, value, .. }) = self.changes.pop_front() else {
-                break;
-            };
-            if value.is_some() {
-                self.unsent.remove(&key);
-            }
-            keys.insert(key.clone());
-            batch.push((key, value));
-        }
-        batch
-    }
-
-    /// When the first write waiting may leave.
-    fn next_due(&self) -> Option<Instant> {
-        self.changes.front().map(|c| c.due)
-    }
-
-    /// Puts a batch that failed back in front, in its order, due at `now`.
-    fn put_back(&mut self, batch: Vec<Write>, now: Instant) {
-        for (key, value) in batch.into_iter().rev() {
-            if value.is_some() {
-                self.unsent.insert(key.clone());
-            }
-            self.changes.push_front(Change {
-                key,
-                value,
-                due: now,
-            });
-        }
     }
 }
 
@@ -455,14 +339,14 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
     loop {
         let Some(q) = queue.upgrade() else { return };
         let budget = q.cluster.settings.max_request_bytes / 2;
-        let batch = q.state.lock().take(budget, Instant::now());
+        let (batch, ops) = q.pending.lock().take(budget, Instant::now());
         if batch.is_empty() {
             let wake = Arc::clone(&q.wake);
             let woken = wake.notified();
             tokio::pin!(woken);
             // Registered before the last look: a write after it wakes us.
             woken.as_mut().enable();
-            let due = q.state.lock().next_due();
+            let due = q.pending.lock().next_due();
             drop(q);
             let until = due.map_or(far_future(), tokio::time::Instant::from_std);
             tokio::select! {
@@ -472,19 +356,12 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
             }
             continue;
         }
-        let ops: Vec<TxnOp> = batch
-            .iter()
-            .map(|(key, value)| match value {
-                Some(value) => TxnOp::put(key.clone(), value.clone(), None),
-                None => TxnOp::delete(key.clone(), None),
-            })
-            .collect();
         let mut client = q.cluster.client.clone();
         let timeout = q.cluster.settings.request_timeout;
         let written = tokio::time::timeout(timeout, client.txn(Txn::new().and_then(ops))).await;
         if !matches!(written, Ok(Ok(_))) {
             tracing::debug!("clustering: queued messages not written to etcd yet: trying again");
-            q.state.lock().put_back(batch, Instant::now());
+            q.pending.lock().put_back(batch, Instant::now());
             drop(q);
             tokio::select! {
                 () = tokio::time::sleep(Duration::from_millis(250)) => {}
@@ -497,77 +374,4 @@ async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
 /// An instant nothing waits for (a day from now).
 fn far_future() -> tokio::time::Instant {
     tokio::time::Instant::now() + Duration::from_secs(86_400)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn k(n: u8) -> Vec<u8> {
-        vec![b'k', n]
-    }
-
-    const ALL: usize = 1 << 20;
-
-    #[test]
-    fn a_message_waits_before_it_is_written_and_goes_unwritten_if_delivered() {
-        let t = Instant::now();
-        let mut state = State::default();
-        state.put(k(1), b"one".to_vec(), t);
-        state.put(k(2), b"two".to_vec(), t);
-        assert!(state.take(ALL, t).is_empty(), "not due yet");
-        assert_eq!(state.next_due(), Some(t + LINGER));
-        assert!(!state.remove(k(1), t), "nothing to write for it");
-        let batch = state.take(ALL, t + LINGER);
-        assert_eq!(batch, [(k(2), Some(b"two".to_vec()))]);
-        // Its put left: the removal is a write, at once.
-        assert!(state.remove(k(2), t + LINGER));
-        assert_eq!(state.take(ALL, t + LINGER), [(k(2), None)]);
-        assert!(state.take(ALL, t + LINGER * 2).is_empty());
-        assert_eq!(state.next_due(), None);
-    }
-
-    #[test]
-    fn a_batch_writes_no_key_twice_and_stays_in_order() {
-        let t = Instant::now();
-        let later = t + LINGER;
-        let mut state = State::default();
-        state.put(k(1), b"one".to_vec(), t);
-        let failed = state.take(ALL, later);
-        // Removed while its put was on its way, which then failed.
-        assert!(state.remove(k(1), later));
-        state.put_back(failed, later);
-        state.put(k(2), b"two".to_vec(), t);
-        assert_eq!(state.take(ALL, later), [(k(1), Some(b"one".to_vec()))]);
-        assert_eq!(
-            state.take(ALL, later),
-            [(k(1), None), (k(2), Some(b"two".to_vec()))]
-        );
-    }
-
-    #[test]
-    fn a_batch_is_bounded_in_operations_and_bytes() {
-        let t = Instant::now();
-        let mut state = State::default();
-        for n in 0..200u8 {
-            state.put(vec![b'k', n], vec![0; 10], t);
-        }
-        let due = t + LINGER;
-        assert_eq!(state.take(ALL, due).len(), BATCH_OPS);
-        assert_eq!(state.take(200, due).len(), 2, "(2 + 10 + 64) bytes each");
-        assert_eq!(state.take(1, due).len(), 1, "one at least");
-    }
-
-    #[test]
-    fn an_ended_sessions_puts_do_not_leave() {
-        let t = Instant::now();
-        let mut state = State::default();
-        state.put(b"Q/1:a/x".to_vec(), b"1".to_vec(), t);
-        state.put(b"Q/2:ab/x".to_vec(), b"2".to_vec(), t);
-        state.cancel_puts(b"Q/1:a/");
-        assert_eq!(
-            state.take(ALL, t + LINGER),
-            [(b"Q/2:ab/x".to_vec(), Some(b"2".to_vec()))]
-        );
-    }
 }

@@ -1,0 +1,403 @@
+//! What the queue has to write to etcd, and what it has written: no I/O
+//! (the writer in `super` takes batches and sends them).
+//!
+//! Per session (by client id): the numbers of its messages waiting to be
+//! written, and of those written and not delivered yet. A message
+//! delivered before its put left is taken off the first set: its put is
+//! skipped when its turn comes, and nothing is written for it. One
+//! delivered after is taken off the second: its removal is written. A
+//! message never kept here (QoS 2, or refused by the bounds) costs etcd
+//! nothing when delivered.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use etcd_client::TxnOp;
+
+use super::{BATCH_OPS, LINGER};
+
+/// How keys are made: `<etcd_prefix>Q/<length>:<client id>/` and this
+/// run's `<node id>/<run>.`, then the number.
+pub struct Keys {
+    pub etcd_prefix: String,
+    pub own: String,
+}
+
+impl Keys {
+    /// Where `client_id`'s messages are (the length, so that no client's
+    /// prefix is another's).
+    pub fn session(etcd_prefix: &str, client_id: &str) -> Vec<u8> {
+        format!("{etcd_prefix}Q/{}:{client_id}/", client_id.len()).into_bytes()
+    }
+
+    /// The key of this run's message `number` for `client_id`.
+    pub fn key(&self, client_id: &str, number: u64) -> Vec<u8> {
+        let mut key = Self::session(&self.etcd_prefix, client_id);
+        key.extend_from_slice(format!("{}{number:016x}", self.own).as_bytes());
+        key
+    }
+}
+
+/// A write waiting.
+pub enum Change {
+    /// Message `number` for `client`, `value` (shared by every session it
+    /// is for), from `due` on.
+    Put {
+        client: Arc<str>,
+        number: u64,
+        value: Arc<Vec<u8>>,
+        due: Instant,
+    },
+    /// Removes `key`.
+    Remove { key: Vec<u8> },
+}
+
+impl Change {
+    fn key(&self, keys: &Keys) -> Vec<u8> {
+        match self {
+            Change::Put { client, number, .. } => keys.key(client, *number),
+            Change::Remove { key } => key.clone(),
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Change::Put { value, .. } => value.len() + 128,
+            Change::Remove { key } => key.len() + 64,
+        }
+    }
+}
+
+/// One session's messages.
+struct Kept {
+    name: Arc<str>,
+    /// Waiting to be written.
+    unsent: HashSet<u64>,
+    /// Written, not delivered yet.
+    written: HashSet<u64>,
+}
+
+/// See the module's documentation.
+pub struct Pending {
+    keys: Keys,
+    changes: VecDeque<Change>,
+    sessions: HashMap<String, Kept>,
+}
+
+impl Pending {
+    pub fn new(keys: Keys) -> Pending {
+        Pending {
+            keys,
+            changes: VecDeque::new(),
+            sessions: HashMap::new(),
+        }
+    }
+
+    /// Writes waiting.
+    pub fn len(&self) -> usize {
+        self.changes.len()
+    }
+
+    /// Messages `client` has here, written or not.
+    pub fn count(&self, client: &str) -> usize {
+        self.sessions
+            .get(client)
+            .map_or(0, |k| k.unsent.len() + k.written.len())
+    }
+
+    /// Message `number` (`value`) for `client`, written [`LINGER`] after
+    /// `now` unless delivered first.
+    pub fn put(&mut self, client: &str, number: u64, value: Arc<Vec<u8>>, now: Instant) {
+        let kept = match self.sessions.get_mut(client) {
+            Some(kept) => kept,
+            None => self
+                .sessions
+                .entry(client.to_owned())
+                .or_insert_with(|| Kept {
+                    name: Arc::from(client),
+                    unsent: HashSet::new(),
+                    written: HashSet::new(),
+                }),
+        };
+        kept.unsent.insert(number);
+        let client = Arc::clone(&kept.name);
+        self.changes.push_back(Change::Put {
+            client,
+            number,
+            value,
+            due: now + LINGER,
+        });
+    }
+
+    /// `client` has message `number`: `true` if that is a removal to
+    /// write (`false`: its put had not left, and now will not; or it was
+    /// never kept here).
+    pub fn delivered(&mut self, client: &str, number: u64) -> bool {
+        let Some(kept) = self.sessions.get_mut(client) else {
+            return false;
+        };
+        let written = !kept.unsent.remove(&number) && kept.written.remove(&number);
+        if kept.unsent.is_empty() && kept.written.is_empty() {
+            self.sessions.remove(client);
+        }
+        if written {
+            self.remove(self.keys.key(client, number));
+        }
+        written
+    }
+
+    /// Removes `key` (a message read back, or not wanted).
+    pub fn remove(&mut self, key: Vec<u8>) {
+        self.changes.push_back(Change::Remove { key });
+    }
+
+    /// `client`'s session ended here: its puts that have not left will
+    /// not, and its messages are forgotten (those in etcd go with its
+    /// session record).
+    pub fn forget(&mut self, client: &str) {
+        self.sessions.remove(client);
+    }
+
+    /// Whether a put is still wanted.
+    fn wanted(&self, client: &str, number: u64) -> bool {
+        self.sessions
+            .get(client)
+            .is_some_and(|k| k.unsent.contains(&number))
+    }
+
+    /// Up to [`BATCH_OPS`] writes due by `now`, taken out in order, within
+    /// `budget` bytes (one at least), no key twice (etcd refuses a
+    /// transaction that writes a key twice), with their operations.
+    pub fn take(&mut self, budget: usize, now: Instant) -> (Vec<Change>, Vec<TxnOp>) {
+        let mut batch = Vec::new();
+        let mut ops = Vec::new();
+        let mut keys = HashSet::new();
+        let mut bytes = 0;
+        while batch.len() < BATCH_OPS {
+            let Some(change) = self.changes.front() else {
+                break;
+            };
+            if let Change::Put {
+                client,
+                number,
+                due,
+                ..
+            } = change
+            {
+                if !self.wanted(client, *number) {
+                    self.changes.pop_front();
+                    continue;
+                }
+                if *due > now {
+                    break;
+                }
+            }
+            let key = change.key(&self.keys);
+            if keys.contains(&key) || (!batch.is_empty() && bytes + change.size() > budget) {
+                break;
+            }
+            bytes += change.size();
+            let Some(change) = self.changes.pop_front() else {
+                break;
+            };
+            ops.push(match &change {
+                Change::Put {
+                    client,
+                    number,
+                    value,
+                    ..
+                } => {
+                    if let Some(kept) = self.sessions.get_mut(&**client) {
+                        kept.unsent.remove(number);
+                        kept.written.insert(*number);
+                    }
+                    TxnOp::put(key.clone(), value.to_vec(), None)
+                }
+                Change::Remove { .. } => TxnOp::delete(key.clone(), None),
+            });
+            keys.insert(key);
+            batch.push(change);
+        }
+        (batch, ops)
+    }
+
+    /// When the first write waiting may leave.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.changes.front().map(|c| match c {
+            Change::Put { due, .. } => *due,
+            Change::Remove { .. } => Instant::now(),
+        })
+    }
+
+    /// Puts a batch that failed back in front, in its order, due at once
+    /// (but the puts of messages delivered meanwhile: the removal that
+    /// follows covers a put that reached etcd after all).
+    pub fn put_back(&mut self, batch: Vec<Change>, now: Instant) {
+        for change in batch.into_iter().rev() {
+            let change = match change {
+                Change::Put {
+                    client,
+                    number,
+                    value,
+                    ..
+                } => {
+                    let Some(kept) = self.sessions.get_mut(&*client) else {
+                        continue;
+                    };
+                    if !kept.written.remove(&number) {
+                        continue;
+                    }
+                    kept.unsent.insert(number);
+                    Change::Put {
+                        client,
+                        number,
+                        value,
+                        due: now,
+                    }
+                }
+                remove => remove,
+            };
+            self.changes.push_front(change);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: usize = 1 << 20;
+
+    fn pending() -> Pending {
+        Pending::new(Keys {
+            etcd_prefix: "/p/".into(),
+            own: "n/r.".into(),
+        })
+    }
+
+    fn v(s: &str) -> Arc<Vec<u8>> {
+        Arc::new(s.as_bytes().to_vec())
+    }
+
+    /// The keys of a batch's operations, and whether each is a put.
+    fn written(batch: &(Vec<Change>, Vec<TxnOp>)) -> Vec<(String, bool)> {
+        batch
+            .0
+            .iter()
+            .map(|c| {
+                let key = c.key(&pending().keys);
+                (
+                    String::from_utf8(key).unwrap(),
+                    matches!(c, Change::Put { .. }),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keys_name_the_client_by_length_then_the_node_and_run() {
+        assert_eq!(
+            pending().keys.key("a/b", 26),
+            b"/p/Q/3:a/b/n/r.000000000000001a"
+        );
+        assert!(
+            !pending()
+                .keys
+                .key("a/b", 1)
+                .starts_with(&Keys::session("/p/", "a"))
+        );
+    }
+
+    #[test]
+    fn a_message_waits_before_it_is_written_and_goes_unwritten_if_delivered() {
+        let t = Instant::now();
+        let mut p = pending();
+        p.put("c", 1, v("one"), t);
+        p.put("c", 2, v("two"), t);
+        assert!(p.take(ALL, t).0.is_empty(), "not due yet");
+        assert_eq!(p.next_due(), Some(t + LINGER));
+        assert!(!p.delivered("c", 1), "nothing to write for it");
+        let batch = p.take(ALL, t + LINGER);
+        assert_eq!(
+            written(&batch),
+            [("/p/Q/1:c/n/r.0000000000000002".into(), true)]
+        );
+        // Its put left: the removal is a write, at once.
+        assert!(p.delivered("c", 2));
+        let batch = p.take(ALL, t + LINGER);
+        assert_eq!(
+            written(&batch),
+            [("/p/Q/1:c/n/r.0000000000000002".into(), false)]
+        );
+        assert!(p.take(ALL, t + LINGER * 2).0.is_empty());
+        assert_eq!(p.next_due(), None);
+        assert_eq!(p.count("c"), 0);
+    }
+
+    #[test]
+    fn a_message_never_kept_costs_nothing_when_delivered() {
+        let mut p = pending();
+        assert!(!p.delivered("c", 7));
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn a_failed_put_goes_again_unless_delivered_meanwhile() {
+        let t = Instant::now();
+        let later = t + LINGER;
+        let mut p = pending();
+        p.put("c", 1, v("one"), t);
+        p.put("c", 2, v("two"), t);
+        let (failed, _) = p.take(ALL, later);
+        assert_eq!(failed.len(), 2);
+        // Delivered while its put was on its way, which then failed.
+        assert!(p.delivered("c", 1));
+        p.put_back(failed, later);
+        let batch = p.take(ALL, later);
+        assert_eq!(
+            written(&batch),
+            [
+                ("/p/Q/1:c/n/r.0000000000000002".into(), true),
+                ("/p/Q/1:c/n/r.0000000000000001".into(), false),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_batch_writes_no_key_twice() {
+        let mut p = pending();
+        p.remove(b"k".to_vec());
+        p.remove(b"k".to_vec());
+        let now = Instant::now();
+        assert_eq!(p.take(ALL, now).0.len(), 1);
+        assert_eq!(p.take(ALL, now).0.len(), 1);
+    }
+
+    #[test]
+    fn a_batch_is_bounded_in_operations_and_bytes() {
+        let t = Instant::now();
+        let mut p = pending();
+        for n in 0..200 {
+            p.put("c", n, v("0123456789"), t);
+        }
+        let due = t + LINGER;
+        assert_eq!(p.take(ALL, due).0.len(), BATCH_OPS);
+        assert_eq!(p.take(300, due).0.len(), 2, "(10 + 128) bytes each");
+        assert_eq!(p.take(1, due).0.len(), 1, "one at least");
+        assert_eq!(p.count("c"), 200);
+    }
+
+    #[test]
+    fn an_ended_sessions_puts_do_not_leave() {
+        let t = Instant::now();
+        let mut p = pending();
+        p.put("a", 1, v("1"), t);
+        p.put("ab", 2, v("2"), t);
+        p.forget("a");
+        assert_eq!(
+            written(&p.take(ALL, t + LINGER)),
+            [("/p/Q/2:ab/n/r.0000000000000002".into(), true)]
+        );
+    }
+}
