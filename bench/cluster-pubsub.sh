@@ -8,7 +8,9 @@
 #   bench/cluster-pubsub.sh [SECONDS] [CLIENTS]   (default 5 s, 16 clients)
 # PERSISTENT=1: subscribers keep persistent sessions (a cluster node then
 # keeps each QoS 1 message for them in etcd too, until acknowledged);
-# NODE=path: another statebroker-node binary (an older build, to compare).
+# NODE=path: another statebroker-node binary (an older build, to compare);
+# CROSS_ONLY=1: only the cross-node QoS 1 rows, each with how far etcd's
+# revision moved during it (what the nodes wrote there).
 # Needs etcd and mosquitto on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,18 @@ run() { # pattern qos name publisher-port [subscriber-port]
     python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("%-8s %-4s %-22s %12.0f %10d %10d %6d %6d" % (sys.argv[2], sys.argv[3], sys.argv[4], r["messages_per_sec"], r["p50_us"], r["p99_us"], r["lost"], r["duplicated"]))' \
         "$out" "$pattern" "$qos" "$name"
 }
+if [ "${CROSS_ONLY:-0}" = 1 ]; then
+    revision() {
+        ETCDCTL_API=3 etcdctl --endpoints="$endpoints" endpoint status -w json |
+            python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["header"]["revision"])'
+    }
+    for pattern in pairs fan-in fan-out; do
+        before=$(revision)
+        run "$pattern" 1 "cluster: cross" "${mp[1]}" "${mp[2]}"
+        echo "  etcd revisions during it: $(($(revision) - before))"
+    done
+    exit
+fi
 for pattern in pairs fan-in fan-out; do
     for qos in 0 1; do
         run "$pattern" "$qos" "cluster: cross" "${mp[1]}" "${mp[2]}"
