@@ -336,6 +336,33 @@ fn queued_in_etcd(setup: &Setup, client_id: &str) -> u64 {
     setup.etcd.count_prefix(&prefix).unwrap()
 }
 
+/// [`queued_on_node_1`], once etcd has node 1's copies of the messages.
+async fn queued_in_etcd_by_node_1(
+    setup: &Setup,
+    client_id: &str,
+    prefix: &str,
+    count: usize,
+) -> (Raw, Vec<String>) {
+    let queued = queued_on_node_1(setup, client_id, prefix, count).await;
+    eventually("the queued messages in etcd", || {
+        queued_in_etcd(setup, client_id) == count as u64
+    })
+    .await;
+    queued
+}
+
+/// Node 1, paused, comes back and gives its copy of `c`'s session up:
+/// nothing reaches `c` again.
+async fn nothing_again_once_node_1_is_back(setup: &mut Setup, c: &mut Raw) {
+    setup.nodes[0].resume().unwrap();
+    eventually("node 1 gave its copy up", || {
+        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
+    })
+    .await;
+    let again = topics_within(c, Duration::from_secs(2)).await;
+    assert_eq!(again, Vec::<String>::new(), "nothing delivered again");
+}
+
 /// What a killed node had queued for a session is kept in etcd: its
 /// client, back on another node at once (the dead node's ownership not
 /// gone yet, its link is), gets the messages there, once, in order, and
@@ -343,11 +370,7 @@ fn queued_in_etcd(setup: &Setup, client_id: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_nodes_queued_messages_come_from_etcd() {
     let mut setup = Setup::three_linked().await;
-    let (_publisher, expected) = queued_on_node_1(&setup, "orphan", "d", 20).await;
-    eventually("the queued messages in etcd", || {
-        queued_in_etcd(&setup, "orphan") == 20
-    })
-    .await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "orphan", "d", 20).await;
     setup.nodes[0].kill().unwrap();
     // Node 2 saw its link to node 1 break (the one from node 1 broke with
     // it).
@@ -371,11 +394,7 @@ async fn a_killed_nodes_queued_messages_come_from_etcd() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_node_does_not_hand_over_what_etcd_gave() {
     let mut setup = Setup::three_linked().await;
-    let (_publisher, expected) = queued_on_node_1(&setup, "sleeper", "s", 10).await;
-    eventually("the queued messages in etcd", || {
-        queued_in_etcd(&setup, "sleeper") == 10
-    })
-    .await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "sleeper", "s", 10).await;
     setup.nodes[0].pause().unwrap();
     eventually("node 1's ownership gone with its lease", || {
         setup.etcd.get("/statebroker/C/sleeper").unwrap().is_none()
@@ -385,14 +404,7 @@ async fn a_paused_node_does_not_hand_over_what_etcd_gave() {
     assert!(present);
     let got = topics_within(&mut c, Duration::from_secs(3)).await;
     assert_eq!(got, expected, "the queued messages, once, in order");
-    setup.nodes[0].resume().unwrap();
-    // Node 1 is back when it has discarded its copy of the session.
-    eventually("node 1 discarded its copy", || {
-        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
-    })
-    .await;
-    let again = topics_within(&mut c, Duration::from_secs(2)).await;
-    assert_eq!(again, Vec::<String>::new(), "nothing handed over again");
+    nothing_again_once_node_1_is_back(&mut setup, &mut c).await;
     assert_eq!(metric(setup.http[0], HANDED_OVER).unwrap_or(0.0), 0.0);
 }
 
@@ -404,15 +416,11 @@ async fn a_paused_node_does_not_hand_over_what_etcd_gave() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_nodes_queue_comes_from_etcd_once_it_leaves() {
     let mut setup = Setup::three_linked().await;
-    let (_publisher, expected) = queued_on_node_1(&setup, "silent", "m", 10).await;
-    eventually("the queued messages in etcd", || {
-        queued_in_etcd(&setup, "silent") == 10
-    })
-    .await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "silent", "m", 10).await;
     setup.nodes[0].pause().unwrap();
     let (mut c, present) = connect(setup.ports[1], "silent", false, 300).await;
     assert!(present);
-    // Nothing comes until node 1's lease (5 s) has ended.
+    // They come once node 1's lease (5 s) has ended.
     let mut got = Vec::new();
     let deadline = Instant::now() + PATIENCE;
     while got.len() < expected.len() && Instant::now() < deadline {
@@ -423,13 +431,7 @@ async fn a_silent_nodes_queue_comes_from_etcd_once_it_leaves() {
         queued_in_etcd(&setup, "silent") == 0
     })
     .await;
-    setup.nodes[0].resume().unwrap();
-    eventually("node 1 gave its copy up", || {
-        metric(setup.http[0], KEPT) == Some(LINK_SESSIONS)
-    })
-    .await;
-    let again = topics_within(&mut c, Duration::from_secs(2)).await;
-    assert_eq!(again, Vec::<String>::new(), "nothing delivered again");
+    nothing_again_once_node_1_is_back(&mut setup, &mut c).await;
 }
 
 /// A state store request the client sends again (DUP) after its session
