@@ -23,9 +23,11 @@
 //! copy goes. The node then claims the client; the node that had it ends
 //! its connection (0x8E) and discards its copy.
 //!
-//! What moves is the subscriptions and the expiry, and, from a node that
-//! is alive, the messages queued there for the session (see
-//! [`super::handover`]). The session's router deliveries take the next
+//! What moves is the subscriptions and the expiry, and the messages
+//! queued for the session: from a node that is alive, over its link (see
+//! [`super::handover`]); from etcd, the QoS 1 ones, when its node is gone
+//! or has no link here (see [`super::queue`], and [`super::awaited`] for
+//! a node that only looked alive). The session's router deliveries take the next
 //! block of packet ids after the one they took on the node it left
 //! ([`PacketIdBlock`]): that node could not release the QoS 2 ids the
 //! client still keeps. The node writes that block into the session

@@ -4,7 +4,9 @@
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
 //! connection number>\nids <its packet id block>` (see
-//! [`crate::sessions::PacketIdBlock`]; and `\nclean` for a clean start), under its
+//! [`crate::sessions::PacketIdBlock`]; and `\nclean` for a clean start,
+//! `\nqueue` when the session's queued messages came from etcd: the node
+//! that had it hands nothing over then), under its
 //! membership lease (so the record goes with the node: killed, cut off or
 //! paused past its lease). Every node
 //! watches these records; a node whose client connected later to another
@@ -278,13 +280,14 @@ impl Ownership {
         else {
             return Err(None);
         };
-        let clean = match (clean_start, took_queue) {
+        // Why the node that had the session hands nothing over, if so.
+        let mark = match (clean_start, took_queue) {
             (true, _) => "\nclean",
             (false, true) => "\nqueue",
             (false, false) => "",
         };
         let value = format!(
-            "{}\n{connection}\nids {}{clean}",
+            "{}\n{connection}\nids {}{mark}",
             self.cluster.node_id(),
             ids.number()
         );
