@@ -1,0 +1,137 @@
+//! What a connection does with the publishes of another cluster node's
+//! link, and with the marks only links may set: a message the other node
+//! hands over for one client's session (see `crate::cluster::handover`),
+//! a QoS 2 publish it sends again (its origin, see
+//! `crate::cluster::origins`), and a client's publish that carries such a
+//! mark (removed).
+
+use router::protocol::{Publish, PublishProperties};
+
+use super::Machine;
+
+impl Machine {
+    /// A publish from another node's link that this node handles itself:
+    /// a message handed over for one client (delivered to it alone), or a
+    /// QoS 2 copy sent again of one it had; `None` once it is handled
+    /// (acknowledged). Otherwise the publish, its origin taken off and
+    /// kept until its PUBREL (see `cluster::origins`).
+    pub(super) fn on_peer_publish(
+        &mut self,
+        publish: Publish,
+        mut properties: Option<PublishProperties>,
+        qos: u8,
+        pkid: u16,
+    ) -> Option<(Publish, Option<PublishProperties>)> {
+        // Another node hands over what it had queued for a session that
+        // moved here: for that client alone.
+        if let Some((client, kept_pkid)) = handed_over(properties.as_mut()) {
+            if self.shared.handover_welcome(&self.client_id, &client) {
+                self.deliver_handed_over(&client, publish, properties, kept_pkid);
+            } else {
+                tracing::debug!(
+                    client_id = client,
+                    link = self.client_id,
+                    "a handed-over message dropped: etcd gave the session's messages when that node left"
+                );
+            }
+            self.ack(qos, pkid, true);
+            return None;
+        }
+        // A QoS 2 publish another node forwarded: sent again there after
+        // its first copy came here and was released, had (see
+        // `cluster::origins`); otherwise had once its PUBREL releases it.
+        if let Some(origin) = take_origin(properties.as_mut()) {
+            if self.shared.had_copy_from_another_node(&origin) {
+                tracing::debug!(
+                    origin,
+                    "a QoS 2 publish sent again, had from its first node"
+                );
+                self.ack(qos, pkid, true);
+                return None;
+            }
+            self.link_origins.insert(pkid, origin);
+        }
+        Some((publish, properties))
+    }
+
+    /// Delivers to `client` a message its session's previous node handed
+    /// over (at most QoS 1, as direct deliveries go; QoS 2 under
+    /// `kept_pkid`, the id of one that was in flight to the client).
+    fn deliver_handed_over(
+        &self,
+        client: &str,
+        publish: Publish,
+        properties: Option<PublishProperties>,
+        kept_pkid: Option<u16>,
+    ) {
+        let message = crate::sessions::Direct {
+            topic: publish.topic,
+            payload: publish.payload,
+            properties: properties.unwrap_or_default().into(),
+            qos: if kept_pkid.is_some() {
+                2
+            } else {
+                publish.qos as u8
+            },
+            handed_over: true,
+            kept_pkid,
+        };
+        self.shared.sessions.deliver_handed_over(client, message);
+    }
+}
+
+/// Removes from a client's publish the marks only links may set: a
+/// client cannot keep its message from a shared subscription
+/// (`router::NOT_FOR_GROUP`), nor have other nodes deliver it to one
+/// client alone as if handed over (`crate::publisher::HANDOVER`,
+/// `HANDOVER_PKID`), nor pass its publish for another's sent again
+/// (`crate::publisher::ORIGIN`).
+pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
+    const MARKS: [&str; 4] = [
+        router::NOT_FOR_GROUP,
+        crate::publisher::HANDOVER,
+        crate::publisher::HANDOVER_PKID,
+        crate::publisher::ORIGIN,
+    ];
+    if let Some(p) = properties
+        && p.user_properties
+            .iter()
+            .any(|(k, _)| MARKS.contains(&k.as_ref()))
+    {
+        p.user_properties
+            .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
+        tracing::debug!(
+            client_id,
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:origin) removed"
+        );
+    }
+}
+
+/// The origin another node's link forwarded a QoS 2 publish with (see
+/// `crate::publisher::ORIGIN`), its User Property removed.
+fn take_origin(properties: Option<&mut PublishProperties>) -> Option<String> {
+    let user = &mut properties?.user_properties;
+    let at = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::ORIGIN)?;
+    Some(user.remove(at).1.into())
+}
+
+/// The client a publish from another node's link is handed over to (see
+/// `crate::publisher::HANDOVER`) and, for a QoS 2 message that node had
+/// in flight, the packet id the client saw (`HANDOVER_PKID`); their User
+/// Properties removed.
+fn handed_over(properties: Option<&mut PublishProperties>) -> Option<(String, Option<u16>)> {
+    let properties = properties?;
+    let user = &mut properties.user_properties;
+    let at = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::HANDOVER)?;
+    let client = user.remove(at).1.into();
+    let kept_pkid = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::HANDOVER_PKID)
+        .and_then(|at| user.remove(at).1.parse::<u16>().ok())
+        .filter(|&pkid| pkid > 0);
+    Some((client, kept_pkid))
+}
