@@ -44,7 +44,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
-use etcd_client::{Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 use router::protocol::QoS;
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 use tokio::time::Instant;
@@ -486,10 +486,7 @@ async fn reap_once(
             .and_then([
                 TxnOp::delete(key, None),
                 // Its messages queued in etcd go with it.
-                TxnOp::delete(
-                    Queue::session_prefix(prefix, &String::from_utf8_lossy(&client_id)),
-                    Some(DeleteOptions::new().with_prefix()),
-                ),
+                Queue::delete_session(prefix, &String::from_utf8_lossy(&client_id)),
             ]);
         let done = tokio::time::timeout(timeout, client.txn(txn)).await;
         if let Ok(Ok(response)) = done

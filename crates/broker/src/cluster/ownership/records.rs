@@ -6,7 +6,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use crate::cluster::Queue;
 use tokio::sync::Notify;
@@ -133,8 +133,7 @@ impl Ownership {
     /// Removes every message queued in etcd for `client_id`'s session
     /// (see [`crate::cluster::queue`]).
     pub(super) fn delete_queue(&self, client_id: &str) -> TxnOp {
-        let prefix = Queue::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
-        TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix()))
+        Queue::delete_session(&self.cluster.settings.etcd_prefix, client_id)
     }
 
     /// `client_id`'s session record.

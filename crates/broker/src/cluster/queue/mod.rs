@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use etcd_client::{GetOptions, SortOrder, SortTarget, Txn};
+use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp};
 use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
@@ -140,10 +140,11 @@ impl Queue {
         MessageId(self.next.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
-    /// Where `client_id`'s messages are: `<etcd_prefix>Q/<length>:<client
-    /// id>/` (the length, so that no client's prefix is another's).
-    pub fn session_prefix(prefix: &str, client_id: &str) -> Vec<u8> {
-        Keys::session(prefix, client_id)
+    /// Removes every message kept for `client_id`'s session (by any node):
+    /// one operation, for the transaction that ends the session.
+    pub fn delete_session(etcd_prefix: &str, client_id: &str) -> TxnOp {
+        let prefix = Keys::session(etcd_prefix, client_id);
+        TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix()))
     }
 
     /// `message`, numbered `number`, is queued for the persistent sessions
@@ -229,7 +230,7 @@ impl Queue {
     /// written, each with its key (those that cannot be read, or have
     /// expired, are removed). Read in pages at one revision.
     pub async fn read(&self, client_id: &str) -> Result<Vec<(Vec<u8>, Message)>, String> {
-        let prefix = Self::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
+        let prefix = Keys::session(&self.cluster.settings.etcd_prefix, client_id);
         self.read_prefix(client_id, prefix).await
     }
 
@@ -239,8 +240,7 @@ impl Queue {
         client_id: &str,
         node: &str,
     ) -> Result<Vec<(Vec<u8>, Message)>, String> {
-        let mut prefix = Self::session_prefix(&self.cluster.settings.etcd_prefix, client_id);
-        prefix.extend_from_slice(format!("{node}/").as_bytes());
+        let prefix = Keys::node(&self.cluster.settings.etcd_prefix, client_id, node);
         self.read_prefix(client_id, prefix).await
     }
 

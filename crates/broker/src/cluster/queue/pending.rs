@@ -31,6 +31,14 @@ impl Keys {
         format!("{etcd_prefix}Q/{}:{client_id}/", client_id.len()).into_bytes()
     }
 
+    /// Where node `node`'s messages for `client_id` are (node ids have no
+    /// `/`).
+    pub fn node(etcd_prefix: &str, client_id: &str, node: &str) -> Vec<u8> {
+        let mut prefix = Self::session(etcd_prefix, client_id);
+        prefix.extend_from_slice(format!("{node}/").as_bytes());
+        prefix
+    }
+
     /// The key of this run's message `number` for `client_id`.
     pub fn key(&self, client_id: &str, number: u64) -> Vec<u8> {
         let mut key = Self::session(&self.etcd_prefix, client_id);
