@@ -149,17 +149,9 @@ impl Awaited {
         let mut keys = Vec::with_capacity(count);
         for (key, message) in messages {
             keys.push(key);
-            self.sessions.deliver_handed_over(
-                client_id,
-                Direct {
-                    topic: message.publish.topic,
-                    payload: message.publish.payload,
-                    properties: message.properties.unwrap_or_default().into(),
-                    qos: 1,
-                    handed_over: true,
-                    kept_pkid: None,
-                },
-            );
+            // QoS 1: only those are kept in etcd.
+            let direct = Direct::handed_over(message.publish, message.properties, None);
+            self.sessions.deliver_handed_over(client_id, direct);
         }
         self.queue.remove(keys);
         tracing::info!(

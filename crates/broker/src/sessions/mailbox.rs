@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use router::protocol::{ByteString, PublishProperties};
+use router::protocol::{ByteString, Publish, PublishProperties};
 use tokio::sync::mpsc;
 
 /// What the broker tells a connection task.
@@ -88,6 +88,28 @@ impl QueueBound {
 }
 
 impl Direct {
+    /// `publish`, handed over from another node for one client's session
+    /// (its `handed_over` field set): at its QoS, but a QoS 2 message in
+    /// flight to the client under `kept_pkid` (see [`Direct::kept_pkid`]).
+    pub fn handed_over(
+        publish: Publish,
+        properties: Option<PublishProperties>,
+        kept_pkid: Option<u16>,
+    ) -> Direct {
+        Direct {
+            topic: publish.topic,
+            payload: publish.payload,
+            properties: properties.unwrap_or_default().into(),
+            qos: if kept_pkid.is_some() {
+                2
+            } else {
+                publish.qos as u8
+            },
+            handed_over: true,
+            kept_pkid,
+        }
+    }
+
     /// What the message counts against its connection's [`QueueBound`].
     pub fn size(&self) -> usize {
         self.topic.len() + self.payload.len()

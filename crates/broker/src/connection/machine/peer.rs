@@ -64,18 +64,7 @@ impl Machine {
         properties: Option<PublishProperties>,
         kept_pkid: Option<u16>,
     ) {
-        let message = crate::sessions::Direct {
-            topic: publish.topic,
-            payload: publish.payload,
-            properties: properties.unwrap_or_default().into(),
-            qos: if kept_pkid.is_some() {
-                2
-            } else {
-                publish.qos as u8
-            },
-            handed_over: true,
-            kept_pkid,
-        };
+        let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
         self.shared.sessions.deliver_handed_over(client, message);
     }
 }
