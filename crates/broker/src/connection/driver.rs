@@ -12,15 +12,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::end::End;
+use super::inbox::Inbox;
 use super::link::RouterLink;
 use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use crate::persistence::Position;
-use crate::sessions::{Peer, ToConnection};
+use crate::sessions::Peer;
 
 /// How long a closing connection waits for the router to end its session
 /// before it closes the socket anyway.
@@ -46,7 +47,7 @@ pub(crate) struct Driver<S> {
     pub socket: Socket<S>,
     pub link: RouterLink,
     /// Direct deliveries and takeover notices (see [`crate::sessions`]).
-    pub direct_rx: mpsc::UnboundedReceiver<ToConnection>,
+    pub inbox: Inbox,
     /// How long the client may stay silent (1.5 times its keep-alive).
     pub idle_limit: Option<Duration>,
     /// The largest packet the listener accepts.
@@ -147,7 +148,7 @@ impl<S: Stream> Driver<S> {
                         Err(_) => return Err(End::RouterClosed),
                     }
                 }
-                Some(message) = self.direct_rx.recv() => machine.on_broker(message)?,
+                Some(message) = self.inbox.recv() => machine.on_broker(message)?,
                 () = &mut keep_alive, if self.idle_limit.is_some() => {
                     let deadline = last_heard + self.idle_limit.unwrap_or_default();
                     if Instant::now() >= deadline {
@@ -167,7 +168,7 @@ impl<S: Stream> Driver<S> {
             self.link.send(&mut machine.to_router).await?;
             // Direct deliveries that are ready (the answers to what was just
             // read among them) go out with the same write.
-            while let Ok(message) = self.direct_rx.try_recv() {
+            while let Some(message) = self.inbox.try_recv() {
                 machine.on_broker(message)?;
             }
             for delayed in machine.later.drain(..) {

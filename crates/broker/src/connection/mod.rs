@@ -37,6 +37,7 @@ mod gate;
 mod handshake;
 mod hold;
 mod inbound;
+mod inbox;
 mod link;
 mod machine;
 mod outbound;
@@ -167,7 +168,7 @@ pub(crate) async fn serve<S: Stream>(
     let mut driver = Driver {
         socket,
         link,
-        direct_rx,
+        inbox: inbox::Inbox::new(direct_rx),
         idle_limit: terms.idle_limit(),
         max_packet_size: listener.max_packet_size,
         peer: peer_view,
@@ -200,7 +201,7 @@ pub(crate) async fn serve<S: Stream>(
         .disconnected(&client_id, id, machine.session_expiry);
     let (handed_over, unacked): (Vec<_>, Vec<_>) = machine
         .out
-        .hand_back(&mut driver.direct_rx)
+        .hand_back(&mut driver.inbox)
         .into_iter()
         .partition(|m| m.handed_over);
     // Those another node handed over are the session's alone: published

@@ -325,12 +325,9 @@ impl Outbound {
     /// At the end of the connection: the QoS 1 direct deliveries not
     /// acknowledged, those still waiting, and those not yet taken from
     /// `rx`, for a persistent session to get later.
-    pub fn hand_back(
-        &mut self,
-        rx: &mut tokio::sync::mpsc::UnboundedReceiver<ToConnection>,
-    ) -> Vec<Direct> {
+    pub fn hand_back(&mut self, inbox: &mut super::inbox::Inbox) -> Vec<Direct> {
         let mut all = self.direct.take_unacknowledged();
-        while let Ok(message) = rx.try_recv() {
+        while let Some(message) = inbox.try_recv() {
             if let ToConnection::Deliver(message) = message {
                 all.push(*message);
             }

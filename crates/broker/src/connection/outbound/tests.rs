@@ -1,4 +1,5 @@
 use super::*;
+use crate::connection::inbox::Inbox;
 
 /// The first direct delivery's packet id.
 const D: u16 = FIRST_DIRECT_PKID;
@@ -78,7 +79,7 @@ fn receive_maximum_covers_router_and_direct_deliveries() {
         "the connection forwards client acks itself"
     );
     let left: Vec<u8> = o
-        .hand_back(&mut tokio::sync::mpsc::unbounded_channel().1)
+        .hand_back(&mut Inbox::new(tokio::sync::mpsc::unbounded_channel().1))
         .iter()
         .map(|m| m.payload[0])
         .collect();
@@ -301,9 +302,9 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     o.direct_acknowledged(D, Protocol::V5, &mut out);
     o.deliver(kept(6, 108), Protocol::V5, &mut out);
     assert!(o.kept_ack(&rec(107), Protocol::V5, &mut out));
-    let (_tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let back: Vec<_> = o
-        .hand_back(&mut rx)
+        .hand_back(&mut Inbox::new(rx))
         .into_iter()
         .map(|m| (m.kept_pkid, m.payload[0]))
         .collect();
