@@ -40,6 +40,7 @@
 //! clock.
 
 mod awaited;
+mod backlog;
 mod batches;
 mod confirmations;
 mod handover;

@@ -22,15 +22,15 @@
 //! than etcd takes is not kept there (logged).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::Instant;
 
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use router::Message;
 use router::protocol::{Publish, PublishProperties};
 
-use super::Cluster;
+use super::{Cluster, backlog};
 use crate::durable::format::{decode_message, encode_message};
 
 /// Topics waiting to be written, at most.
@@ -65,10 +65,7 @@ impl Retained {
             pending: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
         });
-        tokio::spawn(write(
-            Arc::downgrade(&retained),
-            retained.cluster.stop.subscribe(),
-        ));
+        backlog::start(&retained);
         retained
     }
 
@@ -136,10 +133,24 @@ impl Retained {
         }
         Ok(messages)
     }
+}
+
+impl backlog::Backlog for Retained {
+    /// Topics and their records.
+    type Batch = Vec<(Vec<u8>, Vec<u8>)>;
+    const WHAT: &'static str = "retained messages";
+
+    fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
+    }
+
+    fn wake(&self) -> &Arc<tokio::sync::Notify> {
+        &self.wake
+    }
 
     /// Up to [`BATCH_OPS`] waiting topics, taken out, within half of
     /// etcd's request size (one at least).
-    fn take_batch(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+    fn take(&self) -> Option<Self::Batch> {
         let budget = self.cluster.settings.max_request_bytes / 2;
         let mut pending = self.pending.lock();
         let mut bytes = 0;
@@ -153,29 +164,24 @@ impl Retained {
             })
             .map(|(topic, _)| topic.clone())
             .collect();
-        topics
+        let batch: Self::Batch = topics
             .into_iter()
             .filter_map(|t| pending.remove_entry(&t))
-            .collect()
+            .collect();
+        (!batch.is_empty()).then_some(batch)
     }
 
-    /// Puts a batch that failed back, unless newer messages came meanwhile.
-    fn put_back(&self, batch: Vec<(Vec<u8>, Vec<u8>)>) {
-        let mut pending = self.pending.lock();
-        for (topic, value) in batch {
-            pending.entry(topic).or_insert(value);
-        }
+    fn next_due(&self) -> Option<Instant> {
+        (!self.pending.lock().is_empty()).then(Instant::now)
     }
-}
 
-impl Retained {
     /// Writes `batch` in one transaction: each record replaces what etcd
     /// has of its topic only if that is older (or absent); tombstones
     /// under a lease of `tombstone_ttl_s`.
     async fn commit(
         &self,
         client: &mut etcd_client::Client,
-        batch: &[(Vec<u8>, Vec<u8>)],
+        batch: &mut Self::Batch,
     ) -> Result<(), etcd_client::Error> {
         let tombstones = batch.iter().any(|(_, v)| v.len() == TOMBSTONE_LEN);
         let lease = if tombstones {
@@ -205,45 +211,18 @@ impl Retained {
             .await?;
         Ok(())
     }
+
+    /// Unless newer records came meanwhile.
+    fn put_back(&self, batch: Self::Batch) {
+        let mut pending = self.pending.lock();
+        for (topic, value) in batch {
+            pending.entry(topic).or_insert(value);
+        }
+    }
 }
 
 /// Now, as a record starts: Unix nanoseconds, big-endian (so etcd's byte
 /// comparison orders records by it).
 fn stamp() -> [u8; TOMBSTONE_LEN] {
     (crate::clock::now_nanos() as u64).to_be_bytes()
-}
-
-/// Writes what waits, batch by batch, until the owner is dropped.
-async fn write(retained: Weak<Retained>, mut stop: tokio::sync::watch::Receiver<()>) {
-    loop {
-        let Some(r) = retained.upgrade() else { return };
-        let batch = r.take_batch();
-        if batch.is_empty() {
-            let wake = Arc::clone(&r.wake);
-            let woken = wake.notified();
-            tokio::pin!(woken);
-            // Registered before the last look: a keep() after it wakes us.
-            woken.as_mut().enable();
-            if !r.pending.lock().is_empty() {
-                continue;
-            }
-            drop(r);
-            tokio::select! {
-                () = woken => continue,
-                _ = stop.changed() => return,
-            }
-        }
-        let mut client = r.cluster.client.clone();
-        let timeout = r.cluster.settings.request_timeout;
-        let written = tokio::time::timeout(timeout, r.commit(&mut client, &batch)).await;
-        if !matches!(written, Ok(Ok(()))) {
-            tracing::debug!("clustering: retained messages not written to etcd yet: trying again");
-            r.put_back(batch);
-            drop(r);
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(250)) => {}
-                _ = stop.changed() => return,
-            }
-        }
-    }
 }

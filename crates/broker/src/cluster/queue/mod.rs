@@ -50,8 +50,8 @@
 //! is not kept there.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp};
@@ -59,7 +59,7 @@ use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
 
-use super::Cluster;
+use super::{Cluster, backlog};
 use crate::durable::format::{decode_message, encode_message};
 
 mod pending;
@@ -123,10 +123,7 @@ impl Queue {
             restored: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
         });
-        tokio::spawn(write(
-            Arc::downgrade(&queue),
-            queue.cluster.stop.subscribe(),
-        ));
+        backlog::start(&queue);
         queue
     }
 
@@ -335,43 +332,46 @@ impl Queue {
 }
 
 /// Writes what waits, batch by batch, until the owner is dropped.
-async fn write(queue: Weak<Queue>, mut stop: tokio::sync::watch::Receiver<()>) {
-    loop {
-        let Some(q) = queue.upgrade() else { return };
-        let budget = q.cluster.settings.max_request_bytes / 2;
-        let (batch, ops) = q.pending.lock().take(budget, Instant::now());
-        if batch.is_empty() {
-            let wake = Arc::clone(&q.wake);
-            let woken = wake.notified();
-            tokio::pin!(woken);
-            // Registered before the last look: a write after it wakes us.
-            woken.as_mut().enable();
-            let due = q.pending.lock().next_due();
-            drop(q);
-            let until = due.map_or(far_future(), tokio::time::Instant::from_std);
-            tokio::select! {
-                () = woken => {}
-                () = tokio::time::sleep_until(until) => {}
-                _ = stop.changed() => return,
-            }
-            continue;
-        }
-        let mut client = q.cluster.client.clone();
-        let timeout = q.cluster.settings.request_timeout;
-        let written = tokio::time::timeout(timeout, client.txn(Txn::new().and_then(ops))).await;
-        if !matches!(written, Ok(Ok(_))) {
-            tracing::debug!("clustering: queued messages not written to etcd yet: trying again");
-            q.pending.lock().put_back(batch, Instant::now());
-            drop(q);
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(250)) => {}
-                _ = stop.changed() => return,
-            }
-        }
-    }
+/// What the writer takes at a time: the changes, and their operations.
+pub struct Batch {
+    changes: Vec<pending::Change>,
+    ops: Vec<TxnOp>,
 }
 
-/// An instant nothing waits for (a day from now).
-fn far_future() -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_secs(86_400)
+impl backlog::Backlog for Queue {
+    type Batch = Batch;
+    const WHAT: &'static str = "queued messages";
+
+    fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
+    }
+
+    fn wake(&self) -> &Arc<tokio::sync::Notify> {
+        &self.wake
+    }
+
+    fn take(&self) -> Option<Batch> {
+        let budget = self.cluster.settings.max_request_bytes / 2;
+        let (changes, ops) = self.pending.lock().take(budget, Instant::now());
+        (!changes.is_empty()).then_some(Batch { changes, ops })
+    }
+
+    fn next_due(&self) -> Option<Instant> {
+        self.pending.lock().next_due()
+    }
+
+    async fn commit(
+        &self,
+        client: &mut etcd_client::Client,
+        batch: &mut Batch,
+    ) -> Result<(), etcd_client::Error> {
+        client
+            .txn(Txn::new().and_then(std::mem::take(&mut batch.ops)))
+            .await
+            .map(drop)
+    }
+
+    fn put_back(&self, batch: Batch) {
+        self.pending.lock().put_back(batch.changes, Instant::now());
+    }
 }
