@@ -11,8 +11,7 @@ impl Sessions {
     /// be delivered, or that it was dropped because the client's queue is
     /// full.
     pub fn deliver(&self, client: &str, message: Direct) -> Result<(), Undelivered> {
-        let grant = std::str::from_utf8(&message.topic)
-            .ok()
+        let grant = router::protocol::mqtt_str(&message.topic)
             .and_then(|topic| self.subscriptions.granted(client, topic));
         self.deliver_granted(client, message, grant)
     }
@@ -44,8 +43,7 @@ impl Sessions {
         client: &str,
         message: Direct,
     ) -> Result<(), Undelivered> {
-        let grant = std::str::from_utf8(&message.topic)
-            .ok()
+        let grant = router::protocol::mqtt_str(&message.topic)
             .and_then(|topic| self.subscriptions.sole_grant(client, topic));
         self.deliver_granted(client, message, grant)
     }

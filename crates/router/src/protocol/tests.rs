@@ -91,6 +91,9 @@ mod string_tests {
         // Patch 32: a string sharing the packet's bytes, the same checks.
         let shared = mqtt_byte_string(Bytes::copy_from_slice(bytes)).map(String::from);
         assert_eq!(format!("{shared:?}"), old, "{bytes:?}");
+        // Patch 33: the text without a copy, the same checks.
+        let text = mqtt_str(bytes).map(str::to_owned).ok_or(());
+        assert_eq!(text, before(bytes).map_err(drop), "{bytes:?}");
     }
 
     /// Patch 32: a publish's property strings, ASCII or not, come back

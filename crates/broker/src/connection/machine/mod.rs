@@ -488,8 +488,8 @@ impl Machine {
                 .resolve_alias(&mut publish, alias)
                 .map_err(|(code, why)| End::Violation(code, why))?;
         }
-        let topic = match std::str::from_utf8(&publish.topic) {
-            Ok(t) if !t.is_empty() && protocol::valid_topic(t) => t,
+        let topic = match protocol::mqtt_str(&publish.topic) {
+            Some(t) if !t.is_empty() && protocol::valid_topic(t) => t,
             _ => {
                 return Err(End::Violation(
                     DisconnectReasonCode::TopicNameInvalid,
