@@ -151,14 +151,14 @@ impl Frame {
             Frame::Error(text) => encode_error(text, out),
             Frame::Integer(n) => {
                 out.push(b':');
-                out.extend_from_slice(n.to_string().as_bytes());
+                out.extend_from_slice(itoa::Buffer::new().format(*n).as_bytes());
                 out.extend_from_slice(b"\r\n");
             }
             Frame::Bulk(bytes) => encode_bulk(bytes, out),
             Frame::Null => out.extend_from_slice(b"$-1\r\n"),
             Frame::Array(items) => {
                 out.push(b'*');
-                out.extend_from_slice(items.len().to_string().as_bytes());
+                out.extend_from_slice(itoa::Buffer::new().format(items.len()).as_bytes());
                 out.extend_from_slice(b"\r\n");
                 for item in items {
                     item.encode(out);
@@ -169,9 +169,22 @@ impl Frame {
 
     /// The wire form of this frame.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(self.encoded_len());
         self.encode(&mut out);
         out
+    }
+
+    /// How long [`Frame::encode`] makes it, near enough to size a buffer
+    /// once (a number's digits counted as 20).
+    fn encoded_len(&self) -> usize {
+        match self {
+            Frame::Simple(s) => s.len() + 3,
+            Frame::Error(text) => text.len() + 7,
+            Frame::Integer(_) => 23,
+            Frame::Bulk(bytes) => bytes.len() + 25,
+            Frame::Null => 5,
+            Frame::Array(items) => 23 + items.iter().map(Frame::encoded_len).sum::<usize>(),
+        }
     }
 }
 
@@ -187,7 +200,7 @@ pub fn encode_error(text: &str, out: &mut Vec<u8>) {
 /// Appends `$<len>\r\n<bytes>\r\n` to `out`.
 pub fn encode_bulk(bytes: &[u8], out: &mut Vec<u8>) {
     out.push(b'$');
-    out.extend_from_slice(bytes.len().to_string().as_bytes());
+    out.extend_from_slice(itoa::Buffer::new().format(bytes.len()).as_bytes());
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(bytes);
     out.extend_from_slice(b"\r\n");
@@ -204,7 +217,7 @@ pub fn encode_bulk(bytes: &[u8], out: &mut Vec<u8>) {
 pub fn encode_request<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + args.iter().map(|a| a.as_ref().len() + 8).sum::<usize>());
     out.push(b'*');
-    out.extend_from_slice(args.len().to_string().as_bytes());
+    out.extend_from_slice(itoa::Buffer::new().format(args.len()).as_bytes());
     out.extend_from_slice(b"\r\n");
     for arg in args {
         encode_bulk(arg.as_ref(), &mut out);
@@ -376,6 +389,30 @@ mod tests {
             Frame::Array(vec![Frame::Array(vec![Frame::Bulk(b"k".to_vec())])]).to_vec(),
             b"*1\r\n*1\r\n$1\r\nk\r\n"
         );
+    }
+
+    /// An answer's buffer is sized once: its estimate is never short.
+    #[test]
+    fn an_answers_buffer_is_sized_once() {
+        let frames = [
+            Frame::Simple("OK"),
+            Frame::Error("syntax error"),
+            Frame::Integer(i64::MIN),
+            Frame::Integer(i64::MAX),
+            Frame::Bulk(vec![b'v'; 1_000_000]),
+            Frame::Bulk(Vec::new()),
+            Frame::Null,
+            Frame::Array(vec![
+                Frame::Array(vec![Frame::Bulk(b"k".to_vec()), Frame::Integer(-1)]),
+                Frame::Null,
+            ]),
+            Frame::Array(Vec::new()),
+        ];
+        for frame in frames {
+            let wire = frame.to_vec();
+            assert!(frame.encoded_len() >= wire.len(), "{frame:?}");
+            assert_eq!(wire.capacity(), frame.encoded_len(), "{frame:?}");
+        }
     }
 
     #[test]
