@@ -1,60 +1,28 @@
 //! The connection's end of its mailbox (see [`crate::sessions::Mailbox`]):
 //! direct deliveries and notices, woken for only while the connection
-//! waits for them.
-//!
-//! tokio's channel keeps the last waker its receiver registered until the
-//! next one replaces it. A connection's own answers are sent on its
-//! mailbox while the connection runs (the store answers in the request's
-//! turn), so each woke the running task: one more, empty, turn per request
-//! (the whole `select!` polled again, every branch Pending), about 1,000
-//! instructions of 18,500. Here the channel holds a waker of the inbox's
-//! own that passes a wake on only while a [`Inbox::recv`] future exists;
-//! dropping the future (the `select!` ending, whichever branch won) lets
-//! go of the task's waker. Nothing is missed: the next `recv` registers
-//! the task's waker before the channel looks at its queue, so a message
-//! sent in between is either found by that look or wakes the task.
+//! waits for them (see [`super::waiting`]: its own state store answers
+//! arrive here while it runs).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll};
 
-use futures_util::task::AtomicWaker;
 use tokio::sync::mpsc;
 
+use super::waiting::WhileWaiting;
 use crate::sessions::ToConnection;
 
 /// The receiving end of a connection's mailbox.
 pub(crate) struct Inbox {
     rx: mpsc::UnboundedReceiver<ToConnection>,
-    /// The waker the channel holds: passes wakes on to `waiting.task`.
-    waker: Waker,
-    waiting: Arc<Waiting>,
-}
-
-/// The task waiting on the inbox, while a [`Recv`] exists.
-#[derive(Default)]
-struct Waiting {
-    task: AtomicWaker,
-}
-
-impl Wake for Waiting {
-    fn wake(self: Arc<Self>) {
-        self.task.wake();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.task.wake();
-    }
+    wake: WhileWaiting,
 }
 
 impl Inbox {
     pub fn new(rx: mpsc::UnboundedReceiver<ToConnection>) -> Inbox {
-        let waiting = Arc::new(Waiting::default());
         Inbox {
             rx,
-            waker: Waker::from(Arc::clone(&waiting)),
-            waiting,
+            wake: WhileWaiting::new(),
         }
     }
 
@@ -79,26 +47,23 @@ impl Future for Recv<'_> {
     type Output = Option<ToConnection>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inbox = &mut self.get_mut().inbox;
-        // The task's waker first: a message sent after the channel's look
-        // at its queue below then wakes the task.
-        inbox.waiting.task.register(cx.waker());
-        inbox.rx.poll_recv(&mut Context::from_waker(&inbox.waker))
+        let Inbox { rx, wake } = &mut *self.get_mut().inbox;
+        wake.poll_with(cx, |cx| rx.poll_recv(cx))
     }
 }
 
 impl Drop for Recv<'_> {
     fn drop(&mut self) {
-        // No longer waiting: what is sent now is taken by the connection's
-        // own look (`try_recv` after its turn, or the next `recv`).
-        drop(self.inbox.waiting.task.take());
+        self.inbox.wake.done();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
 
     /// Counts the wakes it gets.
     #[derive(Default)]

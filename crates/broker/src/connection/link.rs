@@ -10,6 +10,8 @@ use router::local::{LinkError, LinkRx, LinkTx};
 use router::protocol::Packet;
 use router::{LinkRefused, Notification, RouterHandle};
 
+use super::waiting::WhileWaiting;
+
 /// Why the router could not be reached.
 #[derive(Debug)]
 pub(crate) enum LinkFailure {
@@ -27,6 +29,10 @@ pub(crate) struct RouterLink {
     session_expiry: u32,
     queue_full: Option<router::QueueFull>,
     link: Option<(LinkTx, LinkRx)>,
+    /// The router's trigger wakes the task only while it waits (see
+    /// [`super::waiting`]; the wait itself is kept across turns, router
+    /// patch 34).
+    wake: WhileWaiting,
 }
 
 impl RouterLink {
@@ -51,6 +57,7 @@ impl RouterLink {
             session_expiry,
             queue_full,
             link: None,
+            wake: WhileWaiting::new(),
         };
         if lazy {
             return Ok((link, false));
@@ -103,7 +110,10 @@ impl RouterLink {
     /// The next notification from the router; never, without a link.
     pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
         match &mut self.link {
-            Some((_, rx)) => rx.next().await,
+            Some((_, rx)) => {
+                let _done = self.wake.until_dropped();
+                std::future::poll_fn(|cx| self.wake.poll_with(cx, |cx| rx.poll_next(cx))).await
+            }
             None => std::future::pending().await,
         }
     }

@@ -44,6 +44,7 @@ mod outbound;
 
 mod socket;
 mod subscriptions;
+mod waiting;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -431,6 +431,10 @@ pub struct LinkRx {
     router_rx: Receiver<()>,
     send_buffer: Arc<Mutex<VecDeque<Notification>>>,
     cache: VecDeque<Notification>,
+    /// statebroker patch 34: the wait for the router's trigger, kept from
+    /// one [`LinkRx::poll_next`] to the next while no trigger comes (see
+    /// there).
+    trigger: Option<flume::r#async::RecvFut<'static, ()>>,
 }
 
 impl LinkRx {
@@ -446,6 +450,7 @@ impl LinkRx {
             router_rx,
             send_buffer: outgoing_data_buffer,
             cache: VecDeque::with_capacity(100),
+            trigger: None,
         }
     }
 
@@ -462,6 +467,8 @@ impl LinkRx {
             None => {
                 // If cache is empty, check for router trigger and get fresh notifications
                 self.router_rx.recv()?;
+                // A kept wait may have fired for this trigger (patch 34).
+                self.trigger = None;
                 // Collect 'all' the data in the buffer after a notification.
                 // Notification means fresh data which isn't previously collected
                 mem::swap(&mut *self.send_buffer.lock(), &mut self.cache);
@@ -479,6 +486,8 @@ impl LinkRx {
             None => {
                 // If cache is empty, check for router trigger and get fresh notifications
                 self.router_rx.recv_deadline(deadline)?;
+                // A kept wait may have fired for this trigger (patch 34).
+                self.trigger = None;
                 mem::swap(&mut *self.send_buffer.lock(), &mut self.cache);
                 Ok(self.cache.pop_front())
             }
@@ -486,20 +495,38 @@ impl LinkRx {
     }
 
     pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
-        // Read from cache first
-        // One router_rx trigger signifies a bunch of notifications. So we
-        // should always check cache first
-        match self.cache.pop_front() {
-            Some(v) => Ok(Some(v)),
-            None => {
-                // If cache is empty, check for router trigger and get fresh notifications
-                self.router_rx.recv_async().await?;
-                // Collect 'all' the data in the buffer after a notification.
-                // Notification means fresh data which isn't previously collected
-                mem::swap(&mut *self.send_buffer.lock(), &mut self.cache);
-                Ok(self.cache.pop_front())
-            }
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    /// statebroker patch 34: [`LinkRx::next`] as a poll. A connection polls
+    /// it once per turn while it waits for other things too (its socket),
+    /// and `recv_async`'s future, made and dropped on each turn, registered
+    /// a new waiter with the channel each time (an allocation and two locks
+    /// of the channel, 600 instructions per state store request). The wait
+    /// is kept here from one poll to the next instead, registered once,
+    /// until a trigger is taken (here, or by [`LinkRx::try_next`] or
+    /// [`LinkRx::recv`]: then it is dropped, so that a waiter that fired
+    /// is not kept; flume puts a fired waiter back on every poll that
+    /// finds nothing). Between polls the waiter stays with the channel:
+    /// the router's trigger wakes the waker of the last poll.
+    pub fn poll_next(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<Option<Notification>, LinkError>> {
+        use std::future::Future;
+        if let Some(v) = self.cache.pop_front() {
+            return std::task::Poll::Ready(Ok(Some(v)));
         }
+        let router_rx = &self.router_rx;
+        let trigger = self
+            .trigger
+            .get_or_insert_with(|| router_rx.clone().into_recv_async());
+        let triggered = std::task::ready!(std::pin::Pin::new(trigger).poll(cx));
+        self.trigger = None;
+        triggered?;
+        // Collect 'all' the data in the buffer after a notification.
+        mem::swap(&mut *self.send_buffer.lock(), &mut self.cache);
+        std::task::Poll::Ready(Ok(self.cache.pop_front()))
     }
 
     /// The next notification if the router has one ready now, without
@@ -510,6 +537,8 @@ impl LinkRx {
         }
         match self.router_rx.try_recv() {
             Ok(()) => {
+                // A kept wait may have fired for this trigger (patch 34).
+                self.trigger = None;
                 mem::swap(&mut *self.send_buffer.lock(), &mut self.cache);
                 Ok(self.cache.pop_front())
             }
@@ -522,6 +551,7 @@ impl LinkRx {
         &mut self,
         notifications: &mut VecDeque<Notification>,
     ) -> Result<(), LinkError> {
+        self.trigger = None;
         self.router_rx.recv_async().await?;
         mem::swap(&mut *self.send_buffer.lock(), notifications);
         Ok(())
@@ -577,5 +607,71 @@ mod test {
         }
 
         // TODO: Write a similar test to benchmark buffer vs channels
+    }
+
+    /// statebroker patch 34: the wait for the router's trigger, kept across
+    /// polls, wakes the last poll's waker when the router triggers; a
+    /// trigger taken by `try_next` leaves no fired wait behind.
+    #[test]
+    fn a_kept_wait_is_woken_by_the_router() {
+        use super::LinkRx;
+        use crate::router::Notification;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::task::{Context, Poll, Wake, Waker};
+
+        #[derive(Default)]
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(Arc::clone(&count));
+        let mut cx = Context::from_waker(&waker);
+        let woken = || count.0.load(Ordering::SeqCst);
+
+        let (router_tx, _router_rx) = bounded(10);
+        let (trigger, triggers) = bounded(10);
+        let buffer = Arc::new(Mutex::new(VecDeque::new()));
+        let mut rx = LinkRx::new(1, router_tx, triggers, Arc::clone(&buffer));
+        let notify = |n| {
+            buffer.lock().push_back(n);
+            trigger.send(()).unwrap();
+        };
+
+        // Waiting across several polls: one trigger wakes it once.
+        for _ in 0..3 {
+            assert!(rx.poll_next(&mut cx).is_pending());
+        }
+        notify(Notification::Unschedule);
+        assert_eq!(woken(), 1);
+        assert!(matches!(
+            rx.poll_next(&mut cx),
+            Poll::Ready(Ok(Some(Notification::Unschedule)))
+        ));
+
+        // A trigger the connection takes itself (its turn's own look)...
+        assert!(rx.poll_next(&mut cx).is_pending());
+        notify(Notification::Unschedule);
+        assert_eq!(woken(), 2);
+        assert!(matches!(rx.try_next(), Ok(Some(Notification::Unschedule))));
+        assert!(matches!(rx.try_next(), Ok(None)));
+        // ...leaves nothing that looks triggered: the next polls wait, and
+        // the next trigger wakes them.
+        for _ in 0..3 {
+            assert!(rx.poll_next(&mut cx).is_pending());
+        }
+        assert_eq!(woken(), 2);
+        notify(Notification::Unschedule);
+        assert_eq!(woken(), 3);
+        assert!(matches!(
+            rx.poll_next(&mut cx),
+            Poll::Ready(Ok(Some(Notification::Unschedule)))
+        ));
+
+        // The router gone: the link says so.
+        drop(trigger);
+        assert!(matches!(rx.poll_next(&mut cx), Poll::Ready(Err(_))));
     }
 }
