@@ -75,9 +75,12 @@ mod tests {
         }
     }
 
+    fn poll(recv: &mut Recv<'_>, waker: &Waker) -> Poll<Option<ToConnection>> {
+        Pin::new(recv).poll(&mut Context::from_waker(waker))
+    }
+
     fn poll_once(inbox: &mut Inbox, waker: &Waker) -> Poll<Option<ToConnection>> {
-        let mut recv = inbox.recv();
-        Pin::new(&mut recv).poll(&mut Context::from_waker(waker))
+        poll(&mut inbox.recv(), waker)
     }
 
     /// A message sent while the task waits wakes it; one sent while it
@@ -91,15 +94,11 @@ mod tests {
 
         // Waiting: a send wakes the task.
         let mut recv = inbox.recv();
-        assert!(
-            Pin::new(&mut recv)
-                .poll(&mut Context::from_waker(&task))
-                .is_pending()
-        );
+        assert!(poll(&mut recv, &task).is_pending());
         tx.send(ToConnection::TakenOver).unwrap();
         assert_eq!(count.0.load(Ordering::SeqCst), 1);
         assert!(matches!(
-            Pin::new(&mut recv).poll(&mut Context::from_waker(&task)),
+            poll(&mut recv, &task),
             Poll::Ready(Some(ToConnection::TakenOver))
         ));
         drop(recv);
@@ -123,11 +122,7 @@ mod tests {
 
         // Waiting again after a turn: woken again.
         let mut recv = inbox.recv();
-        assert!(
-            Pin::new(&mut recv)
-                .poll(&mut Context::from_waker(&task))
-                .is_pending()
-        );
+        assert!(poll(&mut recv, &task).is_pending());
         tx.send(ToConnection::TakenOver).unwrap();
         assert_eq!(count.0.load(Ordering::SeqCst), 2);
         drop(recv);
