@@ -5,8 +5,9 @@
 //! the client, and runs the connection: a sans-I/O [`machine`] holds every
 //! decision (packet in, bytes and router packets out), and a [`driver`]
 //! owns the socket, the router link ([`link`], joined at CONNECT for a
-//! session kept after the connection, on first need for a clean one) and
-//! the timers. The exceptions to "client <-> router":
+//! session kept after the connection, on first need for a clean one), the
+//! mailbox's receiving end ([`inbox`]; both wake the task only while it
+//! waits, [`waiting`]) and the timers. The exceptions to "client <-> router":
 //!
 //! - **State store requests** (PUBLISH on the request topics) never reach the
 //!   router: the machine checks them (`request.rs`, [`crate::store::binding`],
