@@ -331,7 +331,6 @@ impl Queue {
     }
 }
 
-/// Writes what waits, batch by batch, until the owner is dropped.
 /// What the writer takes at a time: the changes, and their operations.
 pub struct Batch {
     changes: Vec<pending::Change>,
