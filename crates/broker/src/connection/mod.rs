@@ -207,9 +207,13 @@ pub(crate) async fn serve<S: Stream>(
         .into_iter()
         .partition(|m| m.handed_over);
     // Those another node handed over are the session's alone: published
-    // on their topics, every subscriber would get them again.
-    if machine.session_expiry > 0 && !handed_over.is_empty() {
-        shared.sessions.keep_handed_over(&client_id, handed_over);
+    // on their topics, every subscriber would get them again. To the
+    // client's connection that took this one over, if there is one; else
+    // kept for its next.
+    if machine.session_expiry > 0 {
+        for message in handed_over {
+            shared.sessions.deliver_handed_over(&client_id, message);
+        }
     }
     if machine.session_expiry > 0 && !unacked.is_empty() && !matches!(end, end::End::Shutdown) {
         tracing::debug!(
