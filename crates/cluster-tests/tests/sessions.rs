@@ -434,6 +434,53 @@ async fn a_silent_nodes_queue_comes_from_etcd_once_it_leaves() {
     nothing_again_once_node_1_is_back(&mut setup, &mut c).await;
 }
 
+/// A message etcd gave for a node that left stays in etcd until the
+/// client acknowledges it: those the client did not acknowledge before
+/// its connection broke come again on its next connection, and leave etcd
+/// only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_etcd_gave_leaves_etcd_when_acknowledged() {
+    let mut setup = Setup::three_linked().await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "unacked", "u", 5).await;
+    setup.nodes[0].pause().unwrap();
+    let (mut c, present) = connect(setup.ports[1], "unacked", false, 300).await;
+    assert!(present);
+    // They come once node 1's lease has ended: none acknowledged yet.
+    let mut got = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while got.len() < expected.len() && Instant::now() < deadline {
+        if let Recv::Packet(v5::Packet::Publish(p)) = c.recv_within(Duration::from_secs(1)).await {
+            got.push((String::from_utf8_lossy(&p.topic).into_owned(), p.pkid));
+        }
+    }
+    let topics: Vec<_> = got.iter().map(|(t, _)| t.clone()).collect();
+    assert_eq!(topics, expected, "the queued messages, once, in order");
+    // Two acknowledged: their copies go, the others' stay.
+    for (_, pkid) in &got[..2] {
+        c.send(v5::Packet::PubAck(v5::PubAck::new(*pkid, None)))
+            .await;
+    }
+    eventually("the acknowledged copies gone from etcd", || {
+        queued_in_etcd(&setup, "unacked") == 3
+    })
+    .await;
+    // The connection breaks; the others come on the next one.
+    drop(c);
+    let (mut c, present) = connect(setup.ports[1], "unacked", false, 300).await;
+    assert!(present);
+    let mut again = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while again.len() < 3 && Instant::now() < deadline {
+        again.extend(topics_within(&mut c, Duration::from_secs(1)).await);
+    }
+    assert_eq!(again, expected[2..], "the unacknowledged ones, again");
+    eventually("their copies gone from etcd", || {
+        queued_in_etcd(&setup, "unacked") == 0
+    })
+    .await;
+    nothing_again_once_node_1_is_back(&mut setup, &mut c).await;
+}
+
 /// A state store request the client sends again (DUP) after its session
 /// moved to another node runs once: the new node finds the key's last
 /// write is that request's and answers with it (issue #28 item 5).

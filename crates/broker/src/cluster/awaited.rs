@@ -7,7 +7,10 @@
 //! node waits: if the other node leaves the cluster (its lease ended) and
 //! no handover for the client came from it, the QoS 1 messages it kept in
 //! etcd for the session (see [`super::queue`]) are delivered from there,
-//! to that client alone, and removed. A handover from that node for that
+//! to that client alone, each removed from etcd once the client has
+//! acknowledged it (one its connection ends without acknowledging is kept
+//! for the session's next connection, and its copy stays in etcd until
+//! then). A handover from that node for that
 //! client that comes later (it was paused or cut off, and came back) is
 //! then dropped: its messages are the ones etcd gave. The wait ends after
 //! twice the lease's TTL and one etcd request: a node still a member then
@@ -26,7 +29,7 @@ use tokio::sync::watch;
 
 use super::Queue;
 use super::membership::Member;
-use crate::sessions::{Direct, Sessions};
+use crate::sessions::{Direct, OnDone, Sessions};
 
 /// Clients waited for (and clients whose late handover is dropped), at most.
 pub const MAX_CLIENTS: usize = 10_000;
@@ -131,7 +134,8 @@ impl Awaited {
         true
     }
 
-    /// Delivers what `from` kept in etcd for `client_id` and removes it.
+    /// Delivers what `from` kept in etcd for `client_id`; each copy leaves
+    /// etcd once the client acknowledged it.
     async fn take_from_etcd(&self, client_id: &str, from: &str) {
         let messages = match self.queue.read_from(client_id, from).await {
             Ok(messages) => messages,
@@ -146,14 +150,13 @@ impl Awaited {
             }
         };
         let count = messages.len();
-        let mut keys = Vec::with_capacity(count);
         for (key, message) in messages {
-            keys.push(key);
             // QoS 1: only those are kept in etcd.
-            let direct = Direct::handed_over(message.publish, message.properties, None);
+            let mut direct = Direct::handed_over(message.publish, message.properties, None);
+            let queue = Arc::clone(&self.queue);
+            direct.on_done = Some(OnDone::new(move || queue.remove(vec![key.clone()])));
             self.sessions.deliver_handed_over(client_id, direct);
         }
-        self.queue.remove(keys);
         tracing::info!(
             client_id,
             node = from,

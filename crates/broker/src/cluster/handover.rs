@@ -19,7 +19,7 @@ use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties, QoS};
 
 use super::Peers;
-use crate::sessions::{HANDED_OVER_MAX, PacketIdBlock, Sessions, bound_handed_over};
+use crate::sessions::{Direct, HANDED_OVER_MAX, PacketIdBlock, Sessions, bound_handed_over};
 
 /// A message handed over: `publish` and its `properties`, with the packet
 /// id the client saw (`kept`) for a QoS 2 one in flight to it (the User
@@ -72,12 +72,16 @@ pub async fn hand_over(
     };
     // Taken after the drain: the connection that kept them has ended by
     // then.
-    let mut messages: Vec<_> = sessions
-        .take_handed_over(client_id)
-        .into_iter()
+    let kept = sessions.take_handed_over(client_id);
+    let mut messages: Vec<_> = kept
+        .iter()
         .map(|m| {
             let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, false);
-            handed_over(publish, Some(m.properties.into_publish()), m.kept_pkid)
+            handed_over(
+                publish,
+                Some(m.properties.clone().into_publish()),
+                m.kept_pkid,
+            )
         })
         .collect();
     messages.extend(drained);
@@ -100,6 +104,10 @@ pub async fn hand_over(
     } else {
         peers.hand_over(to, client_id, messages).await
     };
+    if sent == count {
+        // The new node has them: copies kept in etcd for them go.
+        kept.iter().for_each(Direct::done);
+    }
     crate::metrics::session_handed_over(sent);
     tracing::info!(
         client_id,

@@ -107,6 +107,14 @@ impl Direct {
             },
             handed_over: true,
             kept_pkid,
+            on_done: None,
+        }
+    }
+
+    /// Runs its [`OnDone`], if it has one.
+    pub fn done(&self) {
+        if let Some(on_done) = &self.on_done {
+            on_done.run();
         }
     }
 
@@ -161,6 +169,36 @@ pub struct Direct {
     /// at QoS 2 with DUP, so that a client that has it takes it as the
     /// same message. `None` for every other message.
     pub kept_pkid: Option<u16>,
+    /// What to do once no copy of it is needed anywhere (see [`OnDone`]).
+    pub on_done: Option<OnDone>,
+}
+
+/// What to do once a direct delivery needs no copy anywhere: the client
+/// acknowledged it, it was written at QoS 0, or it was discarded (too
+/// large for the client), or handed to the node the session moved to. A
+/// cluster node removes the copy etcd kept of a message it took from
+/// there (see `cluster::awaited`). Runs at most once per delivery; a
+/// message kept for the session's next connection keeps it.
+///
+/// A thin pointer (a box in an `Arc`): every answer's `Direct` carries
+/// the field, and its size is copied with each move of the message.
+#[derive(Clone)]
+pub struct OnDone(Arc<Box<dyn Fn() + Send + Sync>>);
+
+impl OnDone {
+    pub fn new(done: impl Fn() + Send + Sync + 'static) -> OnDone {
+        OnDone(Arc::new(Box::new(done)))
+    }
+
+    pub fn run(&self) {
+        (self.0)();
+    }
+}
+
+impl std::fmt::Debug for OnDone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnDone")
+    }
 }
 
 /// A direct delivery's MQTT 5 properties.

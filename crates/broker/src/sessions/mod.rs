@@ -44,6 +44,9 @@ pub use census::{Census, Peer};
 pub use mailbox::{
     Direct, DirectProperties, FixedProperties, Mailbox, QueueBound, ToConnection, Undelivered,
 };
+// Made by a cluster node only (see `cluster::awaited`).
+#[cfg(any(test, feature = "cluster"))]
+pub use mailbox::OnDone;
 pub use packet_ids::PacketIdBlock;
 
 struct Live {
@@ -326,6 +329,7 @@ mod tests {
             qos: 1,
             handed_over: true,
             kept_pkid: None,
+            on_done: None,
         };
         s.keep_handed_over("h", (0..HANDED_OVER_MAX - 1).map(direct).collect());
         s.keep_handed_over(

@@ -112,6 +112,7 @@ mod tests {
             qos: 1,
             handed_over: false,
             kept_pkid: None,
+            on_done: None,
         }
     }
 

@@ -556,6 +556,7 @@ impl DirectWindow {
         if out.len() - start > self.max_packet_size {
             out.truncate(start);
             self.bound.release(message.size());
+            message.done();
             return false;
         }
         if message.kept_pkid.is_some() {
@@ -565,6 +566,7 @@ impl DirectWindow {
         crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
             self.bound.release(message.size());
+            message.done();
         } else {
             self.inflight.insert(pkid, message);
         }
@@ -593,6 +595,7 @@ impl DirectWindow {
         match self.inflight.remove(&pkid) {
             Some(done) => {
                 self.bound.release(done.size());
+                done.done();
                 true
             }
             None => false,
@@ -608,7 +611,9 @@ impl DirectWindow {
     pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
         for pkid in self.released.drain() {
             if let Some(done) = self.inflight.remove(&pkid) {
+                // PUBREC'd: the client has it.
                 self.bound.release(done.size());
+                done.done();
             }
         }
         // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the

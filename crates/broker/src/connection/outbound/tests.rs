@@ -13,6 +13,7 @@ fn message(n: u8, qos: u8) -> Direct {
         qos,
         handed_over: false,
         kept_pkid: None,
+        on_done: None,
     }
 }
 
@@ -248,6 +249,7 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     let kept = |n: u8, pkid: u16| Direct {
         handed_over: true,
         kept_pkid: Some(pkid),
+        on_done: None,
         ..message(n, 2)
     };
     let mut out = BytesMut::new();
@@ -416,4 +418,42 @@ fn a_publish_too_large_for_the_client_takes_no_alias() {
     o.forward(big, false, Protocol::V5, &mut out, &mut to_router);
     o.forward(on("a", 0, 0), false, Protocol::V5, &mut out, &mut to_router);
     assert_eq!(topics_and_aliases(&mut out), [("a".into(), Some(1))]);
+}
+
+/// A delivery's `OnDone` runs once no copy of it is needed: acknowledged,
+/// written at QoS 0, or discarded; not while it is in flight, nor when it
+/// goes back to the session unacknowledged.
+#[test]
+fn a_deliverys_on_done_runs_when_it_is_done_with() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = |n: u8, qos: u8| {
+        let runs = Arc::clone(&runs);
+        let mut m = message(n, qos);
+        m.on_done = Some(crate::sessions::OnDone::new(move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+        }));
+        m
+    };
+    let done = || runs.load(Ordering::SeqCst);
+    let mut w = DirectWindow::new(40, unbounded());
+    let mut out = BytesMut::new();
+    w.send(counted(1, 1), Protocol::V5, &mut out, true);
+    w.send(counted(2, 1), Protocol::V5, &mut out, true);
+    assert_eq!(done(), 0, "in flight");
+    assert!(w.acknowledged(D));
+    assert_eq!(done(), 1, "acknowledged");
+    assert!(!w.acknowledged(D), "once");
+    assert_eq!(done(), 1);
+    w.send(counted(3, 0), Protocol::V5, &mut out, true);
+    assert_eq!(done(), 2, "written at QoS 0");
+    let mut big = counted(4, 1);
+    big.payload = Bytes::from(vec![b'x'; 100]);
+    assert!(!w.send(big, Protocol::V5, &mut out, true));
+    assert_eq!(done(), 3, "discarded");
+    let back = w.take_unacknowledged();
+    assert_eq!(back.len(), 1);
+    assert_eq!(done(), 3, "back to the session: not done");
+    back[0].done();
+    assert_eq!(done(), 4, "kept with it");
 }
