@@ -19,7 +19,7 @@ use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties, QoS};
 
 use super::Peers;
-use crate::sessions::{Direct, HANDED_OVER_MAX, PacketIdBlock, Sessions, bound_handed_over};
+use crate::sessions::{HANDED_OVER_MAX, OnDone, PacketIdBlock, Sessions, bound_handed_over};
 
 /// A message handed over: `publish` and its `properties`, with the packet
 /// id the client saw (`kept`) for a QoS 2 one in flight to it (the User
@@ -73,15 +73,13 @@ pub async fn hand_over(
     // Taken after the drain: the connection that kept them has ended by
     // then.
     let kept = sessions.take_handed_over(client_id);
+    // What to do once the new node has them (their copies in etcd go).
+    let done: Vec<OnDone> = kept.iter().filter_map(|m| m.on_done.clone()).collect();
     let mut messages: Vec<_> = kept
-        .iter()
+        .into_iter()
         .map(|m| {
             let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, false);
-            handed_over(
-                publish,
-                Some(m.properties.clone().into_publish()),
-                m.kept_pkid,
-            )
+            handed_over(publish, Some(m.properties.into_publish()), m.kept_pkid)
         })
         .collect();
     messages.extend(drained);
@@ -105,8 +103,7 @@ pub async fn hand_over(
         peers.hand_over(to, client_id, messages).await
     };
     if sent == count {
-        // The new node has them: copies kept in etcd for them go.
-        kept.iter().for_each(Direct::done);
+        done.iter().for_each(OnDone::run);
     }
     crate::metrics::session_handed_over(sent);
     tracing::info!(
