@@ -81,6 +81,17 @@ async fn topics_within(client: &mut Raw, wait: Duration) -> Vec<String> {
     messages.into_iter().map(|(topic, _)| topic).collect()
 }
 
+/// The topics `client` receives (each acknowledged) until it has `count`
+/// of them, or [`PATIENCE`] has passed.
+async fn topics_until(client: &mut Raw, count: usize) -> Vec<String> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while got.len() < count && Instant::now() < deadline {
+        got.extend(topics_within(client, Duration::from_secs(1)).await);
+    }
+    got
+}
+
 /// The messages (topic, payload) `client` receives until none comes for
 /// `wait` (each acknowledged).
 async fn received_within(client: &mut Raw, wait: Duration) -> Vec<(String, String)> {
@@ -421,11 +432,7 @@ async fn a_silent_nodes_queue_comes_from_etcd_once_it_leaves() {
     let (mut c, present) = connect(setup.ports[1], "silent", false, 300).await;
     assert!(present);
     // They come once node 1's lease (5 s) has ended.
-    let mut got = Vec::new();
-    let deadline = Instant::now() + PATIENCE;
-    while got.len() < expected.len() && Instant::now() < deadline {
-        got.extend(topics_within(&mut c, Duration::from_secs(1)).await);
-    }
+    let got = topics_until(&mut c, expected.len()).await;
     assert_eq!(got, expected, "the queued messages, once, in order");
     eventually("their copies gone from etcd", || {
         queued_in_etcd(&setup, "silent") == 0
@@ -468,11 +475,7 @@ async fn a_message_etcd_gave_leaves_etcd_when_acknowledged() {
     drop(c);
     let (mut c, present) = connect(setup.ports[1], "unacked", false, 300).await;
     assert!(present);
-    let mut again = Vec::new();
-    let deadline = Instant::now() + PATIENCE;
-    while again.len() < 3 && Instant::now() < deadline {
-        again.extend(topics_within(&mut c, Duration::from_secs(1)).await);
-    }
+    let again = topics_until(&mut c, 3).await;
     assert_eq!(again, expected[2..], "the unacknowledged ones, again");
     eventually("their copies gone from etcd", || {
         queued_in_etcd(&setup, "unacked") == 0
