@@ -382,6 +382,56 @@ mod tests {
             .unwrap();
     }
 
+    /// Patch 35: a PUBREL marked [`crate::DISCARD`] completes its QoS 2
+    /// publish (PUBCOMP "success") and delivers nothing; one without the
+    /// mark releases its publish as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pubrel_marked_discard_delivers_nothing() {
+        use crate::protocol::{PubCompReason, PubRel, PubRelProperties, PubRelReason};
+        let router = router();
+        let (_sub_tx, mut sub_rx) = subscribed(&router, "sub", "t").await;
+        let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let qos2 = |pkid, payload: &'static str| {
+            let mut publish = Publish::new("t", payload, false);
+            publish.qos = QoS::ExactlyOnce;
+            publish.pkid = pkid;
+            Packet::Publish(publish, None)
+        };
+        let pubrel = |pkid| PubRel {
+            pkid,
+            reason: PubRelReason::Success,
+        };
+        let discard = PubRelProperties {
+            reason_string: None,
+            user_properties: vec![(crate::DISCARD.into(), String::new())],
+        };
+        pub_tx
+            .send_all([
+                qos2(1, "had already"),
+                qos2(2, "new"),
+                Packet::PubRel(pubrel(1), Some(discard)),
+                Packet::PubRel(pubrel(2), None),
+            ])
+            .unwrap();
+        // Released in order: the discarded one would come first.
+        assert_eq!(payloads(&mut sub_rx).await, ["new"]);
+        let mut completed = Vec::new();
+        while completed.len() < 2 {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), pub_rx.next());
+            match next.await.expect("PUBCOMPs in time").unwrap() {
+                Some(Notification::DeviceAck(crate::router::Ack::PubComp(c))) => {
+                    completed.push((c.pkid, c.reason))
+                }
+                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            completed,
+            [(1, PubCompReason::Success), (2, PubCompReason::Success)]
+        );
+    }
+
     /// Patch 22: beyond `max_kept_sessions`, a link that would keep a
     /// session for a client id that has none is refused "quota exceeded";
     /// a client id that has one resumes, clean sessions are not counted,

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 pub use subscriptions::{granted, Counts, SessionRecord, SubOptions, Subscriptions};
 
 pub use self::router::shared_subs::{Strategy, NOT_FOR_GROUP};
+pub use self::router::DISCARD;
 
 mod handle;
 mod journal;

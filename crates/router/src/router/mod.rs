@@ -29,6 +29,7 @@ pub use alertlog::Alert;
 pub use connection::Connection;
 pub use logs::LogCounts;
 pub use routing::Router;
+pub use routing::DISCARD;
 pub use waiters::Waiters;
 
 pub const MAX_SCHEDULE_ITERATIONS: usize = 100;

@@ -1,8 +1,8 @@
 use crate::protocol::{
     ConnAck, ConnAckProperties, ConnectReturnCode, Disconnect, DisconnectReasonCode, LastWill,
     LastWillProperties, Packet, PingResp, PubAck, PubAckReason, PubRec, PubRecReason, PubRel,
-    PubRelReason, Publish, PublishProperties, QoS, SubAck, SubscribeReasonCode, UnsubAck,
-    UnsubAckReason,
+    PubRelProperties, PubRelReason, Publish, PublishProperties, QoS, SubAck, SubscribeReasonCode,
+    UnsubAck, UnsubAckReason,
 };
 use crate::router::alertlog::alert;
 use crate::router::logs::PublishData;
@@ -1130,7 +1130,7 @@ impl Router {
                     ackslog.pubrel(pubrel);
                     self.scheduler.reschedule(id, ScheduleReason::IncomingAck);
                 }
-                Packet::PubRel(pubrel, _) => {
+                Packet::PubRel(pubrel, pubrel_properties) => {
                     let span = tracing::info_span!("pubrel", pkid = pubrel.pkid);
                     let _guard = span.enter();
 
@@ -1145,6 +1145,18 @@ impl Router {
                         continue;
                     };
                     force_ack = true;
+
+                    // The front end's word that this one was had already:
+                    // PUBCOMP, and nothing delivered (statebroker patch 35).
+                    if discards(pubrel_properties.as_ref()) {
+                        debug!(
+                            pkid = pubrel.pkid,
+                            "PUBREL: a recorded QoS 2 publish discarded"
+                        );
+                        self.forget_discarded(&client_id, &publish, queued);
+                        self.scheduler.reschedule(id, ScheduleReason::IncomingAck);
+                        continue;
+                    }
 
                     // Try to append publish to commitlog
                     match append_to_commitlog(
@@ -1530,6 +1542,21 @@ impl Router {
         (queued, receipt)
     }
 
+    /// A QoS 2 publish of `client_id`'s released with [`DISCARD`]: the
+    /// journal forgets the copy it saved for the kept sessions the publish
+    /// was for (statebroker patch 35).
+    fn forget_discarded(&self, client_id: &str, publish: &Publish, queued: Option<MessageId>) {
+        let Some(queued) = queued else {
+            return;
+        };
+        let Ok(topic) = std::str::from_utf8(&publish.topic) else {
+            return;
+        };
+        for client in self.subscriptions.kept_recipients(client_id, topic) {
+            self.delivered(&client, Some(queued));
+        }
+    }
+
     /// `client_id` has message `queued` (acknowledged, or sent at QoS 0):
     /// the journal forgets its copy (statebroker patch 16).
     fn delivered(&self, client_id: &str, queued: Option<MessageId>) {
@@ -1862,6 +1889,18 @@ impl Router {
             }
         }
     }
+}
+
+/// A User Property by which the front end releases a recorded QoS 2
+/// publish without delivering it (its PUBREL carries it): a copy of a
+/// message it knows was delivered already, such as a cluster node's QoS 2
+/// publish sent again through another node (statebroker patch 35). Only
+/// the front end sets it; it removes it from what clients send.
+pub const DISCARD: &str = "statebroker:discard";
+
+/// Whether a PUBREL's properties carry [`DISCARD`].
+fn discards(properties: Option<&PubRelProperties>) -> bool {
+    properties.is_some_and(|p| p.user_properties.iter().any(|(k, _)| k == DISCARD))
 }
 
 fn append_to_commitlog(
