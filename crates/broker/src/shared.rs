@@ -283,6 +283,37 @@ impl Shared {
         false
     }
 
+    /// A QoS 2 publish `pkid` came on `via`'s connection (another node's
+    /// link, or a client of this node) with `origin`, and waits in the
+    /// router for its PUBREL (a cluster node; see `cluster::origins`);
+    /// `None`: without one (a client's publish not sent again).
+    pub fn hold_qos2(&self, _via: &str, _pkid: u16, _origin: Option<String>) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.origins().hold(_via, _pkid, _origin);
+        }
+    }
+
+    /// The origin of `client`'s QoS 2 `publish` if it is sent again (DUP)
+    /// on a cluster node (see `cluster::origins`).
+    pub fn resent_origin(
+        &self,
+        _client: &str,
+        _publish: &router::protocol::Publish,
+    ) -> Option<String> {
+        #[cfg(feature = "cluster")]
+        if self.cluster_node.is_some() && _publish.dup {
+            return Some(crate::cluster::origins::origin(
+                _client,
+                _publish.pkid,
+                true,
+                &_publish.topic,
+                &_publish.payload,
+            ));
+        }
+        None
+    }
+
     /// Whether messages handed over for `client_id` over the link with
     /// client id `link` are to be delivered (a cluster node: not those
     /// etcd gave already, see `cluster::awaited`).
@@ -297,13 +328,15 @@ impl Shared {
         true
     }
 
-    /// A QoS 2 publish another node forwarded with its `origin` was
-    /// released to the router (its PUBREL came): this node has it.
-    pub fn released_from_another_node(&self, _origin: &str) {
+    /// The PUBREL of the QoS 2 publish `pkid` that came on `via`'s
+    /// connection: whether the router is to deliver it (a cluster node:
+    /// not a copy of a message this node had, see `cluster::origins`).
+    pub fn qos2_released(&self, _via: &str, _pkid: u16) -> bool {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.origins().released(_origin);
+            return node.origins().released(_via, _pkid);
         }
+        true
     }
 
     /// How far the other nodes have confirmed this node's forwarded

@@ -20,6 +20,20 @@
 //! delivered, and the copy sent again must be. (Remembered at the
 //! PUBLISH, a first version lost such messages in the fault run.)
 //!
+//! So the decision is taken again at each PUBREL ([`Origins::released`]),
+//! and the node may hold both copies at once: the first, its PUBREL late
+//! (its node paused past its lease, its link's connection broken, the
+//! PUBREL sent again on the link's next connection), and the copy sent
+//! again through the publisher's new node, or by the publisher itself
+//! to this node. The second of them released is discarded (router patch
+//! 35: its PUBREL goes to the router marked [`router::DISCARD`]). A late
+//! first copy is told by where it comes from: not the connection the
+//! copy sent again came on, which is the one the publisher's next
+//! messages come on; and within [`Origins::LATE`], while the first
+//! node's link session may keep it here. The origins held until their
+//! PUBREL are kept by the connection's client id, not by the
+//! connection, for the PUBREL sent again on a link's next connection.
+//!
 //! Packet ids are used again for new messages: the digest (the first 8
 //! bytes of SHA-256 over topic and payload) tells the message sent again
 //! from an older one on the same id whose first copy came when this
@@ -28,13 +42,16 @@
 //! older one: its subscribers have that content once, not twice.
 //! A publish without DUP is always new.
 //!
-//! Remembered: the last [`Origins::MAX`] origins (oldest forgotten first;
-//! a publisher sends a publish again within seconds of its node's death,
-//! and this holds far more than the QoS 2 publishes of those seconds).
+//! Remembered: the last [`Origins::MAX`] origins, and as many held
+//! (oldest forgotten first; a publisher sends a publish again within
+//! seconds of its node's death, and this holds far more than the QoS 2
+//! publishes of those seconds).
 
-use std::collections::{HashMap, VecDeque};
+use std::hash::RandomState;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use hashlink::LinkedHashMap;
 use parking_lot::Mutex;
 
 /// The [`crate::publisher::ORIGIN`] of `client`'s QoS 2 publish `pkid`
@@ -92,37 +109,135 @@ pub struct Arrival<'a> {
 }
 
 /// See the module's documentation.
-#[derive(Default)]
 pub struct Origins {
     seen: Mutex<Seen>,
 }
 
-#[derive(Default)]
+/// Publisher and packet id.
+type Key = (Arc<str>, u16);
+
 struct Seen {
-    /// The last message's digest, by publisher and packet id.
-    last: HashMap<(Arc<str>, u16), u64>,
-    /// The keys in the order they came, for forgetting the oldest.
-    order: VecDeque<(Arc<str>, u16)>,
+    /// The last message released here, by publisher and packet id
+    /// (oldest first, forgotten past [`Origins::MAX`]).
+    last: LinkedHashMap<Key, Last, RandomState>,
+    /// The origins of QoS 2 publishes held until their PUBREL, by the
+    /// connection's client id (a link's, or a client's) and packet id
+    /// (oldest first, forgotten past [`Origins::MAX`]). Kept here, not by
+    /// the connection: a link that breaks sends its PUBRELs again on its
+    /// next connection (a paused node's, after the pause).
+    held: LinkedHashMap<Key, String, RandomState>,
+}
+
+/// The last message released on a publisher's packet id.
+struct Last {
+    digest: u64,
+    /// Released from a copy sent again (DUP) whose first copy had not
+    /// been released here: that first copy may still come (its PUBREL
+    /// late), through `via`'s connection it did not come on.
+    resent: Option<Resent>,
+}
+
+struct Resent {
+    via: Arc<str>,
+    at: Instant,
+}
+
+impl Default for Origins {
+    fn default() -> Self {
+        Origins {
+            seen: Mutex::new(Seen {
+                last: LinkedHashMap::with_hasher(RandomState::new()),
+                held: LinkedHashMap::with_hasher(RandomState::new()),
+            }),
+        }
+    }
 }
 
 impl Origins {
-    /// Origins remembered, at most.
+    /// Origins remembered, at most (and as many held).
     pub const MAX: usize = 65_536;
 
-    /// A QoS 2 publish from another node was released to this node's
-    /// router (its PUBREL came: the router delivers it now): the last
-    /// message on its publisher's packet id.
-    pub fn release(&self, arrival: &Arrival<'_>) {
+    /// How long after a copy sent again its late first copy is taken for
+    /// it: while the first node's link session may keep that copy on
+    /// this node (the link's session expiry, and its keep-alive's grace).
+    pub const LATE: Duration = Duration::from_secs(super::peers::LINK_SESSION_EXPIRY as u64 + 15);
+
+    /// A QoS 2 publish `pkid` came on `via`'s connection (another node's
+    /// link, or a client of this node) with `origin` (a client's: one it
+    /// sent again, DUP), to wait for its PUBREL; `None` forgets an older
+    /// one on that packet id.
+    pub fn hold(&self, via: &str, pkid: u16, origin: Option<String>) {
         let mut seen = self.seen.lock();
-        let key = (Arc::from(arrival.client), arrival.pkid);
-        if seen.last.insert(key.clone(), arrival.digest).is_none() {
-            seen.order.push_back(key);
-            if seen.order.len() > Self::MAX
-                && let Some(oldest) = seen.order.pop_front()
-            {
-                seen.last.remove(&oldest);
+        let key = (Arc::from(via), pkid);
+        match origin {
+            Some(origin) => {
+                seen.held.insert(key, origin);
+                if seen.held.len() > Self::MAX {
+                    seen.held.pop_front();
+                }
+            }
+            None => {
+                seen.held.remove(&key);
             }
         }
+    }
+
+    /// The PUBREL of `via`'s QoS 2 publish `pkid` came: whether its
+    /// router is to deliver it (see [`Origins::release`]); `true` for one
+    /// without a held origin.
+    pub fn released(&self, via: &str, pkid: u16) -> bool {
+        let origin = self.seen.lock().held.remove(&(Arc::from(via), pkid));
+        match origin.as_deref().map(|o| (o, parse_origin(o))) {
+            Some((_, Some(arrival))) => self.release(&arrival, via),
+            Some((origin, None)) => {
+                tracing::debug!(origin, "a held publish's origin cannot be read");
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// A QoS 2 publish with `arrival`'s origin is released here through
+    /// `via`'s connection: whether it is to be delivered. Not if this
+    /// node had the message already: a copy sent again (DUP) of the last
+    /// message released on its publisher's packet id, or the first copy
+    /// of one whose copy sent again was released first, coming late
+    /// through another connection (its node paused, or its PUBREL late).
+    /// A publish without DUP through the connection its copy sent again
+    /// came on is a new message. Otherwise it is the last message on its
+    /// publisher's packet id from now on.
+    pub fn release(&self, arrival: &Arrival<'_>, via: &str) -> bool {
+        let mut seen = self.seen.lock();
+        let key = (Arc::from(arrival.client), arrival.pkid);
+        if let Some(last) = seen.last.get_mut(&key)
+            && last.digest == arrival.digest
+        {
+            if arrival.resent {
+                return false;
+            }
+            if let Some(resent) = &last.resent
+                && *resent.via != *via
+                && resent.at.elapsed() < Self::LATE
+            {
+                last.resent = None;
+                return false;
+            }
+        }
+        let resent = arrival.resent.then(|| Resent {
+            via: Arc::from(via),
+            at: Instant::now(),
+        });
+        seen.last.insert(
+            key,
+            Last {
+                digest: arrival.digest,
+                resent,
+            },
+        );
+        if seen.last.len() > Self::MAX {
+            seen.last.pop_front();
+        }
+        true
     }
 
     /// Whether a publish forwarded with the [`crate::publisher::ORIGIN`]
@@ -142,24 +257,21 @@ impl Origins {
         }
     }
 
-    /// [`Origins::release`] for a publish forwarded with the
-    /// [`crate::publisher::ORIGIN`] `value`.
-    pub fn released(&self, value: &str) {
-        if let Some(arrival) = parse_origin(value) {
-            self.release(&arrival);
-        }
-    }
-
     /// Whether `client`'s QoS 2 publish `pkid` with `digest`, which it
     /// sends again here (DUP) after its node died, came from that node.
     pub fn had(&self, client: &str, pkid: u16, digest: u64) -> bool {
-        self.seen.lock().last.get(&(Arc::from(client), pkid)) == Some(&digest)
+        self.seen
+            .lock()
+            .last
+            .get(&(Arc::from(client), pkid))
+            .is_some_and(|last| last.digest == digest)
     }
 
-    /// How many are remembered.
+    /// How many are remembered, and how many held.
     #[cfg(test)]
-    fn len(&self) -> usize {
-        self.seen.lock().order.len()
+    fn len(&self) -> (usize, usize) {
+        let seen = self.seen.lock();
+        (seen.last.len(), seen.held.len())
     }
 }
 
@@ -183,7 +295,7 @@ mod tests {
         let value = |payload: &[u8], resent| origin("p", 7, resent, b"t", payload);
         assert!(!o.had("p", 7, d(b"a")));
         assert!(!o.had_copy(&value(b"a", true)), "its first copy never came");
-        o.released(&value(b"a", false));
+        assert!(o.release(&arrival("p", 7, b"a", false), "link-a"));
         assert!(o.had("p", 7, d(b"a")));
         assert!(o.had_copy(&value(b"a", true)), "sent again: had");
         assert!(!o.had_copy(&value(b"a", false)), "without DUP: new");
@@ -191,11 +303,61 @@ mod tests {
             !o.had_copy(&value(b"b", true)),
             "sent again, its first copy never came (an older one on the id did)"
         );
-        o.released(&value(b"b", true));
+        assert!(o.release(&arrival("p", 7, b"b", true), "link-b"));
         assert!(o.had("p", 7, d(b"b")), "now the last on the id");
         assert!(!o.had("p", 7, d(b"a")));
         assert!(!o.had("q", 7, d(b"b")), "another publisher's");
         assert!(!o.had_copy("garbage"));
+    }
+
+    /// Two copies of one message held at once, released in either order:
+    /// the second released is not delivered.
+    #[test]
+    fn the_second_copy_released_of_a_message_is_not_delivered() {
+        // The first copy's PUBREL first, then the copy sent again's.
+        let o = Origins::default();
+        assert!(o.release(&arrival("p", 7, b"m", false), "link-a"));
+        assert!(!o.release(&arrival("p", 7, b"m", true), "link-b"));
+        // The copy sent again first, then the first copy's, late, through
+        // the first node's link.
+        let o = Origins::default();
+        assert!(o.release(&arrival("p", 7, b"m", true), "link-b"));
+        assert!(!o.release(&arrival("p", 7, b"m", false), "link-a"));
+        // Taken for the late first copy once only: the same message again
+        // on the id, through either connection, is new.
+        assert!(o.release(&arrival("p", 7, b"m", false), "link-a"));
+        assert!(o.release(&arrival("p", 7, b"m", false), "link-b"));
+        // The publisher's next message with the same content on the id,
+        // through the connection its copy sent again came on, is new too.
+        let o = Origins::default();
+        assert!(o.release(&arrival("p", 7, b"m", true), "p"));
+        assert!(o.release(&arrival("p", 7, b"m", false), "p"));
+        // A first copy of another message, or another publisher's, is new.
+        let o = Origins::default();
+        assert!(o.release(&arrival("p", 7, b"m", true), "link-b"));
+        assert!(o.release(&arrival("p", 7, b"n", false), "link-a"));
+        assert!(o.release(&arrival("q", 7, b"m", false), "link-a"));
+    }
+
+    /// What waits for its PUBREL is kept by connection and packet id, so
+    /// that a PUBREL on the connection's next connection finds it.
+    #[test]
+    fn a_held_origin_decides_at_its_pubrel() {
+        let o = Origins::default();
+        o.hold("link-a", 1, Some(origin("p", 7, false, b"t", b"m")));
+        o.hold("link-b", 1, Some(origin("p", 7, true, b"t", b"m")));
+        assert!(o.released("link-b", 1), "the copy sent again, first");
+        assert!(!o.released("link-a", 1), "the first copy, late");
+        assert!(o.released("link-a", 1), "nothing held: released as it is");
+        o.hold("p", 3, Some(origin("p", 3, true, b"t", b"x")));
+        o.hold("p", 3, None);
+        assert!(o.released("p", 3));
+        assert!(
+            !o.had("p", 3, digest(b"t", b"x")),
+            "forgotten, not released"
+        );
+        o.hold("link-a", 2, Some("garbage".into()));
+        assert!(o.released("link-a", 2), "an origin that cannot be read");
     }
 
     #[test]
@@ -235,9 +397,15 @@ mod tests {
         let o = Origins::default();
         for n in 0..=Origins::MAX {
             let client = format!("c{}", n / 60_000);
-            o.release(&arrival(&client, (n % 60_000) as u16 + 1, b"m", false));
+            let pkid = (n % 60_000) as u16 + 1;
+            o.release(&arrival(&client, pkid, b"m", false), "link");
+            o.hold(
+                &client,
+                pkid,
+                Some(origin(&client, pkid, false, b"t", b"m")),
+            );
         }
-        assert_eq!(o.len(), Origins::MAX);
+        assert_eq!(o.len(), (Origins::MAX, Origins::MAX));
         let d = digest(b"t", b"m");
         assert!(!o.had("c0", 1, d), "the oldest went");
         assert!(o.had("c0", 2, d));

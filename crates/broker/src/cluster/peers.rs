@@ -55,7 +55,7 @@ const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 
 /// How long a link's session outlives it on the other node (seconds): what
 /// was in flight when it broke is sent again within it.
-const LINK_SESSION_EXPIRY: u32 = 300;
+pub(super) const LINK_SESSION_EXPIRY: u32 = 300;
 
 /// This node's links to the others.
 pub struct Peers {

@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use bytes::Bytes;
 use router::protocol::{
     DisconnectReasonCode, Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec,
-    PubRecReason, Publish,
+    PubRecReason, PubRelProperties, Publish,
 };
 
 use crate::codec::Protocol;
@@ -292,6 +292,25 @@ pub(crate) fn unknown_pubrel(pkid: u16) -> Packet {
     )
 }
 
+/// A PUBREL's properties on their way to the router: the User Property
+/// [`router::DISCARD`] is the broker's alone (router patch 35), removed
+/// from what the client sent, and set when the publish is to be
+/// discarded (a cluster node's copy of a message it had).
+pub(crate) fn mark_discard(properties: &mut Option<PubRelProperties>, discard: bool) {
+    if let Some(p) = properties.as_mut() {
+        p.user_properties.retain(|(k, _)| k != router::DISCARD);
+    }
+    if discard {
+        properties
+            .get_or_insert_with(|| PubRelProperties {
+                reason_string: None,
+                user_properties: Vec::new(),
+            })
+            .user_properties
+            .push((router::DISCARD.to_owned(), String::new()));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -457,5 +476,33 @@ mod tests {
         assert_eq!(new.ran_already(1, 9, true, None), None);
         assert_eq!(new.ran_already(2, 5, true, None), Some(b(0)));
         assert!(new.release(5).is_some(), "PUBCOMP from the new connection");
+    }
+
+    /// Only the broker marks a PUBREL for discard: a client's mark goes,
+    /// with nothing else of its properties.
+    #[test]
+    fn a_pubrel_is_marked_discard_by_the_broker_alone() {
+        let client = |extra: &[(&str, &str)]| {
+            Some(PubRelProperties {
+                reason_string: Some("why".into()),
+                user_properties: extra
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            })
+        };
+        let mut sent = client(&[(router::DISCARD, ""), ("kept", "1")]);
+        mark_discard(&mut sent, false);
+        assert_eq!(sent, client(&[("kept", "1")]));
+        mark_discard(&mut sent, true);
+        assert_eq!(sent, client(&[("kept", "1"), (router::DISCARD, "")]));
+        let mut none = None;
+        mark_discard(&mut none, false);
+        assert_eq!(none, None);
+        mark_discard(&mut none, true);
+        assert_eq!(
+            none.map(|p| p.user_properties),
+            Some(vec![(router::DISCARD.to_owned(), String::new())])
+        );
     }
 }

@@ -142,10 +142,6 @@ pub(crate) struct Machine {
     pub(super) shared: Arc<Shared>,
     /// Another cluster node's link (see [`Start::from_link`]).
     from_link: bool,
-    /// A link's QoS 2 publishes with their origin (see
-    /// `cluster::origins`), by packet id, until the PUBREL releases them
-    /// to the router (at most the link's QoS 2 publishes in flight).
-    link_origins: std::collections::HashMap<u16, String>,
     /// A cluster node's: how far the other nodes have confirmed the
     /// publishes forwarded (see `cluster::confirmations`).
     forwarded: Option<watch::Receiver<u64>>,
@@ -199,7 +195,6 @@ impl Machine {
                 .then(crate::store::tickets::Tickets::new),
             shared,
             from_link: start.from_link,
-            link_origins: std::collections::HashMap::new(),
             tickets: std::collections::VecDeque::new(),
         }
     }
@@ -363,15 +358,22 @@ impl Machine {
         }
         match incoming.packet {
             Packet::Publish(publish, properties) => self.on_publish(publish, properties, header),
-            Packet::PubRel(pubrel, properties) => {
-                if let Some(origin) = self.link_origins.remove(&pubrel.pkid) {
-                    // The router delivers it now: had here from now on.
-                    self.shared.released_from_another_node(&origin);
-                }
+            Packet::PubRel(pubrel, mut properties) => {
+                // Whether the router delivers it: not a copy of a message
+                // this node had (a cluster node's, see `cluster::origins`).
+                let deliver = self.shared.qos2_released(&self.client_id, pubrel.pkid);
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
                     self.queue(pubcomp);
                 } else if self.joined {
+                    inbound::mark_discard(&mut properties, !deliver);
+                    if !deliver {
+                        tracing::debug!(
+                            client_id = self.client_id,
+                            pkid = pubrel.pkid,
+                            "PUBREL: a QoS 2 copy of a message this node had, not delivered again"
+                        );
+                    }
                     self.route(Packet::PubRel(pubrel, properties));
                 } else {
                     // Nothing of this connection is waiting for it.
@@ -561,6 +563,13 @@ impl Machine {
             );
             self.ack_forwarded(qos, pkid, ticket);
             return Ok(());
+        }
+        // One sent again waits for its PUBREL with its origin: if its
+        // first copy comes late from the first node, one of the two goes
+        // no further (see `cluster::origins`).
+        if !self.from_link && !retransmitted && qos == 2 {
+            let origin = self.shared.resent_origin(&self.client_id, &publish);
+            self.shared.hold_qos2(&self.client_id, pkid, origin);
         }
         // The router saves what a restart must not lose of it (its PUBACK
         // waits for the disk, see gate.rs, and on a cluster node for the

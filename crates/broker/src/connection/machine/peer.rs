@@ -49,7 +49,7 @@ impl Machine {
                 self.ack(qos, pkid, true);
                 return None;
             }
-            self.link_origins.insert(pkid, origin);
+            self.shared.hold_qos2(&self.client_id, pkid, Some(origin));
         }
         Some((publish, properties))
     }
