@@ -23,6 +23,14 @@
 //! again), or another writer's record after an attempt in doubt, which
 //! gets **no answer**: the client times out, as it would if the network had
 //! lost the answer. A wrong answer is never sent.
+//!
+//! **Requests sent again** (MQTT DUP: the client's node died, or its
+//! connection broke, before the answer) read the key's record: their own
+//! write is answered as done. When the record is another request's, the
+//! key's earlier records are read back from etcd's history, newest first,
+//! down to the first older than the request itself (its `__ts`), as long
+//! as etcd has not compacted them: a write of the request found there
+//! (another client wrote the key after it) is answered as done too.
 
 use etcd_client::{GetOptions, Txn, TxnOp};
 use statestore::command::Scan;
@@ -78,6 +86,10 @@ pub enum Unanswered {
 
 /// Conflicts with other nodes' writes retried before giving up.
 const ATTEMPTS: usize = 32;
+
+/// A key's earlier records a request sent again looks through for its own
+/// write, at most (see `Cluster::written_before`).
+const HISTORY: usize = 64;
 
 /// Tries of a linearizable read that fails before the request goes
 /// unanswered.
@@ -191,6 +203,7 @@ impl Cluster {
         let mut cached =
             (writes || self.settings.cached_reads) && self.broken == Broken::No && !resent;
         let mut found: Option<Read> = None;
+        let mut look_back = resent && writes;
         for _ in 0..ATTEMPTS {
             let mut from_cache = std::mem::take(&mut cached);
             let kept = if from_cache { self.cached(key) } else { None };
@@ -229,6 +242,16 @@ impl Cluster {
                 if (in_doubt.is_some() || resent) && writes && record.request == request {
                     return Ok(done_earlier(record));
                 }
+            }
+            // Sent again, and the key's last write is another's: an
+            // earlier one may be this request's (its node died after
+            // etcd's commit, and another client wrote the key since).
+            if std::mem::take(&mut look_back)
+                && let Some(record) = self
+                    .written_before(key, read.revision, request, keyed.timestamp.as_ref())
+                    .await
+            {
+                return Ok(done_earlier(&record));
             }
             if in_doubt.is_some_and(|m| m != read.revision) {
                 return Err(Unanswered::InDoubt);
@@ -425,6 +448,48 @@ impl Cluster {
         let read = read_of(key, fetched.kv.as_ref());
         self.remember(key, read.clone(), fetched.revision);
         Ok(read)
+    }
+
+    /// The record request `request` wrote to `key` before the key's
+    /// record of revision `revision`, if it is in etcd's history (not
+    /// compacted): the key's earlier records, newest first, read at past
+    /// revisions, at most [`HISTORY`] of them, and none older than the
+    /// request's timestamp `sent` (its write's version is later: every
+    /// write after it, and every tombstone of one, has a later version
+    /// still). One etcd read per record; only for requests sent again.
+    async fn written_before(
+        &self,
+        key: &[u8],
+        mut revision: i64,
+        request: u64,
+        sent: Option<&Hlc>,
+    ) -> Option<Record> {
+        for _ in 0..HISTORY {
+            if revision <= 1 {
+                return None;
+            }
+            let options = GetOptions::new().with_revision(revision - 1);
+            let response = match self.kv.clone().get(self.key(key), Some(options)).await {
+                Ok(response) => response,
+                Err(e) => {
+                    // Compacted, or etcd unreachable: the request runs as
+                    // if its earlier write was not found.
+                    tracing::debug!(error = %e, "clustering: a key's history cannot be read");
+                    return None;
+                }
+            };
+            let kv = response.kvs().first()?;
+            let record = Record::decode(kv.value()).ok()?;
+            if record.request == request {
+                return Some(record);
+            }
+            let version = (record.version.wall_ms, u64::from(record.version.counter));
+            if sent.is_some_and(|t| version <= (t.wall_ms, t.counter)) {
+                return None;
+            }
+            revision = kv.mod_revision();
+        }
+        None
     }
 
     /// Puts `record` if the key is still at `revision` (with the writes
@@ -768,16 +833,31 @@ mod etcd_tests {
     /// Serves `args` on `node` as request `request`; the answer's RESP3
     /// and version.
     async fn serve(node: &Cluster, args: &[&[u8]], request: u64) -> (String, String) {
+        serve_sent(node, args, (request, false), &client_now()).await
+    }
+
+    /// The client's timestamp (`__ts`) now.
+    fn client_now() -> String {
+        format!("{}:0:client", crate::clock::now_ms())
+    }
+
+    /// [`serve`] of a request `(id, resent)` the client sent at `sent`.
+    async fn serve_sent(
+        node: &Cluster,
+        args: &[&[u8]],
+        request: (u64, bool),
+        sent: &str,
+    ) -> (String, String) {
         let command = Command::parse(args, Dialect::V1).unwrap();
         let keyed = Keyed {
             command: KeyCommand::of(command).unwrap(),
-            timestamp: format!("{}:0:client", crate::clock::now_ms()).parse().ok(),
+            timestamp: sent.parse().ok(),
             fencing_token: None,
             persist: false,
         };
         let clock = Clock(Mutex::new(HybridClock::starting_after(Version::default())));
         let answer = node
-            .serve_key(&keyed, (request, false), &Quota::default(), &clock)
+            .serve_key(&keyed, request, &Quota::default(), &clock)
             .await
             .expect("answered");
         let mut resp = Vec::new();
@@ -823,5 +903,55 @@ mod etcd_tests {
         // Another request on the same key is written, as ever.
         serve(&a, &[b"SET", b"k", b"v2"], 8).await;
         assert!(revision(&etcd) > committed);
+    }
+
+    /// A request sent again (its node died after etcd's commit, before
+    /// the answer) after another client wrote the key: its write is in
+    /// the key's history, and it is answered as done, not run again.
+    /// Before, the key's last record only was looked at, and the request
+    /// wrote its value over the other client's.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_sent_again_finds_its_write_in_the_keys_history() {
+        let etcd = statebroker_cluster_harness::EtcdCluster::start(1).expect("etcd starts");
+        let endpoint = etcd.endpoint(0);
+        let (a, b) = (node("a", &endpoint).await, node("b", &endpoint).await);
+        let value = |node: Arc<Cluster>| async move { serve(&node, &[b"GET", b"k"], 99).await.0 };
+        let sent = client_now();
+        let (answer, version) = serve_sent(&a, &[b"SET", b"k", b"v1"], (7, false), &sent).await;
+        assert_eq!(answer, "+OK\r\n");
+        serve(&b, &[b"SET", b"k", b"other"], 8).await;
+        serve(&b, &[b"SET", b"k", b"another"], 9).await;
+        let again = serve_sent(&b, &[b"SET", b"k", b"v1"], (7, true), &sent).await;
+        assert_eq!(
+            again,
+            ("+OK\r\n".to_owned(), version),
+            "the first write's answer"
+        );
+        assert_eq!(
+            value(Arc::clone(&b)).await,
+            "$7\r\nanother\r\n",
+            "not run again"
+        );
+        // A DEL sent again, after another SET: its tombstone is in the
+        // history.
+        let sent = client_now();
+        assert_eq!(
+            serve_sent(&a, &[b"DEL", b"k"], (10, false), &sent).await.0,
+            ":1\r\n"
+        );
+        serve(&b, &[b"SET", b"k", b"back"], 11).await;
+        let again = serve_sent(&b, &[b"DEL", b"k"], (10, true), &sent).await;
+        assert_eq!(again.0, ":1\r\n");
+        assert_eq!(
+            value(Arc::clone(&b)).await,
+            "$4\r\nback\r\n",
+            "not deleted again"
+        );
+        // A request sent again that never ran runs: the key's history
+        // holds no write of it.
+        let sent = client_now();
+        let (answer, _) = serve_sent(&b, &[b"SET", b"k", b"new"], (12, true), &sent).await;
+        assert_eq!(answer, "+OK\r\n");
+        assert_eq!(value(b).await, "$3\r\nnew\r\n");
     }
 }
