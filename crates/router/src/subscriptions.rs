@@ -19,6 +19,7 @@
 //! business, decided before the SUBSCRIBE reaches the router.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -173,6 +174,9 @@ impl Index {
 #[derive(Debug, Default)]
 pub struct Subscriptions {
     index: RwLock<Index>,
+    /// Counts the changes of who subscribes to what (statebroker patch
+    /// 36), for answers kept from one look at the index to the next.
+    changes: AtomicU64,
 }
 
 /// How many clients and subscriptions the index holds.
@@ -295,6 +299,7 @@ impl Subscriptions {
         if previous.is_none() {
             index.index(&key, filter);
         }
+        self.changed();
     }
 
     /// `client` unsubscribed from `filter`; whether it had subscribed.
@@ -309,6 +314,7 @@ impl Subscriptions {
         if removed {
             index.unindex(&key, filter);
             index.forget_if_empty(client);
+            self.changed();
         }
         removed
     }
@@ -323,7 +329,23 @@ impl Subscriptions {
             for filter in c.filters.keys() {
                 index.unindex(&key, filter);
             }
+            self.changed();
         }
+    }
+
+    /// How many times who subscribes to what has changed (statebroker
+    /// patch 36): what [`Subscriptions::sole_grant`] or
+    /// [`Subscriptions::granted`] answered holds while this stays the same
+    /// (read it before asking them: a change made while they look is
+    /// counted after it is made).
+    pub fn changes(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    /// Counts a change, made under the index's write lock (so that one
+    /// who read the count before looking sees a later count).
+    fn changed(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
     }
 
     /// Whether the router keeps `client`'s session after its connection.
@@ -419,6 +441,36 @@ mod tests {
             qos,
             ..SubOptions::default()
         }
+    }
+
+    /// Patch 36: every change of who subscribes to what is counted, and
+    /// nothing else: a grant kept with the count holds while it stays.
+    #[test]
+    fn changes_of_who_subscribes_are_counted() {
+        let s = Subscriptions::default();
+        let mut last = s.changes();
+        let mut changed = |s: &Subscriptions, what: &str| {
+            assert!(s.changes() > last, "{what} is a change");
+            last = s.changes();
+        };
+        s.subscribe("a", "clients/a/response", sub(1));
+        changed(&s, "a subscription");
+        let grant = s.sole_grant("a", "clients/a/response");
+        s.subscribe("a", "clients/a/response", sub(0));
+        changed(&s, "a subscription's options replaced");
+        assert_ne!(s.sole_grant("a", "clients/a/response"), grant);
+        s.subscribe("b", "clients/#", sub(1));
+        changed(&s, "another client's wildcard");
+        assert_eq!(s.sole_grant("a", "clients/a/response"), None);
+        assert!(s.unsubscribe("b", "clients/#"));
+        changed(&s, "an unsubscription");
+        s.end_session("a");
+        changed(&s, "a session's end");
+        let before = s.changes();
+        assert!(!s.unsubscribe("a", "nothing"));
+        s.set_kept("c", true);
+        s.end_session("nobody");
+        assert_eq!(s.changes(), before, "nothing changed who subscribes");
     }
 
     #[test]
