@@ -24,7 +24,7 @@ use router::protocol::{
 };
 
 use crate::codec;
-use crate::sessions::{Direct, Sessions, Undelivered};
+use crate::sessions::{Direct, Route, Sessions, Undelivered};
 use router::RouterHandle;
 
 /// Client ids with this prefix belong to the broker itself; clients may not use them.
@@ -108,10 +108,15 @@ impl Publisher {
     }
 
     /// Delivers `message` straight to `client` when it is the only subscriber
-    /// of the message's topic, through the router otherwise (and when the
-    /// client's connection cannot take it).
-    pub fn publish_for(&self, client: &str, message: Direct) {
-        match self.sessions.deliver_to_only_subscriber(client, message) {
+    /// of the message's topic (on `route` while it holds, see
+    /// [`crate::sessions::Route`]), through the router otherwise (and when
+    /// the client's connection cannot take it).
+    pub fn publish_for(&self, client: &str, route: Option<&Route>, message: Direct) {
+        let delivered = match route {
+            Some(route) => self.sessions.deliver_on(client, route, message),
+            None => self.sessions.deliver_to_only_subscriber(client, message),
+        };
+        match delivered {
             Ok(()) => {}
             Err(Undelivered::NoRecipient(message)) => self.route(vec![*message]),
             Err(Undelivered::Overflow) => {

@@ -31,9 +31,11 @@ mod census;
 mod mailbox;
 mod packet_ids;
 mod recipients;
+mod route;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 use router::Subscriptions;
@@ -48,6 +50,7 @@ pub use mailbox::{
 #[cfg(any(test, feature = "cluster"))]
 pub use mailbox::OnDone;
 pub use packet_ids::PacketIdBlock;
+pub use route::Route;
 
 struct Live {
     connection: u64,
@@ -84,6 +87,8 @@ pub struct Sessions {
     clients: RwLock<HashMap<Arc<str>, Client>>,
     /// The router's subscriptions, which say who receives what.
     subscriptions: Arc<Subscriptions>,
+    /// Counts the changes of clients' live connections (see [`Route`]).
+    live_changes: AtomicU64,
 }
 
 impl Sessions {
@@ -92,6 +97,7 @@ impl Sessions {
         Sessions {
             clients: RwLock::new(HashMap::new()),
             subscriptions,
+            live_changes: AtomicU64::new(0),
         }
     }
 
@@ -128,6 +134,7 @@ impl Sessions {
             mailbox,
             peer,
         });
+        self.live_changes.fetch_add(1, Ordering::Release);
         if let Some(previous) = previous {
             let _ = previous.mailbox.tx.send(ToConnection::TakenOver);
         }
@@ -189,6 +196,7 @@ impl Sessions {
             return; // taken over: the new connection owns the session now
         }
         state.live = None;
+        self.live_changes.fetch_add(1, Ordering::Release);
         if session_expiry == 0 {
             clients.remove(client);
         }

@@ -53,7 +53,7 @@ impl Sessions {
     fn deliver_granted(
         &self,
         client: &str,
-        mut message: Direct,
+        message: Direct,
         grant: Option<(u8, Vec<usize>)>,
     ) -> Result<(), Undelivered> {
         let no_recipient = |message| Err(Undelivered::NoRecipient(Box::new(message)));
@@ -64,36 +64,47 @@ impl Sessions {
         let Some(live) = clients.get(client).and_then(|c| c.live.as_ref()) else {
             return no_recipient(message);
         };
-        // The broker's own deliveries go at QoS 1 at most; a QoS 2 message
-        // handed over in flight keeps QoS 2 and its packet id while the
-        // client's subscriptions still grant it.
-        let most = if message.kept_pkid.is_some() { 2 } else { 1 };
-        message.qos = message.qos.min(granted).min(most);
-        if message.qos < 2 {
-            message.kept_pkid = None;
+        send(&live.mailbox, message, granted, ids)
+    }
+}
+
+/// Sends `message` on `mailbox` at what a subscription grants (`granted`,
+/// with its subscription identifiers `ids`), within the mailbox's bound.
+pub(super) fn send(
+    mailbox: &Mailbox,
+    mut message: Direct,
+    granted: u8,
+    ids: Vec<usize>,
+) -> Result<(), Undelivered> {
+    // The broker's own deliveries go at QoS 1 at most; a QoS 2 message
+    // handed over in flight keeps QoS 2 and its packet id while the
+    // client's subscriptions still grant it.
+    let most = if message.kept_pkid.is_some() { 2 } else { 1 };
+    message.qos = message.qos.min(granted).min(most);
+    if message.qos < 2 {
+        message.kept_pkid = None;
+    }
+    message.properties.set_subscription_identifiers(ids);
+    let Mailbox { tx, bound } = mailbox;
+    let size = message.size();
+    if !bound.reserve(size) {
+        crate::metrics::dropped(crate::metrics::DropReason::QueueFull, 1);
+        if bound.overflow_once() {
+            let _ = tx.send(ToConnection::Overflow);
         }
-        message.properties.set_subscription_identifiers(ids);
-        let Mailbox { tx, bound } = &live.mailbox;
-        let size = message.size();
-        if !bound.reserve(size) {
-            crate::metrics::dropped(crate::metrics::DropReason::QueueFull, 1);
-            if bound.overflow_once() {
-                let _ = tx.send(ToConnection::Overflow);
-            }
-            return Err(Undelivered::Overflow);
+        return Err(Undelivered::Overflow);
+    }
+    match tx.send(ToConnection::Deliver(Box::new(message))) {
+        Err(tokio::sync::mpsc::error::SendError(ToConnection::Deliver(message))) => {
+            bound.release(size);
+            Err(Undelivered::NoRecipient(message))
         }
-        match tx.send(ToConnection::Deliver(Box::new(message))) {
-            Err(tokio::sync::mpsc::error::SendError(ToConnection::Deliver(message))) => {
-                bound.release(size);
-                Err(Undelivered::NoRecipient(message))
-            }
-            _ => Ok(()),
-        }
+        _ => Ok(()),
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
 
     use bytes::Bytes;
@@ -104,7 +115,8 @@ mod tests {
     use crate::sessions::QueueBound;
     use crate::sessions::tests::{mailbox, peer};
 
-    fn msg() -> Direct {
+    /// A message on `resp/a`.
+    pub(in crate::sessions) fn msg() -> Direct {
         Direct {
             topic: Bytes::from_static(b"resp/a"),
             payload: Bytes::new(),
@@ -117,7 +129,7 @@ mod tests {
     }
 
     /// A router whose subscriptions the tests set up through real links.
-    fn router() -> router::RouterHandle {
+    pub(in crate::sessions) fn router() -> router::RouterHandle {
         let config = router::RouterConfig {
             max_connections: 10,
             max_segment_size: 1 << 20,
@@ -130,7 +142,7 @@ mod tests {
 
     /// `client` subscribes to `filter` at `qos` with identifier `id`, on a
     /// link of its own (kept open: the subscription lives with it).
-    async fn subscribe(
+    pub(in crate::sessions) async fn subscribe(
         router: &router::RouterHandle,
         client: &str,
         filter: &str,

@@ -50,6 +50,9 @@ pub struct ReplyTo {
     /// until this is dropped, once the outcome is out (see
     /// [`super::tickets`]).
     pub ticket: Option<super::tickets::Ticket>,
+    /// The way answers on `topic` reached the requester last, kept by its
+    /// connection (see [`crate::sessions::Route`]).
+    pub route: Option<std::sync::Arc<crate::sessions::Route>>,
 }
 
 /// What to do with a request that passed the connection-ending checks.
@@ -122,6 +125,7 @@ pub fn admit<'a>(
             .map(Bytes::copy_from_slice),
         resent: false,
         ticket: None,
+        route: None,
     };
     if qos == 0 {
         return Admission::Refuse(reply_to, "requests must be published with QoS 1");
@@ -303,6 +307,7 @@ mod tests {
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
             ticket: None,
+            route: None,
         };
         let r = response(to, b"-ERR syntax error\r\n".to_vec(), "1:2:n".into());
         assert_eq!((&r.topic[..], r.qos), (RESPONSE.as_bytes(), 1));
@@ -359,6 +364,7 @@ mod tests {
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
             ticket: None,
+            route: None,
         };
         let mut r = response(to, b"+OK\r\n".to_vec(), "1:2:n".into());
         r.properties.set_subscription_identifiers(vec![7, 300]);

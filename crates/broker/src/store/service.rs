@@ -505,8 +505,10 @@ impl StateStoreService {
     pub fn refuse(&self, mut reply_to: ReplyTo, requester: &str, text: &str) {
         let outcome = self.store.lock().refuse(text, self.now());
         let ticket = reply_to.ticket.take();
+        let route = reply_to.route.take();
         let response = binding::response(reply_to, outcome.payload, outcome.timestamp);
-        self.publisher.publish_for(requester, response);
+        self.publisher
+            .publish_for(requester, route.as_deref(), response);
         drop(ticket);
     }
 
@@ -529,8 +531,10 @@ impl StateStoreService {
             if let Some(mut to) = reply.to {
                 // The acknowledgement goes once the answer is on its way.
                 let ticket = to.ticket.take();
+                let route = to.route.take();
                 let response = binding::response(to, outcome.payload, outcome.timestamp);
-                self.publisher.publish_for(&reply.requester, response);
+                self.publisher
+                    .publish_for(&reply.requester, route.as_deref(), response);
                 drop(ticket);
             }
         }

@@ -142,6 +142,10 @@ pub(crate) struct Machine {
     pub(super) shared: Arc<Shared>,
     /// Another cluster node's link (see [`Start::from_link`]).
     from_link: bool,
+    /// How the last answer reached this client (see
+    /// [`crate::sessions::Route`]): the next on the same Response Topic
+    /// goes the same way while it holds.
+    answer_route: Option<Arc<crate::sessions::Route>>,
     /// A cluster node's: how far the other nodes have confirmed the
     /// publishes forwarded (see `cluster::confirmations`).
     forwarded: Option<watch::Receiver<u64>>,
@@ -195,6 +199,7 @@ impl Machine {
                 .then(crate::store::tickets::Tickets::new),
             shared,
             from_link: start.from_link,
+            answer_route: None,
             tickets: std::collections::VecDeque::new(),
         }
     }
