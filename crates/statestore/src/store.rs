@@ -223,8 +223,19 @@ impl Store {
     ) -> Result<(Command<'a>, Option<Hlc>, Option<Hlc>), Error> {
         let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
         let skew = self.state.config().max_clock_skew_ms;
-        let timestamp = parse_hlc(request.timestamp, now, skew, Error::TimestampSkew)?;
-        let fencing_token = parse_hlc(request.fencing_token, now, skew, Error::FencingTokenSkew)?;
+        // Of the request's `__ts` only the time is used (see `State::new_version`).
+        let timestamp = parse_hlc(
+            request.timestamp,
+            Hlc::time_only,
+            (now, skew),
+            Error::TimestampSkew,
+        )?;
+        let fencing_token = parse_hlc(
+            request.fencing_token,
+            str::parse,
+            (now, skew),
+            Error::FencingTokenSkew,
+        )?;
         let command = Command::parse(&args, request.dialect)?;
         Ok((command, timestamp, fencing_token))
     }
@@ -378,14 +389,14 @@ impl Store {
 
 fn parse_hlc(
     value: Option<&str>,
-    now: u64,
-    max_skew_ms: u64,
+    parse: fn(&str) -> Result<Hlc, crate::hlc::MalformedTimestamp>,
+    (now, max_skew_ms): (u64, u64),
     skew_error: Error,
 ) -> Result<Option<Hlc>, Error> {
     let Some(value) = value else {
         return Ok(None);
     };
-    let hlc: Hlc = value.parse().map_err(|_| Error::TimestampMalformed)?;
+    let hlc = parse(value).map_err(|_| Error::TimestampMalformed)?;
     if hlc.is_ahead_of(now, max_skew_ms) {
         return Err(skew_error);
     }
