@@ -432,6 +432,74 @@ mod tests {
         );
     }
 
+    /// Patch 35: what the journal saved of a discarded QoS 2 publish for
+    /// a kept session is forgotten, as a delivered one's is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_discarded_publish_is_forgotten_by_the_journal() {
+        use crate::protocol::{PubRel, PubRelProperties, PubRelReason};
+        use crate::{Journal, Message, MessageId, Receipt, SessionRecord};
+
+        /// Saves every queued message as number 7; records deliveries.
+        #[derive(Default)]
+        struct Recording(parking_lot::Mutex<Vec<(String, MessageId)>>);
+        impl Journal for Recording {
+            fn session(&self, _: &str, _: Option<&SessionRecord>) -> Option<Receipt> {
+                None
+            }
+            fn retained(&self, _: &str, _: Option<&Message>) -> Option<Receipt> {
+                None
+            }
+            fn queued(&self, _: &[&str], _: &Message) -> Option<(MessageId, Option<Receipt>)> {
+                Some((MessageId(7), None))
+            }
+            fn delivered(&self, client: &str, message: MessageId) {
+                self.0.lock().push((client.to_owned(), message));
+            }
+        }
+
+        let journal = Arc::new(Recording::default());
+        let config = RouterConfig {
+            max_connections: 10,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 1 << 20,
+            max_segment_count: 4,
+            ..RouterConfig::default()
+        };
+        let router = RouterHandle::spawn(0, config, 0, Some(journal.clone() as Arc<dyn Journal>));
+        // A kept session (expiry above 0) subscribed to `t`.
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 60, None).await.unwrap();
+        sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+        while !matches!(sub_rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let mut publish = Publish::new("t", "had already", false);
+        publish.qos = QoS::ExactlyOnce;
+        publish.pkid = 1;
+        let discard = PubRelProperties {
+            reason_string: None,
+            user_properties: vec![(crate::DISCARD.into(), String::new())],
+        };
+        let pubrel = PubRel {
+            pkid: 1,
+            reason: PubRelReason::Success,
+        };
+        pub_tx
+            .send_all([
+                Packet::Publish(publish, None),
+                Packet::PubRel(pubrel, Some(discard)),
+            ])
+            .unwrap();
+        loop {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), pub_rx.next());
+            match next.await.expect("PUBCOMP in time").unwrap() {
+                Some(Notification::DeviceAck(crate::router::Ack::PubComp(_))) => break,
+                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+        assert_eq!(*journal.0.lock(), [("sub".to_owned(), MessageId(7))]);
+        assert_eq!(forwarded(&mut sub_rx, 1).await, [] as [u16; 0]);
+    }
+
     /// Patch 22: beyond `max_kept_sessions`, a link that would keep a
     /// session for a client id that has none is refused "quota exceeded";
     /// a client id that has one resumes, clean sessions are not counted,
