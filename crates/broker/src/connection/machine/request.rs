@@ -166,6 +166,23 @@ impl Machine {
         }
         Ok(())
     }
+
+    /// The way answers on `topic` reach this client: the last one's while
+    /// it holds, else a new one (none when this client is not the topic's
+    /// only subscriber, or this connection not its live one).
+    fn answer_route(&mut self, topic: &str) -> Option<Arc<crate::sessions::Route>> {
+        let sessions = &self.shared.sessions;
+        if let Some(route) = &self.answer_route
+            && route.topic() == topic.as_bytes()
+            && sessions.holds(route)
+        {
+            return Some(Arc::clone(route));
+        }
+        self.answer_route = sessions
+            .route(&self.client_id, self.id, topic.as_bytes())
+            .map(Arc::new);
+        self.answer_route.clone()
+    }
 }
 
 /// A request a fault delays: it runs `delay` from now, as if it had
@@ -252,25 +269,6 @@ impl OwnedRequest {
 /// Runs a request as a fault's plan says: executed and answered, answered
 /// with its `-ERR`, executed and not answered, or neither. Returns the
 /// batch the answer waits for, if any.
-impl Machine {
-    /// The way answers on `topic` reach this client: the last one's while
-    /// it holds, else a new one (none when this client is not the topic's
-    /// only subscriber, or this connection not its live one).
-    fn answer_route(&mut self, topic: &str) -> Option<Arc<crate::sessions::Route>> {
-        let sessions = &self.shared.sessions;
-        if let Some(route) = &self.answer_route
-            && route.topic() == topic.as_bytes()
-            && sessions.holds(route)
-        {
-            return Some(Arc::clone(route));
-        }
-        self.answer_route = sessions
-            .route(&self.client_id, self.id, topic.as_bytes())
-            .map(Arc::new);
-        self.answer_route.clone()
-    }
-}
-
 fn run_planned(
     store: &Arc<StateStoreService>,
     request: &Request<'_>,
