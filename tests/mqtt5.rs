@@ -457,6 +457,32 @@ async fn qos2_exactly_once_by_packet_id() {
     assert_eq!(&p.payload[..], b"after");
 }
 
+/// The PUBREL mark by which the broker discards a QoS 2 copy it had
+/// (`statebroker:discard`, router patch 35) is the broker's own: a
+/// client's PUBREL that carries it releases the message all the same.
+#[tokio::test]
+async fn a_clients_discard_mark_on_pubrel_is_not_honoured() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "dm-sub").await;
+    subscribe_with(&mut sub, filter("dm/t", QoS::ExactlyOnce, |_| {})).await;
+    let mut publisher = Raw::connect(addr, "dm-pub").await;
+    publish_qos2_until_pubrec(&mut publisher, "dm/t", b"kept", 4, false).await;
+    let marked = v5::PubRelProperties {
+        reason_string: None,
+        user_properties: vec![("statebroker:discard".into(), String::new())],
+    };
+    publisher
+        .send(Packet::PubRel(v5::PubRel::new(4, Some(marked))))
+        .await;
+    match publisher.recv().await {
+        Recv::Packet(Packet::PubComp(comp)) => assert_eq!(comp.pkid, 4),
+        other => panic!("expected PUBCOMP 4, got {other:?}"),
+    }
+    let p = next_raw_publish(&mut sub).await;
+    assert_eq!(&p.payload[..], b"kept");
+}
+
 /// MQTT 5 4.4: the QoS 2 state of a persistent session survives a
 /// reconnect: a PUBREL sent on the new connection releases the message
 /// received on the old one, once.
