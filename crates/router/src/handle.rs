@@ -203,6 +203,11 @@ mod tests {
     };
 
     fn router() -> RouterHandle {
+        router_with(None)
+    }
+
+    /// [`router`] with `journal`.
+    fn router_with(journal: Option<Arc<dyn crate::Journal>>) -> RouterHandle {
         let config = RouterConfig {
             max_connections: 10,
             max_outgoing_packet_count: 200,
@@ -210,7 +215,7 @@ mod tests {
             max_segment_count: 4,
             ..RouterConfig::default()
         };
-        RouterHandle::spawn(0, config, 0, None)
+        RouterHandle::spawn(0, config, 0, journal)
     }
 
     /// Collects forwarded publishes' packet ids until `count` arrived or
@@ -382,52 +387,65 @@ mod tests {
             .unwrap();
     }
 
+    /// A QoS 2 publish of `payload` on `t` with packet id `pkid`.
+    fn qos2(pkid: u16, payload: &'static str) -> Packet {
+        let mut publish = Publish::new("t", payload, false);
+        publish.qos = QoS::ExactlyOnce;
+        publish.pkid = pkid;
+        Packet::Publish(publish, None)
+    }
+
+    /// The PUBREL of `pkid`, marked [`crate::DISCARD`] if `discard`.
+    fn pubrel(pkid: u16, discard: bool) -> Packet {
+        use crate::protocol::{PubRel, PubRelProperties, PubRelReason};
+        let mark = discard.then(|| PubRelProperties {
+            reason_string: None,
+            user_properties: vec![(crate::DISCARD.into(), String::new())],
+        });
+        let pubrel = PubRel {
+            pkid,
+            reason: PubRelReason::Success,
+        };
+        Packet::PubRel(pubrel, mark)
+    }
+
+    /// The next `count` PUBCOMPs `rx` gets: packet ids and reasons.
+    async fn pubcomps(rx: &mut LinkRx, count: usize) -> Vec<(u16, crate::protocol::PubCompReason)> {
+        let mut completed = Vec::new();
+        while completed.len() < count {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), rx.next());
+            match next.await.expect("PUBCOMPs in time").unwrap() {
+                Some(Notification::DeviceAck(crate::router::Ack::PubComp(c))) => {
+                    completed.push((c.pkid, c.reason))
+                }
+                Some(Notification::Unschedule) => rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+        completed
+    }
+
     /// Patch 35: a PUBREL marked [`crate::DISCARD`] completes its QoS 2
     /// publish (PUBCOMP "success") and delivers nothing; one without the
     /// mark releases its publish as before.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pubrel_marked_discard_delivers_nothing() {
-        use crate::protocol::{PubCompReason, PubRel, PubRelProperties, PubRelReason};
+        use crate::protocol::PubCompReason;
         let router = router();
         let (_sub_tx, mut sub_rx) = subscribed(&router, "sub", "t").await;
         let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
-        let qos2 = |pkid, payload: &'static str| {
-            let mut publish = Publish::new("t", payload, false);
-            publish.qos = QoS::ExactlyOnce;
-            publish.pkid = pkid;
-            Packet::Publish(publish, None)
-        };
-        let pubrel = |pkid| PubRel {
-            pkid,
-            reason: PubRelReason::Success,
-        };
-        let discard = PubRelProperties {
-            reason_string: None,
-            user_properties: vec![(crate::DISCARD.into(), String::new())],
-        };
         pub_tx
             .send_all([
                 qos2(1, "had already"),
                 qos2(2, "new"),
-                Packet::PubRel(pubrel(1), Some(discard)),
-                Packet::PubRel(pubrel(2), None),
+                pubrel(1, true),
+                pubrel(2, false),
             ])
             .unwrap();
         // Released in order: the discarded one would come first.
         assert_eq!(payloads(&mut sub_rx).await, ["new"]);
-        let mut completed = Vec::new();
-        while completed.len() < 2 {
-            let next = tokio::time::timeout(std::time::Duration::from_secs(10), pub_rx.next());
-            match next.await.expect("PUBCOMPs in time").unwrap() {
-                Some(Notification::DeviceAck(crate::router::Ack::PubComp(c))) => {
-                    completed.push((c.pkid, c.reason))
-                }
-                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
-                _ => {}
-            }
-        }
         assert_eq!(
-            completed,
+            pubcomps(&mut pub_rx, 2).await,
             [(1, PubCompReason::Success), (2, PubCompReason::Success)]
         );
     }
@@ -436,7 +454,6 @@ mod tests {
     /// a kept session is forgotten, as a delivered one's is.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_discarded_publish_is_forgotten_by_the_journal() {
-        use crate::protocol::{PubRel, PubRelProperties, PubRelReason};
         use crate::{Journal, Message, MessageId, Receipt, SessionRecord};
 
         /// Saves every queued message as number 7; records deliveries.
@@ -458,44 +475,16 @@ mod tests {
         }
 
         let journal = Arc::new(Recording::default());
-        let config = RouterConfig {
-            max_connections: 10,
-            max_outgoing_packet_count: 200,
-            max_segment_size: 1 << 20,
-            max_segment_count: 4,
-            ..RouterConfig::default()
-        };
-        let router = RouterHandle::spawn(0, config, 0, Some(journal.clone() as Arc<dyn Journal>));
+        let router = router_with(Some(journal.clone() as Arc<dyn Journal>));
         // A kept session (expiry above 0) subscribed to `t`.
         let (mut sub_tx, mut sub_rx, _) = router.link("sub", true, 60, None).await.unwrap();
         sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
         while !matches!(sub_rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
         let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
-        let mut publish = Publish::new("t", "had already", false);
-        publish.qos = QoS::ExactlyOnce;
-        publish.pkid = 1;
-        let discard = PubRelProperties {
-            reason_string: None,
-            user_properties: vec![(crate::DISCARD.into(), String::new())],
-        };
-        let pubrel = PubRel {
-            pkid: 1,
-            reason: PubRelReason::Success,
-        };
         pub_tx
-            .send_all([
-                Packet::Publish(publish, None),
-                Packet::PubRel(pubrel, Some(discard)),
-            ])
+            .send_all([qos2(1, "had already"), pubrel(1, true)])
             .unwrap();
-        loop {
-            let next = tokio::time::timeout(std::time::Duration::from_secs(10), pub_rx.next());
-            match next.await.expect("PUBCOMP in time").unwrap() {
-                Some(Notification::DeviceAck(crate::router::Ack::PubComp(_))) => break,
-                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
-                _ => {}
-            }
-        }
+        assert_eq!(pubcomps(&mut pub_rx, 1).await.len(), 1);
         assert_eq!(*journal.0.lock(), [("sub".to_owned(), MessageId(7))]);
         assert_eq!(forwarded(&mut sub_rx, 1).await, [] as [u16; 0]);
     }
