@@ -366,7 +366,17 @@ async fn publish_qos2_until_pubrec(
 }
 
 async fn pubrel(c: &mut Raw, pkid: u16) -> v5::PubComp {
-    c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
+    pubrel_with(c, pkid, None).await
+}
+
+/// [`pubrel`] with `properties`.
+async fn pubrel_with(
+    c: &mut Raw,
+    pkid: u16,
+    properties: Option<v5::PubRelProperties>,
+) -> v5::PubComp {
+    c.send(Packet::PubRel(v5::PubRel::new(pkid, properties)))
+        .await;
     match c.recv().await {
         Recv::Packet(Packet::PubComp(comp)) => {
             assert_eq!(comp.pkid, pkid);
@@ -472,13 +482,7 @@ async fn a_clients_discard_mark_on_pubrel_is_not_honoured() {
         reason_string: None,
         user_properties: vec![("statebroker:discard".into(), String::new())],
     };
-    publisher
-        .send(Packet::PubRel(v5::PubRel::new(4, Some(marked))))
-        .await;
-    match publisher.recv().await {
-        Recv::Packet(Packet::PubComp(comp)) => assert_eq!(comp.pkid, 4),
-        other => panic!("expected PUBCOMP 4, got {other:?}"),
-    }
+    pubrel_with(&mut publisher, 4, Some(marked)).await;
     let p = next_raw_publish(&mut sub).await;
     assert_eq!(&p.payload[..], b"kept");
 }
