@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::mqtt::{
-    ack, filter, goodbye, next_raw_publish, publish_complete, session, subscribe_with,
-    subscribe_with_id,
+    ack, filter, goodbye, next_raw_publish, publish_complete, publish_until_pubrec, pubrel_with,
+    session, subscribe_with, subscribe_with_id,
 };
 use common::raw::{Raw, Recv, v5};
 use common::start_broker;
@@ -358,32 +358,11 @@ async fn publish_qos2_until_pubrec(
     let mut publish = Publish::new(topic, QoS::ExactlyOnce, Bytes::from_static(payload), None);
     publish.pkid = pkid;
     publish.dup = dup;
-    c.send(Packet::Publish(publish)).await;
-    match c.recv().await {
-        Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
-        other => panic!("expected PUBREC {pkid}, got {other:?}"),
-    }
+    publish_until_pubrec(c, publish).await;
 }
 
 async fn pubrel(c: &mut Raw, pkid: u16) -> v5::PubComp {
     pubrel_with(c, pkid, None).await
-}
-
-/// [`pubrel`] with `properties`.
-async fn pubrel_with(
-    c: &mut Raw,
-    pkid: u16,
-    properties: Option<v5::PubRelProperties>,
-) -> v5::PubComp {
-    c.send(Packet::PubRel(v5::PubRel::new(pkid, properties)))
-        .await;
-    match c.recv().await {
-        Recv::Packet(Packet::PubComp(comp)) => {
-            assert_eq!(comp.pkid, pkid);
-            comp
-        }
-        other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
-    }
 }
 
 /// MQTT 5 3.3.4: the broker announces its Receive Maximum in CONNACK and

@@ -42,16 +42,41 @@ pub async fn publish_complete_with(
             other => panic!("expected PUBACK, got {other:?}"),
         },
         QoS::ExactlyOnce => {
-            match c.recv().await {
-                Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
-                other => panic!("expected PUBREC, got {other:?}"),
-            }
-            c.send(Packet::PubRel(v5::PubRel::new(pkid, None))).await;
-            match c.recv().await {
-                Recv::Packet(Packet::PubComp(comp)) => assert_eq!(comp.pkid, pkid),
-                other => panic!("expected PUBCOMP, got {other:?}"),
-            }
+            pubrec_of(c, pkid).await;
+            pubrel_with(c, pkid, None).await;
         }
+    }
+}
+
+/// Sends QoS 2 `publish` (its packet id set) and waits for its PUBREC.
+pub async fn publish_until_pubrec(c: &mut Raw, publish: Publish) {
+    let pkid = publish.pkid;
+    c.send(Packet::Publish(publish)).await;
+    pubrec_of(c, pkid).await;
+}
+
+/// The next packet is the PUBREC of `pkid`.
+async fn pubrec_of(c: &mut Raw, pkid: u16) {
+    match c.recv().await {
+        Recv::Packet(Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
+        other => panic!("expected PUBREC {pkid}, got {other:?}"),
+    }
+}
+
+/// Sends the PUBREL of `pkid` with `properties`; its PUBCOMP.
+pub async fn pubrel_with(
+    c: &mut Raw,
+    pkid: u16,
+    properties: Option<v5::PubRelProperties>,
+) -> v5::PubComp {
+    c.send(Packet::PubRel(v5::PubRel::new(pkid, properties)))
+        .await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubComp(comp)) => {
+            assert_eq!(comp.pkid, pkid);
+            comp
+        }
+        other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
     }
 }
 

@@ -296,25 +296,15 @@ async fn publish_until_pubrec(
     let mut publish = v5::Publish::new(topic, QoS::ExactlyOnce, payload.to_owned(), properties);
     publish.pkid = pkid;
     publish.dup = dup;
-    raw.send(v5::Packet::Publish(publish)).await;
-    match raw.recv().await {
-        common::raw::Recv::Packet(v5::Packet::PubRec(rec)) => assert_eq!(rec.pkid, pkid),
-        other => panic!("expected PUBREC {pkid}, got {other:?}"),
-    }
+    common::mqtt::publish_until_pubrec(raw, publish).await;
 }
 
-/// `raw` releases its QoS 2 publish `pkid`: PUBREL until PUBCOMP, which
-/// the node sends once its router has released (or discarded) it.
+/// `raw` releases its QoS 2 publish `pkid`: PUBREL until PUBCOMP
+/// "success", which the node sends once its router has released (or
+/// discarded) it.
 async fn release(raw: &mut Raw, pkid: u16) {
-    raw.send(v5::Packet::PubRel(v5::PubRel::new(pkid, None)))
-        .await;
-    match raw.recv().await {
-        common::raw::Recv::Packet(v5::Packet::PubComp(comp)) => {
-            assert_eq!(comp.pkid, pkid);
-            assert_eq!(comp.reason, v5::PubCompReason::Success);
-        }
-        other => panic!("expected PUBCOMP {pkid}, got {other:?}"),
-    }
+    let comp = common::mqtt::pubrel_with(raw, pkid, None).await;
+    assert_eq!(comp.reason, v5::PubCompReason::Success);
 }
 
 /// A node may hold two copies of one QoS 2 message: the first its
