@@ -555,8 +555,7 @@ impl DirectWindow {
         );
         if out.len() - start > self.max_packet_size {
             out.truncate(start);
-            self.bound.release(message.size());
-            message.done();
+            finished(&self.bound, &message);
             return false;
         }
         if message.kept_pkid.is_some() {
@@ -565,8 +564,7 @@ impl DirectWindow {
         }
         crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
-            self.bound.release(message.size());
-            message.done();
+            finished(&self.bound, &message);
         } else {
             self.inflight.insert(pkid, message);
         }
@@ -594,8 +592,7 @@ impl DirectWindow {
     pub fn acknowledged(&mut self, pkid: u16) -> bool {
         match self.inflight.remove(&pkid) {
             Some(done) => {
-                self.bound.release(done.size());
-                done.done();
+                finished(&self.bound, &done);
                 true
             }
             None => false,
@@ -612,8 +609,7 @@ impl DirectWindow {
         for pkid in self.released.drain() {
             if let Some(done) = self.inflight.remove(&pkid) {
                 // PUBREC'd: the client has it.
-                self.bound.release(done.size());
-                done.done();
+                finished(&self.bound, &done);
             }
         }
         // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
@@ -630,6 +626,13 @@ impl DirectWindow {
         all.extend(self.pending.drain(..));
         all
     }
+}
+
+/// `message` needs no room in the connection's queue any more, nor a copy
+/// anywhere: its room in `bound` is freed and its [`Direct::done`] runs.
+fn finished(bound: &QueueBound, message: &Direct) {
+    bound.release(message.size());
+    message.done();
 }
 
 #[cfg(test)]
