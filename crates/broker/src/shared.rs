@@ -355,7 +355,8 @@ impl Shared {
     /// `clean_start`: the session kept in etcd ends; `ids`: the packet ids
     /// its router deliveries take, kept with its records; `will`: the
     /// connection's will, kept in etcd for the case its node dies, with
-    /// the Session Expiry Interval that bounds its delay.
+    /// the Session Expiry Interval that bounds its delay; `epoch`: the
+    /// node's lease losses when the connection was accepted.
     pub fn claim_client(
         &self,
         _client_id: &str,
@@ -367,6 +368,7 @@ impl Shared {
             Option<&router::protocol::LastWillProperties>,
             u32,
         )>,
+        _epoch: u64,
     ) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
@@ -374,7 +376,7 @@ impl Shared {
                 crate::cluster::wills::encode(will, properties, session_expiry)
             });
             node.ownership()
-                .claim(_client_id, _connection, _clean_start, _ids, will);
+                .claim(_client_id, _connection, _clean_start, _ids, will, _epoch);
         }
     }
 

@@ -206,7 +206,12 @@ async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
         3,
         options,
         1,
-        &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "4000")],
+        &[
+            ("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "4000"),
+            // The claim below fails and is tried again before the node
+            // is suspended.
+            ("STATEBROKER__CLUSTERING__ETCD_REQUEST_TIMEOUT_MS", "1000"),
+        ],
     );
     let (port, http) = (setup.ports[0], setup.http[0]);
     let mut subscriber = Raw::connect(addr(port), "steady-sub").await;
@@ -216,6 +221,12 @@ async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
     let mut publisher = Raw::connect(addr(port), "steady-pub").await;
     let leader = setup.etcd.wait_leader(PATIENCE).expect("a leader");
     setup.etcd.kill(leader).unwrap();
+    // A client accepted during the election: its ownership record cannot
+    // be put before the node is suspended, and is put once etcd confirms
+    // the lease (before, the claim was dropped at the suspension: the
+    // client had a connection here and no record, so a connection to
+    // another node would not have ended this one).
+    let _elected = Raw::connect(addr(port), "mid-election").await;
     eventually("the node suspended", || {
         metric(http, "statebroker_cluster_suspensions_total").is_some_and(|n| n >= 1.0)
     })
@@ -238,6 +249,10 @@ async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
         "the lease was never lost"
     );
     eventually("ready again", || http_status(http, "/readyz") == Some(200)).await;
+    eventually("the client accepted during the election is recorded", || {
+        setup.etcd.get("/statebroker/C/mid-election").unwrap().is_some()
+    })
+    .await;
     setup.etcd.restart(leader).unwrap();
     // The same connections, served.
     for client in [&mut subscriber, &mut publisher] {
@@ -247,4 +262,53 @@ async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
             other => panic!("expected PINGRESP, got {other:?}"),
         }
     }
+}
+
+/// A CONNECT with Clean Start 0 waits for etcd (its session is read
+/// there); a node that loses its lease meanwhile refuses it with 0x9C
+/// when etcd answers, even if it serves again by then: the client may
+/// have gone to another node, and the late CONNECT's claim would take it
+/// from there (the long fault run saw clients ended with 0x8E so, by a
+/// node they had left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_that_waited_across_a_lease_loss_is_refused() {
+    let mut setup = Setup::start_with(
+        1,
+        1,
+        &[
+            ("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "2000"),
+            // The session read waits for etcd past the lease's loss.
+            ("STATEBROKER__CLUSTERING__ETCD_REQUEST_TIMEOUT_MS", "60000"),
+        ],
+    );
+    let (port, http) = (setup.ports[0], setup.http[0]);
+    setup.etcd.pause(0).unwrap();
+    let connecting = tokio::spawn(Raw::try_connect(
+        addr(port),
+        "waiter",
+        PATIENCE * 2,
+        |(connect, _, _)| {
+            connect.clean_start = false;
+            connect
+                .properties
+                .get_or_insert_with(Default::default)
+                .session_expiry_interval = Some(60);
+        },
+    ));
+    eventually("the node lost its lease", || {
+        metric(http, "statebroker_cluster_lease_losses_total").is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    assert!(
+        !connecting.is_finished(),
+        "the CONNECT was answered before etcd was: it did not wait"
+    );
+    setup.etcd.resume(0).unwrap();
+    let (_, ack) = connecting.await.unwrap().expect("a CONNACK");
+    assert_eq!(
+        ack.code,
+        v5::ConnectReturnCode::UseAnotherServer,
+        "{}",
+        setup.nodes[0].log_tail(30)
+    );
 }

@@ -198,6 +198,15 @@ pub(crate) async fn accept(
             }
         }
     };
+    // The node lost its lease while the CONNECT waited for etcd (and may
+    // serve again under a new one): the client may be on another node by
+    // now, and this late CONNECT's claim would take it from there.
+    if shared.standing.epoch() != epoch {
+        return Err(refuse(
+            Refusal::NotAMember,
+            "this cluster node lost its membership lease while the CONNECT waited for etcd: use another node",
+        ));
+    }
     // A connection that starts clean, keeps nothing after it ends and has
     // no session to discard joins on first need.
     let lazy = terms.clean_start

@@ -132,13 +132,18 @@ pub(crate) async fn serve<S: Stream>(
     }
     // A cluster node records that it owns the client id now: its
     // connection on another node ends (0x8E). A link between nodes is not
-    // a client.
-    if from_node.is_none() {
+    // a client. A node that lost its lease since it accepted the CONNECT
+    // sends the connection away instead (it may have missed it: it was
+    // not among the sessions yet), and claims nothing.
+    let now = shared.standing.epoch();
+    if now != epoch {
+        shared.sessions.send_all_away(now);
+    } else if from_node.is_none() {
         let will = hello
             .will
             .as_ref()
             .map(|w| (w, hello.will_properties.as_ref(), terms.session_expiry));
-        shared.claim_client(&client_id, id, terms.clean_start, ids, will);
+        shared.claim_client(&client_id, id, terms.clean_start, ids, will, epoch);
     }
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();

@@ -61,6 +61,10 @@ struct Claim {
     /// The session's queued messages came from etcd (see
     /// [`Ownership::took_queue`]).
     took_queue: bool,
+    /// The node's lease losses when the connection was accepted (see
+    /// [`crate::standing`]): a claim made before a loss is not recorded
+    /// after it.
+    epoch: u64,
 }
 
 /// A session record waiting to be written, numbered so that a newer one
@@ -194,7 +198,8 @@ impl Ownership {
     /// node left (the session ended with this CONNECT); `ids`: the packet
     /// ids the session's router deliveries take here, kept in the owner
     /// and session records; `will`: the connection's will record (see
-    /// [`super::wills`]), put with the claim (none: an older one goes).
+    /// [`super::wills`]), put with the claim (none: an older one goes);
+    /// `epoch`: the node's lease losses when the connection was accepted.
     pub fn claim(
         self: &Arc<Self>,
         client_id: &str,
@@ -202,6 +207,7 @@ impl Ownership {
         clean_start: bool,
         ids: PacketIdBlock,
         will: Option<Vec<u8>>,
+        epoch: u64,
     ) {
         let mut state = self.state.lock();
         let took_queue = state.took_queue.remove(client_id) && !clean_start;
@@ -216,6 +222,7 @@ impl Ownership {
                 kept: false,
                 ids,
                 took_queue,
+                epoch,
             },
         );
         drop(state);
@@ -265,21 +272,32 @@ impl Ownership {
 
     /// Puts the record of `connection`'s claim (and, for a clean start,
     /// removes the session record). `Err(Some(why))`: etcd did not take
-    /// it, try again; `Err(None)`: no more to do (the claim is gone, or
-    /// lost to another node's).
+    /// it, or the node waits for etcd to confirm its lease: try again;
+    /// `Err(None)`: no more to do (the claim is gone, lost to another
+    /// node's, or made before the node lost its lease: its connection was
+    /// sent away, and a record put under the next lease would take the
+    /// client from the node it went to).
     async fn record(
         self: &Arc<Self>,
         client_id: &str,
         connection: u64,
         will: Option<&[u8]>,
     ) -> Result<(), Option<String>> {
+        let standing = self.membership.standing();
         let Some((clean_start, ids, took_queue)) =
             claim_of(&mut self.state.lock().claims, client_id, connection)
+                .filter(|c| c.epoch == standing.epoch())
                 .map(|c| (c.clean_start, c.ids, c.took_queue))
-                .filter(|_| self.membership.standing().serving())
         else {
             return Err(None);
         };
+        // Suspended: the connection waits for etcd to confirm the lease,
+        // and goes on if it does; so does its claim.
+        if !standing.serving() {
+            return Err(Some(
+                "etcd has not confirmed this node's membership lease".to_owned(),
+            ));
+        }
         // Why the node that had the session hands nothing over, if so.
         let mark = match (clean_start, took_queue) {
             (true, _) => "\nclean",
