@@ -358,6 +358,23 @@ def pubsub_all(rumqttd_bin, tmp, duration, warmup):
 SECTIONS = ("reqresp", "persist", "pubsub", "connections")
 
 
+def describe_machine():
+    """The machine a run's ratios belong to: architecture, cores, `lscpu`'s
+    model name and cache sizes (#30: a ratio without its machine is not a
+    result)."""
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return machine
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    caches = ", ".join(f"{level} {info[level + ' cache']}"
+                       for level in ("L1d", "L2", "L3") if level + " cache" in info)
+    model = info.get("Model name")
+    return ", ".join(x for x in (model, machine, caches) if x)
+
+
 def main():
     global RESULTS, PIN_SERVER, PIN_CLIENT
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,7 +401,7 @@ def main():
     conns = [int(c) for c in args.connections.split(",")]
     nofile = raise_nofile()
     rumqttd_bin = install()
-    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    machine = describe_machine()
     rows, extras = [], {}
     tmp = tempfile.mkdtemp(prefix="sb-compare-")
 

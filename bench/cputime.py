@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""User and kernel CPU time per request of statebroker's state store and of
+redis-server's GET, at 64 connections, alternated for ROUNDS rounds: the
+server pinned to core 0 and the load generator to core 1, as
+bench/compare.py pins them; the server's utime/stime from /proc/PID/stat
+over the load's length, divided by the requests the load generator
+counted.
+
+    python3 bench/cputime.py [--broker BINARY] [--rounds 3] [--duration 5]
+"""
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port):
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listens on {port}")
+
+
+def cpu(pid):
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def measure(server, load, port, count):
+    proc = subprocess.Popen(["taskset", "-c", "0", *server], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        before, start = cpu(proc.pid), time.monotonic()
+        out = subprocess.run(["taskset", "-c", "1", *load], capture_output=True, text=True,
+                             check=True).stdout
+        after, elapsed = cpu(proc.pid), time.monotonic() - start
+        requests = count(out)
+        user, kernel = (b - a for a, b in zip(before, after))
+        return requests / elapsed, user * 1e6 / requests, kernel * 1e6 / requests
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--broker", default=os.path.join(ROOT, "target/release/statebroker"))
+    p.add_argument("--bench", default=os.path.join(ROOT, "target/release/statebroker-bench"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=int, default=5)
+    a = p.parse_args()
+    print("| round | statebroker req/s, user / kernel µs per request "
+          "| redis GET req/s, user / kernel µs per request |")
+    print("|---|---|---|")
+    for r in range(1, a.rounds + 1):
+        port = free_port()
+        sb = measure(
+            [a.broker, "--in-memory", "--no-http", "--listen", f"127.0.0.1:{port}"],
+            [a.bench, "--target", f"127.0.0.1:{port}", "-c", "64", "-d", str(a.duration),
+             "--warmup", "0"],
+            port,
+            lambda out: int(re.search(r"requests (\d+)", out).group(1)),
+        )
+        port = free_port()
+        n = 100_000 * a.duration
+        rd = measure(
+            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+            ["redis-benchmark", "-p", str(port), "-c", "64", "-n", str(n), "-t", "get", "-q"],
+            port,
+            lambda out: n,
+        )
+        print(f"| {r} | {sb[0]:,.0f}, {sb[1]:.2f} / {sb[2]:.2f} "
+              f"| {rd[0]:,.0f}, {rd[1]:.2f} / {rd[2]:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
