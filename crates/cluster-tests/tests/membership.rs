@@ -249,9 +249,16 @@ async fn an_etcd_leader_election_pauses_clients_without_sending_them_away() {
         "the lease was never lost"
     );
     eventually("ready again", || http_status(http, "/readyz") == Some(200)).await;
-    eventually("the client accepted during the election is recorded", || {
-        setup.etcd.get("/statebroker/C/mid-election").unwrap().is_some()
-    })
+    eventually(
+        "the client accepted during the election is recorded",
+        || {
+            setup
+                .etcd
+                .get("/statebroker/C/mid-election")
+                .unwrap()
+                .is_some()
+        },
+    )
     .await;
     setup.etcd.restart(leader).unwrap();
     // The same connections, served.
