@@ -9,7 +9,7 @@ use statestore::resp3::{encode_request, parse_reply, parse_request};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(args) = parse_request(data) {
-        assert_eq!(encode_request(&args), data, "accepted bytes re-encode to themselves");
+        assert_eq!(encode_request(&args[..]), data, "accepted bytes re-encode to themselves");
     }
     let _ = parse_reply(data);
     let _ = Page::decode(data);

@@ -32,15 +32,20 @@ impl fmt::Display for SyntaxError {
 
 impl std::error::Error for SyntaxError {}
 
+/// A request's arguments, borrowed from its payload: up to 8 kept in
+/// place (the arguments of every valid command fit; more go to the heap),
+/// so parsing a request allocates nothing.
+pub type Args<'a> = smallvec::SmallVec<[&'a [u8]; 8]>;
+
 /// Parses a request payload into its arguments, borrowing from `payload`.
 ///
 /// ```
 /// use statestore::resp3::parse_request;
 /// let args = parse_request(b"*2\r\n$3\r\nGET\r\n$2\r\n\r\n\r\n").unwrap();
-/// assert_eq!(args, vec![&b"GET"[..], &b"\r\n"[..]]);
+/// assert_eq!(args[..], [&b"GET"[..], &b"\r\n"[..]]);
 /// assert!(parse_request(b"*1\r\n$3\r\nGET\r\nextra").is_err());
 /// ```
-pub fn parse_request(payload: &[u8]) -> Result<Vec<&[u8]>, SyntaxError> {
+pub fn parse_request(payload: &[u8]) -> Result<Args<'_>, SyntaxError> {
     let mut cursor = Cursor::new(payload);
     let count = cursor.length_line(b'*')?;
     // Every element takes at least 6 bytes (`$0\r\n\r\n`): never trust the
@@ -48,7 +53,7 @@ pub fn parse_request(payload: &[u8]) -> Result<Vec<&[u8]>, SyntaxError> {
     if count > cursor.remaining() / 6 {
         return Err(SyntaxError);
     }
-    let mut args = Vec::with_capacity(count);
+    let mut args = Args::with_capacity(count);
     for _ in 0..count {
         let len = cursor.length_line(b'$')?;
         args.push(cursor.take(len)?);
@@ -212,7 +217,7 @@ pub fn encode_bulk(bytes: &[u8], out: &mut Vec<u8>) {
 /// use statestore::resp3::{encode_request, parse_request};
 /// let wire = encode_request(&["GET", "k"]);
 /// assert_eq!(wire, b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n");
-/// assert_eq!(parse_request(&wire).unwrap(), vec![&b"GET"[..], &b"k"[..]]);
+/// assert_eq!(parse_request(&wire).unwrap()[..], [&b"GET"[..], &b"k"[..]]);
 /// ```
 pub fn encode_request<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + args.iter().map(|a| a.as_ref().len() + 8).sum::<usize>());
@@ -329,7 +334,7 @@ mod tests {
     #[test]
     fn parses_binary_arguments() {
         let args = parse_request(b"*3\r\n$3\r\nSET\r\n$1\r\n\n\r\n$0\r\n\r\n").unwrap();
-        assert_eq!(args, vec![&b"SET"[..], &b"\n"[..], &b""[..]]);
+        assert_eq!(args[..], [&b"SET"[..], &b"\n"[..], &b""[..]]);
     }
 
     #[test]
@@ -369,7 +374,7 @@ mod tests {
 
     #[test]
     fn empty_array_parses_to_no_arguments() {
-        assert_eq!(parse_request(b"*0\r\n").unwrap(), Vec::<&[u8]>::new());
+        assert!(parse_request(b"*0\r\n").unwrap().is_empty());
     }
 
     #[test]
