@@ -49,7 +49,7 @@ struct Job {
     request: u64,
     /// Sent again by the client (see [`ReplyTo::resent`]).
     resent: bool,
-    reply: Reply,
+    reply: Reply<'static>,
     access: Option<Arc<dyn KeyAccess + Send + Sync>>,
 }
 
@@ -183,7 +183,7 @@ impl StateStoreService {
             persist: request.persist,
             request: record::request_id(caller.client_id, correlation),
             resent: reply.to.as_ref().is_some_and(|to| to.resent),
-            reply,
+            reply: reply.detach(),
             access,
         };
         let Some(key) = key else {
@@ -298,7 +298,7 @@ async fn run_scan(service: Arc<StateStoreService>, job: Job) {
     }
 }
 
-fn unanswered(reply: &Reply, why: &Unanswered) {
+fn unanswered(reply: &Reply<'_>, why: &Unanswered) {
     let reason = match why {
         Unanswered::Unreachable(_) => "unreachable",
         Unanswered::InDoubt => "in_doubt",
@@ -306,7 +306,7 @@ fn unanswered(reply: &Reply, why: &Unanswered) {
     };
     crate::metrics::cluster_unanswered(reason);
     tracing::warn!(
-        client_id = reply.requester,
+        client_id = %reply.requester,
         command = reply.command,
         %why,
         "state store request not answered"

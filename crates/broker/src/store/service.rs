@@ -83,16 +83,18 @@ struct Waiters {
 /// An answer (or notifications only) waiting for its batch to be durable.
 struct Waiting {
     batch: Batch,
-    reply: Option<Reply>,
+    reply: Option<Reply<'static>>,
     outcome: Outcome,
 }
 
-/// Where a response goes, and who asked.
+/// Where a response goes, and who asked: the requester's client id
+/// borrowed from the request while the answer goes at once, copied for an
+/// answer that waits ([`Reply::detach`]).
 #[derive(Debug, Clone)]
-pub(super) struct Reply {
+pub(super) struct Reply<'a> {
     /// `None`: the caller is the broker's own tool, answered directly.
     pub(super) to: Option<ReplyTo>,
-    pub(super) requester: String,
+    pub(super) requester: std::borrow::Cow<'a, str>,
     /// For metrics: the command, whether it succeeded, when it arrived.
     pub(super) command: &'static str,
     ok: bool,
@@ -274,12 +276,12 @@ impl StateStoreService {
 
     /// Executes a request; returns where its answer goes, the outcome, and
     /// the batch the answer must wait for.
-    fn run(
+    fn run<'c>(
         &self,
         request: &Request<'_>,
-        caller: Caller<'_>,
+        caller: Caller<'c>,
         reply_to: Option<ReplyTo>,
-    ) -> (Reply, Outcome, Option<Batch>) {
+    ) -> (Reply<'c>, Outcome, Option<Batch>) {
         let started = std::time::Instant::now();
         let (outcome, wait) = {
             let mut store = self.store.lock();
@@ -307,13 +309,13 @@ impl StateStoreService {
     /// key for the live list when the activity wants it (someone watches,
     /// or the backlog's sample is due; the outcome is filled in by
     /// [`settle`]).
-    pub(super) fn reply_pending(
+    pub(super) fn reply_pending<'c>(
         &self,
         request: &Request<'_>,
-        caller: Caller<'_>,
+        caller: Caller<'c>,
         reply_to: Option<ReplyTo>,
         command: &'static str,
-    ) -> Reply {
+    ) -> Reply<'c> {
         let shown = self.activity.wanted().then(|| {
             let key = statestore::resp3::parse_request(request.payload)
                 .ok()
@@ -322,7 +324,7 @@ impl StateStoreService {
         });
         Reply {
             to: reply_to,
-            requester: caller.client_id.to_owned(),
+            requester: std::borrow::Cow::Borrowed(caller.client_id),
             command,
             ok: true,
             started: std::time::Instant::now(),
@@ -332,13 +334,13 @@ impl StateStoreService {
 
     /// The reply of an outcome served at once.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
-    pub(super) fn reply(
+    pub(super) fn reply<'c>(
         &self,
         request: &Request<'_>,
-        caller: Caller<'_>,
+        caller: Caller<'c>,
         reply_to: Option<ReplyTo>,
         outcome: &Outcome,
-    ) -> Reply {
+    ) -> Reply<'c> {
         let mut reply = self.reply_pending(
             request,
             caller,
@@ -353,7 +355,7 @@ impl StateStoreService {
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub(super) fn answer(
         &self,
-        mut reply: Reply,
+        mut reply: Reply<'_>,
         frame: statestore::resp3::Frame,
         version: String,
         error: Option<statestore::Error>,
@@ -381,7 +383,7 @@ impl StateStoreService {
 
     /// Publishes an answer served at once.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
-    pub(super) fn publish_answer(&self, reply: Reply, outcome: Outcome) {
+    pub(super) fn publish_answer(&self, reply: Reply<'_>, outcome: Outcome) {
         self.publish_outcome(Some(reply), outcome);
     }
 
@@ -451,7 +453,7 @@ impl StateStoreService {
     /// Returns the batch waited for, if the answer was not published now.
     fn publish_when_durable(
         self: &Arc<Self>,
-        reply: Option<Reply>,
+        reply: Option<Reply<'_>>,
         outcome: Outcome,
         wait: Option<Batch>,
     ) -> Option<Batch> {
@@ -462,7 +464,7 @@ impl StateStoreService {
             if !waiting.released.covers(batch) {
                 waiting.list.push(Waiting {
                     batch,
-                    reply,
+                    reply: reply.map(Reply::detach),
                     outcome,
                 });
                 return Some(batch);
@@ -513,7 +515,7 @@ impl StateStoreService {
     }
 
     /// Delivers the response and the notifications of an outcome.
-    fn publish_outcome(&self, reply: Option<Reply>, outcome: Outcome) {
+    fn publish_outcome(&self, reply: Option<Reply<'_>>, outcome: Outcome) {
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
             crate::metrics::store_request(reply.command, reply.ok, took);
@@ -521,7 +523,7 @@ impl StateStoreService {
             if let Some((key, outcome)) = reply.shown {
                 self.activity.record(Event::Request {
                     at_ms: now_ms(),
-                    client: reply.requester.clone(),
+                    client: reply.requester.to_string(),
                     command: reply.command,
                     key,
                     outcome,
@@ -657,8 +659,23 @@ impl StateStoreService {
     }
 }
 
+impl Reply<'_> {
+    /// The same reply, owning its requester's client id: it outlives the
+    /// request (it waits for the disk, or for etcd).
+    pub(super) fn detach(self) -> Reply<'static> {
+        Reply {
+            requester: std::borrow::Cow::Owned(self.requester.into_owned()),
+            to: self.to,
+            command: self.command,
+            ok: self.ok,
+            started: self.started,
+            shown: self.shown,
+        }
+    }
+}
+
 /// Fills in how a request ended: for metrics and the live list.
-fn settle(reply: &mut Reply, error: Option<statestore::Error>) {
+fn settle(reply: &mut Reply<'_>, error: Option<statestore::Error>) {
     reply.ok = error.is_none();
     if let Some((_, result)) = &mut reply.shown {
         *result = error.map_or_else(|| "ok".to_owned(), |e| e.to_string());
