@@ -33,8 +33,9 @@ pub struct Route {
 }
 
 impl Route {
-    /// The topic its answers go on.
-    pub fn topic(&self) -> &[u8] {
+    /// The topic its answers go on (a request's Response Topic shares it,
+    /// see [`crate::store::binding::admit`]).
+    pub fn topic(&self) -> &Bytes {
         &self.topic
     }
 }

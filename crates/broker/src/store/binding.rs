@@ -38,8 +38,9 @@ pub const CONTENT_TYPE: &str = "application/octet-stream";
 /// Where a response goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplyTo {
-    /// The request's Response Topic.
-    pub topic: String,
+    /// The request's Response Topic (shared with the connection's answer
+    /// route when it is that route's topic, see [`admit`]).
+    pub topic: Bytes,
     /// The request's Correlation Data.
     pub correlation: Option<Bytes>,
     /// The client sent it again (MQTT DUP), as after a reconnection: a
@@ -103,20 +104,26 @@ pub fn check_response_topic(properties: &PublishProperties) -> Result<(), Violat
 }
 
 /// Decides what to do with a request whose Response Topic passed
-/// [`check_response_topic`] (see the module docs for the order).
+/// [`check_response_topic`] (see the module docs for the order). `known`:
+/// the topic of the requester's answer route (see
+/// [`crate::sessions::Route`]), taken for the Response Topic when it is
+/// the same.
 pub fn admit<'a>(
     payload: &'a [u8],
     properties: &'a PublishProperties,
     qos: u8,
     dialect: Dialect,
+    known: Option<&Bytes>,
 ) -> Admission<'a> {
     let Some(topic) = &properties.response_topic else {
         return Admission::Ignore;
     };
     let reply_to = ReplyTo {
-        // A copy, as the correlation data's below (a plain one: through
-        // `Display`, `to_string` cost 200 instructions).
-        topic: String::from(&**topic),
+        // The route's, or a copy, as the correlation data's below.
+        topic: match known {
+            Some(known) if known == topic.as_bytes() => known.clone(),
+            _ => Bytes::copy_from_slice(topic.as_bytes()),
+        },
         // A copy: a slice would keep the whole read buffer alive for as
         // long as the router keeps the response.
         correlation: properties
@@ -155,7 +162,7 @@ pub fn admit<'a>(
 /// request's Correlation Data, `__stat` = `200` and `__ts` = `timestamp`.
 pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direct {
     Direct {
-        topic: Bytes::from(reply_to.topic),
+        topic: reply_to.topic,
         payload: Bytes::from(payload),
         properties: DirectProperties::Fixed {
             fixed: &ANSWER,
@@ -258,11 +265,11 @@ mod tests {
     fn admission() {
         let no_topic = props(None, Some(b"c"));
         assert!(matches!(
-            admit(b"x", &no_topic, 1, Dialect::V1),
+            admit(b"x", &no_topic, 1, Dialect::V1, None),
             Admission::Ignore
         ));
         let p = props(Some(RESPONSE), Some(b"c"));
-        match admit(b"x", &p, 0, Dialect::V1) {
+        match admit(b"x", &p, 0, Dialect::V1, None) {
             Admission::Refuse(to, text) => {
                 assert_eq!(to.topic, RESPONSE);
                 assert_eq!(text, "requests must be published with QoS 1");
@@ -271,10 +278,10 @@ mod tests {
         }
         let uncorrelated = props(Some(RESPONSE), None);
         assert!(matches!(
-            admit(b"x", &uncorrelated, 1, Dialect::V1),
+            admit(b"x", &uncorrelated, 1, Dialect::V1, None),
             Admission::Refuse(_, "requests must carry correlation data")
         ));
-        match admit(b"payload", &p, 1, Dialect::Legacy2023) {
+        match admit(b"payload", &p, 1, Dialect::Legacy2023, None) {
             Admission::Serve(request, to) => {
                 assert_eq!(request.payload, b"payload");
                 assert_eq!(request.timestamp, Some("1:0:c1"));
@@ -283,6 +290,18 @@ mod tests {
                 assert_eq!(request.dialect, Dialect::Legacy2023);
                 assert_eq!(to.correlation.as_deref(), Some(&b"c"[..]));
             }
+            other => panic!("{other:?}"),
+        }
+        // The answer route's topic is taken when it is the Response Topic
+        // (shared, not copied); another is not.
+        let known = Bytes::copy_from_slice(RESPONSE.as_bytes());
+        match admit(b"payload", &p, 1, Dialect::V1, Some(&known)) {
+            Admission::Serve(_, to) => assert_eq!(to.topic.as_ptr(), known.as_ptr()),
+            other => panic!("{other:?}"),
+        }
+        let elsewhere = Bytes::from_static(b"clients/other/response");
+        match admit(b"payload", &p, 1, Dialect::V1, Some(&elsewhere)) {
+            Admission::Serve(_, to) => assert_eq!(to.topic, RESPONSE),
             other => panic!("{other:?}"),
         }
     }
@@ -303,7 +322,7 @@ mod tests {
     #[test]
     fn response_properties() {
         let to = ReplyTo {
-            topic: RESPONSE.into(),
+            topic: Bytes::from_static(RESPONSE.as_bytes()),
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
             ticket: None,
@@ -360,7 +379,7 @@ mod tests {
             out
         }
         let to = ReplyTo {
-            topic: RESPONSE.into(),
+            topic: Bytes::from_static(RESPONSE.as_bytes()),
             correlation: Some(Bytes::from_static(b"corr")),
             resent: false,
             ticket: None,

@@ -80,7 +80,8 @@ impl Machine {
             return Ok(());
         }
         let kept = self.session_expiry > 0;
-        match binding::admit(&publish.payload, &properties, qos, dialect) {
+        let known = self.answer_route.as_ref().map(|route| route.topic());
+        match binding::admit(&publish.payload, &properties, qos, dialect, known) {
             Admission::Serve(mut request, mut reply_to) => {
                 reply_to.resent = dup;
                 reply_to.ticket = ticket.take();
@@ -170,16 +171,16 @@ impl Machine {
     /// The way answers on `topic` reach this client: the last one's while
     /// it holds, else a new one (none when this client is not the topic's
     /// only subscriber, or this connection not its live one).
-    fn answer_route(&mut self, topic: &str) -> Option<Arc<crate::sessions::Route>> {
+    fn answer_route(&mut self, topic: &[u8]) -> Option<Arc<crate::sessions::Route>> {
         let sessions = &self.shared.sessions;
         if let Some(route) = &self.answer_route
-            && route.topic() == topic.as_bytes()
+            && route.topic() == topic
             && sessions.holds(route)
         {
             return Some(Arc::clone(route));
         }
         self.answer_route = sessions
-            .route(&self.client_id, self.id, topic.as_bytes())
+            .route(&self.client_id, self.id, topic)
             .map(Arc::new);
         self.answer_route.clone()
     }
