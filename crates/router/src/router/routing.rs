@@ -297,7 +297,8 @@ impl Router {
     }
 
     fn events(&mut self, id: ConnectionId, data: Event) {
-        let span = tracing::error_span!("[>] incoming", connection_id = id);
+        // patch 37: per event, so not at the default level (see PATCHES.md).
+        let span = tracing::debug_span!("[>] incoming", connection_id = id);
         let _guard = span.enter();
 
         match data {
@@ -838,7 +839,8 @@ impl Router {
         };
 
         let client_id = incoming.client_id.clone();
-        let span = tracing::error_span!("incoming_payload", client_id);
+        // patch 37: the events below name the client themselves.
+        let span = tracing::debug_span!("incoming_payload", client_id);
         let _guard = span.enter();
 
         // Instead of exchanging, we should just append new incoming packets inside cache
@@ -854,7 +856,7 @@ impl Router {
         for packet in packets.drain(0..) {
             match packet {
                 Packet::Publish(publish, properties) => {
-                    let span = tracing::error_span!("publish", topic = ?publish.topic, pkid = publish.pkid);
+                    let span = tracing::debug_span!("publish", topic = ?publish.topic, pkid = publish.pkid);
                     let _guard = span.enter();
 
                     let qos = publish.qos;
@@ -948,7 +950,7 @@ impl Router {
                         Err(e) => {
                             // Disconnect on bad publishes
                             error!(
-                                reason = ?e, "Failed to append to commitlog"
+                                client_id, reason = ?e, "Failed to append to commitlog"
                             );
                             self.router_meters.failed_publishes += 1;
                             disconnect = true;
@@ -964,7 +966,7 @@ impl Router {
                     let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
                     if let Err(e) = meter.register_publish(&publish) {
                         error!(
-                            reason = ?e, "Failed to write to incoming meter"
+                            client_id, reason = ?e, "Failed to write to incoming meter"
                         );
                     };
                 }
@@ -997,7 +999,7 @@ impl Router {
                         let connection = self.connections.get_mut(id).unwrap();
 
                         if let Err(e) = validate_subscription(connection, f) {
-                            warn!(reason = ?e,"Subscription cannot be validated: {}", e);
+                            warn!(client_id, reason = ?e,"Subscription cannot be validated: {}", e);
 
                             disconnect = true;
                             break;
@@ -1017,7 +1019,7 @@ impl Router {
                         let subscription_id = props.as_ref().and_then(|p| p.id);
 
                         if subscription_id == Some(0) {
-                            error!("Subscription identifier can't be 0");
+                            error!(client_id, "Subscription identifier can't be 0");
                             disconnect = true;
                             disconnect_reason = Some(DisconnectReasonCode::ProtocolError);
                             break;
@@ -1096,7 +1098,10 @@ impl Router {
                     let outgoing = self.obufs.get_mut(id).unwrap();
                     let pkid = puback.pkid;
                     let Some(queued) = outgoing.register_ack(pkid) else {
-                        error!(pkid, "Unsolicited/ooo ack received for pkid {}", pkid);
+                        error!(
+                            client_id,
+                            pkid, "Unsolicited/ooo ack received for pkid {}", pkid
+                        );
                         disconnect = true;
                         break;
                     };
@@ -1111,7 +1116,10 @@ impl Router {
                     let outgoing = self.obufs.get_mut(id).unwrap();
                     let pkid = pubrec.pkid;
                     let Some(queued) = outgoing.register_ack(pkid) else {
-                        error!(pkid, "Unsolicited/ooo ack received for pkid {}", pkid);
+                        error!(
+                            client_id,
+                            pkid, "Unsolicited/ooo ack received for pkid {}", pkid
+                        );
                         disconnect = true;
                         break;
                     };
@@ -1177,7 +1185,7 @@ impl Router {
                         Err(e) => {
                             // Disconnect on bad publishes
                             error!(
-                                reason = ?e, "Failed to append to commitlog"
+                                client_id, reason = ?e, "Failed to append to commitlog"
                             );
                             self.router_meters.failed_publishes += 1;
                             disconnect = true;
@@ -1194,8 +1202,8 @@ impl Router {
                     let pkid = pubcomp.pkid;
                     if outgoing.register_pubcomp(pkid).is_none() {
                         error!(
-                            pkid,
-                            "ack received for pkid {}, but the pkid didn't exists!", pkid
+                            client_id,
+                            pkid, "ack received for pkid {}, but the pkid didn't exists!", pkid
                         );
                         disconnect = true;
                         break;
@@ -1224,7 +1232,7 @@ impl Router {
                     break;
                 }
                 incoming => {
-                    warn!(packet=?incoming, "Unexpected packet received, ignoring the packet." );
+                    warn!(client_id, packet=?incoming, "Unexpected packet received, ignoring the packet." );
                 }
             }
         }
