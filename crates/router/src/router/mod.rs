@@ -1,5 +1,5 @@
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashSet, VecDeque},
     fmt,
 };
 
@@ -12,7 +12,7 @@ use crate::{
         PubAckProperties, PubComp, PubCompProperties, PubRec, PubRecProperties, PubRel,
         PubRelProperties, Publish, PublishProperties, SubAck, SubAckProperties, UnsubAck,
     },
-    ConnectionId, Filter, RouterId, Topic,
+    ConnectionId, Filter, RouterId,
 };
 
 mod alertlog;
@@ -371,30 +371,18 @@ pub struct MeterData {
     pub size: usize,
 }
 
+/// A connection's publishes (counted in all, not per topic: statebroker
+/// patch 38) and subscriptions.
 #[derive(Debug, Default, Clone)]
 pub struct IncomingMeter {
-    publishes: HashMap<Topic, MeterData>,
     subscribes: HashSet<Filter>,
     total_publishes: MeterData,
 }
 
 impl IncomingMeter {
-    pub fn register_publish(&mut self, publish: &Publish) -> Result<(), std::str::Utf8Error> {
-        let meter = {
-            let topic = std::str::from_utf8(&publish.topic)?.to_string();
-            self.publishes.entry(topic).or_default()
-        };
-        meter.count += 1;
-        meter.size += publish.len();
-
+    pub fn register_publish(&mut self, publish: &Publish) {
         self.total_publishes.count += 1;
         self.total_publishes.size += publish.len();
-
-        Ok(())
-    }
-
-    pub fn get_topic_meters(&self) -> &HashMap<Topic, MeterData> {
-        &self.publishes
     }
 
     pub fn register_subscription(&mut self, filter: Filter) -> bool {
@@ -440,4 +428,25 @@ pub enum Print {
     Subscriptions,
     Subscription(Filter),
     Waiters(Filter),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Patch 38: a connection's publishes are counted in all, whatever
+    /// their topics (a table per topic, never read, grew with every new
+    /// topic a client published to, for as long as it stayed connected).
+    #[test]
+    fn the_incoming_meter_counts_publishes_in_all() {
+        let mut meter = IncomingMeter::default();
+        let mut size = 0;
+        for i in 0..1000 {
+            let publish = Publish::new(format!("t/{i}"), "x".to_owned(), false);
+            size += publish.len();
+            meter.register_publish(&publish);
+        }
+        assert_eq!(meter.get_total_count(), 1000);
+        assert_eq!(meter.get_total_size(), size);
+    }
 }

@@ -964,11 +964,7 @@ impl Router {
                     };
 
                     let meter = &mut self.ibufs.get_mut(id).unwrap().meter;
-                    if let Err(e) = meter.register_publish(&publish) {
-                        error!(
-                            client_id, reason = ?e, "Failed to write to incoming meter"
-                        );
-                    };
+                    meter.register_publish(&publish);
                 }
                 Packet::Subscribe(mut subscribe, props) => {
                     let mut return_codes = Vec::new();
