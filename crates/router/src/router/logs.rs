@@ -133,8 +133,9 @@ pub struct DataLog {
     /// How many retained messages are held, for readers on other threads
     /// (statebroker patch 14).
     pub retained_count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    /// List of filters associated with a topic
-    publish_filters: HashMap<Topic, Vec<FilterIdx>>,
+    /// List of filters associated with a topic (foldhash, randomly seeded
+    /// per process, as hashbrown's default: statebroker patch 39)
+    publish_filters: hashbrown::HashMap<Topic, Vec<FilterIdx>>,
     /// Logs that no topic matches, by name: the messages a restored session
     /// still waited for (statebroker patch 16).
     private_logs: HashMap<Filter, FilterIdx>,
@@ -144,13 +145,16 @@ pub struct DataLog {
     pub counts: std::sync::Arc<LogCounts>,
 }
 
+/// The logs a publish goes to: most publishes match a few.
+pub type Matched = smallvec::SmallVec<[FilterIdx; 4]>;
+
 impl DataLog {
     pub fn new(config: RouterConfig) -> io::Result<DataLog> {
         let mut native = Slab::new();
         let mut filter_indexes = HashMap::new();
         let mut wild_indexes = HashMap::new();
         let retained_publishes = HashMap::new();
-        let publish_filters = HashMap::new();
+        let publish_filters = hashbrown::HashMap::new();
 
         if let Some(warmup_filters) = config.initialized_filters.clone() {
             for filter in warmup_filters {
@@ -247,9 +251,11 @@ impl DataLog {
 
     // TODO: Currently returning a Option<Vec> instead of Option<&Vec> due to Rust borrow checker
     // limitation
-    pub fn matches(&mut self, topic: &str) -> Option<Vec<usize>> {
+    /// The logs a publish on `topic` goes to (statebroker patch 39: a
+    /// cached topic's without an allocation).
+    pub fn matches(&mut self, topic: &str) -> Option<Matched> {
         match &self.publish_filters.get(topic) {
-            Some(v) => Some(v.to_vec()),
+            Some(v) => Some(Matched::from_slice(v)),
             None => {
                 // A filter without wildcards matches the very same topic
                 // only: one look-up, and the wildcard filters matched one by
@@ -280,7 +286,7 @@ impl DataLog {
                     self.publish_filters.insert(topic.to_owned(), v.clone());
                 }
 
-                Some(v)
+                Some(Matched::from_vec(v))
             }
         }
     }
@@ -747,7 +753,7 @@ mod test {
         let (exact, other, plus, hash, sys) =
             (idx("a/b"), idx("a/c"), idx("a/+"), idx("#"), idx("$SYS/x"));
         let mut sorted = |topic: &str| {
-            let mut v = data.matches(topic).unwrap();
+            let mut v = data.matches(topic).unwrap().into_vec();
             v.sort();
             v
         };
@@ -760,7 +766,9 @@ mod test {
         // Cached "a/b": a new exact filter for it, and one for another topic.
         let again = data.next_native_offset("a/b/c").0;
         assert_eq!(data.publish_filters.get("a/b").unwrap().len(), 3);
-        let mut v = data.matches("a/b/c").unwrap();
+        // Patch 39: a cached topic's logs come without an allocation.
+        assert!(!data.matches("a/b").unwrap().spilled());
+        let mut v = data.matches("a/b/c").unwrap().into_vec();
         v.sort();
         let mut want = vec![hash, again];
         want.sort();

@@ -1979,7 +1979,7 @@ fn append_to_commitlog(
         Some(v) => v,
         None if connection.dynamic_filters => {
             let (idx, _cursor) = datalog.next_native_offset(topic);
-            vec![idx]
+            smallvec::smallvec![idx]
         }
         None => return Err(RouterError::NoMatchingFilters(topic.to_owned())),
     };
