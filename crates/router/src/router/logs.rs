@@ -249,10 +249,9 @@ impl DataLog {
             })
     }
 
-    // TODO: Currently returning a Option<Vec> instead of Option<&Vec> due to Rust borrow checker
-    // limitation
-    /// The logs a publish on `topic` goes to (statebroker patch 39: a
-    /// cached topic's without an allocation).
+    /// The logs a publish on `topic` goes to: a copy of the cache's list,
+    /// not a borrow, since the caller appends to those logs while it
+    /// walks it (statebroker patch 39: a copy without an allocation).
     pub fn matches(&mut self, topic: &str) -> Option<Matched> {
         match &self.publish_filters.get(topic) {
             Some(v) => Some(Matched::from_slice(v)),
