@@ -103,10 +103,16 @@ impl Activity {
     /// Whether to build the next event: always while someone watches, else
     /// at most [`UNWATCHED_PER_SECOND`] a second (for the backlog).
     pub fn wanted(&self) -> bool {
+        self.wanted_at(crate::clock::now_ms())
+    }
+
+    /// [`Activity::wanted`] at `now_ms` (the caller's reading of
+    /// [`crate::clock::now_ms`]: a request reads the clock once).
+    pub fn wanted_at(&self, now_ms: u64) -> bool {
         if self.tx.receiver_count() > 0 {
             return true;
         }
-        let second = crate::clock::now_ms() / 1000;
+        let second = now_ms / 1000;
         let window = self.unwatched.load(Relaxed);
         let next = if window >> 20 == second {
             if window & 0xF_FFFF >= UNWATCHED_PER_SECOND {

@@ -283,21 +283,22 @@ impl StateStoreService {
         reply_to: Option<ReplyTo>,
     ) -> (Reply<'c>, Outcome, Option<Batch>) {
         let started = std::time::Instant::now();
+        let machine_ms = now_ms();
         let (outcome, wait) = {
             let mut store = self.store.lock();
-            let mut outcome = store.execute(request, caller, self.now());
+            let mut outcome = store.execute(request, caller, self.now_from(machine_ms));
             self.rearm_expiry(store.next_expiry());
             let writes = std::mem::take(&mut outcome.writes);
             let wait = self.persist(&store, writes, &outcome.observed, request.payload);
             (outcome, wait)
         };
-        let mut reply = self.reply_pending(
+        let mut reply = self.reply_pending_at(
             request,
             caller,
             reply_to,
             outcome.command.unwrap_or_else(|| verb_of(request.payload)),
+            (started, machine_ms),
         );
-        reply.started = started;
         settle(&mut reply, outcome.error);
         if let Some(error) = outcome.error {
             tracing::debug!(client_id = caller.client_id, owner = caller.owner, command = outcome.command, %error, "request refused");
@@ -316,7 +317,22 @@ impl StateStoreService {
         reply_to: Option<ReplyTo>,
         command: &'static str,
     ) -> Reply<'c> {
-        let shown = self.activity.wanted().then(|| {
+        let now = (std::time::Instant::now(), now_ms());
+        self.reply_pending_at(request, caller, reply_to, command, now)
+    }
+
+    /// [`Self::reply_pending`] of a request that started at `started`,
+    /// the machine's wall clock then `machine_ms` (each clock read once a
+    /// request).
+    fn reply_pending_at<'c>(
+        &self,
+        request: &Request<'_>,
+        caller: Caller<'c>,
+        reply_to: Option<ReplyTo>,
+        command: &'static str,
+        (started, machine_ms): (std::time::Instant, u64),
+    ) -> Reply<'c> {
+        let shown = self.activity.wanted_at(machine_ms).then(|| {
             let key = statestore::resp3::parse_request(request.payload)
                 .ok()
                 .and_then(|args| args.get(1).map(|k| String::from_utf8_lossy(k).into_owned()));
@@ -327,7 +343,7 @@ impl StateStoreService {
             requester: std::borrow::Cow::Borrowed(caller.client_id),
             command,
             ok: true,
-            started: std::time::Instant::now(),
+            started,
             shown,
         }
     }
@@ -597,7 +613,12 @@ impl StateStoreService {
 
     /// The wall clock the store reads: the machine's, plus the offset.
     fn now(&self) -> u64 {
-        now_ms().saturating_add_signed(self.clock_offset_ms.load(Ordering::Relaxed))
+        self.now_from(now_ms())
+    }
+
+    /// The store's wall clock when the machine's reads `machine_ms`.
+    fn now_from(&self, machine_ms: u64) -> u64 {
+        machine_ms.saturating_add_signed(self.clock_offset_ms.load(Ordering::Relaxed))
     }
 
     /// Moves the store's clock by `offset_ms` from the machine's (a fault:
