@@ -991,3 +991,76 @@ async fn overlapping_subscriptions_each_carry_their_identifier() {
         other => panic!("two copies, no more: {other:?}"),
     }
 }
+
+// ------------------------------------------------------------ packets with the CONNECT
+
+/// Sends `bytes` on a new connection and returns the first byte of each of
+/// the first `count` packets the broker answers (fewer if it sends no
+/// more within 5 s).
+async fn first_packets(addr: SocketAddr, bytes: &[u8], count: usize) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    let mut buf = BytesMut::new();
+    let mut kinds = Vec::new();
+    while kinds.len() < count {
+        // A whole packet at the front of `buf`: its first byte, then
+        // the remaining length's bytes.
+        let whole = (|| {
+            let mut length = 0usize;
+            for (i, &b) in buf.iter().enumerate().skip(1).take(4) {
+                length |= usize::from(b & 0x7F) << (7 * (i - 1));
+                if b & 0x80 == 0 {
+                    return (buf.len() >= i + 1 + length).then_some(i + 1 + length);
+                }
+            }
+            None
+        })();
+        if let Some(len) = whole {
+            kinds.push(buf[0]);
+            let _ = buf.split_to(len);
+            continue;
+        }
+        match tokio::time::timeout(Duration::from_secs(5), stream.read_buf(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => {}
+            _ => break,
+        }
+    }
+    kinds
+}
+
+/// 3.1.4 (MQTT 5 and 3.1.1): a client may send packets right after its
+/// CONNECT, without waiting for the CONNACK. Sent in one write with it, a
+/// SUBSCRIBE, a PUBLISH to the filter and a PINGREQ are each answered
+/// (they waited, unread, for the client's next packet before).
+#[tokio::test]
+async fn packets_sent_with_the_connect_are_answered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for level in [5u8, 4] {
+        let id = format!("pipelined-{level}");
+        let mut bytes = connect(level, 0x02, &[], &fields(&[id.as_bytes()]));
+        let topic = format!("pipelined/{level}");
+        let mut subscribe = vec![0, 1];
+        let mut publish = s(topic.as_bytes());
+        if level == 5 {
+            subscribe.push(0); // no properties
+            publish.push(0);
+        }
+        subscribe.extend(s(topic.as_bytes()));
+        subscribe.push(0x00); // QoS 0
+        publish.extend_from_slice(b"hello");
+        bytes.extend(packet(0x82, &subscribe));
+        bytes.extend(packet(0x30, &publish));
+        bytes.extend(packet(0xC0, &[]));
+        // The CONNACK first; the PINGRESP may pass the SUBACK (which the
+        // router answers).
+        let mut got = first_packets(addr, &bytes, 4).await;
+        assert_eq!(got.first(), Some(&0x20), "level {level}: {got:02x?}");
+        got[1..].sort_unstable();
+        assert_eq!(
+            got,
+            [0x20, 0x30, 0x90, 0xD0],
+            "level {level}: CONNACK, then the PUBLISH, SUBACK and PINGRESP"
+        );
+    }
+}

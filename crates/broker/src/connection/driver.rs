@@ -93,70 +93,75 @@ impl<S: Stream> Driver<S> {
         let mut outcomes = machine
             .outcomes_done()
             .unwrap_or_else(|| watch::Sender::new(0).subscribe());
-        let mut read = false;
+        // What the client sent right after its CONNECT and came in the same
+        // read (a client need not wait for the CONNACK: MQTT 5 and 3.1.1,
+        // 3.1.4) is taken in before the first wait: no read may follow it.
+        let mut read = self.socket.has_buffered();
         loop {
             let waiting_for = machine.waiting_for();
             let waiting_for_links = machine.waiting_for_links();
             let waiting_for_outcome = machine.waiting_for_outcome();
-            tokio::select! {
-                filled = self.socket.fill(), if !machine.reading_paused() => {
-                    match filled {
-                        Ok(0) => return Err(End::Closed),
-                        Err(e) => return Err(End::Io(e)),
-                        Ok(_) => {
-                            last_heard = Instant::now();
-                            read = true;
-                        }
-                    }
-                }
-                // The disk moved past what something here waits for:
-                // held acknowledgements go, reading stopped at a bound
-                // goes on.
-                _ = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
-                    machine.on_disk()?;
-                    self.read_packets(machine)?;
-                }
-                // The other nodes confirmed what held acknowledgements wait
-                // for (a cluster node).
-                // (The watch's read guard goes first: what follows may
-                // forward a publish, which moves the watch.)
-                seen = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
-                    drop(seen);
-                    machine.on_disk()?;
-                    self.read_packets(machine)?;
-                }
-                // The requests held acknowledgements wait for have their
-                // outcome out (a cluster node).
-                seen = outcomes.wait_for(|d| Some(*d) >= waiting_for_outcome), if waiting_for_outcome.is_some() => {
-                    drop(seen);
-                    machine.on_disk()?;
-                    self.read_packets(machine)?;
-                }
-                notification = self.link.next() => {
-                    match notification {
-                        Ok(Some(n)) => {
-                            machine.on_router(n)?;
-                            // What else the router has ready, before writing
-                            // (up to a batch: the rest comes next turn).
-                            while machine.wbuf.len() < WRITE_BATCH
-                                && let Some(n) = self.link.next_ready()
-                            {
-                                machine.on_router(n)?;
+            if !read {
+                tokio::select! {
+                    filled = self.socket.fill(), if !machine.reading_paused() => {
+                        match filled {
+                            Ok(0) => return Err(End::Closed),
+                            Err(e) => return Err(End::Io(e)),
+                            Ok(_) => {
+                                last_heard = Instant::now();
+                                read = true;
                             }
                         }
-                        Ok(None) => {}
-                        Err(_) => return Err(End::RouterClosed),
                     }
-                }
-                Some(message) = self.inbox.recv() => machine.on_broker(message)?,
-                () = &mut keep_alive, if self.idle_limit.is_some() => {
-                    let deadline = last_heard + self.idle_limit.unwrap_or_default();
-                    if Instant::now() >= deadline {
-                        return Err(End::KeepAlive);
+                    // The disk moved past what something here waits for:
+                    // held acknowledgements go, reading stopped at a bound
+                    // goes on.
+                    _ = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
+                        machine.on_disk()?;
+                        self.read_packets(machine)?;
                     }
-                    keep_alive.as_mut().reset(deadline);
+                    // The other nodes confirmed what held acknowledgements wait
+                    // for (a cluster node).
+                    // (The watch's read guard goes first: what follows may
+                    // forward a publish, which moves the watch.)
+                    seen = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
+                        drop(seen);
+                        machine.on_disk()?;
+                        self.read_packets(machine)?;
+                    }
+                    // The requests held acknowledgements wait for have their
+                    // outcome out (a cluster node).
+                    seen = outcomes.wait_for(|d| Some(*d) >= waiting_for_outcome), if waiting_for_outcome.is_some() => {
+                        drop(seen);
+                        machine.on_disk()?;
+                        self.read_packets(machine)?;
+                    }
+                    notification = self.link.next() => {
+                        match notification {
+                            Ok(Some(n)) => {
+                                machine.on_router(n)?;
+                                // What else the router has ready, before writing
+                                // (up to a batch: the rest comes next turn).
+                                while machine.wbuf.len() < WRITE_BATCH
+                                    && let Some(n) = self.link.next_ready()
+                                {
+                                    machine.on_router(n)?;
+                                }
+                            }
+                            Ok(None) => {}
+                            Err(_) => return Err(End::RouterClosed),
+                        }
+                    }
+                    Some(message) = self.inbox.recv() => machine.on_broker(message)?,
+                    () = &mut keep_alive, if self.idle_limit.is_some() => {
+                        let deadline = last_heard + self.idle_limit.unwrap_or_default();
+                        if Instant::now() >= deadline {
+                            return Err(End::KeepAlive);
+                        }
+                        keep_alive.as_mut().reset(deadline);
+                    }
+                    _ = &mut shutdown => return Err(End::Shutdown),
                 }
-                _ = &mut shutdown => return Err(End::Shutdown),
             }
             // (Outside the select: its outcome may hold a watch's guard.)
             if std::mem::take(&mut read) {

@@ -77,6 +77,12 @@ impl<S: Stream> Socket<S> {
         self.stream.read_buf(&mut self.rbuf).await
     }
 
+    /// Whether bytes read are waiting to be decoded (those that came with
+    /// the CONNECT, before the connection's first wait).
+    pub fn has_buffered(&self) -> bool {
+        !self.rbuf.is_empty()
+    }
+
     /// Decodes the next complete packet from what was read.
     pub fn next_packet(&mut self, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
         self.protocol.read(&mut self.rbuf, max_packet_size)
