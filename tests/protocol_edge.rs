@@ -1064,3 +1064,81 @@ async fn packets_sent_with_the_connect_are_answered() {
         );
     }
 }
+
+// ------------------------------------------------------------ a PUBLISH, then DISCONNECT
+
+/// A PUBLISH and the DISCONNECT after it, read by the broker at once (as
+/// `mosquitto_pub -q 0` sends them, or with the CONNECT too): the message
+/// is routed before the connection ends. MQTT 5 and 3.1.1, QoS 0 and 1.
+/// (The DISCONNECT ended the connection before its PUBLISH went to the
+/// router: every one was lost.)
+#[tokio::test]
+async fn a_publish_read_with_the_disconnect_after_it_is_delivered() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "goodbye-sub").await;
+    sub.subscribe("goodbye/#", QoS::AtLeastOnce).await;
+    for level in [5u8, 4] {
+        for qos in [0u8, 1] {
+            for with_connect in [false, true] {
+                let id = format!("goodbye-{level}-{qos}-{with_connect}");
+                let topic = format!("goodbye/{id}");
+                let mut publish = s(topic.as_bytes());
+                if qos > 0 {
+                    publish.extend([0, 1]);
+                }
+                if level == 5 {
+                    publish.push(0); // no properties
+                }
+                publish.extend_from_slice(id.as_bytes());
+                let mut bytes = packet(0x30 | (qos << 1), &publish);
+                bytes.extend(packet(0xE0, &[]));
+                let connect = connect(level, 0x02, &[], &fields(&[id.as_bytes()]));
+                let mut stream = TcpStream::connect(addr).await.unwrap();
+                if with_connect {
+                    stream.write_all(&[connect, bytes].concat()).await.unwrap();
+                } else {
+                    stream.write_all(&connect).await.unwrap();
+                    let mut connack = [0u8; 2];
+                    stream.read_exact(&mut connack).await.unwrap();
+                    assert_eq!(connack[0], 0x20);
+                    stream.write_all(&bytes).await.unwrap();
+                }
+                read_until_closed(&mut stream).await;
+                let got = tokio::time::timeout(Duration::from_secs(5), sub.next_publish())
+                    .await
+                    .unwrap_or_else(|_| panic!("{id}: the message was lost"));
+                assert_eq!(&got.topic[..], topic.as_bytes(), "{id}");
+                assert_eq!(&got.payload[..], id.as_bytes(), "{id}");
+            }
+        }
+    }
+}
+
+/// The same as users do it: `mosquitto_pub` at QoS 0, 1 and 2, MQTT 3.1.1
+/// and 5, each message reaching a subscriber.
+#[tokio::test]
+async fn mosquitto_pub_messages_reach_a_subscriber() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut sub = Raw::connect(addr, "mosquitto-sub").await;
+    // At most QoS 1 to the subscriber (`Raw` acknowledges each).
+    sub.subscribe("mosquitto/#", QoS::AtLeastOnce).await;
+    for version in ["mqttv311", "mqttv5"] {
+        for qos in ["0", "1", "2"] {
+            let topic = format!("mosquitto/{version}/{qos}");
+            let status = tokio::process::Command::new("mosquitto_pub")
+                .args(["-h", "127.0.0.1", "-p", &addr.port().to_string()])
+                .args(["-V", version, "-q", qos, "-t", &topic, "-m", "hello"])
+                .status()
+                .await
+                .expect("mosquitto_pub runs (apt-get install mosquitto-clients)");
+            assert!(status.success(), "{topic}");
+            let got = tokio::time::timeout(Duration::from_secs(5), sub.next_publish())
+                .await
+                .unwrap_or_else(|_| panic!("{topic}: the message was lost"));
+            assert_eq!(&got.topic[..], topic.as_bytes());
+            assert_eq!(&got.payload[..], b"hello");
+        }
+    }
+}

@@ -256,7 +256,12 @@ impl<S: Stream> Driver<S> {
             self.socket.write_all(&mut machine.wbuf),
         )
         .await;
-        if self.link.is_linked() && self.link.send(&mut machine.to_router).await.is_ok() {
+        // What the connection read before it ended goes to the router too,
+        // joining it if the connection has not yet: a PUBLISH and the
+        // DISCONNECT after it, read at once (`mosquitto_pub -q 0`), ended
+        // the connection before the PUBLISH went anywhere.
+        let for_router = self.link.is_linked() || !machine.to_router.is_empty();
+        if for_router && self.link.send(&mut machine.to_router).await.is_ok() {
             // The router ends the session as the DISCONNECT says (kept with
             // its expiry, or discarded) and closes the link once its journal
             // has the change. Only then is the socket closed: a client that
