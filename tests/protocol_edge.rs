@@ -1142,3 +1142,35 @@ async fn mosquitto_pub_messages_reach_a_subscriber() {
         }
     }
 }
+
+/// 3.8.3.1 [MQTT-3.8.3-4]: No Local on a shared subscription is a
+/// Protocol Error (DISCONNECT 0x82); on a plain filter it is allowed.
+#[tokio::test]
+async fn no_local_on_a_shared_subscription_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let subscribe = |path: &[u8]| {
+        let mut body = vec![0, 1, 0];
+        body.extend(s(path));
+        body.push(0x04); // No Local, QoS 0
+        packet(0x82, &body)
+    };
+    let mut c = Raw::connect(addr, "no-local-plain").await;
+    c.send_bytes(&subscribe(b"plain/x")).await;
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => {
+            assert_eq!(
+                ack.return_codes,
+                [v5::SubscribeReasonCode::Success(QoS::AtMostOnce)]
+            )
+        }
+        other => panic!("no SUBACK: {other:?}"),
+    }
+    let mut c = Raw::connect(addr, "no-local-shared").await;
+    c.send_bytes(&subscribe(b"$share/g/x")).await;
+    let d = c.expect_disconnect().await;
+    assert_eq!(
+        disconnect_reason(&d),
+        Some(DisconnectReasonCode::ProtocolError)
+    );
+}

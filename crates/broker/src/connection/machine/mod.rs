@@ -386,6 +386,17 @@ impl Machine {
                 }
                 Ok(())
             }
+            Packet::Subscribe(subscribe, _)
+                if subscribe
+                    .filters
+                    .iter()
+                    .any(|f| f.nolocal && f.path.starts_with("$share/")) =>
+            {
+                Err(End::Violation(
+                    DisconnectReasonCode::ProtocolError,
+                    "No Local set on a shared subscription (MQTT 5 3.8.3-4)".into(),
+                ))
+            }
             Packet::Subscribe(subscribe, properties) => {
                 self.on_subscribe(subscribe, properties);
                 Ok(())
