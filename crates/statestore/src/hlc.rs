@@ -88,8 +88,7 @@ fn time_of(s: &str) -> Result<(u64, u64, usize), MalformedTimestamp> {
     let bytes = s.as_bytes();
     let (wall_ms, at) = digits_to_colon(bytes, 0)?;
     let (counter, at) = digits_to_colon(bytes, at)?;
-    // A node id is short: a plain loop, not a `memchr` call (`contains`).
-    if bytes[at..].iter().any(|&b| b == b':') {
+    if bytes[at..].contains(&b':') {
         return Err(MalformedTimestamp);
     }
     Ok((wall_ms, counter, at))
