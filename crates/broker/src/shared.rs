@@ -15,8 +15,8 @@ use crate::durable::Durable;
 use crate::faults::Faults;
 use crate::persistence::{Loaded, Persistence};
 use crate::publisher::{INTERNAL_LINKS, Publisher};
-use crate::sessions::PacketIdBlock;
 use crate::sessions::Sessions;
+use crate::sessions::{PacketIdBlock, Resumed};
 use crate::standing::Standing;
 use crate::store::StateStoreService;
 use crate::tls::Tls;
@@ -352,8 +352,9 @@ impl Shared {
     /// Records this node as the owner of `client_id` for `connection` (a
     /// cluster node: its connection on another node ends; in the
     /// background).
-    /// `clean_start`: the session kept in etcd ends; `ids`: the packet ids
-    /// its router deliveries take, kept with its records; `will`: the
+    /// `clean_start`: the session kept in etcd ends; `resumed`: the packet
+    /// ids its router deliveries take, kept with its records, and the
+    /// revision its session was read at (see [`Resumed`]); `will`: the
     /// connection's will, kept in etcd for the case its node dies, with
     /// the Session Expiry Interval that bounds its delay; `epoch`: the
     /// node's lease losses when the connection was accepted.
@@ -362,7 +363,7 @@ impl Shared {
         _client_id: &str,
         _connection: u64,
         _clean_start: bool,
-        _ids: PacketIdBlock,
+        _resumed: Resumed,
         _will: Option<(
             &router::protocol::LastWill,
             Option<&router::protocol::LastWillProperties>,
@@ -375,8 +376,14 @@ impl Shared {
             let will = _will.and_then(|(will, properties, session_expiry)| {
                 crate::cluster::wills::encode(will, properties, session_expiry)
             });
-            node.ownership()
-                .claim(_client_id, _connection, _clean_start, _ids, will, _epoch);
+            node.ownership().claim(
+                _client_id,
+                _connection,
+                _clean_start,
+                _resumed,
+                will,
+                _epoch,
+            );
         }
     }
 
@@ -394,14 +401,18 @@ impl Shared {
     /// (it may come from etcd). Returns the packet ids the session's
     /// router deliveries take (see [`PacketIdBlock`]: on a single node the
     /// run's; on a cluster node the next block when the session moved
-    /// here). `Err`: etcd did not answer.
-    pub async fn resume_session(&self, _client_id: &str) -> Result<PacketIdBlock, String> {
+    /// here), and the etcd revision it was read at (see [`Resumed`]).
+    /// `Err`: etcd did not answer.
+    pub async fn resume_session(&self, _client_id: &str) -> Result<Resumed, String> {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             let max_expiry = self.settings.broker.max_session_expiry_secs;
             return node.resume(_client_id, max_expiry, self.run_ids).await;
         }
-        Ok(self.run_ids)
+        Ok(Resumed {
+            ids: self.run_ids,
+            read: (0, 0),
+        })
     }
 
     /// The broker stops normally, its clients told (a cluster node: it

@@ -319,3 +319,107 @@ async fn a_connect_that_waited_across_a_lease_loss_is_refused() {
         setup.nodes[0].log_tail(30)
     );
 }
+
+/// Connects `client_id` with Clean Start 0 and a session kept 60 s.
+async fn connect_persistent(port: u16, client_id: &str) -> Raw {
+    let (raw, ack) = Raw::connect_with(addr(port), client_id, |(connect, _, _)| {
+        connect.clean_start = false;
+        connect
+            .properties
+            .get_or_insert_with(Default::default)
+            .session_expiry_interval = Some(60);
+    })
+    .await;
+    assert_eq!(ack.code, v5::ConnectReturnCode::Success);
+    raw
+}
+
+/// The node `C/<client_id>` names as the client's owner.
+fn owner(setup: &Setup, client_id: &str) -> Option<String> {
+    let value = setup
+        .etcd
+        .get(&format!("/statebroker/C/{client_id}"))
+        .ok()
+        .flatten()?;
+    let value = String::from_utf8(value).ok()?;
+    value.split('\n').next().map(str::to_owned)
+}
+
+/// `client` is ended with DISCONNECT 0x8E (session taken over).
+async fn taken_over(client: &mut Raw, node: &statebroker_cluster_harness::Node) {
+    match client.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::Disconnect(d)) => assert_eq!(
+            d.reason_code,
+            v5::DisconnectReasonCode::SessionTakenOver,
+            "{}",
+            node.log_tail(30)
+        ),
+        other => panic!("not taken over: {other:?}\n{}", node.log_tail(30)),
+    }
+}
+
+/// `client`'s connection goes on (a PINGREQ answered).
+async fn goes_on(client: &mut Raw, node: &statebroker_cluster_harness::Node) {
+    client.send(v5::Packet::PingReq(v5::PingReq)).await;
+    match client.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::PingResp(_)) => {}
+        other => panic!(
+            "the connection did not go on: {other:?}\n{}",
+            node.log_tail(30)
+        ),
+    }
+}
+
+/// A claim etcd takes late (`[faults] claim_delay_ms` on sb1) does not
+/// take the client from a node it connected to after: sb1 read the
+/// client's session before sb2 did, so sb2's CONNECT is the later one,
+/// whichever claim reaches etcd last. sb1's connection ends (0x8E), sb2's
+/// goes on and stays the owner (sb1's late claim took it from sb2 before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_claim_does_not_take_the_client_from_a_later_connect() {
+    let mut setup = Setup::start_with(1, 0, &[]);
+    setup.add_node(&[
+        ("STATEBROKER__FAULTS__ENABLED", "true"),
+        ("STATEBROKER__FAULTS__CLAIM_DELAY_MS", "3000"),
+    ]);
+    setup.add_node(&[]);
+    setup.all_linked().await;
+    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
+
+    let mut early = connect_persistent(sb1, "mover").await;
+    let mut later = connect_persistent(sb2, "mover").await;
+    eventually("sb2 recorded as the owner", || {
+        owner(&setup, "mover").as_deref() == Some("sb2")
+    })
+    .await;
+    taken_over(&mut early, &setup.nodes[0]).await;
+    goes_on(&mut later, &setup.nodes[1]).await;
+    assert_eq!(owner(&setup, "mover").as_deref(), Some("sb2"));
+}
+
+/// The other way round: sb1's claim reaches etcd between sb2's read and
+/// sb2's late claim (`claim_delay_ms` 2 s on sb1, 6 s on sb2). sb1's
+/// CONNECT read first, so sb2's claim is put over sb1's record, and
+/// sb1's connection ends (0x8E).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_connects_late_claim_is_put_over_an_earlier_ones() {
+    let mut setup = Setup::start_with(1, 0, &[]);
+    for delay in ["2000", "6000"] {
+        setup.add_node(&[
+            ("STATEBROKER__FAULTS__ENABLED", "true"),
+            ("STATEBROKER__FAULTS__CLAIM_DELAY_MS", delay),
+        ]);
+    }
+    setup.all_linked().await;
+    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
+
+    let mut early = connect_persistent(sb1, "mover").await;
+    let mut later = connect_persistent(sb2, "mover").await;
+    eventually("sb1 recorded as the owner first", || {
+        owner(&setup, "mover").as_deref() == Some("sb1")
+    })
+    .await;
+    taken_over(&mut early, &setup.nodes[0]).await;
+    assert_eq!(owner(&setup, "mover").as_deref(), Some("sb2"));
+    goes_on(&mut later, &setup.nodes[1]).await;
+}

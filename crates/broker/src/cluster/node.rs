@@ -77,6 +77,7 @@ impl Node {
             Arc::clone(sessions),
             router.clone(),
             Arc::clone(&peers),
+            settings.faults.claim_delay(),
         )
         .await
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
@@ -146,7 +147,7 @@ impl Node {
         client_id: &str,
         max_expiry: u32,
         fresh: crate::sessions::PacketIdBlock,
-    ) -> Result<crate::sessions::PacketIdBlock, String> {
+    ) -> Result<crate::sessions::Resumed, String> {
         let node = sessions::Resume {
             ownership: &self.ownership,
             queue: &self.queue,

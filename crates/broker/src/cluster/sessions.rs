@@ -53,7 +53,7 @@ use super::ownership::{SessionValue, owner_ids, owner_of};
 use super::{Awaited, Cluster, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
-use crate::sessions::PacketIdBlock;
+use crate::sessions::{PacketIdBlock, Resumed};
 
 /// The router's journal on a cluster node: sessions go to etcd (through
 /// the node's [`Ownership`]) besides the data directory's journal, if any.
@@ -161,20 +161,23 @@ pub struct Resume<'a> {
 /// block after the other node's when the session comes from etcd (or
 /// from this node's data directory, after a restart), `fresh` for a new
 /// session. A block taken after the record's is written into the record
-/// before the CONNACK (see [`record_block`]). `Err`: etcd did not answer
-/// (the CONNECT is refused: accepting it could lose the session).
+/// before the CONNACK (see [`record_block`]). With them, the revision
+/// the owner and session records were read at: the connection's claim
+/// is made only if no other node's claim came after it (see
+/// [`Resumed::read`]). `Err`: etcd did not answer (the CONNECT is
+/// refused: accepting it could lose the session).
 pub async fn resume(
     node: Resume<'_>,
     client_id: &str,
     max_expiry: u32,
     fresh: PacketIdBlock,
-) -> Result<PacketIdBlock, String> {
+) -> Result<Resumed, String> {
     // A record that changed between the read and the block's write is
     // read again (its writer was still at work: the newer one is the
     // session).
     for _ in 0..3 {
-        if let Some(ids) = resume_once(&node, client_id, max_expiry, fresh).await? {
-            return Ok(ids);
+        if let Some(resumed) = resume_once(&node, client_id, max_expiry, fresh).await? {
+            return Ok(resumed);
         }
     }
     Err("the session record kept changing".to_owned())
@@ -187,7 +190,7 @@ async fn resume_once(
     client_id: &str,
     max_expiry: u32,
     fresh: PacketIdBlock,
-) -> Result<Option<PacketIdBlock>, String> {
+) -> Result<Option<Resumed>, String> {
     let (ownership, router, timeout) = (node.ownership, node.router, node.timeout);
     ownership.took_queue(client_id, false);
     let mut client = node.client.clone();
@@ -199,6 +202,11 @@ async fn resume_once(
         .await
         .map_err(|_| "etcd did not answer in time".to_owned())?
         .map_err(|e| e.to_string())?;
+    let read = response.header().map_or(0, |h| h.revision());
+    // Reads do not move etcd's revision: two CONNECTs read at the same
+    // one are told apart by the wall clock.
+    let read = (read, now_ms());
+    let resumed = |ids| Resumed { ids, read };
     let mut found = response.op_responses().into_iter().map(|op| match op {
         TxnOpResponse::Get(get) => get
             .kvs()
@@ -214,11 +222,11 @@ async fn resume_once(
         .as_ref()
         .is_some_and(|(revision, _)| ownership.holds(client_id, *revision))
     {
-        return Ok(Some(mine));
+        return Ok(Some(resumed(mine)));
     }
     let kept_here = router.subscriptions().has_kept_session(client_id);
     let session = match &record {
-        None if ownership.writing(client_id) => return Ok(Some(mine)),
+        None if ownership.writing(client_id) => return Ok(Some(resumed(mine))),
         None => None,
         Some((revision, value)) => match SessionValue::read(value) {
             // This node's copy (its lease ended and came back; or, without
@@ -230,9 +238,9 @@ async fn resume_once(
                     let key = ownership.session_key(client_id);
                     let written =
                         record_block(&mut client, key, *revision, value, next, timeout).await?;
-                    return Ok(written.then_some(next));
+                    return Ok(written.then_some(resumed(next)));
                 }
-                return Ok(ids);
+                return Ok(ids.map(resumed));
             }
             // After the block of the node that has the client now, if it
             // says (its record may not be written yet), or of the record
@@ -291,7 +299,7 @@ async fn resume_once(
         }
     }
     if restored.is_none() && !kept_here {
-        return Ok(Some(ids));
+        return Ok(Some(resumed(ids)));
     }
     let from_etcd = restored.is_some();
     let replaced = router
@@ -317,7 +325,7 @@ async fn resume_once(
         ids = ids.number(),
         "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
-    Ok(Some(ids))
+    Ok(Some(resumed(ids)))
 }
 
 /// The messages kept in etcd for `client_id`'s `session` (see

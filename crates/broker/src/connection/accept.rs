@@ -41,8 +41,9 @@ pub(crate) struct Accepted {
     /// The node's stops before it was accepted (see [`crate::standing`]).
     pub epoch: u64,
     /// The packet ids the router's deliveries take (a session that moved
-    /// here from another cluster node goes on in the next block).
-    pub ids: crate::sessions::PacketIdBlock,
+    /// here from another cluster node goes on in the next block), and the
+    /// etcd revision a cluster node read the session at.
+    pub resumed: crate::sessions::Resumed,
 }
 
 /// Where a CONNECT came from.
@@ -184,11 +185,14 @@ pub(crate) async fn accept(
         return Err(refuse(Refusal::Busy, "connection limit reached"));
     };
     // A cluster node: the session may have been on another node since.
-    let ids = if terms.clean_start || from_node.is_some() {
-        shared.run_ids
+    let resumed = if terms.clean_start || from_node.is_some() {
+        crate::sessions::Resumed {
+            ids: shared.run_ids,
+            read: (0, 0),
+        }
     } else {
         match shared.resume_session(client_id).await {
-            Ok(ids) => ids,
+            Ok(resumed) => resumed,
             Err(e) => {
                 tracing::warn!(%peer, client_id, error = e, "clustering: cannot read the client's session from etcd");
                 return Err(refuse(
@@ -253,6 +257,6 @@ pub(crate) async fn accept(
         permit,
         from_node,
         epoch,
-        ids,
+        resumed,
     })
 }

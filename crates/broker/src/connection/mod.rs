@@ -94,7 +94,7 @@ pub(crate) async fn serve<S: Stream>(
         permit,
         from_node,
         epoch,
-        ids,
+        resumed,
     } = match accept::accept(&hello, origin, &shared).await {
         Ok(accepted) => accepted,
         Err(Some(connack)) => return socket.send_and_close(connack).await,
@@ -143,7 +143,7 @@ pub(crate) async fn serve<S: Stream>(
             .will
             .as_ref()
             .map(|w| (w, hello.will_properties.as_ref(), terms.session_expiry));
-        shared.claim_client(&client_id, id, terms.clean_start, ids, will, epoch);
+        shared.claim_client(&client_id, id, terms.clean_start, resumed, will, epoch);
     }
     let topic_alias_max = shared.settings.broker.topic_alias_max;
     let owner = crate::authentication::quota_owner(&principal, peer.ip()).into();
@@ -169,7 +169,7 @@ pub(crate) async fn serve<S: Stream>(
         owner,
         disk: shared.store.answered(),
         from_link: from_node.is_some(),
-        ids,
+        ids: resumed.ids,
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
     let mut driver = Driver {

@@ -37,6 +37,19 @@ pub struct FaultsSection {
     /// The rules at start.
     #[serde(default)]
     pub rules: Vec<RuleSpec>,
+    /// A cluster node: each client's ownership claim waits this long, in
+    /// milliseconds, before it goes to etcd (as if etcd took it late), for
+    /// tests of which of two CONNECTs of one client id wins.
+    #[serde(default)]
+    pub claim_delay_ms: u64,
+}
+
+impl FaultsSection {
+    /// `claim_delay_ms` when faults are on and it is set.
+    pub fn claim_delay(&self) -> Option<Duration> {
+        (self.enabled && self.claim_delay_ms > 0)
+            .then(|| Duration::from_millis(self.claim_delay_ms))
+    }
 }
 
 /// Why a fault request was refused.

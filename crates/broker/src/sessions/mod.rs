@@ -49,7 +49,7 @@ pub use mailbox::{
 // Made by a cluster node only (see `cluster::awaited`).
 #[cfg(any(test, feature = "cluster"))]
 pub use mailbox::OnDone;
-pub use packet_ids::PacketIdBlock;
+pub use packet_ids::{PacketIdBlock, Resumed};
 pub use route::Route;
 
 struct Live {

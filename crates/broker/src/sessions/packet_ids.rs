@@ -24,6 +24,19 @@
 
 use router::MAX_ROUTER_PKID;
 
+/// A CONNECT's session as its node found it before accepting it (see
+/// `Shared::resume_session`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resumed {
+    /// The packet ids its router deliveries take.
+    pub ids: PacketIdBlock,
+    /// A cluster node's etcd revision the session (and its owner record)
+    /// was read at, for a CONNECT with Clean Start 0, and the node's wall
+    /// clock (ms) when it was; `(0, 0)`: not read. Where the CONNECT
+    /// comes among others of the client id (see `cluster::ownership`).
+    pub read: (i64, u64),
+}
+
 /// One block of packet ids for the router's deliveries (see the module's
 /// documentation).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -4,7 +4,8 @@
 //! A cluster node that accepts a CONNECT records itself as the owner of
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
 //! connection number>\nids <its packet id block>` (see
-//! [`crate::sessions::PacketIdBlock`]; and `\nclean` for a clean start,
+//! [`crate::sessions::PacketIdBlock`]; `\nat <revision> <ms>` for a
+//! CONNECT that read the session in etcd, see below; and `\nclean` for a clean start,
 //! `\nqueue` when the session's queued messages came from etcd: the node
 //! that had it hands nothing over then), under its
 //! membership lease (so the record goes with the node: killed, cut off or
@@ -13,6 +14,18 @@
 //! node (a record with a greater revision than its own claim) ends that
 //! connection with DISCONNECT 0x8E "session taken over", as MQTT asks of
 //! a single server (3.1.4-3), and discards the session it kept for it.
+//!
+//! Which CONNECT is the later one is etcd's order: a CONNECT with Clean
+//! Start 0 reads the client's owner and session records (see
+//! [`super::sessions`]) before it is accepted, and comes at that read's
+//! revision (two read at the same revision, nothing written between,
+//! come in the order of their nodes' wall clocks); one with Clean Start 1
+//! reads nothing and comes at its claim's own revision. Its claim goes to etcd after it is accepted, in
+//! the background, and may be late (etcd slow, the node suspended): a
+//! claim is put only if the owner record did not change since its
+//! CONNECT's read; if it did, by another node's claim of a later CONNECT,
+//! this one's connection ends (0x8E) instead, and by an earlier CONNECT's
+//! claim that etcd took late, it is put over it.
 //!
 //! The owner also keeps the client's persistent session in etcd (see
 //! [`super::sessions`]): each change the router journals is written to
@@ -37,7 +50,7 @@ use super::watch::{Ended, follow_prefix};
 use super::{Cluster, Membership, Peers};
 
 mod records;
-use crate::sessions::{PacketIdBlock, Sessions};
+use crate::sessions::{PacketIdBlock, Resumed, Sessions};
 use records::write_records;
 pub use records::{SessionValue, with_block};
 
@@ -65,6 +78,14 @@ struct Claim {
     /// [`crate::standing`]): a claim made before a loss is not recorded
     /// after it.
     epoch: u64,
+    /// The etcd revision its CONNECT read the session at (Clean Start 0;
+    /// 0: not read) and the wall clock's ms then: where the CONNECT comes,
+    /// kept in the record (see the module's documentation).
+    read: (i64, u64),
+    /// The record is put only if the owner record's revision is at most
+    /// this one (`read`, or the revision of a record found put over it
+    /// that this claim comes after).
+    put_over: i64,
 }
 
 /// A session record waiting to be written, numbered so that a newer one
@@ -112,17 +133,22 @@ pub struct Ownership {
     state: Mutex<State>,
     /// Session records are waiting.
     wake: Arc<Notify>,
+    /// A fault (`[faults] claim_delay_ms`): each claim waits this long
+    /// before it goes to etcd.
+    claim_delay: Option<Duration>,
 }
 
 impl Ownership {
     /// Starts watching the owners' records; the watch ends when the
-    /// returned value is dropped.
+    /// returned value is dropped. `claim_delay`: a fault (see
+    /// `[faults] claim_delay_ms`).
     pub async fn start(
         cluster: Arc<Cluster>,
         membership: Arc<Membership>,
         sessions: Arc<Sessions>,
         router: RouterHandle,
         peers: Arc<Peers>,
+        claim_delay: Option<Duration>,
     ) -> Result<Arc<Ownership>, String> {
         let prefix = format!("{}C/", cluster.settings.etcd_prefix).into_bytes();
         let mut client = cluster.client.clone();
@@ -150,6 +176,7 @@ impl Ownership {
             wills_prefix: format!("{}W/", cluster_prefix).into_bytes(),
             state: Mutex::new(State::default()),
             wake: Arc::new(Notify::new()),
+            claim_delay,
         });
         tokio::spawn(watch(
             Arc::downgrade(&ownership),
@@ -195,17 +222,22 @@ impl Ownership {
     /// serves). A CONNECT another node recorded after it ends
     /// `connection` (0x8E), whichever record etcd took first.
     /// `clean_start`: the claim also removes the session record another
-    /// node left (the session ended with this CONNECT); `ids`: the packet
-    /// ids the session's router deliveries take here, kept in the owner
-    /// and session records; `will`: the connection's will record (see
-    /// [`super::wills`]), put with the claim (none: an older one goes);
-    /// `epoch`: the node's lease losses when the connection was accepted.
+    /// node left (the session ended with this CONNECT); `resumed`: the
+    /// packet ids the session's router deliveries take here, kept in the
+    /// owner and session records, and the revision its CONNECT read the
+    /// session at: a claim another node recorded after that read is a
+    /// later CONNECT's (the client gave up on this one while it waited
+    /// for etcd, and went there), so this connection ends (0x8E) instead
+    /// of taking the client back; `will`: the connection's will record
+    /// (see [`super::wills`]), put with the claim (none: an older one
+    /// goes); `epoch`: the node's lease losses when the connection was
+    /// accepted.
     pub fn claim(
         self: &Arc<Self>,
         client_id: &str,
         connection: u64,
         clean_start: bool,
-        ids: PacketIdBlock,
+        resumed: Resumed,
         will: Option<Vec<u8>>,
         epoch: u64,
     ) {
@@ -220,24 +252,39 @@ impl Ownership {
                 clean_start,
                 ended: false,
                 kept: false,
-                ids,
+                ids: resumed.ids,
                 took_queue,
                 epoch,
+                read: resumed.read,
+                put_over: resumed.read.0,
             },
         );
         drop(state);
         let ownership = Arc::clone(self);
         let client_id = client_id.to_owned();
         tokio::spawn(async move {
+            if let Some(delay) = ownership.claim_delay {
+                tracing::info!(
+                    client_id,
+                    fault = "claim_delay",
+                    delay_ms = delay.as_millis() as u64,
+                    "fault injected: the client's ownership claim waits before it goes to etcd"
+                );
+                tokio::time::sleep(delay).await;
+            }
             let mut said = false;
+            let mut again = 0;
             loop {
                 match ownership
                     .record(&client_id, connection, will.as_deref())
                     .await
                 {
-                    Ok(()) => return,
-                    Err(None) => return,
-                    Err(Some(e)) => {
+                    Ok(()) | Err(NotRecorded::Done) => return,
+                    Err(NotRecorded::Again) if again < 8 => again += 1,
+                    Err(NotRecorded::Again) => {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    Err(NotRecorded::Later(e)) => {
                         if !std::mem::replace(&mut said, true) {
                             tracing::warn!(
                                 client_id,
@@ -271,30 +318,26 @@ impl Ownership {
     }
 
     /// Puts the record of `connection`'s claim (and, for a clean start,
-    /// removes the session record). `Err(Some(why))`: etcd did not take
-    /// it, or the node waits for etcd to confirm its lease: try again;
-    /// `Err(None)`: no more to do (the claim is gone, lost to another
-    /// node's, or made before the node lost its lease: its connection was
-    /// sent away, and a record put under the next lease would take the
-    /// client from the node it went to).
+    /// removes the session record), if no other claim came after its
+    /// CONNECT read the session (see [`Ownership::claim`]).
     async fn record(
         self: &Arc<Self>,
         client_id: &str,
         connection: u64,
         will: Option<&[u8]>,
-    ) -> Result<(), Option<String>> {
+    ) -> Result<(), NotRecorded> {
         let standing = self.membership.standing();
-        let Some((clean_start, ids, took_queue)) =
+        let Some((clean_start, ids, took_queue, read, put_over)) =
             claim_of(&mut self.state.lock().claims, client_id, connection)
                 .filter(|c| c.epoch == standing.epoch())
-                .map(|c| (c.clean_start, c.ids, c.took_queue))
+                .map(|c| (c.clean_start, c.ids, c.took_queue, c.read, c.put_over))
         else {
-            return Err(None);
+            return Err(NotRecorded::Done);
         };
         // Suspended: the connection waits for etcd to confirm the lease,
         // and goes on if it does; so does its claim.
         if !standing.serving() {
-            return Err(Some(
+            return Err(NotRecorded::Later(
                 "etcd has not confirmed this node's membership lease".to_owned(),
             ));
         }
@@ -304,8 +347,12 @@ impl Ownership {
             (false, true) => "\nqueue",
             (false, false) => "",
         };
+        let at = match read {
+            (0, _) => String::new(),
+            (revision, ms) => format!("\nat {revision} {ms}"),
+        };
         let value = format!(
-            "{}\n{connection}\nids {}{mark}",
+            "{}\n{connection}\nids {}{at}{mark}",
             self.cluster.node_id(),
             ids.number()
         );
@@ -326,12 +373,28 @@ impl Ownership {
             ops.push(TxnOp::delete(self.session_key(client_id), None));
             ops.push(self.delete_queue(client_id));
         }
+        let key = self.key(client_id);
+        let txn = match put_over {
+            0 => Txn::new().and_then(ops),
+            // No claim recorded since the CONNECT read the session (or
+            // since the earlier CONNECT's that this one is put over).
+            put_over => Txn::new()
+                .when([Compare::mod_revision(
+                    key.clone(),
+                    CompareOp::Less,
+                    put_over + 1,
+                )])
+                .and_then(ops)
+                .or_else([TxnOp::get(key, None)]),
+        };
         let mut client = self.cluster.client.clone();
-        let txn = client.txn(Txn::new().and_then(ops));
-        let response = tokio::time::timeout(self.cluster.settings.request_timeout, txn)
+        let response = tokio::time::timeout(self.cluster.settings.request_timeout, client.txn(txn))
             .await
-            .map_err(|_| Some("etcd did not answer in time".to_owned()))?
-            .map_err(|e| Some(e.to_string()))?;
+            .map_err(|_| NotRecorded::Later("etcd did not answer in time".to_owned()))?
+            .map_err(|e| NotRecorded::Later(e.to_string()))?;
+        if !response.succeeded() {
+            return Err(self.claimed_since_read(client_id, connection, &response));
+        }
         let revision = response.header().map_or(0, |h| h.revision());
         let mut state = self.state.lock();
         if will.is_some() {
@@ -342,7 +405,7 @@ impl Ownership {
             drop(state);
             self.delete(client_id, revision);
             self.forget_will(client_id, revision);
-            return Err(None);
+            return Err(NotRecorded::Done);
         };
         claim.revision = revision;
         if claim.ended {
@@ -354,7 +417,7 @@ impl Ownership {
             let claim = *claim;
             drop(state);
             self.lost(client_id, claim, None);
-            return Err(None);
+            return Err(NotRecorded::Done);
         }
         drop(state);
         self.wake.notify_one();
@@ -372,6 +435,56 @@ impl Ownership {
             );
         }
         Ok(())
+    }
+
+    /// `connection`'s claim found the owner record put after its CONNECT
+    /// read the session (`response`: the transaction that did not put
+    /// it, with the record). This node's own record (an earlier
+    /// connection's claim that etcd took late, or this claim's, whose
+    /// answer was lost), or an earlier CONNECT's (read before this one's,
+    /// see the module's documentation): put over it. A later CONNECT's,
+    /// on another node: this connection ends (0x8E), as if that node's
+    /// claim had come after its record.
+    fn claimed_since_read(
+        &self,
+        client_id: &str,
+        connection: u64,
+        response: &etcd_client::TxnResponse,
+    ) -> NotRecorded {
+        let found = response.op_responses().into_iter().find_map(|op| match op {
+            TxnOpResponse::Get(get) => get
+                .kvs()
+                .first()
+                .map(|kv| (kv.mod_revision(), kv.value().to_vec())),
+            _ => None,
+        });
+        let mut state = self.state.lock();
+        let Some(claim) = claim_of(&mut state.claims, client_id, connection) else {
+            return NotRecorded::Done;
+        };
+        // Where the record's CONNECT comes: at its read, or at its claim.
+        let (node_id, read) = (self.cluster.node_id(), claim.read);
+        let earlier = |revision: i64, value: &[u8]| {
+            owner_of(value) == Some(node_id) || owner_read(value).unwrap_or((revision, 0)) < read
+        };
+        match found {
+            Some((revision, value)) if earlier(revision, &value) => {
+                claim.put_over = revision;
+                NotRecorded::Again
+            }
+            found => {
+                let claim = *claim;
+                drop(state);
+                let to = found.as_ref().and_then(|(_, value)| owner_of(value));
+                tracing::info!(
+                    client_id,
+                    to,
+                    "clustering: the client connected to another node while this CONNECT waited for etcd: this connection ends (0x8E session taken over)"
+                );
+                self.lost(client_id, claim, None);
+                NotRecorded::Done
+            }
+        }
     }
 
     /// Another node (`to`, if known) took `client_id` from `claim`: its
@@ -480,6 +593,21 @@ impl Ownership {
     }
 }
 
+/// Why [`Ownership::record`] did not put a claim's record.
+enum NotRecorded {
+    /// Try again in a while: etcd did not take it, or the node waits for
+    /// etcd to confirm its lease.
+    Later(String),
+    /// Try again now: the owner record was this node's own, put after the
+    /// CONNECT's read (see [`Ownership::claimed_since_read`]).
+    Again,
+    /// No more to do: the claim is gone, lost to another node's, or made
+    /// before the node lost its lease (its connection was sent away, and
+    /// a record put under the next lease would take the client from the
+    /// node it went to).
+    Done,
+}
+
 /// A transaction that deletes `key` if its mod revision is `revision`.
 fn delete_at(key: Vec<u8>, revision: i64) -> Txn {
     Txn::new()
@@ -509,6 +637,17 @@ pub fn owner_of(value: &[u8]) -> Option<&str> {
     let mut lines = std::str::from_utf8(value).ok()?.split('\n');
     let node = lines.next()?;
     lines.next()?.parse::<u64>().ok().map(|_| node)
+}
+
+/// The etcd revision an owner's record says its CONNECT read the session
+/// at, and the wall clock's ms then (`None`: it read nothing, a clean
+/// start, or a record of an earlier version).
+fn owner_read(value: &[u8]) -> Option<(i64, u64)> {
+    let lines = std::str::from_utf8(value).ok()?.split('\n');
+    lines.skip(2).find_map(|line| {
+        let (revision, ms) = line.strip_prefix("at ")?.split_once(' ')?;
+        Some((revision.parse().ok()?, ms.parse().ok()?))
+    })
 }
 
 /// The packet ids an owner's record says its claim's session takes

@@ -397,4 +397,19 @@ mod tests {
         assert!(wants_handover(earlier));
         assert_eq!(owner_of(b"sb3"), None);
     }
+
+    #[test]
+    fn an_owner_record_says_where_its_connect_read_the_session() {
+        let read = b"sb3\n42\nids 5\nat 1207 1795900000123\nqueue";
+        assert_eq!(
+            super::super::owner_read(read),
+            Some((1207, 1_795_900_000_123))
+        );
+        assert_eq!(super::super::owner_ids(read), Some(PacketIdBlock::new(5)));
+        assert!(!wants_handover(read));
+        assert!(wants_handover(b"sb3\n42\nids 5\nat 1207 1795900000123"));
+        // A clean start reads nothing; an earlier version wrote no time.
+        assert_eq!(super::super::owner_read(b"sb3\n42\nids 5\nclean"), None);
+        assert_eq!(super::super::owner_read(b"sb3\n42\nids 5\nat 1207"), None);
+    }
 }
