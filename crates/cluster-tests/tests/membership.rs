@@ -423,3 +423,77 @@ async fn a_later_connects_late_claim_is_put_over_an_earlier_ones() {
     assert_eq!(owner(&setup, "mover").as_deref(), Some("sb2"));
     goes_on(&mut later, &setup.nodes[1]).await;
 }
+
+/// A CONNECT with Clean Start 0 waits for etcd (its session is read
+/// there). Its client gives up meanwhile, closes the socket and connects
+/// to another node: when etcd answers, the first node does not accept the
+/// abandoned CONNECT, so its claim does not take the client from the
+/// node it went to (the read, served after the other node's claim, makes
+/// it the later CONNECT in etcd's order). sb1 speaks to one etcd member,
+/// SIGSTOPped while sb1's read waits (for less than sb1's lease); sb2 to
+/// the two others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_its_client_gave_up_on_takes_nothing() {
+    let env = [
+        // sb1 keeps its lease while its member is paused.
+        ("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "30000"),
+        ("STATEBROKER__CLUSTERING__ETCD_REQUEST_TIMEOUT_MS", "60000"),
+    ];
+    let mut setup = Setup::start_with(3, 0, &env);
+    let leader = setup.etcd.wait_leader(PATIENCE).expect("an etcd leader");
+    let slow = (leader + 1) % 3;
+    let others: Vec<usize> = (0..3).filter(|&i| i != slow).collect();
+    setup.add_node_on(&env, &[slow]);
+    setup.add_node_on(&env, &others);
+    setup.all_linked().await;
+    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
+
+    setup.etcd.pause(slow).unwrap();
+    let waiting = tokio::spawn(Raw::try_connect(
+        addr(sb1),
+        "mover",
+        PATIENCE,
+        |(connect, _, _)| {
+            connect.clean_start = false;
+            connect
+                .properties
+                .get_or_insert_with(Default::default)
+                .session_expiry_interval = Some(60);
+        },
+    ));
+    // The client gives up on sb1 (its socket closes) and goes to sb2.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "sb1 answered without its etcd member"
+    );
+    waiting.abort();
+    let _ = waiting.await;
+    let mut later = connect_persistent(sb2, "mover").await;
+    eventually("sb2 recorded as the owner", || {
+        owner(&setup, "mover").as_deref() == Some("sb2")
+    })
+    .await;
+
+    setup.etcd.resume(slow).unwrap();
+    eventually("sb1 done with the abandoned CONNECT", || {
+        setup.nodes[0]
+            .log_tail(200)
+            .contains("closed the connection while its CONNECT waited")
+            || setup.nodes[0]
+                .log_tail(200)
+                .contains("client connected peer")
+                && setup.nodes[0].log_tail(200).contains("\"mover\"")
+    })
+    .await;
+    // A claim sb1 made would be in etcd within this (its own would show
+    // failing the test; nothing here waits for the test to pass).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        owner(&setup, "mover").as_deref(),
+        Some("sb2"),
+        "{}",
+        setup.nodes[0].log_tail(30)
+    );
+    goes_on(&mut later, &setup.nodes[1]).await;
+}

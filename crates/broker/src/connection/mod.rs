@@ -100,6 +100,17 @@ pub(crate) async fn serve<S: Stream>(
         Err(Some(connack)) => return socket.send_and_close(connack).await,
         Err(None) => return socket.shutdown().await,
     };
+    // A CONNECT that waited for etcd (a cluster node read its session
+    // there) whose client gave up meanwhile: the client may be on another
+    // node by now, and this connection's claim would take it from there.
+    if resumed.read.0 > 0 && socket.closed_by_peer() {
+        tracing::info!(
+            %peer,
+            client_id = terms.client_id,
+            "clustering: the client closed the connection while its CONNECT waited for etcd: not accepted"
+        );
+        return socket.shutdown().await;
+    }
     let client_id = terms.client_id.clone();
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();

@@ -83,6 +83,17 @@ impl<S: Stream> Socket<S> {
         !self.rbuf.is_empty()
     }
 
+    /// Whether the client closed its side (or the stream failed), by one
+    /// read that does not wait: what it reads is kept for the packets.
+    pub fn closed_by_peer(&mut self) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let read = std::pin::pin!(self.stream.read_buf(&mut self.rbuf));
+        matches!(
+            std::future::Future::poll(read, &mut cx),
+            std::task::Poll::Ready(Ok(0) | Err(_))
+        )
+    }
+
     /// Decodes the next complete packet from what was read.
     pub fn next_packet(&mut self, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
         self.protocol.read(&mut self.rbuf, max_packet_size)

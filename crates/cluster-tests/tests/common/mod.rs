@@ -140,7 +140,14 @@ impl Setup {
 
     /// One more node (`sb<n>`), with `env`, ready.
     pub fn add_node(&mut self, env: &[(&str, &str)]) {
-        let endpoints = self.etcd.endpoints().join(",");
+        let members: Vec<usize> = (0..self.etcd.len()).collect();
+        self.add_node_on(env, &members);
+    }
+
+    /// [`Setup::add_node`] that speaks to etcd `members` only.
+    pub fn add_node_on(&mut self, env: &[(&str, &str)], members: &[usize]) {
+        let endpoints: Vec<String> = members.iter().map(|&i| self.etcd.endpoint(i)).collect();
+        let endpoints = endpoints.join(",");
         let n = self.nodes.len() + 1;
         let (port, http) = (free_port(), free_port());
         let mut spec = NodeSpec::new(BROKER)
