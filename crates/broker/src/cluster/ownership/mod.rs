@@ -5,8 +5,8 @@
 //! the client id in etcd, `<etcd_prefix>C/<client id>` = `<node id>\n<its
 //! connection number>\nids <its packet id block>` (see
 //! [`crate::sessions::PacketIdBlock`]; `\nat <revision> <ms>` for a
-//! CONNECT that read the session in etcd, see below; and `\nclean` for a clean start,
-//! `\nqueue` when the session's queued messages came from etcd: the node
+//! CONNECT that read the session in etcd, see below; and `\nclean` for a
+//! clean start, `\nqueue` when the session's queued messages came from etcd: the node
 //! that had it hands nothing over then), under its
 //! membership lease (so the record goes with the node: killed, cut off or
 //! paused past its lease). Every node
@@ -20,8 +20,9 @@
 //! [`super::sessions`]) before it is accepted, and comes at that read's
 //! revision (two read at the same revision, nothing written between,
 //! come in the order of their nodes' wall clocks); one with Clean Start 1
-//! reads nothing and comes at its claim's own revision. Its claim goes to etcd after it is accepted, in
-//! the background, and may be late (etcd slow, the node suspended): a
+//! reads nothing and comes at its claim's own revision. Its claim goes to
+//! etcd after it is accepted, in the background, and may be late (etcd
+//! slow, the node suspended): a
 //! claim is put only if the owner record did not change since its
 //! CONNECT's read; if it did, by another node's claim of a later CONNECT,
 //! this one's connection ends (0x8E) instead, and by an earlier CONNECT's
@@ -219,16 +220,14 @@ impl Ownership {
     /// Records this node as `client_id`'s owner for `connection`, in the
     /// background (the connection does not wait for etcd: one that cannot
     /// answer is tried again while the connection lasts and the node
-    /// serves). A CONNECT another node recorded after it ends
-    /// `connection` (0x8E), whichever record etcd took first.
+    /// serves). A later CONNECT of the client on another node ends
+    /// `connection` (0x8E), whichever claim etcd takes first (see the
+    /// module's documentation).
     /// `clean_start`: the claim also removes the session record another
     /// node left (the session ended with this CONNECT); `resumed`: the
     /// packet ids the session's router deliveries take here, kept in the
-    /// owner and session records, and the revision its CONNECT read the
-    /// session at: a claim another node recorded after that read is a
-    /// later CONNECT's (the client gave up on this one while it waited
-    /// for etcd, and went there), so this connection ends (0x8E) instead
-    /// of taking the client back; `will`: the connection's will record
+    /// owner and session records, and where its CONNECT read the session
+    /// (which CONNECT is the later one); `will`: the connection's will record
     /// (see [`super::wills`]), put with the claim (none: an older one
     /// goes); `epoch`: the node's lease losses when the connection was
     /// accepted.
