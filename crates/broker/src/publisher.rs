@@ -128,6 +128,20 @@ impl Publisher {
         }
     }
 
+    /// `message` (an answer to `client`) for the connection `route` leads
+    /// to, handed back to be delivered by that connection's own task (see
+    /// [`Sessions::take_on`]); otherwise published as
+    /// [`Publisher::publish_for`] does, and `None`.
+    pub fn take_or_publish(&self, client: &str, route: &Route, message: Direct) -> Option<Direct> {
+        match self.sessions.take_on(route, message) {
+            Ok(message) => Some(message),
+            Err(message) => {
+                self.publish_for(client, Some(route), message);
+                None
+            }
+        }
+    }
+
     /// Publishes through the router, as the broker, at QoS 1 (QoS 0 stays 0).
     pub fn route(&self, messages: Vec<Direct>) {
         if messages.is_empty() {

@@ -68,14 +68,9 @@ impl Sessions {
     }
 }
 
-/// Sends `message` on `mailbox` at what a subscription grants (`granted`,
-/// with its subscription identifiers `ids`), within the mailbox's bound.
-pub(super) fn send(
-    mailbox: &Mailbox,
-    mut message: Direct,
-    granted: u8,
-    ids: Vec<usize>,
-) -> Result<(), Undelivered> {
+/// `message` as a subscription grants it: at QoS `granted` at most, with
+/// the subscription identifiers `ids`.
+pub(super) fn grant(message: &mut Direct, granted: u8, ids: Vec<usize>) {
     // The broker's own deliveries go at QoS 1 at most; a QoS 2 message
     // handed over in flight keeps QoS 2 and its packet id while the
     // client's subscriptions still grant it.
@@ -85,6 +80,17 @@ pub(super) fn send(
         message.kept_pkid = None;
     }
     message.properties.set_subscription_identifiers(ids);
+}
+
+/// Sends `message` on `mailbox` at what a subscription grants (`granted`,
+/// with its subscription identifiers `ids`), within the mailbox's bound.
+pub(super) fn send(
+    mailbox: &Mailbox,
+    mut message: Direct,
+    granted: u8,
+    ids: Vec<usize>,
+) -> Result<(), Undelivered> {
+    grant(&mut message, granted, ids);
     let Mailbox { tx, bound } = mailbox;
     let size = message.size();
     if !bound.reserve(size) {

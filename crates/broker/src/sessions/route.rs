@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 
-use super::recipients::send;
+use super::recipients::{grant, send};
 use super::{Direct, Mailbox, Sessions, Undelivered};
 
 /// The way to one client's live connection for answers on one topic of
@@ -90,6 +90,23 @@ impl Sessions {
         } else {
             self.deliver_to_only_subscriber(client, message)
         }
+    }
+
+    /// `message` (an answer) ready for the connection `route` leads to,
+    /// to be handed to it by its caller rather than through its mailbox:
+    /// for the connection's own task, which ran the request (see
+    /// `StateStoreService::serve_here`). Within the connection's bound, as
+    /// [`send`]. `Err`: the route no longer holds, or is for another topic,
+    /// or the bound is reached: deliver it as always.
+    pub fn take_on(&self, route: &Route, mut message: Direct) -> Result<Direct, Direct> {
+        if !self.holds(route) || message.topic != route.topic {
+            return Err(message);
+        }
+        grant(&mut message, route.granted, route.ids.clone());
+        if !route.mailbox.bound.reserve(message.size()) {
+            return Err(message);
+        }
+        Ok(message)
     }
 
     /// The counts of changes a route depends on: the subscriptions', and
@@ -185,5 +202,33 @@ mod tests {
         s.deliver_on("a", &route, msg()).unwrap();
         assert!(delivered(&mut rx).is_empty(), "not to the old connection");
         assert_eq!(delivered(&mut rx2), [1]);
+    }
+
+    /// An answer taken for the route's connection itself (its own task
+    /// ran the request): granted as the route says, counted in the
+    /// connection's bound, nothing in its mailbox; refused when the route
+    /// no longer holds, or the bound is full.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_taken_on_a_route_counts_in_its_connections_bound() {
+        let router = router();
+        let s = Sessions::new(Arc::clone(router.subscriptions()));
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let bound = crate::sessions::QueueBound::new(1, usize::MAX);
+        s.connected("a", 1, false, Mailbox::new(tx, Arc::clone(&bound)), peer());
+        let _a = subscribe(&router, "a", "resp/a", 0, None).await;
+        let route = s.route("a", 1, b"resp/a").expect("the only subscriber");
+
+        let taken = s.take_on(&route, msg()).ok().expect("taken");
+        assert_eq!(taken.qos, 0, "at the subscription's QoS");
+        assert!(delivered(&mut rx).is_empty(), "not through the mailbox");
+        assert!(s.take_on(&route, msg()).is_err(), "the bound is full");
+        bound.release(taken.size());
+        assert!(s.take_on(&route, msg()).is_ok());
+
+        let _b = subscribe(&router, "b", "resp/#", 1, None).await;
+        assert!(
+            s.take_on(&route, msg()).is_err(),
+            "the route no longer holds"
+        );
     }
 }

@@ -37,7 +37,7 @@ use crate::activity::{Activity, Event};
 use crate::clock::now_ms;
 use crate::persistence::{Batch, Loaded, Persistence, Position};
 use crate::publisher::Publisher;
-use crate::sessions::Undelivered;
+use crate::sessions::{Direct, Undelivered};
 
 /// The state store, served in process.
 pub struct StateStoreService {
@@ -219,7 +219,29 @@ impl StateStoreService {
         }
         let _ = access;
         let (reply, outcome, wait) = self.run(request, caller, reply_to);
-        self.publish_when_durable(Some(reply), outcome, wait)
+        self.publish_when_durable(Some(reply), outcome, wait, None)
+    }
+
+    /// [`Self::serve`] in the requester's own connection task: an answer
+    /// that goes out at once, on the connection's answer route, is put in
+    /// `here` for that task to write, rather than sent through the
+    /// connection's mailbox back to itself (a `Box`, the channel, and a
+    /// wake-up check each way).
+    pub fn serve_here(
+        self: &Arc<Self>,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+        reply_to: ReplyTo,
+        access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
+        here: &mut Option<Direct>,
+    ) -> Option<Batch> {
+        #[cfg(feature = "cluster")]
+        if self.clustered.is_some() {
+            return self.serve(request, caller, Some(reply_to), access);
+        }
+        let _ = access;
+        let (reply, outcome, wait) = self.run(request, caller, Some(reply_to));
+        self.publish_when_durable(Some(reply), outcome, wait, Some(here))
     }
 
     /// Answers (and notifications) waiting for the disk now.
@@ -270,7 +292,7 @@ impl StateStoreService {
             persistence.wait_durable(batch).await;
         }
         let payload = outcome.payload.clone();
-        self.publish_outcome(Some(reply), outcome);
+        self.publish_outcome(Some(reply), outcome, None);
         payload
     }
 
@@ -394,19 +416,19 @@ impl StateStoreService {
             command: Some(reply.command),
             error,
         };
-        self.publish_outcome(Some(reply), outcome);
+        self.publish_outcome(Some(reply), outcome, None);
     }
 
     /// Publishes an answer served at once.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub(super) fn publish_answer(&self, reply: Reply<'_>, outcome: Outcome) {
-        self.publish_outcome(Some(reply), outcome);
+        self.publish_outcome(Some(reply), outcome, None);
     }
 
     /// Publishes notifications without an answer.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub(super) fn publish_notices(&self, notices: Vec<statestore::Notice>) {
-        self.publish_outcome(None, notices_only(notices));
+        self.publish_outcome(None, notices_only(notices), None);
     }
 
     /// Whether a request's acknowledgement waits for its outcome (a
@@ -467,11 +489,13 @@ impl StateStoreService {
     /// durable task. One task for all that waits, rather than one spawned
     /// per answer: a group commit releases dozens of answers at once.
     /// Returns the batch waited for, if the answer was not published now.
+    /// `here`: see [`Self::serve_here`].
     fn publish_when_durable(
         self: &Arc<Self>,
         reply: Option<Reply<'_>>,
         outcome: Outcome,
         wait: Option<Batch>,
+        here: Option<&mut Option<Direct>>,
     ) -> Option<Batch> {
         if let Some(batch) = wait {
             // Checked under the lock the durable task drains under: either
@@ -486,7 +510,7 @@ impl StateStoreService {
                 return Some(batch);
             }
         }
-        self.publish_outcome(reply, outcome);
+        self.publish_outcome(reply, outcome, here);
         None
     }
 
@@ -506,7 +530,7 @@ impl StateStoreService {
         };
         ready.sort_by_key(|w| w.batch);
         for w in ready {
-            self.publish_outcome(w.reply, w.outcome);
+            self.publish_outcome(w.reply, w.outcome, None);
         }
         self.published.send_replace(durable);
     }
@@ -531,7 +555,13 @@ impl StateStoreService {
     }
 
     /// Delivers the response and the notifications of an outcome.
-    fn publish_outcome(&self, reply: Option<Reply<'_>>, outcome: Outcome) {
+    /// `here`: see [`Self::serve_here`].
+    fn publish_outcome(
+        &self,
+        reply: Option<Reply<'_>>,
+        outcome: Outcome,
+        here: Option<&mut Option<Direct>>,
+    ) {
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
             crate::metrics::store_request(reply.command, reply.ok, took);
@@ -551,8 +581,16 @@ impl StateStoreService {
                 let ticket = to.ticket.take();
                 let route = to.route.take();
                 let response = binding::response(to, outcome.payload, outcome.timestamp);
-                self.publisher
-                    .publish_for(&reply.requester, route.as_deref(), response);
+                match (here, route.as_deref()) {
+                    (Some(here), Some(route)) => {
+                        *here = self
+                            .publisher
+                            .take_or_publish(&reply.requester, route, response);
+                    }
+                    (_, route) => self
+                        .publisher
+                        .publish_for(&reply.requester, route, response),
+                }
                 drop(ticket);
             }
         }
@@ -647,7 +685,7 @@ impl StateStoreService {
             let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
             (fx, wait)
         };
-        self.publish_when_durable(None, notices_only(fx.notices), wait);
+        self.publish_when_durable(None, notices_only(fx.notices), wait, None);
         true
     }
 
@@ -674,7 +712,7 @@ impl StateStoreService {
             (fx, store.next_expiry(), wait)
         };
         if !fx.notices.is_empty() {
-            self.publish_when_durable(None, notices_only(fx.notices), wait);
+            self.publish_when_durable(None, notices_only(fx.notices), wait, None);
         }
         next
     }

@@ -106,6 +106,7 @@ impl Machine {
                     .unwrap_or_default();
                 match plan.delay {
                     None => {
+                        let mut answer = None;
                         let wait = run_planned(
                             &self.shared.store,
                             &request,
@@ -115,12 +116,18 @@ impl Machine {
                             rules
                                 .clone()
                                 .map(|r| r as Arc<dyn statestore::KeyAccess + Send + Sync>),
+                            Some(&mut answer),
                         );
                         self.inbound.ran(qos, pkid, correlation, wait, kept);
                         // The acknowledgement may wait for the answer, and
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
                             .acknowledged(before_ack, self.wbuf.len(), wait);
+                        // The answer, if it went out at once, after its
+                        // acknowledgement.
+                        if let Some(answer) = answer {
+                            self.out.deliver(answer, self.protocol, &mut self.wbuf);
+                        }
                         if wait.is_some() || !self.awaited.is_empty() {
                             let position = self.position();
                             self.awaited.push(wait, position);
@@ -242,6 +249,7 @@ impl Delayed {
             self.reply_to,
             self.action,
             owned_rules,
+            None,
         );
     }
 }
@@ -269,7 +277,9 @@ impl OwnedRequest {
 
 /// Runs a request as a fault's plan says: executed and answered, answered
 /// with its `-ERR`, executed and not answered, or neither. Returns the
-/// batch the answer waits for, if any.
+/// batch the answer waits for, if any. `here`: in the requester's own
+/// connection task, where an answer that goes out at once is put (see
+/// `StateStoreService::serve_here`).
 fn run_planned(
     store: &Arc<StateStoreService>,
     request: &Request<'_>,
@@ -277,9 +287,13 @@ fn run_planned(
     reply_to: ReplyTo,
     action: Action,
     access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
+    here: Option<&mut Option<crate::sessions::Direct>>,
 ) -> Option<Batch> {
     match action {
-        Action::Execute => store.serve(request, caller, Some(reply_to), access),
+        Action::Execute => match here {
+            Some(here) => store.serve_here(request, caller, reply_to, access, here),
+            None => store.serve(request, caller, Some(reply_to), access),
+        },
         Action::Error(text) => {
             store.refuse(reply_to, caller.client_id, &text);
             None
