@@ -742,7 +742,8 @@ impl Machine {
         };
         match notification {
             Notification::Forward(forward) => {
-                let topic = std::str::from_utf8(&forward.publish.topic).unwrap_or("");
+                // (The router checked the topic: valid UTF-8 without U+0000.)
+                let topic = router::protocol::mqtt_str(&forward.publish.topic).unwrap_or("");
                 // Another client's notification, reached through a wildcard.
                 let withheld = !topics::may_receive(topic, &self.own_hex);
                 self.out.forward(
