@@ -370,6 +370,26 @@ async fn goes_on(client: &mut Raw, node: &statebroker_cluster_harness::Node) {
     }
 }
 
+/// Two nodes on one etcd member, each claim of sb1 and sb2 held back as
+/// `delays` says (`[faults] claim_delay_ms`), and client "mover" connected
+/// with Clean Start 0 to sb1, then to sb2.
+async fn claims_delayed(delays: [Option<&str>; 2]) -> (Setup, Raw, Raw) {
+    let mut setup = Setup::start_with(1, 0, &[]);
+    for delay in delays {
+        match delay {
+            Some(ms) => setup.add_node(&[
+                ("STATEBROKER__FAULTS__ENABLED", "true"),
+                ("STATEBROKER__FAULTS__CLAIM_DELAY_MS", ms),
+            ]),
+            None => setup.add_node(&[]),
+        }
+    }
+    setup.all_linked().await;
+    let early = connect_persistent(setup.ports[0], "mover").await;
+    let later = connect_persistent(setup.ports[1], "mover").await;
+    (setup, early, later)
+}
+
 /// A claim etcd takes late (`[faults] claim_delay_ms` on sb1) does not
 /// take the client from a node it connected to after: sb1 read the
 /// client's session before sb2 did, so sb2's CONNECT is the later one,
@@ -377,17 +397,7 @@ async fn goes_on(client: &mut Raw, node: &statebroker_cluster_harness::Node) {
 /// goes on and stays the owner (sb1's late claim took it from sb2 before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_claim_does_not_take_the_client_from_a_later_connect() {
-    let mut setup = Setup::start_with(1, 0, &[]);
-    setup.add_node(&[
-        ("STATEBROKER__FAULTS__ENABLED", "true"),
-        ("STATEBROKER__FAULTS__CLAIM_DELAY_MS", "3000"),
-    ]);
-    setup.add_node(&[]);
-    setup.all_linked().await;
-    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
-
-    let mut early = connect_persistent(sb1, "mover").await;
-    let mut later = connect_persistent(sb2, "mover").await;
+    let (setup, mut early, mut later) = claims_delayed([Some("3000"), None]).await;
     eventually("sb2 recorded as the owner", || {
         owner(&setup, "mover").as_deref() == Some("sb2")
     })
@@ -403,18 +413,7 @@ async fn a_late_claim_does_not_take_the_client_from_a_later_connect() {
 /// sb1's connection ends (0x8E).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_connects_late_claim_is_put_over_an_earlier_ones() {
-    let mut setup = Setup::start_with(1, 0, &[]);
-    for delay in ["2000", "6000"] {
-        setup.add_node(&[
-            ("STATEBROKER__FAULTS__ENABLED", "true"),
-            ("STATEBROKER__FAULTS__CLAIM_DELAY_MS", delay),
-        ]);
-    }
-    setup.all_linked().await;
-    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
-
-    let mut early = connect_persistent(sb1, "mover").await;
-    let mut later = connect_persistent(sb2, "mover").await;
+    let (setup, mut early, mut later) = claims_delayed([Some("2000"), Some("6000")]).await;
     eventually("sb1 recorded as the owner first", || {
         owner(&setup, "mover").as_deref() == Some("sb1")
     })
