@@ -294,13 +294,7 @@ async fn a_connect_that_waited_across_a_lease_loss_is_refused() {
         addr(port),
         "waiter",
         PATIENCE * 2,
-        |(connect, _, _)| {
-            connect.clean_start = false;
-            connect
-                .properties
-                .get_or_insert_with(Default::default)
-                .session_expiry_interval = Some(60);
-        },
+        persistent,
     ));
     eventually("the node lost its lease", || {
         metric(http, "statebroker_cluster_lease_losses_total").is_some_and(|n| n >= 1.0)
@@ -320,16 +314,18 @@ async fn a_connect_that_waited_across_a_lease_loss_is_refused() {
     );
 }
 
+/// A CONNECT with Clean Start 0 and a session kept 60 s.
+fn persistent((connect, _, _): &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
+    connect.clean_start = false;
+    connect
+        .properties
+        .get_or_insert_with(Default::default)
+        .session_expiry_interval = Some(60);
+}
+
 /// Connects `client_id` with Clean Start 0 and a session kept 60 s.
 async fn connect_persistent(port: u16, client_id: &str) -> Raw {
-    let (raw, ack) = Raw::connect_with(addr(port), client_id, |(connect, _, _)| {
-        connect.clean_start = false;
-        connect
-            .properties
-            .get_or_insert_with(Default::default)
-            .session_expiry_interval = Some(60);
-    })
-    .await;
+    let (raw, ack) = Raw::connect_with(addr(port), client_id, persistent).await;
     assert_eq!(ack.code, v5::ConnectReturnCode::Success);
     raw
 }
@@ -448,18 +444,7 @@ async fn a_connect_its_client_gave_up_on_takes_nothing() {
     let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
 
     setup.etcd.pause(slow).unwrap();
-    let waiting = tokio::spawn(Raw::try_connect(
-        addr(sb1),
-        "mover",
-        PATIENCE,
-        |(connect, _, _)| {
-            connect.clean_start = false;
-            connect
-                .properties
-                .get_or_insert_with(Default::default)
-                .session_expiry_interval = Some(60);
-        },
-    ));
+    let waiting = tokio::spawn(Raw::try_connect(addr(sb1), "mover", PATIENCE, persistent));
     // The client gives up on sb1 (its socket closes) and goes to sb2.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
