@@ -6,8 +6,8 @@
 //! connection number>\nids <its packet id block>` (see
 //! [`crate::sessions::PacketIdBlock`]; `\nat <revision> <ms>` for a
 //! CONNECT that read the session in etcd, see below; and `\nclean` for a
-//! clean start, `\nqueue` when the session's queued messages came from etcd: the node
-//! that had it hands nothing over then), under its
+//! clean start, `\nqueue` when the session's queued messages came from
+//! etcd: the node that had it hands nothing over then), under its
 //! membership lease (so the record goes with the node: killed, cut off or
 //! paused past its lease). Every node
 //! watches these records; a node whose client connected later to another
@@ -22,11 +22,11 @@
 //! come in the order of their nodes' wall clocks); one with Clean Start 1
 //! reads nothing and comes at its claim's own revision. Its claim goes to
 //! etcd after it is accepted, in the background, and may be late (etcd
-//! slow, the node suspended): a
-//! claim is put only if the owner record did not change since its
-//! CONNECT's read; if it did, by another node's claim of a later CONNECT,
-//! this one's connection ends (0x8E) instead, and by an earlier CONNECT's
-//! claim that etcd took late, it is put over it.
+//! slow, the node suspended): a claim is put only if the owner record did
+//! not change since its CONNECT's read; if it did, by another node's
+//! claim of a later CONNECT, this one's connection ends (0x8E) instead,
+//! and by an earlier CONNECT's claim that etcd took late, it is put over
+//! it.
 //!
 //! The owner also keeps the client's persistent session in etcd (see
 //! [`super::sessions`]): each change the router journals is written to
