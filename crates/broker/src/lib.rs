@@ -13,9 +13,9 @@
 //!    handshake.rs: CONNECT checks, CONNACK      subscriptions.rs: SUBSCRIBE policy
 //!    outbound/: acks, in-flight windows         mod.rs: run loop, dispatch, teardown
 //!    │ state store requests ──────────────► store/: binding.rs (request rules,
-//!    │                                       response properties), service.rs
-//!    │                                       (statestore::Store, expiry,
-//!    │                                       persistence.rs first)
+//!    │                                       response properties), service/
+//!    │                                       (statestore::Store; expiry.rs,
+//!    │                                       durable.rs: persistence first)
 //!    │                                            │ answers, notifications
 //!    │                                            ▼
 //!    │ ◄── direct deliveries ─────────────── publisher.rs: straight to the only

@@ -10,26 +10,19 @@
 //! subscribes, at the subscriber's QoS, kept for persistent sessions.
 //!
 //! How answers travel is the publisher's business ([`crate::publisher`]);
-//! what they carry is the binding's ([`super::binding`]).
-//!
-//! It also owns the expiry timer: a task that sleeps until the store's next
-//! expiry and publishes the DELETE notifications of what expired.
-//!
-//! With persistence, the durable changes of a request are queued to the
-//! [`Persistence`] writer while the store is still locked (so they reach the
-//! disk in the order they happened), and the answer waits until what it
-//! could show is durable: its own changes and everything queued before
-//! them, or the pending changes of the key it reads (see `pending.rs` and
-//! [`crate::persistence`]).
+//! what they carry is the binding's ([`super::binding`]). With persistence,
+//! answers wait for the disk (`durable.rs`); the expiry timer is
+//! `expiry.rs`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use parking_lot::Mutex;
 use statestore::persist::{Observed, Write};
 use statestore::{Caller, Outcome, Request, Store};
-use tokio::sync::Notify;
+
+mod durable;
+mod expiry;
 
 use super::binding::{self, ReplyTo};
 use super::pending::Pending;
@@ -38,6 +31,8 @@ use crate::clock::now_ms;
 use crate::persistence::{Batch, Loaded, Persistence, Position};
 use crate::publisher::Publisher;
 use crate::sessions::{Direct, Undelivered};
+use durable::Waiters;
+use expiry::Alarm;
 
 /// The state store, served in process.
 pub struct StateStoreService {
@@ -67,24 +62,6 @@ pub struct StateStoreService {
     /// without a trip through the operating system (the writer thread's
     /// own position would wake each from outside).
     published: tokio::sync::watch::Sender<Position>,
-}
-
-/// What waits for the disk.
-#[derive(Default)]
-struct Waiters {
-    list: Vec<Waiting>,
-    /// The durable position up to which the durable task has taken what
-    /// waited: an answer waiting for no more than this goes out at once,
-    /// anything else after what waits (so that, for one key, answers and
-    /// notifications go out in the order they were made).
-    released: Position,
-}
-
-/// An answer (or notifications only) waiting for its batch to be durable.
-struct Waiting {
-    batch: Batch,
-    reply: Option<Reply<'static>>,
-    outcome: Outcome,
 }
 
 /// Where a response goes, and who asked: the requester's client id
@@ -173,11 +150,7 @@ impl StateStoreService {
             store: Mutex::new(store),
             pending: Mutex::new(Pending::new(mark)),
             publisher,
-            expiry: Arc::new(Alarm {
-                changed: Notify::new(),
-                armed: AtomicU64::new(u64::MAX),
-                dropped: tokio::sync::watch::Sender::new(()),
-            }),
+            expiry: Arc::new(Alarm::new()),
             persistence,
             activity,
             clock_offset_ms: AtomicI64::new(0),
@@ -185,12 +158,12 @@ impl StateStoreService {
             clustered,
             published: tokio::sync::watch::Sender::new(Position::default()),
         });
-        tokio::spawn(expiry_task(
+        tokio::spawn(expiry::expiry_task(
             Arc::downgrade(&service),
             Arc::clone(&service.expiry),
         ));
         if let Some(persistence) = &service.persistence {
-            tokio::spawn(durable_task(
+            tokio::spawn(durable::durable_task(
                 Arc::downgrade(&service),
                 persistence.durable(),
             ));
@@ -244,11 +217,6 @@ impl StateStoreService {
         self.publish_when_durable(Some(reply), outcome, wait, Some(here))
     }
 
-    /// Answers (and notifications) waiting for the disk now.
-    pub fn answers_waiting(&self) -> usize {
-        self.waiting.lock().list.len()
-    }
-
     /// Changes the service still tracks as possibly not on disk (see
     /// `pending.rs`): bounded by what waits for the disk.
     pub fn changes_tracked(&self) -> usize {
@@ -265,21 +233,6 @@ impl StateStoreService {
             }
             None => false,
         }
-    }
-
-    /// Whether `batch` (and all before it) is durable and the answers that
-    /// waited for it are published.
-    pub fn is_answered(&self, batch: Batch) -> bool {
-        self.published.borrow().covers(batch)
-    }
-
-    /// The position up to which the disk has everything and the answers
-    /// that waited for it are published, to wait on (`wait_for(|p|
-    /// p.covers(batch))`): a connection keeps one, rather than subscribing
-    /// anew each time it waits. It covers every batch, the MQTT side's
-    /// (the router's journal) included.
-    pub fn answered(&self) -> tokio::sync::watch::Receiver<Position> {
-        self.published.subscribe()
     }
 
     /// Runs a request for one of the broker's own tools (the web view's
@@ -461,80 +414,6 @@ impl StateStoreService {
             .is_some_and(|persistence| persistence.refuses_writes())
     }
 
-    /// Queues durable writes (call with the store locked); returns the batch
-    /// an answer given now must wait for: the writes' own, or, with none,
-    /// that of the changes not on disk yet that it could show (`observed`,
-    /// in the request's `payload`; see `pending.rs`).
-    fn persist(
-        &self,
-        store: &Store,
-        writes: Vec<Write>,
-        observed: &Observed,
-        payload: &[u8],
-    ) -> Option<Batch> {
-        let persistence = self.persistence.as_ref()?;
-        let mut pending = self.pending.lock();
-        // Forget only what was published: a later answer about a key must
-        // not overtake an earlier one still in the waiting list.
-        pending.forget(*self.published.borrow());
-        if writes.is_empty() {
-            let last_ms = store.last_version().wall_ms;
-            pending.wait_for(observed, payload, persistence.submitted(), last_ms)
-        } else {
-            Some(persistence.submit(writes, |batch, writes| pending.wrote(batch, writes)))
-        }
-    }
-
-    /// Publishes now if batch `wait` is durable, or leaves it to the
-    /// durable task. One task for all that waits, rather than one spawned
-    /// per answer: a group commit releases dozens of answers at once.
-    /// Returns the batch waited for, if the answer was not published now.
-    /// `here`: see [`Self::serve_here`].
-    fn publish_when_durable(
-        self: &Arc<Self>,
-        reply: Option<Reply<'_>>,
-        outcome: Outcome,
-        wait: Option<Batch>,
-        here: Option<&mut Option<Direct>>,
-    ) -> Option<Batch> {
-        if let Some(batch) = wait {
-            // Checked under the lock the durable task drains under: either
-            // the task sees this entry, or it has taken all this waits for.
-            let mut waiting = self.waiting.lock();
-            if !waiting.released.covers(batch) {
-                waiting.list.push(Waiting {
-                    batch,
-                    reply: reply.map(Reply::detach),
-                    outcome,
-                });
-                return Some(batch);
-            }
-        }
-        self.publish_outcome(reply, outcome, here);
-        None
-    }
-
-    /// Publishes, in batch order, what waited for batches up to the durable
-    /// position, read under the waiting lock (see `publish_when_durable`).
-    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<Position>) {
-        let (mut ready, durable) = {
-            let mut waiting = self.waiting.lock();
-            let durable = *durable.borrow_and_update();
-            // Only the ready entries move; the rest stay where they are.
-            let ready: Vec<Waiting> = waiting
-                .list
-                .extract_if(.., |w| durable.covers(w.batch))
-                .collect();
-            waiting.released = durable;
-            (ready, durable)
-        };
-        ready.sort_by_key(|w| w.batch);
-        for w in ready {
-            self.publish_outcome(w.reply, w.outcome, None);
-        }
-        self.published.send_replace(durable);
-    }
-
     /// Writes and syncs what is queued and closes the storage engine.
     pub fn close(&self) {
         if let Some(persistence) = &self.persistence {
@@ -665,7 +544,7 @@ impl StateStoreService {
     pub fn set_clock_offset(&self, offset_ms: i64) {
         self.clock_offset_ms.store(offset_ms, Ordering::Relaxed);
         // Expiries are due by the new clock.
-        self.expiry.changed.notify_one();
+        self.expiry.ring();
     }
 
     /// The store's clock offset, milliseconds.
@@ -673,48 +552,9 @@ impl StateStoreService {
         self.clock_offset_ms.load(Ordering::Relaxed)
     }
 
-    /// Removes `key` now as if it had expired (a fault: see
-    /// [`crate::faults`]): its watchers get DELETE. `false`: no such key.
-    pub fn expire_key(self: &Arc<Self>, key: &[u8]) -> bool {
-        let (fx, wait) = {
-            let mut store = self.store.lock();
-            let Some(mut fx) = store.expire_key(key) else {
-                return false;
-            };
-            crate::metrics::expired(1);
-            let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
-            (fx, wait)
-        };
-        self.publish_when_durable(None, notices_only(fx.notices), wait, None);
-        true
-    }
-
     /// Runs `f` on the store (for tests and tools).
     pub fn with_store<R>(&self, f: impl FnOnce(&mut Store) -> R) -> R {
         f(&mut self.store.lock())
-    }
-
-    fn rearm_expiry(&self, next: Option<u64>) {
-        let next = next.unwrap_or(u64::MAX);
-        if next < self.expiry.armed.load(Ordering::Relaxed) {
-            self.expiry.changed.notify_one();
-        }
-    }
-
-    /// Expires what is due and publishes the notifications; returns the next expiry.
-    fn expire_now(self: &Arc<Self>) -> Option<u64> {
-        let (fx, next, wait) = {
-            let mut store = self.store.lock();
-            let before = store.len();
-            let mut fx = store.expire(self.now());
-            crate::metrics::expired(before.saturating_sub(store.len()));
-            let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
-            (fx, store.next_expiry(), wait)
-        };
-        if !fx.notices.is_empty() {
-            self.publish_when_durable(None, notices_only(fx.notices), wait, None);
-        }
-        next
     }
 }
 
@@ -751,69 +591,6 @@ fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
         observed: Observed::Nothing,
         command: None,
         error: None,
-    }
-}
-
-/// Publishes the answers and notifications that waited for the disk, each
-/// time the durable position moves; ends with the persistence writer.
-async fn durable_task(
-    service: std::sync::Weak<StateStoreService>,
-    mut durable: tokio::sync::watch::Receiver<Position>,
-) {
-    while durable.changed().await.is_ok() {
-        let Some(service) = service.upgrade() else {
-            return;
-        };
-        service.publish_durable(&mut durable);
-    }
-}
-
-/// What the expiry task sleeps on: woken early when an earlier expiry
-/// appears, and for good when the service is dropped.
-struct Alarm {
-    changed: Notify,
-    /// The expiry time the task sleeps until (u64::MAX: none).
-    armed: AtomicU64,
-    /// Closed when the service (its only sender) is dropped.
-    dropped: tokio::sync::watch::Sender<()>,
-}
-
-impl Drop for StateStoreService {
-    fn drop(&mut self) {
-        // The expiry task ends (the alarm outlives the service: the task
-        // holds it).
-        self.expiry.dropped.send_replace(());
-    }
-}
-
-/// Sleeps until the next expiry, expires, repeats; woken early by
-/// [`StateStoreService::rearm_expiry`]. It holds the service only while it
-/// expires keys, and ends when the service is dropped.
-async fn expiry_task(service: std::sync::Weak<StateStoreService>, alarm: Arc<Alarm>) {
-    let mut dropped = alarm.dropped.subscribe();
-    let mut next: Option<u64> = None;
-    loop {
-        alarm
-            .armed
-            .store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
-        let until = match (next, service.upgrade()) {
-            (_, None) => return,
-            (None, Some(_)) => None,
-            (Some(at), Some(svc)) => Some(Duration::from_millis(at.saturating_sub(svc.now()))),
-        };
-        let sleep = async {
-            match until {
-                Some(wait) => tokio::time::sleep(wait).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            () = alarm.changed.notified() => {}
-            () = sleep => {}
-            _ = dropped.changed() => return,
-        }
-        let Some(svc) = service.upgrade() else { return };
-        next = svc.expire_now();
     }
 }
 

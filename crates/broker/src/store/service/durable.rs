@@ -1,0 +1,144 @@
+//! Answers that wait for the disk: a request's changes are queued to the
+//! [`Persistence`] writer while the store is still locked (so they reach
+//! the disk in the order they happened), and its answer waits until what
+//! it could show is durable (its own changes and everything queued before
+//! them, or the pending changes of the key it reads: see `pending.rs`).
+//! One task publishes what waited each time the durable position moves.
+
+use std::sync::Arc;
+
+use statestore::Outcome;
+use statestore::Store;
+use statestore::persist::{Observed, Write};
+
+use super::{Reply, StateStoreService};
+use crate::persistence::{Batch, Position};
+use crate::sessions::Direct;
+
+/// What waits for the disk.
+#[derive(Default)]
+pub(super) struct Waiters {
+    list: Vec<Waiting>,
+    /// The durable position up to which the durable task has taken what
+    /// waited: an answer waiting for no more than this goes out at once,
+    /// anything else after what waits (so that, for one key, answers and
+    /// notifications go out in the order they were made).
+    released: Position,
+}
+
+/// An answer (or notifications only) waiting for its batch to be durable.
+struct Waiting {
+    batch: Batch,
+    reply: Option<Reply<'static>>,
+    outcome: Outcome,
+}
+
+impl StateStoreService {
+    /// Answers (and notifications) waiting for the disk now.
+    pub fn answers_waiting(&self) -> usize {
+        self.waiting.lock().list.len()
+    }
+
+    /// Whether `batch` (and all before it) is durable and the answers that
+    /// waited for it are published.
+    pub fn is_answered(&self, batch: Batch) -> bool {
+        self.published.borrow().covers(batch)
+    }
+
+    /// The position up to which the disk has everything and the answers
+    /// that waited for it are published, to wait on (`wait_for(|p|
+    /// p.covers(batch))`): a connection keeps one, rather than subscribing
+    /// anew each time it waits. It covers every batch, the MQTT side's
+    /// (the router's journal) included.
+    pub fn answered(&self) -> tokio::sync::watch::Receiver<Position> {
+        self.published.subscribe()
+    }
+
+    /// Queues durable writes (call with the store locked); returns the batch
+    /// an answer given now must wait for: the writes' own, or, with none,
+    /// that of the changes not on disk yet that it could show (`observed`,
+    /// in the request's `payload`; see `pending.rs`).
+    pub(super) fn persist(
+        &self,
+        store: &Store,
+        writes: Vec<Write>,
+        observed: &Observed,
+        payload: &[u8],
+    ) -> Option<Batch> {
+        let persistence = self.persistence.as_ref()?;
+        let mut pending = self.pending.lock();
+        // Forget only what was published: a later answer about a key must
+        // not overtake an earlier one still in the waiting list.
+        pending.forget(*self.published.borrow());
+        if writes.is_empty() {
+            let last_ms = store.last_version().wall_ms;
+            pending.wait_for(observed, payload, persistence.submitted(), last_ms)
+        } else {
+            Some(persistence.submit(writes, |batch, writes| pending.wrote(batch, writes)))
+        }
+    }
+
+    /// Publishes now if batch `wait` is durable, or leaves it to the
+    /// durable task. One task for all that waits, rather than one spawned
+    /// per answer: a group commit releases dozens of answers at once.
+    /// Returns the batch waited for, if the answer was not published now.
+    /// `here`: see [`Self::serve_here`].
+    pub(super) fn publish_when_durable(
+        self: &Arc<Self>,
+        reply: Option<Reply<'_>>,
+        outcome: Outcome,
+        wait: Option<Batch>,
+        here: Option<&mut Option<Direct>>,
+    ) -> Option<Batch> {
+        if let Some(batch) = wait {
+            // Checked under the lock the durable task drains under: either
+            // the task sees this entry, or it has taken all this waits for.
+            let mut waiting = self.waiting.lock();
+            if !waiting.released.covers(batch) {
+                waiting.list.push(Waiting {
+                    batch,
+                    reply: reply.map(Reply::detach),
+                    outcome,
+                });
+                return Some(batch);
+            }
+        }
+        self.publish_outcome(reply, outcome, here);
+        None
+    }
+
+    /// Publishes, in batch order, what waited for batches up to the durable
+    /// position, read under the waiting lock (see `publish_when_durable`).
+    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<Position>) {
+        let (mut ready, durable) = {
+            let mut waiting = self.waiting.lock();
+            let durable = *durable.borrow_and_update();
+            // Only the ready entries move; the rest stay where they are.
+            let ready: Vec<Waiting> = waiting
+                .list
+                .extract_if(.., |w| durable.covers(w.batch))
+                .collect();
+            waiting.released = durable;
+            (ready, durable)
+        };
+        ready.sort_by_key(|w| w.batch);
+        for w in ready {
+            self.publish_outcome(w.reply, w.outcome, None);
+        }
+        self.published.send_replace(durable);
+    }
+}
+
+/// Publishes the answers and notifications that waited for the disk, each
+/// time the durable position moves; ends with the persistence writer.
+pub(super) async fn durable_task(
+    service: std::sync::Weak<StateStoreService>,
+    mut durable: tokio::sync::watch::Receiver<Position>,
+) {
+    while durable.changed().await.is_ok() {
+        let Some(service) = service.upgrade() else {
+            return;
+        };
+        service.publish_durable(&mut durable);
+    }
+}
