@@ -412,6 +412,7 @@ impl Shared {
         Ok(Resumed {
             ids: self.run_ids,
             read: (0, 0),
+            was_here: true,
         })
     }
 

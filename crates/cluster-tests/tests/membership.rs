@@ -419,16 +419,9 @@ async fn a_later_connects_late_claim_is_put_over_an_earlier_ones() {
     goes_on(&mut later, &setup.nodes[1]).await;
 }
 
-/// A CONNECT with Clean Start 0 waits for etcd (its session is read
-/// there). Its client gives up meanwhile, closes the socket and connects
-/// to another node: when etcd answers, the first node does not accept the
-/// abandoned CONNECT, so its claim does not take the client from the
-/// node it went to (the read, served after the other node's claim, makes
-/// it the later CONNECT in etcd's order). sb1 speaks to one etcd member,
-/// SIGSTOPped while sb1's read waits (for less than sb1's lease); sb2 to
-/// the two others.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connect_its_client_gave_up_on_takes_nothing() {
+/// Two nodes, sb1 on one etcd member, sb2 on the other two, each lease
+/// long enough to outlast a pause of sb1's member; returns the member.
+async fn sb1_on_its_own_member() -> (Setup, usize) {
     let env = [
         // sb1 keeps its lease while its member is paused.
         ("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "30000"),
@@ -441,11 +434,17 @@ async fn a_connect_its_client_gave_up_on_takes_nothing() {
     setup.add_node_on(&env, &[slow]);
     setup.add_node_on(&env, &others);
     setup.all_linked().await;
-    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
+    (setup, slow)
+}
 
+/// "mover" connects to sb1 with Clean Start 0 while sb1's etcd member
+/// (`slow`) is paused, gives up (closes the socket) and connects to sb2;
+/// then the member resumes and sb1 is done with the abandoned CONNECT.
+/// Returns the connection to sb2.
+async fn give_up_on_sb1(setup: &mut Setup, slow: usize) -> Raw {
+    let (sb1, sb2) = (setup.ports[0], setup.ports[1]);
     setup.etcd.pause(slow).unwrap();
     let waiting = tokio::spawn(Raw::try_connect(addr(sb1), "mover", PATIENCE, persistent));
-    // The client gives up on sb1 (its socket closes) and goes to sb2.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !waiting.is_finished(),
@@ -453,23 +452,35 @@ async fn a_connect_its_client_gave_up_on_takes_nothing() {
     );
     waiting.abort();
     let _ = waiting.await;
-    let mut later = connect_persistent(sb2, "mover").await;
+    let later = connect_persistent(sb2, "mover").await;
     eventually("sb2 recorded as the owner", || {
-        owner(&setup, "mover").as_deref() == Some("sb2")
+        owner(setup, "mover").as_deref() == Some("sb2")
     })
     .await;
-
     setup.etcd.resume(slow).unwrap();
+    let sb1 = &setup.nodes[0];
     eventually("sb1 done with the abandoned CONNECT", || {
-        setup.nodes[0]
-            .log_tail(200)
+        sb1.log_tail(200)
             .contains("closed the connection while its CONNECT waited")
-            || setup.nodes[0]
-                .log_tail(200)
-                .contains("client connected peer")
-                && setup.nodes[0].log_tail(200).contains("\"mover\"")
+            || sb1.log_tail(200).contains("client connected peer")
+                && sb1.log_tail(200).contains("\"mover\"")
     })
     .await;
+    later
+}
+
+/// A CONNECT with Clean Start 0 waits for etcd (its session is read
+/// there). Its client gives up meanwhile, closes the socket and connects
+/// to another node: when etcd answers, the first node does not accept the
+/// abandoned CONNECT, so its claim does not take the client from the
+/// node it went to (the read, served after the other node's claim, makes
+/// it the later CONNECT in etcd's order). sb1 speaks to one etcd member,
+/// SIGSTOPped while sb1's read waits (for less than sb1's lease); sb2 to
+/// the two others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_its_client_gave_up_on_takes_nothing() {
+    let (mut setup, slow) = sb1_on_its_own_member().await;
+    let mut later = give_up_on_sb1(&mut setup, slow).await;
     // A claim sb1 made would be in etcd within this (its own would show
     // failing the test; nothing here waits for the test to pass).
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -479,5 +490,33 @@ async fn a_connect_its_client_gave_up_on_takes_nothing() {
         "{}",
         setup.nodes[0].log_tail(30)
     );
+    goes_on(&mut later, &setup.nodes[1]).await;
+}
+
+/// The session sb1 read from etcd for a CONNECT it then did not accept
+/// is not kept there: it would collect the client's messages (and write
+/// copies of them to etcd) until it expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_its_client_gave_up_on_leaves_no_session_behind() {
+    let (mut setup, slow) = sb1_on_its_own_member().await;
+    // Each node also keeps the sessions of the other nodes' links.
+    let http = setup.http.clone();
+    let kept = |i: usize| metric(http[i], "statebroker_kept_sessions").unwrap_or(-1.0);
+    let before = kept(0);
+    let mut first = connect_persistent(setup.ports[1], "mover").await;
+    first
+        .subscribe("mover/inbox", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await;
+    first
+        .send(v5::Packet::Disconnect(v5::Disconnect::new(
+            v5::DisconnectReasonCode::NormalDisconnection,
+        )))
+        .await;
+    drop(first);
+
+    let mut later = give_up_on_sb1(&mut setup, slow).await;
+    // sb1 read the session from etcd before it logged that it did not
+    // accept the CONNECT: kept there, it would count from then on.
+    eventually("sb1 keeps no session of the client", || kept(0) == before).await;
     goes_on(&mut later, &setup.nodes[1]).await;
 }

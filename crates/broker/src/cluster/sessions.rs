@@ -206,7 +206,11 @@ async fn resume_once(
     // Reads do not move etcd's revision: two CONNECTs read at the same
     // one are told apart by the wall clock.
     let read = (read, now_ms());
-    let resumed = |ids| Resumed { ids, read };
+    let resumed = |ids| Resumed {
+        ids,
+        read,
+        was_here: true,
+    };
     let mut found = response.op_responses().into_iter().map(|op| match op {
         TxnOpResponse::Get(get) => get
             .kvs()
@@ -299,7 +303,10 @@ async fn resume_once(
         }
     }
     if restored.is_none() && !kept_here {
-        return Ok(Some(resumed(ids)));
+        return Ok(Some(Resumed {
+            was_here: false,
+            ..resumed(ids)
+        }));
     }
     let from_etcd = restored.is_some();
     let replaced = router
@@ -325,7 +332,10 @@ async fn resume_once(
         ids = ids.number(),
         "clustering: the client's session was on another node since: this node's copy replaced from etcd (or, without a record, discarded)"
     );
-    Ok(Some(resumed(ids)))
+    Ok(Some(Resumed {
+        was_here: false,
+        ..resumed(ids)
+    }))
 }
 
 /// The messages kept in etcd for `client_id`'s `session` (see

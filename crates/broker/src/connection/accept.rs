@@ -189,6 +189,7 @@ pub(crate) async fn accept(
         crate::sessions::Resumed {
             ids: shared.run_ids,
             read: (0, 0),
+            was_here: true,
         }
     } else {
         match shared.resume_session(client_id).await {

@@ -25,7 +25,7 @@ use crate::sessions::Peer;
 
 /// How long a closing connection waits for the router to end its session
 /// before it closes the socket anyway.
-const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
+pub(super) const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
 use crate::shared::Shared;
 
 /// How long a write to a client without keep-alive may stall before the

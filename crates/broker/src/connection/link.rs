@@ -7,7 +7,7 @@
 //! has for the router is handed over in one batch, with one wake-up.
 
 use router::local::{LinkError, LinkRx, LinkTx};
-use router::protocol::Packet;
+use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
 use router::{LinkRefused, Notification, RouterHandle};
 
 use super::waiting::WhileWaiting;
@@ -105,6 +105,34 @@ impl RouterLink {
         };
         tx.send_all(packets.drain(..))
             .map_err(|_| LinkFailure::Closed)
+    }
+
+    /// Ends the connection's part of its session in the router, as a
+    /// client's DISCONNECT with `session_expiry` would (0: the session
+    /// ends), and waits up to `within` for the router to close the link.
+    /// For a connection that ends before its machine runs; a link merely
+    /// dropped would stay connected in the router.
+    pub async fn leave(&mut self, session_expiry: u32, within: std::time::Duration) {
+        if self.link.is_none() {
+            return;
+        }
+        let disconnect = Packet::Disconnect(
+            Disconnect {
+                reason_code: DisconnectReasonCode::NormalDisconnection,
+            },
+            Some(DisconnectProperties {
+                session_expiry_interval: Some(session_expiry),
+                reason_string: None,
+                user_properties: Vec::new(),
+                server_reference: None,
+            }),
+        );
+        if self.send(&mut vec![disconnect]).await.is_ok() {
+            let _ = tokio::time::timeout(within, async {
+                while let Ok(Some(_)) = self.next().await {}
+            })
+            .await;
+        }
     }
 
     /// The next notification from the router; never, without a link.

@@ -109,6 +109,17 @@ pub(crate) async fn serve<S: Stream>(
             client_id = terms.client_id,
             "clustering: the client closed the connection while its CONNECT waited for etcd: not accepted"
         );
+        // The router has the connection: it leaves, and a session its
+        // read brought from etcd (or its link made) is not this node's to
+        // keep (it would collect the client's messages, and copies of them
+        // in etcd, until it expired); one the node had stays as it was.
+        let mut link = link;
+        let expiry = if resumed.was_here {
+            terms.session_expiry
+        } else {
+            0
+        };
+        link.leave(expiry, driver::ROUTER_GOODBYE).await;
         return socket.shutdown().await;
     }
     let client_id = terms.client_id.clone();

@@ -35,6 +35,12 @@ pub struct Resumed {
     /// clock (ms) when it was; `(0, 0)`: not read. Where the CONNECT
     /// comes among others of the client id (see `cluster::ownership`).
     pub read: (i64, u64),
+    /// The router's session of the client is the one this node had before
+    /// the CONNECT (it owned the client, or its own copy is current):
+    /// a CONNECT not accepted after all leaves it. `false`: a cluster
+    /// node's session replaced from etcd, discarded, or new, which such
+    /// a CONNECT must not leave behind (see `connection::serve`).
+    pub was_here: bool,
 }
 
 /// One block of packet ids for the router's deliveries (see the module's
