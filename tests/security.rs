@@ -375,6 +375,79 @@ async fn the_policy_guards_topics_and_keys() {
     c.no_publish_within(Duration::from_millis(200)).await;
 }
 
+const WILL_POLICY: &str = r##"
+authorizationPolicies:
+  rules:
+    - principals: { usernames: [alice] }
+      brokerResources:
+        - method: Connect
+        - method: Subscribe
+          topics: ["#"]
+        - method: Publish
+          topics: ["status/{principal.clientId}"]
+"##;
+
+/// `login` with a will on `topic` (payload "gone", QoS 1).
+fn with_will(
+    topic: &'static str,
+) -> impl FnOnce(&mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
+    move |c| {
+        login("alice", "pw")(c);
+        c.1 = Some(v5::LastWill::new(
+            topic,
+            "gone",
+            QoS::AtLeastOnce,
+            false,
+            None,
+        ));
+    }
+}
+
+/// A will is a publish the broker makes for the client: one on a topic
+/// the policy does not let the client publish to refuses the CONNECT
+/// (0x87), and one a policy reloaded since no longer allows is not
+/// published. Before, any client allowed to connect could publish (and
+/// retain) anything anywhere through its will.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_will_is_a_publish_the_policy_must_allow() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = password_file(dir.path(), &[("alice", "pw")]);
+    let policy = tls::write(dir.path(), "policy.yaml", WILL_POLICY);
+    let broker = start_broker_with(|s| {
+        s.password_file = Some(file);
+        s.authorization = Some(policy);
+    })
+    .await;
+    let addr = broker.local_addr();
+    let (_c, ack) = Raw::connect_with(addr, "alice-1", with_will("commands/victim/reboot")).await;
+    assert_eq!(ack.code, ConnectReturnCode::NotAuthorized);
+
+    let (mut watcher, ack) = Raw::connect_with(addr, "alice-w", login("alice", "pw")).await;
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    watcher.subscribe("#", QoS::AtLeastOnce).await;
+    // Its own status topic: allowed, and published when it drops.
+    let (dev, ack) = Raw::connect_with(addr, "alice-2", with_will("status/alice-2")).await;
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    drop(dev);
+    let will = watcher.next_publish().await;
+    assert_eq!(&will.topic[..], b"status/alice-2");
+
+    // Allowed at its CONNECT, denied by the policy in force when it drops.
+    let (dev, ack) = Raw::connect_with(addr, "alice-3", with_will("status/alice-3")).await;
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    let later = WILL_POLICY.replace("status/{principal.clientId}", "later/{principal.clientId}");
+    tls::write(dir.path(), "policy.yaml", &later);
+    assert!(broker.reload());
+    drop(dev);
+    let (dev, ack) = Raw::connect_with(addr, "alice-4", with_will("later/alice-4")).await;
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    drop(dev);
+    // alice-4's will comes; alice-3's, dropped first, does not.
+    let will = watcher.next_publish().await;
+    assert_eq!(&will.topic[..], b"later/alice-4");
+    watcher.no_publish_within(Duration::from_millis(500)).await;
+}
+
 fn statebroker_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -161,6 +161,18 @@ pub(crate) async fn accept(
             "the authorization policy denies Connect",
         ));
     }
+    // A will is a publish the broker makes for the client later: the same
+    // rule as the client's own PUBLISH (mosquitto refuses it the same way).
+    if let Some(policy) = shared.authorizer.current()
+        && let Some(will) = &hello.will
+        && from_node.is_none()
+        && !policy.may_publish(&principal, &String::from_utf8_lossy(&will.topic))
+    {
+        return Err(refuse(
+            Refusal::NotAuthorized,
+            "the authorization policy denies Publish on the will topic",
+        ));
+    }
     // Read before the check: a stop after it sends this connection away.
     let epoch = shared.standing.epoch();
     if !shared.standing.serving() {

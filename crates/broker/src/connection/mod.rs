@@ -187,7 +187,7 @@ pub(crate) async fn serve<S: Stream>(
         acknowledged: (acknowledged, listener.receive_maximum),
         joined: link.is_linked(),
         bound,
-        principal,
+        principal: Arc::clone(&principal),
         owner,
         disk: shared.store.answered(),
         from_link: from_node.is_some(),
@@ -250,7 +250,33 @@ pub(crate) async fn serve<S: Stream>(
         );
         shared.publisher.redeliver_later(unacked);
     }
-    let will = end.will(hello.will, hello.will_properties, machine.session_expiry);
+    let will = end
+        .will(hello.will, hello.will_properties, machine.session_expiry)
+        .filter(|will| may_publish_will(&shared, &principal, &client_id, will));
     shared.wills.disconnected(&client_id, id, will);
     drop(permit);
+}
+
+/// Whether the policy in force now lets the client's will be published (a
+/// policy reloaded since the CONNECT may deny what it allowed); logged
+/// when it does not.
+fn may_publish_will(
+    shared: &Shared,
+    principal: &crate::authorization::Principal,
+    client_id: &str,
+    will: &crate::will::Will,
+) -> bool {
+    let topic = String::from_utf8_lossy(&will.will.topic);
+    let allowed = shared
+        .authorizer
+        .current()
+        .is_none_or(|policy| policy.may_publish(principal, &topic));
+    if !allowed {
+        tracing::info!(
+            client_id,
+            %topic,
+            "will not published: the authorization policy denies Publish on its topic"
+        );
+    }
+    allowed
 }
