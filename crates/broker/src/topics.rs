@@ -7,9 +7,10 @@
 //!   That namespace ([`NOTIFY_NAMESPACE`]) belongs to the store: no client
 //!   may publish into it, subscribe to another client's part of it by name,
 //!   or receive another client's notifications through a wildcard.
-//! - A request whose Response Topic is a request topic or lies in
-//!   `clients/statestore/v1/{GUID}…` is an attempt to make the store publish
-//!   where only it may: the client is disconnected.
+//! - A request whose Response Topic is a request topic, lies in
+//!   `clients/statestore/v1/{GUID}…` or in `$SYS/` is an attempt to make the
+//!   store publish where only it (or the broker) may: the client is
+//!   disconnected. A will on such a topic refuses the CONNECT.
 
 /// The state store's request topic.
 pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
@@ -39,9 +40,14 @@ pub fn is_sys_topic(topic: &str) -> bool {
     topic.starts_with(SYS_PREFIX)
 }
 
-/// Whether a request may not use `topic` as its Response Topic.
+/// Whether a request may not use `topic` as its Response Topic (nor a
+/// will as its topic): the broker's own topics, where an answer (or a
+/// will) would pass for the broker's word.
 pub fn is_reserved_response_topic(topic: &str) -> bool {
-    topic == REQUEST_TOPIC || topic == LEGACY_REQUEST_TOPIC || topic.starts_with(NOTIFY_NAMESPACE)
+    topic == REQUEST_TOPIC
+        || topic == LEGACY_REQUEST_TOPIC
+        || topic.starts_with(NOTIFY_NAMESPACE)
+        || is_sys_topic(topic)
 }
 
 /// Whether `topic` is in the store's notification namespace.

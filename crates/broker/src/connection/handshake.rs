@@ -582,6 +582,9 @@ mod tests {
             assert_eq!(check(topics::REQUEST_TOPIC, p), Some(Refusal::BadWill));
             let notify = format!("{}/x", topics::NOTIFY_NAMESPACE);
             assert_eq!(check(&notify, p), Some(Refusal::BadWill));
+            // The broker's own topics: a retained will there would pass
+            // for the broker's word (a client's PUBLISH there is refused).
+            assert_eq!(check("$SYS/broker/version", p), Some(Refusal::BadWill));
         }
         // Not a topic name: MQTT 5 says so (0x90), 3.1.1 closes.
         for bad in ["", "a/+"] {
