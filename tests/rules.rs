@@ -392,6 +392,81 @@ async fn wildcards_deliver_only_the_clients_own_notifications() {
 
 // ------------------------------------------------------------ KEYNOTIFY lifetime
 
+/// A SUBSCRIBE to the response topic and a request sent with it in one
+/// write (a pipelining client, or Nagle): the answer comes. It was
+/// answered, through the router, before the router had the subscription,
+/// and lost; so was a notification after SUBSCRIBE, KEYNOTIFY and SET in
+/// one write.
+#[tokio::test]
+async fn a_subscribe_and_a_request_in_one_write_get_the_answer() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let encode = |packets: Vec<Packet>| {
+        let mut buf = bytes::BytesMut::new();
+        for p in packets {
+            p.write(&mut buf, None).expect("encode");
+        }
+        buf
+    };
+    let request = |c: &Raw, pkid: u16, args: &[&str]| {
+        let ts = now_hlc("pipeline");
+        let props = c.request_properties(&pkid.to_be_bytes(), &[("__ts", &ts)]);
+        let mut publish = v5::Publish::new(
+            REQUEST_TOPIC,
+            QoS::AtLeastOnce,
+            encode_request(args),
+            Some(props),
+        );
+        publish.pkid = pkid;
+        Packet::Publish(publish)
+    };
+    let subscribe = |pkid: u16, filter: &str| {
+        let mut s = v5::Subscribe::new(v5::Filter::new(filter, QoS::AtLeastOnce), None);
+        s.pkid = pkid;
+        Packet::Subscribe(s)
+    };
+    for round in 0..5 {
+        let mut c = Raw::connect(addr, &format!("pipeline-{round}")).await;
+        let inbox = c.request_properties(b"", &[]).response_topic.unwrap();
+        let own = format!(
+            "{NOTIFY_NAMESPACE}/{}/#",
+            hex::encode_upper(format!("pipeline-{round}"))
+        );
+        let key = format!("k{round}");
+        let bytes = encode(vec![
+            subscribe(1, &inbox),
+            request(&c, 2, &["GET", &key]),
+            subscribe(3, &own),
+            request(&c, 4, &["KEYNOTIFY", &key]),
+            request(&c, 5, &["SET", &key, "v"]),
+        ]);
+        c.send_bytes(&bytes).await;
+        let mut answers = Vec::new();
+        let mut notified = false;
+        while answers.len() < 3 || !notified {
+            let p = c.next_publish().await;
+            if p.topic == inbox.as_bytes() {
+                answers.push(p.payload.to_vec());
+            } else {
+                assert_eq!(
+                    p.topic,
+                    notify_topic(&format!("pipeline-{round}"), key.as_bytes()).as_bytes()
+                );
+                notified = true;
+            }
+        }
+        assert_eq!(
+            answers,
+            [
+                b"$-1\r\n".to_vec(),
+                b"+OK\r\n".to_vec(),
+                b"+OK\r\n".to_vec()
+            ],
+            "round {round}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn registrations_vanish_when_the_client_disconnects() {
     let broker = start_broker().await;

@@ -171,6 +171,11 @@ impl<S: Stream> Driver<S> {
                 self.read_packets(machine)?;
             }
             self.link.send(&mut machine.to_router).await?;
+            // The router has the (UN)SUBSCRIBE: what was read after it is
+            // served now (see `Machine::router_first`).
+            if std::mem::take(&mut machine.router_first) && self.socket.has_buffered() {
+                read = true;
+            }
             // Direct deliveries that are ready (the answers to what was just
             // read among them) go out with the same write.
             while let Some(message) = self.inbox.try_recv() {
@@ -218,6 +223,7 @@ impl<S: Stream> Driver<S> {
     /// much waits for the disk.
     fn read_packets(&mut self, machine: &mut Machine) -> Result<(), End> {
         while !machine.reading_paused()
+            && !machine.router_first
             && let Some(incoming) = self.socket.next_packet(self.max_packet_size)?
         {
             machine.on_packet(incoming)?;

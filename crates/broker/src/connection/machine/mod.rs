@@ -110,6 +110,12 @@ pub(crate) struct Machine {
     pub later: Vec<Delayed>,
     /// The router asked to be told when this connection can take more.
     pub unscheduled: bool,
+    /// A SUBSCRIBE or UNSUBSCRIBE waits in `to_router`: the router gets it
+    /// before the connection serves another packet. A state store
+    /// request read with it could otherwise be answered (through the
+    /// router) before the router has the filter the answer goes to
+    /// (`SUBSCRIBE` and a request in one write lost the answer).
+    pub router_first: bool,
     /// The connection has joined the router, or will with the next
     /// hand-over: only then has the router anything of it.
     joined: bool,
@@ -176,6 +182,7 @@ impl Machine {
             to_router: Vec::new(),
             later: Vec::new(),
             unscheduled: false,
+            router_first: false,
             joined: start.joined,
             inbound: Inbound::new(
                 start.topic_alias_max,
@@ -657,6 +664,7 @@ impl Machine {
             return;
         }
         self.refused_filters.hold(pkid, checked.refused);
+        self.router_first = true;
         self.route(Packet::Subscribe(
             Subscribe {
                 pkid,
@@ -674,6 +682,7 @@ impl Machine {
         // The router answers (one reason per filter); without a link it
         // holds no subscription of this connection.
         if self.joined {
+            self.router_first = true;
             self.route(Packet::Unsubscribe(unsubscribe, properties));
         } else {
             let unsuback = subscriptions::unsuback_without_subscriptions(&unsubscribe);
