@@ -527,6 +527,31 @@ async fn a_taken_over_client_id_keeps_the_new_connections_registrations() {
     );
 }
 
+/// A connection that takes a client id over hears nothing of what the
+/// earlier connection registered: those registrations end when it is
+/// accepted, not with the earlier connection's clean-up, which comes
+/// only after that one said goodbye to its client (0x8E, then a linger).
+#[tokio::test]
+async fn a_taken_over_connections_registrations_end_before_the_new_one_starts() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let own = format!("{NOTIFY_NAMESPACE}/{}/#", hex::encode_upper("twin2"));
+    let mut first = Raw::connect(addr, "twin2").await;
+    first.request(&[b"KEYNOTIFY", b"old"]).await;
+    let mut second = Raw::connect(addr, "twin2").await;
+    second.subscribe(&own, QoS::AtLeastOnce).await;
+    let mut writer = Raw::connect(addr, "writer2").await;
+    writer.request(&[b"SET", b"old", b"v"]).await;
+    second.request(&[b"KEYNOTIFY", b"new"]).await;
+    writer.request(&[b"SET", b"new", b"v"]).await;
+    // The first notification it gets is of its own registration.
+    assert_eq!(
+        second.next_publish().await.topic,
+        notify_topic("twin2", b"new").as_bytes()
+    );
+    drop(first);
+}
+
 // ------------------------------------------------------------ MQTT 3.1.1 and 5 on one port
 
 #[tokio::test]

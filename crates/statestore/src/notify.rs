@@ -267,13 +267,29 @@ impl Watchers {
     /// Drops every registration that `connection` of `client` made. Returns
     /// how many there were.
     pub fn connection_closed(&mut self, client: &str, connection: u64) -> usize {
+        self.drop_made(client, |made_on| made_on == connection)
+    }
+
+    /// `connection` of `client` opened (a client id's new connection takes
+    /// over its earlier one): the registrations its earlier connections
+    /// made are dropped now, not when the earlier connection's clean-up
+    /// comes (after it said goodbye to its client), so that the new
+    /// connection hears only of what it registers itself. Returns how many
+    /// there were.
+    pub fn connection_opened(&mut self, client: &str, connection: u64) -> usize {
+        self.drop_made(client, |made_on| made_on != connection)
+    }
+
+    /// Drops `client`'s registrations made on the connections `made`
+    /// picks; returns how many.
+    fn drop_made(&mut self, client: &str, made: impl Fn(u64) -> bool) -> usize {
         let Some(watches) = self.by_client.get(client) else {
             return 0;
         };
         let gone: Vec<Box<[u8]>> = watches
             .keys
             .iter()
-            .filter(|(_, registration)| registration.connection == connection)
+            .filter(|(_, registration)| made(registration.connection))
             .map(|(key, _)| key.clone())
             .collect();
         for key in &gone {
@@ -524,6 +540,26 @@ mod tests {
         assert_eq!(w.connection_closed("a", 2), 1);
         assert_eq!(w.of_owner("v"), (0, 0));
         assert_eq!((w.len(), w.owners()), (1, 1));
+    }
+
+    /// A client id's new connection drops what its earlier connections
+    /// registered, and keeps what it registered itself; other clients'
+    /// registrations stay.
+    #[test]
+    fn a_new_connection_drops_its_earlier_connections_registrations() {
+        let limits = user_limit(100, 1 << 20);
+        let mut w = Watchers::default();
+        w.register("a", "u", 1, b"old", &limits).unwrap();
+        w.register("a", "u", 1, b"both", &limits).unwrap();
+        w.register("b", "u", 1, b"old", &limits).unwrap();
+        w.register("a", "u", 2, b"both", &limits).unwrap();
+        assert_eq!(w.connection_opened("a", 2), 1);
+        assert_eq!(w.of_key(b"old"), [Arc::from("b")]);
+        assert_eq!(w.of_key(b"both"), [Arc::from("a")]);
+        assert_eq!(w.of_owner("u"), (2, 7));
+        // The earlier connection's late clean-up finds nothing of it.
+        assert_eq!(w.connection_closed("a", 1), 0);
+        assert_eq!(w.len(), 2);
     }
 
     #[test]

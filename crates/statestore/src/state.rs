@@ -335,6 +335,12 @@ impl State {
         self.watchers.connection_closed(client_id, connection)
     }
 
+    /// Drops the KEYNOTIFY registrations `client_id` made on connections
+    /// other than `connection`, its new one.
+    pub(crate) fn connection_opened(&mut self, client_id: &str, connection: u64) -> usize {
+        self.watchers.connection_opened(client_id, connection)
+    }
+
     /// One page of keys matching `pattern` from slot `start` (see
     /// [`Db::scan`]).
     pub(crate) fn scan(

@@ -354,6 +354,15 @@ impl Store {
         self.state.connection_closed(client_id, connection)
     }
 
+    /// Drops the KEYNOTIFY registrations `client_id` made on connections
+    /// other than `connection`: the broker calls it when a connection is
+    /// accepted (one that takes over the client id's earlier connection
+    /// must not hear of what that one registered, in the moment before
+    /// the earlier one's [`Store::connection_closed`]).
+    pub fn connection_opened(&mut self, client_id: &str, connection: u64) -> usize {
+        self.state.connection_opened(client_id, connection)
+    }
+
     /// Reports `keyspace` (keys, bytes of keys and values) as the store's
     /// in [`Store::len`], [`Store::bytes`] and INFO, for a node whose keys
     /// are kept elsewhere (a cluster node's are in etcd); `None`: its own.

@@ -135,6 +135,7 @@ pub(crate) async fn serve<S: Stream>(
         in_flight: AtomicUsize::new(0),
         epoch,
     });
+    shared.store.connection_opened(&client_id, id);
     let acknowledged = shared.sessions.connected(
         &client_id,
         id,

@@ -509,6 +509,21 @@ impl StateStoreService {
         }
     }
 
+    /// A connection of `client_id` was accepted: the KEYNOTIFY
+    /// registrations of its earlier connections (one it takes over) end
+    /// now.
+    pub fn connection_opened(&self, client_id: &str, connection: u64) {
+        let dropped = self.store.lock().connection_opened(client_id, connection);
+        if dropped > 0 {
+            tracing::debug!(
+                client_id,
+                connection,
+                dropped,
+                "KEYNOTIFY registrations of the client's earlier connection removed"
+            );
+        }
+    }
+
     /// Drops the KEYNOTIFY registrations of a connection that ended.
     pub fn connection_closed(&self, client_id: &str, connection: u64) {
         let dropped = self.store.lock().connection_closed(client_id, connection);
