@@ -314,6 +314,64 @@ async fn a_connect_that_waited_across_a_lease_loss_is_refused() {
     );
 }
 
+/// The session a CONNECT refused across a lease loss read from etcd (the
+/// client's session on another node) is not kept on the refusing node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_refused_across_a_lease_loss_leaves_no_session_behind() {
+    let mut setup = Setup::start_with(
+        1,
+        2,
+        &[
+            ("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "2000"),
+            ("STATEBROKER__CLUSTERING__ETCD_REQUEST_TIMEOUT_MS", "60000"),
+        ],
+    );
+    let (sb1, http) = (setup.ports[0], setup.http.clone());
+    // Each node also keeps the sessions of the other nodes' links.
+    let kept = |i: usize| metric(http[i], "statebroker_kept_sessions").unwrap_or(-1.0);
+    let linked = |i: usize| metric(http[i], "statebroker_cluster_peer_links") == Some(1.0);
+    let before = kept(0);
+    let mut first = connect_persistent(setup.ports[1], "waiter").await;
+    first
+        .subscribe("waiter/inbox", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await;
+    first
+        .send(v5::Packet::Disconnect(v5::Disconnect::new(
+            v5::DisconnectReasonCode::NormalDisconnection,
+        )))
+        .await;
+    drop(first);
+    eventually("sb2 recorded the session in etcd", || {
+        setup
+            .etcd
+            .get("/statebroker/S/waiter")
+            .ok()
+            .flatten()
+            .is_some()
+    })
+    .await;
+
+    setup.etcd.pause(0).unwrap();
+    let connecting = tokio::spawn(Raw::try_connect(
+        addr(sb1),
+        "waiter",
+        PATIENCE * 2,
+        persistent,
+    ));
+    eventually("sb1 lost its lease", || {
+        metric(http[0], "statebroker_cluster_lease_losses_total").is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    setup.etcd.resume(0).unwrap();
+    let (_, ack) = connecting.await.unwrap().expect("a CONNACK");
+    assert_eq!(ack.code, v5::ConnectReturnCode::UseAnotherServer);
+    eventually(
+        "sb1 linked again and keeps no session of the client",
+        || linked(0) && kept(0) == before,
+    )
+    .await;
+}
+
 /// A CONNECT with Clean Start 0 and a session kept 60 s.
 fn persistent((connect, _, _): &mut (v5::Connect, Option<v5::LastWill>, Option<v5::Login>)) {
     connect.clean_start = false;

@@ -219,6 +219,11 @@ pub(crate) async fn accept(
     // serve again under a new one): the client may be on another node by
     // now, and this late CONNECT's claim would take it from there.
     if shared.standing.epoch() != epoch {
+        if !resumed.was_here {
+            // A session the read brought from etcd is not this node's to
+            // keep (see `connection::serve`).
+            let _ = shared.router.replace_session(client_id, None).await;
+        }
         return Err(refuse(
             Refusal::NotAMember,
             "this cluster node lost its membership lease while the CONNECT waited for etcd: use another node",
