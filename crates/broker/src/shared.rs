@@ -154,6 +154,7 @@ impl Shared {
         let mut standing = Arc::new(Standing::always());
         #[cfg(feature = "cluster")]
         let mut cluster_node = None;
+        let wills = WillRegistry::new(Arc::clone(&publisher));
         let store = match &settings.clustering {
             None => StateStoreService::start(
                 settings.store_config(),
@@ -174,7 +175,7 @@ impl Shared {
                     .map_err(std::io::Error::other)?;
                 let journal = session_journal.as_ref().expect("made with [clustering]");
                 let node = crate::cluster::Node::start(
-                    &cluster, &settings, &publisher, &sessions, &router, journal,
+                    &cluster, &settings, &publisher, &sessions, &wills, &router, journal,
                 )
                 .await
                 .map_err(std::io::Error::other)?;
@@ -197,7 +198,6 @@ impl Shared {
                 ));
             }
         };
-        let wills = WillRegistry::new(Arc::clone(&publisher));
         let faults = Faults::new(&settings.faults).map_err(std::io::Error::other)?;
         if faults.enabled() {
             tracing::warn!(

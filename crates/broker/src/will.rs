@@ -100,6 +100,44 @@ impl WillRegistry {
         }
     }
 
+    /// Another cluster node accepted a connection of `client_id` (its
+    /// claim took the client id from this node), one that started `clean`
+    /// or not: the connection here, if it still runs, is judged as taken
+    /// over when it ends, and a will waiting here for its delay goes out
+    /// at once if the new connection ended the session, never if it
+    /// continues it ([MQTT-3.1.3-9]), as when the new connection is here.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub fn taken_elsewhere(&self, client_id: &str, clean: bool) {
+        let pending = {
+            let mut clients = self.clients.lock();
+            let Some(state) = clients.get_mut(client_id) else {
+                return;
+            };
+            if let Some((previous, _)) = state.latest.take() {
+                state.superseded.push((previous, clean));
+            }
+            let pending = state.pending.take();
+            if state.is_empty() {
+                clients.remove(client_id);
+            }
+            pending
+        };
+        match pending {
+            Some((_, will)) if clean => {
+                tracing::debug!(
+                    client_id,
+                    "session ended by a clean start on another node: publishing the pending will"
+                );
+                self.publish(will);
+            }
+            Some(_) => tracing::debug!(
+                client_id,
+                "the client connected to another node within the will delay, session continued: will discarded"
+            ),
+            None => {}
+        }
+    }
+
     /// A connection of `client_id` ended; `will` is its will if it is to be
     /// published (the connection did not end with a normal DISCONNECT).
     pub fn disconnected(self: &Arc<Self>, client_id: &str, connection: u64, will: Option<Will>) {

@@ -147,6 +147,40 @@ async fn no_will_when_the_client_comes_back_on_another_node_in_time() {
     assert!(got.is_empty(), "{got:?}");
 }
 
+/// A client whose node stays alive and that resumes its session on
+/// another node within its will's delay gets no will either: after its
+/// connection dropped, or taken over by the new one ([MQTT-3.1.3-9],
+/// [MQTT-3.1.4-3]); one taken over by a Clean Start 1 CONNECT ended its
+/// session, so its will goes out at once. Before, the old node did not
+/// hear of the other node's CONNECT and published the will after its
+/// delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_delayed_will_when_the_session_goes_on_on_another_node() {
+    let setup = Setup::three_linked().await;
+    let mut watcher = Raw::connect(addr(setup.ports[2]), "watcher").await;
+    watcher.subscribe("will/#", QoS::AtLeastOnce).await;
+    let dropped = with_will(setup.ports[0], "dropped", 3, false).await;
+    let mut taken = with_will(setup.ports[0], "taken", 3, false).await;
+    let mut ended = with_will(setup.ports[0], "ended", 3, false).await;
+    for client in ["dropped", "taken", "ended"] {
+        eventually("the will in etcd", || will_record(&setup, client).is_some()).await;
+    }
+    drop(dropped);
+    let _back = with_will(setup.ports[1], "dropped", 3, false).await;
+    let _new = with_will(setup.ports[1], "taken", 3, false).await;
+    let _clean = with_will(setup.ports[1], "ended", 3, true).await;
+    for old in [&mut taken, &mut ended] {
+        let d = old.expect_disconnect().await;
+        assert_eq!(
+            common::raw::disconnect_reason(&d),
+            Some(v5::DisconnectReasonCode::SessionTakenOver)
+        );
+    }
+    // The delay (3 s) and more: only the will of the session that ended.
+    let got = wills_within(&mut watcher, Duration::from_secs(5)).await;
+    assert_eq!(got, ["will/ended"], "{}", setup.nodes[0].log_tail(30));
+}
+
 /// A node stopped normally (SIGTERM) publishes no will of its clients, as
 /// a single node does not, and removes their will records first: no other
 /// node publishes them either.

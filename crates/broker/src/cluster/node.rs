@@ -16,6 +16,7 @@ use crate::config::Settings;
 use crate::publisher::Publisher;
 use crate::sessions::Sessions;
 use crate::standing::Standing;
+use crate::will::WillRegistry;
 
 /// See the module's documentation.
 pub struct Node {
@@ -41,6 +42,7 @@ impl Node {
         settings: &Settings,
         publisher: &Arc<Publisher>,
         sessions: &Arc<Sessions>,
+        wills: &Arc<WillRegistry>,
         router: &router::RouterHandle,
         journal: &SessionJournal,
     ) -> Result<Node, String> {
@@ -75,6 +77,7 @@ impl Node {
             Arc::clone(cluster),
             Arc::clone(&membership),
             Arc::clone(sessions),
+            Arc::clone(wills),
             router.clone(),
             Arc::clone(&peers),
             settings.faults.claim_delay(),

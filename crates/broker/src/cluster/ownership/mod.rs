@@ -52,6 +52,7 @@ use super::{Cluster, Membership, Peers};
 
 mod records;
 use crate::sessions::{PacketIdBlock, Resumed, Sessions};
+use crate::will::WillRegistry;
 use records::write_records;
 pub use records::{SessionValue, with_block};
 
@@ -61,8 +62,9 @@ struct Claim {
     connection: u64,
     /// The revision of the claim's record (0: the put is on its way).
     revision: i64,
-    /// The greatest revision of another node's claim seen meanwhile.
-    superseded: i64,
+    /// The greatest revision of another node's claim seen meanwhile,
+    /// and whether that claim's CONNECT started clean.
+    superseded: (i64, bool),
     /// The connection started clean: the claim removes the session record
     /// another node left.
     clean_start: bool,
@@ -123,6 +125,9 @@ pub struct Ownership {
     cluster: Arc<Cluster>,
     membership: Arc<Membership>,
     sessions: Arc<Sessions>,
+    /// The wills of this node's connections, told when another node takes
+    /// a client over.
+    wills: Arc<WillRegistry>,
     router: RouterHandle,
     peers: Arc<Peers>,
     /// `<etcd_prefix>C/`.
@@ -147,6 +152,7 @@ impl Ownership {
         cluster: Arc<Cluster>,
         membership: Arc<Membership>,
         sessions: Arc<Sessions>,
+        wills: Arc<WillRegistry>,
         router: RouterHandle,
         peers: Arc<Peers>,
         claim_delay: Option<Duration>,
@@ -170,6 +176,7 @@ impl Ownership {
             cluster,
             membership,
             sessions,
+            wills,
             router,
             peers,
             prefix,
@@ -247,7 +254,7 @@ impl Ownership {
             Claim {
                 connection,
                 revision: 0,
-                superseded: 0,
+                superseded: (0, false),
                 clean_start,
                 ended: false,
                 kept: false,
@@ -411,11 +418,11 @@ impl Ownership {
             // Its will is with this node's will module.
             self.forget_will(client_id, revision);
         }
-        if claim.superseded > revision {
+        if claim.superseded.0 > revision {
             // Another node's CONNECT came after this one's.
             let claim = *claim;
             drop(state);
-            self.lost(client_id, claim, None);
+            self.lost(client_id, claim, None, claim.superseded.1);
             return Err(NotRecorded::Done);
         }
         drop(state);
@@ -480,16 +487,22 @@ impl Ownership {
                     to,
                     "clustering: the client connected to another node while this CONNECT waited for etcd: this connection ends (0x8E session taken over)"
                 );
-                self.lost(client_id, claim, None);
+                let clean = found
+                    .as_ref()
+                    .is_some_and(|(_, value)| started_clean(value));
+                self.lost(client_id, claim, None, clean);
                 NotRecorded::Done
             }
         }
     }
 
-    /// Another node (`to`, if known) took `client_id` from `claim`: its
-    /// connection ends (0x8E), and the session kept here goes, its queued
-    /// messages handed to `to` (see [`super::handover`]).
-    fn lost(&self, client_id: &str, claim: Claim, to: Option<&str>) {
+    /// Another node (`to`, if known) took `client_id` from `claim` with a
+    /// CONNECT that started `clean` or not: its connection ends (0x8E),
+    /// its will is judged as a takeover's (see
+    /// [`WillRegistry::taken_elsewhere`]), and the session kept here goes,
+    /// its queued messages handed to `to` (see [`super::handover`]).
+    fn lost(&self, client_id: &str, claim: Claim, to: Option<&str>, clean: bool) {
+        self.wills.taken_elsewhere(client_id, clean);
         {
             let mut state = self.state.lock();
             if state
@@ -575,19 +588,19 @@ impl Ownership {
     /// Another node recorded itself as `client_id`'s owner at `revision`:
     /// this node's connection of it ends and its session is discarded, if
     /// it claimed before.
-    fn taken(&self, client_id: &str, revision: i64, to: Option<&str>) {
+    fn taken(&self, client_id: &str, revision: i64, to: Option<&str>, clean: bool) {
         let mut state = self.state.lock();
         let Some(claim) = state.claims.get_mut(client_id) else {
             return;
         };
         if claim.revision == 0 {
-            claim.superseded = claim.superseded.max(revision);
+            claim.superseded = claim.superseded.max((revision, clean));
             return;
         }
         if claim.revision < revision {
             let claim = *claim;
             drop(state);
-            self.lost(client_id, claim, to);
+            self.lost(client_id, claim, to, clean);
         }
     }
 }
@@ -666,6 +679,11 @@ fn wants_handover(value: &[u8]) -> bool {
     !value.ends_with(b"\nclean") && !value.ends_with(b"\nqueue")
 }
 
+/// Whether an owner record's CONNECT started clean (ending the session).
+fn started_clean(value: &[u8]) -> bool {
+    value.ends_with(b"\nclean")
+}
+
 /// Watches the owners' records from revision `from`, resumed after the
 /// last event when the stream breaks; ends with the ownership or the
 /// cluster.
@@ -702,7 +720,7 @@ async fn watch(
             // A clean start ended the session, or the other node took its
             // messages from etcd: nothing to hand over.
             let to = wants_handover(kv.value()).then_some(owner_node);
-            o.taken(client_id, kv.mod_revision(), to);
+            o.taken(client_id, kv.mod_revision(), to, started_clean(kv.value()));
             true
         });
         from = match ended.await {

@@ -11,7 +11,7 @@ use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use crate::cluster::Queue;
 use tokio::sync::Notify;
 
-use super::{Claim, Ownership, Pending, delete_at, owner_of, wants_handover};
+use super::{Claim, Ownership, Pending, delete_at, owner_of, started_clean, wants_handover};
 use crate::durable::format::decode_session;
 use crate::sessions::PacketIdBlock;
 
@@ -228,10 +228,13 @@ impl Ownership {
                         _ => None,
                     });
                     // Another node's claim: the node to hand over to (none
-                    // after a clean start).
+                    // after a clean start), and whether it started clean.
                     let taken = holder.as_deref().and_then(|value| {
                         let node = owner_of(value).filter(|n| *n != self.cluster.node_id())?;
-                        Some(wants_handover(value).then(|| node.to_owned()))
+                        Some((
+                            wants_handover(value).then(|| node.to_owned()),
+                            started_clean(value),
+                        ))
                     });
                     (response.succeeded(), taken)
                 }
@@ -267,8 +270,8 @@ impl Ownership {
                 // ended with its records).
                 state.claims.remove(&client_id);
                 drop(state);
-                if let Some(to) = taken {
-                    self.lost(&client_id, current, to.as_deref());
+                if let Some((to, clean)) = taken {
+                    self.lost(&client_id, current, to.as_deref(), clean);
                 }
             } else if current.ended
                 && !state.records.contains_key(&client_id)
