@@ -741,7 +741,8 @@ pub enum Error {
     PacketIdZero,
     #[error("Empty Subscription")]
     EmptySubscription,
-    #[error("Subscription had id Zero")]
+    /// statebroker patch 41: SUBSCRIBE's decoder refuses it.
+    #[error("Subscription Identifier 0 (MQTT 5 3.8.2.1.2: a Protocol Error)")]
     SubscriptionIdZero,
     #[error("Payload size is incorrect")]
     PayloadSizeIncorrect,
@@ -794,11 +795,55 @@ pub enum Error {
     /// An UNSUBSCRIBE without a topic filter.
     #[error("UNSUBSCRIBE without a topic filter [MQTT-3.10.3-2]")]
     EmptyUnsubscribe,
+    // statebroker patch 41: what MQTT 5 calls a Protocol Error in a packet
+    // the decoders can read (see `Error::is_protocol_error`), and a
+    // malformed PUBLISH; each named by the rule it breaks.
+    /// A property that may appear once, twice in a packet.
+    #[error("{0} included more than once (MQTT 5: a Protocol Error)")]
+    DuplicateProperty(v5::PropertyType),
+    /// CONNECT's Receive Maximum is 0.
+    #[error("Receive Maximum 0 in CONNECT (MQTT 5 3.1.2.11.3: a Protocol Error)")]
+    ReceiveMaximumZero,
+    /// CONNECT's Maximum Packet Size is 0.
+    #[error("Maximum Packet Size 0 in CONNECT (MQTT 5 3.1.2.11.4: a Protocol Error)")]
+    MaximumPacketSizeZero,
+    /// CONNECT's Request Response Information is neither 0 nor 1.
+    #[error("Request Response Information {0}, not 0 or 1 (MQTT 5 3.1.2.11.6: a Protocol Error)")]
+    InvalidRequestResponseInformation(u8),
+    /// CONNECT's Request Problem Information is neither 0 nor 1.
+    #[error("Request Problem Information {0}, not 0 or 1 (MQTT 5 3.1.2.11.7: a Protocol Error)")]
+    InvalidRequestProblemInformation(u8),
+    /// A Response Topic with `+` or `#`: a PUBLISH's, or a will's (which
+    /// becomes a PUBLISH's).
+    #[error("Response Topic with a wildcard [MQTT-3.3.2-14]")]
+    ResponseTopicWildcard,
+    /// A QoS 0 PUBLISH with DUP 1.
+    #[error("PUBLISH of QoS 0 with DUP 1 [MQTT-3.3.1-2]")]
+    DupWithQoS0,
     /// More bytes required to frame packet. Argument
     /// implies minimum additional bytes required to
     /// proceed further
     #[error("Insufficient number of bytes to frame packet, {0} more bytes required")]
     InsufficientBytes(usize),
+}
+
+impl Error {
+    /// statebroker patch 41: whether MQTT 5 calls this a Protocol Error
+    /// (reason code 0x82: the packet was read, and holds what the protocol
+    /// does not allow, 1.2) rather than a Malformed Packet (0x81: it could
+    /// not be read as the specification says, 2.2.2.2, 4.13).
+    pub fn is_protocol_error(&self) -> bool {
+        matches!(
+            self,
+            Error::DuplicateProperty(_)
+                | Error::ReceiveMaximumZero
+                | Error::MaximumPacketSizeZero
+                | Error::InvalidRequestResponseInformation(_)
+                | Error::InvalidRequestProblemInformation(_)
+                | Error::ResponseTopicWildcard
+                | Error::SubscriptionIdZero
+        )
+    }
 }
 
 /// statebroker patch 18: the fixed header's flags (the low 4 bits of its

@@ -397,3 +397,269 @@ mod malformed_tests {
         }
     }
 }
+
+/// statebroker patch 41: what the MQTT 5 decoder refuses as a Protocol
+/// Error (a property twice, values CONNECT may not hold, a Response Topic
+/// with a wildcard, Subscription Identifier 0) or as malformed (QoS 0 with
+/// DUP 1), and the same packets without the fault still decoding.
+mod protocol_error_tests {
+    use crate::protocol::v5::{PropertyType, V5};
+    use crate::protocol::{Error, Packet, Protocol};
+    use bytes::BytesMut;
+
+    fn s(bytes: &[u8]) -> Vec<u8> {
+        let mut out = (bytes.len() as u16).to_be_bytes().to_vec();
+        out.extend_from_slice(bytes);
+        out
+    }
+
+    fn packet(byte0: u8, body: &[u8]) -> Vec<u8> {
+        assert!(body.len() < 128);
+        let mut out = vec![byte0, body.len() as u8];
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// Properties with their length in front (under 128 bytes).
+    fn props(properties: &[u8]) -> Vec<u8> {
+        assert!(properties.len() < 128);
+        let mut out = vec![properties.len() as u8];
+        out.extend_from_slice(properties);
+        out
+    }
+
+    fn string_property(id: u8, value: &[u8]) -> Vec<u8> {
+        let mut out = vec![id];
+        out.extend(s(value));
+        out
+    }
+
+    /// A CONNECT with `properties`, and a will with `will_properties` if
+    /// given.
+    fn connect(properties: &[u8], will_properties: Option<&[u8]>) -> Vec<u8> {
+        let mut body = s(b"MQTT");
+        let flags = if will_properties.is_some() {
+            0x06
+        } else {
+            0x02
+        };
+        body.extend([5, flags, 0, 30]);
+        body.extend(props(properties));
+        body.extend(s(b"client"));
+        if let Some(will) = will_properties {
+            body.extend(props(will));
+            body.extend(s(b"will/topic"));
+            body.extend(s(b"bye"));
+        }
+        packet(0x10, &body)
+    }
+
+    /// A PUBLISH "t" with `byte0`'s flags and `properties`, packet id 1 at
+    /// QoS 1 and 2.
+    fn publish(byte0: u8, properties: &[u8]) -> Vec<u8> {
+        let mut body = s(b"t");
+        if byte0 & 0b0110 != 0 {
+            body.extend([0, 1]);
+        }
+        body.extend(props(properties));
+        body.push(b'x');
+        packet(byte0, &body)
+    }
+
+    fn subscribe(properties: &[u8]) -> Vec<u8> {
+        let mut body = vec![0, 1];
+        body.extend(props(properties));
+        body.extend(s(b"a/b"));
+        body.push(1);
+        packet(0x82, &body)
+    }
+
+    /// A packet of the PUBACK family or DISCONNECT: `head` (packet id and
+    /// reason code, or the reason code), then `properties`.
+    fn acknowledgement(byte0: u8, head: &[u8], properties: &[u8]) -> Vec<u8> {
+        let mut body = head.to_vec();
+        body.extend(props(properties));
+        packet(byte0, &body)
+    }
+
+    fn read(bytes: &[u8]) -> Result<Packet, Error> {
+        V5.read_mut(&mut BytesMut::from(bytes), 1024)
+    }
+
+    fn u8_property(id: u8, v: u8) -> Vec<u8> {
+        vec![id, v]
+    }
+    fn u16_property(id: u8, v: u16) -> Vec<u8> {
+        let mut out = vec![id];
+        out.extend(v.to_be_bytes());
+        out
+    }
+    fn u32_property(id: u8, v: u32) -> Vec<u8> {
+        let mut out = vec![id];
+        out.extend(v.to_be_bytes());
+        out
+    }
+    fn twice(property: &[u8]) -> Vec<u8> {
+        [property, property].concat()
+    }
+
+    /// Makes a packet around the properties given.
+    type Make = Box<dyn Fn(&[u8]) -> Vec<u8>>;
+
+    #[test]
+    fn a_property_twice_is_a_protocol_error() {
+        use PropertyType as P;
+        let user = {
+            let mut u = string_property(0x26, b"k");
+            u.extend(s(b"v"));
+            u
+        };
+        // (packet with the property once, the same with it twice, property)
+        let mut cases: Vec<(Make, Vec<u8>, P)> = Vec::new();
+        let connect_props = |p: &[u8]| connect(p, None);
+        for (property, kind) in [
+            (u32_property(0x11, 10), P::SessionExpiryInterval),
+            (u16_property(0x21, 10), P::ReceiveMaximum),
+            (u32_property(0x27, 1000), P::MaximumPacketSize),
+            (u16_property(0x22, 10), P::TopicAliasMaximum),
+            (u8_property(0x19, 1), P::RequestResponseInformation),
+            (u8_property(0x17, 0), P::RequestProblemInformation),
+            (string_property(0x15, b"m"), P::AuthenticationMethod),
+            (string_property(0x16, b"d"), P::AuthenticationData),
+        ] {
+            cases.push((Box::new(connect_props), property, kind));
+        }
+        let will_props = |p: &[u8]| connect(&[], Some(p));
+        for (property, kind) in [
+            (u32_property(0x18, 5), P::WillDelayInterval),
+            (u8_property(0x01, 1), P::PayloadFormatIndicator),
+            (u32_property(0x02, 60), P::MessageExpiryInterval),
+            (string_property(0x03, b"text/plain"), P::ContentType),
+            (string_property(0x08, b"r/t"), P::ResponseTopic),
+            (string_property(0x09, b"c"), P::CorrelationData),
+        ] {
+            cases.push((Box::new(will_props), property, kind));
+        }
+        for (property, kind) in [
+            (u8_property(0x01, 1), P::PayloadFormatIndicator),
+            (u32_property(0x02, 60), P::MessageExpiryInterval),
+            (u16_property(0x23, 1), P::TopicAlias),
+            (string_property(0x08, b"r/t"), P::ResponseTopic),
+            (string_property(0x09, b"c"), P::CorrelationData),
+            (string_property(0x03, b"text/plain"), P::ContentType),
+        ] {
+            cases.push((Box::new(|p: &[u8]| publish(0x32, p)), property, kind));
+        }
+        cases.push((
+            Box::new(subscribe),
+            vec![0x0B, 7],
+            P::SubscriptionIdentifier,
+        ));
+        let reason = string_property(0x1F, b"why");
+        for byte0 in [0x40, 0x50, 0x62, 0x70] {
+            cases.push((
+                Box::new(move |p: &[u8]| acknowledgement(byte0, &[0, 1, 0], p)),
+                reason.clone(),
+                P::ReasonString,
+            ));
+        }
+        let disconnect = |p: &[u8]| acknowledgement(0xE0, &[0], p);
+        for (property, kind) in [
+            (u32_property(0x11, 10), P::SessionExpiryInterval),
+            (reason.clone(), P::ReasonString),
+            (string_property(0x1C, b"elsewhere"), P::ServerReference),
+        ] {
+            cases.push((Box::new(disconnect), property, kind));
+        }
+        for (make, property, kind) in &cases {
+            let once = make(&[property.as_slice(), &user].concat());
+            assert!(read(&once).is_ok(), "{kind:?} once: {:?}", read(&once));
+            let two = make(&[property.as_slice(), &user, property].concat());
+            let error = read(&two).unwrap_err();
+            assert_eq!(error, Error::DuplicateProperty(*kind), "{kind:?} twice");
+            assert!(error.is_protocol_error());
+            assert!(error.to_string().contains(kind.name()), "{error}");
+        }
+        // User Property repeats anywhere; Subscription Identifier in a
+        // PUBLISH (to a client, 3.3.2.3.8).
+        assert!(read(&connect(&twice(&user), Some(&twice(&user)))).is_ok());
+        assert!(read(&publish(
+            0x30,
+            &[twice(&user), vec![0x0B, 1, 0x0B, 2]].concat()
+        ))
+        .is_ok());
+        assert!(read(&subscribe(&twice(&user))).is_ok());
+    }
+
+    #[test]
+    fn values_connect_may_not_hold_are_protocol_errors() {
+        for (property, error) in [
+            (u16_property(0x21, 0), Error::ReceiveMaximumZero),
+            (u32_property(0x27, 0), Error::MaximumPacketSizeZero),
+            (
+                u8_property(0x19, 2),
+                Error::InvalidRequestResponseInformation(2),
+            ),
+            (
+                u8_property(0x17, 2),
+                Error::InvalidRequestProblemInformation(2),
+            ),
+            (
+                u8_property(0x17, 0xFF),
+                Error::InvalidRequestProblemInformation(0xFF),
+            ),
+        ] {
+            assert_eq!(read(&connect(&property, None)), Err(error));
+            assert!(error.is_protocol_error(), "{error:?}");
+        }
+        for property in [
+            u16_property(0x21, 1),
+            u16_property(0x21, u16::MAX),
+            u32_property(0x27, 1),
+            u8_property(0x19, 0),
+            u8_property(0x19, 1),
+            u8_property(0x17, 0),
+            u8_property(0x17, 1),
+        ] {
+            assert!(read(&connect(&property, None)).is_ok(), "{property:02x?}");
+        }
+    }
+
+    #[test]
+    fn a_response_topic_with_a_wildcard_is_a_protocol_error() {
+        for topic in [&b"a/#"[..], b"+", b"a/+/b", b"x#"] {
+            let property = string_property(0x08, topic);
+            assert_eq!(
+                read(&publish(0x32, &property)),
+                Err(Error::ResponseTopicWildcard)
+            );
+            assert_eq!(
+                read(&connect(&[], Some(&property))),
+                Err(Error::ResponseTopicWildcard),
+                "will"
+            );
+        }
+        assert!(Error::ResponseTopicWildcard.is_protocol_error());
+        let fine = string_property(0x08, b"reply/to/me");
+        assert!(read(&publish(0x32, &fine)).is_ok());
+        assert!(read(&connect(&[], Some(&fine))).is_ok());
+    }
+
+    #[test]
+    fn subscription_identifier_0_is_a_protocol_error() {
+        assert_eq!(read(&subscribe(&[0x0B, 0])), Err(Error::SubscriptionIdZero));
+        assert!(Error::SubscriptionIdZero.is_protocol_error());
+        assert!(read(&subscribe(&[0x0B, 1])).is_ok());
+        assert!(read(&subscribe(&[0x0B, 0xFF, 0xFF, 0xFF, 0x7F])).is_ok());
+    }
+
+    #[test]
+    fn qos_0_with_dup_is_malformed() {
+        assert_eq!(read(&publish(0x38, &[])), Err(Error::DupWithQoS0));
+        assert!(!Error::DupWithQoS0.is_protocol_error());
+        // DUP with QoS 1 and 2, and QoS 0 without it.
+        for byte0 in [0x3A, 0x3C, 0x30, 0x31] {
+            assert!(read(&publish(byte0, &[])).is_ok(), "{byte0:#04x}");
+        }
+    }
+}

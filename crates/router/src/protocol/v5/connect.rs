@@ -259,12 +259,16 @@ mod willproperties {
         }
 
         let mut cursor = 0;
+        // statebroker patch 41: each property at most once.
+        let mut seen = Seen::default();
         // read until cursor reaches property length. properties_len = 0 will skip this loop
         while cursor < properties_len {
             let prop = read_u8(bytes)?;
             cursor += 1;
 
-            match property(prop)? {
+            let kind = property(prop)?;
+            seen.once(kind)?;
+            match kind {
                 PropertyType::WillDelayInterval => {
                     delay_interval = Some(read_u32(bytes)?);
                     cursor += 4;
@@ -284,6 +288,10 @@ mod willproperties {
                 }
                 PropertyType::ResponseTopic => {
                     let topic = read_mqtt_string(bytes)?;
+                    // statebroker patch 41: as a PUBLISH's, [MQTT-3.3.2-14].
+                    if !valid_topic(&topic) {
+                        return Err(Error::ResponseTopicWildcard);
+                    }
                     cursor += 2 + topic.len();
                     response_topic = Some(topic);
                 }
@@ -438,33 +446,57 @@ mod properties {
         }
 
         let mut cursor = 0;
+        // statebroker patch 41: each property at most once.
+        let mut seen = Seen::default();
         // read until cursor reaches property length. properties_len = 0 will skip this loop
         while cursor < properties_len {
             let prop = read_u8(bytes)?;
             cursor += 1;
-            match property(prop)? {
+            let kind = property(prop)?;
+            seen.once(kind)?;
+            match kind {
                 PropertyType::SessionExpiryInterval => {
                     session_expiry_interval = Some(read_u32(bytes)?);
                     cursor += 4;
                 }
                 PropertyType::ReceiveMaximum => {
-                    receive_maximum = Some(read_u16(bytes)?);
+                    // statebroker patch 41: 0 is a Protocol Error (3.1.2.11.3).
+                    let maximum = read_u16(bytes)?;
+                    if maximum == 0 {
+                        return Err(Error::ReceiveMaximumZero);
+                    }
+                    receive_maximum = Some(maximum);
                     cursor += 2;
                 }
                 PropertyType::MaximumPacketSize => {
-                    max_packet_size = Some(read_u32(bytes)?);
+                    // statebroker patch 41: 0 is a Protocol Error (3.1.2.11.4).
+                    let size = read_u32(bytes)?;
+                    if size == 0 {
+                        return Err(Error::MaximumPacketSizeZero);
+                    }
+                    max_packet_size = Some(size);
                     cursor += 4;
                 }
                 PropertyType::TopicAliasMaximum => {
                     topic_alias_max = Some(read_u16(bytes)?);
                     cursor += 2;
                 }
+                // statebroker patch 41: 0 or 1, anything else a Protocol
+                // Error (3.1.2.11.6, 3.1.2.11.7).
                 PropertyType::RequestResponseInformation => {
-                    request_response_info = Some(read_u8(bytes)?);
+                    let value = read_u8(bytes)?;
+                    if value > 1 {
+                        return Err(Error::InvalidRequestResponseInformation(value));
+                    }
+                    request_response_info = Some(value);
                     cursor += 1;
                 }
                 PropertyType::RequestProblemInformation => {
-                    request_problem_info = Some(read_u8(bytes)?);
+                    let value = read_u8(bytes)?;
+                    if value > 1 {
+                        return Err(Error::InvalidRequestProblemInformation(value));
+                    }
+                    request_problem_info = Some(value);
                     cursor += 1;
                 }
                 PropertyType::UserProperty => {

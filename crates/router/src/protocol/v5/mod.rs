@@ -37,9 +37,11 @@ pub enum PacketType {
     Disconnect,
 }
 
+/// An MQTT 5 property identifier (2.2.2.2; public since statebroker patch
+/// 41, for [`Error::DuplicateProperty`]).
 #[repr(u8)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PropertyType {
+pub enum PropertyType {
     PayloadFormatIndicator = 1,
     MessageExpiryInterval = 2,
     ContentType = 3,
@@ -67,6 +69,71 @@ enum PropertyType {
     WildcardSubscriptionAvailable = 40,
     SubscriptionIdentifierAvailable = 41,
     SharedSubscriptionAvailable = 42,
+}
+
+impl PropertyType {
+    /// The property's name in the specification (2.2.2.2).
+    pub fn name(self) -> &'static str {
+        match self {
+            PropertyType::PayloadFormatIndicator => "Payload Format Indicator",
+            PropertyType::MessageExpiryInterval => "Message Expiry Interval",
+            PropertyType::ContentType => "Content Type",
+            PropertyType::ResponseTopic => "Response Topic",
+            PropertyType::CorrelationData => "Correlation Data",
+            PropertyType::SubscriptionIdentifier => "Subscription Identifier",
+            PropertyType::SessionExpiryInterval => "Session Expiry Interval",
+            PropertyType::AssignedClientIdentifier => "Assigned Client Identifier",
+            PropertyType::ServerKeepAlive => "Server Keep Alive",
+            PropertyType::AuthenticationMethod => "Authentication Method",
+            PropertyType::AuthenticationData => "Authentication Data",
+            PropertyType::RequestProblemInformation => "Request Problem Information",
+            PropertyType::WillDelayInterval => "Will Delay Interval",
+            PropertyType::RequestResponseInformation => "Request Response Information",
+            PropertyType::ResponseInformation => "Response Information",
+            PropertyType::ServerReference => "Server Reference",
+            PropertyType::ReasonString => "Reason String",
+            PropertyType::ReceiveMaximum => "Receive Maximum",
+            PropertyType::TopicAliasMaximum => "Topic Alias Maximum",
+            PropertyType::TopicAlias => "Topic Alias",
+            PropertyType::MaximumQos => "Maximum QoS",
+            PropertyType::RetainAvailable => "Retain Available",
+            PropertyType::UserProperty => "User Property",
+            PropertyType::MaximumPacketSize => "Maximum Packet Size",
+            PropertyType::WildcardSubscriptionAvailable => "Wildcard Subscription Available",
+            PropertyType::SubscriptionIdentifierAvailable => "Subscription Identifier Available",
+            PropertyType::SharedSubscriptionAvailable => "Shared Subscription Available",
+        }
+    }
+}
+
+impl std::fmt::Display for PropertyType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// statebroker patch 41: the properties of one packet read so far, one bit
+/// per identifier (every identifier is below 64), so that a property that
+/// may appear once and comes twice is refused: MQTT 5 calls each such
+/// repetition a Protocol Error (3.1.2.11, 3.1.3.2, 3.3.2.3, 3.4.2.2, ...,
+/// 3.14.2.2). User Property may repeat (2.2.2.2), and so may Subscription
+/// Identifier in a PUBLISH (3.3.2.3.8): the PUBLISH decoder does not
+/// record it. A mask and a branch per property, no allocation: PUBLISH's
+/// properties are read for every message.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen(u64);
+
+impl Seen {
+    /// Records `property`; `Err` if it came before (User Property excepted).
+    #[inline]
+    fn once(&mut self, property: PropertyType) -> Result<(), Error> {
+        let bit = 1u64 << (property as u8);
+        if self.0 & bit != 0 && property != PropertyType::UserProperty {
+            return Err(Error::DuplicateProperty(property));
+        }
+        self.0 |= bit;
+        Ok(())
+    }
 }
 
 /// Packet type from a byte

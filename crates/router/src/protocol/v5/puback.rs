@@ -115,12 +115,16 @@ mod properties {
         }
 
         let mut cursor = 0;
+        // statebroker patch 41: each property at most once.
+        let mut seen = Seen::default();
         // read until cursor reaches property length. properties_len = 0 will skip this loop
         while cursor < properties_len {
             let prop = read_u8(bytes)?;
             cursor += 1;
 
-            match property(prop)? {
+            let kind = property(prop)?;
+            seen.once(kind)?;
+            match kind {
                 PropertyType::ReasonString => {
                     let reason = read_mqtt_string(bytes)?;
                     cursor += 2 + reason.len();

@@ -28,6 +28,10 @@ pub fn read(
     let qos_num = (fixed_header.byte1 & 0b0110) >> 1;
     let qos = qos(qos_num).ok_or(Error::InvalidQoS(qos_num))?;
     let dup = (fixed_header.byte1 & 0b1000) != 0;
+    // statebroker patch 41: [MQTT-3.3.1-2].
+    if dup && qos == QoS::AtMostOnce {
+        return Err(Error::DupWithQoS0);
+    }
     let retain = (fixed_header.byte1 & 0b0001) != 0;
 
     let variable_header_index = fixed_header.fixed_header_len;
@@ -151,12 +155,21 @@ mod properties {
         }
 
         let mut cursor = 0;
+        // statebroker patch 41: each property at most once.
+        let mut seen = Seen::default();
         // read until cursor reaches property length. properties_len = 0 will skip this loop
         while cursor < properties_len {
             let prop = read_u8(bytes)?;
             cursor += 1;
 
-            match property(prop)? {
+            let kind = property(prop)?;
+            // A Subscription Identifier may repeat in a PUBLISH to a
+            // client (3.3.2.3.8); a client sends none ([MQTT-3.3.4-6], the
+            // broker's front end refuses it).
+            if kind != PropertyType::SubscriptionIdentifier {
+                seen.once(kind)?;
+            }
+            match kind {
                 PropertyType::PayloadFormatIndicator => {
                     payload_format_indicator = Some(read_u8(bytes)?);
                     cursor += 1;
@@ -171,6 +184,10 @@ mod properties {
                 }
                 PropertyType::ResponseTopic => {
                     let topic = read_mqtt_byte_string(bytes)?;
+                    // statebroker patch 41: [MQTT-3.3.2-14].
+                    if !valid_topic(&topic) {
+                        return Err(Error::ResponseTopicWildcard);
+                    }
                     cursor += 2 + topic.len();
                     response_topic = Some(topic);
                 }

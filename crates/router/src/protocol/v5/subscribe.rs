@@ -194,14 +194,23 @@ mod properties {
         }
 
         let mut cursor = 0;
+        // statebroker patch 41: each property at most once.
+        let mut seen = Seen::default();
         // read until cursor reaches property length. properties_len = 0 will skip this loop
         while cursor < properties_len {
             let prop = read_u8(bytes)?;
             cursor += 1;
 
-            match property(prop)? {
+            let kind = property(prop)?;
+            seen.once(kind)?;
+            match kind {
                 PropertyType::SubscriptionIdentifier => {
                     let (id_len, sub_id) = length(bytes.iter())?;
+                    // statebroker patch 41: 1 to 268,435,455; 0 is a
+                    // Protocol Error (3.8.2.1.2).
+                    if sub_id == 0 {
+                        return Err(Error::SubscriptionIdZero);
+                    }
                     // TODO: Validate 1 +. Tests are working either way
                     cursor += 1 + id_len;
                     bytes.advance(id_len);
