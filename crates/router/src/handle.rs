@@ -477,6 +477,38 @@ mod tests {
         assert_eq!(SPANS.load(Ordering::SeqCst), 0, "spans made at WARN");
     }
 
+    /// Patch 42: a client's PUBLISH with a Subscription Identifier
+    /// ([MQTT-3.3.4-6]) ends its link with DISCONNECT 0x82 Protocol Error
+    /// (it was 0x81); a PUBLISH without one just before it is routed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_publish_with_a_subscription_identifier_is_a_protocol_error() {
+        use crate::protocol::{DisconnectReasonCode, PublishProperties};
+        let router = router();
+        let (_sub_tx, mut sub_rx) = subscribed(&router, "sub", "t").await;
+        let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let properties = PublishProperties {
+            subscription_identifiers: vec![3],
+            ..PublishProperties::default()
+        };
+        pub_tx
+            .send_all([
+                Packet::Publish(Publish::new("t", "fine", false), None),
+                Packet::Publish(Publish::new("t", "with id", false), Some(properties)),
+            ])
+            .unwrap();
+        assert_eq!(payloads(&mut sub_rx).await, ["fine"]);
+        loop {
+            match pub_rx.next().await.unwrap() {
+                Some(Notification::Disconnect(disconnect, _)) => {
+                    assert_eq!(disconnect.reason_code, DisconnectReasonCode::ProtocolError);
+                    break;
+                }
+                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+    }
+
     /// Patch 35: a PUBREL marked [`crate::DISCARD`] completes its QoS 2
     /// publish (PUBCOMP "success") and delivers nothing; one without the
     /// mark releases its publish as before.

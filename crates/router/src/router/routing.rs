@@ -948,10 +948,16 @@ impl Router {
                             new_data = true;
                         }
                         Err(e) => {
-                            // Disconnect on bad publishes
-                            error!(
-                                client_id, reason = ?e, "Failed to append to commitlog"
-                            );
+                            // Disconnect on bad publishes. A rule the
+                            // client broke is told to it in DISCONNECT and
+                            // is no error of the router (patch 42).
+                            if let RouterError::Disconnect(_) = e {
+                                info!(client_id, reason = ?e, "Refused a publish");
+                            } else {
+                                error!(
+                                    client_id, reason = ?e, "Failed to append to commitlog"
+                                );
+                            }
                             self.router_meters.failed_publishes += 1;
                             disconnect = true;
 
@@ -1015,7 +1021,8 @@ impl Router {
                         let subscription_id = props.as_ref().and_then(|p| p.id);
 
                         if subscription_id == Some(0) {
-                            error!(client_id, "Subscription identifier can't be 0");
+                            // Patch 42: the decoder refuses it already (patch 41).
+                            debug!(client_id, "Subscription identifier can't be 0");
                             disconnect = true;
                             disconnect_reason = Some(DisconnectReasonCode::ProtocolError);
                             break;
@@ -1179,10 +1186,16 @@ impl Router {
                             new_data = true;
                         }
                         Err(e) => {
-                            // Disconnect on bad publishes
-                            error!(
-                                client_id, reason = ?e, "Failed to append to commitlog"
-                            );
+                            // Disconnect on bad publishes. A rule the
+                            // client broke is told to it in DISCONNECT and
+                            // is no error of the router (patch 42).
+                            if let RouterError::Disconnect(_) = e {
+                                info!(client_id, reason = ?e, "Refused a publish");
+                            } else {
+                                error!(
+                                    client_id, reason = ?e, "Failed to append to commitlog"
+                                );
+                            }
                             self.router_meters.failed_publishes += 1;
                             disconnect = true;
                             break;
@@ -1923,17 +1936,17 @@ fn append_to_commitlog(
         p.topic_alias.take()
     });
 
-    // TODO: broker should properly send the disconnect packet!
+    // [MQTT-3.3.4-6]: a Protocol Error (statebroker patch 42: it was
+    // 0x81 and an ERROR event; a client's mistake is not the router's).
+    // The broker's front end refuses such a PUBLISH before it gets here.
     if properties
         .as_ref()
         .is_some_and(|p| !p.subscription_identifiers.is_empty())
     {
-        error!(
+        debug!(
             "A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier"
         );
-        return Err(RouterError::Disconnect(
-            DisconnectReasonCode::MalformedPacket,
-        ));
+        return Err(RouterError::Disconnect(DisconnectReasonCode::ProtocolError));
     }
 
     if let Some(alias) = topic_alias {
@@ -2028,17 +2041,17 @@ fn append_will_message(
     notifications: &mut VecDeque<(ConnectionId, DataRequest)>,
     #[cfg(feature = "validate-tenant-prefix")] tenant_prefix: Option<String>,
 ) -> Result<Offset, RouterError> {
-    // TODO: broker should properly send the disconnect packet!
+    // [MQTT-3.3.4-6]: a Protocol Error (statebroker patch 42: it was
+    // 0x81 and an ERROR event; a client's mistake is not the router's).
+    // The broker's front end refuses such a PUBLISH before it gets here.
     if properties
         .as_ref()
         .is_some_and(|p| !p.subscription_identifiers.is_empty())
     {
-        error!(
+        debug!(
             "A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier"
         );
-        return Err(RouterError::Disconnect(
-            DisconnectReasonCode::MalformedPacket,
-        ));
+        return Err(RouterError::Disconnect(DisconnectReasonCode::ProtocolError));
     }
 
     let topic = std::str::from_utf8(&publish.topic)?;
@@ -2105,7 +2118,7 @@ fn validate_and_set_topic_alias(
     alias: u16,
 ) -> Result<(), RouterError> {
     if alias == 0 || alias > TOPIC_ALIAS_MAX {
-        error!("Alias must be greater than 0 and <={TOPIC_ALIAS_MAX}");
+        debug!("Alias must be greater than 0 and <={TOPIC_ALIAS_MAX}");
         return Err(RouterError::Disconnect(
             DisconnectReasonCode::TopicAliasInvalid,
         ));
@@ -2114,7 +2127,7 @@ fn validate_and_set_topic_alias(
     if publish.topic.is_empty() {
         // if publish topic is empty, publisher must have set a valid alias
         let Some(alias_topic) = connection.topic_aliases.get(&alias) else {
-            error!("Empty topic name with invalid alias");
+            debug!("Empty topic name with invalid alias");
             return Err(RouterError::Disconnect(DisconnectReasonCode::ProtocolError));
         };
         // set the publish topic before further processing
