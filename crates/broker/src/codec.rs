@@ -205,6 +205,10 @@ impl Protocol {
                 pkid: info.pkid,
                 dup: info.dup,
             })),
+            // What the decoder read but MQTT 5 does not allow (a property
+            // twice, Receive Maximum 0, ...) is a Protocol Error (0x82),
+            // the rest a Malformed Packet (0x81).
+            Ok(Err(e)) if e.is_protocol_error() => Err(CodecError::Protocol(e.to_string())),
             Ok(Err(e)) => Err(CodecError::Malformed(e.to_string())),
             Err(_) => Err(CodecError::Malformed("decoder failure".into())),
         }
@@ -237,6 +241,21 @@ impl Protocol {
         result
             .map(|_| ())
             .map_err(|e| CodecError::Malformed(format!("cannot encode: {e:?}")))
+    }
+}
+
+/// What a client may not send in a packet the decoder reads as well from
+/// a server: a Subscription Identifier in a PUBLISH ([MQTT-3.3.4-6], a
+/// Protocol Error; the decoder reads the broker's own deliveries too,
+/// which carry them).
+pub fn check_from_client(packet: &Packet) -> Result<(), CodecError> {
+    match packet {
+        Packet::Publish(_, Some(p)) if !p.subscription_identifiers.is_empty() => {
+            Err(CodecError::Protocol(
+                "Subscription Identifier in a PUBLISH from a client [MQTT-3.3.4-6]".into(),
+            ))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -602,6 +621,42 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    /// What the decoder reads but MQTT 5 does not allow is a Protocol
+    /// Error (DISCONNECT or CONNACK 0x82), what it cannot read malformed
+    /// (0x81); a client's PUBLISH may not carry a Subscription Identifier,
+    /// the broker's may.
+    #[test]
+    fn protocol_errors_and_malformed_packets() {
+        // PUBLISH QoS 1 "t" id 1 with `props` and payload "x".
+        let publish = |props: &[u8]| {
+            let mut p = vec![0x32, (6 + props.len()) as u8, 0, 1, b't', 0, 1];
+            p.push(props.len() as u8);
+            p.extend_from_slice(props);
+            p.push(b'x');
+            BytesMut::from(&p[..])
+        };
+        let twice = publish(&[0x01, 1, 0x01, 1]);
+        assert!(matches!(
+            Protocol::V5.read(&mut twice.clone(), 1024),
+            Err(CodecError::Protocol(e)) if e.contains("Payload Format Indicator")
+        ));
+        let mut dup = BytesMut::from(&[0x38, 5, 0, 1, b't', 0, b'x'][..]);
+        assert!(matches!(
+            Protocol::V5.read(&mut dup, 1024),
+            Err(CodecError::Malformed(_))
+        ));
+        let with_id = Protocol::V5
+            .read(&mut publish(&[0x0B, 3]), 1024)
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            check_from_client(&with_id.packet),
+            Err(CodecError::Protocol(e)) if e.contains("MQTT-3.3.4-6")
+        ));
+        let without = Protocol::V5.read(&mut publish(&[]), 1024).unwrap().unwrap();
+        assert_eq!(check_from_client(&without.packet), Ok(()));
     }
 
     #[test]

@@ -58,6 +58,15 @@ pub(crate) async fn read_connect<S: Stream>(
                 CodecError::Malformed(_) if socket.detected => {
                     crate::metrics::connection_refused(Refusal::Malformed.label());
                 }
+                // A CONNECT the decoder read but MQTT 5 does not allow (a
+                // property twice, Receive Maximum 0, ...): CONNACK 0x82
+                // Protocol Error, then close (4.13); 3.1.1 closes.
+                CodecError::Protocol(_) if socket.detected => {
+                    crate::metrics::connection_refused(Refusal::ProtocolError.label());
+                    if socket.protocol == Protocol::V5 {
+                        let _ = socket.write_raw(&[0x20, 0x03, 0x00, 0x82, 0x00]).await;
+                    }
+                }
                 _ => {}
             }
             None
