@@ -2,7 +2,8 @@
 //!
 //! Refused here, per filter (MQTT 5 with the reason code, 3.1.1 with 0x80):
 //!
-//! - invalid filters, and `$share/` without a group and a filter: 0x8F;
+//! - invalid filters, and `$share/` without a Share Name (or one with `+`
+//!   or `#`) and a filter: 0x8F ([MQTT-4.8.2-1], [MQTT-4.8.2-2]);
 //! - `$`-topics other than shared subscriptions and the broker's `$SYS/...`
 //!   statistics (rumqttd would disconnect the client for them): 0x87;
 //! - another client's part of the state store's notification namespace, by
@@ -24,9 +25,7 @@ use crate::topics;
 /// Why the broker refuses `filter` for the client whose id hex-encodes to
 /// `own_hex`, if it does.
 pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode> {
-    if !protocol::valid_filter(filter)
-        || filter.starts_with("$share/") && filter.split('/').count() < 3
-    {
+    if !protocol::valid_filter(filter) || !valid_shared(filter) {
         Some(SubscribeReasonCode::TopicFilterInvalid)
     } else if filter.starts_with('$')
         && !filter.starts_with("$share/")
@@ -36,6 +35,19 @@ pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode
         Some(SubscribeReasonCode::NotAuthorized)
     } else {
         None
+    }
+}
+
+/// Whether `filter`, if it is a shared subscription's, has a Share Name of
+/// at least one character without `+` or `#` ([MQTT-4.8.2-1]; `/` cannot
+/// be in it), then `/` and a Topic Filter ([MQTT-4.8.2-2]). The filter as a
+/// whole passed [`protocol::valid_filter`].
+fn valid_shared(filter: &str) -> bool {
+    match filter.strip_prefix("$share/") {
+        None => true,
+        Some(rest) => rest.split_once('/').is_some_and(|(share_name, filter)| {
+            !share_name.is_empty() && !share_name.contains(['+', '#']) && !filter.is_empty()
+        }),
     }
 }
 
@@ -158,6 +170,15 @@ mod tests {
             ("$share/g/jobs/#", None),
             ("a/#/b", Some(R::TopicFilterInvalid)),
             ("$share/g", Some(R::TopicFilterInvalid)),
+            ("$share/g/a", None),
+            ("$share/g/+", None),
+            ("$share/g//", None),
+            ("$share//a", Some(R::TopicFilterInvalid)),
+            ("$share/g/", Some(R::TopicFilterInvalid)),
+            ("$share/+/a", Some(R::TopicFilterInvalid)),
+            ("$share/g+/a", Some(R::TopicFilterInvalid)),
+            ("$share/#/a", Some(R::TopicFilterInvalid)),
+            ("$share/", Some(R::TopicFilterInvalid)),
             ("$SYS/#", None),
             ("$SYS/broker/uptime", None),
             ("$SYSTEM/#", Some(R::NotAuthorized)),
