@@ -1171,3 +1171,315 @@ async fn no_local_on_a_shared_subscription_is_a_protocol_error() {
         Some(DisconnectReasonCode::ProtocolError)
     );
 }
+
+// ------------------------------------------------------------ protocol errors (router patch 41)
+
+/// An MQTT 5 property: `id`, then `value` as it goes on the wire.
+fn property(id: u8, value: &[u8]) -> Vec<u8> {
+    let mut out = vec![id];
+    out.extend_from_slice(value);
+    out
+}
+
+/// A string (or binary) property.
+fn string_property(id: u8, value: &[u8]) -> Vec<u8> {
+    property(id, &s(value))
+}
+
+/// `property` twice.
+fn twice(property: &[u8]) -> Vec<u8> {
+    [property, property].concat()
+}
+
+/// An MQTT 5 PUBLISH to `topic` with `byte0` (type and flags), packet id
+/// `pkid` at QoS 1 and 2, `properties` and payload "x".
+fn publish5(byte0: u8, topic: &[u8], pkid: u16, properties: &[u8]) -> Vec<u8> {
+    let mut body = s(topic);
+    if byte0 & 0b0110 != 0 {
+        body.extend(pkid.to_be_bytes());
+    }
+    body.extend(varint(properties.len()));
+    body.extend_from_slice(properties);
+    body.push(b'x');
+    packet(byte0, &body)
+}
+
+/// An MQTT 5 SUBSCRIBE, packet id `pkid`, with `properties` and `filters`
+/// (each at QoS 1).
+fn subscribe5(pkid: u16, properties: &[u8], filters: &[&[u8]]) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    body.extend(varint(properties.len()));
+    body.extend_from_slice(properties);
+    for filter in filters {
+        body.extend(s(filter));
+        body.push(1);
+    }
+    packet(0x82, &body)
+}
+
+/// On a new MQTT 5 connection: a QoS 1 PUBLISH that is acknowledged, then
+/// `bytes`, which end the connection with DISCONNECT `code` and a Reason
+/// String holding `says`.
+async fn v5_ended_with(addr: SocketAddr, bytes: &[u8], code: DisconnectReasonCode, says: &str) {
+    let mut c = Raw::connect(addr, "edge-protocol").await;
+    c.send_bytes(&publish5(0x32, b"edge/ok", 9, &[])).await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, 9, "{says}"),
+        other => panic!("{says}: no PUBACK before: {other:?}"),
+    }
+    c.send_bytes(bytes).await;
+    let d = c.expect_disconnect().await.expect("a DISCONNECT");
+    assert_eq!(d.reason_code, code, "{says}");
+    let reason = d
+        .properties
+        .and_then(|p| p.reason_string)
+        .unwrap_or_default();
+    assert!(reason.contains(says), "{says}: reason string {reason:?}");
+}
+
+/// MQTT 5 3.1.2.11 and 3.1.3.2: in a CONNECT, a property included twice,
+/// Receive Maximum or Maximum Packet Size 0, Request Response or Problem
+/// Information other than 0 or 1, and a will's Response Topic with a
+/// wildcard ([MQTT-3.3.2-14]) are Protocol Errors: CONNACK 0x82, then
+/// close (4.13). The same CONNECT with each property once is accepted.
+#[tokio::test]
+async fn connect_protocol_errors_are_refused_with_0x82() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let session_expiry = property(0x11, &10u32.to_be_bytes());
+    let receive_maximum = property(0x21, &10u16.to_be_bytes());
+    let problem = property(0x17, &[1]);
+    let response = property(0x19, &[0]);
+    let will_delay = property(0x18, &5u32.to_be_bytes());
+    let content_type = string_property(0x03, b"text/plain");
+    let will = |will_properties: &[u8]| {
+        let mut payload = s(b"edge-will");
+        payload.extend(varint(will_properties.len()));
+        payload.extend_from_slice(will_properties);
+        payload.extend(fields(&[b"will/topic", b"bye"]));
+        payload
+    };
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (
+            connect(5, 0x02, &property(0x21, &[0, 0]), &fields(&[b"c"])),
+            "Receive Maximum 0",
+        ),
+        (
+            connect(5, 0x02, &property(0x27, &[0, 0, 0, 0]), &fields(&[b"c"])),
+            "Maximum Packet Size 0",
+        ),
+        (
+            connect(5, 0x02, &twice(&session_expiry), &fields(&[b"c"])),
+            "Session Expiry Interval twice",
+        ),
+        (
+            connect(5, 0x02, &twice(&receive_maximum), &fields(&[b"c"])),
+            "Receive Maximum twice",
+        ),
+        (
+            connect(5, 0x02, &twice(&problem), &fields(&[b"c"])),
+            "Request Problem Information twice",
+        ),
+        (
+            connect(5, 0x02, &property(0x17, &[2]), &fields(&[b"c"])),
+            "Request Problem Information 2",
+        ),
+        (
+            connect(5, 0x02, &property(0x19, &[2]), &fields(&[b"c"])),
+            "Request Response Information 2",
+        ),
+        (
+            connect(5, 0x06, &[], &will(&twice(&will_delay))),
+            "Will Delay Interval twice",
+        ),
+        (
+            connect(5, 0x06, &[], &will(&twice(&content_type))),
+            "will Content Type twice",
+        ),
+        (
+            connect(5, 0x06, &[], &will(&string_property(0x08, b"replies/#"))),
+            "will Response Topic with a wildcard",
+        ),
+    ];
+    for (bytes, what) in &cases {
+        assert_eq!(answer(addr, bytes).await, refusal(0x82), "{what}");
+    }
+    // Each once, a will with its properties once: connected.
+    let all = [
+        session_expiry,
+        receive_maximum,
+        problem,
+        response,
+        property(0x27, &1000u32.to_be_bytes()),
+    ]
+    .concat();
+    let will_properties = [
+        will_delay,
+        content_type,
+        string_property(0x08, b"replies/x"),
+    ]
+    .concat();
+    let got = answer_first(addr, &connect(5, 0x06, &all, &will(&will_properties))).await;
+    assert_eq!((got[0], got[3]), (0x20, 0x00), "{got:02x?}");
+}
+
+/// MQTT 5 3.3.2.3: a PUBLISH with a property that may appear once twice, a
+/// Response Topic with a wildcard ([MQTT-3.3.2-14]) or a Subscription
+/// Identifier ([MQTT-3.3.4-6]) is a Protocol Error: DISCONNECT 0x82 with a
+/// Reason String that says which (the last one's said "router: " and came
+/// with 0x81).
+#[tokio::test]
+async fn publish_protocol_errors_end_the_connection_with_0x82() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for (properties, says) in [
+        (twice(&property(0x01, &[1])), "Payload Format Indicator"),
+        (
+            twice(&property(0x02, &60u32.to_be_bytes())),
+            "Message Expiry Interval",
+        ),
+        (twice(&property(0x23, &[0, 1])), "Topic Alias"),
+        (twice(&string_property(0x08, b"r/1")), "Response Topic"),
+        (twice(&string_property(0x09, b"c")), "Correlation Data"),
+        (twice(&string_property(0x03, b"text/plain")), "Content Type"),
+        (string_property(0x08, b"replies/#"), "wildcard"),
+        (string_property(0x08, b"replies/+/x"), "wildcard"),
+        (property(0x0B, &[3]), "Subscription Identifier"),
+    ] {
+        let bytes = publish5(0x32, b"edge/bad", 10, &properties);
+        v5_ended_with(addr, &bytes, DisconnectReasonCode::ProtocolError, says).await;
+    }
+    // Every one of them once, and a Response Topic without a wildcard: acknowledged.
+    let mut c = Raw::connect(addr, "edge-props-once").await;
+    let once = [
+        property(0x01, &[1]),
+        property(0x02, &60u32.to_be_bytes()),
+        string_property(0x08, b"replies/x"),
+        string_property(0x09, b"c"),
+        string_property(0x03, b"text/plain"),
+    ]
+    .concat();
+    c.send_bytes(&publish5(0x32, b"edge/once", 11, &once)).await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubAck(ack)) => {
+            assert_eq!((ack.pkid, ack.reason), (11, v5::PubAckReason::Success))
+        }
+        other => panic!("no PUBACK: {other:?}"),
+    }
+}
+
+/// [MQTT-3.3.1-2]: DUP is 0 in a QoS 0 PUBLISH; DUP 1 makes it a Malformed
+/// Packet (DISCONNECT 0x81). DUP 1 at QoS 1 is a resend, acknowledged.
+#[tokio::test]
+async fn a_qos_0_publish_with_dup_is_malformed() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut c = Raw::connect(addr, "edge-dup").await;
+    c.send_bytes(&publish5(0x3A, b"edge/dup", 12, &[])).await;
+    match c.recv().await {
+        Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, 12),
+        other => panic!("no PUBACK: {other:?}"),
+    }
+    let bytes = publish5(0x38, b"edge/dup", 0, &[]);
+    v5_ended_with(addr, &bytes, DisconnectReasonCode::MalformedPacket, "DUP").await;
+}
+
+/// MQTT 5 3.8.2.1.2: a Subscription Identifier twice, or of 0, in a
+/// SUBSCRIBE is a Protocol Error (DISCONNECT 0x82; 0 was told with the
+/// Reason String "router: "); one of 1 is granted.
+#[tokio::test]
+async fn subscription_identifier_twice_or_0_is_a_protocol_error() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let twice = subscribe5(1, &[0x0B, 1, 0x0B, 2], &[b"edge/sub"]);
+    let says = "Subscription Identifier";
+    v5_ended_with(addr, &twice, DisconnectReasonCode::ProtocolError, says).await;
+    let zero = subscribe5(1, &[0x0B, 0], &[b"edge/sub"]);
+    v5_ended_with(addr, &zero, DisconnectReasonCode::ProtocolError, says).await;
+    let mut c = Raw::connect(addr, "edge-sub-id").await;
+    c.send_bytes(&subscribe5(4, &[0x0B, 1], &[b"edge/sub"]))
+        .await;
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => assert_eq!(
+            (ack.pkid, ack.return_codes),
+            (4, vec![v5::SubscribeReasonCode::Success(QoS::AtLeastOnce)])
+        ),
+        other => panic!("no SUBACK: {other:?}"),
+    }
+}
+
+/// [MQTT-4.8.2-1], [MQTT-4.8.2-2]: a shared subscription's Share Name is
+/// at least one character, without `+` or `#`, followed by `/` and a Topic
+/// Filter: otherwise SUBACK 0x8F Topic Filter invalid for that filter
+/// (3.1.1: 0x80), the others of the SUBSCRIBE granted.
+#[tokio::test]
+async fn invalid_share_names_and_empty_shared_filters_are_refused() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let filters: [&[u8]; 6] = [
+        b"$share//a",
+        b"$share/g/",
+        b"$share/+/a",
+        b"$share/g+/a",
+        b"edge/plain",
+        b"$share/g/edge",
+    ];
+    let mut c = Raw::connect(addr, "edge-share").await;
+    c.send_bytes(&subscribe5(5, &[], &filters)).await;
+    let invalid = v5::SubscribeReasonCode::TopicFilterInvalid;
+    let granted = v5::SubscribeReasonCode::Success(QoS::AtLeastOnce);
+    match c.recv().await {
+        Recv::Packet(Packet::SubAck(ack)) => assert_eq!(
+            ack.return_codes,
+            [invalid, invalid, invalid, invalid, granted, granted]
+        ),
+        other => panic!("no SUBACK: {other:?}"),
+    }
+    // 3.1.1: SUBSCRIBE id 6, the same filters at QoS 1.
+    let mut stream = connected_v4(addr, "edge-share-v4").await;
+    let mut body = vec![0, 6];
+    for filter in filters {
+        body.extend(s(filter));
+        body.push(1);
+    }
+    stream.write_all(&packet(0x82, &body)).await.unwrap();
+    let mut suback = [0u8; 10];
+    stream.read_exact(&mut suback).await.unwrap();
+    assert_eq!(suback, [0x90, 8, 0, 6, 0x80, 0x80, 0x80, 0x80, 1, 1]);
+}
+
+/// The other packets a client sends: a property that may appear once,
+/// twice, is a Protocol Error too (DISCONNECT 0x82): a Reason String in
+/// PUBACK, PUBREC, PUBREL, PUBCOMP (3.4.2.2.2 ...), and Session Expiry
+/// Interval in DISCONNECT (3.14.2.2.2).
+#[tokio::test]
+async fn acknowledgements_and_disconnect_with_a_property_twice() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let reason = twice(&string_property(0x1F, b"why"));
+    for byte0 in [0x40, 0x50, 0x62, 0x70] {
+        let mut body = vec![0, 1, 0];
+        body.extend(varint(reason.len()));
+        body.extend_from_slice(&reason);
+        let bytes = packet(byte0, &body);
+        v5_ended_with(
+            addr,
+            &bytes,
+            DisconnectReasonCode::ProtocolError,
+            "Reason String",
+        )
+        .await;
+    }
+    let expiry = twice(&property(0x11, &0u32.to_be_bytes()));
+    let mut body = vec![0];
+    body.extend(varint(expiry.len()));
+    body.extend_from_slice(&expiry);
+    let says = "Session Expiry Interval";
+    v5_ended_with(
+        addr,
+        &packet(0xE0, &body),
+        DisconnectReasonCode::ProtocolError,
+        says,
+    )
+    .await;
+}
