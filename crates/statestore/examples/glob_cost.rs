@@ -4,10 +4,12 @@
 //! ```text
 //! cargo run --release -p statestore --example glob_cost                # all, timed
 //! cargo run --release -p statestore --example glob_cost -- key NAME N  # one case N times
+//! cargo run --release -p statestore --example glob_cost -- compile NAME N
 //! valgrind --tool=callgrind target/release/examples/glob_cost key NAME N
 //! ```
 //!
-//! `key NAME N` matches case NAME N times and prints nothing else, for
+//! `key NAME N` matches case NAME N times (`compile NAME N`: compiles its
+//! pattern and matches it once, N times) and prints nothing else, for
 //! instruction counts (callgrind's are the same on any machine; subtract
 //! a run with N = 0 for the setup). Times depend on the machine and its
 //! load: the numbers in the commit messages and docs are from a shared
@@ -71,6 +73,13 @@ fn cases() -> Vec<Case> {
         // Smaller versions (an eighth of the key), for callgrind.
         probe("probe-8k", false, MAX_KEY / 8),
         probe("probe-star-8k", true, MAX_KEY / 8),
+        // Tables for `?` between stars: a row bit for each byte value, for
+        // a key exactly as long as the pattern's fixed tokens.
+        Case {
+            name: "any-half",
+            pattern: [&b"*"[..], &[b'?'; MAX_KEY / 2 - 1], b"b*"].concat(),
+            key: vec![b'a'; MAX_KEY / 2],
+        },
     ]
 }
 
@@ -135,13 +144,19 @@ fn per_page(keys: usize, pattern: &[u8]) -> (Duration, Duration, usize) {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let [mode, name, n] = &args[..]
-        && mode == "key"
+        && (mode == "key" || mode == "compile")
     {
         let case = cases()
             .into_iter()
             .find(|c| c.name == name)
             .expect("no such case");
         let pattern = Pattern::new(&case.pattern);
+        if mode == "compile" {
+            for _ in 0..n.parse::<u32>().expect("a count") {
+                black_box(Pattern::new(black_box(&case.pattern)).matches(&case.key));
+            }
+            return;
+        }
         for _ in 0..n.parse::<u32>().expect("a count") {
             black_box(pattern.matches(black_box(&case.key)));
         }
@@ -157,6 +172,17 @@ fn main() {
             case.key.len(),
             time,
         );
+    }
+    println!("per pattern: compile, then match one key (builds the tables)");
+    for case in cases() {
+        let mut runs = 0u32;
+        let start = Instant::now();
+        while runs == 0 || (start.elapsed() < Duration::from_millis(300) && runs < 1_000_000) {
+            black_box(Pattern::new(black_box(&case.pattern)).matches(black_box(&case.key)));
+            runs += 1;
+        }
+        let time = start.elapsed() / runs;
+        println!("  {:<14} {time:>12.3?} ({runs} runs)", case.name);
     }
     println!("per page: SCAN over 10 keys like the probe's (default config)");
     for case in cases()
