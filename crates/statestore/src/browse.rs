@@ -3,9 +3,11 @@
 //! expiry, fencing token, whether it is persisted, and who watches it.
 //!
 //! Not part of the protocol: clients list keys with SCAN. Like SCAN, a
-//! page walks a bounded number of slots, so the store's lock is held for a
-//! bounded time however sparse the matches are; `next` resumes.
+//! page walks a bounded number of slots and spends a bounded number of
+//! glob steps, so the store's lock is held for a bounded time however
+//! sparse the matches and however costly the pattern; `next` resumes.
 
+use crate::command::STEPS_PER_PAGE;
 use crate::glob::Pattern;
 use crate::store::Store;
 
@@ -49,6 +51,7 @@ impl Store {
             start,
             limit,
             limit.saturating_mul(SLOTS_PER_KEY),
+            STEPS_PER_PAGE,
             &Pattern::new(pattern),
         );
         let keys = keys.into_iter().filter_map(|key| self.view(key)).collect();

@@ -276,8 +276,10 @@ impl Db {
 
     /// Collects the keys matching `pattern` from slot `start` on, stopping
     /// after `max_keys` keys or `max_slots` visited slots, whichever comes
-    /// first. Returns the keys and the slot to resume from, or `None` when the
-    /// end of the slab was reached.
+    /// first, or before a key whose [`Pattern::cost`] would take the page's
+    /// matching over `max_steps` (but never before the first slot, so that
+    /// every page moves on). Returns the keys and the slot to resume from,
+    /// or `None` when the end of the slab was reached.
     ///
     /// A key that exists for the whole scan never moves, so it is returned
     /// exactly once; a deleted key is not returned after its deletion; keys
@@ -287,17 +289,26 @@ impl Db {
         start: usize,
         max_keys: usize,
         max_slots: usize,
+        max_steps: u64,
         pattern: &Pattern,
     ) -> (Vec<Vec<u8>>, Option<usize>) {
         let everything = pattern.matches_everything();
         let mut keys = Vec::new();
+        let mut steps = 0u64;
         let mut slot = start;
         let end = start.saturating_add(max_slots.max(1)).min(self.slots.len());
         while slot < end && keys.len() < max_keys.max(1) {
-            if let Some(entry) = &self.slots[slot]
-                && (everything || pattern.matches(entry.key()))
-            {
-                keys.push(entry.key().to_vec());
+            if let Some(entry) = &self.slots[slot] {
+                let key = entry.key();
+                if !everything {
+                    steps = steps.saturating_add(pattern.cost(key.len()));
+                    if steps > max_steps && slot > start {
+                        break;
+                    }
+                }
+                if everything || pattern.matches(key) {
+                    keys.push(key.to_vec());
+                }
             }
             slot += 1;
         }
@@ -418,14 +429,70 @@ mod tests {
             db.insert(Entry::new(&[b'k', b'0' + i], b"", v(1), Extras::default()));
         }
         let all = Pattern::new(b"*");
-        let (page, next) = db.scan(0, 4, 100, &all);
+        let (page, next) = db.scan(0, 4, 100, u64::MAX, &all);
         assert_eq!((page.len(), next), (4, Some(4)));
         db.remove(b"k5");
         // At most 4 slots visited: k4, (hole), k6, k7.
-        let (page, next) = db.scan(4, 10, 4, &all);
+        let (page, next) = db.scan(4, 10, 4, u64::MAX, &all);
         assert_eq!(page, vec![b"k4".to_vec(), b"k6".to_vec(), b"k7".to_vec()]);
-        let (page, next2) = db.scan(next.unwrap(), 4, 100, &Pattern::new(b"k9"));
+        let (page, next2) = db.scan(next.unwrap(), 4, 100, u64::MAX, &Pattern::new(b"k9"));
         assert_eq!((page, next2), (vec![b"k9".to_vec()], None));
-        assert_eq!(db.scan(100, 4, 4, &all), (vec![], None));
+        assert_eq!(db.scan(100, 4, 4, u64::MAX, &all), (vec![], None));
+    }
+
+    #[test]
+    fn a_costly_pattern_ends_pages_early_and_misses_nothing() {
+        let mut db = Db::new();
+        // 1000-byte keys of `a`; every third one has a `b` after 900 `a`.
+        let mut matching = Vec::new();
+        for i in 0..40u32 {
+            let mut key = vec![b'a'; 1000];
+            key[..4].copy_from_slice(&i.to_be_bytes());
+            if i % 3 == 0 {
+                key[950] = b'b';
+                matching.push(key.clone());
+            }
+            db.insert(Entry::new(&key, b"", v(1), Extras::default()));
+        }
+        let pattern = Pattern::new(format!("*{}b*", "a".repeat(100)).as_bytes());
+        // 2 words for each byte, the tables once: 2000 steps a key or more.
+        assert_eq!(pattern.cost(1000), 2000 + 2 * 256 * 2 + 101);
+        // Without a step budget, one page looks at all 40 slots.
+        let (keys, next) = db.scan(0, 100, 1600, u64::MAX, &pattern);
+        assert_eq!((keys, next), (matching.clone(), None));
+        // With 10,000 steps, a page looks at four or five slots.
+        let pattern = Pattern::new(format!("*{}b*", "a".repeat(100)).as_bytes());
+        let (mut found, mut start, mut pages) = (Vec::new(), Some(0), 0);
+        while let Some(from) = start {
+            let (keys, next) = db.scan(from, 100, 1600, 10_000, &pattern);
+            if let Some(next) = next {
+                assert!((from + 4..=from + 5).contains(&next), "{from} -> {next}");
+            }
+            found.extend(keys);
+            start = next;
+            pages += 1;
+        }
+        assert_eq!(pages, 9);
+        assert_eq!(found, matching, "every matching key, once, in slot order");
+    }
+
+    #[test]
+    fn every_page_looks_at_one_slot_at_least() {
+        let mut db = Db::new();
+        for i in 0..5u8 {
+            db.insert(Entry::new(&[b'k', i, b'b'], b"", v(1), Extras::default()));
+        }
+        db.remove(&[b'k', 2, b'b']);
+        let pattern = Pattern::new(b"*b");
+        let mut keys = Vec::new();
+        let mut start = Some(0);
+        // No budget at all: one key a page (the hole at slot 2 costs nothing).
+        for expected in [Some(1), Some(3), Some(4), None] {
+            let (page, next) = db.scan(start.unwrap(), 10, 10, 0, &pattern);
+            assert_eq!((page.len(), next), (1, expected));
+            keys.extend(page);
+            start = next;
+        }
+        assert_eq!(keys.len(), 4);
     }
 }

@@ -347,10 +347,12 @@ impl State {
         &self,
         start: usize,
         page_size: usize,
-        budget: usize,
+        max_slots: usize,
+        max_steps: u64,
         pattern: &Pattern,
     ) -> (Vec<Vec<u8>>, Option<usize>) {
-        self.db.scan(start, page_size, budget, pattern)
+        self.db
+            .scan(start, page_size, max_slots, max_steps, pattern)
     }
 
     pub(crate) fn len(&self) -> usize {

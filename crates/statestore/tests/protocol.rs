@@ -703,6 +703,51 @@ fn scan_never_returns_a_key_deleted_before_its_page() {
     assert_eq!(seen.len() + deleted.len(), 100);
 }
 
+/// A pattern whose every key costs a good part of a page's budget of glob
+/// steps (8 KiB keys of `a`, `*` + 4096 `a` + `b*`: 65 words of state for
+/// each byte): pages end after a few keys instead of looking at all 30 in
+/// one go, and paging through still finds each matching key once, and no
+/// key deleted before its page.
+#[test]
+fn scan_with_a_costly_pattern_ends_pages_early() {
+    let mut h = Harness::new();
+    let mut matching = Vec::new();
+    for i in 0..30 {
+        let mut key = format!("{i:02}{}", "a".repeat(8190)).into_bytes();
+        if i % 4 == 1 {
+            key[6000] = b'b';
+            matching.push(key.clone());
+        }
+        h.run(&[b"SET".to_vec(), key, b"v".to_vec()]);
+    }
+    let pattern = format!("*{}b*", "a".repeat(4096));
+    let deleted = matching.pop().unwrap();
+    let mut first = true;
+    let mut found = Vec::new();
+    let mut token: Option<Vec<u8>> = None;
+    let mut pages = 0;
+    loop {
+        let mut args = vec![b"SCAN".to_vec(), pattern.as_bytes().to_vec()];
+        args.extend(token.take());
+        let Page { keys, token: next } = Page::decode(&h.req(&args).send().payload).unwrap();
+        pages += 1;
+        found.extend(keys);
+        if first {
+            h.run(&[b"DEL".to_vec(), deleted.clone()]);
+            first = false;
+        }
+        match next {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    assert!((5..30).contains(&pages), "{pages} pages");
+    assert_eq!(
+        found, matching,
+        "the matching keys, once each, in the order set"
+    );
+}
+
 #[test]
 fn scan_with_a_forged_token_is_a_syntax_error() {
     let mut h = Harness::new();

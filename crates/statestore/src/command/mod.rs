@@ -31,6 +31,7 @@ pub use get::Get;
 pub use info::Info;
 pub use keynotify::KeyNotify;
 pub use ping::Ping;
+pub(crate) use scan::STEPS_PER_PAGE;
 pub use scan::{Page, Scan};
 pub use set::{Condition, Set};
 pub use vdel::VDel;
