@@ -1382,6 +1382,9 @@ async fn a_qos_0_publish_with_dup_is_malformed() {
     }
     let bytes = publish5(0x38, b"edge/dup", 0, &[]);
     v5_ended_with(addr, &bytes, DisconnectReasonCode::MalformedPacket, "DUP").await;
+    // 3.1.1 has the same rule: closed.
+    let v4 = packet(0x38, &[s(b"edge/dup"), b"x".to_vec()].concat());
+    v4_closes_on(addr, &v4, "3.1.1 QoS 0 with DUP").await;
 }
 
 /// MQTT 5 3.8.2.1.2: a Subscription Identifier twice, or of 0, in a

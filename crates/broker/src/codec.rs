@@ -249,14 +249,34 @@ impl Protocol {
 /// Protocol Error; the decoder reads the broker's own deliveries too,
 /// which carry them).
 pub fn check_from_client(packet: &Packet) -> Result<(), CodecError> {
-    match packet {
-        Packet::Publish(_, Some(p)) if !p.subscription_identifiers.is_empty() => {
-            Err(CodecError::Protocol(
-                "Subscription Identifier in a PUBLISH from a client [MQTT-3.3.4-6]".into(),
-            ))
-        }
-        _ => Ok(()),
+    let Packet::Publish(publish, properties) = packet else {
+        return Ok(());
+    };
+    if publish.dup && publish.qos == router::protocol::QoS::AtMostOnce {
+        // 3.1.1 too ([MQTT-3.3.1-2] of both).
+        return Err(CodecError::Malformed(
+            "PUBLISH of QoS 0 with DUP 1 [MQTT-3.3.1-2]".into(),
+        ));
     }
+    let Some(p) = properties else {
+        return Ok(());
+    };
+    if !p.subscription_identifiers.is_empty() {
+        return Err(CodecError::Protocol(
+            "Subscription Identifier in a PUBLISH from a client [MQTT-3.3.4-6]".into(),
+        ));
+    }
+    if p.response_topic
+        .as_deref()
+        .is_some_and(|topic| !router::protocol::valid_topic(topic))
+    {
+        // Named by no reason code; read fine, it holds what is not
+        // allowed: a Protocol Error (1.2).
+        return Err(CodecError::Protocol(
+            "Response Topic with a wildcard [MQTT-3.3.2-14]".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// A PUBLISH with the given QoS and packet id. rumqttd keeps both fields of
@@ -642,10 +662,28 @@ mod tests {
             Protocol::V5.read(&mut twice.clone(), 1024),
             Err(CodecError::Protocol(e)) if e.contains("Payload Format Indicator")
         ));
-        let mut dup = BytesMut::from(&[0x38, 5, 0, 1, b't', 0, b'x'][..]);
+        // Read (stored messages must stay readable), refused from clients.
+        for protocol in [Protocol::V5, Protocol::V4] {
+            let body: &[u8] = match protocol {
+                Protocol::V5 => &[0x38, 5, 0, 1, b't', 0, b'x'],
+                Protocol::V4 => &[0x38, 4, 0, 1, b't', b'x'],
+            };
+            let dup = protocol
+                .read(&mut BytesMut::from(body), 1024)
+                .unwrap()
+                .unwrap();
+            assert!(matches!(
+                check_from_client(&dup.packet),
+                Err(CodecError::Malformed(e)) if e.contains("MQTT-3.3.1-2")
+            ));
+        }
+        let wildcard = Protocol::V5
+            .read(&mut publish(&[0x08, 0, 3, b'a', b'/', b'#']), 1024)
+            .unwrap()
+            .unwrap();
         assert!(matches!(
-            Protocol::V5.read(&mut dup, 1024),
-            Err(CodecError::Malformed(_))
+            check_from_client(&wildcard.packet),
+            Err(CodecError::Protocol(e)) if e.contains("MQTT-3.3.2-14")
         ));
         let with_id = Protocol::V5
             .read(&mut publish(&[0x0B, 3]), 1024)

@@ -817,9 +817,6 @@ pub enum Error {
     /// becomes a PUBLISH's).
     #[error("Response Topic with a wildcard [MQTT-3.3.2-14]")]
     ResponseTopicWildcard,
-    /// A QoS 0 PUBLISH with DUP 1.
-    #[error("PUBLISH of QoS 0 with DUP 1 [MQTT-3.3.1-2]")]
-    DupWithQoS0,
     /// More bytes required to frame packet. Argument
     /// implies minimum additional bytes required to
     /// proceed further

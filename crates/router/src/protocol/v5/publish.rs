@@ -28,10 +28,6 @@ pub fn read(
     let qos_num = (fixed_header.byte1 & 0b0110) >> 1;
     let qos = qos(qos_num).ok_or(Error::InvalidQoS(qos_num))?;
     let dup = (fixed_header.byte1 & 0b1000) != 0;
-    // statebroker patch 41: [MQTT-3.3.1-2].
-    if dup && qos == QoS::AtMostOnce {
-        return Err(Error::DupWithQoS0);
-    }
     let retain = (fixed_header.byte1 & 0b0001) != 0;
 
     let variable_header_index = fixed_header.fixed_header_len;
@@ -184,10 +180,6 @@ mod properties {
                 }
                 PropertyType::ResponseTopic => {
                     let topic = read_mqtt_byte_string(bytes)?;
-                    // statebroker patch 41: [MQTT-3.3.2-14].
-                    if !valid_topic(&topic) {
-                        return Err(Error::ResponseTopicWildcard);
-                    }
                     cursor += 2 + topic.len();
                     response_topic = Some(topic);
                 }
