@@ -1161,6 +1161,30 @@ async fn one_group_name_on_two_filters_is_two_shared_subscriptions() {
     assert_eq!(drain(&mut y, quiet).await, ["y0", "y1", "y2", "y3"]);
 }
 
+/// MQTT 5 3.3.4: one client with a filter and shared subscriptions on
+/// it in two groups has three subscriptions, and gets a copy for each.
+/// The router kept one read of a filter's log per connection in mind: a
+/// debug build's assertion ended the router thread (every connection) at
+/// such a SUBSCRIBE (router patch 43).
+#[tokio::test]
+async fn a_filter_and_two_groups_on_it_are_three_subscriptions() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut c = Raw::connect(addr, "share4-c").await;
+    c.subscribe_many(
+        &["$share/g/share4/t", "$share/h/share4/t", "share4/t"],
+        QoS::AtLeastOnce,
+    )
+    .await;
+    let mut publisher = Raw::connect(addr, "share4-pub").await;
+    publish_complete(&mut publisher, "share4/t", b"m", QoS::AtLeastOnce, false).await;
+    let quiet = Duration::from_millis(300);
+    assert_eq!(drain(&mut c, quiet).await, ["m", "m", "m"]);
+    // The broker still serves.
+    let mut other = Raw::connect(addr, "share4-other").await;
+    other.subscribe("share4/u", QoS::AtLeastOnce).await;
+}
+
 /// MQTT 5 3.10.4: UNSUBSCRIBE ends the subscription it names, not the
 /// client's other shared subscriptions.
 #[tokio::test]

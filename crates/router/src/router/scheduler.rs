@@ -231,7 +231,10 @@ impl Scheduler {
         let tracker_data_req = tracker.get_data_requests();
         let mut uniq = HashSet::with_capacity(tracker_data_req.len());
 
-        let all_uniq = tracker_data_req.iter().all(|x| uniq.insert(x.filter_idx));
+        // One request per subscription: per filter as subscribed
+        // (statebroker patch 43: `$share/g/a`, `$share/h/a` and `a` are three
+        // subscriptions reading one log).
+        let all_uniq = tracker_data_req.iter().all(|x| uniq.insert(&x.filter));
 
         if !all_uniq {
             Some(&tracker.data_requests)
