@@ -224,6 +224,54 @@ async fn scan_pages_through_keys_written_on_every_node() {
     assert_eq!(seen, expected);
 }
 
+/// A SCAN page spends a bounded number of glob steps (as on a single
+/// node): with long keys and a costly pattern it ends early, after fewer
+/// keys than a page holds, and paging on still lists each matching key
+/// once. One page matched them all before, whatever it cost (about 2 s
+/// a key for a 64 KiB key and a pattern of 32 KiB: the node stalled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_costly_scan_pattern_ends_pages_early() {
+    let setup = Setup::three_linked().await;
+    let mut c = client(setup.ports[0], "scanner").await;
+    let run = "a".repeat(8_000);
+    let mut expected = Vec::new();
+    for i in 0..12 {
+        let key = format!("costly-{i:02}-{run}{}", if i % 2 == 0 { "b" } else { "c" });
+        assert_eq!(text(&ask(&mut c, &["SET", &key, "v"]).await), "+OK");
+        if i % 2 == 0 {
+            expected.push(key);
+        }
+    }
+    let pattern = format!("costly-*{}b*", "a".repeat(4_096));
+    let mut seen = Vec::new();
+    let mut token: Option<Vec<u8>> = None;
+    let mut pages = 0;
+    loop {
+        let mut args: Vec<&[u8]> = vec![b"SCAN", pattern.as_bytes()];
+        if let Some(t) = &token {
+            args.push(t);
+        }
+        let answer = c.request(&args, &[]).await.expect("SCAN answer");
+        let page = statestore::command::Page::decode(&encode(&answer.reply)).expect("a page");
+        seen.extend(page.keys.into_iter().map(|k| String::from_utf8(k).unwrap()));
+        pages += 1;
+        assert!(pages < 100, "SCAN does not end");
+        match page.token {
+            Some(t) => token = Some(t),
+            None => break,
+        }
+    }
+    let pattern = statestore::glob::Pattern::new(pattern.as_bytes());
+    let per_key = pattern.cost(expected[0].len());
+    assert!(
+        12 * per_key > statestore::command::STEPS_PER_PAGE,
+        "the keys cost more than a page's steps ({per_key} each)"
+    );
+    assert!(pages >= 2, "{pages} page(s) for 12 costly keys");
+    seen.sort();
+    assert_eq!(seen, expected);
+}
+
 /// GETs waiting at the same time go to etcd as one request: each still
 /// gets its own key's value, large ones too (16 values of 600 KB in one
 /// answer pass gRPC's default 4 MiB decoding limit); SCAN lists keys

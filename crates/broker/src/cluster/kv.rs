@@ -33,6 +33,7 @@
 //! (another client wrote the key after it) is answered as done too.
 
 use etcd_client::{GetOptions, Txn, TxnOp};
+use statestore::command::STEPS_PER_PAGE;
 use statestore::command::Scan;
 use statestore::db::Entry;
 use statestore::glob::Pattern;
@@ -374,6 +375,11 @@ impl Cluster {
         let budget = page_size.saturating_mul(16);
         let mut keys = Vec::new();
         let mut looked = 0usize;
+        // Glob steps spent (see `statestore::command::STEPS_PER_PAGE`): a
+        // page ends before the key that would pass the budget, except at
+        // its first key, so every page moves on.
+        let mut steps = 0u64;
+        let mut last_looked: Option<Vec<u8>> = None;
         // The page reads etcd in chunks of records an answer can hold, all
         // at the first chunk's revision: one snapshot.
         let mut revision = None;
@@ -395,9 +401,18 @@ impl Cluster {
             let mut last = None;
             let mut full = false;
             for kv in response.kvs() {
-                looked += 1;
                 let key = &kv.key()[self.keys_prefix.len()..];
+                let cost = pattern.cost(key.len());
+                if looked > 0 && steps.saturating_add(cost) > STEPS_PER_PAGE {
+                    // Resumed at this key, after the one before it.
+                    let mut token = b"k".to_vec();
+                    token.extend_from_slice(last_looked.as_deref().unwrap_or_default());
+                    return Ok(Ok(page(keys, Some(token))));
+                }
+                steps = steps.saturating_add(cost);
+                looked += 1;
                 last = Some(key.to_vec());
+                last_looked.clone_from(&last);
                 let live = Record::decode(kv.value())
                     .ok()
                     .is_some_and(|r| r.entry(key, now).is_some());

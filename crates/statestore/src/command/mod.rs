@@ -31,8 +31,7 @@ pub use get::Get;
 pub use info::Info;
 pub use keynotify::KeyNotify;
 pub use ping::Ping;
-pub(crate) use scan::STEPS_PER_PAGE;
-pub use scan::{Page, Scan};
+pub use scan::{Page, STEPS_PER_PAGE, Scan};
 pub use set::{Condition, Set};
 pub use vdel::VDel;
 

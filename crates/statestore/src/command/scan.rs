@@ -38,7 +38,7 @@ const SLOTS_PER_KEY: usize = 16;
 /// a pattern with short segments between stars; a step of a long segment
 /// takes about 0.3 ns); a page of 100-byte keys never gets there (1,600
 /// slots × 100 steps at most for `*mid*`), keys of a few KiB seldom.
-pub(crate) const STEPS_PER_PAGE: u64 = 1 << 21;
+pub const STEPS_PER_PAGE: u64 = 1 << 21;
 
 /// A parsed SCAN.
 #[derive(Debug, Clone, PartialEq, Eq)]
