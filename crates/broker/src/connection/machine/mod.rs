@@ -808,7 +808,12 @@ impl Machine {
             // Answered here already.
             Packet::PingResp(_) | Packet::ConnAck(..) => {}
             Packet::Disconnect(disconnect, properties) => {
-                let reason = properties.and_then(|p| p.reason_string).unwrap_or_default();
+                // The router's words, or the reason code's name (it gave
+                // none: "router: " was all the client read).
+                let reason = properties
+                    .and_then(|p| p.reason_string)
+                    .filter(|r| !r.is_empty())
+                    .unwrap_or_else(|| format!("{:?}", disconnect.reason_code));
                 return Err(End::Violation(
                     disconnect.reason_code,
                     format!("router: {reason}"),

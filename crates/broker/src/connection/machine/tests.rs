@@ -298,6 +298,27 @@ async fn protocol_errors_end_the_connection() {
     );
 }
 
+/// The router's DISCONNECT ends the connection with its reason code, and
+/// a Reason String that says something even when the router gave none.
+#[tokio::test]
+async fn a_disconnect_from_the_router_is_passed_on_with_its_reason() {
+    let (mut m, _disk) = machine(true).await;
+    let without = Notification::Disconnect(
+        Disconnect {
+            reason_code: DisconnectReasonCode::ProtocolError,
+        },
+        None,
+    );
+    let end = m.on_router(without).unwrap_err();
+    assert_eq!(
+        end.reason(),
+        (
+            Some(DisconnectReasonCode::ProtocolError),
+            "router: ProtocolError".to_owned()
+        )
+    );
+}
+
 #[tokio::test]
 async fn the_end_tells_the_client_why_and_the_router_how_long_to_keep_the_session() {
     let (mut m, _disk) = machine(true).await;
