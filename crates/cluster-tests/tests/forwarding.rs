@@ -795,6 +795,43 @@ async fn shared_deliveries(
     }
 }
 
+/// A group's member's node killed: the nodes' links to it break at once,
+/// but it stays a member (and the group's node) until its lease ends.
+/// Meanwhile each message goes to a node of the group whose link is up:
+/// the member left gets every one. Before, every other message went to
+/// the dead node, acknowledged, and was lost for the group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_subscription_skips_a_node_whose_link_broke() {
+    const COUNT: usize = 40;
+    let mut setup = Setup::three_linked().await;
+    let (_m0, _rx0) = subscriber(setup.ports[0], "k0", "$share/gk/k/#", QoS::AtLeastOnce).await;
+    let (_m1, mut rx1) = subscriber(setup.ports[1], "k1", "$share/gk/k/#", QoS::AtLeastOnce).await;
+    let http = setup.http[2];
+    eventually("node 3 knows the group's two nodes", || {
+        metric(http, GROUP_NODES) == Some(2.0)
+    })
+    .await;
+    setup.nodes[0].kill().unwrap();
+    eventually("node 3's link to node 1 broke", || {
+        metric(http, LINKS) == Some(1.0)
+    })
+    .await;
+    assert_eq!(
+        metric(http, GROUP_NODES),
+        Some(2.0),
+        "node 1 is still the group's (its lease holds)"
+    );
+    let mut publisher = Raw::connect(addr(setup.ports[2]), "kp").await;
+    for n in 0..COUNT {
+        let reason = publisher
+            .publish("k/x", format!("p-{n}"), QoS::AtLeastOnce, None)
+            .await;
+        assert_eq!(reason, Some(v5::PubAckReason::Success));
+    }
+    let got = shared_deliveries(&mut [&mut rx1], COUNT).await;
+    assert_eq!(got[0].len(), COUNT, "{:?}", got[0]);
+}
+
 /// MQTT 5 4.8.2 across nodes: a shared subscription with members on all
 /// three nodes gets each message of publishers on two nodes once in all
 /// (not once per node), spread over the nodes; a plain subscriber gets

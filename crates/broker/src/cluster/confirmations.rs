@@ -144,6 +144,11 @@ impl Confirmations {
         });
     }
 
+    /// Whether the link to `node` is connected now.
+    pub fn is_up(&self, node: &str) -> bool {
+        self.state.lock().links.get(node).is_some_and(|l| l.up)
+    }
+
     /// The link to `node` broke: nothing it owes is waited for any longer.
     pub fn link_down(&self, node: &str) {
         self.with(|s| {

@@ -175,7 +175,10 @@ impl Node {
         properties: &mut Option<PublishProperties>,
     ) -> Option<u64> {
         let topic = std::str::from_utf8(&publish.topic).unwrap_or_default();
-        let assignment = self.shares.assign(topic);
+        let own = self.shares.node_id();
+        let assignment = self
+            .shares
+            .assign(topic, |node| node == own || self.peers.link_to_is_up(node));
         let origin = (publish.qos == router::protocol::QoS::ExactlyOnce).then(|| {
             super::origins::origin(
                 client,

@@ -164,6 +164,12 @@ impl Peers {
             .collect()
     }
 
+    /// Whether this node's link to `node` is connected now (a publish
+    /// handed to it now reaches `node`, unless the link breaks).
+    pub fn link_to_is_up(&self, node: &str) -> bool {
+        self.confirmations.is_up(node)
+    }
+
     /// Whether `node`'s link to this one is connected now (it could hand
     /// a session over).
     pub fn linked_from(&self, node: &str) -> bool {

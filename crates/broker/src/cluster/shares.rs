@@ -101,7 +101,11 @@ impl Shares {
 
     /// Where each group whose filter matches `topic` gets the message:
     /// empty when no group is known (the usual case, one atomic load).
-    pub fn assign(&self, topic: &str) -> Assignment {
+    /// Each group's next node in turn that is `reachable` (this node, or
+    /// one whose link is up): a node whose link broke (killed, say) is
+    /// still listed until its lease ends, and what it was given would be
+    /// lost for the group. With none reachable, the next in turn.
+    pub fn assign(&self, topic: &str, reachable: impl Fn(&str) -> bool) -> Assignment {
         if !self.any.load(Ordering::Relaxed) {
             return Vec::new();
         }
@@ -111,7 +115,12 @@ impl Shares {
             .filter(|(_, g)| router::protocol::matches(topic, &g.filter))
             .map(|(name, g)| {
                 let turn = g.turn.fetch_add(1, Ordering::Relaxed);
-                (name.clone(), g.nodes[turn % g.nodes.len()].clone())
+                let n = g.nodes.len();
+                let node = (0..n)
+                    .map(|i| &g.nodes[(turn + i) % n])
+                    .find(|node| reachable(node))
+                    .unwrap_or(&g.nodes[turn % n]);
+                (name.clone(), node.clone())
             })
             .collect()
     }
@@ -376,13 +385,23 @@ mod tests {
     #[test]
     fn each_matching_group_goes_to_its_nodes_in_turn() {
         let s = shares();
-        assert!(s.assign("t/1").is_empty());
+        assert!(s.assign("t/1", |_| true).is_empty());
         s.changed("a", "$share/g/t/+", true);
         s.changed("b", "$share/g/t/+", true);
         s.changed("b", "$share/h/other", true);
-        let turns: Vec<_> = (0..4).map(|_| s.assign("t/1")).collect();
+        let turns: Vec<_> = (0..4).map(|_| s.assign("t/1", |_| true)).collect();
         let nodes: Vec<&str> = turns.iter().map(|a| a[0].1.as_str()).collect();
         assert_eq!(nodes, ["a", "b", "a", "b"]);
+        // A node whose link is down is passed over while another can take
+        // it; with none reachable, the turn decides.
+        let nodes: Vec<String> = (0..4)
+            .map(|_| s.assign("t/1", |n| n != "b")[0].1.clone())
+            .collect();
+        assert_eq!(nodes, ["a", "a", "a", "a"]);
+        let nodes: Vec<String> = (0..2)
+            .map(|_| s.assign("t/1", |_| false)[0].1.clone())
+            .collect();
+        assert_eq!(nodes, ["a", "b"]);
         assert!(
             turns
                 .iter()
@@ -402,7 +421,7 @@ mod tests {
         s.changed("a", "$share/g/t/+", false);
         s.changed("b", "$share/g/t/+", false);
         s.changed("b", "$share/h/other", false);
-        assert!(s.assign("t/1").is_empty());
+        assert!(s.assign("t/1", |_| true).is_empty());
         assert!(!s.any.load(Ordering::Relaxed));
     }
 
