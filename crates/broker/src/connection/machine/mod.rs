@@ -357,6 +357,11 @@ impl Machine {
 
     /// A packet from the client.
     pub fn on_packet(&mut self, mut incoming: Incoming) -> Result<(), End> {
+        // What a client may not send, though the decoder reads it (it
+        // reads stored messages too). Here rather than in the socket: a
+        // check there moved every decoded packet once more (~200
+        // instructions a request).
+        crate::codec::check_from_client(&incoming.packet)?;
         let header = (incoming.qos, incoming.pkid, incoming.dup);
         // A handed-over QoS 2 message's flow is finished here.
         if self
