@@ -18,32 +18,33 @@
 //!   together, within the client's limits (`outbound/`);
 //! - acknowledgements in order (`inbound::AckOrder`), held while what they
 //!   acknowledge is not on disk (`gate.rs`), or to leave with their
-//!   answers (`hold.rs`);
+//!   answers (`hold.rs`): `machine/acks.rs`;
+//! - what goes to the router and what comes from it: `machine/router_side.rs`;
 //! - how the connection ends (`end.rs`).
 
 use std::sync::Arc;
 
 use bytes::BytesMut;
-use router::Notification;
 use router::protocol::{
     self, Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, PingResp, Publish,
-    PublishProperties, SubAck, Subscribe, SubscribeProperties, SubscribeReasonCode, Unsubscribe,
-    UnsubscribeProperties,
+    PublishProperties,
 };
 use tokio::sync::watch;
 
 use super::end::End;
-use super::gate::{Gate, Held, Waits};
+use super::gate::Gate;
 use super::hold::{AckHold, Awaited};
 use super::inbound::{self, AckOrder, Inbound};
 use super::outbound::{self, Outbound};
-use super::subscriptions::{self, PendingRefusals};
+use super::subscriptions::PendingRefusals;
 
+mod acks;
 mod request;
+mod router_side;
 
 use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
-use crate::persistence::{Batch, Position};
+use crate::persistence::Position;
 use crate::sessions::{SharedAcknowledged, ToConnection};
 use crate::shared::Shared;
 use crate::store::binding;
@@ -221,138 +222,6 @@ impl Machine {
         if let Err(e) = self.protocol.write(packet, &mut self.wbuf) {
             tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
         }
-    }
-
-    /// Queues `packet` for the router (the connection joins it with the
-    /// next hand-over, if it has not yet).
-    fn route(&mut self, packet: Packet) {
-        self.joined = true;
-        self.to_router.push(packet);
-    }
-
-    /// Queues an acknowledgement for the client, behind those that wait
-    /// for the disk (`batch`: what this one waits for itself).
-    fn acknowledge(&mut self, ack: Packet, batch: Option<Batch>) {
-        self.acknowledge_after(ack, batch, None);
-    }
-
-    /// [`Machine::acknowledge`], waiting also for forwarding `ticket`.
-    fn acknowledge_after(&mut self, ack: Packet, batch: Option<Batch>, ticket: Option<u64>) {
-        self.acknowledge_when(ack, batch, ticket, None);
-    }
-
-    /// [`Machine::acknowledge_after`], waiting also for the outcome of the
-    /// request with ticket `outcome` (a cluster node's, see
-    /// `store::tickets`).
-    pub(super) fn acknowledge_when(
-        &mut self,
-        ack: Packet,
-        batch: Option<Batch>,
-        ticket: Option<u64>,
-        outcome: Option<u64>,
-    ) {
-        // (The disk's position is read only when there is a batch: it is a
-        // lock, on every request's path otherwise.)
-        let waits = Waits {
-            batch: batch.filter(|&batch| !self.position().covers(batch)),
-            links: ticket.filter(|&t| !self.confirmed(t)),
-            outcome: outcome.filter(|&n| !self.outcome_out(n)),
-        };
-        let (protocol, wbuf) = (self.protocol, &mut self.wbuf);
-        self.gate.send(ack, waits, |ack| {
-            if let Err(e) = protocol.write(ack, wbuf) {
-                tracing::warn!(error = %e, "dropping a packet that cannot be encoded");
-            }
-        });
-    }
-
-    /// Whether the requests up to ticket `number` have their outcome out.
-    fn outcome_out(&self, number: u64) -> bool {
-        self.outcomes.as_ref().is_none_or(|t| t.is_done(number))
-    }
-
-    /// The request ticket held acknowledgements wait for (a cluster node's;
-    /// see `store::tickets`), and the number to wait on.
-    pub fn waiting_for_outcome(&self) -> Option<u64> {
-        self.gate.waits().outcome
-    }
-
-    /// The tickets' progress to wait on (a cluster node's).
-    pub fn outcomes_done(&self) -> Option<watch::Receiver<u64>> {
-        self.outcomes.as_ref().map(|t| t.done())
-    }
-
-    /// Whether reading stops until the disk catches up: while too many
-    /// acknowledgements or answers wait for it.
-    pub fn reading_paused(&self) -> bool {
-        self.gate.is_full() || self.awaited_full().is_some()
-    }
-
-    /// When too many answers wait for the disk, the batch to wait for.
-    fn awaited_full(&self) -> Option<Batch> {
-        if self.awaited.may_be_full() {
-            self.awaited.full(self.position())
-        } else {
-            None
-        }
-    }
-
-    /// The earliest batch something here waits for: acknowledgements held
-    /// for the disk or for their answers, and reading stopped at the bound.
-    pub fn waiting_for(&self) -> Option<Batch> {
-        [
-            self.gate.waits().batch,
-            self.ack_hold.waiting_for(),
-            self.awaited_full(),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
-    }
-
-    /// Whether what is encoded for the client may stay unwritten for now:
-    /// it holds only acknowledgements that will leave with their answers
-    /// (see `hold.rs`).
-    pub fn may_hold_output(&mut self) -> bool {
-        if self.ack_hold.waiting_for().is_none() {
-            return false;
-        }
-        let position = self.position();
-        self.ack_hold.may_wait(self.wbuf.len(), position)
-    }
-
-    /// Whether the other nodes have confirmed forwarding `ticket`.
-    fn confirmed(&self, ticket: u64) -> bool {
-        self.forwarded
-            .as_ref()
-            .is_none_or(|c| *c.borrow() >= ticket)
-    }
-
-    /// The forwarding ticket held acknowledgements wait for (a cluster
-    /// node's; see `Shared::forwarding_confirmed`).
-    pub fn waiting_for_links(&self) -> Option<u64> {
-        self.gate.waits().links
-    }
-
-    /// The disk (or the other nodes, or requests' outcomes) moved on: what
-    /// the gate held for it goes, in order.
-    pub fn on_disk(&mut self) -> Result<(), End> {
-        let waits = self.gate.waits();
-        let disk = waits
-            .batch
-            .is_none_or(|batch| self.position().covers(batch));
-        let links = waits.links.is_none_or(|ticket| self.confirmed(ticket));
-        let outcome = waits.outcome.is_none_or(|n| self.outcome_out(n));
-        if self.gate.is_closed() && disk && links && outcome {
-            // What closes the gate again holds the rest.
-            for held in self.gate.open() {
-                match held {
-                    Held::Ack(ack) => self.acknowledge(ack, None),
-                    Held::Router(notification) => self.on_router(notification)?,
-                }
-            }
-        }
-        Ok(())
     }
 
     /// A packet from the client.
@@ -612,129 +481,6 @@ impl Machine {
         Ok(())
     }
 
-    /// Acknowledges a publish handled here (not by the router).
-    pub(super) fn ack(&mut self, qos: u8, pkid: u16, accepted: bool) {
-        self.ack_when(qos, pkid, accepted, None);
-    }
-
-    /// Acknowledges a publish not routed here once the other nodes have
-    /// its forwarded copy (`ticket`).
-    fn ack_forwarded(&mut self, qos: u8, pkid: u16, ticket: Option<u64>) {
-        if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, true) {
-            self.inbound.completed(&ack);
-            if let Some((ack, outcome)) = self.ack_order.local(ack, None) {
-                self.acknowledge_when(ack, None, ticket, outcome);
-            }
-        }
-    }
-
-    /// [`Machine::ack`], held until the request with ticket `outcome` has
-    /// its outcome out (a cluster node's, see `store::tickets`).
-    pub(super) fn ack_when(&mut self, qos: u8, pkid: u16, accepted: bool, outcome: Option<u64>) {
-        // Every state store request's case: a QoS 1 PUBACK with nothing
-        // ahead of it and nothing to wait for goes straight into the
-        // buffer, the 4 bytes either protocol encodes it as (the packet
-        // made for it, 392 bytes, was moved through five calls).
-        if qos == 1
-            && accepted
-            && outcome.is_none()
-            && !self.gate.is_closed()
-            && self.ack_order.is_clear()
-        {
-            self.inbound.acknowledged_at_once();
-            self.wbuf.extend_from_slice(&puback_bytes(pkid));
-            return;
-        }
-        if let Some(ack) = self.inbound.ack(self.protocol, qos, pkid, accepted) {
-            self.inbound.completed(&ack);
-            if let Some((ack, outcome)) = self.ack_order.local(ack, outcome) {
-                self.acknowledge_when(ack, None, None, outcome);
-            }
-        }
-    }
-
-    fn on_subscribe(&mut self, subscribe: Subscribe, properties: Option<SubscribeProperties>) {
-        let pkid = subscribe.pkid;
-        let policy = self.shared.authorizer.current();
-        let checked = subscriptions::check(
-            subscribe.filters,
-            &self.own_hex,
-            self.protocol,
-            &self.client_id,
-            policy.as_deref().map(|p| (p, &*self.principal)),
-        );
-        if checked.allowed.is_empty() {
-            let return_codes = checked.refused.into_iter().map(|(_, c)| c).collect();
-            self.queue(Packet::SubAck(SubAck { pkid, return_codes }, None));
-            return;
-        }
-        self.refused_filters.hold(pkid, checked.refused);
-        self.router_first = true;
-        self.route(Packet::Subscribe(
-            Subscribe {
-                pkid,
-                filters: checked.allowed,
-            },
-            properties,
-        ));
-    }
-
-    fn on_unsubscribe(
-        &mut self,
-        unsubscribe: Unsubscribe,
-        properties: Option<UnsubscribeProperties>,
-    ) {
-        // The router answers (one reason per filter); without a link it
-        // holds no subscription of this connection.
-        if self.joined {
-            self.router_first = true;
-            self.route(Packet::Unsubscribe(unsubscribe, properties));
-        } else {
-            let unsuback = subscriptions::unsuback_without_subscriptions(&unsubscribe);
-            self.acknowledge(unsuback, None);
-        }
-    }
-
-    /// Puts the router's packet id into the client's acknowledgement of
-    /// one of its deliveries (see [`crate::sessions::PacketIdBlock`]);
-    /// `false`: the id is not of this session's block (a node the session
-    /// left had used it, or the client made it up): nothing to do.
-    fn translate_acks(&mut self, packet: &mut Packet) -> bool {
-        let pkid = match packet {
-            Packet::PubAck(ack, _) if !outbound::is_direct(ack.pkid) => &mut ack.pkid,
-            Packet::PubRec(rec, _) => &mut rec.pkid,
-            Packet::PubComp(comp, _) => &mut comp.pkid,
-            _ => return true,
-        };
-        match self.out.router_pkid(*pkid) {
-            Some(id) => {
-                *pkid = id;
-                true
-            }
-            None => {
-                tracing::debug!(
-                    client_id = self.client_id,
-                    pkid = *pkid,
-                    "acknowledgement of a packet id this session has not used here: ignored"
-                );
-                false
-            }
-        }
-    }
-
-    /// The client acknowledged the router's delivery `pkid` with `ack`
-    /// (PUBACK, or PUBREC: `qos2`).
-    fn on_router_ack(&mut self, pkid: u16, qos2: bool, ack: Packet) {
-        self.route(ack);
-        self.out.router_acknowledged(
-            pkid,
-            qos2,
-            &mut self.to_router,
-            self.protocol,
-            &mut self.wbuf,
-        );
-    }
-
     /// What the broker tells this connection.
     pub fn on_broker(&mut self, message: ToConnection) -> Result<(), End> {
         match message {
@@ -747,104 +493,6 @@ impl Machine {
             ToConnection::Disconnect(code) => Err(End::Fault(code)),
             ToConnection::SendAway => Err(End::NotServing),
         }
-    }
-
-    /// A notification from the router.
-    pub fn on_router(&mut self, notification: Notification) -> Result<(), End> {
-        let Some(notification) = self.gate.defer(notification) else {
-            return Ok(());
-        };
-        match notification {
-            Notification::Forward(forward) => {
-                // (The router checked the topic: valid UTF-8 without U+0000.)
-                let topic = router::protocol::mqtt_str(&forward.publish.topic).unwrap_or("");
-                // Another client's notification, reached through a wildcard.
-                let withheld = !topics::may_receive(topic, &self.own_hex);
-                self.out.forward(
-                    Packet::Publish(forward.publish, forward.properties),
-                    withheld,
-                    self.protocol,
-                    &mut self.wbuf,
-                    &mut self.to_router,
-                );
-            }
-            Notification::Unschedule => self.unscheduled = true,
-            Notification::DurableAck(receipt, ack) => {
-                self.on_router_answer(ack.into(), Some(receipt.into()))?;
-            }
-            other => {
-                if let Some(packet) = Option::<Packet>::from(other) {
-                    self.on_router_answer(packet, None)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A packet the router answers the client with: an acknowledgement
-    /// (held while `batch` is not on disk, see gate.rs), or its DISCONNECT.
-    fn on_router_answer(&mut self, packet: Packet, batch: Option<Batch>) -> Result<(), End> {
-        match packet {
-            Packet::SubAck(mut suback, properties) => {
-                // The router refuses filters beyond
-                // `router.max_subscriptions_per_client` (and logs it);
-                // 3.1.1 has one failure code.
-                let over_quota = suback
-                    .return_codes
-                    .iter()
-                    .filter(|c| **c == SubscribeReasonCode::QuotaExceeded)
-                    .count();
-                if over_quota > 0 {
-                    tracing::info!(
-                        client_id = self.client_id,
-                        refused = over_quota,
-                        "subscriptions refused: max_subscriptions_per_client reached"
-                    );
-                    crate::metrics::subscriptions_refused("quota_exceeded", over_quota as u64);
-                    for code in &mut suback.return_codes {
-                        if *code == SubscribeReasonCode::QuotaExceeded {
-                            *code = subscriptions::failure(self.protocol, *code);
-                        }
-                    }
-                }
-                self.refused_filters.complete(&mut suback);
-                self.acknowledge(Packet::SubAck(suback, properties), batch);
-            }
-            // Answered here already.
-            Packet::PingResp(_) | Packet::ConnAck(..) => {}
-            Packet::Disconnect(disconnect, properties) => {
-                // The router's words, or the reason code's name (it gave
-                // none: "router: " was all the client read).
-                let reason = properties
-                    .and_then(|p| p.reason_string)
-                    .filter(|r| !r.is_empty())
-                    .unwrap_or_else(|| format!("{:?}", disconnect.reason_code));
-                return Err(End::Violation(
-                    disconnect.reason_code,
-                    format!("router: {reason}"),
-                ));
-            }
-            // The router's acknowledgement of a publish: then those made
-            // here that waited for it.
-            ack @ (Packet::PubAck(..) | Packet::PubRec(..)) => {
-                self.inbound.completed(&ack);
-                let ticket = self.tickets.pop_front().flatten();
-                self.acknowledge_after(ack, batch, ticket);
-                for (held, outcome) in self.ack_order.router_acknowledged() {
-                    self.acknowledge_when(held, None, None, outcome);
-                }
-            }
-            // The router releases its QoS 2 delivery: by the client's id.
-            Packet::PubRel(mut rel, properties) => {
-                rel.pkid = self.out.client_pkid(rel.pkid);
-                self.acknowledge(Packet::PubRel(rel, properties), batch);
-            }
-            packet => {
-                self.inbound.completed(&packet);
-                self.acknowledge(packet, batch);
-            }
-        }
-        Ok(())
     }
 
     /// The connection ended with `end`: the DISCONNECT that tells an MQTT 5

@@ -3,12 +3,13 @@
 use super::*;
 use bytes::Bytes;
 use router::protocol::{
-    Filter, PingReq, PubAck, PubAckReason, QoS, RetainForwardRule, SubscribeReasonCode,
-    UnsubAckReason,
+    Filter, PingReq, PubAck, PubAckReason, QoS, RetainForwardRule, SubAck, Subscribe,
+    SubscribeReasonCode, UnsubAckReason, Unsubscribe,
 };
-use router::{Ack, Forward, Receipt};
+use router::{Ack, Forward, Notification, Receipt};
 
 use crate::config::Settings;
+use crate::persistence::Batch;
 use crate::sessions::{Direct, QueueBound};
 
 /// The broker's shared parts, in memory, without listeners; `tweak`
