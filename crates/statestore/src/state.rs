@@ -155,18 +155,33 @@ impl State {
     }
 
     /// Hands out a new version for a change, raising the clock mark first
-    /// when the version comes near it.
+    /// when the wall clock comes within half a lease of it (a lease ahead
+    /// of the wall clock), or the version within [`MARK_MARGIN_MS`] (just
+    /// past the version). The second is the case of a clock ahead of the
+    /// wall clock (after a crash it starts at the last mark): its versions
+    /// stay at that millisecond, the counter rising, until the wall clock
+    /// catches up, and a mark a lease ahead of *them* would put the next
+    /// crash's clock further ahead (ten quick crashes, ten leases).
     pub(crate) fn new_version(&mut self, now: u64, received: Option<&Hlc>) -> Version {
         let version = self.clock.next(now, received);
         if let Some(lease) = self.config.clock_lease_ms
-            && version.wall_ms.saturating_add(lease / 2) >= self.clock_mark
+            && (now.saturating_add(lease / 2) >= self.clock_mark
+                || version.wall_ms.saturating_add(MARK_MARGIN_MS / 2) >= self.clock_mark)
         {
-            self.clock_mark = version.wall_ms.saturating_add(lease);
+            self.clock_mark = now
+                .saturating_add(lease)
+                .max(version.wall_ms.saturating_add(MARK_MARGIN_MS));
             self.fx.writes.push(Write::ClockMark(self.clock_mark));
         }
         version
     }
 }
+
+/// How far past a version the clock mark is put at least (see
+/// [`State::new_version`]): a clock ahead of the wall clock hands out
+/// versions of one millisecond (the counter rising) until the wall clock
+/// catches up, and 100,000 of them before it moves one.
+const MARK_MARGIN_MS: u64 = 10;
 
 impl Planner for State {
     /// Sizes of keys and values, and the number and bytes of all keys.

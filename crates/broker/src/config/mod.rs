@@ -41,8 +41,14 @@ macro_rules! changed_fields {
 }
 
 /// How far ahead of the clock the persisted clock mark runs (see
-/// `statestore::persist`): at most one mark write per half of it.
-const CLOCK_LEASE_MS: u64 = 10_000;
+/// `statestore::persist`): at most one mark write per half of it. After a
+/// crash the clock starts at the last mark, up to this far ahead of the
+/// versions handed out: short, so that a crash loop does not push versions
+/// (fencing tokens) ahead of real time faster than time passes (10 s made
+/// eight quick restarts put them 70 s ahead, past the 60 s the clients and
+/// the store allow). In `interval` mode at least four intervals, so that
+/// a mark is on disk before the clock gets there.
+const CLOCK_LEASE_MS: u64 = 1_000;
 
 /// The embedded default configuration.
 pub const DEFAULT_CONFIG: &str = include_str!("../../../../rumqttd.toml");
@@ -684,7 +690,13 @@ impl Settings {
                 .persistence
                 .as_ref()
                 .filter(|_| self.clustering.is_none())
-                .map(|_| CLOCK_LEASE_MS),
+                .map(|p| match p.mode {
+                    Mode::Fsync => CLOCK_LEASE_MS,
+                    Mode::Interval(every) => {
+                        let every = u64::try_from(every.as_millis()).unwrap_or(u64::MAX);
+                        CLOCK_LEASE_MS.max(every.saturating_mul(4))
+                    }
+                }),
         }
     }
 }

@@ -414,9 +414,18 @@ impl StateStoreService {
             .is_some_and(|persistence| persistence.refuses_writes())
     }
 
-    /// Writes and syncs what is queued and closes the storage engine.
+    /// Writes and syncs what is queued and closes the storage engine,
+    /// with a last clock mark just above the last version handed out: no
+    /// version comes after it, and the next start's clock need not start
+    /// a lease ahead (as after a crash).
     pub fn close(&self) {
         if let Some(persistence) = &self.persistence {
+            let store = self.store.lock();
+            if store.config().clock_lease_ms.is_some() {
+                let mark = store.last_version().wall_ms.saturating_add(1);
+                persistence.submit(vec![Write::ClockMark(mark)], |_, _| {});
+            }
+            drop(store);
             persistence.close();
         }
     }
