@@ -42,6 +42,12 @@ pub const HANDOVER: &str = "statebroker:handover";
 /// the client: the packet id it went under (see
 /// `crate::sessions::Direct::kept_pkid`).
 pub const HANDOVER_PKID: &str = "statebroker:handover-pkid";
+/// With [`HANDOVER`]: the message goes to the client with RETAIN 1 (the
+/// other node's router had it so for the client: a retained message on a
+/// Retain As Published subscription). Links carry publishes with RETAIN 0
+/// (1 would make this node's router keep it as the topic's retained
+/// message).
+pub const HANDOVER_RETAIN: &str = "statebroker:handover-retain";
 /// On a QoS 2 publish another node's link forwards: its origin,
 /// `<packet id> <1 if sent again (DUP), else 0> <client id>` (see
 /// `crate::cluster::origins`).

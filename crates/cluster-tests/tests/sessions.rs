@@ -341,6 +341,57 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
     assert_eq!(metric(setup.http[0], KEPT), Some(LINK_SESSIONS));
 }
 
+/// A retained message queued on node 1 for a Retain As Published
+/// subscription keeps its RETAIN flag when the session moves to node 2
+/// (MQTT 5 3.8.3.1); one for a plain subscription goes with RETAIN 0. The
+/// handed-over copy went with RETAIN 0 whatever the option before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_over_message_keeps_retain_as_published() {
+    let setup = Setup::three_linked().await;
+    let (mut c, _) = connect(setup.ports[0], "rap", false, 300).await;
+    let filter = |path: &str, preserve_retain| {
+        let mut f = v5::Filter::new(path, QoS::AtLeastOnce);
+        f.preserve_retain = preserve_retain;
+        f
+    };
+    let mut subscribe = v5::Subscribe::new_many(
+        [filter("rap/kept/#", true), filter("rap/plain/#", false)],
+        None,
+    );
+    subscribe.pkid = 1;
+    c.send(v5::Packet::Subscribe(subscribe)).await;
+    match c.recv().await {
+        Recv::Packet(v5::Packet::SubAck(_)) => {}
+        other => panic!("no SUBACK: {other:?}"),
+    }
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[0], "rap-publisher", true, 0).await;
+    for topic in ["rap/kept/1", "rap/plain/1"] {
+        let mut p = v5::Publish::new(topic, QoS::AtLeastOnce, "x", None);
+        p.retain = true;
+        p.pkid = publisher.pkid();
+        publisher.send(v5::Packet::Publish(p)).await;
+        match publisher.recv().await {
+            Recv::Packet(v5::Packet::PubAck(_)) => {}
+            other => panic!("no PUBACK: {other:?}"),
+        }
+    }
+    let mut c = resumed_on_node_2(&setup, "rap").await;
+    let mut flags = Vec::new();
+    while flags.len() < 2 {
+        let p = c.next_publish().await;
+        flags.push((String::from_utf8_lossy(&p.topic).into_owned(), p.retain));
+    }
+    flags.sort();
+    assert_eq!(
+        flags,
+        [
+            ("rap/kept/1".to_owned(), true),
+            ("rap/plain/1".to_owned(), false)
+        ]
+    );
+}
+
 /// How many messages etcd keeps queued for `client_id`'s session.
 fn queued_in_etcd(setup: &Setup, client_id: &str) -> u64 {
     let prefix = format!("/statebroker/Q/{}:{client_id}/", client_id.len());

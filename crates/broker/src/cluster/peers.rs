@@ -311,6 +311,11 @@ impl Peers {
             properties
                 .user_properties
                 .push((crate::publisher::HANDOVER.to_owned(), client_id.to_owned()));
+            if publish.retain {
+                properties
+                    .user_properties
+                    .push((crate::publisher::HANDOVER_RETAIN.to_owned(), "1".to_owned()));
+            }
             // Handed over in the confirmations' order (nobody waits for
             // them); a full queue is waited for, a while.
             let mut full_since = None;

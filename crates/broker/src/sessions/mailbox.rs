@@ -106,6 +106,7 @@ impl Direct {
                 publish.qos as u8
             },
             handed_over: true,
+            retain: publish.retain,
             kept_pkid,
             on_done: None,
         }
@@ -163,6 +164,10 @@ pub struct Direct {
     /// Another cluster node handed it over for this client's session
     /// alone (see `cluster::handover`): never published on its topic.
     pub handed_over: bool,
+    /// The RETAIN flag it goes with: a handed-over message's, as the other
+    /// node's router had it for the client (set for a retained message on
+    /// a Retain As Published subscription); `false` for the others.
+    pub retain: bool,
     /// A QoS 2 message handed over while in flight to the client under
     /// this packet id (the id of the node the session left, which the
     /// client may keep until a PUBREL, MQTT 5 4.3.3): sent again under it

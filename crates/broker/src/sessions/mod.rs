@@ -336,6 +336,7 @@ mod tests {
             properties: DirectProperties::Publish(Default::default()),
             qos: 1,
             handed_over: true,
+            retain: false,
             kept_pkid: None,
             on_done: None,
         };

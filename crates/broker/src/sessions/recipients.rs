@@ -129,6 +129,7 @@ pub(super) mod tests {
             properties: PublishProperties::default().into(),
             qos: 1,
             handed_over: false,
+            retain: false,
             kept_pkid: None,
             on_done: None,
         }

@@ -172,6 +172,7 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
         },
         qos: 1,
         handed_over: false,
+        retain: false,
         kept_pkid: None,
         on_done: None,
     }
@@ -200,6 +201,7 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
             },
             qos: 1,
             handed_over: false,
+            retain: false,
             kept_pkid: None,
             on_done: None,
         };

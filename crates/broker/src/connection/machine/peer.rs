@@ -24,8 +24,9 @@ impl Machine {
     ) -> Option<(Publish, Option<PublishProperties>)> {
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
-        if let Some((client, kept_pkid)) = handed_over(properties.as_mut()) {
+        if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
             if self.shared.handover_welcome(&self.client_id, &client) {
+                let publish = Publish { retain, ..publish };
                 self.deliver_handed_over(&client, publish, properties, kept_pkid);
             } else {
                 tracing::debug!(
@@ -76,10 +77,11 @@ impl Machine {
 /// `HANDOVER_PKID`), nor pass its publish for another's sent again
 /// (`crate::publisher::ORIGIN`).
 pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
-    const MARKS: [&str; 4] = [
+    const MARKS: [&str; 5] = [
         router::NOT_FOR_GROUP,
         crate::publisher::HANDOVER,
         crate::publisher::HANDOVER_PKID,
+        crate::publisher::HANDOVER_RETAIN,
         crate::publisher::ORIGIN,
     ];
     if let Some(p) = properties
@@ -91,7 +93,7 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
             .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:origin) removed"
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin) removed"
         );
     }
 }
@@ -107,10 +109,11 @@ fn take_origin(properties: Option<&mut PublishProperties>) -> Option<String> {
 }
 
 /// The client a publish from another node's link is handed over to (see
-/// `crate::publisher::HANDOVER`) and, for a QoS 2 message that node had
-/// in flight, the packet id the client saw (`HANDOVER_PKID`); their User
-/// Properties removed.
-fn handed_over(properties: Option<&mut PublishProperties>) -> Option<(String, Option<u16>)> {
+/// `crate::publisher::HANDOVER`), for a QoS 2 message that node had
+/// in flight the packet id the client saw (`HANDOVER_PKID`), and whether
+/// it goes with RETAIN 1 (`HANDOVER_RETAIN`); their User Properties
+/// removed.
+fn handed_over(properties: Option<&mut PublishProperties>) -> Option<(String, Option<u16>, bool)> {
     let properties = properties?;
     let user = &mut properties.user_properties;
     let at = user
@@ -122,5 +125,10 @@ fn handed_over(properties: Option<&mut PublishProperties>) -> Option<(String, Op
         .position(|(k, _)| k == crate::publisher::HANDOVER_PKID)
         .and_then(|at| user.remove(at).1.parse::<u16>().ok())
         .filter(|&pkid| pkid > 0);
-    Some((client, kept_pkid))
+    let retain = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::HANDOVER_RETAIN)
+        .map(|at| user.remove(at))
+        .is_some();
+    Some((client, kept_pkid, retain))
 }

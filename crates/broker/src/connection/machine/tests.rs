@@ -258,6 +258,7 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
         properties: PublishProperties::default().into(),
         qos: 1,
         handed_over: false,
+        retain: false,
         kept_pkid: None,
         on_done: None,
     })))

@@ -562,6 +562,9 @@ impl DirectWindow {
             // DUP (MQTT 5 3.3.1.1): the client may have had it.
             out[start] |= 0b1000;
         }
+        if message.retain {
+            out[start] |= 0b0001;
+        }
         crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
             finished(&self.bound, &message);

@@ -12,6 +12,7 @@ fn message(n: u8, qos: u8) -> Direct {
         properties: PublishProperties::default().into(),
         qos,
         handed_over: false,
+        retain: false,
         kept_pkid: None,
         on_done: None,
     }
@@ -248,6 +249,7 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     let mut o = Outbound::new("c", 3, usize::MAX, unbounded(), 0, block);
     let kept = |n: u8, pkid: u16| Direct {
         handed_over: true,
+        retain: false,
         kept_pkid: Some(pkid),
         on_done: None,
         ..message(n, 2)
