@@ -327,19 +327,32 @@ async fn run(cli: Cli, settings: Settings, logging: Logging) -> ExitCode {
         };
         health::announce(path, &target);
     }
+    let mut router_stopped = running.router_stopped();
     let signal = loop {
-        match signals.next().await {
-            Signal::Reload => reload(&cli, &running, &logging),
-            Signal::Stop(name) => break name,
+        tokio::select! {
+            signal = signals.next() => match signal {
+                Signal::Reload => reload(&cli, &running, &logging),
+                Signal::Stop(name) => break Some(name),
+            },
+            _ = router_stopped.wait_for(|stopped| *stopped) => break None,
         }
     };
-    tracing::info!(signal, "stopping");
+    match signal {
+        Some(signal) => tracing::info!(signal, "stopping"),
+        None => tracing::error!(
+            "the router stopped (a bug: see the panic above): nothing MQTT works without it; stopping with an error, for a supervisor to restart the broker"
+        ),
+    }
     if let Some(path) = &health_file {
         health::withdraw(path);
     }
     running.shutdown(Duration::from_secs(5)).await;
     tracing::info!("stopped");
-    ExitCode::SUCCESS
+    if signal.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 /// SIGHUP: re-reads the configuration and checks all it names as a start

@@ -1185,6 +1185,51 @@ async fn a_filter_and_two_groups_on_it_are_three_subscriptions() {
     other.subscribe("share4/u", QoS::AtLeastOnce).await;
 }
 
+/// A persistent session, the last member of its group, leaving with a
+/// shared message it had not acknowledged: the router panicked ("group
+/// must exists") and every client after got DISCONNECT 0x89 on its first
+/// SUBSCRIBE or PUBLISH, the health checks still saying ready (router
+/// patch 44). Now the broker goes on, and the session gets the message
+/// again when it comes back (4.4).
+#[tokio::test]
+async fn a_shared_members_session_leaving_mid_delivery_keeps_the_router() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    for (round, abrupt) in [(0, false), (1, true)] {
+        let worker = format!("share5-w{round}");
+        let (mut w, _) = Raw::connect_with(addr, &worker, session(true, Some(60))).await;
+        w.subscribe(&format!("$share/g5/share5/{round}"), QoS::AtLeastOnce)
+            .await;
+        let mut publisher = Raw::connect(addr, &format!("share5-p{round}")).await;
+        publish_complete(
+            &mut publisher,
+            &format!("share5/{round}"),
+            b"job",
+            QoS::AtLeastOnce,
+            false,
+        )
+        .await;
+        let first = next_raw_publish(&mut w).await;
+        assert_eq!(&first.payload[..], b"job");
+        // Left without a PUBACK.
+        if abrupt {
+            drop(w);
+        } else {
+            goodbye(w, None).await;
+        }
+        // Others are served.
+        let mut other = Raw::connect(addr, &format!("share5-o{round}")).await;
+        other.subscribe("share5/other", QoS::AtLeastOnce).await;
+        publish_complete(&mut other, "share5/other", b"x", QoS::AtLeastOnce, false).await;
+        assert_eq!(&other.next_publish().await.payload[..], b"x");
+        // The session comes back to the message.
+        let (mut w, ack) = Raw::connect_with(addr, &worker, session(false, Some(60))).await;
+        assert!(ack.session_present, "round {round}");
+        let again = next_raw_publish(&mut w).await;
+        assert_eq!(&again.payload[..], b"job", "round {round}");
+    }
+}
+
 /// MQTT 5 3.10.4: UNSUBSCRIBE ends the subscription it names, not the
 /// client's other shared subscriptions.
 #[tokio::test]

@@ -245,6 +245,13 @@ impl RunningBroker {
         self.http
     }
 
+    /// Becomes `true` if the router's thread ends while the broker runs (a
+    /// bug: it panicked, see the log). Nothing MQTT works after it; the
+    /// binary exits with an error, for its supervisor to restart it.
+    pub fn router_stopped(&self) -> watch::Receiver<bool> {
+        self.shared.router.stopped()
+    }
+
     /// Reads the password file, the authorization policy and the TLS
     /// certificates in use again and applies what changed, all or nothing:
     /// if any does not load, each error is logged and nothing changes.

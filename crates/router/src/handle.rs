@@ -72,6 +72,8 @@ pub struct RouterHandle {
     logs: Arc<LogCounts>,
     /// The shared subscriptions with members here (patch 28).
     groups: tokio::sync::watch::Receiver<std::collections::BTreeSet<String>>,
+    /// `true` once the router's thread has ended (patch 44).
+    stopped: tokio::sync::watch::Receiver<bool>,
 }
 
 impl RouterHandle {
@@ -94,13 +96,26 @@ impl RouterHandle {
         let subscriptions = router.subscriptions();
         let logs = router.log_counts();
         let groups = router.shared_groups();
+        let (stopped_tx, stopped) = tokio::sync::watch::channel(false);
         RouterHandle {
-            tx: router.spawn(),
+            tx: router.spawn(stopped_tx),
             retained,
             subscriptions,
             logs,
             groups,
+            stopped,
         }
+    }
+
+    /// Whether the router's thread still runs (it ends only by a bug: a
+    /// panic, or an error it cannot go on from; patch 44).
+    pub fn is_running(&self) -> bool {
+        !*self.stopped.borrow()
+    }
+
+    /// Becomes `true` when the router's thread ends.
+    pub fn stopped(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopped.clone()
     }
 
     /// How many sessions the router keeps beyond their connection now
@@ -216,6 +231,22 @@ mod tests {
             ..RouterConfig::default()
         };
         RouterHandle::spawn(0, config, 0, journal)
+    }
+
+    /// The router's thread is watched (patch 44): a running router says
+    /// so, and a thread spawned the same way that panics is seen stopped
+    /// (its guard sets the flag as it unwinds).
+    #[tokio::test]
+    async fn a_router_thread_that_panics_is_seen_stopped() {
+        let router = router();
+        assert!(router.is_running());
+        assert!(!*router.stopped().borrow());
+        let (tx, mut stopped) = tokio::sync::watch::channel(false);
+        crate::router::spawn_watched("panics".into(), tx, || panic!("a bug (on purpose)"));
+        tokio::time::timeout(std::time::Duration::from_secs(10), stopped.wait_for(|s| *s))
+            .await
+            .expect("seen stopped")
+            .unwrap();
     }
 
     /// Collects forwarded publishes' packet ids until `count` arrived or

@@ -3,7 +3,9 @@
 //!
 //! - `GET /metrics`: every metric of [`crate::metrics`], Prometheus text
 //!   format;
-//! - `GET /healthz`: 200 while the process serves HTTP at all;
+//! - `GET /healthz`: 200 while the process serves HTTP at all and its
+//!   router runs (503 once the router's thread has ended: a bug, see
+//!   the log; the binary exits then, for its supervisor to restart it);
 //! - `GET /readyz`: 200 once persisted state is restored and every MQTT
 //!   listener accepts, 503 before (and while stopping), and while the
 //!   data directory refuses writes (a full disk: persisted writes wait);
@@ -87,7 +89,7 @@ pub(crate) async fn start(
     });
     let app = Router::new()
         .route("/metrics", get(metrics_text))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(Served {
             metrics,
@@ -182,9 +184,30 @@ async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
     )
 }
 
+/// 200 while the router runs.
+async fn healthz(State(served): State<Served>) -> impl IntoResponse {
+    match served.broker.get() {
+        Some(shared) if !shared.router.is_running() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the router stopped (see the log)\n",
+        ),
+        _ => (StatusCode::OK, "ok\n"),
+    }
+}
+
 async fn readyz(State(served): State<Served>) -> impl IntoResponse {
     if !served.ready.load(Ordering::Acquire) {
         return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n");
+    }
+    if served
+        .broker
+        .get()
+        .is_some_and(|shared| !shared.router.is_running())
+    {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the router stopped (see the log)\n",
+        );
     }
     // A cluster node is ready while etcd answers.
     match served.broker.get() {

@@ -28,6 +28,8 @@ mod waiters;
 pub use alertlog::Alert;
 pub use connection::Connection;
 pub use logs::LogCounts;
+#[cfg(test)]
+pub(crate) use routing::spawn_watched;
 pub use routing::Router;
 pub use routing::DISCARD;
 pub use waiters::Waiters;

@@ -219,15 +219,18 @@ impl Router {
         std::sync::Arc::clone(&self.datalog.counts)
     }
 
-    pub fn spawn(mut self) -> Sender<(ConnectionId, Event)> {
-        let router = thread::Builder::new().name(format!("router-{}", self.id));
+    /// Starts the router on its own thread; `stopped` is set to `true`
+    /// when the thread ends, by an error or a panic (statebroker patch 44:
+    /// the broker's health checks and its binary watch it).
+    pub fn spawn(
+        mut self,
+        stopped: tokio::sync::watch::Sender<bool>,
+    ) -> Sender<(ConnectionId, Event)> {
         let link = self.link();
-        router
-            .spawn(move || {
-                let e = self.run(0);
-                error!(reason=?e, "Router done!");
-            })
-            .unwrap();
+        spawn_watched(format!("router-{}", self.id), stopped, move || {
+            let e = self.run(0);
+            error!(reason=?e, "Router done!");
+        });
         link
     }
 
@@ -682,13 +685,16 @@ impl Router {
                     // unacknowledged publish (statebroker patch 11).
                     replay.sent_up_to(request.filter_idx, request.cursor);
                     request.cursor = *cursor;
-                    // reset the group cursor
-                    if let Some(group_name) = &request.group {
-                        // TODO: Test this more
-                        self.shared_subscriptions
-                            .get_mut(group_name)
-                            .expect("group must exists")
-                            .cursor = *cursor;
+                    // Reset the group's cursor. The group is gone when
+                    // this connection was its last member (removed above):
+                    // nothing to reset, and a client's disconnect must not
+                    // panic the router (statebroker patch 44).
+                    if let Some(group) = request
+                        .group
+                        .as_ref()
+                        .and_then(|name| self.shared_subscriptions.get_mut(name))
+                    {
+                        group.cursor = *cursor;
                     }
                 }
             }
@@ -3252,6 +3258,29 @@ fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Runs `f` on a thread named `name`; `stopped` is set to `true` when the
+/// thread ends, by returning or by a panic (statebroker patch 44).
+pub(crate) fn spawn_watched(
+    name: String,
+    stopped: tokio::sync::watch::Sender<bool>,
+    f: impl FnOnce() + Send + 'static,
+) {
+    /// Sets `stopped` when dropped: at the thread's end, unwinding too.
+    struct Stopped(tokio::sync::watch::Sender<bool>);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            self.0.send_replace(true);
+        }
+    }
+    thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let _stopped = Stopped(stopped);
+            f();
+        })
+        .unwrap();
 }
 
 #[cfg(test)]
