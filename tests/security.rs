@@ -239,6 +239,23 @@ async fn websocket_and_secure_websocket() {
     let answer = c.request(&[b"SET", b"k", b"v"]).await;
     assert_eq!(&answer.payload[..], b"+OK\r\n");
 
+    // A packet over the listener's limit in one WebSocket message: the
+    // message is over the WebSocket's limit too, and the client is told
+    // why (0x95) as on TCP; it was closed without a word before.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let ws = tls::websocket(tcp, &format!("ws://{addr}/mqtt")).await;
+    let (mut big, ack) = Raw::connect_over(ws, "ws-big", |_| {}).await;
+    assert_eq!(ack.code, ConnectReturnCode::Success);
+    let huge = Bytes::from(vec![b'x'; 1_300_000]);
+    let mut publish = v5::Publish::new("ws/big", QoS::AtLeastOnce, huge, None);
+    publish.pkid = 1;
+    big.send(v5::Packet::Publish(publish)).await;
+    let d = big.expect_disconnect().await;
+    assert_eq!(
+        common::raw::disconnect_reason(&d),
+        Some(v5::DisconnectReasonCode::PacketTooLarge)
+    );
+
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("wss CA");
     let broker = tls_broker(dir.path(), &ca, None, Transport::WebSocket, |_| {}).await;

@@ -113,11 +113,36 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for WsStream<S> {
                 // End of stream: a close, or the connection gone.
                 Some(Ok(Message::Close(_))) | None => return Poll::Ready(Ok(())),
                 Some(Ok(_)) => {} // ping, pong, raw frame
+                // Over the listener's limit: the connection says so
+                // (DISCONNECT 0x95), as for a packet over it on TCP.
+                Some(Err(tokio_tungstenite::tungstenite::Error::Capacity(e))) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        TooLarge(e.to_string()),
+                    )));
+                }
                 Some(Err(e)) => return Poll::Ready(Err(io::Error::other(e))),
             }
         }
     }
 }
+
+/// A WebSocket message or frame larger than the listener takes (its
+/// packet limit plus framing), as the read error's inner error.
+#[derive(Debug)]
+pub struct TooLarge(String);
+
+impl std::fmt::Display for TooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a WebSocket message over the packet size limit: {}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for TooLarge {}
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for WsStream<S> {
     fn poll_write(

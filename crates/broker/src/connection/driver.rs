@@ -106,7 +106,7 @@ impl<S: Stream> Driver<S> {
                     filled = self.socket.fill(), if !machine.reading_paused() => {
                         match filled {
                             Ok(0) => return Err(End::Closed),
-                            Err(e) => return Err(End::Io(e)),
+                            Err(e) => return Err(End::read_failed(e)),
                             Ok(_) => {
                                 last_heard = Instant::now();
                                 read = true;

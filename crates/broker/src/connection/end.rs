@@ -44,6 +44,23 @@ pub(crate) enum End {
     Violation(DisconnectReasonCode, String),
 }
 
+impl End {
+    /// Reading the socket failed with `e`: a WebSocket message over the
+    /// packet limit is the client's packet too large (0x95, as on TCP,
+    /// where the codec sees the size); anything else the socket's error.
+    pub fn read_failed(e: std::io::Error) -> End {
+        match e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<crate::websocket::TooLarge>())
+        {
+            Some(too_large) => {
+                End::Violation(DisconnectReasonCode::PacketTooLarge, too_large.to_string())
+            }
+            None => End::Io(e),
+        }
+    }
+}
+
 impl From<CodecError> for End {
     fn from(e: CodecError) -> End {
         let code = match &e {
