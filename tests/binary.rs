@@ -536,6 +536,22 @@ async fn a_data_directory_that_is_a_file_is_named_as_such() {
     assert!(!stderr.contains("os error"), "{stderr}");
 }
 
+/// A data directory another broker has open: the second one says so, not
+/// just `Locked`.
+#[tokio::test]
+async fn a_data_directory_in_use_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let _first = common::spawn_broker(dir.path(), &[]).await;
+    let (code, stderr) = run_to_end(
+        Command::new(env!("CARGO_BIN_EXE_statebroker"))
+            .args(["--listen", "127.0.0.1:0", "--no-http", "--data-dir"])
+            .arg(dir.path()),
+    )
+    .await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("in use by another process"), "{stderr}");
+}
+
 /// A data directory the broker's user may not write (a bind mount owned
 /// by root, in a container): the error names the directory, the user id
 /// and what to do, not `FjallError: Io(Os { code: 13, ... })`. As root

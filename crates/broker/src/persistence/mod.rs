@@ -258,6 +258,10 @@ fn fjall_message(dir: &Path, e: &fjall::Error) -> String {
         fjall::Error::Io(io) | fjall::Error::Storage(fjall::LsmError::Io(io)) => {
             io_message(dir, io)
         }
+        fjall::Error::Locked => format!(
+            "it is in use by another process (another statebroker with this data directory \
+             still running?): stop it, or give another path (--data-dir DIR) ({e})"
+        ),
         other => other.to_string(),
     }
 }
