@@ -331,16 +331,7 @@ async fn a_connect_refused_across_a_lease_loss_leaves_no_session_behind() {
     let kept = |i: usize| metric(http[i], "statebroker_kept_sessions").unwrap_or(-1.0);
     let linked = |i: usize| metric(http[i], "statebroker_cluster_peer_links") == Some(1.0);
     let before = kept(0);
-    let mut first = connect_persistent(setup.ports[1], "waiter").await;
-    first
-        .subscribe("waiter/inbox", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
-        .await;
-    first
-        .send(v5::Packet::Disconnect(v5::Disconnect::new(
-            v5::DisconnectReasonCode::NormalDisconnection,
-        )))
-        .await;
-    drop(first);
+    session_left_on(setup.ports[1], "waiter").await;
     eventually("sb2 recorded the session in etcd", || {
         setup
             .etcd
@@ -370,6 +361,23 @@ async fn a_connect_refused_across_a_lease_loss_leaves_no_session_behind() {
         || linked(0) && kept(0) == before,
     )
     .await;
+}
+
+/// `client_id` connects to `port` with a persistent session, subscribes
+/// to `<client_id>/inbox` and leaves (DISCONNECT): its session stays.
+async fn session_left_on(port: u16, client_id: &str) {
+    let mut client = connect_persistent(port, client_id).await;
+    client
+        .subscribe(
+            &format!("{client_id}/inbox"),
+            rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+        )
+        .await;
+    client
+        .send(v5::Packet::Disconnect(v5::Disconnect::new(
+            v5::DisconnectReasonCode::NormalDisconnection,
+        )))
+        .await;
 }
 
 /// A CONNECT with Clean Start 0 and a session kept 60 s.
@@ -561,16 +569,7 @@ async fn a_connect_its_client_gave_up_on_leaves_no_session_behind() {
     let http = setup.http.clone();
     let kept = |i: usize| metric(http[i], "statebroker_kept_sessions").unwrap_or(-1.0);
     let before = kept(0);
-    let mut first = connect_persistent(setup.ports[1], "mover").await;
-    first
-        .subscribe("mover/inbox", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
-        .await;
-    first
-        .send(v5::Packet::Disconnect(v5::Disconnect::new(
-            v5::DisconnectReasonCode::NormalDisconnection,
-        )))
-        .await;
-    drop(first);
+    session_left_on(setup.ports[1], "mover").await;
 
     let mut later = give_up_on_sb1(&mut setup, slow).await;
     // sb1 read the session from etcd before it logged that it did not

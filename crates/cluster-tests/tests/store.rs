@@ -184,6 +184,29 @@ async fn fencing_tokens_and_expiry_hold_across_nodes() {
     assert_eq!(text(&ask(&mut a, &["GET", "resource"]).await), "$from-b");
 }
 
+/// Every key a SCAN of `pattern` lists, page after page, and how many
+/// pages it took.
+async fn scan_all(c: &mut statebroker_cli::client::Client, pattern: &[u8]) -> (Vec<String>, usize) {
+    let mut seen = Vec::new();
+    let mut token: Option<Vec<u8>> = None;
+    let mut pages = 0;
+    loop {
+        let mut args: Vec<&[u8]> = vec![b"SCAN", pattern];
+        if let Some(t) = &token {
+            args.push(t);
+        }
+        let answer = c.request(&args, &[]).await.expect("SCAN answer");
+        let page = statestore::command::Page::decode(&encode(&answer.reply)).expect("a page");
+        seen.extend(page.keys.into_iter().map(|k| String::from_utf8(k).unwrap()));
+        pages += 1;
+        assert!(pages < 100, "SCAN does not end");
+        match page.token {
+            Some(t) => token = Some(t),
+            None => return (seen, pages),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scan_pages_through_keys_written_on_every_node() {
     let setup = Setup::start(1, 2);
@@ -201,24 +224,7 @@ async fn scan_pages_through_keys_written_on_every_node() {
     }
     ask(&mut c1, &["DEL", "scan-007"]).await;
     expected.retain(|k| k != "scan-007");
-    let mut seen = Vec::new();
-    let mut token: Option<Vec<u8>> = None;
-    let mut pages = 0;
-    loop {
-        let mut args: Vec<&[u8]> = vec![b"SCAN", b"scan-*"];
-        if let Some(t) = &token {
-            args.push(t);
-        }
-        let answer = c1.request(&args, &[]).await.expect("SCAN answer");
-        let page = statestore::command::Page::decode(&encode(&answer.reply)).expect("a page");
-        seen.extend(page.keys.into_iter().map(|k| String::from_utf8(k).unwrap()));
-        pages += 1;
-        assert!(pages < 100, "SCAN does not end");
-        match page.token {
-            Some(t) => token = Some(t),
-            None => break,
-        }
-    }
+    let (mut seen, pages) = scan_all(&mut c1, b"scan-*").await;
     assert!(pages >= 3, "250 keys in pages of 100: {pages} pages");
     seen.sort();
     assert_eq!(seen, expected);
@@ -243,24 +249,7 @@ async fn a_costly_scan_pattern_ends_pages_early() {
         }
     }
     let pattern = format!("costly-*{}b*", "a".repeat(4_096));
-    let mut seen = Vec::new();
-    let mut token: Option<Vec<u8>> = None;
-    let mut pages = 0;
-    loop {
-        let mut args: Vec<&[u8]> = vec![b"SCAN", pattern.as_bytes()];
-        if let Some(t) = &token {
-            args.push(t);
-        }
-        let answer = c.request(&args, &[]).await.expect("SCAN answer");
-        let page = statestore::command::Page::decode(&encode(&answer.reply)).expect("a page");
-        seen.extend(page.keys.into_iter().map(|k| String::from_utf8(k).unwrap()));
-        pages += 1;
-        assert!(pages < 100, "SCAN does not end");
-        match page.token {
-            Some(t) => token = Some(t),
-            None => break,
-        }
-    }
+    let (mut seen, pages) = scan_all(&mut c, pattern.as_bytes()).await;
     let pattern = statestore::glob::Pattern::new(pattern.as_bytes());
     let per_key = pattern.cost(expected[0].len());
     assert!(

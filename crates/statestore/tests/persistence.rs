@@ -116,21 +116,23 @@ fn policy_persists_without_the_property() {
     );
 }
 
+/// The clock marks an outcome writes.
+fn marks(out: &Outcome) -> Vec<u64> {
+    out.writes
+        .iter()
+        .filter_map(|w| match w {
+            Write::ClockMark(m) => Some(*m),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn clock_marks_run_a_lease_ahead() {
     let mut s = Store::new(Config {
         clock_lease_ms: Some(10_000),
         ..Config::default()
     });
-    let marks = |out: &Outcome| -> Vec<u64> {
-        out.writes
-            .iter()
-            .filter_map(|w| match w {
-                Write::ClockMark(m) => Some(*m),
-                _ => None,
-            })
-            .collect()
-    };
     assert_eq!(
         marks(&run(&mut s, &["SET", "a", "1"], false, T0)),
         vec![T0 + 10_000]
@@ -156,15 +158,6 @@ fn a_clock_ahead_of_the_wall_clock_marks_just_past_its_versions() {
     let config = || Config {
         clock_lease_ms: Some(lease),
         ..Config::default()
-    };
-    let marks = |out: &Outcome| -> Vec<u64> {
-        out.writes
-            .iter()
-            .filter_map(|w| match w {
-                Write::ClockMark(m) => Some(*m),
-                _ => None,
-            })
-            .collect()
     };
     let mut mark = T0 + lease;
     let mut now = T0;
