@@ -1230,6 +1230,39 @@ async fn a_shared_members_session_leaving_mid_delivery_keeps_the_router() {
     }
 }
 
+/// A publisher's DUP is its own ([MQTT-3.3.1-3]): a PUBLISH sent with DUP
+/// 1 (a client resending after a reconnect) reaches subscribers, and its
+/// retained copy later ones, with DUP 0; a QoS 0 delivery of it is not
+/// QoS 0 with DUP 1 (malformed, [MQTT-3.3.1-2]). It was passed on before.
+#[tokio::test]
+async fn a_publishers_dup_is_not_passed_on() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let mut q1 = Raw::connect(addr, "dup-q1").await;
+    q1.subscribe("dup/t", QoS::AtLeastOnce).await;
+    let mut q0 = Raw::connect(addr, "dup-q0").await;
+    q0.subscribe("dup/t", QoS::AtMostOnce).await;
+    let mut publisher = Raw::connect(addr, "dup-pub").await;
+    let mut publish = Publish::new("dup/t", QoS::AtLeastOnce, "again", None);
+    publish.pkid = 7;
+    publish.dup = true;
+    publish.retain = true;
+    publisher.send(Packet::Publish(publish)).await;
+    match publisher.recv().await {
+        Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, 7),
+        other => panic!("no PUBACK: {other:?}"),
+    }
+    for c in [&mut q1, &mut q0] {
+        let p = next_raw_publish(c).await;
+        assert!(!p.dup, "{p:?}");
+        ack(c, &p).await;
+    }
+    let mut later = Raw::connect(addr, "dup-later").await;
+    later.subscribe("dup/t", QoS::AtLeastOnce).await;
+    let retained = next_raw_publish(&mut later).await;
+    assert!(retained.retain && !retained.dup, "{retained:?}");
+}
+
 /// MQTT 5 3.10.4: UNSUBSCRIBE ends the subscription it names, not the
 /// client's other shared subscriptions.
 #[tokio::test]
