@@ -4,8 +4,8 @@
 //!
 //! - invalid filters, and `$share/` without a Share Name (or one with `+`
 //!   or `#`) and a filter: 0x8F ([MQTT-4.8.2-1], [MQTT-4.8.2-2]);
-//! - `$`-topics other than shared subscriptions and the broker's `$SYS/...`
-//!   statistics (rumqttd would disconnect the client for them): 0x87;
+//! - `$`-topics other than the broker's `$SYS/...` statistics (rumqttd
+//!   would disconnect the client for them), shared or not: 0x87;
 //! - another client's part of the state store's notification namespace, by
 //!   name: 0x87 (see [`crate::topics::may_subscribe`]).
 //!
@@ -25,11 +25,16 @@ use crate::topics;
 /// Why the broker refuses `filter` for the client whose id hex-encodes to
 /// `own_hex`, if it does.
 pub(crate) fn refusal(filter: &str, own_hex: &str) -> Option<SubscribeReasonCode> {
+    // A shared subscription's Topic Filter follows `$share/{group}/`: the
+    // `$` rule is its (`$share/g/$x/#` was let through while `$x/#` was
+    // refused).
+    let topic_filter = filter
+        .strip_prefix("$share/")
+        .and_then(|rest| rest.split_once('/'))
+        .map_or(filter, |(_, f)| f);
     if !protocol::valid_filter(filter) || !valid_shared(filter) {
         Some(SubscribeReasonCode::TopicFilterInvalid)
-    } else if filter.starts_with('$')
-        && !filter.starts_with("$share/")
-        && !crate::topics::is_sys_topic(filter)
+    } else if topic_filter.starts_with('$') && !crate::topics::is_sys_topic(topic_filter)
         || !topics::may_subscribe(filter, own_hex)
     {
         Some(SubscribeReasonCode::NotAuthorized)
@@ -183,6 +188,8 @@ mod tests {
             ("$SYS/broker/uptime", None),
             ("$SYSTEM/#", Some(R::NotAuthorized)),
             ("$other/x", Some(R::NotAuthorized)),
+            ("$share/g/$other/#", Some(R::NotAuthorized)),
+            ("$share/g/$SYS/#", None),
             (&format!("{ns}/{OWN}/command/notify/+"), None),
             (
                 &format!("{ns}/6332/command/notify/+"),
