@@ -1263,6 +1263,55 @@ async fn a_publishers_dup_is_not_passed_on() {
     assert!(retained.retain && !retained.dup, "{retained:?}");
 }
 
+/// Message Expiry while a message waits for the client's Receive Maximum
+/// ([MQTT-3.3.2-5], [MQTT-3.3.2-6]): one that expires meanwhile is not
+/// sent, the others go with the interval reduced by the time they waited.
+/// Both went out as they were taken from the router before.
+#[tokio::test]
+async fn a_message_held_for_receive_maximum_expires() {
+    let broker = start_broker().await;
+    let addr = broker.local_addr();
+    let (mut sub, _) = Raw::connect_with(addr, "held-exp", |c| {
+        c.0.properties = Some(v5::ConnectProperties {
+            receive_maximum: Some(1),
+            ..v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    sub.subscribe("held/t", QoS::AtLeastOnce).await;
+    let mut publisher = Raw::connect(addr, "held-pub").await;
+    for (payload, expiry) in [("first", None), ("short", Some(1)), ("long", Some(60))] {
+        let properties = expiry.map(|secs| v5::PublishProperties {
+            message_expiry_interval: Some(secs),
+            ..Default::default()
+        });
+        let ack = publisher
+            .publish("held/t", Bytes::from(payload), QoS::AtLeastOnce, properties)
+            .await;
+        assert_eq!(ack, Some(v5::PubAckReason::Success));
+    }
+    let first = next_raw_publish(&mut sub).await;
+    assert_eq!(&first.payload[..], b"first");
+    // "short" expires while "first" takes the only place.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    ack(&mut sub, &first).await;
+    let next = next_raw_publish(&mut sub).await;
+    assert_eq!(&next.payload[..], b"long");
+    let left = next
+        .properties
+        .as_ref()
+        .and_then(|p| p.message_expiry_interval);
+    assert!(left.is_some_and(|s| s <= 58), "interval {left:?}");
+    ack(&mut sub, &next).await;
+    assert!(matches!(
+        sub.recv_within(Duration::from_millis(300)).await,
+        Recv::Timeout
+    ));
+    // The router is done with the expired one: more come.
+    publish_complete(&mut publisher, "held/t", b"after", QoS::AtLeastOnce, false).await;
+    assert_eq!(&next_raw_publish(&mut sub).await.payload[..], b"after");
+}
+
 /// MQTT 5 3.10.4: UNSUBSCRIBE ends the subscription it names, not the
 /// client's other shared subscriptions.
 #[tokio::test]

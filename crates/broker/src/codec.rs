@@ -102,6 +102,35 @@ fn publish_qos_and_id(frame: &[u8], header_len: usize) -> Result<(u8, u16), Code
     Ok((qos, pkid))
 }
 
+/// Where the Message Expiry Interval of an MQTT 5 PUBLISH encoded at the
+/// start of `encoded` (QoS 1 or 2, as the router's encoder writes its
+/// properties: Payload Format Indicator first, then Message Expiry) is,
+/// and its value: the offset of its four bytes. `None` without one.
+pub fn encoded_message_expiry(encoded: &[u8]) -> Option<(usize, u32)> {
+    let (header_len, total) = frame(encoded, usize::MAX).ok()??;
+    let frame = &encoded[..total];
+    let topic_len = usize::from(u16::from_be_bytes(
+        frame.get(header_len..header_len + 2)?.try_into().ok()?,
+    ));
+    // Topic, packet id, then the properties' length (a varint).
+    let mut at = header_len + 2 + topic_len + 2;
+    loop {
+        let byte = *frame.get(at)?;
+        at += 1;
+        if byte & 0x80 == 0 {
+            break;
+        }
+    }
+    if frame.get(at) == Some(&0x01) {
+        at += 2;
+    }
+    if frame.get(at) != Some(&0x02) {
+        return None;
+    }
+    let value = u32::from_be_bytes(frame.get(at + 1..at + 5)?.try_into().ok()?);
+    Some((at + 1, value))
+}
+
 /// QoS and packet id of the PUBLISH encoded at the start of `encoded`.
 pub fn encoded_publish_id(encoded: &[u8]) -> Option<(u8, u16)> {
     let (header_len, total) = frame(encoded, usize::MAX).ok()??;
@@ -647,6 +676,35 @@ mod tests {
     /// Error (DISCONNECT or CONNACK 0x82), what it cannot read malformed
     /// (0x81); a client's PUBLISH may not carry a Subscription Identifier,
     /// the broker's may.
+    /// The Message Expiry Interval of an encoded PUBLISH is found where the
+    /// encoder puts it, after a Payload Format Indicator or without one.
+    #[test]
+    fn an_encoded_publishs_message_expiry_is_found() {
+        use router::protocol::PublishProperties;
+        let encode = |properties: Option<PublishProperties>| {
+            let publish = publish(b"t/x", b"payload", 1, 9, false);
+            let mut out = BytesMut::new();
+            Protocol::V5
+                .write(Packet::Publish(publish, properties), &mut out)
+                .unwrap();
+            out
+        };
+        let with = |pfi: Option<u8>, expiry: Option<u32>| PublishProperties {
+            payload_format_indicator: pfi,
+            message_expiry_interval: expiry,
+            content_type: Some("text/plain".into()),
+            ..PublishProperties::default()
+        };
+        for pfi in [None, Some(1)] {
+            let out = encode(Some(with(pfi, Some(0x0102_0304))));
+            let (at, secs) = encoded_message_expiry(&out).unwrap();
+            assert_eq!(secs, 0x0102_0304);
+            assert_eq!(&out[at..at + 4], &[1, 2, 3, 4]);
+            assert_eq!(encoded_message_expiry(&encode(Some(with(pfi, None)))), None);
+        }
+        assert_eq!(encoded_message_expiry(&encode(None)), None);
+    }
+
     #[test]
     fn protocol_errors_and_malformed_packets() {
         // PUBLISH QoS 1 "t" id 1 with `props` and payload "x".

@@ -127,6 +127,9 @@ pub enum DropReason {
     /// A KEYNOTIFY notification whose watcher was not connected or not
     /// subscribed.
     NoWatcher,
+    /// Its Message Expiry Interval passed while it waited for the client's
+    /// Receive Maximum (MQTT 5 3.3.2.3.3).
+    Expired,
 }
 
 impl DropReason {
@@ -135,6 +138,7 @@ impl DropReason {
             DropReason::TooLarge => "too_large_for_client",
             DropReason::QueueFull => "client_queue_full",
             DropReason::NoWatcher => "watcher_not_subscribed",
+            DropReason::Expired => "expired_waiting_for_client",
         }
     }
 }

@@ -233,10 +233,12 @@ impl Machine {
         crate::codec::check_from_client(&incoming.packet)?;
         let header = (incoming.qos, incoming.pkid, incoming.dup);
         // A handed-over QoS 2 message's flow is finished here.
-        if self
-            .out
-            .kept_ack(&incoming.packet, self.protocol, &mut self.wbuf)
-        {
+        if self.out.kept_ack(
+            &incoming.packet,
+            self.protocol,
+            &mut self.wbuf,
+            &mut self.to_router,
+        ) {
             return Ok(());
         }
         if !self.translate_acks(&mut incoming.packet) {
@@ -348,8 +350,12 @@ impl Machine {
                 Ok(())
             }
             Packet::PubAck(ack, _) if outbound::is_direct(ack.pkid) => {
-                self.out
-                    .direct_acknowledged(ack.pkid, self.protocol, &mut self.wbuf);
+                self.out.direct_acknowledged(
+                    ack.pkid,
+                    self.protocol,
+                    &mut self.wbuf,
+                    &mut self.to_router,
+                );
                 Ok(())
             }
             Packet::PubAck(ack, properties) if self.joined => {
@@ -361,8 +367,12 @@ impl Machine {
                 Ok(())
             }
             Packet::PubComp(comp, properties) if self.joined => {
-                self.out
-                    .router_completed(comp.pkid, self.protocol, &mut self.wbuf);
+                self.out.router_completed(
+                    comp.pkid,
+                    self.protocol,
+                    &mut self.wbuf,
+                    &mut self.to_router,
+                );
                 self.route(Packet::PubComp(comp, properties));
                 Ok(())
             }

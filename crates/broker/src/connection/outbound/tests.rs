@@ -64,9 +64,9 @@ fn receive_maximum_covers_router_and_direct_deliveries() {
         vec![(1, 1), (D, 2), (0, 9)],
         "two in flight; QoS 0 never waits"
     );
-    o.direct_acknowledged(7, Protocol::V5, &mut out);
+    o.direct_acknowledged(7, Protocol::V5, &mut out, &mut Vec::new());
     assert!(sent(&mut out).is_empty(), "an unknown id frees nothing");
-    o.direct_acknowledged(D, Protocol::V5, &mut out);
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(sent(&mut out), vec![(2, 3)], "the router's first");
     o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
     assert_eq!(sent(&mut out), vec![(D + 1, 4)]);
@@ -74,7 +74,7 @@ fn receive_maximum_covers_router_and_direct_deliveries() {
     o.router_acknowledged(2, true, &mut to_router, Protocol::V5, &mut out);
     o.forward(routed(5, 3), false, Protocol::V5, &mut out, &mut to_router);
     assert!(sent(&mut out).is_empty(), "2 is PUBREC'd, not complete");
-    o.router_completed(2, Protocol::V5, &mut out);
+    o.router_completed(2, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(sent(&mut out), vec![(3, 5)]);
     assert!(
         to_router.is_empty(),
@@ -124,7 +124,7 @@ fn acknowledgements_of_ids_not_in_flight_change_nothing() {
     o.router_acknowledged(9, true, &mut to_router, Protocol::V5, &mut out);
     assert_eq!(o.delivery_qos(9), None, "no QoS 2 flow for id 9");
     o.router_acknowledged(9, false, &mut to_router, Protocol::V5, &mut out);
-    o.router_completed(9, Protocol::V5, &mut out);
+    o.router_completed(9, Protocol::V5, &mut out, &mut Vec::new());
     assert!(sent(&mut out).is_empty(), "no room freed");
     o.router_acknowledged(1, false, &mut to_router, Protocol::V5, &mut out);
     assert_eq!(sent(&mut out), vec![(2, 2)]);
@@ -178,7 +178,7 @@ fn what_the_client_cannot_take_is_discarded() {
     let routed_big = Packet::Publish(crate::codec::publish(b"r", &[b'y'; 100], 1, 1, false), None);
     o.forward(routed_big, false, Protocol::V5, &mut out, &mut to_router);
     assert_eq!(o.discarded(), 1, "the routed one, at once");
-    o.direct_acknowledged(D, Protocol::V5, &mut out);
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(sent(&mut out), vec![(D, 1)]);
     assert_eq!(o.discarded(), 2, "the waiting one, when its turn came");
 }
@@ -226,7 +226,7 @@ fn room_is_given_back_when_a_message_is_done_with() {
     o.deliver(hand_over(2, 1), Protocol::V5, &mut out); // in flight
     o.deliver(hand_over(3, 1), Protocol::V5, &mut out); // waiting for room
     assert_eq!(bound.held(), (2, 2 * size));
-    o.direct_acknowledged(D, Protocol::V5, &mut out);
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(bound.held(), (1, size), "3 is in flight now");
     let mut big = message(4, 0);
     big.payload = Bytes::from(vec![b'x'; 100]);
@@ -283,19 +283,22 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
         let reason = PubCompReason::Success;
         Packet::PubComp(PubComp { pkid, reason }, None)
     };
-    assert!(!o.kept_ack(&rec(107), Protocol::V5, &mut out), "not kept");
     assert!(
-        !o.kept_ack(&comp(105), Protocol::V5, &mut out),
+        !o.kept_ack(&rec(107), Protocol::V5, &mut out, &mut Vec::new()),
+        "not kept"
+    );
+    assert!(
+        !o.kept_ack(&comp(105), Protocol::V5, &mut out, &mut Vec::new()),
         "no PUBREC yet"
     );
-    assert!(o.kept_ack(&rec(105), Protocol::V5, &mut out));
+    assert!(o.kept_ack(&rec(105), Protocol::V5, &mut out, &mut Vec::new()));
     let Some(incoming) = Protocol::V5.read(&mut out, 1 << 20).unwrap() else {
         panic!("a PUBREL")
     };
     assert!(matches!(incoming.packet, Packet::PubRel(rel, _) if rel.pkid == 105));
     assert!(out.is_empty());
     assert_eq!(o.in_flight(), 3, "in flight until PUBCOMP");
-    assert!(o.kept_ack(&comp(105), Protocol::V5, &mut out));
+    assert!(o.kept_ack(&comp(105), Protocol::V5, &mut out, &mut Vec::new()));
     assert_eq!(sent(&mut out), vec![(D + 1, 4)], "room for the next");
     assert_eq!(o.delivery_qos(105), None);
 
@@ -303,9 +306,9 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     // session's under its id, first; 107, PUBREC'd, does not (the
     // client has it); 108 waited for room.
     o.deliver(kept(5, 107), Protocol::V5, &mut out);
-    o.direct_acknowledged(D, Protocol::V5, &mut out);
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
     o.deliver(kept(6, 108), Protocol::V5, &mut out);
-    assert!(o.kept_ack(&rec(107), Protocol::V5, &mut out));
+    assert!(o.kept_ack(&rec(107), Protocol::V5, &mut out, &mut Vec::new()));
     let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let back: Vec<_> = o
         .hand_back(&mut Inbox::new(rx))
@@ -327,10 +330,10 @@ fn waiting_deliveries_go_out_one_per_acknowledgement_in_order() {
         o.deliver(message(n, 1), Protocol::V5, &mut out);
     }
     assert_eq!(sent(&mut out), vec![(D, 1)]);
-    o.direct_acknowledged(D, Protocol::V5, &mut out);
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(sent(&mut out), vec![(D + 1, 2)]);
     o.deliver(message(5, 1), Protocol::V5, &mut out);
-    o.direct_acknowledged(D + 1, Protocol::V5, &mut out);
+    o.direct_acknowledged(D + 1, Protocol::V5, &mut out, &mut Vec::new());
     assert_eq!(sent(&mut out), vec![(D + 2, 3)], "5 waits behind 4");
 }
 
