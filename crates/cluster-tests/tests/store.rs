@@ -75,6 +75,63 @@ async fn every_node_serves_the_same_keys_and_versions_increase_across_nodes() {
     );
 }
 
+/// Large records deleted together: the watch answer carrying them (each
+/// event with the record it replaced) passed gRPC's default decoding
+/// limit, 4 MiB, and the watch broke at it again and again: KEYNOTIFY
+/// stopped on every node, silently. Ten DELs of 1 MB values, pipelined
+/// by one client so that they commit together; then a watched key's
+/// change still reaches its watchers on every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keynotify_goes_on_after_large_records_deleted_together() {
+    use common::raw::{REQUEST_TOPIC, Raw, now_hlc, v5};
+    use rumqttc::v5::mqttbytes::QoS;
+    let setup = Setup::start(3, 3);
+    let mut watchers = Vec::new();
+    for node in [0, 1, 2] {
+        let mut w = client(setup.ports[node], &format!("big-watcher{node}")).await;
+        assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "probe"]).await), "+OK");
+        let notes = w.notifications().expect("notifications");
+        watchers.push((w, notes));
+    }
+    let mut writer = client(setup.ports[0], "big-writer").await;
+    let value = "v".repeat(1_000_000);
+    for i in 0..10 {
+        let key = format!("big-{i}");
+        assert_eq!(text(&ask(&mut writer, &["SET", &key, &value]).await), "+OK");
+    }
+    let mut bulk = Raw::connect(common::addr(setup.ports[0]), "big-bulk").await;
+    bulk.ensure_response_subscription().await;
+    let mut bytes = bytes::BytesMut::new();
+    for i in 0..10u16 {
+        let ts = now_hlc("big-bulk");
+        let properties = bulk.request_properties(&i.to_be_bytes(), &[("__ts", &ts)]);
+        let key = format!("big-{i}");
+        let payload = statestore::resp3::encode_request(&["DEL", &key]);
+        let mut publish =
+            v5::Publish::new(REQUEST_TOPIC, QoS::AtLeastOnce, payload, Some(properties));
+        publish.pkid = i + 1;
+        v5::Packet::Publish(publish)
+            .write(&mut bytes, None)
+            .unwrap();
+    }
+    bulk.send_bytes(&bytes).await;
+    for _ in 0..10 {
+        let answer = bulk.next_publish().await;
+        assert_eq!(&answer.payload[..], b":1\r\n");
+    }
+    assert_eq!(
+        text(&ask(&mut writer, &["SET", "probe", "after"]).await),
+        "+OK"
+    );
+    for (node, (_, notes)) in watchers.iter_mut().enumerate() {
+        let note = tokio::time::timeout(PATIENCE, notes.recv())
+            .await
+            .unwrap_or_else(|_| panic!("node {node}: no notification after the DELs"))
+            .expect("open");
+        assert_eq!(note.value.as_deref(), Some(&b"after"[..]), "node {node}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keynotify_reaches_watchers_on_every_node_in_order_once() {
     let setup = Setup::start(3, 3);

@@ -189,17 +189,35 @@ fn ttl_ms(cluster: &Cluster) -> u64 {
     u64::try_from(cluster.settings.tombstone_ttl.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Opens a watch of `prefix` with `options`, trying again every 250 ms
-/// until etcd takes it; `None` once `stop` fires.
+/// The largest watch answer the keys' watch decodes: one revision's
+/// events, each with the record it replaced. A transaction of writes
+/// that go together (at most [`super::reads::MAX_KEYS`] keys, under
+/// etcd's request limit) or of DELs of that many large records can carry
+/// up to that many previous records; gRPC's default, 4 MiB, ended the
+/// watch at every such answer, for good (ten DELs of 1 MB values stopped
+/// KEYNOTIFY on every node, silently).
+pub(super) fn keys_watch_limit(max_request_bytes: usize) -> usize {
+    super::reads::decoding_limit(max_request_bytes).saturating_mul(2)
+}
+
+/// gRPC's default decoding limit: enough for the other watches' small
+/// records.
+pub(super) const SMALL_WATCH_LIMIT: usize = 4 << 20;
+
+/// Opens a watch of `prefix` with `options`, its answers decoded up to
+/// `limit` bytes, trying again every 250 ms until etcd takes it; `None`
+/// once `stop` fires.
 pub(super) async fn open(
     client: &mut Client,
     prefix: &[u8],
     options: WatchOptions,
+    limit: usize,
     stop: &mut tokio::sync::watch::Receiver<()>,
 ) -> Option<WatchStream> {
+    let mut watches = client.watch_client().max_decoding_message_size(limit);
     loop {
         let opened = tokio::select! {
-            s = client.watch(prefix.to_vec(), Some(options.clone())) => s,
+            s = watches.watch(prefix.to_vec(), Some(options.clone())) => s,
             _ = stop.changed() => return None,
         };
         match opened {
@@ -237,7 +255,7 @@ pub(super) async fn follow_prefix(
     mut on_event: impl FnMut(&etcd_client::Event) -> bool,
 ) -> Ended {
     let options = WatchOptions::new().with_prefix().with_start_revision(from);
-    let Some(mut stream) = open(client, prefix, options, stop).await else {
+    let Some(mut stream) = open(client, prefix, options, SMALL_WATCH_LIMIT, stop).await else {
         return Ended::Stopped;
     };
     let mut next = from;
@@ -279,6 +297,7 @@ pub(super) async fn run(
     let Some(c) = cluster.upgrade() else { return };
     let prefix = c.keys_prefix.clone();
     let ttl = ttl_ms(&c);
+    let limit = keys_watch_limit(c.settings.max_request_bytes);
     drop(c);
     loop {
         // With each change the record it replaced, for the keyspace's count.
@@ -286,7 +305,7 @@ pub(super) async fn run(
             .with_prefix()
             .with_prev_key()
             .with_start_revision(from);
-        let Some(mut stream) = open(&mut client, &prefix, options, &mut stop).await else {
+        let Some(mut stream) = open(&mut client, &prefix, options, limit, &mut stop).await else {
             return;
         };
         loop {
@@ -296,7 +315,23 @@ pub(super) async fn run(
             };
             let response = match message {
                 Ok(Some(response)) => response,
-                Ok(None) | Err(_) => break,
+                Ok(None) => break,
+                Err(e) => {
+                    // Watched again from the next revision; an error that
+                    // comes back every time (an answer it cannot decode)
+                    // says so each time rather than stop notifications
+                    // unseen.
+                    tracing::warn!(
+                        from,
+                        error = %e,
+                        "clustering: the keys' watch broke; watching again from where it was"
+                    );
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(250)) => {}
+                        _ = stop.changed() => return,
+                    }
+                    break;
+                }
             };
             if response.canceled() {
                 let compacted = response.compact_revision();
