@@ -212,6 +212,10 @@ impl Outgoing {
                 self.replay.check(filter_idx, p.cursor, qos0)
             };
             self.meter.publish_count += 1;
+            // A delivery's DUP is its own: set on what is sent again, never
+            // the publisher's (statebroker patch 45, [MQTT-3.3.1-3]; on QoS
+            // 0 it would be malformed, [MQTT-3.3.1-2]).
+            p.publish.dup = false;
             if qos0 {
                 if matches!(seen, Seen::Sent) {
                     continue;

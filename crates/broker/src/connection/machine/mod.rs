@@ -436,7 +436,7 @@ impl Machine {
             return Ok(());
         }
         // What another node's link sends that this node handles itself.
-        let (mut publish, mut properties) = if self.from_link {
+        let (publish, mut properties) = if self.from_link {
             match self.on_peer_publish(publish, properties, qos, pkid) {
                 Some(rest) => rest,
                 None => return Ok(()),
@@ -480,12 +480,8 @@ impl Machine {
         }
         // The router saves what a restart must not lose of it (its PUBACK
         // waits for the disk, see gate.rs, and on a cluster node for the
-        // other nodes); a retransmission it knows by its packet id. The
-        // client's DUP is about the client's sending only: the router
-        // sets it on what it sends again ([MQTT-3.3.1-3]), and kept it
-        // went to every subscriber, into the retained copy, and onto
-        // QoS 0 deliveries (malformed, [MQTT-3.3.1-2]).
-        publish.dup = false;
+        // other nodes); a retransmission it knows by its packet id (the
+        // client's DUP is not passed on: router patch 45).
         self.route(Packet::Publish(publish, properties));
         if qos > 0 {
             self.ack_order.routed();
