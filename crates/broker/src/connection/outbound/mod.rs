@@ -163,6 +163,12 @@ impl Outbound {
         let start = out.len();
         // A publish held for room goes out after later QoS 0 ones: it may
         // use an alias the client knows, not bring a new one.
+        // Only a publish with a Message Expiry Interval has one to find
+        // in its bytes if it is held (most have none: no parse for them).
+        let expires = matches!(
+            &publish,
+            Packet::Publish(_, Some(p)) if p.message_expiry_interval.is_some()
+        );
         let now = match &mut publish {
             Packet::Publish(p, _) => {
                 p.pkid = self.ids.to_client(p.pkid);
@@ -203,16 +209,7 @@ impl Outbound {
         } else {
             // In order, after what already waits.
             let bytes = out.split_off(start).freeze();
-            let expiry = match protocol {
-                Protocol::V5 => codec::encoded_message_expiry(&bytes)
-                    .map(|(at, secs)| (std::time::Instant::now(), secs, at)),
-                Protocol::V4 => None,
-            };
-            self.held.push_back(HeldPublish {
-                bytes,
-                pkid,
-                expiry,
-            });
+            self.hold(bytes, pkid, expires && protocol == Protocol::V5);
         }
         Some(pkid)
     }
@@ -358,23 +355,7 @@ impl Outbound {
     fn fill(&mut self, protocol: Protocol, out: &mut BytesMut, to_router: &mut Vec<Packet>) {
         while self.room() {
             if let Some(held) = self.held.pop_front() {
-                let start = out.len();
-                if let Some((since, secs, at)) = held.expiry {
-                    let waited = since.elapsed().as_secs();
-                    let Some(left) = u64::from(secs).checked_sub(waited).filter(|&left| left > 0)
-                    else {
-                        self.router_qos.remove(&held.pkid);
-                        self.router.drop_sent(held.pkid, to_router);
-                        crate::metrics::dropped(crate::metrics::DropReason::Expired, 1);
-                        continue;
-                    };
-                    out.extend_from_slice(&held.bytes);
-                    let left = u32::try_from(left).unwrap_or(secs);
-                    out[start + at..start + at + 4].copy_from_slice(&left.to_be_bytes());
-                } else {
-                    out.extend_from_slice(&held.bytes);
-                }
-                self.router_in_flight += 1;
+                self.send_held(held, out, to_router);
             } else if let Some(message) = self.direct.next_pending() {
                 let sent = self.direct.send(message, protocol, out, true);
                 self.count_discarded(u64::from(!sent));
@@ -382,6 +363,46 @@ impl Outbound {
                 break;
             }
         }
+    }
+
+    /// Holds the router's publish `pkid`, encoded as `bytes`, until there
+    /// is room; `expires`: it has a Message Expiry Interval (MQTT 5).
+    /// Out of line, as [`Self::send_held`]: the paths that take the
+    /// router's publishes and the client's acknowledgements stay small.
+    #[inline(never)]
+    fn hold(&mut self, bytes: Bytes, pkid: u16, expires: bool) {
+        let expiry = expires
+            .then(|| codec::encoded_message_expiry(&bytes))
+            .flatten()
+            .map(|(at, secs)| (std::time::Instant::now(), secs, at));
+        self.held.push_back(HeldPublish {
+            bytes,
+            pkid,
+            expiry,
+        });
+    }
+
+    /// Sends `held` now that there is room: with its Message Expiry
+    /// Interval reduced by the time it waited, or, expired, not at all
+    /// (the router told it is done with, in order).
+    #[inline(never)]
+    fn send_held(&mut self, held: HeldPublish, out: &mut BytesMut, to_router: &mut Vec<Packet>) {
+        let start = out.len();
+        if let Some((since, secs, at)) = held.expiry {
+            let waited = since.elapsed().as_secs();
+            let Some(left) = u64::from(secs).checked_sub(waited).filter(|&left| left > 0) else {
+                self.router_qos.remove(&held.pkid);
+                self.router.drop_sent(held.pkid, to_router);
+                crate::metrics::dropped(crate::metrics::DropReason::Expired, 1);
+                return;
+            };
+            out.extend_from_slice(&held.bytes);
+            let left = u32::try_from(left).unwrap_or(secs);
+            out[start + at..start + at + 4].copy_from_slice(&left.to_be_bytes());
+        } else {
+            out.extend_from_slice(&held.bytes);
+        }
+        self.router_in_flight += 1;
     }
 
     /// At the end of the connection: the QoS 1 direct deliveries not
