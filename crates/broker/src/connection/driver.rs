@@ -171,9 +171,10 @@ impl<S: Stream> Driver<S> {
                 self.read_packets(machine)?;
             }
             self.link.send(&mut machine.to_router).await?;
-            // The router has the (UN)SUBSCRIBE: what was read after it is
-            // served now (see `Machine::router_first`).
-            if std::mem::take(&mut machine.router_first) && self.socket.has_buffered() {
+            // The router answered the (UN)SUBSCRIBEs reading waited for:
+            // what was read after them is served now (see
+            // `Machine::awaiting_router`).
+            if std::mem::take(&mut machine.resume_reading) && self.socket.has_buffered() {
                 read = true;
             }
             // Direct deliveries that are ready (the answers to what was just
@@ -223,7 +224,6 @@ impl<S: Stream> Driver<S> {
     /// much waits for the disk.
     fn read_packets(&mut self, machine: &mut Machine) -> Result<(), End> {
         while !machine.reading_paused()
-            && !machine.router_first
             && let Some(incoming) = self.socket.next_packet(self.max_packet_size)?
         {
             machine.on_packet(incoming)?;

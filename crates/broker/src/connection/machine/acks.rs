@@ -71,10 +71,11 @@ impl Machine {
         self.outcomes.as_ref().map(|t| t.done())
     }
 
-    /// Whether reading stops until the disk catches up: while too many
-    /// acknowledgements or answers wait for it.
+    /// Whether reading stops: until the disk catches up, while too many
+    /// acknowledgements or answers wait for it; until the router answers
+    /// the (UN)SUBSCRIBEs handed to it (see `Machine::awaiting_router`).
     pub fn reading_paused(&self) -> bool {
-        self.gate.is_full() || self.awaited_full().is_some()
+        self.gate.is_full() || self.awaited_full().is_some() || self.awaiting_router > 0
     }
 
     /// When too many answers wait for the disk, the batch to wait for.

@@ -111,12 +111,16 @@ pub(crate) struct Machine {
     pub later: Vec<Delayed>,
     /// The router asked to be told when this connection can take more.
     pub unscheduled: bool,
-    /// A SUBSCRIBE or UNSUBSCRIBE waits in `to_router`: the router gets it
-    /// before the connection serves another packet. A state store
-    /// request read with it could otherwise be answered (through the
-    /// router) before the router has the filter the answer goes to
-    /// (`SUBSCRIBE` and a request in one write lost the answer).
-    pub router_first: bool,
+    /// SUBSCRIBEs and UNSUBSCRIBEs handed to the router and not answered
+    /// yet: the connection reads no other packet of the client's until the
+    /// router has answered them. A state store request read with one could
+    /// otherwise be answered, or notify, before the router knows the
+    /// filter (its answer, or its notification, went nowhere: `SUBSCRIBE`
+    /// and a request in one write lost the answer).
+    awaiting_router: u32,
+    /// The router answered the last of them: what was read meanwhile is
+    /// served now (the driver takes it).
+    pub resume_reading: bool,
     /// The connection has joined the router, or will with the next
     /// hand-over: only then has the router anything of it.
     joined: bool,
@@ -183,7 +187,8 @@ impl Machine {
             to_router: Vec::new(),
             later: Vec::new(),
             unscheduled: false,
-            router_first: false,
+            awaiting_router: 0,
+            resume_reading: false,
             joined: start.joined,
             inbound: Inbound::new(
                 start.topic_alias_max,

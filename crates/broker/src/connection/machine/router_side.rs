@@ -44,7 +44,7 @@ impl Machine {
             return;
         }
         self.refused_filters.hold(pkid, checked.refused);
-        self.router_first = true;
+        self.awaiting_router += 1;
         self.route(Packet::Subscribe(
             Subscribe {
                 pkid,
@@ -62,7 +62,7 @@ impl Machine {
         // The router answers (one reason per filter); without a link it
         // holds no subscription of this connection.
         if self.joined {
-            self.router_first = true;
+            self.awaiting_router += 1;
             self.route(Packet::Unsubscribe(unsubscribe, properties));
         } else {
             let unsuback = subscriptions::unsuback_without_subscriptions(&unsubscribe);
@@ -149,6 +149,10 @@ impl Machine {
         packet: Packet,
         batch: Option<Batch>,
     ) -> Result<(), End> {
+        if matches!(packet, Packet::SubAck(..) | Packet::UnsubAck(..)) && self.awaiting_router > 0 {
+            self.awaiting_router -= 1;
+            self.resume_reading = self.awaiting_router == 0;
+        }
         match packet {
             Packet::SubAck(mut suback, properties) => {
                 // The router refuses filters beyond
