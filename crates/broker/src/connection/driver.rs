@@ -267,7 +267,7 @@ impl<S: Stream> Driver<S> {
         // DISCONNECT after it, read at once (`mosquitto_pub -q 0`), ended
         // the connection before the PUBLISH went anywhere.
         let for_router = self.link.is_linked() || !machine.to_router.is_empty();
-        if for_router && self.link.send(&mut machine.to_router).await.is_ok() {
+        if for_router {
             // The router ends the session as the DISCONNECT says (kept with
             // its expiry, or discarded) and closes the link once its journal
             // has the change. Only then is the socket closed: a client that
@@ -275,10 +275,9 @@ impl<S: Stream> Driver<S> {
             // connection left it, also across a restart (MQTT 5 3.1.2.11.2:
             // a Session Expiry Interval of 0 ends the session with the
             // connection). Bounded, for a router that is stopping.
-            let _ = tokio::time::timeout(ROUTER_GOODBYE, async {
-                while let Ok(Some(_)) = self.link.next().await {}
-            })
-            .await;
+            self.link
+                .close_with(&mut machine.to_router, ROUTER_GOODBYE)
+                .await;
         }
         self.socket.shutdown().await;
         if end.reason().0.is_some() {

@@ -21,6 +21,22 @@ pub(crate) enum LinkFailure {
     Closed,
 }
 
+/// The DISCONNECT that ends a connection's part of its session in the
+/// router, the session kept `session_expiry` seconds after it (0: it ends).
+pub(crate) fn goodbye(session_expiry: u32) -> Packet {
+    Packet::Disconnect(
+        Disconnect {
+            reason_code: DisconnectReasonCode::NormalDisconnection,
+        },
+        Some(DisconnectProperties {
+            session_expiry_interval: Some(session_expiry),
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        }),
+    )
+}
+
 /// The link, once made.
 pub(crate) struct RouterLink {
     router: RouterHandle,
@@ -113,21 +129,18 @@ impl RouterLink {
     /// For a connection that ends before its machine runs; a link merely
     /// dropped would stay connected in the router.
     pub async fn leave(&mut self, session_expiry: u32, within: std::time::Duration) {
-        if self.link.is_none() {
-            return;
+        if self.link.is_some() {
+            self.close_with(&mut vec![goodbye(session_expiry)], within)
+                .await;
         }
-        let disconnect = Packet::Disconnect(
-            Disconnect {
-                reason_code: DisconnectReasonCode::NormalDisconnection,
-            },
-            Some(DisconnectProperties {
-                session_expiry_interval: Some(session_expiry),
-                reason_string: None,
-                user_properties: Vec::new(),
-                server_reference: None,
-            }),
-        );
-        if self.send(&mut vec![disconnect]).await.is_ok() {
+    }
+
+    /// Hands the router the connection's last `packets` (they end with a
+    /// [`goodbye`]) and waits up to `within` for it to close the link: it
+    /// does once the session is as the goodbye says (and, with a data
+    /// directory, its journal has it).
+    pub async fn close_with(&mut self, packets: &mut Vec<Packet>, within: std::time::Duration) {
+        if self.send(packets).await.is_ok() {
             let _ = tokio::time::timeout(within, async {
                 while let Ok(Some(_)) = self.next().await {}
             })

@@ -553,17 +553,8 @@ impl Machine {
             }
         }
         if self.joined && !matches!(end, End::RouterClosed) {
-            self.to_router.push(Packet::Disconnect(
-                Disconnect {
-                    reason_code: DisconnectReasonCode::NormalDisconnection,
-                },
-                Some(DisconnectProperties {
-                    session_expiry_interval: Some(self.session_expiry),
-                    reason_string: None,
-                    user_properties: Vec::new(),
-                    server_reference: None,
-                }),
-            ));
+            self.to_router
+                .push(super::link::goodbye(self.session_expiry));
         }
     }
 }
