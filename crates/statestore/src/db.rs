@@ -21,7 +21,7 @@ use std::hash::BuildHasher;
 
 use hashbrown::{DefaultHashBuilder, HashTable};
 
-use crate::glob::Pattern;
+use crate::glob::{Pattern, StepBudget};
 use crate::hlc::{Hlc, Version};
 
 /// Key and value bytes this long or shorter are stored inside the slot.
@@ -294,17 +294,14 @@ impl Db {
     ) -> (Vec<Vec<u8>>, Option<usize>) {
         let everything = pattern.matches_everything();
         let mut keys = Vec::new();
-        let mut steps = 0u64;
+        let mut steps = StepBudget::new(max_steps);
         let mut slot = start;
         let end = start.saturating_add(max_slots.max(1)).min(self.slots.len());
         while slot < end && keys.len() < max_keys.max(1) {
             if let Some(entry) = &self.slots[slot] {
                 let key = entry.key();
-                if !everything {
-                    steps = steps.saturating_add(pattern.cost(key.len()));
-                    if steps > max_steps && slot > start {
-                        break;
-                    }
+                if !everything && !steps.take(pattern.cost(key.len()), slot == start) {
+                    break;
                 }
                 if everything || pattern.matches(key) {
                     keys.push(key.to_vec());

@@ -333,6 +333,33 @@ impl Pattern {
     }
 }
 
+/// The glob steps a page of matches may spend (a SCAN page's, see
+/// `command::STEPS_PER_PAGE`; a cluster node's over etcd's records too).
+#[derive(Debug, Clone, Copy)]
+pub struct StepBudget {
+    spent: u64,
+    max: u64,
+}
+
+impl StepBudget {
+    /// A budget of `max` steps.
+    pub fn new(max: u64) -> StepBudget {
+        StepBudget { spent: 0, max }
+    }
+
+    /// Charges a key's [`Pattern::cost`] before it is matched; `false`: the
+    /// page ends before that key, which it never does at its `first`
+    /// (every page moves on, so a scan ends).
+    pub fn take(&mut self, cost: u64, first: bool) -> bool {
+        let spent = self.spent.saturating_add(cost);
+        if spent > self.max && !first {
+            return false;
+        }
+        self.spent = spent;
+        true
+    }
+}
+
 #[cfg(test)]
 thread_local! {
     /// Steps taken by this thread's matches, to check [`Pattern::cost`].

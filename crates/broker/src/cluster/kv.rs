@@ -36,7 +36,7 @@ use etcd_client::{GetOptions, Txn, TxnOp};
 use statestore::command::STEPS_PER_PAGE;
 use statestore::command::Scan;
 use statestore::db::Entry;
-use statestore::glob::Pattern;
+use statestore::glob::{Pattern, StepBudget};
 use statestore::hlc::{Hlc, Version};
 use statestore::plan::{Change, Planner, Stamp};
 use statestore::resp3::Frame;
@@ -378,7 +378,7 @@ impl Cluster {
         // Glob steps spent (see `statestore::command::STEPS_PER_PAGE`): a
         // page ends before the key that would pass the budget, except at
         // its first key, so every page moves on.
-        let mut steps = 0u64;
+        let mut steps = StepBudget::new(STEPS_PER_PAGE);
         let mut last_looked: Option<Vec<u8>> = None;
         // The page reads etcd in chunks of records an answer can hold, all
         // at the first chunk's revision: one snapshot.
@@ -402,14 +402,12 @@ impl Cluster {
             let mut full = false;
             for kv in response.kvs() {
                 let key = &kv.key()[self.keys_prefix.len()..];
-                let cost = pattern.cost(key.len());
-                if looked > 0 && steps.saturating_add(cost) > STEPS_PER_PAGE {
+                if !steps.take(pattern.cost(key.len()), looked == 0) {
                     // Resumed at this key, after the one before it.
                     let mut token = b"k".to_vec();
                     token.extend_from_slice(last_looked.as_deref().unwrap_or_default());
                     return Ok(Ok(page(keys, Some(token))));
                 }
-                steps = steps.saturating_add(cost);
                 looked += 1;
                 last = Some(key.to_vec());
                 last_looked.clone_from(&last);
