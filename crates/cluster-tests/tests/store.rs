@@ -241,6 +241,62 @@ async fn fencing_tokens_and_expiry_hold_across_nodes() {
     assert_eq!(text(&ask(&mut a, &["GET", "resource"]).await), "$from-b");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_written_after_it_expired_and_before_the_reaper_notifies_its_delete_first() {
+    let mut setup = Setup::start(1, 0);
+    // The test holds the reaper's election before any node campaigns: no
+    // node reaps, as when the elected one is late or dead.
+    let mut etcd = etcd_client::Client::connect(setup.etcd.endpoints(), None)
+        .await
+        .expect("etcd");
+    let lease = etcd.lease_grant(60, None).await.expect("a lease").id();
+    etcd.campaign("/statebroker/E/reaper", "the test", lease)
+        .await
+        .expect("elected");
+    setup.add_node(&[]);
+    setup.add_node(&[]);
+    let mut writer = client(setup.ports[0], "writer").await;
+    let mut watcher = client(setup.ports[1], "watcher").await;
+    assert_eq!(text(&ask(&mut watcher, &["KEYNOTIFY", "k"]).await), "+OK");
+    let mut notes = watcher.notifications().expect("notifications");
+    let first = ask(&mut writer, &["SET", "k", "one", "PX", "200"]).await;
+    assert_eq!(text(&first), "+OK");
+    let note = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(note.value.as_deref(), Some(&b"one"[..]));
+    // Expired (exact on read), not reaped.
+    let start = std::time::Instant::now();
+    loop {
+        if text(&ask(&mut writer, &["GET", "k"]).await) == "$-1" {
+            break;
+        }
+        assert!(start.elapsed() < PATIENCE, "k never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = ask(&mut writer, &["SET", "k", "two"]).await;
+    assert_eq!(text(&again), "+OK");
+    // As on a single node: the expiry's DELETE (with the expired entry's
+    // version), then the SET.
+    let delete = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(delete.value, None, "the expiry's DELETE first: {delete:?}");
+    assert_eq!(delete.version, first.version);
+    let set = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(set.value.as_deref(), Some(&b"two"[..]));
+    assert_eq!(set.version, again.version);
+    // Once a node reaps again, nothing more for the key that was written.
+    etcd.lease_revoke(lease).await.expect("resigned");
+    let extra = tokio::time::timeout(Duration::from_secs(2), notes.recv()).await;
+    assert!(extra.is_err(), "an extra notification {extra:?}");
+}
+
 /// Every key a SCAN of `pattern` lists, page after page, and how many
 /// pages it took.
 async fn scan_all(c: &mut statebroker_cli::client::Client, pattern: &[u8]) -> (Vec<String>, usize) {

@@ -296,6 +296,7 @@ impl Cluster {
                     let version = clock.mint(now, keyed.timestamp.as_ref());
                     let record = Record {
                         tombstone: false,
+                        after_expiry: read.record.as_ref().is_some_and(|r| r.expired(now)),
                         version,
                         node: self.node_id().to_owned(),
                         expires_at: extras.expires_at,
@@ -314,6 +315,7 @@ impl Cluster {
                     };
                     let record = Record {
                         tombstone: true,
+                        after_expiry: false,
                         version: old.version,
                         node: old.node.clone(),
                         expires_at: None,
@@ -737,6 +739,7 @@ mod tests {
         Read {
             record: Some(Record {
                 tombstone: false,
+                after_expiry: false,
                 version: Version::default(),
                 node: "n".into(),
                 expires_at: None,

@@ -128,6 +128,7 @@ async fn reap(cluster: &Cluster) {
             }
             let tombstone = Record {
                 tombstone: true,
+                after_expiry: false,
                 expires_at: None,
                 fencing_token: None,
                 request: 0,

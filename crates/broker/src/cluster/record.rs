@@ -21,12 +21,17 @@ pub struct Corrupt;
 
 const FORMAT: u8 = 1;
 const TOMBSTONE: u8 = 1;
+const AFTER_EXPIRY: u8 = 2;
 
 /// One key's record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     /// The key was deleted (or expired); `value` is empty.
     pub tombstone: bool,
+    /// The write found the key's record before it expired and not reaped
+    /// yet: its watchers get that expiry's DELETE first, as on a single
+    /// node.
+    pub after_expiry: bool,
     /// The version of the write (for a tombstone: the deleted entry's).
     pub version: Version,
     /// The node that handed the version out.
@@ -54,7 +59,14 @@ impl Record {
         let node = &self.node.as_bytes()[..self.node.len().min(255)];
         let mut out = Vec::with_capacity(33 + node.len() + token.len() + self.value.len());
         out.push(FORMAT);
-        out.push(if self.tombstone { TOMBSTONE } else { 0 });
+        let mut flags = 0;
+        if self.tombstone {
+            flags |= TOMBSTONE;
+        }
+        if self.after_expiry {
+            flags |= AFTER_EXPIRY;
+        }
+        out.push(flags);
         out.extend_from_slice(&self.version.wall_ms.to_be_bytes());
         out.extend_from_slice(&self.version.counter.to_be_bytes());
         out.extend_from_slice(&self.expires_at.unwrap_or(0).to_be_bytes());
@@ -90,6 +102,7 @@ impl Record {
         };
         Ok(Record {
             tombstone: flags & TOMBSTONE != 0,
+            after_expiry: flags & AFTER_EXPIRY != 0,
             version: Version { wall_ms, counter },
             node: node.to_owned(),
             expires_at: (expires_at != 0).then_some(expires_at),
@@ -99,11 +112,17 @@ impl Record {
         })
     }
 
+    /// A live record whose expiry has come by `now_ms` (a read finds the
+    /// key absent; the reaper has not replaced it yet).
+    pub fn expired(&self, now_ms: u64) -> bool {
+        !self.tombstone && self.expires_at.is_some_and(|at| at <= now_ms)
+    }
+
     /// The live entry of `key` at `now_ms`: `None` for a tombstone or a
     /// record that has expired (expiry is exact on read; the reaper only
     /// tidies up and notifies).
     pub fn entry(&self, key: &[u8], now_ms: u64) -> Option<Entry> {
-        if self.tombstone || self.expires_at.is_some_and(|at| at <= now_ms) {
+        if self.tombstone || self.expired(now_ms) {
             return None;
         }
         let extras = Extras {
@@ -162,6 +181,7 @@ mod tests {
     fn record() -> Record {
         Record {
             tombstone: false,
+            after_expiry: true,
             version: Version {
                 wall_ms: 1_700_000_000_000,
                 counter: 3,
@@ -180,6 +200,7 @@ mod tests {
         assert_eq!(Record::decode(&r.encode()), Ok(r.clone()));
         let tomb = Record {
             tombstone: true,
+            after_expiry: false,
             value: Vec::new(),
             fencing_token: None,
             expires_at: None,
@@ -206,11 +227,13 @@ mod tests {
         let at = r.expires_at.unwrap();
         assert_eq!(r.entry(b"k", at - 1).unwrap().value(), b"busy");
         assert!(r.entry(b"k", at).is_none());
+        assert!(!r.expired(at - 1) && r.expired(at));
         let tomb = Record {
             tombstone: true,
             ..record()
         };
         assert!(tomb.entry(b"k", 0).is_none());
+        assert!(!tomb.expired(at), "a tombstone is deleted, not expired");
         assert_eq!(r.version_text(), "001700000000000:00003:sb2");
     }
 

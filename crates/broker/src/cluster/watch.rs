@@ -371,6 +371,16 @@ pub(super) async fn run(
                             revision: kv.mod_revision(),
                         };
                         c.cache.lock().remember(key, read, kv.mod_revision());
+                        if let Some(expired) = expired_before(&record, event.prev_kv()) {
+                            let change = Change {
+                                key: key.to_vec(),
+                                event: Event::Delete,
+                                version: expired.version_text(),
+                            };
+                            if changes.send(change).is_err() {
+                                return;
+                            }
+                        }
                         let event = if record.tombstone {
                             Event::Delete
                         } else {
@@ -395,6 +405,18 @@ pub(super) async fn run(
     }
 }
 
+/// The record a write replaced after its expiry had come and before the
+/// reaper replaced it (a DELETE its watchers have not had yet), if
+/// `record` is such a write and etcd still had the one before it.
+fn expired_before(record: &Record, before: Option<&etcd_client::KeyValue>) -> Option<Record> {
+    if record.tombstone || !record.after_expiry {
+        return None;
+    }
+    Record::decode(before?.value())
+        .ok()
+        .filter(|before| !before.tombstone)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,6 +425,7 @@ mod tests {
     fn record(tombstone: bool, wall_ms: u64, expires_at: Option<u64>) -> Record {
         Record {
             tombstone,
+            after_expiry: false,
             version: Version {
                 wall_ms,
                 counter: 0,
