@@ -8,6 +8,7 @@ mod common;
 mod client;
 mod hosts;
 mod limits;
+mod policy;
 
 use client::{get, post, send};
 
@@ -214,7 +215,7 @@ async fn the_view_edits_keys_only_when_allowed() {
     assert!(body.contains(r#""ok":true"#), "{body}");
     let expires = broker
         .store()
-        .with_store(|s| s.browse(b"brief", 0, 10).keys[0].expires_at_ms);
+        .with_store(|s| s.browse(b"brief", 0, 10, None).keys[0].expires_at_ms);
     assert!(expires.is_some());
     let (_, body) = post(
         http,

@@ -97,7 +97,7 @@ impl FaultControl {
         let expired = self.shared.store.expire_key(key);
         if expired {
             self.shared.faults.count(crate::faults::Kind::ExpireKey);
-            tracing::info!(fault = "expire_key", key = %String::from_utf8_lossy(key), "fault injected: key expired on demand");
+            tracing::info!(fault = "expire_key", key = ?String::from_utf8_lossy(key), "fault injected: key expired on demand");
         }
         Ok(expired)
     }

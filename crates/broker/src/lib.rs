@@ -197,6 +197,7 @@ impl Broker {
             addr: http,
             options: &shared.settings.http_options,
             password_file: shared.authenticator.has_password_file(),
+            policy: shared.authorizer.current().is_some(),
             allow_edit: shared.settings.http_allow_edit,
             faults: shared.settings.faults.enabled,
         }

@@ -7,6 +7,7 @@
 //! glob steps, so the store's lock is held for a bounded time however
 //! sparse the matches and however costly the pattern; `next` resumes.
 
+use crate::KeyAccess;
 use crate::command::STEPS_PER_PAGE;
 use crate::glob::Pattern;
 use crate::store::Store;
@@ -14,13 +15,24 @@ use crate::store::Store;
 /// Slots one page may walk, per key it may return.
 const SLOTS_PER_KEY: usize = 64;
 
+/// Bytes of its value a key on a page shows at most ([`KeyView::value_len`]
+/// says how long the whole is): a page of large values is neither copied
+/// under the store's lock nor sent whole.
+pub const VALUE_SHOWN: usize = 1024;
+
+/// Bytes of keys one page holds at most (but always its first key).
+pub const KEY_BYTES_PER_PAGE: usize = 256 << 10;
+
 /// One key as the view shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyView {
     /// The key.
     pub key: Vec<u8>,
-    /// Its value.
+    /// Its value (on a page of [`Store::browse`], its first
+    /// [`VALUE_SHOWN`] bytes).
     pub value: Vec<u8>,
+    /// The length of the whole value.
+    pub value_len: usize,
     /// Its version, in wire form.
     pub version: String,
     /// When it expires, milliseconds since the Unix epoch.
@@ -44,28 +56,47 @@ pub struct Page {
 
 impl Store {
     /// Up to `limit` keys matching `pattern` from position `start` (0 for
-    /// the first page).
-    pub fn browse(&self, pattern: &[u8], start: usize, limit: usize) -> Page {
+    /// the first page), of those `access` lets the viewer read (`None`:
+    /// all), each with the first [`VALUE_SHOWN`] bytes of its value; at
+    /// most [`KEY_BYTES_PER_PAGE`] of keys.
+    pub fn browse(
+        &self,
+        pattern: &[u8],
+        start: usize,
+        limit: usize,
+        access: Option<&dyn KeyAccess>,
+    ) -> Page {
         let limit = limit.clamp(1, 1000);
         let (keys, next) = self.state.scan(
             start,
             limit,
             limit.saturating_mul(SLOTS_PER_KEY),
             STEPS_PER_PAGE,
+            KEY_BYTES_PER_PAGE,
             &Pattern::new(pattern),
         );
-        let keys = keys.into_iter().filter_map(|key| self.view(key)).collect();
+        let keys = keys
+            .into_iter()
+            .filter(|key| access.is_none_or(|a| a.may_read(key)))
+            .filter_map(|key| self.view_with(key, VALUE_SHOWN))
+            .collect();
         Page { keys, next }
     }
 
     /// One key as the view shows it, if it exists (for tools and test
     /// kits: a read that is not a request, so no version is handed out).
     pub fn view(&self, key: impl Into<Vec<u8>>) -> Option<KeyView> {
-        let key = key.into();
+        self.view_with(key.into(), usize::MAX)
+    }
+
+    /// [`Store::view`] with at most `shown` bytes of the value.
+    fn view_with(&self, key: Vec<u8>, shown: usize) -> Option<KeyView> {
         let state = &self.state;
         let entry = state.get(&key)?;
+        let value = entry.value();
         Some(KeyView {
-            value: entry.value().to_vec(),
+            value: value[..value.len().min(shown)].to_vec(),
+            value_len: value.len(),
             version: entry.version().format(&state.config().node_id),
             expires_at_ms: entry.expires_at(),
             fencing_token: entry.fencing_token().map(ToString::to_string),
@@ -111,7 +142,7 @@ mod tests {
         for i in 0..5 {
             run(&mut store, &["SET", &format!("sensor-{i}"), "v"], false);
         }
-        let page = store.browse(b"door", 0, 10);
+        let page = store.browse(b"door", 0, 10, None);
         assert_eq!(page.keys.len(), 1);
         let door = &page.keys[0];
         assert_eq!(
@@ -125,7 +156,7 @@ mod tests {
         let mut seen = Vec::new();
         let mut start = Some(0);
         while let Some(at) = start {
-            let page = store.browse(b"sensor-*", at, 2);
+            let page = store.browse(b"sensor-*", at, 2, None);
             assert!(page.keys.len() <= 2);
             seen.extend(
                 page.keys
@@ -139,5 +170,38 @@ mod tests {
             seen,
             ["sensor-0", "sensor-1", "sensor-2", "sensor-3", "sensor-4"]
         );
+    }
+
+    /// Reads keys that start with `mine`.
+    #[derive(Debug)]
+    struct Mine;
+
+    impl crate::KeyAccess for Mine {
+        fn may_read(&self, key: &[u8]) -> bool {
+            key.starts_with(b"mine")
+        }
+        fn may_write(&self, _: &[u8]) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn a_page_shows_what_the_viewer_may_read_and_the_start_of_large_values() {
+        let mut store = Store::new(Config::default());
+        let large = "x".repeat(super::VALUE_SHOWN * 3);
+        run(&mut store, &["SET", "mine-large", &large], false);
+        run(&mut store, &["SET", "theirs", "secret"], false);
+        let page = store.browse(b"*", 0, 10, Some(&Mine));
+        assert_eq!(page.keys.len(), 1, "{page:?}");
+        let shown = &page.keys[0];
+        assert_eq!(shown.key, b"mine-large");
+        assert_eq!(shown.value, &large.as_bytes()[..super::VALUE_SHOWN]);
+        assert_eq!(shown.value_len, large.len());
+        // A key's whole value for tools.
+        assert_eq!(
+            store.view(&b"mine-large"[..]).unwrap().value,
+            large.as_bytes()
+        );
+        assert_eq!(store.browse(b"*", 0, 10, None).keys.len(), 2);
     }
 }

@@ -278,7 +278,8 @@ impl Db {
     /// after `max_keys` keys or `max_slots` visited slots, whichever comes
     /// first, or before a key whose [`Pattern::cost`] would take the page's
     /// matching over `max_steps` (but never before the first slot, so that
-    /// every page moves on). Returns the keys and the slot to resume from,
+    /// every page moves on), or before a matching key that would take the
+    /// keys' bytes over `max_key_bytes` (but never before the first key). Returns the keys and the slot to resume from,
     /// or `None` when the end of the slab was reached.
     ///
     /// A key that exists for the whole scan never moves, so it is returned
@@ -290,10 +291,12 @@ impl Db {
         max_keys: usize,
         max_slots: usize,
         max_steps: u64,
+        max_key_bytes: usize,
         pattern: &Pattern,
     ) -> (Vec<Vec<u8>>, Option<usize>) {
         let everything = pattern.matches_everything();
         let mut keys = Vec::new();
+        let mut key_bytes = 0usize;
         let mut steps = StepBudget::new(max_steps);
         let mut slot = start;
         let end = start.saturating_add(max_slots.max(1)).min(self.slots.len());
@@ -304,6 +307,10 @@ impl Db {
                     break;
                 }
                 if everything || pattern.matches(key) {
+                    key_bytes = key_bytes.saturating_add(key.len());
+                    if key_bytes > max_key_bytes && !keys.is_empty() {
+                        break;
+                    }
                     keys.push(key.to_vec());
                 }
             }
@@ -426,15 +433,40 @@ mod tests {
             db.insert(Entry::new(&[b'k', b'0' + i], b"", v(1), Extras::default()));
         }
         let all = Pattern::new(b"*");
-        let (page, next) = db.scan(0, 4, 100, u64::MAX, &all);
+        let (page, next) = db.scan(0, 4, 100, u64::MAX, usize::MAX, &all);
         assert_eq!((page.len(), next), (4, Some(4)));
         db.remove(b"k5");
         // At most 4 slots visited: k4, (hole), k6, k7.
-        let (page, next) = db.scan(4, 10, 4, u64::MAX, &all);
+        let (page, next) = db.scan(4, 10, 4, u64::MAX, usize::MAX, &all);
         assert_eq!(page, vec![b"k4".to_vec(), b"k6".to_vec(), b"k7".to_vec()]);
-        let (page, next2) = db.scan(next.unwrap(), 4, 100, u64::MAX, &Pattern::new(b"k9"));
+        let (page, next2) = db.scan(
+            next.unwrap(),
+            4,
+            100,
+            u64::MAX,
+            usize::MAX,
+            &Pattern::new(b"k9"),
+        );
         assert_eq!((page, next2), (vec![b"k9".to_vec()], None));
-        assert_eq!(db.scan(100, 4, 4, u64::MAX, &all), (vec![], None));
+        assert_eq!(
+            db.scan(100, 4, 4, u64::MAX, usize::MAX, &all),
+            (vec![], None)
+        );
+    }
+
+    #[test]
+    fn a_scan_ends_before_the_key_that_passes_its_bytes() {
+        let mut db = Db::new();
+        for i in 0..6u8 {
+            db.insert(Entry::new(&[b'k', b'0' + i], b"", v(1), Extras::default()));
+        }
+        let all = Pattern::new(b"*");
+        // Two-byte keys, five bytes a page: two keys, resumed at the third.
+        let (page, next) = db.scan(0, 10, 100, u64::MAX, 5, &all);
+        assert_eq!((page.len(), next), (2, Some(2)));
+        // The first key always goes, however long.
+        let (page, next) = db.scan(2, 10, 100, u64::MAX, 1, &all);
+        assert_eq!((page, next), (vec![b"k2".to_vec()], Some(3)));
     }
 
     #[test]
@@ -455,13 +487,13 @@ mod tests {
         // 2 words for each byte, the tables once: 2000 steps a key or more.
         assert_eq!(pattern.cost(1000), 2000 + 2 * 256 * 2 + 101);
         // Without a step budget, one page looks at all 40 slots.
-        let (keys, next) = db.scan(0, 100, 1600, u64::MAX, &pattern);
+        let (keys, next) = db.scan(0, 100, 1600, u64::MAX, usize::MAX, &pattern);
         assert_eq!((keys, next), (matching.clone(), None));
         // With 10,000 steps, a page looks at four or five slots.
         let pattern = Pattern::new(format!("*{}b*", "a".repeat(100)).as_bytes());
         let (mut found, mut start, mut pages) = (Vec::new(), Some(0), 0);
         while let Some(from) = start {
-            let (keys, next) = db.scan(from, 100, 1600, 10_000, &pattern);
+            let (keys, next) = db.scan(from, 100, 1600, 10_000, usize::MAX, &pattern);
             if let Some(next) = next {
                 assert!((from + 4..=from + 5).contains(&next), "{from} -> {next}");
             }
@@ -485,7 +517,7 @@ mod tests {
         let mut start = Some(0);
         // No budget at all: one key a page (the hole at slot 2 costs nothing).
         for expected in [Some(1), Some(3), Some(4), None] {
-            let (page, next) = db.scan(start.unwrap(), 10, 10, 0, &pattern);
+            let (page, next) = db.scan(start.unwrap(), 10, 10, 0, usize::MAX, &pattern);
             assert_eq!((page.len(), next), (1, expected));
             keys.extend(page);
             start = next;

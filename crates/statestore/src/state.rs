@@ -364,10 +364,17 @@ impl State {
         page_size: usize,
         max_slots: usize,
         max_steps: u64,
+        max_key_bytes: usize,
         pattern: &Pattern,
     ) -> (Vec<Vec<u8>>, Option<usize>) {
-        self.db
-            .scan(start, page_size, max_slots, max_steps, pattern)
+        self.db.scan(
+            start,
+            page_size,
+            max_slots,
+            max_steps,
+            max_key_bytes,
+            pattern,
+        )
     }
 
     pub(crate) fn len(&self) -> usize {

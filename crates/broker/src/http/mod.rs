@@ -119,6 +119,8 @@ pub(crate) struct Parts<'a> {
     pub addr: Option<SocketAddr>,
     pub options: &'a HttpOptions,
     pub password_file: bool,
+    /// An authorization policy is loaded.
+    pub policy: bool,
     pub allow_edit: bool,
     pub faults: bool,
 }
@@ -145,8 +147,11 @@ impl Parts<'_> {
 
     /// The web view's part of the line.
     fn describe(&self, addr: SocketAddr) -> String {
-        let view = if addr.ip().is_loopback() {
+        let users_decide = self.policy && self.password_file;
+        let view = if addr.ip().is_loopback() && !users_decide {
             "web view / on (loopback: no password)"
+        } else if addr.ip().is_loopback() {
+            "web view / on for users of the password file (HTTP Basic; on loopback too, under the authorization policy)"
         } else if self.options.allow_anonymous && self.password_file {
             "web view / on: reads without a password ([http] allow_anonymous), changes for users of the password file"
         } else if self.options.allow_anonymous {
@@ -167,7 +172,12 @@ impl Parts<'_> {
         } else {
             "faults off ([faults] enabled = false)"
         };
-        format!("{view}; {edit}; {faults}")
+        let policy = if self.policy {
+            "; each user sees and changes what the authorization policy allows"
+        } else {
+            ""
+        };
+        format!("{view}{policy}; {edit}; {faults}")
     }
 }
 
@@ -249,6 +259,7 @@ mod tests {
                 addr: None,
                 options,
                 password_file,
+                policy: false,
                 allow_edit: false,
                 faults: true,
             }
@@ -262,17 +273,28 @@ mod tests {
         assert!(parts(&options, true).contains("for users of the password file"));
         options.allow_anonymous = true;
         assert!(parts(&options, false).contains("reads without a password"));
-        let local = Parts {
+        let mut local = Parts {
             addr: None,
             options: &options,
             password_file: false,
+            policy: false,
             allow_edit: true,
             faults: false,
-        }
-        .describe("127.0.0.1:9883".parse().unwrap());
+        };
+        let loopback = "127.0.0.1:9883".parse().unwrap();
         assert_eq!(
-            local,
+            local.describe(loopback),
             "web view / on (loopback: no password); edit forms on; faults off ([faults] enabled = false)"
+        );
+        // A policy and users: users on loopback too, and the policy says
+        // what each sees.
+        local.policy = true;
+        local.password_file = true;
+        let under_policy = local.describe(loopback);
+        assert!(under_policy.contains("loopback too"), "{under_policy}");
+        assert!(
+            under_policy.contains("authorization policy allows"),
+            "{under_policy}"
         );
     }
 }

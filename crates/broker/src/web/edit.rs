@@ -5,7 +5,8 @@
 //!
 //! Each runs as a state store request of the client id [`EDITOR`] (so
 //! watchers are notified, `[persistence] keys` apply, the live list and the
-//! metrics show it) and answers `{"ok": bool, "answer": "<RESP3 reply>"}`.
+//! metrics show it), under a policy with the keys its viewer may write
+//! (`viewer.rs`), and answers `{"ok": bool, "answer": "<RESP3 reply>"}`.
 //! Without `allow_edit` both answer 403 and change nothing.
 //!
 //! Only `application/json` bodies are accepted: a page of another site
@@ -21,6 +22,7 @@ use serde_json::json;
 use statestore::resp3::{Reply, encode_request, parse_reply};
 use statestore::{Caller, Request};
 
+use super::viewer::Viewer;
 use super::{Broker, starting};
 
 /// The client id the web view's edits run as (in the live list, and to
@@ -45,20 +47,28 @@ pub(super) struct DelForm {
     key: String,
 }
 
-pub(super) async fn set(State(broker): State<Broker>, Json(form): Json<SetForm>) -> Response {
+pub(super) async fn set(
+    viewer: Viewer,
+    State(broker): State<Broker>,
+    Json(form): Json<SetForm>,
+) -> Response {
     let mut args: Vec<Vec<u8>> = vec![b"SET".to_vec(), form.key.into(), form.value.into()];
     if form.px_ms > 0 {
         args.push(b"PX".to_vec());
         args.push(form.px_ms.to_string().into_bytes());
     }
-    run(&broker, &args).await
+    run(&viewer, &broker, &args).await
 }
 
-pub(super) async fn del(State(broker): State<Broker>, Json(form): Json<DelForm>) -> Response {
-    run(&broker, &[b"DEL".to_vec(), form.key.into()]).await
+pub(super) async fn del(
+    viewer: Viewer,
+    State(broker): State<Broker>,
+    Json(form): Json<DelForm>,
+) -> Response {
+    run(&viewer, &broker, &[b"DEL".to_vec(), form.key.into()]).await
 }
 
-async fn run(broker: &Broker, args: &[Vec<u8>]) -> Response {
+async fn run(viewer: &Viewer, broker: &Broker, args: &[Vec<u8>]) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
@@ -77,9 +87,12 @@ async fn run(broker: &Broker, args: &[Vec<u8>]) -> Response {
         counter: 0,
     }
     .format(EDITOR);
+    // Under a policy, the keys the viewer may write (`viewer.rs`).
+    let rules = viewer.key_rules(shared);
     let request = Request {
         payload: &payload,
         timestamp: Some(&timestamp),
+        access: rules.as_ref().map(|r| r as &dyn statestore::KeyAccess),
         ..Request::default()
     };
     let caller = Caller {
@@ -88,7 +101,8 @@ async fn run(broker: &Broker, args: &[Vec<u8>]) -> Response {
         owner: EDITOR,
     };
     let answer = shared.store.execute(&request, caller).await;
-    tracing::info!(command = %String::from_utf8_lossy(&args[0]), key = %String::from_utf8_lossy(&args[1]), answer = %String::from_utf8_lossy(&answer).trim_end(), "web view edit");
+    // Debug form: a key with a line break cannot forge a log line.
+    tracing::info!(user = ?viewer.name(), command = %String::from_utf8_lossy(&args[0]), key = ?String::from_utf8_lossy(&args[1]), answer = ?String::from_utf8_lossy(&answer).trim_end(), "web view edit");
     let (ok, text) = match parse_reply(&answer) {
         Ok(Reply::Error(e)) => (false, format!("-{e}")),
         Ok(Reply::Simple(s)) => (true, format!("+{s}")),

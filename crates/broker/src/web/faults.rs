@@ -56,7 +56,9 @@ struct Control(FaultControl);
 impl FromRequestParts<Broker> for Control {
     type Rejection = Response;
 
-    async fn from_request_parts(_: &mut Parts, broker: &Broker) -> Result<Control, Response> {
+    async fn from_request_parts(parts: &mut Parts, broker: &Broker) -> Result<Control, Response> {
+        // Under a policy, for operators only (`viewer.rs`).
+        super::viewer::Operator::from_request_parts(parts, broker).await?;
         match broker.get() {
             Some(shared) => Ok(Control(FaultControl::new(std::sync::Arc::clone(shared)))),
             None => Err(starting()),

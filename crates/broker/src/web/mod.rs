@@ -4,8 +4,9 @@
 //! - `GET /`: the page (`index.html`, embedded): keys (paged, glob
 //!   filter), live requests and notifications, clients and sessions;
 //! - `GET /api/keys?pattern=*&start=0&limit=100`: a page of keys with
-//!   value (text, or hex when not UTF-8), version, expiry, fencing token,
-//!   persisted or not, watchers; `next` resumes;
+//!   the start of the value (text, or hex when not UTF-8) and its length,
+//!   version, expiry, fencing token, persisted or not, watchers; `next`
+//!   resumes;
 //! - `GET /api/clients`: clients connected or with a kept session, their
 //!   subscriptions and queued deliveries;
 //! - `GET /api/summary`: the numbers of `$SYS` in one object, and
@@ -31,7 +32,9 @@
 //! (HTTP Basic; failures slowed per address as for MQTT), and is refused
 //! altogether without a password file, unless `[http] allow_anonymous`
 //! opens its reads (GET, HEAD) to anyone; `/metrics`, `/healthz` and
-//! `/readyz` stay open for scrapers and probes.
+//! `/readyz` stay open for scrapers and probes. Under an authorization
+//! policy each request gets what the policy gives its user, and with a
+//! password file the view asks for one on loopback too (`viewer.rs`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -52,6 +55,9 @@ use crate::shared::Shared;
 mod edit;
 mod faults;
 mod hosts;
+mod viewer;
+
+use viewer::{Operator, Viewer};
 
 pub(crate) use hosts::AllowedHosts;
 
@@ -152,14 +158,29 @@ async fn guard_view(
     let header = request
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let started = shared.as_ref().map(|s| s.authenticator.has_password_file());
     let reads = matches!(
         *request.method(),
         axum::http::Method::GET | axum::http::Method::HEAD
     );
-    match gate(guard.exposed, guard.anonymous && reads, started, header) {
-        Gate::Open => next.run(request).await,
+    // With a policy and users, the view is a user's on loopback too: the
+    // policy decides what each sees (`viewer.rs`).
+    let users_decide = shared
+        .as_ref()
+        .is_some_and(|s| s.authorizer.current().is_some() && s.authenticator.has_password_file());
+    let mut request = request;
+    match gate(
+        guard.exposed || users_decide,
+        guard.anonymous && reads,
+        started,
+        header.as_deref(),
+    ) {
+        Gate::Open => {
+            request.extensions_mut().insert(Viewer::new(None));
+            next.run(request).await
+        }
         Gate::Starting => starting(),
         Gate::NoPasswordFile => (
             StatusCode::FORBIDDEN,
@@ -170,15 +191,15 @@ async fn guard_view(
         Gate::Check(credentials) => {
             let sent = credentials.is_some();
             let ok = match (&shared, credentials) {
-                (Some(shared), Some((user, password))) => {
-                    shared
-                        .authenticator
-                        .verify(peer.ip(), &user, &password)
-                        .await
-                }
-                _ => false,
+                (Some(shared), Some((user, password))) => shared
+                    .authenticator
+                    .verify(peer.ip(), &user, &password)
+                    .await
+                    .then_some(user),
+                _ => None,
             };
-            if ok {
+            if let Some(user) = ok {
+                request.extensions_mut().insert(Viewer::new(Some(user)));
                 next.run(request).await
             } else {
                 if sent {
@@ -319,8 +340,11 @@ fn page_size() -> usize {
 struct KeyJson {
     key: String,
     key_hex: Option<String>,
+    /// The value's first [`statestore::browse::VALUE_SHOWN`] bytes.
     value: String,
     value_hex: Option<String>,
+    /// The whole value's length in bytes.
+    value_len: usize,
     version: String,
     expires_at_ms: Option<u64>,
     fencing_token: Option<String>,
@@ -328,10 +352,16 @@ struct KeyJson {
     watchers: Vec<String>,
 }
 
-/// Text when UTF-8 (then no hex), else the lossy text and the hex.
-fn text(bytes: &[u8]) -> (String, Option<String>) {
+/// Text when UTF-8 (then no hex), else the lossy text and the hex. `cut`:
+/// the bytes are the start of a longer value, whose last character may
+/// have been cut in two (left out: the value is still text).
+fn text(bytes: &[u8], cut: bool) -> (String, Option<String>) {
     match std::str::from_utf8(bytes) {
         Ok(t) => (t.to_owned(), None),
+        Err(e) if cut && e.error_len().is_none() => (
+            String::from_utf8_lossy(&bytes[..e.valid_up_to()]).into_owned(),
+            None,
+        ),
         Err(_) => (
             String::from_utf8_lossy(bytes).into_owned(),
             Some(hex::encode(bytes)),
@@ -339,24 +369,31 @@ fn text(bytes: &[u8]) -> (String, Option<String>) {
     }
 }
 
-async fn keys(State(broker): State<Broker>, Query(q): Query<KeysQuery>) -> Response {
+async fn keys(
+    viewer: Viewer,
+    State(broker): State<Broker>,
+    Query(q): Query<KeysQuery>,
+) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
+    let rules = viewer.key_rules(shared);
+    let access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
     let page = shared
         .store
-        .with_store(|store| store.browse(q.pattern.as_bytes(), q.start, q.limit));
+        .with_store(|store| store.browse(q.pattern.as_bytes(), q.start, q.limit, access));
     let keys: Vec<KeyJson> = page
         .keys
         .into_iter()
         .map(|k| {
-            let (key, key_hex) = text(&k.key);
-            let (value, value_hex) = text(&k.value);
+            let (key, key_hex) = text(&k.key, false);
+            let (value, value_hex) = text(&k.value, k.value.len() < k.value_len);
             KeyJson {
                 key,
                 key_hex,
                 value,
                 value_hex,
+                value_len: k.value_len,
                 version: k.version,
                 expires_at_ms: k.expires_at_ms,
                 fencing_token: k.fencing_token,
@@ -369,14 +406,14 @@ async fn keys(State(broker): State<Broker>, Query(q): Query<KeysQuery>) -> Respo
         .into_response()
 }
 
-async fn clients(State(broker): State<Broker>) -> Response {
+async fn clients(_: Operator, State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
     Json(shared.sessions.clients()).into_response()
 }
 
-async fn summary(State(broker): State<Broker>) -> Response {
+async fn summary(_: Operator, State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
@@ -425,14 +462,14 @@ pub(crate) async fn sample_rates(shared: Arc<Shared>) {
     }
 }
 
-async fn rates(State(broker): State<Broker>) -> Response {
+async fn rates(_: Operator, State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
     Json(shared.activity.rates()).into_response()
 }
 
-async fn events(State(broker): State<Broker>) -> Response {
+async fn events(_: Operator, State(broker): State<Broker>) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };

@@ -69,6 +69,7 @@ impl<'a> Scan<'a> {
             page_size,
             page_size.saturating_mul(SLOTS_PER_KEY),
             STEPS_PER_PAGE,
+            usize::MAX,
             &pattern,
         );
         let visible = keys
