@@ -197,6 +197,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // The files it names (passwords, policy, certificates) are part of the
+    // configuration: checked before anything starts or opens the data
+    // directory, as a reload checks them.
+    if let Err(errors) = broker::reload::read_named_files(&settings) {
+        for e in errors {
+            eprintln!("statebroker: {e}");
+        }
+        return ExitCode::from(2);
+    }
     let format = cli
         .log_format
         .unwrap_or_else(|| Format::from_config(&settings.log.format));

@@ -49,6 +49,49 @@ async fn a_bad_config_stops_the_start_naming_the_field() {
     assert!(stderr.contains("statestore.scan_page_size"), "{stderr}");
 }
 
+/// The files a configuration names are part of it: a policy, password
+/// file or certificate that does not load stops the start as a bad value
+/// does (exit 2, the setting named), before the data directory is opened,
+/// and a file that is not a policy is not copied into the message.
+#[tokio::test]
+async fn a_named_file_that_does_not_load_stops_the_start_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let passwd = dir.path().join("passwd");
+    let hashed = broker::passwords::set_user("", "alice", b"s3cret").unwrap();
+    std::fs::write(&passwd, &hashed).unwrap();
+    let config = dir.path().join("mixed-up.toml");
+    // The password file named as the policy, and a missing certificate.
+    std::fs::write(
+        &config,
+        format!(
+            "[broker]\nauthorization = {:?}\n\n[v5.1]\nname = \"tls\"\nlisten = \"127.0.0.1:0\"\nnext_connection_delay_ms = 0\n[v5.1.connections]\nconnection_timeout_ms = 1000\nmax_payload_size = 1024\nmax_inflight_count = 10\n[v5.1.tls]\ncertpath = \"missing.pem\"\nkeypath = \"missing.key\"\n",
+            passwd.display().to_string()
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(&data)
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("[broker] authorization = "), "{stderr}");
+    assert!(stderr.contains("not a policy"), "{stderr}");
+    assert!(stderr.contains("tls"), "{stderr}");
+    let hash = hashed.trim().split_once(':').unwrap().1;
+    assert!(
+        !stderr.contains(&hash[10..]),
+        "a hash in the message: {stderr}"
+    );
+    assert!(!data.exists(), "the data directory was opened");
+}
+
 /// Two brokers on one machine: the second one's HTTP endpoint (by default
 /// 127.0.0.1:9883, here the configured `[http] listen`) finds the port
 /// taken. It refuses to start, and says how to pick another port or turn

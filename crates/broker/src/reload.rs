@@ -45,36 +45,46 @@ pub struct Prepared {
     needs_restart: Vec<String>,
 }
 
-/// Reads and checks what `new` (the configuration read again) names, and
-/// sees what differs from what runs. `Err`: why the reload is refused, one
-/// line per problem, each naming its setting; nothing has changed.
-pub(crate) fn prepare(shared: &Arc<Shared>, new: &Settings) -> Result<Prepared, Vec<String>> {
+/// The files a configuration names, read and checked.
+pub struct NamedFiles {
+    passwords: PasswordFile,
+    policy: PolicyFile,
+    /// Each listener's TLS files, in the order of the listeners.
+    tls: Vec<Option<Loaded>>,
+}
+
+/// Reads and checks every file `settings` names, as a start would: the
+/// password file, the authorization policy, each TLS listener's files.
+/// `Err`: one line per problem, each naming its setting and file (the
+/// binary checks them before it starts: a configuration error, exit 2).
+pub fn read_named_files(settings: &Settings) -> Result<NamedFiles, Vec<String>> {
     let mut errors = Vec::new();
     let shown = |path: Option<&Path>| path.map_or("none".to_owned(), |p| p.display().to_string());
-    let passwords = match PasswordFile::read(new.password_file.as_deref()) {
+    let passwords = match PasswordFile::read(settings.password_file.as_deref()) {
         Ok(file) => Some(file),
         Err(e) => {
             errors.push(format!(
                 "[broker] password_file = {}: {e}",
-                shown(new.password_file.as_deref())
+                shown(settings.password_file.as_deref())
             ));
             None
         }
     };
-    let policy = match PolicyFile::read(new.authorization.as_deref()) {
+    let policy = match PolicyFile::read(settings.authorization.as_deref()) {
         Ok(file) => Some(file),
         Err(e) => {
             errors.push(format!(
                 "[broker] authorization = {}: {e}",
-                shown(new.authorization.as_deref())
+                shown(settings.authorization.as_deref())
             ));
             None
         }
     };
-    // Every TLS listener's files, as a start would load them (those of a
-    // listener that needs a restart too: the next start must not fail).
+    // Every TLS listener's files, as a start would load them (on a
+    // reload, those of a listener that needs a restart too: the next
+    // start must not fail).
     let mut loaded: Vec<Option<Loaded>> = Vec::new();
-    for listener in &new.listeners {
+    for listener in &settings.listeners {
         loaded.push(match &listener.tls {
             None => None,
             Some(files) => match Tls::read(files) {
@@ -86,9 +96,25 @@ pub(crate) fn prepare(shared: &Arc<Shared>, new: &Settings) -> Result<Prepared, 
             },
         });
     }
-    if !errors.is_empty() {
-        return Err(errors);
+    match (passwords, policy) {
+        (Some(passwords), Some(policy)) if errors.is_empty() => Ok(NamedFiles {
+            passwords,
+            policy,
+            tls: loaded,
+        }),
+        _ => Err(errors),
     }
+}
+
+/// Reads and checks what `new` (the configuration read again) names, and
+/// sees what differs from what runs. `Err`: why the reload is refused, one
+/// line per problem, each naming its setting; nothing has changed.
+pub(crate) fn prepare(shared: &Arc<Shared>, new: &Settings) -> Result<Prepared, Vec<String>> {
+    let NamedFiles {
+        passwords,
+        policy,
+        tls: mut loaded,
+    } = read_named_files(new)?;
     let needs_restart = shared.settings.needs_restart(new);
     let mut tls = Vec::new();
     for running in &shared.tls {
@@ -107,8 +133,8 @@ pub(crate) fn prepare(shared: &Arc<Shared>, new: &Settings) -> Result<Prepared, 
             tls.push((Arc::clone(running), l));
         }
     }
-    let passwords = passwords.filter(|p| shared.authenticator.differs(p));
-    let policy = policy.filter(|p| shared.authorizer.differs(p));
+    let passwords = Some(passwords).filter(|p| shared.authenticator.differs(p));
+    let policy = Some(policy).filter(|p| shared.authorizer.differs(p));
     Ok(Prepared {
         shared: Arc::clone(shared),
         passwords,

@@ -108,7 +108,16 @@ pub(super) struct StoreResourceDoc {
 /// Parses a policy file's text (YAML or JSON).
 pub(super) fn parse(text: &str) -> Result<Policies, String> {
     let value: serde_yaml_ng::Value =
-        serde_yaml_ng::from_str(text).map_err(|e| format!("not YAML or JSON: {e}"))?;
+        serde_yaml_ng::from_str(text).map_err(|e| format!("not YAML or JSON: {}", brief(&e)))?;
+    if !value.is_mapping() {
+        // A password file, a certificate, a list: its text is not echoed
+        // (it may be secret).
+        return Err(
+            "not a policy: the file is not a map of YAML or JSON keys (rules:, or the \
+             authorizationPolicies of a BrokerAuthorization)"
+                .into(),
+        );
+    }
     let inner = value
         .get("spec")
         .or_else(|| value.get("properties"))
@@ -117,6 +126,31 @@ pub(super) fn parse(text: &str) -> Result<Policies, String> {
         .unwrap_or(&value);
     let policies = serde_yaml_ng::from_value::<Policies>(inner.clone());
     policies.map_err(|e| {
-        format!("{e} (expected the authorizationPolicies of a BrokerAuthorization: rules with principals, brokerResources, stateStoreResources)")
+        format!("{} (expected the authorizationPolicies of a BrokerAuthorization: rules with principals, brokerResources, stateStoreResources)", brief(&e))
     })
+}
+
+/// A parser's message with each quoted text in it cut to its start: the
+/// message names where and what is wrong; a log line must not carry a
+/// whole file that was not meant to be a policy (a password file's
+/// hashes, a key).
+fn brief(error: &impl std::fmt::Display) -> String {
+    const QUOTED: usize = 24;
+    let message = error.to_string();
+    let mut out = String::with_capacity(message.len().min(512));
+    let mut parts = message.split('"');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    for (i, part) in parts.enumerate() {
+        out.push('"');
+        // Odd parts (0, 2, ... after the first quote) are inside quotes.
+        if i % 2 == 0 && part.chars().count() > QUOTED {
+            out.extend(part.chars().take(QUOTED));
+            out.push('…');
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
 }

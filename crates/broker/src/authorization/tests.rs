@@ -201,3 +201,21 @@ fn a_reload_with_an_error_keeps_the_policy_in_use() {
     );
     assert!(Authorizer::load(None).unwrap().current().is_none());
 }
+
+#[test]
+fn a_file_that_is_not_a_policy_is_not_echoed() {
+    // A password file named as the policy by mistake: its hashes stay out
+    // of the message (and so of the log).
+    let hash = "$7$101$c2FsdHNhbHRzYWx0c2FsdA==$aGFzaGhhc2hoYXNoaGFzaGhhc2hoYXNoaGFzaGhhc2g=";
+    let e = Policy::parse(&format!("alice:{hash}\nbob:{hash}\n")).unwrap_err();
+    assert!(!e.contains("c2FsdHNhbHRz") && !e.contains("bob"), "{e}");
+    assert!(e.contains("not a policy"), "{e}");
+    // A wrong type deeper down: named, its text cut to its start.
+    let long = "x".repeat(200);
+    let e = Policy::parse(&format!(
+        "rules: [{{ principals: {{ clientIds: ['a'] }}, brokerResources: \"{long}\" }}]"
+    ))
+    .unwrap_err();
+    assert!(e.contains("invalid type") && e.contains("xxxx…"), "{e}");
+    assert!(e.len() < 300, "{e}");
+}
