@@ -123,11 +123,7 @@ struct Cli {
 enum Command {
     /// Add a user to a password file, or change their password (mosquitto's
     /// format: PBKDF2-SHA512, so mosquitto reads it too). Creates the file.
-    ///
-    /// Examples:
-    ///   statebroker passwd /etc/statebroker/passwd alice
-    ///   echo "$PASSWORD" | statebroker passwd users alice --password-stdin
-    ///   statebroker passwd users alice --delete
+    #[command(after_help = PASSWD_EXAMPLES)]
     Passwd {
         /// The password file (`[broker] password_file`).
         file: std::path::PathBuf,
@@ -153,6 +149,12 @@ enum Command {
         file: PathBuf,
     },
 }
+
+/// `passwd --help`'s examples, one command a line.
+const PASSWD_EXAMPLES: &str = "Examples:
+  statebroker passwd /etc/statebroker/passwd alice
+  echo \"$PASSWORD\" | statebroker passwd users alice --password-stdin
+  statebroker passwd users alice --delete";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

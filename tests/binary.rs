@@ -150,6 +150,19 @@ async fn help_explains_the_options() {
     ] {
         assert!(help.contains(needle), "--help lacks {needle}");
     }
+    // The passwd examples, one command a line (wrapped into one before).
+    let output = Command::new(env!("CARGO_BIN_EXE_statebroker"))
+        .args(["passwd", "--help"])
+        .output()
+        .await
+        .unwrap();
+    let help = String::from_utf8_lossy(&output.stdout);
+    for example in [
+        "  statebroker passwd /etc/statebroker/passwd alice\n",
+        "  statebroker passwd users alice --delete\n",
+    ] {
+        assert!(help.contains(example), "{help}");
+    }
 }
 
 /// Lines at a level that normal use must never produce.
@@ -543,6 +556,25 @@ async fn the_start_says_what_the_http_endpoint_serves() {
     ] {
         assert!(line.contains(needle), "{needle:?} missing from {line}");
     }
+    // Before any client: the connection series are there, at 0 (a
+    // `statebroker_connections == 0` alert and rate() need them).
+    let http = line
+        .split("addr=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let metrics = http_get(http, "/metrics").await;
+    for series in [
+        "statebroker_connections 0",
+        "statebroker_connections_accepted_total 0",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == series),
+            "{series} missing:\n{metrics}"
+        );
+    }
     drop(broker);
     let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
     command.args(["--in-memory", "--listen", "127.0.0.1:0", "--no-http"]);
@@ -554,6 +586,20 @@ async fn the_start_says_what_the_http_endpoint_serves() {
         "{:#?}",
         log.lock()
     );
+}
+
+/// The body of `GET path` from `addr` (HTTP/1.0, `Host: localhost`).
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or(answer)
 }
 
 /// A data directory that is a file: said in those words, not `File

@@ -185,6 +185,11 @@ pub fn install() -> PrometheusHandle {
                 }
             };
             describe();
+            // Present from the start, at 0: an alert on
+            // `statebroker_connections == 0` or a rate() of the first
+            // connections needs the series before the first client.
+            gauge!(CONNECTIONS).set(0.0);
+            counter!(CONNECTIONS_ACCEPTED).absolute(0);
             let _ = HOT.set(Hot::register());
             gauge!(
                 BUILD_INFO,
