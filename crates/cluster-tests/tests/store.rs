@@ -297,6 +297,33 @@ async fn a_key_written_after_it_expired_and_before_the_reaper_notifies_its_delet
     assert!(extra.is_err(), "an extra notification {extra:?}");
 }
 
+/// The web view's key pages and edits read and change a node's own store,
+/// which on a cluster node holds none of the cluster's keys: they say so
+/// rather than show nothing and answer `+OK` to an edit that changed
+/// nothing in etcd (as they did before 2026-11-29).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_web_view_says_a_nodes_keys_are_in_etcd() {
+    use std::io::{Read, Write};
+    let setup = Setup::start_with(1, 1, &[("STATEBROKER__HTTP__ALLOW_EDIT", "true")]);
+    let mut c = client(setup.ports[0], "web-check").await;
+    assert_eq!(text(&ask(&mut c, &["SET", "k", "v"]).await), "+OK");
+    let page = http_get(setup.http[0], "/api/keys").unwrap();
+    assert!(page.starts_with("HTTP/1.1 501"), "{page}");
+    assert!(page.contains("keys are in etcd"), "{page}");
+    let body = r#"{"key":"k","value":"from-the-page"}"#;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", setup.http[0])).unwrap();
+    write!(
+        stream,
+        "POST /api/set HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+    assert_eq!(text(&ask(&mut c, &["GET", "k"]).await), "$v");
+}
+
 /// Every key a SCAN of `pattern` lists, page after page, and how many
 /// pages it took.
 async fn scan_all(c: &mut statebroker_cli::client::Client, pattern: &[u8]) -> (Vec<String>, usize) {

@@ -314,6 +314,17 @@ async fn page() -> impl IntoResponse {
     )
 }
 
+/// On a cluster node the keys are in etcd; the key pages and edits read
+/// and change the node's own store, which holds none of them.
+fn keys_in_etcd() -> Response {
+    (
+        StatusCode::NOT_IMPLEMENTED,
+        "on a cluster node the keys are in etcd, which the web view does not read or change yet: \
+         use SCAN, GET and SET (statebroker-cli scan/get/set)\n",
+    )
+        .into_response()
+}
+
 fn starting() -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, "the broker is starting\n").into_response()
 }
@@ -377,6 +388,9 @@ async fn keys(
     let Some(shared) = broker.get() else {
         return starting();
     };
+    if shared.store.keys_in_etcd() {
+        return keys_in_etcd();
+    }
     let rules = viewer.key_rules(shared);
     let access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
     let page = shared

@@ -396,6 +396,13 @@ impl StateStoreService {
         self.clustered.as_ref()
     }
 
+    /// Whether the keys are in etcd (a cluster node), not in this store:
+    /// tools that read or change this store directly (the web view's key
+    /// pages and edits) would show and change none of the cluster's keys.
+    pub fn keys_in_etcd(&self) -> bool {
+        self.clustered.is_some()
+    }
+
     /// Whether the state store can serve: on a cluster node, whether etcd
     /// answers.
     pub fn is_ready(&self) -> bool {
