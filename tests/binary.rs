@@ -588,6 +588,48 @@ async fn the_start_says_what_the_http_endpoint_serves() {
     );
 }
 
+/// A full store is the operator's business: a request refused for a
+/// quota gets its `-ERR` and the log a WARN (once per 10 s, counting).
+#[tokio::test]
+async fn a_quota_reached_is_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("small.toml");
+    std::fs::write(&config, "[statestore.quota]\nmax_keys = 1\n").unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_statebroker"));
+    command
+        .args([
+            "--in-memory",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-http",
+            "--config",
+        ])
+        .arg(&config);
+    let (_child, addr, log) = common::spawn_command(command).await;
+    let mut client = Raw::connect(addr, "filler").await;
+    assert_eq!(
+        &client.request(&[b"SET", b"a", b"1"]).await.payload[..],
+        b"+OK\r\n"
+    );
+    for key in [&b"b"[..], b"c"] {
+        assert_eq!(
+            &client.request(&[b"SET", key, b"1"]).await.payload[..],
+            b"-ERR the quota has been exceeded\r\n"
+        );
+    }
+    let start = std::time::Instant::now();
+    while !log.lock().iter().any(|l| {
+        l.contains(" WARN ") && l.contains("[statestore.quota] is reached") && l.contains("filler")
+    }) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{:#?}",
+            log.lock()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The body of `GET path` from `addr` (HTTP/1.0, `Host: localhost`).
 async fn http_get(addr: &str, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -607,8 +607,36 @@ impl Reply<'_> {
 /// Fills in how a request ended: for metrics and the live list.
 fn settle(reply: &mut Reply<'_>, error: Option<statestore::Error>) {
     reply.ok = error.is_none();
+    if error == Some(statestore::Error::QuotaExceeded) {
+        quota_reached(&reply.requester, reply.command);
+    }
     if let Some((_, result)) = &mut reply.shown {
         *result = error.map_or_else(|| "ok".to_owned(), |e| e.to_string());
+    }
+}
+
+/// A request refused for a quota of the store (`[statestore.quota]`: keys,
+/// bytes, a key's or value's size, watches): a WARN at most every 10 s
+/// with how many were refused since, for the operator of a store that is
+/// full. A client's other refusals are its own business (DEBUG).
+fn quota_reached(client_id: &str, command: &str) {
+    static LAST: parking_lot::Mutex<(Option<std::time::Instant>, u64)> =
+        parking_lot::Mutex::new((None, 0));
+    let mut last = LAST.lock();
+    last.1 += 1;
+    let now = std::time::Instant::now();
+    if last
+        .0
+        .is_none_or(|at| now.duration_since(at) >= std::time::Duration::from_secs(10))
+    {
+        tracing::warn!(
+            client_id = ?client_id,
+            command,
+            refused = std::mem::take(&mut last.1),
+            "state store requests refused: a quota of [statestore.quota] is reached \
+             (keys, bytes, a key's or value's size, or watches)"
+        );
+        last.0 = Some(now);
     }
 }
 
