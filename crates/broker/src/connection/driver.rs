@@ -116,7 +116,14 @@ impl<S: Stream> Driver<S> {
                     // The disk moved past what something here waits for:
                     // held acknowledgements go, reading stopped at a bound
                     // goes on.
-                    _ = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
+                    // (The watch's read guard goes first: `on_disk` reads
+                    // the state store's answered watch, and a second read
+                    // lock of a watch whose writer waits deadlocks; a `_`
+                    // pattern would keep the guard to the arm's end. Two
+                    // clients publishing retained QoS 1 messages stopped
+                    // the whole broker within a minute.)
+                    seen = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
+                        drop(seen);
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
