@@ -214,6 +214,21 @@ pub struct RouterConfig {
     /// configuration.
     #[serde(skip)]
     pub queue_full: QueueFull,
+    /// The most retained messages held (0: no limit): a client's retained
+    /// publish on a topic that has none beyond it is refused, PUBACK /
+    /// PUBREC "quota exceeded" (statebroker patch 46). Set by the broker
+    /// from its own configuration.
+    #[serde(skip)]
+    pub max_retained_messages: usize,
+    /// The most bytes of topics and payloads of retained messages (0: no
+    /// limit), refused the same way (patch 46).
+    #[serde(skip)]
+    pub max_retained_bytes: usize,
+    /// Client ids of the broker's own links (its `$SYS` statistics,
+    /// copies from other cluster nodes) start with it: their retained
+    /// publishes are not refused (patch 46). Empty: none is exempt.
+    #[serde(skip)]
+    pub internal_prefix: String,
 }
 
 /// When a message would push out of a filter's log one a kept session

@@ -610,6 +610,8 @@ impl Settings {
                 max_keep_alive_secs,
                 max_session_expiry_secs,
                 max_kept_sessions,
+                max_retained_messages,
+                max_retained_bytes,
                 topic_alias_max,
                 legacy_2023_topic,
                 max_queued_messages,

@@ -159,6 +159,12 @@ pub struct BrokerSection {
     /// connection that would keep one more for a new client id is refused
     /// (CONNACK 0x97, 3.1.1: 0x03). 0 for no limit.
     pub max_kept_sessions: usize,
+    /// Retained messages held, all topics together; a retained publish on
+    /// a new topic beyond it is refused (0x97). 0 for no limit.
+    pub max_retained_messages: usize,
+    /// Bytes of topics and payloads of the retained messages; a retained
+    /// publish that would pass it is refused (0x97). 0 for no limit.
+    pub max_retained_bytes: usize,
     /// Topic aliases a client may use towards the broker.
     pub topic_alias_max: u16,
     /// Serve the 2023 request topic.

@@ -133,6 +133,9 @@ pub struct DataLog {
     /// How many retained messages are held, for readers on other threads
     /// (statebroker patch 14).
     pub retained_count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Topic and payload bytes of the retained messages (statebroker patch
+    /// 46).
+    retained_bytes: usize,
     /// List of filters associated with a topic (foldhash, randomly seeded
     /// per process, as hashbrown's default: statebroker patch 39)
     publish_filters: hashbrown::HashMap<Topic, Vec<FilterIdx>>,
@@ -178,6 +181,7 @@ impl DataLog {
             wild_indexes,
             retained_publishes,
             retained_count: Default::default(),
+            retained_bytes: 0,
             private_logs: HashMap::new(),
             held: 0,
             counts: Default::default(),
@@ -483,14 +487,76 @@ impl DataLog {
         publish_properties: Option<PublishProperties>,
         topic: Topic,
     ) {
+        self.retained_bytes += topic.len() + publish.payload.len();
         let pub_with_props = (publish, publish_properties);
-        self.retained_publishes.insert(topic, pub_with_props.into());
+        if let Some(old) = self.retained_publishes.insert(topic, pub_with_props.into()) {
+            self.retained_bytes -= retained_size(&old);
+        }
         self.count_retained();
     }
 
     pub fn remove_from_retained_publishes(&mut self, topic: Topic) {
-        self.retained_publishes.remove(&topic);
+        if let Some(old) = self.retained_publishes.remove(&topic) {
+            self.retained_bytes -= retained_size(&old);
+        }
         self.count_retained();
+    }
+
+    /// Drops the retained messages whose Message Expiry has passed.
+    fn discard_expired_retained(&mut self, now: Instant) {
+        let mut freed = 0;
+        self.retained_publishes.retain(|_, pubdata| {
+            let keep = remaining_expiry(pubdata, now) != Some(0);
+            if !keep {
+                freed += retained_size(pubdata);
+            }
+            keep
+        });
+        self.retained_bytes -= freed;
+        self.count_retained();
+    }
+
+    /// Which bound keeping `payload_len` bytes as `topic`'s retained
+    /// message would pass (0: no bound): a new topic beyond `max_count`
+    /// messages, or more bytes of topics and payloads than `max_bytes`
+    /// (a replacement that does not grow them always fits); expired
+    /// messages are discarded before a refusal. Statebroker patch 46.
+    pub fn retain_refused(
+        &mut self,
+        topic: &str,
+        payload_len: usize,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Option<&'static str> {
+        let refused = self.passes_retained_bound(topic, payload_len, max_count, max_bytes);
+        if refused.is_some() {
+            self.discard_expired_retained(Instant::now());
+            return self.passes_retained_bound(topic, payload_len, max_count, max_bytes);
+        }
+        refused
+    }
+
+    fn passes_retained_bound(
+        &self,
+        topic: &str,
+        payload_len: usize,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Option<&'static str> {
+        let old = self.retained_publishes.get(topic).map(retained_size);
+        if max_count > 0 && old.is_none() && self.retained_publishes.len() >= max_count {
+            return Some("max_retained_messages");
+        }
+        let after = self.retained_bytes - old.unwrap_or(0) + topic.len() + payload_len;
+        if max_bytes > 0 && after > max_bytes && after > self.retained_bytes {
+            return Some("max_retained_bytes");
+        }
+        None
+    }
+
+    /// Topic and payload bytes of the retained messages.
+    pub fn retained_bytes(&self) -> usize {
+        self.retained_bytes
     }
 
     fn count_retained(&self) {
@@ -508,9 +574,7 @@ impl DataLog {
         // published: each reader gets the interval less the time the
         // message waited (statebroker patch 5; the stored value used to be
         // decremented on every read, so a message expired early).
-        self.retained_publishes
-            .retain(|_, pubdata| remaining_expiry(pubdata, now) != Some(0));
-        self.count_retained();
+        self.discard_expired_retained(now);
 
         self.retained_publishes
             .iter()
@@ -708,6 +772,11 @@ impl AckLog {
     }
 }
 
+/// What a retained message counts against `max_retained_bytes`.
+fn retained_size(data: &PublishData) -> usize {
+    data.publish.topic.len() + data.publish.payload.len()
+}
+
 #[cfg(test)]
 mod test {
     use super::DataLog;
@@ -727,6 +796,9 @@ mod test {
             max_subscriptions_per_client: 0,
             max_kept_sessions: 0,
             queue_full: Default::default(),
+            max_retained_messages: 0,
+            max_retained_bytes: 0,
+            internal_prefix: String::new(),
         }
     }
 

@@ -783,14 +783,38 @@ impl Router {
         None
     }
 
-    /// Refuses `publish` from connection `id` (`client_id`): PUBACK or
-    /// PUBREC "quota exceeded" (QoS 0: dropped), counted, and a WARN line
-    /// at most every 10 s (statebroker patch 23).
+    /// Which retained bound `publish` (retained, not empty) of a client
+    /// (not one of the broker's own links) would pass (statebroker patch
+    /// 46).
+    fn passes_retained_bound(
+        &mut self,
+        client_id: &str,
+        publish: &Publish,
+    ) -> Option<&'static str> {
+        let internal = &self.config.internal_prefix;
+        if !publish.retain
+            || publish.payload.is_empty()
+            || !internal.is_empty() && client_id.starts_with(internal.as_str())
+        {
+            return None;
+        }
+        let topic = std::str::from_utf8(&publish.topic).ok()?;
+        self.datalog.retain_refused(
+            topic,
+            publish.payload.len(),
+            self.config.max_retained_messages,
+            self.config.max_retained_bytes,
+        )
+    }
+
+    /// Refuses `publish` from connection `id` (`client_id`), `why`: PUBACK
+    /// or PUBREC "quota exceeded" (QoS 0: dropped), counted, and a WARN
+    /// line at most every 10 s (statebroker patches 23, 46).
     fn refuse_publish(
         &mut self,
         id: ConnectionId,
         client_id: &str,
-        lagging: &str,
+        why: &Refused,
         publish: &Publish,
     ) {
         self.datalog.counts.count_refused();
@@ -802,14 +826,26 @@ impl Router {
             .0
             .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(10))
         {
-            warn!(
-                client_id,
-                topic = %String::from_utf8_lossy(&publish.topic),
-                kept_session = lagging,
-                refused = std::mem::take(&mut self.refusals.1),
-                "publishes refused (quota exceeded): a kept session's messages would be pushed \
-                 out of the filter's log before it has them (queue_full = \"refuse\" for that session)"
-            );
+            let refused = std::mem::take(&mut self.refusals.1);
+            let topic = String::from_utf8_lossy(&publish.topic);
+            match why {
+                Refused::KeptQueue(lagging) => warn!(
+                    client_id,
+                    %topic,
+                    kept_session = lagging,
+                    refused,
+                    "publishes refused (quota exceeded): a kept session's messages would be pushed \
+                     out of the filter's log before it has them (queue_full = \"refuse\" for that session)"
+                ),
+                Refused::Retained(bound) => warn!(
+                    client_id,
+                    %topic,
+                    bound,
+                    refused,
+                    "publishes refused (quota exceeded): the retained messages are at their bound \
+                     ([broker] {bound})"
+                ),
+            }
             self.refusals.0 = Some(now);
         }
         let Some(ackslog) = self.ackslog.get_mut(id) else {
@@ -893,12 +929,20 @@ impl Router {
                     let refused = if !again
                         && (self.config.queue_full == QueueFull::Refuse || self.sessions_may_refuse)
                     {
-                        self.fills_a_kept_queue(&publish)
+                        self.fills_a_kept_queue(&publish).map(Refused::KeptQueue)
                     } else {
                         None
                     };
-                    if let Some(lagging) = refused {
-                        self.refuse_publish(id, &client_id, &lagging, &publish);
+                    // Nor a retained one beyond the retained messages'
+                    // bounds (patch 46).
+                    let refused = match refused {
+                        None if !again => self
+                            .passes_retained_bound(&client_id, &publish)
+                            .map(Refused::Retained),
+                        refused => refused,
+                    };
+                    if let Some(why) = refused {
+                        self.refuse_publish(id, &client_id, &why, &publish);
                         force_ack |= qos != QoS::AtMostOnce;
                         continue;
                     }
@@ -1924,6 +1968,15 @@ pub const DISCARD: &str = "statebroker:discard";
 /// Whether a PUBREL's properties carry [`DISCARD`].
 fn discards(properties: Option<&PubRelProperties>) -> bool {
     properties.is_some_and(|p| p.user_properties.iter().any(|(k, _)| k == DISCARD))
+}
+
+/// Why a client's publish is refused "quota exceeded".
+enum Refused {
+    /// It would push out of a filter's log what this kept session has not
+    /// had (patch 23).
+    KeptQueue(String),
+    /// Keeping it retained would pass this bound (patch 46).
+    Retained(&'static str),
 }
 
 fn append_to_commitlog(
