@@ -275,18 +275,29 @@ async fn the_bounds_hold_across_a_restart() {
     assert!(!ack.session_present, "expired under the new maximum");
 }
 
-/// A retained publish at QoS 1 or 2: its PUBACK's or PUBREC's reason code
-/// (as a byte).
+/// A retained publish at QoS 1 or 2: its PUBACK's or PUBREC's reason
+/// (`Success`, `QuotaExceeded`, ...).
 async fn retain(
     client: &mut Raw,
     topic: &str,
     payload: &[u8],
     qos: rumqttc::v5::mqttbytes::QoS,
 ) -> String {
+    acknowledged(client, topic, payload, qos, true).await
+}
+
+/// A publish at QoS 1 or 2: its PUBACK's or PUBREC's reason (no PUBREL).
+async fn acknowledged(
+    client: &mut Raw,
+    topic: &str,
+    payload: &[u8],
+    qos: rumqttc::v5::mqttbytes::QoS,
+    retain: bool,
+) -> String {
     use common::raw::Recv;
     use rumqttc::v5::mqttbytes::v5::{Packet, Publish};
     let mut publish = Publish::new(topic, qos, bytes::Bytes::copy_from_slice(payload), None);
-    publish.retain = true;
+    publish.retain = retain;
     publish.pkid = client.pkid();
     let pkid = publish.pkid;
     client.send(Packet::Publish(publish)).await;
@@ -378,4 +389,83 @@ async fn retained_messages_are_bounded() {
     );
     let extra = reader.recv_within(Duration::from_millis(300)).await;
     assert!(matches!(extra, common::raw::Recv::Timeout), "{extra:?}");
+}
+
+/// QoS 2 publishes held until their PUBREL are bounded in bytes, per
+/// client (connected or in its kept session) and all clients together
+/// (`[broker] max_unreleased_qos2_bytes`, `..._total`): beyond either,
+/// PUBREC 0x97 and nothing held or delivered; a PUBREL, or the end of a
+/// session, frees room. Before, one client id held 1,000 publishes of
+/// 1 MB without PUBREL (1.46 GB), and kept them after disconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qos2_publishes_waiting_for_pubrel_are_bounded() {
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::mqttbytes::v5::{Packet, PubRel};
+    const OK: &str = "Success";
+    const QUOTA: &str = "QuotaExceeded";
+    let _one = ONE_AT_A_TIME.lock().await;
+    let broker = start_broker_with(|s| {
+        s.broker.max_unreleased_qos2_bytes = 1000;
+        s.broker.max_unreleased_qos2_bytes_total = 1500;
+    })
+    .await;
+    let addr = broker.local_addr();
+    let held = [b'h'; 400];
+    let (mut a, _) = Raw::connect_with(addr, "holder-a", session(true, Some(600))).await;
+    assert_eq!(
+        acknowledged(&mut a, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        OK
+    );
+    assert_eq!(
+        acknowledged(&mut a, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        OK
+    );
+    // Its own bound: 3 x 404 bytes > 1000.
+    assert_eq!(
+        acknowledged(&mut a, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        QUOTA
+    );
+    // Everyone's: 808 + 404 fit 1500, 808 + 808 do not; a's kept session
+    // still counts once a is gone.
+    let mut b = Raw::connect(addr, "holder-b").await;
+    assert_eq!(
+        acknowledged(&mut b, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        OK
+    );
+    drop(a);
+    assert_eq!(
+        acknowledged(&mut b, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        QUOTA
+    );
+    // a comes back to its session and releases one: room for b.
+    let (mut a, connack) = Raw::connect_with(addr, "holder-a", session(false, Some(600))).await;
+    assert!(connack.session_present);
+    a.send(Packet::PubRel(PubRel::new(1, None))).await;
+    loop {
+        match a.recv().await {
+            common::raw::Recv::Packet(Packet::PubComp(c)) => {
+                assert_eq!(c.pkid, 1);
+                break;
+            }
+            common::raw::Recv::Packet(_) => continue,
+            other => panic!("no PUBCOMP: {other:?}"),
+        }
+    }
+    assert_eq!(
+        acknowledged(&mut b, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        OK
+    );
+    // 404 (a) + 808 (b): no room for a third client's; a clean start
+    // ends a's session and frees its part.
+    let mut c = Raw::connect(addr, "holder-c").await;
+    assert_eq!(
+        acknowledged(&mut c, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        QUOTA
+    );
+    drop(a);
+    let (_a, _) = Raw::connect_with(addr, "holder-a", session(true, None)).await;
+    assert_eq!(
+        acknowledged(&mut c, "q2/t", &held, QoS::ExactlyOnce, false).await,
+        OK
+    );
 }

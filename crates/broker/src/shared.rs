@@ -81,14 +81,17 @@ impl Shared {
         let durable = persistence
             .as_ref()
             .map(|(persistence, _)| Durable::new(Arc::clone(persistence)));
-        // The router enforces `[broker] max_kept_sessions` (patch 22) and
-        // the retained messages' bounds (patch 46).
+        // The router enforces `[broker] max_kept_sessions` (patch 22), the
+        // retained messages' bounds (patch 46) and those of QoS 2 publishes
+        // waiting for their PUBREL (patch 47).
         let router_config = router::RouterConfig {
             max_kept_sessions: settings.broker.max_kept_sessions,
             queue_full: settings.broker.queue_full,
             max_retained_messages: settings.broker.max_retained_messages,
             max_retained_bytes: settings.broker.max_retained_bytes,
             internal_prefix: crate::publisher::INTERNAL_PREFIX.to_owned(),
+            max_unreleased_qos2_bytes: settings.broker.max_unreleased_qos2_bytes,
+            max_unreleased_qos2_bytes_total: settings.broker.max_unreleased_qos2_bytes_total,
             ..settings.router.clone()
         };
         #[cfg_attr(not(feature = "cluster"), allow(unused_mut))]

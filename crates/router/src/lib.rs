@@ -225,10 +225,20 @@ pub struct RouterConfig {
     #[serde(skip)]
     pub max_retained_bytes: usize,
     /// Client ids of the broker's own links (its `$SYS` statistics,
-    /// copies from other cluster nodes) start with it: their retained
-    /// publishes are not refused (patch 46). Empty: none is exempt.
+    /// copies from other cluster nodes) start with it: their publishes
+    /// are not held to the bounds of patches 46 and 47. Empty: none is
+    /// exempt.
     #[serde(skip)]
     pub internal_prefix: String,
+    /// The most bytes (topic, payload, properties) of one client's QoS 2
+    /// publishes held until their PUBREL, connected or in its kept session
+    /// (0: no limit): a QoS 2 publish beyond it gets PUBREC "quota
+    /// exceeded" (statebroker patch 47). Set by the broker.
+    #[serde(skip)]
+    pub max_unreleased_qos2_bytes: usize,
+    /// The same for all clients together (0: no limit; patch 47).
+    #[serde(skip)]
+    pub max_unreleased_qos2_bytes_total: usize,
 }
 
 /// When a message would push out of a filter's log one a kept session

@@ -612,6 +612,8 @@ impl Settings {
                 max_kept_sessions,
                 max_retained_messages,
                 max_retained_bytes,
+                max_unreleased_qos2_bytes,
+                max_unreleased_qos2_bytes_total,
                 topic_alias_max,
                 legacy_2023_topic,
                 max_queued_messages,

@@ -165,6 +165,11 @@ pub struct BrokerSection {
     /// Bytes of topics and payloads of the retained messages; a retained
     /// publish that would pass it is refused (0x97). 0 for no limit.
     pub max_retained_bytes: usize,
+    /// Bytes of one client's QoS 2 publishes held until their PUBREL; a
+    /// QoS 2 publish beyond it gets PUBREC 0x97. 0 for no limit.
+    pub max_unreleased_qos2_bytes: usize,
+    /// The same for all clients together. 0 for no limit.
+    pub max_unreleased_qos2_bytes_total: usize,
     /// Topic aliases a client may use towards the broker.
     pub topic_alias_max: u16,
     /// Serve the 2023 request topic.

@@ -1,7 +1,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
-use super::logs::Recorded;
+use super::logs::Held;
 use super::{
     iobufs::Replay,
     scheduler::{PauseReason, Tracker},
@@ -87,7 +87,7 @@ impl Graveyard {
         subscription_ids: HashMap<String, usize>,
         metrics: ConnectionEvents,
         unacked_pubrels: VecDeque<u16>,
-        incoming_qos2: VecDeque<Recorded>,
+        incoming_qos2: Held,
         replay: Replay,
         expires_at: Option<Instant>,
     ) {
@@ -151,7 +151,7 @@ pub struct SessionState {
     pub unacked_pubrels: VecDeque<u16>,
     /// QoS 2 publishes from the client waiting for its PUBREL (statebroker
     /// patch 6).
-    pub incoming_qos2: VecDeque<Recorded>,
+    pub incoming_qos2: Held,
     /// Deliveries to send again as they were (statebroker patch 11).
     pub replay: Replay,
 }

@@ -13,6 +13,8 @@ use crate::segments::{CommitLog, Position};
 use crate::Storage;
 use std::collections::{HashMap, VecDeque};
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 type PubWithProp = (Publish, Option<PublishProperties>);
@@ -665,6 +667,83 @@ where
 /// keeps it under (statebroker patch 16).
 pub type Recorded = (Publish, Option<PublishProperties>, Option<MessageId>);
 
+/// What a recorded publish counts against the bounds of unreleased QoS 2
+/// publishes: topic, payload and the properties' variable parts.
+fn recorded_size((publish, properties, _): &Recorded) -> usize {
+    publish_size(publish, properties.as_ref())
+}
+
+fn publish_size(publish: &Publish, properties: Option<&PublishProperties>) -> usize {
+    let properties = properties.map_or(0, |p| {
+        p.user_properties
+            .iter()
+            .map(|(k, v)| k.len() + v.len())
+            .sum::<usize>()
+            + p.response_topic.as_ref().map_or(0, |t| t.len())
+            + p.correlation_data.as_ref().map_or(0, |c| c.len())
+            + p.content_type.as_ref().map_or(0, |t| t.len())
+    });
+    publish.topic.len() + publish.payload.len() + properties
+}
+
+/// A session's QoS 2 publishes waiting for their PUBREL (statebroker patch
+/// 6), with their bytes, counted into the router's total of such bytes
+/// for as long as they are held, whether by a connection or by a kept
+/// session (patch 47).
+#[derive(Debug)]
+pub struct Held {
+    items: VecDeque<Recorded>,
+    bytes: usize,
+    total: Arc<AtomicUsize>,
+}
+
+impl Held {
+    /// None yet, counted into `total`.
+    pub fn new(total: Arc<AtomicUsize>) -> Held {
+        Held {
+            items: VecDeque::new(),
+            bytes: 0,
+            total,
+        }
+    }
+
+    /// Bytes held ([`recorded_size`]).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// What `publish` would count, recorded.
+    pub fn size_of(publish: &Publish, properties: Option<&PublishProperties>) -> usize {
+        publish_size(publish, properties)
+    }
+
+    fn contains(&self, pkid: u16) -> bool {
+        self.items.iter().any(|(p, _, _)| p.pkid == pkid)
+    }
+
+    fn push(&mut self, recorded: Recorded) {
+        let size = recorded_size(&recorded);
+        self.bytes += size;
+        self.total.fetch_add(size, Ordering::Relaxed);
+        self.items.push_back(recorded);
+    }
+
+    fn take(&mut self, pkid: u16) -> Option<Recorded> {
+        let at = self.items.iter().position(|(p, _, _)| p.pkid == pkid)?;
+        let recorded = self.items.remove(at)?;
+        let size = recorded_size(&recorded);
+        self.bytes -= size;
+        self.total.fetch_sub(size, Ordering::Relaxed);
+        Some(recorded)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
 /// Acks log for a subscription
 #[derive(Debug)]
 pub struct AckLog {
@@ -672,16 +751,22 @@ pub struct AckLog {
     // journal, if anything (statebroker patch 16).
     committed: VecDeque<(Ack, Option<Receipt>)>,
     // Recorded qos 2 publishes
-    recorded: VecDeque<Recorded>,
+    recorded: Held,
 }
 
 impl AckLog {
-    /// New log
-    pub fn new() -> AckLog {
+    /// New log; the QoS 2 publishes it records count into `held_total`
+    /// (patch 47).
+    pub fn new(held_total: Arc<AtomicUsize>) -> AckLog {
         AckLog {
             committed: VecDeque::with_capacity(100),
-            recorded: VecDeque::with_capacity(100),
+            recorded: Held::new(held_total),
         }
+    }
+
+    /// Bytes of the QoS 2 publishes recorded (patch 47).
+    pub fn held_bytes(&self) -> usize {
+        self.recorded.bytes()
     }
 
     pub fn connack(&mut self, id: ConnectionId, ack: ConnAck, props: Option<ConnAckProperties>) {
@@ -704,7 +789,7 @@ impl AckLog {
     /// Whether a QoS 2 publish with packet id `pkid` is recorded (its
     /// PUBREL has not come yet).
     pub fn is_recorded(&self, pkid: u16) -> bool {
-        self.recorded.iter().any(|(p, _, _)| p.pkid == pkid)
+        self.recorded.contains(pkid)
     }
 
     /// Records a QoS 2 publish until its PUBREL. A retransmission of a
@@ -719,19 +804,20 @@ impl AckLog {
 
     pub fn pubrec(&mut self, recorded: Recorded, ack: PubRec, receipt: Option<Receipt>) {
         if !self.is_recorded(recorded.0.pkid) {
-            self.recorded.push_back(recorded);
+            self.recorded.push(recorded);
         }
         self.committed.push_back((Ack::PubRec(ack), receipt));
     }
 
     /// The QoS 2 publishes waiting for PUBREL (kept for a persistent
     /// session across connections, statebroker patch 6).
-    pub fn take_recorded(&mut self) -> VecDeque<Recorded> {
-        std::mem::take(&mut self.recorded)
+    pub fn take_recorded(&mut self) -> Held {
+        let empty = Held::new(Arc::clone(&self.recorded.total));
+        std::mem::replace(&mut self.recorded, empty)
     }
 
     /// Restores what [`AckLog::take_recorded`] took.
-    pub fn restore_recorded(&mut self, recorded: VecDeque<Recorded>) {
+    pub fn restore_recorded(&mut self, recorded: Held) {
         self.recorded = recorded;
     }
 
@@ -746,14 +832,14 @@ impl AckLog {
     /// none (statebroker patch 6; the router used to release the oldest
     /// publish whatever the packet id, and disconnect when there was none).
     pub fn pubcomp(&mut self, pkid: u16) -> Option<Recorded> {
-        let at = self.recorded.iter().position(|(p, _, _)| p.pkid == pkid);
-        let reason = match at {
+        let recorded = self.recorded.take(pkid);
+        let reason = match recorded {
             Some(_) => PubCompReason::Success,
             None => PubCompReason::PacketIdentifierNotFound,
         };
         self.committed
             .push_back((Ack::PubComp(PubComp { pkid, reason }), None));
-        self.recorded.remove(at?)
+        recorded
     }
 
     pub fn pingresp(&mut self, ack: PingResp) {
@@ -799,6 +885,8 @@ mod test {
             max_retained_messages: 0,
             max_retained_bytes: 0,
             internal_prefix: String::new(),
+            max_unreleased_qos2_bytes: 0,
+            max_unreleased_qos2_bytes_total: 0,
         }
     }
 

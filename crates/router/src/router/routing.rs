@@ -23,7 +23,7 @@ use tracing::{debug, error, info, trace, warn};
 use super::alertlog::{Alert, AlertLog};
 use super::graveyard::Graveyard;
 use super::iobufs::{Incoming, Outgoing};
-use super::logs::{AckLog, DataLog, LogCounts};
+use super::logs::{AckLog, DataLog, Held, LogCounts};
 use super::scheduler::{ScheduleReason, Scheduler};
 use super::shared_subs::{not_for, unmark, SharedGroup};
 use super::{
@@ -123,6 +123,9 @@ pub struct Router {
     /// publishes are then checked against kept sessions' queues even where
     /// the router's setting drops the oldest (statebroker patch 25).
     sessions_may_refuse: bool,
+    /// Bytes of the clients' QoS 2 publishes waiting for their PUBREL, of
+    /// connections and kept sessions together (statebroker patch 47).
+    held_qos2: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Router {
@@ -170,6 +173,7 @@ impl Router {
             journal: None,
             refusals: (None, 0),
             sessions_may_refuse: false,
+            held_qos2: Default::default(),
         }
     }
 
@@ -421,7 +425,7 @@ impl Router {
         // for qos2 pending pubrels
         let mut pending_acks = VecDeque::new();
         // incoming qos2 publishes waiting for their pubrel
-        let mut incoming_qos2 = VecDeque::new();
+        let mut incoming_qos2 = Held::new(std::sync::Arc::clone(&self.held_qos2));
 
         let tracker = if !clean_session {
             // if there was some saved state, restore the metrics
@@ -464,7 +468,7 @@ impl Router {
             self.join_group(&group, client_id.clone(), cursor);
         }
 
-        let mut ackslog = AckLog::new();
+        let mut ackslog = AckLog::new(std::sync::Arc::clone(&self.held_qos2));
         ackslog.restore_recorded(incoming_qos2);
 
         let time = match SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
@@ -783,6 +787,14 @@ impl Router {
         None
     }
 
+    /// Whether `client_id` is one of the broker's own links (its `$SYS`
+    /// statistics, other cluster nodes' copies): not held to the bounds
+    /// of patches 46 and 47, which are the clients'.
+    fn is_internal(&self, client_id: &str) -> bool {
+        let prefix = &self.config.internal_prefix;
+        !prefix.is_empty() && client_id.starts_with(prefix.as_str())
+    }
+
     /// Which retained bound `publish` (retained, not empty) of a client
     /// (not one of the broker's own links) would pass (statebroker patch
     /// 46).
@@ -791,11 +803,7 @@ impl Router {
         client_id: &str,
         publish: &Publish,
     ) -> Option<&'static str> {
-        let internal = &self.config.internal_prefix;
-        if !publish.retain
-            || publish.payload.is_empty()
-            || !internal.is_empty() && client_id.starts_with(internal.as_str())
-        {
+        if !publish.retain || publish.payload.is_empty() || self.is_internal(client_id) {
             return None;
         }
         let topic = std::str::from_utf8(&publish.topic).ok()?;
@@ -805,6 +813,35 @@ impl Router {
             self.config.max_retained_messages,
             self.config.max_retained_bytes,
         )
+    }
+
+    /// Which bound of the QoS 2 publishes waiting for their PUBREL the
+    /// QoS 2 `publish` of connection `id` would pass: its session's, or
+    /// everyone's (statebroker patch 47).
+    fn passes_held_qos2_bound(
+        &self,
+        id: ConnectionId,
+        client_id: &str,
+        publish: &Publish,
+        properties: Option<&PublishProperties>,
+    ) -> Option<&'static str> {
+        let (per_client, total) = (
+            self.config.max_unreleased_qos2_bytes,
+            self.config.max_unreleased_qos2_bytes_total,
+        );
+        if per_client == 0 && total == 0 || self.is_internal(client_id) {
+            return None;
+        }
+        let size = Held::size_of(publish, properties);
+        let held = self.ackslog.get(id).map_or(0, AckLog::held_bytes);
+        if per_client > 0 && held + size > per_client {
+            return Some("max_unreleased_qos2_bytes");
+        }
+        let all = self.held_qos2.load(std::sync::atomic::Ordering::Relaxed);
+        if total > 0 && all + size > total {
+            return Some("max_unreleased_qos2_bytes_total");
+        }
+        None
     }
 
     /// Refuses `publish` from connection `id` (`client_id`), `why`: PUBACK
@@ -836,6 +873,14 @@ impl Router {
                     refused,
                     "publishes refused (quota exceeded): a kept session's messages would be pushed \
                      out of the filter's log before it has them (queue_full = \"refuse\" for that session)"
+                ),
+                Refused::Unreleased(bound) => warn!(
+                    client_id,
+                    %topic,
+                    bound,
+                    refused,
+                    "publishes refused (quota exceeded): QoS 2 publishes waiting for their PUBREL \
+                     are at their bound ([broker] {bound})"
                 ),
                 Refused::Retained(bound) => warn!(
                     client_id,
@@ -933,8 +978,15 @@ impl Router {
                     } else {
                         None
                     };
-                    // Nor a retained one beyond the retained messages'
-                    // bounds (patch 46).
+                    // Nor a QoS 2 one beyond the bounds of those waiting
+                    // for their PUBREL (patch 47), nor a retained one
+                    // beyond the retained messages' (patch 46).
+                    let refused = match refused {
+                        None if !again && qos == QoS::ExactlyOnce => self
+                            .passes_held_qos2_bound(id, &client_id, &publish, properties.as_ref())
+                            .map(Refused::Unreleased),
+                        refused => refused,
+                    };
                     let refused = match refused {
                         None if !again => self
                             .passes_retained_bound(&client_id, &publish)
@@ -1765,7 +1817,7 @@ impl Router {
             subscription_ids,
             ConnectionEvents::default(),
             VecDeque::new(),
-            VecDeque::new(),
+            Held::new(std::sync::Arc::clone(&self.held_qos2)),
             Default::default(),
             expires_at,
         );
@@ -1977,6 +2029,8 @@ enum Refused {
     KeptQueue(String),
     /// Keeping it retained would pass this bound (patch 46).
     Retained(&'static str),
+    /// Holding it until its PUBREL would pass this bound (patch 47).
+    Unreleased(&'static str),
 }
 
 fn append_to_commitlog(
