@@ -119,3 +119,35 @@ async fn one_address_cannot_take_every_registration() {
     let mut last = Raw::connect(addr, "anon-last").await;
     assert_eq!(watch_all(&mut last, &keys("anon-last", 2)).await, 1);
 }
+
+/// A key whose notification topic would be longer than MQTT allows
+/// (65,535 bytes: the namespace, both hex-encoded, ~32,700 bytes of client
+/// id and key together) cannot be watched: KEYNOTIFY says so, rather than
+/// the watcher being disconnected at the key's first change (as before).
+/// The longest key that fits is watched and notified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_too_long_for_a_notification_topic_is_refused_at_keynotify() {
+    let broker = start_broker_with(|_| {}).await;
+    let client_id = "long-keys";
+    let mut watcher = Raw::connect(broker.local_addr(), client_id).await;
+    let own = format!("{NOTIFY_NAMESPACE}/{}/#", hex::encode_upper(client_id));
+    watcher.subscribe(&own, QoS::AtLeastOnce).await;
+    let fixed = NOTIFY_NAMESPACE.len() + 1 + 2 * client_id.len() + "/command/notify/".len();
+    let longest = (65_535 - fixed) / 2;
+    let too_long = "k".repeat(longest + 1);
+    let answer = watcher.request(&[b"KEYNOTIFY", too_long.as_bytes()]).await;
+    assert_eq!(&answer.payload[..], FULL);
+    let fits = "k".repeat(longest);
+    let answer = watcher.request(&[b"KEYNOTIFY", fits.as_bytes()]).await;
+    assert_eq!(&answer.payload[..], OK);
+    let mut writer = Raw::connect(broker.local_addr(), "writer").await;
+    for key in [&too_long, &fits] {
+        let answer = writer.request(&[b"SET", key.as_bytes(), b"v"]).await;
+        assert_eq!(&answer.payload[..], OK);
+    }
+    // The one registered is notified, on a topic of 65,534 or 65,535 bytes.
+    let note = watcher.next_publish().await;
+    assert!(note.topic.len() <= 65_535 && note.topic.len() >= 65_534);
+    assert!(note.topic.ends_with(hex::encode_upper(&fits).as_bytes()));
+    assert!(note.payload.starts_with(b"*4\r\n$6\r\nNOTIFY\r\n$3\r\nSET"));
+}

@@ -18,8 +18,8 @@ pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0
 /// The request topic of the 2023 protocol.
 pub const LEGACY_REQUEST_TOPIC: &str = "$services/statestore/_any_/command/invoke/request";
 
-/// The notification namespace (without the trailing `/`).
-pub const NOTIFY_NAMESPACE: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8";
+/// The notification namespace (without the trailing `/`): the store's.
+pub use statestore::notify::NOTIFY_NAMESPACE;
 
 /// The topic on which `client_id` hears about `key`: the namespace, then
 /// both in upper-case hex (`c1` and `k\0`: `.../6331/command/notify/6B00`).

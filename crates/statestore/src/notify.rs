@@ -16,6 +16,11 @@
 //! *2\r\n$6\r\nNOTIFY\r\n$6\r\nDELETE\r\n                                   after DEL, VDEL, expiry
 //! ```
 //!
+//! A key whose topic would be longer than an MQTT topic may be (65,535
+//! bytes: about 32,700 bytes of client id and key together) cannot be
+//! notified: its KEYNOTIFY is refused, `-ERR the quota has been exceeded`
+//! ([`notification_topic_len`]).
+//!
 //! Registrations belong to the client's current network connection: when it
 //! ends, for whatever reason and whatever its session settings, they are
 //! gone ([`Watchers::connection_closed`]), and a client that reconnects must
@@ -29,6 +34,18 @@
 //! see [`crate::Caller::owner`]), and everyone's. The owner's limit is what
 //! keeps one user, whatever number of connections or client ids it uses,
 //! from taking the whole of the global limit.
+
+/// The notification namespace (without the trailing `/`).
+pub const NOTIFY_NAMESPACE: &str = "clients/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8";
+
+/// The length of the topic on which a client id of `client_id_len` bytes
+/// hears about a key of `key_len` bytes.
+pub fn notification_topic_len(client_id_len: usize, key_len: usize) -> usize {
+    NOTIFY_NAMESPACE.len() + "/".len() + 2 * client_id_len + "/command/notify/".len() + 2 * key_len
+}
+
+/// The longest topic MQTT carries.
+pub const MAX_TOPIC_LEN: usize = u16::MAX as usize;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -320,6 +320,12 @@ impl State {
     /// Registers `caller` for changes of `key`, within its client's, its
     /// owner's and everyone's watch quotas.
     pub(crate) fn watch(&mut self, caller: Caller<'_>, key: &[u8]) -> Result<(), Error> {
+        // A notification that no MQTT topic could carry (see `notify.rs`).
+        if crate::notify::notification_topic_len(caller.client_id.len(), key.len())
+            > crate::notify::MAX_TOPIC_LEN
+        {
+            return Err(Error::QuotaExceeded);
+        }
         let config = &self.config;
         let limits = WatchLimits {
             per_client: config.max_watches_per_client,
