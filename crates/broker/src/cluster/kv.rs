@@ -102,7 +102,14 @@ const READ_ATTEMPTS: usize = 3;
 /// add together), and etcd's request limit.
 struct Sizes<'a> {
     quota: &'a Quota,
-    max_record: usize,
+    /// etcd's request limit.
+    max_request_bytes: usize,
+    /// What a record's etcd key adds to the store's key.
+    key_prefix: usize,
+    /// The node id a record carries.
+    node: usize,
+    /// The text of the request's fencing token (0: none).
+    token: usize,
     /// Keys and bytes in the store now (see [`Cluster::keyspace`]).
     keyspace: (usize, u64),
 }
@@ -121,14 +128,23 @@ impl Planner for Sizes<'_> {
         if bytes.saturating_sub(freed) + needed > self.quota.max_bytes {
             return Err(Error::QuotaExceeded);
         }
-        // The record's header and token, the key twice (compare and put),
-        // and etcd's own framing: 512 bytes is more than all of them.
-        if key.len() * 2 + value.len() + 512 > self.max_record {
+        // The write as the batcher counts it (the etcd key three times,
+        // the record with its node id and fencing token, the framing), in
+        // a request of its own: etcd refuses a longer one, and a refusal
+        // would read as an outcome not known (no answer).
+        let token = self.token.max(
+            existing
+                .and_then(Entry::fencing_token)
+                .map_or(0, |t| t.to_string().len()),
+        );
+        let record = Record::encoded_len(self.node, token, value.len());
+        let etcd_key = self.key_prefix + key.len();
+        if !super::writes::fits_a_request(etcd_key, record, self.max_request_bytes) {
             crate::metrics::cluster_refused("value_over_etcd_limit");
             tracing::info!(
                 key_bytes = key.len(),
                 value_bytes = value.len(),
-                limit = self.max_record,
+                limit = self.max_request_bytes,
                 "SET refused: the record would pass etcd's request limit (clustering.etcd_max_request_bytes)"
             );
             return Err(Error::QuotaExceeded);
@@ -189,7 +205,13 @@ impl Cluster {
         let key = keyed.command.key();
         let sizes = Sizes {
             quota,
-            max_record: self.settings.max_request_bytes,
+            max_request_bytes: self.settings.max_request_bytes,
+            key_prefix: self.keys_prefix.len(),
+            node: self.node_id().len(),
+            token: keyed
+                .fencing_token
+                .as_ref()
+                .map_or(0, |t| t.to_string().len()),
             keyspace: self.keyspace(),
         };
         // The revision compared by an attempt whose outcome is unknown.
@@ -827,13 +849,18 @@ mod etcd_tests {
     }
 
     async fn node(id: &str, endpoint: &str) -> Arc<Cluster> {
+        node_with(id, endpoint, 1_572_864).await
+    }
+
+    /// [`node`] with etcd's request limit `max_request_bytes`.
+    async fn node_with(id: &str, endpoint: &str, max_request_bytes: usize) -> Arc<Cluster> {
         Cluster::connect(ClusteringSettings {
             node_id: id.into(),
             etcd_endpoints: vec![endpoint.into()],
             etcd_prefix: "/kv-test/".into(),
             request_timeout: Duration::from_secs(5),
             tombstone_ttl: Duration::from_secs(70),
-            max_request_bytes: 1_572_864,
+            max_request_bytes,
             cached_reads: false,
             cache_bytes: 1 << 20,
             lease_ttl: Duration::from_secs(5),
@@ -969,5 +996,63 @@ mod etcd_tests {
         let (answer, _) = serve_sent(&b, &[b"SET", b"k", b"new"], (12, true), &sent).await;
         assert_eq!(answer, "+OK\r\n");
         assert_eq!(value(b).await, "$3\r\nnew\r\n");
+    }
+
+    /// With the quotas raised past etcd's request limit (the harness's
+    /// members take 2 MiB, and the node is told so), a SET whose write
+    /// would pass it gets `-ERR the quota has been exceeded`, and the
+    /// largest one that fits commits. Before, the node counted the key
+    /// twice and 512 bytes: a 60 KB key's SET of 1,950,000 bytes passed
+    /// that, etcd refused the request, and the refusal read as an outcome
+    /// not known: no answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_set_past_etcds_request_limit_is_refused_and_the_largest_that_fits_commits() {
+        const LIMIT: usize = 2_097_152;
+        let etcd = statebroker_cluster_harness::EtcdCluster::start(1).expect("etcd starts");
+        let a = node_with("a", &etcd.endpoint(0), LIMIT).await;
+        let quota = Quota {
+            max_value_size: 4 << 20,
+            max_bytes: 64 << 20,
+            ..Quota::default()
+        };
+        let key = vec![b'k'; 60_000];
+        let set = |value: usize| {
+            let (a, key, quota) = (Arc::clone(&a), key.clone(), quota.clone());
+            async move {
+                let value = vec![b'v'; value];
+                let args: [&[u8]; 3] = [b"SET", &key, &value];
+                let keyed = Keyed {
+                    command: KeyCommand::of(Command::parse(&args, Dialect::V1).unwrap()).unwrap(),
+                    timestamp: client_now().parse().ok(),
+                    fencing_token: None,
+                    persist: false,
+                };
+                let clock = Clock(Mutex::new(HybridClock::starting_after(Version::default())));
+                let answer = tokio::time::timeout(
+                    Duration::from_secs(30),
+                    a.serve_key(&keyed, (fastrand::u64(..), false), &quota, &clock),
+                )
+                .await
+                .expect("an answer within 30 s")
+                .expect("answered");
+                let mut resp = Vec::new();
+                answer.frame.encode(&mut resp);
+                String::from_utf8_lossy(&resp).into_owned()
+            }
+        };
+        const REFUSED: &str = "-ERR the quota has been exceeded\r\n";
+        assert_eq!(set(1_950_000).await, REFUSED);
+        // The largest value the node's count lets through, and one more.
+        let fits = |value| {
+            let record = Record::encoded_len(1, 0, value);
+            super::super::writes::fits_a_request("/kv-test/K/".len() + key.len(), record, LIMIT)
+        };
+        let largest = (1_000_000..LIMIT).rev().find(|&v| fits(v)).unwrap();
+        assert_eq!(set(largest + 1).await, REFUSED);
+        assert_eq!(
+            set(largest).await,
+            "+OK\r\n",
+            "etcd takes what the node counts as fitting"
+        );
     }
 }

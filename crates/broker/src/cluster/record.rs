@@ -79,6 +79,13 @@ impl Record {
         out
     }
 
+    /// The length of an encoded record ([`Record::encode`]) of a node id
+    /// of `node` bytes (at most 255 are kept), a fencing token whose text
+    /// has `token` bytes, and a value of `value` bytes.
+    pub fn encoded_len(node: usize, token: usize, value: usize) -> usize {
+        33 + node.min(255) + token + value
+    }
+
     /// Decodes what [`Record::encode`] wrote.
     pub fn decode(stored: &[u8]) -> Result<Record, Corrupt> {
         let mut r = Reader(stored);
@@ -198,6 +205,11 @@ mod tests {
     fn records_round_trip() {
         let r = record();
         assert_eq!(Record::decode(&r.encode()), Ok(r.clone()));
+        let token = r.fencing_token.as_ref().unwrap().to_string().len();
+        assert_eq!(
+            Record::encoded_len(r.node.len(), token, r.value.len()),
+            r.encode().len()
+        );
         let tomb = Record {
             tombstone: true,
             after_expiry: false,

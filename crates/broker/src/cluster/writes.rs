@@ -59,8 +59,21 @@ struct Wanted {
 
 impl Wanted {
     fn bytes(&self) -> usize {
-        self.key.len() * 3 + self.record.len() + PER_KEY_FRAMING
+        request_bytes(self.key.len(), self.record.len())
     }
+}
+
+/// What one write counts in a batch's request: its etcd key three times
+/// (compare, put, get), its record, and their framing.
+fn request_bytes(etcd_key: usize, record: usize) -> usize {
+    etcd_key * 3 + record + PER_KEY_FRAMING
+}
+
+/// Whether a write of `record` bytes at an etcd key of `etcd_key` bytes,
+/// in a batch of its own, stays within etcd's `max_request_bytes`: one
+/// that does not would be refused by etcd, whatever the batch.
+pub(super) fn fits_a_request(etcd_key: usize, record: usize, max_request_bytes: usize) -> bool {
+    request_bytes(etcd_key, record) <= max_request_bytes.saturating_sub(FRAMING)
 }
 
 /// The handle: writes go to etcd through it.
