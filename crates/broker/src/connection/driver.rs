@@ -116,30 +116,19 @@ impl<S: Stream> Driver<S> {
                     // The disk moved past what something here waits for:
                     // held acknowledgements go, reading stopped at a bound
                     // goes on.
-                    // (The watch's read guard goes first: `on_disk` reads
-                    // the state store's answered watch, and a second read
-                    // lock of a watch whose writer waits deadlocks; a `_`
-                    // pattern would keep the guard to the arm's end. Two
-                    // clients publishing retained QoS 1 messages stopped
-                    // the whole broker within a minute.)
-                    seen = disk.wait_for(|p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
-                        drop(seen);
+                    () = until(&mut disk, |p| p.covers_all(waiting_for)), if waiting_for.is_some() => {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
                     // The other nodes confirmed what held acknowledgements wait
                     // for (a cluster node).
-                    // (The watch's read guard goes first: what follows may
-                    // forward a publish, which moves the watch.)
-                    seen = forwarded.wait_for(|c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
-                        drop(seen);
+                    () = until(&mut forwarded, |c| Some(*c) >= waiting_for_links), if waiting_for_links.is_some() => {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
                     // The requests held acknowledgements wait for have their
                     // outcome out (a cluster node).
-                    seen = outcomes.wait_for(|d| Some(*d) >= waiting_for_outcome), if waiting_for_outcome.is_some() => {
-                        drop(seen);
+                    () = until(&mut outcomes, |d| Some(*d) >= waiting_for_outcome), if waiting_for_outcome.is_some() => {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
@@ -292,4 +281,16 @@ impl<S: Stream> Driver<S> {
             self.socket.linger(Duration::from_millis(500)).await;
         }
     }
+}
+
+/// Waits until `ready` holds for `watch`'s value (or its sender is gone),
+/// and holds no read guard once it returns. What a select arm does next
+/// reads the state store's watches and moves others (a forwarded publish
+/// moves `forwarded`): a read guard still held then, as `wait_for`'s is to
+/// the end of an arm whose pattern is `_`, deadlocks against a writer
+/// waiting for the same watch, since a waiting writer makes new readers
+/// wait. Two clients publishing retained QoS 1 messages stopped the whole
+/// broker within a minute that way (the disk arm).
+async fn until<T>(watch: &mut watch::Receiver<T>, ready: impl FnMut(&T) -> bool) {
+    let _ = watch.wait_for(ready).await;
 }
