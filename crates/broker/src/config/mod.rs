@@ -144,9 +144,17 @@ impl ClusteringSettings {
                 )));
             }
         }
-        if node_id.is_empty() || node_id.contains(':') || node_id.contains('/') {
+        // ':' and '/' separate fields of versions and etcd keys; a line
+        // break separates the entries of a session's owner record (a node
+        // id with one passed for a marker, and a session that moved there
+        // lost its queued messages).
+        if node_id.is_empty()
+            || node_id.contains(':')
+            || node_id.contains('/')
+            || node_id.chars().any(char::is_control)
+        {
             return Err(invalid(
-                "clustering.node_id must be set (unique per node, without ':' or '/') when clustering.etcd_endpoints is: --cluster-node-id NAME",
+                "clustering.node_id must be set (unique per node, without ':', '/' or control characters such as line breaks) when clustering.etcd_endpoints is: --cluster-node-id NAME",
             ));
         }
         let mut prefix = section.etcd_prefix.trim().to_owned();

@@ -581,7 +581,14 @@ fn bad_clustering_settings_are_refused_by_name() {
     assert!(e.contains("clustering.node_id must be set"), "{e}");
     let e =
         refused("[clustering]\nnode_id = \"a:b\"\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n");
-    assert!(e.contains("without ':' or '/'"), "{e}");
+    assert!(e.contains("without ':', '/'"), "{e}");
+    // A line break separates the entries of a session's owner record.
+    for id in ["sb4\\nqueue", "sb\\t1", "a\\u0000b"] {
+        let e = refused(&format!(
+            "[clustering]\nnode_id = \"{id}\"\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n"
+        ));
+        assert!(e.contains("control characters"), "{id}: {e}");
+    }
     let e = refused("[clustering]\nnode_id = \"a\"\netcd_endpoints = [\"127.0.0.1:2379\"]\n");
     assert!(e.contains("not an etcd client URL"), "{e}");
     let e = refused(
