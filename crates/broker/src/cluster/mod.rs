@@ -43,6 +43,7 @@ mod awaited;
 mod backlog;
 mod batches;
 mod confirmations;
+mod endpoints;
 mod handover;
 pub mod kv;
 mod leader;
@@ -127,8 +128,11 @@ impl Cluster {
         let deadline = timeout.saturating_mul(3).max(Duration::from_secs(5));
         let keys_prefix = format!("{}K/", settings.etcd_prefix).into_bytes();
         let leader = leader::Leader::new();
+        // The members that answer now: requests go to those only (see
+        // `endpoints.rs`).
+        let in_use = endpoints::answering(&settings.etcd_endpoints, &options, timeout).await;
         let connect = async {
-            let mut client = Client::connect(&settings.etcd_endpoints, Some(options))
+            let mut client = Client::connect(&in_use, Some(options.clone()))
                 .await
                 .map_err(|e| e.to_string())?;
             let read = client
@@ -171,7 +175,8 @@ impl Cluster {
             reads::Reads::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
         let writes =
             writes::Writes::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
-        Ok(Arc::new(Cluster {
+        let follow = (client.clone(), settings.etcd_endpoints.clone());
+        let cluster = Arc::new(Cluster {
             leader,
             broken,
             kv,
@@ -186,7 +191,16 @@ impl Cluster {
             index: Mutex::new(watch::Index::default()),
             keyspace: Mutex::new(watch::Keyspace::default()),
             stop: tokio::sync::watch::Sender::new(()),
-        }))
+        });
+        tokio::spawn(endpoints::follow(
+            follow.0,
+            follow.1,
+            in_use,
+            options,
+            timeout,
+            cluster.stop.subscribe(),
+        ));
+        Ok(cluster)
     }
 
     /// This node's name.

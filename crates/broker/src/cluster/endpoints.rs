@@ -1,0 +1,131 @@
+//! Which etcd members this node's client sends requests to.
+//!
+//! etcd's client (`etcd-client`'s balanced channel) fails a request it
+//! sends to a member that is down rather than trying another one
+//! (etcdv3/etcd-client#39): with one member of three down and a quorum
+//! intact, about one request in three failed. `/readyz` flapped (its
+//! read failed: "etcd does not answer"), and a node started with the dead
+//! member among its endpoints failed to start three times in four.
+//!
+//! So the node keeps in the channel only the members that answer: at
+//! start, those of `etcd_endpoints` that answer a status call (all of
+//! them if none does: the start then fails as before, saying so); then,
+//! every second, it asks each member on a connection of its own and takes
+//! one that stops answering out of the channel (a WARN), and puts it back
+//! once it answers again (an INFO). The last member in the channel is
+//! never taken out.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+
+/// How often each member is asked.
+const EVERY: Duration = Duration::from_secs(1);
+
+/// One member, asked on a connection of its own.
+struct Probe {
+    endpoint: String,
+    client: Option<Client>,
+}
+
+impl Probe {
+    /// Whether the member answers a status call within `timeout`.
+    async fn answers(&mut self, options: &ConnectOptions, timeout: Duration) -> bool {
+        let asked = async {
+            if self.client.is_none() {
+                self.client = Client::connect([self.endpoint.as_str()], Some(options.clone()))
+                    .await
+                    .ok();
+            }
+            let client = self.client.as_mut()?;
+            client.status().await.ok()
+        };
+        tokio::time::timeout(timeout, asked)
+            .await
+            .ok()
+            .flatten()
+            .is_some()
+    }
+}
+
+/// The members of `endpoints` that answer now (all of them if none does),
+/// in their order.
+pub(super) async fn answering(
+    endpoints: &[String],
+    options: &ConnectOptions,
+    timeout: Duration,
+) -> Vec<String> {
+    let mut probes: Vec<Probe> = endpoints
+        .iter()
+        .map(|endpoint| Probe {
+            endpoint: endpoint.clone(),
+            client: None,
+        })
+        .collect();
+    let answers =
+        futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(options, timeout)))
+            .await;
+    let up: Vec<String> = endpoints
+        .iter()
+        .zip(answers)
+        .filter(|(_, up)| *up)
+        .map(|(endpoint, _)| endpoint.clone())
+        .collect();
+    if up.is_empty() {
+        endpoints.to_vec()
+    } else {
+        up
+    }
+}
+
+/// Keeps `client`'s channel to the members of `endpoints` that answer,
+/// starting from `in_use`; ends when `stop` fires.
+pub(super) async fn follow(
+    client: Client,
+    endpoints: Vec<String>,
+    in_use: Vec<String>,
+    options: ConnectOptions,
+    timeout: Duration,
+    mut stop: tokio::sync::watch::Receiver<()>,
+) {
+    let mut probes: Vec<Probe> = endpoints
+        .iter()
+        .map(|endpoint| Probe {
+            endpoint: endpoint.clone(),
+            client: None,
+        })
+        .collect();
+    let mut in_use: BTreeSet<String> = in_use.into_iter().collect();
+    let mut tick = tokio::time::interval(EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let answers =
+            futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(&options, timeout)))
+                .await;
+        for (endpoint, up) in endpoints.iter().zip(answers) {
+            let used = in_use.contains(endpoint);
+            if up && !used && client.add_endpoint(endpoint).await.is_ok() {
+                in_use.insert(endpoint.clone());
+                tracing::info!(
+                    endpoint,
+                    "clustering: etcd member answers again: requests go to it again"
+                );
+            } else if !up
+                && used
+                && in_use.len() > 1
+                && client.remove_endpoint(endpoint).await.is_ok()
+            {
+                in_use.remove(endpoint);
+                tracing::warn!(
+                    endpoint,
+                    "clustering: etcd member does not answer: requests go to the others until it does"
+                );
+            }
+        }
+    }
+}
