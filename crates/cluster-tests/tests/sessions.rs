@@ -882,3 +882,50 @@ async fn handed_over_messages_wait_for_a_client_that_left() {
         expected
     );
 }
+
+/// A node restarted from its data directory gives up the sessions its
+/// clients took to another node while it was down: it keeps no copy,
+/// queues nothing for them in etcd, and the client's next move brings no
+/// message twice. Before, the restored copy collected every message of
+/// the client (written to etcd under the restarted node) and the next
+/// node handed them all over again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_from_its_data_directory_drops_sessions_that_moved() {
+    let dir = std::env::temp_dir().join(format!("sb-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut setup = Setup::start(1, 1);
+    let data_dir = format!("--data-dir={}", dir.display());
+    setup.add_node_with(&[], &[0], &[data_dir]);
+    setup.all_linked().await;
+    let (restarted, stays) = (1, 0);
+    // The subscriber's session on the node with a data directory.
+    let (mut c, _) = connect(setup.ports[restarted], "mover", false, 300).await;
+    c.subscribe("moved/#", QoS::AtLeastOnce).await;
+    eventually("the subscription in etcd", || {
+        record(&setup, "mover").is_some_and(|r| r.contains("moved/#"))
+    })
+    .await;
+    // Its node stops cleanly (the session is in its data directory); the
+    // client goes on on the other node.
+    setup.nodes[restarted]
+        .stop(Duration::from_secs(10))
+        .expect("stops");
+    drop(c);
+    let (mut c, present) = connect(setup.ports[stays], "mover", false, 300).await;
+    assert!(present, "Session Present 1 on the other node");
+    setup.restart_node(restarted).await;
+    // Only the link to the other node is kept there.
+    assert_eq!(metric(setup.http[restarted], KEPT), Some(1.0));
+    let (mut publisher, _) = connect(setup.ports[stays], "pub", true, 0).await;
+    for i in 0..10 {
+        let topic = format!("moved/{i}");
+        publisher.publish(&topic, "x", QoS::AtLeastOnce, None).await;
+    }
+    assert_eq!(topics_until(&mut c, 10).await.len(), 10);
+    assert_eq!(
+        queued_in_etcd(&setup, "mover"),
+        0,
+        "nothing queued by the restarted node"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

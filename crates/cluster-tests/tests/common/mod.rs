@@ -146,18 +146,30 @@ impl Setup {
 
     /// [`Setup::add_node`] that speaks to etcd `members` only.
     pub fn add_node_on(&mut self, env: &[(&str, &str)], members: &[usize]) {
+        self.add_node_with(env, members, &[]);
+    }
+
+    /// [`Setup::add_node_on`] with more arguments (`--data-dir=DIR` gives
+    /// the node a data directory; without one it runs `--in-memory`).
+    pub fn add_node_with(&mut self, env: &[(&str, &str)], members: &[usize], args: &[String]) {
         let endpoints: Vec<String> = members.iter().map(|&i| self.etcd.endpoint(i)).collect();
         let endpoints = endpoints.join(",");
         let n = self.nodes.len() + 1;
         let (port, http) = (free_port(), free_port());
+        let storage = if args.iter().any(|a| a.starts_with("--data-dir")) {
+            None
+        } else {
+            Some("--in-memory")
+        };
         let mut spec = NodeSpec::new(BROKER)
             .name(format!("sb{n}"))
             .arg(format!("--listen=127.0.0.1:{port}"))
             .arg(format!("--http=127.0.0.1:{http}"))
-            .arg("--in-memory")
+            .args(storage)
             .arg(format!("--cluster-node-id=sb{n}"))
             .arg(format!("--etcd-endpoints={endpoints}"))
-            .env("RUST_LOG", "info,broker::cluster=debug");
+            .env("RUST_LOG", "info,broker::cluster=debug")
+            .args(args);
         for (k, v) in env {
             spec = spec.env(k, v);
         }
