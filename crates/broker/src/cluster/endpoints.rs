@@ -49,6 +49,22 @@ impl Probe {
     }
 }
 
+/// A probe of each of `endpoints`, not connected yet.
+fn probes(endpoints: &[String]) -> Vec<Probe> {
+    endpoints
+        .iter()
+        .map(|endpoint| Probe {
+            endpoint: endpoint.clone(),
+            client: None,
+        })
+        .collect()
+}
+
+/// Whether each member answers, asked at once.
+async fn ask_all(probes: &mut [Probe], options: &ConnectOptions, timeout: Duration) -> Vec<bool> {
+    futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(options, timeout))).await
+}
+
 /// The members of `endpoints` that answer now (all of them if none does),
 /// in their order.
 pub(super) async fn answering(
@@ -56,16 +72,7 @@ pub(super) async fn answering(
     options: &ConnectOptions,
     timeout: Duration,
 ) -> Vec<String> {
-    let mut probes: Vec<Probe> = endpoints
-        .iter()
-        .map(|endpoint| Probe {
-            endpoint: endpoint.clone(),
-            client: None,
-        })
-        .collect();
-    let answers =
-        futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(options, timeout)))
-            .await;
+    let answers = ask_all(&mut probes(endpoints), options, timeout).await;
     let up: Vec<String> = endpoints
         .iter()
         .zip(answers)
@@ -89,13 +96,7 @@ pub(super) async fn follow(
     timeout: Duration,
     mut stop: tokio::sync::watch::Receiver<()>,
 ) {
-    let mut probes: Vec<Probe> = endpoints
-        .iter()
-        .map(|endpoint| Probe {
-            endpoint: endpoint.clone(),
-            client: None,
-        })
-        .collect();
+    let mut probes = probes(&endpoints);
     let mut in_use: BTreeSet<String> = in_use.into_iter().collect();
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -104,9 +105,7 @@ pub(super) async fn follow(
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
-        let answers =
-            futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(&options, timeout)))
-                .await;
+        let answers = ask_all(&mut probes, &options, timeout).await;
         for (endpoint, up) in endpoints.iter().zip(answers) {
             let used = in_use.contains(endpoint);
             if up && !used && client.add_endpoint(endpoint).await.is_ok() {
