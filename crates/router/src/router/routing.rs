@@ -846,7 +846,7 @@ impl Router {
 
     /// Refuses `publish` from connection `id` (`client_id`), `why`: PUBACK
     /// or PUBREC "quota exceeded" (QoS 0: dropped), counted, and a WARN
-    /// line at most every 10 s (statebroker patches 23, 46).
+    /// line at most every 10 s (statebroker patches 23, 46, 47).
     fn refuse_publish(
         &mut self,
         id: ConnectionId,

@@ -29,7 +29,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
-use router::protocol::{Packet, PubAck, PubAckReason, PubRel, PubRelReason};
+use router::protocol::{Packet, PubRel, PubRelReason};
 
 use crate::codec::{self, Protocol};
 use crate::sessions::{Direct, PacketIdBlock, QueueBound, ToConnection};
@@ -247,7 +247,7 @@ impl Outbound {
     pub fn delivery_qos(&self, pkid: u16) -> Option<u8> {
         if is_direct(pkid) {
             // The broker's own deliveries go at QoS 1 only.
-            return self.direct.inflight.contains_key(&pkid).then_some(1);
+            return self.direct.is_in_flight(pkid).then_some(1);
         }
         if self.direct.is_kept(pkid) {
             return Some(2);
@@ -285,7 +285,7 @@ impl Outbound {
             message.qos = message.qos.min(1);
         }
         // In order: nothing overtakes what already waits.
-        let room = self.held.is_empty() && self.direct.pending.is_empty() && self.room();
+        let room = self.held.is_empty() && !self.direct.has_pending() && self.room();
         let sent = self.direct.send(message, protocol, out, room);
         self.count_discarded(u64::from(!sent));
     }
@@ -310,7 +310,7 @@ impl Outbound {
                     PubRecReason::Success | PubRecReason::NoMatchingSubscribers
                 );
                 if accepted {
-                    self.direct.released.insert(rec.pkid);
+                    self.direct.released(rec.pkid);
                     let rel = PubRel {
                         pkid: rec.pkid,
                         reason: PubRelReason::Success,
@@ -322,10 +322,10 @@ impl Outbound {
                 }
                 rec.pkid
             }
-            Packet::PubComp(comp, _) if self.direct.released.contains(&comp.pkid) => comp.pkid,
+            Packet::PubComp(comp, _) if self.direct.is_released(comp.pkid) => comp.pkid,
             _ => return false,
         };
-        self.direct.released.remove(&done);
+        self.direct.completed(done);
         if self.direct.acknowledged(done) {
             self.fill(protocol, out, to_router);
         }
@@ -439,301 +439,13 @@ impl Outbound {
     }
 }
 
-/// QoS 1/2 publishes from the router not yet acknowledged by the client, in
-/// the order they were sent.
-#[derive(Debug, Default)]
-pub(crate) struct RouterAcks {
-    /// `(packet id, dropped here)`.
-    inflight: VecDeque<(u16, bool)>,
-}
+mod aliases;
+mod direct;
+mod router_acks;
 
-impl RouterAcks {
-    /// The router's publish `pkid` was sent to the client, or (`dropped`)
-    /// withheld from it. Acknowledgements owed to the router go to `to_router`.
-    pub fn sent(&mut self, pkid: u16, dropped: bool, to_router: &mut Vec<Packet>) {
-        self.inflight.push_back((pkid, dropped));
-        self.acknowledge_dropped(to_router);
-    }
-
-    /// The client acknowledged `pkid` (PUBACK, or PUBREC at QoS 2); the
-    /// connection forwards that acknowledgement itself.
-    pub fn acknowledged(&mut self, pkid: u16, to_router: &mut Vec<Packet>) {
-        if let Some(at) = self
-            .inflight
-            .iter()
-            .position(|&(id, dropped)| id == pkid && !dropped)
-        {
-            self.inflight.remove(at);
-        }
-        self.acknowledge_dropped(to_router);
-    }
-
-    /// The router's publish `pkid`, sent (held for room), is not going to
-    /// the client after all (it expired while held): done with, as a
-    /// dropped one.
-    pub fn drop_sent(&mut self, pkid: u16, to_router: &mut Vec<Packet>) {
-        if let Some(entry) = self
-            .inflight
-            .iter_mut()
-            .find(|(id, dropped)| *id == pkid && !*dropped)
-        {
-            entry.1 = true;
-        }
-        self.acknowledge_dropped(to_router);
-    }
-
-    /// Acknowledges to the router the dropped publishes now at the front:
-    /// rumqttd, like MQTT, expects acknowledgements in order.
-    fn acknowledge_dropped(&mut self, to_router: &mut Vec<Packet>) {
-        while let Some(&(pkid, true)) = self.inflight.front() {
-            self.inflight.pop_front();
-            to_router.push(Packet::PubAck(
-                PubAck {
-                    pkid,
-                    reason: PubAckReason::Success,
-                },
-                None,
-            ));
-        }
-    }
-}
-
-/// Direct deliveries in flight to this client.
-/// Topic aliases for the router's publishes to one client (MQTT 5
-/// 3.3.2.3.4): the first publish of a topic carries the topic and a new
-/// alias, the next ones the alias and an empty topic. Aliases go to the
-/// first topics seen, up to the client's Topic Alias Maximum and
-/// [`TopicAliases::MAX`] of them, and [`TopicAliases::MAX_BYTES`] of
-/// topics (what one client can make the broker keep); later topics go
-/// without. Only the router's publishes use them: they are written in the
-/// order they are encoded, so a topic's first publish reaches the client
-/// before those that use its alias.
-#[derive(Debug, Default)]
-pub(crate) struct TopicAliases {
-    by_topic: HashMap<Bytes, u16>,
-    /// The largest alias the client accepts, or our own bound.
-    max: u16,
-    bytes: usize,
-}
-
-impl TopicAliases {
-    /// At most this many aliases per connection.
-    pub const MAX: u16 = 64;
-    /// At most this many bytes of aliased topics per connection.
-    pub const MAX_BYTES: usize = 16 * 1024;
-
-    fn new(client_max: u16) -> TopicAliases {
-        TopicAliases {
-            by_topic: HashMap::new(),
-            max: client_max.min(TopicAliases::MAX),
-            bytes: 0,
-        }
-    }
-
-    /// `publish` with its alias (and empty topic if the client knows the
-    /// alias already); the topic when the alias is new (only if `may_add`:
-    /// the publish is written at once).
-    fn apply(&mut self, publish: Packet, may_add: bool) -> (Packet, Option<Bytes>) {
-        let Packet::Publish(mut publish, properties) = publish else {
-            return (publish, None);
-        };
-        if self.max == 0 || publish.topic.is_empty() {
-            return (Packet::Publish(publish, properties), None);
-        }
-        let mut properties = properties.unwrap_or_default();
-        let (alias, new) = match self.by_topic.get(&publish.topic) {
-            Some(&alias) => {
-                publish.topic = Bytes::new();
-                (alias, None)
-            }
-            None if may_add
-                && self.by_topic.len() < usize::from(self.max)
-                && self.bytes + publish.topic.len() <= TopicAliases::MAX_BYTES =>
-            {
-                let alias = self.by_topic.len() as u16 + 1;
-                self.bytes += publish.topic.len();
-                self.by_topic.insert(publish.topic.clone(), alias);
-                (alias, Some(publish.topic.clone()))
-            }
-            None => return (Packet::Publish(publish, Some(properties)), None),
-        };
-        properties.topic_alias = Some(alias);
-        (Packet::Publish(publish, Some(properties)), new)
-    }
-
-    /// Takes back the newest alias (its publish was not sent).
-    fn unassign(&mut self, topic: &Bytes) {
-        if self.by_topic.remove(topic).is_some() {
-            self.bytes -= topic.len();
-        }
-    }
-}
-
-#[derive(Debug)]
-pub(crate) struct DirectWindow {
-    /// Sent at QoS 1 (or, under a kept id, 2), not yet acknowledged (a
-    /// QoS 2 one: completed), by packet id.
-    inflight: HashMap<u16, Direct, PacketIds>,
-    /// Kept ids in flight whose PUBREC came (until PUBCOMP).
-    released: HashSet<u16, PacketIds>,
-    /// Waiting for room under the client's Receive Maximum.
-    pending: VecDeque<Direct>,
-    last_pkid: u16,
-    /// The client's Maximum Packet Size.
-    max_packet_size: usize,
-    /// Room taken by each message until it is done with.
-    bound: Arc<QueueBound>,
-}
-
-impl DirectWindow {
-    /// A window for a client that accepts packets up to `max_packet_size`.
-    pub fn new(max_packet_size: usize, bound: Arc<QueueBound>) -> DirectWindow {
-        DirectWindow {
-            bound,
-            inflight: HashMap::default(),
-            released: HashSet::default(),
-            pending: VecDeque::new(),
-            last_pkid: FIRST_DIRECT_PKID - 1,
-            max_packet_size,
-        }
-    }
-
-    /// Direct deliveries written and not yet acknowledged.
-    pub fn in_flight(&self) -> usize {
-        self.inflight.len()
-    }
-
-    /// The oldest delivery waiting for room.
-    pub fn next_pending(&mut self) -> Option<Direct> {
-        self.pending.pop_front()
-    }
-
-    /// Whether `pkid` is a handed-over QoS 2 message's kept id in flight.
-    fn is_kept(&self, pkid: u16) -> bool {
-        !is_direct(pkid) && self.inflight.contains_key(&pkid)
-    }
-
-    /// Encodes `message` into `out` at its QoS, with a packet id of the
-    /// direct range (or its kept id, with DUP: see
-    /// [`Direct::kept_pkid`]), or (QoS 1/2 without `room`) holds it.
-    /// `false`: the message is larger than the client accepts and was
-    /// discarded.
-    pub fn send(
-        &mut self,
-        mut message: Direct,
-        protocol: Protocol,
-        out: &mut BytesMut,
-        room: bool,
-    ) -> bool {
-        let pkid = match (message.qos, message.kept_pkid) {
-            (0, _) => 0,
-            _ if !room => {
-                self.pending.push_back(message);
-                return true;
-            }
-            (2, Some(kept)) if !self.inflight.contains_key(&kept) => kept,
-            _ => {
-                // QoS 2 goes only under a kept id: one handed over twice
-                // under the same id goes as a new message.
-                message.qos = message.qos.min(1);
-                message.kept_pkid = None;
-                self.next_pkid()
-            }
-        };
-        let start = out.len();
-        codec::encode_publish(
-            protocol,
-            &message.topic,
-            &message.payload,
-            message.qos,
-            pkid,
-            &message.properties,
-            out,
-        );
-        if out.len() - start > self.max_packet_size {
-            out.truncate(start);
-            finished(&self.bound, &message);
-            return false;
-        }
-        if message.kept_pkid.is_some() {
-            // DUP (MQTT 5 3.3.1.1): the client may have had it.
-            out[start] |= 0b1000;
-        }
-        if message.retain {
-            out[start] |= 0b0001;
-        }
-        crate::metrics::sent(message.qos, out.len() - start);
-        if pkid == 0 {
-            finished(&self.bound, &message);
-        } else {
-            self.inflight.insert(pkid, message);
-        }
-        true
-    }
-
-    fn next_pkid(&mut self) -> u16 {
-        let mut pkid = self.last_pkid;
-        loop {
-            pkid = if pkid == u16::MAX {
-                FIRST_DIRECT_PKID
-            } else {
-                pkid + 1
-            };
-            if !self.inflight.contains_key(&pkid) {
-                break;
-            }
-        }
-        self.last_pkid = pkid;
-        pkid
-    }
-
-    /// The client acknowledged direct delivery `pkid`; `false` if it was
-    /// not one in flight.
-    pub fn acknowledged(&mut self, pkid: u16) -> bool {
-        match self.inflight.remove(&pkid) {
-            Some(done) => {
-                finished(&self.bound, &done);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Everything sent and not acknowledged, in the order it was sent
-    /// (handed-over QoS 2 ones under their kept ids first: they came
-    /// first), then everything still waiting. A kept id's message the
-    /// client has PUBREC'd is not among them: the client has it (its
-    /// PUBREL is not sent again, as a node that hands a session over does
-    /// not pass on the router's).
-    pub fn take_unacknowledged(&mut self) -> Vec<Direct> {
-        for pkid in self.released.drain() {
-            if let Some(done) = self.inflight.remove(&pkid) {
-                // PUBREC'd: the client has it.
-                finished(&self.bound, &done);
-            }
-        }
-        // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
-        // oldest in flight is the first after the last one used.
-        // (`last_pkid` is FIRST_DIRECT_PKID - 1 before the first.)
-        let ring = i32::from(u16::MAX - FIRST_DIRECT_PKID) + 1;
-        let last = i32::from(self.last_pkid) - i32::from(FIRST_DIRECT_PKID);
-        let age = |pkid: u16| {
-            (i32::from(pkid) - i32::from(FIRST_DIRECT_PKID) - last - 1).rem_euclid(ring)
-        };
-        let mut sent: Vec<(u16, Direct)> = self.inflight.drain().collect();
-        sent.sort_unstable_by_key(|(pkid, _)| (is_direct(*pkid), age(*pkid)));
-        let mut all: Vec<Direct> = sent.into_iter().map(|(_, m)| m).collect();
-        all.extend(self.pending.drain(..));
-        all
-    }
-}
-
-/// `message` needs no room in the connection's queue any more, nor a copy
-/// anywhere: its room in `bound` is freed and its [`Direct::done`] runs.
-fn finished(bound: &QueueBound, message: &Direct) {
-    bound.release(message.size());
-    message.done();
-}
+pub(crate) use aliases::TopicAliases;
+pub(crate) use direct::DirectWindow;
+pub(crate) use router_acks::RouterAcks;
 
 #[cfg(test)]
 mod tests;
