@@ -42,6 +42,7 @@
 mod awaited;
 mod backlog;
 mod batches;
+mod cache;
 mod confirmations;
 mod endpoints;
 mod handover;
@@ -106,8 +107,8 @@ pub struct Cluster {
     reads: reads::Reads,
     /// Writes of keys' records, batched (see [`writes`]).
     writes: writes::Writes,
-    /// The last record known of each key (see [`kv::Cache`]).
-    cache: Mutex<kv::Cache>,
+    /// The last record known of each key (see [`cache::Cache`]).
+    cache: Mutex<cache::Cache>,
     /// With `stale-reads`: the first record this node saw of each key.
     seen: Mutex<std::collections::HashMap<Vec<u8>, kv::Read>>,
     /// Keys and bytes of keys and values in etcd, as the watch delivered
@@ -183,7 +184,7 @@ impl Cluster {
             reads,
             writes,
             seen: Mutex::new(std::collections::HashMap::new()),
-            cache: Mutex::new(kv::Cache::new(settings.cache_bytes)),
+            cache: Mutex::new(cache::Cache::new(settings.cache_bytes)),
             settings,
             client,
             keys_prefix,
