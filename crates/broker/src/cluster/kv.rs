@@ -1,11 +1,11 @@
 //! Serving the state store's commands against etcd.
 //!
 //! A GET reads the key's record with a linearizable read (with
-//! `[clustering] cached_reads`, it answers from the node's [`Cache`] when
+//! `[clustering] cached_reads`, it answers from the node's [`Cache`](super::cache::Cache) when
 //! that keeps the key: not linearizable). A write (SET,
 //! DEL, VDEL) plans (`statestore::plan`: the answers and errors are the
 //! single node's) against the record this node last knew of the key (its
-//! [`Cache`], fed by the watch, its reads and its writes) and commits with
+//! [`Cache`](super::cache::Cache), fed by the watch, its reads and its writes) and commits with
 //! one transaction: `If mod_revision(key) == m Then Put(record) Else
 //! Get(key)`: one round trip when the record was current. When another
 //! node changed the key first, the transaction returns the current record
