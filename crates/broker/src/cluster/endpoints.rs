@@ -10,10 +10,10 @@
 //! So the node keeps in the channel only the members that answer: at
 //! start, those of `etcd_endpoints` that answer a status call (all of
 //! them if none does: the start then fails as before, saying so); then,
-//! every second, it asks each member on a connection of its own and takes
-//! one that stops answering out of the channel (a WARN), and puts it back
-//! once it answers again (an INFO). The last member in the channel is
-//! never taken out.
+//! every second and at once when a request fails, it asks each member on a
+//! connection of its own, takes one that stops answering out of the
+//! channel (a WARN), and puts it back once it answers again (an INFO). The
+//! last member in the channel is never taken out.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -87,13 +87,15 @@ pub(super) async fn answering(
 }
 
 /// Keeps `client`'s channel to the members of `endpoints` that answer,
-/// starting from `in_use`; ends when `stop` fires.
+/// starting from `in_use`: each second, and when `recheck` is notified;
+/// ends when `stop` fires.
 pub(super) async fn follow(
     client: Client,
     endpoints: Vec<String>,
     in_use: Vec<String>,
     options: ConnectOptions,
     timeout: Duration,
+    recheck: std::sync::Arc<tokio::sync::Notify>,
     mut stop: tokio::sync::watch::Receiver<()>,
 ) {
     let mut probes = probes(&endpoints);
@@ -103,6 +105,7 @@ pub(super) async fn follow(
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            _ = recheck.notified() => {}
             _ = stop.changed() => return,
         }
         let answers = ask_all(&mut probes, &options, timeout).await;

@@ -94,7 +94,12 @@ const HISTORY: usize = 64;
 
 /// Tries of a linearizable read that fails before the request goes
 /// unanswered.
-const READ_ATTEMPTS: usize = 3;
+pub(super) const READ_ATTEMPTS: usize = 3;
+
+/// The pause after failed try `attempt` of a read.
+pub(super) async fn back_off(attempt: usize) {
+    tokio::time::sleep(std::time::Duration::from_millis(100 * attempt as u64)).await;
+}
 
 /// The cluster's quotas: the sizes of one key and one value, the store's
 /// keys and bytes across nodes (as the watch counted them: writes made on
@@ -369,6 +374,7 @@ impl Cluster {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "clustering: a write's outcome is unknown; reading again");
+                    self.request_failed();
                     in_doubt = Some(read.revision);
                 }
             }
@@ -477,8 +483,8 @@ impl Cluster {
                 Err(e) if attempt >= READ_ATTEMPTS => return Err(Unanswered::Unreachable(e)),
                 Err(e) => {
                     tracing::debug!(error = %e, attempt, "clustering: a read failed; reading again");
-                    tokio::time::sleep(std::time::Duration::from_millis(100 * attempt as u64))
-                        .await;
+                    self.request_failed();
+                    back_off(attempt).await;
                 }
             }
         };

@@ -114,6 +114,9 @@ pub struct Cluster {
     /// Keys and bytes of keys and values in etcd, as the watch delivered
     /// them (see [`watch::Keyspace`]).
     keyspace: Mutex<watch::Keyspace>,
+    /// Wakes [`endpoints::follow`] to ask the members now (a request
+    /// failed: one may have gone down since the last round).
+    recheck: Arc<tokio::sync::Notify>,
 }
 
 impl Cluster {
@@ -177,6 +180,7 @@ impl Cluster {
         let writes =
             writes::Writes::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
         let follow = (client.clone(), settings.etcd_endpoints.clone());
+        let recheck = Arc::new(tokio::sync::Notify::new());
         let cluster = Arc::new(Cluster {
             leader,
             broken,
@@ -192,6 +196,7 @@ impl Cluster {
             index: Mutex::new(watch::Index::default()),
             keyspace: Mutex::new(watch::Keyspace::default()),
             stop: tokio::sync::watch::Sender::new(()),
+            recheck: Arc::clone(&recheck),
         });
         tokio::spawn(endpoints::follow(
             follow.0,
@@ -199,6 +204,7 @@ impl Cluster {
             in_use,
             options,
             timeout,
+            recheck,
             cluster.stop.subscribe(),
         ));
         Ok(cluster)
@@ -250,6 +256,13 @@ impl Cluster {
         Ok(())
     }
 
+    /// A request to etcd failed: the members are asked now rather than at
+    /// the next round, so one that went down leaves the channel before the
+    /// request is tried again.
+    fn request_failed(&self) {
+        self.recheck.notify_one();
+    }
+
     fn key(&self, key: &[u8]) -> Vec<u8> {
         let mut full = Vec::with_capacity(self.keys_prefix.len() + key.len());
         full.extend_from_slice(&self.keys_prefix);
@@ -258,7 +271,12 @@ impl Cluster {
     }
 }
 
-/// A linearizable read every second: `/readyz` follows it.
+/// A linearizable read every second: `/readyz` follows it. A read that
+/// fails at once is tried again as the store's own reads are (up to
+/// [`kv::READ_ATTEMPTS`] tries, the members asked again between them): a
+/// member that just went down fails the read sent to it, and the node
+/// stays ready while a quorum answers. A read that times out makes the
+/// node unready at once.
 async fn readiness(cluster: std::sync::Weak<Cluster>, mut stop: tokio::sync::watch::Receiver<()>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -270,18 +288,31 @@ async fn readiness(cluster: std::sync::Weak<Cluster>, mut stop: tokio::sync::wat
         let Some(c) = cluster.upgrade() else { return };
         let (records, bytes) = c.cache.lock().usage();
         crate::metrics::cluster_cache(records, bytes);
-        let mut client = c.client.clone();
-        let read = client.get(
-            c.keys_prefix.clone(),
-            Some(GetOptions::new().with_prefix().with_count_only()),
-        );
-        let ok = match tokio::time::timeout(c.settings.request_timeout, read).await {
-            Ok(Ok(read)) => {
-                c.leader.observe(read.header());
-                true
+        let mut ok = false;
+        for attempt in 1..=kv::READ_ATTEMPTS {
+            let mut client = c.client.clone();
+            let read = client.get(
+                c.keys_prefix.clone(),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            );
+            match tokio::time::timeout(c.settings.request_timeout, read).await {
+                Ok(Ok(read)) => {
+                    c.leader.observe(read.header());
+                    ok = true;
+                    break;
+                }
+                Ok(Err(_)) if attempt < kv::READ_ATTEMPTS => {
+                    c.request_failed();
+                    kv::back_off(attempt).await;
+                }
+                // No answer within the timeout (no quorum, or a member that
+                // hangs): not ready now rather than a few timeouts later.
+                _ => {
+                    c.request_failed();
+                    break;
+                }
             }
-            _ => false,
-        };
+        }
         let was = c.ready.swap(ok, Ordering::AcqRel);
         if was != ok {
             if ok {
