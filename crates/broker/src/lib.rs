@@ -305,20 +305,30 @@ impl RunningBroker {
 
     /// Stops accepting, disconnects every client (MQTT 5 clients hear
     /// "server shutting down"), waits up to `grace` for them to go, then
-    /// syncs and closes the storage engine.
+    /// syncs and closes the storage engine. A cluster node keeps its links
+    /// to the other nodes until they took the sessions it kept (within
+    /// `grace`), and leaves the rest's queued messages in etcd.
     pub async fn shutdown(self, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
         self.ready.store(false, Ordering::Release);
         let _ = self.stop.send(true);
         // Every connection holds a permit until it has ended: all of them
         // back means every connection is gone.
         let all = u32::try_from(self.shared.settings.router.max_connections).unwrap_or(u32::MAX);
-        let _ = tokio::time::timeout(grace, self.shared.permits.acquire_many(all)).await;
+        let _ = tokio::time::timeout_at(deadline, self.shared.permits.acquire_many(all)).await;
+        self.shared.hand_over_sessions(deadline).await;
+        let _ = self.shared.stop_links.send(true);
+        let _ = tokio::time::timeout(LINKS_GRACE, self.shared.link_permits.acquire_many(all)).await;
         // A cluster node: the other nodes publish no will of its clients.
         self.shared.leave_cluster().await;
         let store = Arc::clone(&self.shared.store);
         let _ = tokio::task::spawn_blocking(move || store.close()).await;
     }
 }
+
+/// How long a stopping cluster node waits for the other nodes' links to
+/// it to end, once told.
+const LINKS_GRACE: Duration = Duration::from_secs(2);
 
 /// Forgets, every few seconds, the sessions whose expiry passed (the router
 /// ends its side of them itself), until the broker stops.

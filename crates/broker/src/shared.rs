@@ -32,8 +32,16 @@ pub(crate) struct Shared {
     /// Retained messages and sessions on disk (with a data directory).
     pub durable: Option<Arc<Durable>>,
     pub wills: Arc<WillRegistry>,
-    /// One permit per open connection (`router.max_connections` in all).
+    /// One permit per open client connection (`router.max_connections`
+    /// in all).
     pub permits: Arc<Semaphore>,
+    /// One per link from another cluster node (as many again): links do
+    /// not take clients' places, and outlive the clients when the node
+    /// stops (see [`Shared::hand_over_sessions`]).
+    pub link_permits: Arc<Semaphore>,
+    /// Becomes `true` when the links from other cluster nodes are to end
+    /// (after the clients, when the node stops).
+    pub stop_links: watch::Sender<bool>,
     /// The number the next connection gets (never reused).
     pub next_connection: AtomicU64,
     /// When the broker started (assigned client ids carry it).
@@ -220,6 +228,8 @@ impl Shared {
             Authorizer::load(settings.authorization.as_deref()).map_err(std::io::Error::other)?;
         Ok(Arc::new(Shared {
             permits: Arc::new(Semaphore::new(settings.router.max_connections)),
+            link_permits: Arc::new(Semaphore::new(settings.router.max_connections)),
+            stop_links: watch::Sender::new(false),
             settings,
             router,
             store,
@@ -423,12 +433,27 @@ impl Shared {
         })
     }
 
-    /// The broker stops normally, its clients told (a cluster node: it
-    /// removes its clients' will records from etcd, so that no other node
-    /// publishes them).
+    /// The broker stops normally and its clients are gone; a cluster
+    /// node's links to the other nodes are still up. Waits, until
+    /// `deadline`, for the other nodes to take the sessions this node
+    /// keeps (their clients come back there and the messages queued here
+    /// are handed over), then writes to etcd the messages queued for the
+    /// sessions left (see `cluster::ownership::leaving`).
+    pub async fn hand_over_sessions(&self, _deadline: tokio::time::Instant) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.hand_over_sessions(_deadline).await;
+        }
+    }
+
+    /// The broker stops normally, its clients and links gone (a cluster
+    /// node: it writes to etcd what was queued since
+    /// [`Shared::hand_over_sessions`], and removes its clients' will
+    /// records from etcd, so that no other node publishes them).
     pub async fn leave_cluster(&self) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
+            node.flush_queue().await;
             node.ownership().forget_wills().await;
         }
     }

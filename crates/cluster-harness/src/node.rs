@@ -225,6 +225,11 @@ impl Node {
         self.proc.terminate(grace)
     }
 
+    /// SIGTERM, without waiting for the exit (see [`Node::stop`]).
+    pub fn term(&mut self) -> io::Result<()> {
+        self.proc.term()
+    }
+
     /// SIGSTOP.
     pub fn pause(&mut self) -> io::Result<()> {
         let what = format!("node {}", self.spec.name);

@@ -215,6 +215,18 @@ impl Proc {
     }
 
     /// SIGTERM, then SIGKILL if it has not exited after `grace`.
+    /// SIGTERM (after SIGCONT if paused), not waiting.
+    pub(crate) fn term(&mut self) -> io::Result<()> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(());
+        };
+        if self.paused {
+            signal(child.id(), libc::SIGCONT)?;
+            self.paused = false;
+        }
+        signal(child.id(), libc::SIGTERM)
+    }
+
     pub(crate) fn terminate(&mut self, grace: Duration) -> io::Result<Option<ExitStatus>> {
         let Some(child) = self.child.as_mut() else {
             return Ok(None);

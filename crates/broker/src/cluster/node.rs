@@ -142,6 +142,39 @@ impl Node {
         &self.ownership
     }
 
+    /// The node stops and its clients are gone: waits until `deadline`
+    /// for the other nodes to take the sessions it keeps, then writes the
+    /// messages queued for those left to etcd (see
+    /// `ownership::leaving`).
+    pub async fn hand_over_sessions(&self, deadline: tokio::time::Instant) {
+        let left = self.ownership.wait_moved(deadline).await;
+        tracing::info!(
+            sessions_left = left,
+            "clustering: stopping: the clients' sessions went to other nodes{}",
+            if left > 0 {
+                " but those left (their clients did not come back in time; their queued messages go to etcd)"
+            } else {
+                ""
+            }
+        );
+        self.flush_queue().await;
+    }
+
+    /// Writes what waits to be written to etcd's queue now (at most
+    /// etcd's request timeout).
+    pub async fn flush_queue(&self) {
+        let left = self
+            .queue
+            .flush(self.cluster.settings.request_timeout)
+            .await;
+        if left > 0 {
+            tracing::warn!(
+                writes = left,
+                "clustering: stopping: messages queued for sessions not written to etcd (etcd did not take them in time): they are lost with this node"
+            );
+        }
+    }
+
     /// Makes the router's session of `client_id` the current one across
     /// the cluster before a CONNECT with Clean Start 0 links (see
     /// [`sessions::resume`]).

@@ -193,7 +193,12 @@ pub(crate) async fn accept(
             "fault injected: refusing connections",
         ));
     }
-    let Ok(permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
+    let permits = if from_node.is_some() {
+        &shared.link_permits
+    } else {
+        &shared.permits
+    };
+    let Ok(permit) = Arc::clone(permits).try_acquire_owned() else {
         return Err(refuse(Refusal::Busy, "connection limit reached"));
     };
     // A cluster node: the session may have been on another node since.

@@ -54,6 +54,10 @@ pub(crate) struct Driver<S> {
     pub max_packet_size: usize,
     /// What the web view shows of this connection.
     pub peer: Arc<Peer>,
+    /// Becomes `true` when the connection is to end because the broker
+    /// stops (a link from another cluster node hears it after the clients:
+    /// see `Broker::shutdown`).
+    pub stop: watch::Receiver<bool>,
     pub shared: Arc<Shared>,
 }
 
@@ -77,7 +81,7 @@ impl<S: Stream> Driver<S> {
             last_heard + self.idle_limit.unwrap_or(Duration::from_secs(86_400)),
         );
         tokio::pin!(keep_alive);
-        let mut shutdown = self.shared.shutdown.clone();
+        let mut shutdown = self.stop.clone();
         let shutdown = shutdown.changed();
         tokio::pin!(shutdown);
         // One subscription to the disk's position for the connection's life.
@@ -207,7 +211,7 @@ impl<S: Stream> Driver<S> {
     /// the lease again; once the node lost it, the connection ends (see
     /// `standing.rs`).
     async fn suspended(&self) -> Result<(), End> {
-        let mut shutdown = self.shared.shutdown.clone();
+        let mut shutdown = self.stop.clone();
         tokio::select! {
             resumed = self.shared.standing.resumed(self.peer.epoch) => {
                 resumed.map_err(|()| End::NotServing)

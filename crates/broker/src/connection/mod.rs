@@ -202,6 +202,11 @@ pub(crate) async fn serve<S: Stream>(
         idle_limit: terms.idle_limit(),
         max_packet_size: listener.max_packet_size,
         peer: peer_view,
+        stop: if from_node.is_some() {
+            shared.stop_links.subscribe()
+        } else {
+            shared.shutdown.clone()
+        },
         shared: Arc::clone(&shared),
     };
     machine.queue(handshake::connack(session_present, connack));

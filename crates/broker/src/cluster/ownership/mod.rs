@@ -50,6 +50,7 @@ use tokio::sync::Notify;
 use super::watch::{Ended, follow_prefix};
 use super::{Cluster, Membership, Peers};
 
+mod leaving;
 mod records;
 use crate::sessions::{PacketIdBlock, Resumed, Sessions};
 use crate::will::WillRegistry;
@@ -142,6 +143,9 @@ pub struct Ownership {
     /// A fault (`[faults] claim_delay_ms`): each claim waits this long
     /// before it goes to etcd.
     claim_delay: Option<Duration>,
+    /// Sessions moving away, waited for when the node stops (see
+    /// [`leaving`]).
+    leaving: Arc<leaving::Leaving>,
 }
 
 impl Ownership {
@@ -186,6 +190,7 @@ impl Ownership {
             state: Mutex::new(State::default()),
             wake: Arc::new(Notify::new()),
             claim_delay,
+            leaving: Arc::default(),
         });
         tokio::spawn(watch(
             Arc::downgrade(&ownership),
@@ -504,19 +509,24 @@ impl Ownership {
     /// its queued messages handed to `to` (see [`super::handover`]).
     fn lost(&self, client_id: &str, claim: Claim, to: Option<&str>, clean: bool) {
         self.wills.taken_elsewhere(client_id, clean);
-        {
+        let to = to.filter(|_| claim.kept || !claim.ended);
+        let counted = {
             let mut state = self.state.lock();
+            // Counted before the claim goes (see `leaving`).
+            let counted = to.map(|_| self.leaving.handing_over());
             if state
                 .claims
                 .get(client_id)
                 .is_some_and(|c| c.connection == claim.connection)
             {
                 state.claims.remove(client_id);
+                self.leaving.claim_gone();
             }
             state.records.remove(client_id);
             // The other node's claim replaced the will record.
             state.wills.remove(client_id);
-        }
+            counted
+        };
         if !claim.ended && self.sessions.take_over(client_id, claim.connection) {
             tracing::info!(
                 client_id,
@@ -525,12 +535,13 @@ impl Ownership {
         }
         let router = self.router.clone();
         let client_id = client_id.to_owned();
-        if let Some(to) = to.map(str::to_owned).filter(|_| claim.kept || !claim.ended) {
+        if let Some(to) = to.map(str::to_owned) {
             let peers = Arc::clone(&self.peers);
             let sessions = Arc::clone(&self.sessions);
             tokio::spawn(async move {
                 super::handover::hand_over(&router, &sessions, &peers, &client_id, &to, claim.ids)
                     .await;
+                drop(counted);
             });
             return;
         }
@@ -581,6 +592,7 @@ impl Ownership {
         }
         state.claims.remove(client_id);
         drop(state);
+        self.leaving.claim_gone();
         if revision > 0 {
             self.delete(client_id, revision);
         }

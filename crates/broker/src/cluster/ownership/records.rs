@@ -268,10 +268,14 @@ impl Ownership {
                 // Another node owns the client now (its connection here
                 // ends, its session goes), or none does (this node's lease
                 // ended with its records).
-                state.claims.remove(&client_id);
-                drop(state);
                 if let Some((to, clean)) = taken {
+                    // `lost` removes the claim (with the handover counted).
+                    drop(state);
                     self.lost(&client_id, current, to.as_deref(), clean);
+                } else {
+                    state.claims.remove(&client_id);
+                    drop(state);
+                    self.leaving.claim_gone();
                 }
             } else if current.ended
                 && !state.records.contains_key(&client_id)
@@ -280,6 +284,7 @@ impl Ownership {
                 // Let go: the owner record went with the write, or goes now.
                 state.claims.remove(&client_id);
                 drop(state);
+                self.leaving.claim_gone();
                 if !done {
                     self.delete(&client_id, current.revision);
                 }

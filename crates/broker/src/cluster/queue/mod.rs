@@ -332,6 +332,29 @@ impl Queue {
 }
 
 /// What the writer takes at a time: the changes, and their operations.
+impl Queue {
+    /// Writes what waits to be written now, [`LINGER`] or not: the node
+    /// stops, and the next node to resume one of its sessions reads them
+    /// here. Waits at most `timeout`; returns how many writes are left.
+    pub async fn flush(&self, timeout: Duration) -> usize {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut client = self.cluster.client.clone();
+        let budget = self.cluster.settings.max_request_bytes / 2;
+        loop {
+            let (changes, ops) = self.pending.lock().take(budget, Instant::now() + LINGER);
+            if changes.is_empty() {
+                return 0;
+            }
+            let txn = client.txn(Txn::new().and_then(ops));
+            if !matches!(tokio::time::timeout_at(deadline, txn).await, Ok(Ok(_))) {
+                let mut pending = self.pending.lock();
+                pending.put_back(changes, Instant::now());
+                return pending.len();
+            }
+        }
+    }
+}
+
 pub struct Batch {
     changes: Vec<pending::Change>,
     ops: Vec<TxnOp>,
