@@ -101,6 +101,17 @@ impl Standing {
         }
     }
 
+    /// Waits until the node serves (at once if it does).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub async fn serves(&self) {
+        let mut renewals = self.renewals.subscribe();
+        while !self.serving() {
+            if renewals.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// The lease is lost: serve no more, and say so (once per loss).
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub fn lost(&self) {

@@ -577,3 +577,49 @@ async fn a_connect_its_client_gave_up_on_leaves_no_session_behind() {
     eventually("sb1 keeps no session of the client", || kept(0) == before).await;
     goes_on(&mut later, &setup.nodes[1]).await;
 }
+
+/// How many lines of `node`'s log contain `text`.
+fn lines_with(node: &statebroker_cluster_harness::Node, text: &str) -> usize {
+    std::fs::read_to_string(node.log_path())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(text))
+        .count()
+}
+
+/// Two processes given one node id: the second starts while the first is
+/// paused past its lease and registers the id. The first, back, cannot
+/// register again: it says so (a WARN, once), serves no client, and its
+/// links stay away from the other nodes. Before, it waited without a word
+/// (DEBUG lines) while its links and the new process's took each other
+/// over on the other nodes (about 430 WARN lines in 20 s on each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_id_was_taken_while_it_was_paused_says_so_and_leaves_the_links() {
+    let mut setup = Setup::three_linked().await;
+    setup.nodes[0].pause().unwrap();
+    eventually("sb1's lease runs out", || {
+        setup.etcd.get("/statebroker/N/sb1").unwrap().is_none()
+    })
+    .await;
+    setup.add_node_with(&[], &[0], &["--cluster-node-id=sb1".to_owned()]);
+    let twin = setup.nodes.len() - 1;
+    setup.nodes[0].resume().unwrap();
+    let said = "cannot register again";
+    eventually("the paused one says it cannot register", || {
+        lines_with(&setup.nodes[0], said) > 0
+    })
+    .await;
+    // A few seconds for the links to take each other over, if they do.
+    let ended = "a node ended its link";
+    let before = lines_with(&setup.nodes[twin], ended);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let flaps = lines_with(&setup.nodes[twin], ended) - before;
+    assert!(
+        flaps <= 2,
+        "the new sb1's links were ended {flaps} times in 5 s; its log:\n{}",
+        setup.nodes[twin].log_tail(20)
+    );
+    assert_eq!(lines_with(&setup.nodes[0], said), 1, "said once");
+    assert_eq!(http_status(setup.http[0], "/readyz"), Some(503));
+    assert_eq!(http_status(setup.http[twin], "/readyz"), Some(200));
+}

@@ -368,6 +368,7 @@ async fn run(
         // The old lease goes now (if etcd has not let it go already), then
         // a new registration.
         let _ = tokio::time::timeout(timeout, client.lease_revoke(lease)).await;
+        let mut held_said = false;
         lease = loop {
             let Some(m) = membership.upgrade() else {
                 return;
@@ -384,11 +385,23 @@ async fn run(
                     );
                     break lease;
                 }
-                Err(e) => {
-                    let why = match e {
-                        Refused::Etcd(e) => e,
-                        Refused::Held { .. } => m.held_by_another(),
-                    };
+                Err(Refused::Held { .. }) => {
+                    // Said once per loss: another process registered this
+                    // node's id meanwhile (two nodes given one id), and
+                    // this node serves nothing until that one goes.
+                    if !std::mem::replace(&mut held_said, true) {
+                        tracing::warn!(
+                            error = m.held_by_another(),
+                            "clustering: cannot register again: this node serves no client and links to no node until the other one's lease ends"
+                        );
+                    }
+                    drop(m);
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = stop.changed() => return,
+                    }
+                }
+                Err(Refused::Etcd(why)) => {
                     tracing::debug!(error = why, "clustering: cannot register yet");
                     drop(m);
                     tokio::select! {

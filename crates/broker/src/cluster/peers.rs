@@ -74,6 +74,9 @@ pub struct Peers {
     joined: std::sync::atomic::AtomicBool,
     /// What the other nodes have acknowledged of the publishes forwarded.
     confirmations: Arc<Confirmations>,
+    /// Whether this node serves (a broken link waits for it to connect
+    /// again).
+    standing: Arc<crate::standing::Standing>,
 }
 
 /// One link, and the task that drives it (it ends when the link is dropped).
@@ -108,6 +111,7 @@ impl Peers {
             linked: Arc::new(tokio::sync::Notify::new()),
             joined: std::sync::atomic::AtomicBool::new(false),
             confirmations: Arc::new(Confirmations::default()),
+            standing: Arc::clone(&standing),
         });
         tokio::spawn(follow(Arc::downgrade(&peers), members.clone()));
         tokio::spawn(expire(Arc::downgrade(&peers.confirmations)));
@@ -414,6 +418,7 @@ impl Peers {
             node.to_owned(),
             address.to_owned(),
             Arc::clone(&self.confirmations),
+            Arc::clone(&self.standing),
             stopped,
         ));
         let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
@@ -563,12 +568,17 @@ async fn expire(confirmations: Weak<Confirmations>) {
 }
 
 /// Drives one link: connects, sends, reconnects (backing off) until
-/// `stop` fires or its sender is dropped.
+/// `stop` fires or its sender is dropped. A link that breaks while the
+/// node does not serve (its lease lost) connects again only once it
+/// serves: a node whose id another process registered meanwhile (two
+/// nodes given one `node_id`) would otherwise take that process's links
+/// over, and be taken over by them, again and again.
 async fn drive(
     mut events: EventLoop,
     peer: String,
     address: String,
     confirmations: Arc<Confirmations>,
+    standing: Arc<crate::standing::Standing>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let mut connected = false;
@@ -623,6 +633,16 @@ async fn drive(
                     () = tokio::time::sleep(backoff) => {}
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(2));
+                if !standing.serving() {
+                    tracing::debug!(
+                        peer,
+                        "clustering: not serving: the link waits until this node serves again"
+                    );
+                    tokio::select! {
+                        _ = &mut stop => break,
+                        () = standing.serves() => {}
+                    }
+                }
             }
         }
     }
@@ -676,6 +696,7 @@ mod tests {
             linked: Arc::new(tokio::sync::Notify::new()),
             joined: std::sync::atomic::AtomicBool::new(false),
             confirmations: Arc::new(Confirmations::default()),
+            standing: Arc::new(crate::standing::Standing::always()),
         }
     }
 

@@ -150,7 +150,8 @@ impl Setup {
     }
 
     /// [`Setup::add_node_on`] with more arguments (`--data-dir=DIR` gives
-    /// the node a data directory; without one it runs `--in-memory`).
+    /// the node a data directory; without one it runs `--in-memory`;
+    /// `--cluster-node-id=ID` another id than `sb<n>`).
     pub fn add_node_with(&mut self, env: &[(&str, &str)], members: &[usize], args: &[String]) {
         let endpoints: Vec<String> = members.iter().map(|&i| self.etcd.endpoint(i)).collect();
         let endpoints = endpoints.join(",");
@@ -166,7 +167,10 @@ impl Setup {
             .arg(format!("--listen=127.0.0.1:{port}"))
             .arg(format!("--http=127.0.0.1:{http}"))
             .args(storage)
-            .arg(format!("--cluster-node-id=sb{n}"))
+            .args(
+                (!args.iter().any(|a| a.starts_with("--cluster-node-id")))
+                    .then(|| format!("--cluster-node-id=sb{n}")),
+            )
             .arg(format!("--etcd-endpoints={endpoints}"))
             .env("RUST_LOG", "info,broker::cluster=debug")
             .args(args);
