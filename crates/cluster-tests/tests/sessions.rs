@@ -1005,3 +1005,62 @@ async fn a_subscriber_loses_nothing_when_its_node_stops_normally() {
         );
     }
 }
+
+/// Every node lost its lease (etcd without a quorum past two lease
+/// TTLs): a subscriber sent away from node 1 resumes on node 2. Node 1,
+/// registered again, keeps no copy of its session: before, its copy
+/// (whose claim went with the lease) stayed in its router, collected
+/// every message published to the client and wrote it to etcd's queue
+/// under node 1 (6,178 after a 15 s quorum loss in a probe), for the
+/// next node the client moved to to give again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_from_a_lost_lease_keeps_no_copy_of_a_session_that_moved() {
+    let mut setup = Setup::start_with(1, 2, &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "2000")]);
+    setup.all_linked().await;
+    let mut c = subscribed_in_etcd(&setup, "drifter", "drift/#", QoS::AtLeastOnce).await;
+    setup.etcd.pause(0).unwrap();
+    for &http in &setup.http {
+        eventually("the node lost its lease", || {
+            metric(http, "statebroker_cluster_lease_losses_total").is_some_and(|n| n >= 1.0)
+        })
+        .await;
+    }
+    setup.etcd.resume(0).unwrap();
+    // Sent away from node 1 (0x9C), the client goes to node 2.
+    drop(topics_within(&mut c, Duration::from_secs(1)).await);
+    drop(c);
+    let (mut c, present) = loop {
+        let (raw, connack) = Raw::connect_with(addr(setup.ports[1]), "drifter", |c| {
+            c.0.clean_start = false;
+            let mut properties = v5::ConnectProperties::new();
+            properties.session_expiry_interval = Some(300);
+            c.0.properties = Some(properties);
+        })
+        .await;
+        if connack.code == v5::ConnectReturnCode::Success {
+            break (raw, connack.session_present);
+        }
+        // Node 2 registers again and waits for node 1's link meanwhile.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(present, "the session on node 2");
+    setup.all_linked().await;
+    let (mut publisher, _) = connect(setup.ports[1], "pub", true, 0).await;
+    for i in 0..10 {
+        publisher
+            .publish(&format!("drift/{i}"), "x", QoS::AtLeastOnce, None)
+            .await;
+    }
+    assert_eq!(topics_until(&mut c, 10).await.len(), 10);
+    eventually("node 1 keeps no copy of the session", || {
+        metric(setup.http[0], KEPT) == Some(1.0)
+    })
+    .await;
+    // Well past the queue's 100 ms: a copy would have written them.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        queued_in_etcd(&setup, "drifter"),
+        0,
+        "nothing queued by node 1"
+    );
+}

@@ -272,6 +272,15 @@ impl Ownership {
                     // `lost` removes the claim (with the handover counted).
                     drop(state);
                     self.lost(&client_id, current, to.as_deref(), clean);
+                } else if current.kept && !done {
+                    // No node owns the client, and the session stays here
+                    // (its client may come back: see `sessions::resume`):
+                    // so does the claim, so that another node's claim
+                    // later discards the session or takes its messages
+                    // (`taken`). Without it, the copy stayed after its
+                    // client had moved and collected the client's
+                    // messages, into etcd's queue under this node, for the
+                    // client's next node to give again.
                 } else {
                     state.claims.remove(&client_id);
                     drop(state);
