@@ -530,15 +530,17 @@ impl DataLog {
         max_count: usize,
         max_bytes: usize,
     ) -> Option<&'static str> {
-        let refused = self.passes_retained_bound(topic, payload_len, max_count, max_bytes);
+        let refused = self.retained_bound_exceeded(topic, payload_len, max_count, max_bytes);
         if refused.is_some() {
             self.discard_expired_retained(Instant::now());
-            return self.passes_retained_bound(topic, payload_len, max_count, max_bytes);
+            return self.retained_bound_exceeded(topic, payload_len, max_count, max_bytes);
         }
         refused
     }
 
-    fn passes_retained_bound(
+    /// Which bound one more retained message on `topic` would exceed, as
+    /// the retained messages are now.
+    fn retained_bound_exceeded(
         &self,
         topic: &str,
         payload_len: usize,
