@@ -297,20 +297,72 @@ async fn a_key_written_after_it_expired_and_before_the_reaper_notifies_its_delet
     assert!(extra.is_err(), "an extra notification {extra:?}");
 }
 
-/// The web view's key pages and edits read and change a node's own store,
-/// which on a cluster node holds none of the cluster's keys: they say so
-/// rather than show nothing and answer `+OK` to an edit that changed
-/// nothing in etcd (as they did before 2026-11-29).
+/// The keys and `next` of a page of the web view's `/api/keys` (the
+/// values in these tests hold no quotes).
+fn keys_page(http: u16, query: &str) -> (Vec<String>, Option<String>, String) {
+    let page = http_get(http, &format!("/api/keys?{query}")).unwrap();
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    let body = page.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    let keys = body
+        .split("\"key\":\"")
+        .skip(1)
+        .map(|rest| rest.split('"').next().unwrap().to_owned())
+        .collect();
+    let next = body
+        .split("\"next\":\"")
+        .nth(1)
+        .map(|rest| rest.split('"').next().unwrap().to_owned());
+    (keys, next, body)
+}
+
+/// The web view's key pages on a cluster node list the keys in etcd,
+/// whichever node wrote them: live ones only, page after page, values cut
+/// to their first 1,024 bytes, versions as the nodes made them. Its edit
+/// forms change a node's own store, which holds none of the cluster's
+/// keys: they say so (501) rather than answer `+OK` to an edit that
+/// changed nothing in etcd (as they did before 2026-11-29, when the pages
+/// showed no keys at all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_web_view_says_a_nodes_keys_are_in_etcd() {
+async fn the_web_view_lists_the_keys_in_etcd() {
     use std::io::{Read, Write};
-    let setup = Setup::start_with(1, 1, &[("STATEBROKER__HTTP__ALLOW_EDIT", "true")]);
+    let setup = Setup::start_with(1, 2, &[("STATEBROKER__HTTP__ALLOW_EDIT", "true")]);
     let mut c = client(setup.ports[0], "web-check").await;
-    assert_eq!(text(&ask(&mut c, &["SET", "k", "v"]).await), "+OK");
-    let page = http_get(setup.http[0], "/api/keys").unwrap();
-    assert!(page.starts_with("HTTP/1.1 501"), "{page}");
-    assert!(page.contains("keys are in etcd"), "{page}");
-    let body = r#"{"key":"k","value":"from-the-page"}"#;
+    for k in ["k1", "k2", "k3", "k4", "k5"] {
+        assert_eq!(text(&ask(&mut c, &["SET", k, "v"]).await), "+OK");
+    }
+    assert_eq!(text(&ask(&mut c, &["DEL", "k3"]).await), ":1");
+    assert_eq!(
+        text(&ask(&mut c, &["SET", "k6", "v", "PX", "1"]).await),
+        "+OK"
+    );
+    let big = "b".repeat(3000);
+    assert_eq!(text(&ask(&mut c, &["SET", "big", &big]).await), "+OK");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // On the other node, two keys a page.
+    let http = setup.http[1];
+    let mut seen = Vec::new();
+    let mut start = String::new();
+    for _ in 0..10 {
+        let (keys, next, _) = keys_page(http, &format!("pattern=k*&limit=2&start={start}"));
+        assert!(keys.len() <= 2, "{keys:?}");
+        seen.extend(keys);
+        match next {
+            Some(next) => start = next,
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["k1", "k2", "k4", "k5"], "live keys, in order, once");
+    let (keys, next, body) = keys_page(http, "pattern=big");
+    assert_eq!((keys, next), (vec!["big".to_owned()], None));
+    assert!(body.contains("\"value_len\":3000"), "{body}");
+    assert!(
+        body.contains(&format!("\"value\":\"{}\"", "b".repeat(1024))),
+        "{body}"
+    );
+    assert!(body.contains(":sb1\""), "the version sb1 made: {body}");
+    // A start that is no page's `next`.
+    assert_eq!(http_status(http, "/api/keys?start=zz"), Some(400));
+    let body = r#"{"key":"k1","value":"from-the-page"}"#;
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", setup.http[0])).unwrap();
     write!(
         stream,
@@ -321,7 +373,8 @@ async fn the_web_view_says_a_nodes_keys_are_in_etcd() {
     let mut answer = String::new();
     stream.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
-    assert_eq!(text(&ask(&mut c, &["GET", "k"]).await), "$v");
+    assert!(answer.contains("keys are in etcd"), "{answer}");
+    assert_eq!(text(&ask(&mut c, &["GET", "k1"]).await), "$v");
 }
 
 /// One etcd member of three down, a quorum left: the nodes stay ready and

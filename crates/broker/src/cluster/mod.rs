@@ -42,6 +42,7 @@
 mod awaited;
 mod backlog;
 mod batches;
+pub mod browse;
 mod cache;
 mod confirmations;
 mod endpoints;

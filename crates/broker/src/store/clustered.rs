@@ -63,6 +63,10 @@ impl Clustered {
     }
 
     /// Whether etcd answers (for `/readyz`).
+    pub(crate) fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
+    }
+
     pub(crate) fn is_ready(&self) -> bool {
         self.cluster.is_ready()
     }

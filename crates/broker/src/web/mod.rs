@@ -314,13 +314,13 @@ async fn page() -> impl IntoResponse {
     )
 }
 
-/// On a cluster node the keys are in etcd; the key pages and edits read
-/// and change the node's own store, which holds none of them.
+/// On a cluster node the keys are in etcd; the edit forms change the
+/// node's own store, which holds none of them.
 fn keys_in_etcd() -> Response {
     (
         StatusCode::NOT_IMPLEMENTED,
-        "on a cluster node the keys are in etcd, which the web view does not read or change yet: \
-         use SCAN, GET and SET (statebroker-cli scan/get/set)\n",
+        "on a cluster node the keys are in etcd, which the web view's edit forms do not change yet: \
+         use SET and DEL (statebroker-cli set/del)\n",
     )
         .into_response()
 }
@@ -333,8 +333,11 @@ fn starting() -> Response {
 struct KeysQuery {
     #[serde(default = "everything")]
     pattern: String,
+    /// Where the page starts: the `next` of the page before (a position
+    /// on a single node; on a cluster node the last key, in hex); empty
+    /// or `0`: the first page.
     #[serde(default)]
-    start: usize,
+    start: String,
     #[serde(default = "page_size")]
     limit: usize,
 }
@@ -388,16 +391,61 @@ async fn keys(
     let Some(shared) = broker.get() else {
         return starting();
     };
-    if shared.store.keys_in_etcd() {
-        return keys_in_etcd();
-    }
     let rules = viewer.key_rules(shared);
+    #[cfg(feature = "cluster")]
+    if let Some(cluster) = shared.store.cluster() {
+        let after = match q.start.as_str() {
+            "" | "0" => None,
+            start => match hex::decode(start) {
+                Ok(key) => Some(key),
+                Err(_) => return bad_start(),
+            },
+        };
+        let access = rules
+            .as_ref()
+            .map(|r| r as &(dyn statestore::KeyAccess + Sync));
+        let now = crate::clock::now_ms();
+        return match cluster
+            .browse(q.pattern.as_bytes(), after.as_deref(), q.limit, access, now)
+            .await
+        {
+            Ok(page) => keys_json(page.keys, page.next.map(hex::encode), now),
+            Err(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("etcd, where this cluster node's keys are, did not answer: {e}\n"),
+            )
+                .into_response(),
+        };
+    }
+    let start = match q.start.as_str() {
+        "" => 0,
+        start => match start.parse() {
+            Ok(start) => start,
+            Err(_) => return bad_start(),
+        },
+    };
     let access = rules.as_ref().map(|r| r as &dyn statestore::KeyAccess);
     let page = shared
         .store
-        .with_store(|store| store.browse(q.pattern.as_bytes(), q.start, q.limit, access));
-    let keys: Vec<KeyJson> = page
-        .keys
+        .with_store(|store| store.browse(q.pattern.as_bytes(), start, q.limit, access));
+    keys_json(page.keys, page.next, crate::clock::now_ms())
+}
+
+fn bad_start() -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        "start: not the `next` of a page of keys\n",
+    )
+        .into_response()
+}
+
+/// A page of keys as `/api/keys` answers it.
+fn keys_json(
+    keys: Vec<statestore::browse::KeyView>,
+    next: Option<impl Serialize>,
+    now_ms: u64,
+) -> Response {
+    let keys: Vec<KeyJson> = keys
         .into_iter()
         .map(|k| {
             let (key, key_hex) = text(&k.key, false);
@@ -416,8 +464,7 @@ async fn keys(
             }
         })
         .collect();
-    Json(json!({ "keys": keys, "next": page.next, "now_ms": crate::clock::now_ms() }))
-        .into_response()
+    Json(json!({ "keys": keys, "next": next, "now_ms": now_ms })).into_response()
 }
 
 async fn clients(_: Operator, State(broker): State<Broker>) -> Response {

@@ -396,6 +396,14 @@ impl StateStoreService {
         self.clustered.as_ref()
     }
 
+    /// A cluster node's cluster, where its keys are.
+    #[cfg(feature = "cluster")]
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.clustered
+            .as_ref()
+            .map(super::clustered::Clustered::cluster)
+    }
+
     /// Whether the keys are in etcd (a cluster node), not in this store:
     /// tools that read or change this store directly (the web view's key
     /// pages and edits) would show and change none of the cluster's keys.
