@@ -317,13 +317,12 @@ fn keys_page(http: u16, query: &str) -> (Vec<String>, Option<String>, String) {
 
 /// The web view's key pages on a cluster node list the keys in etcd,
 /// whichever node wrote them: live ones only, page after page, values cut
-/// to their first 1,024 bytes, versions as the nodes made them. Its edit
-/// forms change a node's own store, which holds none of the cluster's
-/// keys: they say so (501) rather than answer `+OK` to an edit that
-/// changed nothing in etcd (as they did before 2026-11-29, when the pages
-/// showed no keys at all).
+/// to their first 1,024 bytes, versions as the nodes made them; its edit
+/// forms change them there, and watchers on other nodes hear of it.
+/// Before 2026-11-29 the pages showed no keys and an edit answered `+OK`
+/// having changed only the node's own store; then both answered 501.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_web_view_lists_the_keys_in_etcd() {
+async fn the_web_view_lists_and_edits_the_keys_in_etcd() {
     use std::io::{Read, Write};
     let setup = Setup::start_with(1, 2, &[("STATEBROKER__HTTP__ALLOW_EDIT", "true")]);
     let mut c = client(setup.ports[0], "web-check").await;
@@ -362,19 +361,33 @@ async fn the_web_view_lists_the_keys_in_etcd() {
     assert!(body.contains(":sb1\""), "the version sb1 made: {body}");
     // A start that is no page's `next`.
     assert_eq!(http_status(http, "/api/keys?start=zz"), Some(400));
-    let body = r#"{"key":"k1","value":"from-the-page"}"#;
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", setup.http[0])).unwrap();
-    write!(
-        stream,
-        "POST /api/set HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
-    assert!(answer.contains("keys are in etcd"), "{answer}");
-    assert_eq!(text(&ask(&mut c, &["GET", "k1"]).await), "$v");
+    // The edit forms change the keys in etcd, on any node.
+    let edit = |path: &str, body: &str| {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", setup.http[1])).unwrap();
+        write!(
+            stream,
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let mut w = client(setup.ports[0], "web-watcher").await;
+    assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "k1"]).await), "+OK");
+    let mut notes = w.notifications().expect("notifications");
+    let answer = edit("/api/set", r#"{"key":"k1","value":"from-the-page"}"#);
+    assert!(answer.contains(r#""answer":"+OK""#), "{answer}");
+    assert_eq!(text(&ask(&mut c, &["GET", "k1"]).await), "$from-the-page");
+    let note = tokio::time::timeout(PATIENCE, notes.recv())
+        .await
+        .expect("the watcher on node 1 told")
+        .expect("open");
+    assert_eq!(note.value.as_deref(), Some(&b"from-the-page"[..]));
+    let answer = edit("/api/del", r#"{"key":"k2"}"#);
+    assert!(answer.contains(r#""answer":":1""#), "{answer}");
+    assert_eq!(text(&ask(&mut c, &["GET", "k2"]).await), "$-1");
 }
 
 /// One etcd member of three down, a quorum left: the nodes stay ready and

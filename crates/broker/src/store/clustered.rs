@@ -204,6 +204,52 @@ impl StateStoreService {
         }
     }
 
+    /// Runs a request of one of the broker's own tools (the web view's
+    /// edit forms) through etcd, as [`StateStoreService::serve_clustered`]
+    /// runs a client's, and returns its RESP3 answer (there is no reply
+    /// to publish; watchers hear of the change through the watch, as of
+    /// any node's).
+    pub(super) async fn execute_clustered(
+        self: &Arc<Self>,
+        clustered: &Clustered,
+        request: &Request<'_>,
+        caller: Caller<'_>,
+    ) -> Vec<u8> {
+        let now = self.wall_ms();
+        let keyed = match self.with_store(|store| store.prepare(request, caller, now)) {
+            Prepared::Done(outcome) => {
+                let payload = outcome.payload.clone();
+                let reply = self.reply(request, caller, None, &outcome);
+                self.publish_answer(reply, outcome);
+                return payload;
+            }
+            Prepared::Key(keyed) => keyed,
+            // The edit forms send SET and DEL.
+            Prepared::Scan(_) => return b"-ERR SCAN is not an edit\r\n".to_vec(),
+        };
+        let reply = self.reply_pending(request, caller, None, keyed.command.name());
+        let clock = ServiceClock(Arc::downgrade(self));
+        let quota = self.with_store(|store| store.config().quota.clone());
+        // Each edit is a request of its own: nothing sends one again.
+        let id = record::request_id(caller.client_id, &crate::clock::now_nanos().to_be_bytes());
+        match clustered
+            .cluster
+            .serve_key(&keyed, (id, false), &quota, &clock)
+            .await
+        {
+            Ok(answer) => {
+                let mut payload = Vec::new();
+                answer.frame.encode(&mut payload);
+                self.answer(reply, answer.frame, answer.version, answer.error);
+                payload
+            }
+            Err(why) => {
+                unanswered(&reply, &why);
+                format!("-ERR etcd did not answer: {why}\r\n").into_bytes()
+            }
+        }
+    }
+
     /// Publishes the notifications of a change made on any node.
     fn notify_elsewhere(&self, change: Change) {
         let notice = self

@@ -72,9 +72,6 @@ async fn run(viewer: &Viewer, broker: &Broker, args: &[Vec<u8>]) -> Response {
     let Some(shared) = broker.get() else {
         return starting();
     };
-    if shared.store.keys_in_etcd() {
-        return super::keys_in_etcd();
-    }
     if !shared.settings.http_allow_edit {
         return (
             StatusCode::FORBIDDEN,

@@ -314,17 +314,6 @@ async fn page() -> impl IntoResponse {
     )
 }
 
-/// On a cluster node the keys are in etcd; the edit forms change the
-/// node's own store, which holds none of them.
-fn keys_in_etcd() -> Response {
-    (
-        StatusCode::NOT_IMPLEMENTED,
-        "on a cluster node the keys are in etcd, which the web view's edit forms do not change yet: \
-         use SET and DEL (statebroker-cli set/del)\n",
-    )
-        .into_response()
-}
-
 fn starting() -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, "the broker is starting\n").into_response()
 }

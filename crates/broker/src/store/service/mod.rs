@@ -240,6 +240,10 @@ impl StateStoreService {
     /// metrics and the live list included. Returns the RESP3 answer once
     /// the change is durable.
     pub async fn execute(self: &Arc<Self>, request: &Request<'_>, caller: Caller<'_>) -> Vec<u8> {
+        #[cfg(feature = "cluster")]
+        if let Some(clustered) = &self.clustered {
+            return self.execute_clustered(clustered, request, caller).await;
+        }
         let (reply, outcome, wait) = self.run(request, caller, None);
         if let (Some(persistence), Some(batch)) = (&self.persistence, wait) {
             persistence.wait_durable(batch).await;
@@ -402,13 +406,6 @@ impl StateStoreService {
         self.clustered
             .as_ref()
             .map(super::clustered::Clustered::cluster)
-    }
-
-    /// Whether the keys are in etcd (a cluster node), not in this store:
-    /// tools that read or change this store directly (the web view's key
-    /// pages and edits) would show and change none of the cluster's keys.
-    pub fn keys_in_etcd(&self) -> bool {
-        self.clustered.is_some()
     }
 
     /// Whether the state store can serve: on a cluster node, whether etcd
