@@ -1064,3 +1064,68 @@ async fn a_node_back_from_a_lost_lease_keeps_no_copy_of_a_session_that_moved() {
         "nothing queued by node 1"
     );
 }
+
+/// A client that moves while messages keep coming to it (every 20 ms,
+/// from a publisher on a third node): its old node hands the session
+/// over, and every acknowledged message reaches the client. Before, the
+/// handover took what the old node's router gave until 300 ms passed
+/// without a message, which never happened while the publisher went
+/// on: nothing was handed over (found by a probe: a node stopped with
+/// SIGTERM waited its whole grace for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_moves_under_steady_traffic_is_handed_over() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let setup = Setup::three_linked().await;
+    let mut old = subscribed_in_etcd(&setup, "busy", "b/#", QoS::AtLeastOnce).await;
+    let (mut raw, _) = connect(setup.ports[2], "steady-pub", true, 0).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let published = Arc::new(AtomicU64::new(0));
+    let publisher = {
+        let (stop, published) = (Arc::clone(&stop), Arc::clone(&published));
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Acquire) {
+                let n = published.load(Ordering::Acquire);
+                let ack = raw
+                    .publish("b/x", n.to_string(), QoS::AtLeastOnce, None)
+                    .await;
+                assert_eq!(ack, Some(v5::PubAckReason::Success));
+                published.store(n + 1, Ordering::Release);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let mut got = received_until(
+        &mut old,
+        Duration::from_secs(2),
+        Some(Instant::now() + Duration::from_secs(1)),
+    )
+    .await;
+    // Moves without acknowledging what the old node sends meanwhile.
+    let (mut new, present) = connect(setup.ports[1], "busy", false, 300).await;
+    assert!(present);
+    drop(old);
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
+    })
+    .await;
+    got.extend(
+        received_until(
+            &mut new,
+            Duration::from_secs(2),
+            Some(Instant::now() + Duration::from_secs(2)),
+        )
+        .await,
+    );
+    stop.store(true, Ordering::Release);
+    publisher.await.unwrap();
+    got.extend(received_within(&mut new, Duration::from_secs(2)).await);
+    let seqs: std::collections::BTreeSet<u64> =
+        got.iter().map(|(_, p)| p.parse().unwrap()).collect();
+    let acknowledged = published.load(Ordering::Acquire);
+    let missing: Vec<u64> = (0..acknowledged).filter(|n| !seqs.contains(n)).collect();
+    assert!(
+        missing.is_empty(),
+        "acknowledged and never received: {missing:?}"
+    );
+}

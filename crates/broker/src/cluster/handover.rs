@@ -115,8 +115,17 @@ pub async fn hand_over(
     );
 }
 
+/// How long a handover takes what the router gives at most. What reaches
+/// the session here while the client is on its new node reaches the new
+/// node's copy too (every publish goes to every node): a handover that
+/// waited for 300 ms without one never ended while publishes to the
+/// client kept coming faster than that (nothing was handed over, and the
+/// node stopping with SIGTERM waited for it until its grace ran out).
+const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Takes what the router gives a resumed session's link, acknowledging
-/// each message, until it has given nothing for 300 ms (a QoS 2 one sent
+/// each message, until it has given nothing for 300 ms, or for at most
+/// [`DRAIN_MAX`] (a QoS 2 one sent
 /// again, DUP, was in flight to the client: with the id the client saw,
 /// in `ids`); returns the
 /// messages, oldest first (the newest [`HANDED_OVER_MAX`]), and how many
@@ -131,8 +140,10 @@ async fn drain(
     };
     let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
+    let deadline = tokio::time::Instant::now() + DRAIN_MAX;
     loop {
-        let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
+        let quiet = tokio::time::Instant::now() + std::time::Duration::from_millis(300);
+        let next = tokio::time::timeout_at(quiet.min(deadline), rx.next());
         let notification = match next.await {
             Ok(Ok(Some(notification))) => notification,
             _ => break,
