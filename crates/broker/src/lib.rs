@@ -311,12 +311,13 @@ impl RunningBroker {
     pub async fn shutdown(self, grace: Duration) {
         let deadline = tokio::time::Instant::now() + grace;
         self.ready.store(false, Ordering::Release);
+        let leaving = self.shared.leaving();
         let _ = self.stop.send(true);
         // Every connection holds a permit until it has ended: all of them
         // back means every connection is gone.
         let all = u32::try_from(self.shared.settings.router.max_connections).unwrap_or(u32::MAX);
         let _ = tokio::time::timeout_at(deadline, self.shared.permits.acquire_many(all)).await;
-        self.shared.hand_over_sessions(deadline).await;
+        self.shared.hand_over_sessions(leaving, deadline).await;
         let _ = self.shared.stop_links.send(true);
         let _ = tokio::time::timeout(LINKS_GRACE, self.shared.link_permits.acquire_many(all)).await;
         // A cluster node: the other nodes publish no will of its clients.

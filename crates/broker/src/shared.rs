@@ -435,15 +435,25 @@ impl Shared {
 
     /// The broker stops normally and its clients are gone; a cluster
     /// node's links to the other nodes are still up. Waits, until
-    /// `deadline`, for the other nodes to take the sessions this node
-    /// keeps (their clients come back there and the messages queued here
-    /// are handed over), then writes to etcd the messages queued for the
-    /// sessions left (see `cluster::ownership::leaving`).
-    pub async fn hand_over_sessions(&self, _deadline: tokio::time::Instant) {
+    /// `deadline`, for the other nodes to take the sessions of the
+    /// clients `leaving` names (they come back there and the messages
+    /// queued here are handed over), then writes to etcd the messages
+    /// queued for the sessions left (see `cluster::ownership::leaving`).
+    pub async fn hand_over_sessions(&self, _leaving: Leaving, _deadline: tokio::time::Instant) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            node.hand_over_sessions(_deadline).await;
+            node.hand_over_sessions(&_leaving.0, _deadline).await;
         }
+    }
+
+    /// The clients connected now, whose sessions a cluster node that
+    /// stops waits to hand over (see [`Shared::hand_over_sessions`]).
+    pub fn leaving(&self) -> Leaving {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            return Leaving(node.ownership().connected_clients());
+        }
+        Leaving(Default::default())
     }
 
     /// The broker stops normally, its clients and links gone (a cluster
@@ -490,3 +500,9 @@ impl Shared {
         None
     }
 }
+
+/// The clients connected when the broker began to stop (see
+/// [`Shared::leaving`]).
+pub struct Leaving(
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))] std::collections::HashSet<String>,
+);

@@ -1129,3 +1129,25 @@ async fn a_client_that_moves_under_steady_traffic_is_handed_over() {
         "acknowledged and never received: {missing:?}"
     );
 }
+
+/// A node stopped normally (SIGTERM) waits for the clients connected then
+/// to come back elsewhere, not for one that was away already: with an
+/// offline persistent session it exits at once (here: within 4 s, its
+/// grace being 5 s), its messages queued in etcd for the client's next
+/// node. Before, it waited its whole grace for that session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stopped_with_an_offline_session_does_not_wait_for_it() {
+    let mut setup = Setup::three_linked().await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "away", "a", 5).await;
+    let stopped = setup.nodes[0].stop(Duration::from_secs(4)).unwrap();
+    assert!(
+        stopped.is_some_and(|s| s.success()),
+        "node 1 exits by itself within 4 s: {stopped:?}"
+    );
+    let (mut c, present) = connect(setup.ports[1], "away", false, 300).await;
+    assert!(present);
+    assert_eq!(
+        topics_within(&mut c, Duration::from_secs(3)).await,
+        expected
+    );
+}

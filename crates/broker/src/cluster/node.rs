@@ -143,19 +143,22 @@ impl Node {
     }
 
     /// The node stops and its clients are gone: waits until `deadline`
-    /// for the other nodes to take the sessions it keeps, then writes the
+    /// for the other nodes to take the sessions of `clients` (those
+    /// connected when it began to stop), then writes the
     /// messages queued for those left to etcd (see
     /// `ownership::leaving`).
-    pub async fn hand_over_sessions(&self, deadline: tokio::time::Instant) {
-        let left = self.ownership.wait_moved(deadline).await;
+    pub async fn hand_over_sessions(
+        &self,
+        clients: &std::collections::HashSet<String>,
+        deadline: tokio::time::Instant,
+    ) {
+        let left = self.ownership.wait_moved(clients, deadline).await;
+        let kept = self.ownership.kept_sessions();
         tracing::info!(
-            sessions_left = left,
-            "clustering: stopping: the clients' sessions went to other nodes{}",
-            if left > 0 {
-                " but those left (their clients did not come back in time; their queued messages go to etcd)"
-            } else {
-                ""
-            }
+            connected_at_stop = clients.len(),
+            not_back_in_time = left,
+            kept_here = kept,
+            "clustering: stopping: the sessions of the clients connected at the stop went to the nodes they came back to; those kept here (clients not back in time, or away already) have their queued messages written to etcd"
         );
         self.flush_queue().await;
     }

@@ -7,11 +7,14 @@
 //! and has its queued messages handed over (see [`super::super::handover`])
 //! rather than reading them from etcd, where the last ones are not yet
 //! (they are written [`super::super::queue::LINGER`] after they were
-//! queued). [`Ownership::wait_moved`] waits until no session is kept here
+//! queued). [`Ownership::wait_moved`] waits until the sessions of the
+//! clients connected when the node began to stop are no longer kept here
 //! and no handover is under way, or until a deadline: a session whose
-//! client does not come back in time stays, its messages written to etcd
+//! client does not come back in time stays, as do those whose clients
+//! were away already (not waited for), their messages written to etcd
 //! before the node exits (`Queue::flush`).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -53,15 +56,39 @@ impl Drop for HandingOver {
 }
 
 impl Ownership {
-    /// Waits until this node keeps no client's session and hands none
-    /// over, or until `deadline`; returns how many sessions it still
-    /// keeps.
-    pub async fn wait_moved(&self, deadline: Instant) -> usize {
+    /// The clients connected here now (before the node sends them away).
+    pub fn connected_clients(&self) -> HashSet<String> {
+        self.state
+            .lock()
+            .claims
+            .iter()
+            .filter(|(_, claim)| !claim.ended)
+            .map(|(client, _)| client.clone())
+            .collect()
+    }
+
+    /// How many sessions this node keeps (or clients it has).
+    pub fn kept_sessions(&self) -> usize {
+        self.state.lock().claims.len()
+    }
+
+    /// Waits until this node keeps the session of none of `clients` (those
+    /// connected when it began to stop: their clients come back elsewhere
+    /// at once; a session whose client was away already is not waited
+    /// for) and hands none over, or until `deadline`; returns how many of
+    /// them it still keeps.
+    pub async fn wait_moved(&self, clients: &HashSet<String>, deadline: Instant) -> usize {
         loop {
             let settled = self.leaving.settled.notified();
             tokio::pin!(settled);
             settled.as_mut().enable();
-            let kept = self.state.lock().claims.len();
+            let kept = {
+                let state = self.state.lock();
+                clients
+                    .iter()
+                    .filter(|c| state.claims.contains_key(*c))
+                    .count()
+            };
             if kept == 0 && self.leaving.handovers.load(Ordering::Acquire) == 0 {
                 return 0;
             }
