@@ -54,16 +54,25 @@ impl Node {
         let membership =
             Membership::join(Arc::clone(cluster), listeners, peer_address(settings)).await?;
         let peers = Peers::start(cluster, membership.watch(), membership.standing()).await?;
-        let links = Arc::downgrade(&peers);
-        publisher.forward_wills(Box::new(move |publish, properties| {
-            if let Some(links) = links.upgrade() {
-                links.forward(publish, properties, &Vec::new(), None);
-            }
-        }));
         let shares = Shares::start(cluster, &membership, router.shared_groups())
             .await
             .map_err(|e| format!("cannot read shared subscriptions from etcd: {e}"))?;
         let retained = Retained::start(Arc::clone(cluster));
+        // Wills go to the other nodes as a client's publish does, and a
+        // retained one to etcd (before, a retained will was not kept there:
+        // a node that started again without its data directory, or was
+        // down when the will came, never had it).
+        let (links, kept) = (Arc::downgrade(&peers), Arc::downgrade(&retained));
+        publisher.forward_wills(Box::new(move |publish, properties| {
+            if let Some(links) = links.upgrade() {
+                links.forward(publish, properties, &Vec::new(), None);
+            }
+            if publish.retain
+                && let Some(kept) = kept.upgrade()
+            {
+                kept.keep(publish, properties);
+            }
+        }));
         let messages = retained
             .load()
             .await
