@@ -11,7 +11,8 @@
 //! id takes it as the same message (MQTT 5 4.3.3). They
 //! come after what was published since the move, and a message published
 //! while the session moves (from the new node's CONNECT until this node
-//! has handed over, about the time etcd's watch takes plus 300 ms)
+//! has handed over, about the time etcd's watch takes plus 100 ms, 500
+//! ms at most)
 //! reaches both nodes' copies of the session: it may be delivered twice,
 //! never lost.
 
@@ -117,14 +118,20 @@ pub async fn hand_over(
 
 /// How long a handover takes what the router gives at most. What reaches
 /// the session here while the client is on its new node reaches the new
-/// node's copy too (every publish goes to every node): a handover that
-/// waited for 300 ms without one never ended while publishes to the
-/// client kept coming faster than that (nothing was handed over, and the
-/// node stopping with SIGTERM waited for it until its grace ran out).
-const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+/// node's copy too (every publish goes to every node), and would come to
+/// the client twice: a handover that waited for 300 ms without one never
+/// ended while publishes to the client kept coming faster than that
+/// (nothing was handed over, and a node stopped with SIGTERM waited for
+/// it until its grace ran out); one that took them for 2 s gave about 40
+/// of them twice at 20 a second.
+const DRAIN_MAX: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The router gives a session's backlog at once: the drain ends once it
+/// has given nothing for this long.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Takes what the router gives a resumed session's link, acknowledging
-/// each message, until it has given nothing for 300 ms, or for at most
+/// each message, until it has given nothing for [`QUIET`], or for at most
 /// [`DRAIN_MAX`] (a QoS 2 one sent
 /// again, DUP, was in flight to the client: with the id the client saw,
 /// in `ids`); returns the
@@ -142,7 +149,7 @@ async fn drain(
     let mut dropped = 0usize;
     let deadline = tokio::time::Instant::now() + DRAIN_MAX;
     loop {
-        let quiet = tokio::time::Instant::now() + std::time::Duration::from_millis(300);
+        let quiet = tokio::time::Instant::now() + QUIET;
         let next = tokio::time::timeout_at(quiet.min(deadline), rx.next());
         let notification = match next.await {
             Ok(Ok(Some(notification))) => notification,
