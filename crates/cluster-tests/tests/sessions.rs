@@ -864,7 +864,7 @@ async fn handed_over_messages_wait_for_a_client_that_left() {
     let setup = Setup::three_linked().await;
     let (_publisher, expected) = queued_on_node_1(&setup, "brief", "w", 5).await;
     // In and out of node 2 before node 1 has handed anything over (it
-    // waits for etcd's watch and 300 ms of quiet).
+    // waits for etcd's watch and 100 ms of quiet).
     let (c, present) = connect(setup.ports[1], "brief", false, 300).await;
     assert!(present);
     leave(c).await;
