@@ -52,6 +52,10 @@ impl Cluster {
     }
 }
 
+/// How long [`Fault::StopNode`] waits for the node to exit (then it is
+/// killed, and the fault fails).
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// How long [`Fault::KillEtcdLeader`] and [`Fault::PauseEtcdLeader`] wait
 /// for a member to lead (e.g. during an election) before giving up.
 pub const LEADER_WAIT: Duration = Duration::from_secs(10);
@@ -62,6 +66,9 @@ pub const LEADER_WAIT: Duration = Duration::from_secs(10);
 pub enum Fault {
     /// SIGKILL node `i`.
     KillNode(usize),
+    /// SIGTERM node `i` and wait (up to [`STOP_WAIT`]) for it to exit, as
+    /// an operator's rolling restart stops a node.
+    StopNode(usize),
     /// Start node `i` again (killing it first if it runs).
     RestartNode(usize),
     /// SIGSTOP node `i`.
@@ -101,6 +108,24 @@ impl Fault {
                 let pid = node.pid();
                 node.kill().map_err(e)?;
                 Ok(format!("killed node {} (pid {})", node.name(), show(pid)))
+            }
+            Fault::StopNode(i) => {
+                let node = cluster.node(i)?;
+                let pid = node.pid();
+                let started = std::time::Instant::now();
+                match node.stop(STOP_WAIT).map_err(e)? {
+                    Some(status) if status.success() => Ok(format!(
+                        "stopped node {} (pid {}) in {} ms",
+                        node.name(),
+                        show(pid),
+                        started.elapsed().as_millis()
+                    )),
+                    status => Err(format!(
+                        "node {} (pid {}) did not stop by itself within {STOP_WAIT:?}: {status:?}",
+                        node.name(),
+                        show(pid)
+                    )),
+                }
             }
             Fault::RestartNode(i) => {
                 let node = cluster.node(i)?;

@@ -30,6 +30,15 @@ const SUSPENDED_RETRY: Duration = Duration::from_millis(250);
 /// should let its clients find another node soon.
 const GIVE_UP_TTLS: u32 = 2;
 
+/// How long a node id held under a lease that etcd says has run out (or
+/// has less than a second left) may still be held: etcd revokes an
+/// expired lease, and deletes its keys, up to its lessor's check interval
+/// (500 ms) plus a raft round after it ran out, later on a loaded
+/// machine. Counting it as 0 gave up after 1 s, and a node restarted
+/// right after it was killed failed to start (seen in the MQTT fault
+/// run).
+const RUNNING_OUT: Duration = Duration::from_secs(3);
+
 /// Why a registration did not happen.
 enum Refused {
     /// etcd did not answer, or answered an error.
@@ -219,8 +228,11 @@ impl Membership {
             Some(holder) if holder != 0 => {
                 let asked = client.lease_time_to_live(holder, None);
                 match tokio::time::timeout(timeout, asked).await {
-                    // Ran out meanwhile: etcd says TTL -1, granted 0.
-                    Ok(Ok(ttl)) if ttl.ttl() <= 0 => Duration::ZERO,
+                    // Less than a second left (etcd says 0: whole
+                    // seconds), or ran out meanwhile (-1): the key goes
+                    // when etcd revokes the lease, which may be a while
+                    // after.
+                    Ok(Ok(ttl)) if ttl.ttl() <= 0 => RUNNING_OUT,
                     Ok(Ok(ttl)) => Duration::from_secs(ttl.granted_ttl().max(0) as u64),
                     _ => self.ttl,
                 }

@@ -15,9 +15,11 @@ pub mod raw;
 #[path = "../../../../tests/common/mqtt.rs"]
 pub mod mqtt;
 
-/// The two-minute fault schedule of the long runs (docs/cluster.md:
-/// a node killed and restarted, the etcd leader killed and restarted, the
-/// etcd leader paused 10 s, a node paused 8 s), and the run's length.
+/// The fault schedule of the long runs (docs/cluster.md: a node killed
+/// and restarted, the etcd leader killed and restarted, the etcd leader
+/// paused 10 s, a node paused 8 s, a node stopped with SIGTERM and
+/// started again first, etcd without a quorum for 12 s last), and the
+/// run's length.
 pub fn long_fault_schedule() -> (
     Vec<(Duration, statebroker_cluster_harness::Fault)>,
     Duration,
@@ -26,6 +28,8 @@ pub fn long_fault_schedule() -> (
     let s = Duration::from_secs;
     (
         vec![
+            (s(8), Fault::StopNode(2)),
+            (s(12), Fault::RestartNode(2)),
             (s(20), Fault::KillNode(1)),
             (s(30), Fault::RestartNode(1)),
             (s(45), Fault::KillEtcdLeader),
@@ -34,8 +38,12 @@ pub fn long_fault_schedule() -> (
             (s(80), Fault::ResumeEtcdPaused),
             (s(90), Fault::PauseNode(2)),
             (s(98), Fault::ResumeNode(2)),
+            // Two members of three paused: no quorum for 12 s.
+            (s(125), Fault::PauseEtcd(1)),
+            (s(125), Fault::PauseEtcd(2)),
+            (s(137), Fault::ResumeEtcdPaused),
         ],
-        s(120),
+        s(155),
     )
 }
 
