@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::mqtt::{kept_qos2_ids, publish_complete};
@@ -578,6 +580,57 @@ async fn a_request_resent_after_a_move_runs_once() {
     assert_ne!(&new.payload[..], &first.payload[..], "a new request runs");
 }
 
+/// QoS 1 publishers, each on its node, publishing `<prefix>/<name>` with
+/// payloads numbered from 0, each waiting for its PUBACK (and `pause`)
+/// before the next, until stopped.
+struct Steady {
+    stop: Arc<AtomicBool>,
+    next: Vec<Arc<AtomicU64>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Steady {
+    async fn start(publishers: &[(&str, u16)], prefix: &str, pause: Duration) -> Steady {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut next, mut tasks) = (Vec::new(), Vec::new());
+        for &(name, port) in publishers {
+            let (mut raw, _) = connect(port, name, true, 0).await;
+            let counter = Arc::new(AtomicU64::new(0));
+            next.push(Arc::clone(&counter));
+            let (stop, topic) = (Arc::clone(&stop), format!("{prefix}/{name}"));
+            tasks.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Acquire) {
+                    let n = counter.fetch_add(1, Ordering::AcqRel);
+                    let ack = raw
+                        .publish(&topic, n.to_string(), QoS::AtLeastOnce, None)
+                        .await;
+                    assert_eq!(ack, Some(v5::PubAckReason::Success));
+                    tokio::time::sleep(pause).await;
+                }
+            }));
+        }
+        Steady { stop, next, tasks }
+    }
+
+    /// The number each publisher publishes next (all before it were
+    /// acknowledged once it is stopped).
+    fn next(&self) -> Vec<u64> {
+        self.next
+            .iter()
+            .map(|n| n.load(Ordering::Acquire))
+            .collect()
+    }
+
+    /// Stops them; how many each had acknowledged.
+    async fn stop(mut self) -> Vec<u64> {
+        self.stop.store(true, Ordering::Release);
+        for task in &mut self.tasks {
+            task.await.unwrap();
+        }
+        self.next()
+    }
+}
+
 /// Under load: a persistent subscriber whose node is SIGKILLed resumes its
 /// session on another node, and gets every message published after that
 /// (QoS 1, from publishers on the two other nodes), once, in each
@@ -590,28 +643,10 @@ async fn a_request_resent_after_a_move_runs_once() {
 /// it died.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscribers_session_survives_its_node_killed_under_load() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let mut setup = Setup::three_linked().await;
     let mut s = subscribed_in_etcd(&setup, "steady", "f/#", QoS::AtLeastOnce).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut next = Vec::new();
-    let mut publishers = Vec::new();
-    for (name, port) in [("p2", setup.ports[1]), ("p3", setup.ports[2])] {
-        let (mut raw, _) = connect(port, name, true, 0).await;
-        let counter = Arc::new(AtomicU64::new(0));
-        next.push(Arc::clone(&counter));
-        let stop = Arc::clone(&stop);
-        publishers.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Acquire) {
-                let n = counter.fetch_add(1, Ordering::AcqRel);
-                let ack = raw
-                    .publish(&format!("f/{name}"), n.to_string(), QoS::AtLeastOnce, None)
-                    .await;
-                assert_eq!(ack, Some(v5::PubAckReason::Success));
-            }
-        }));
-    }
+    let publishers = [("p2", setup.ports[1]), ("p3", setup.ports[2])];
+    let steady = Steady::start(&publishers, "f", Duration::ZERO).await;
     let wait = Duration::from_secs(2);
     let deadline = |secs| Some(Instant::now() + Duration::from_secs(secs));
     let mut got = received_until(&mut s, wait, deadline(2)).await;
@@ -620,13 +655,9 @@ async fn a_subscribers_session_survives_its_node_killed_under_load() {
     drop(s);
     let (mut s, present) = connect(setup.ports[1], "steady", false, 300).await;
     assert!(present, "the session on node 2");
-    let resumed_at: Vec<u64> = next.iter().map(|n| n.load(Ordering::Acquire)).collect();
+    let resumed_at = steady.next();
     got.extend(received_until(&mut s, wait, deadline(3)).await);
-    stop.store(true, Ordering::Release);
-    for p in publishers {
-        p.await.unwrap();
-    }
-    let ended_at: Vec<u64> = next.iter().map(|n| n.load(Ordering::Acquire)).collect();
+    let ended_at = steady.stop().await;
     got.extend(received_within(&mut s, Duration::from_secs(3)).await);
     for (i, name) in ["p2", "p3"].iter().enumerate() {
         let topic = format!("f/{name}");
@@ -941,30 +972,11 @@ async fn a_node_restarted_from_its_data_directory_drops_sessions_that_moved() {
 /// links until the session was handed over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_loses_nothing_when_its_node_stops_normally() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let mut setup = Setup::three_linked().await;
     let mut s = subscribed_in_etcd(&setup, "rolling", "r/#", QoS::AtLeastOnce).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut next = Vec::new();
-    let mut publishers = Vec::new();
-    for (name, port) in [("q2", setup.ports[1]), ("q3", setup.ports[2])] {
-        let (mut raw, _) = connect(port, name, true, 0).await;
-        let counter = Arc::new(AtomicU64::new(0));
-        next.push(Arc::clone(&counter));
-        let stop = Arc::clone(&stop);
-        publishers.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Acquire) {
-                let n = counter.fetch_add(1, Ordering::AcqRel);
-                let ack = raw
-                    .publish(&format!("r/{name}"), n.to_string(), QoS::AtLeastOnce, None)
-                    .await;
-                assert_eq!(ack, Some(v5::PubAckReason::Success));
-                // A steady stream, as a device's.
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }));
-    }
+    // A steady stream from each, as a device's.
+    let publishers = [("q2", setup.ports[1]), ("q3", setup.ports[2])];
+    let steady = Steady::start(&publishers, "r", Duration::from_millis(10)).await;
     let wait = Duration::from_secs(2);
     let deadline = |secs| Some(Instant::now() + Duration::from_secs(secs));
     let mut got = received_until(&mut s, wait, deadline(2)).await;
@@ -976,10 +988,7 @@ async fn a_subscriber_loses_nothing_when_its_node_stops_normally() {
     let (mut s, present) = connect(setup.ports[1], "rolling", false, 300).await;
     assert!(present, "the session on node 2");
     got.extend(received_until(&mut s, wait, deadline(3)).await);
-    stop.store(true, Ordering::Release);
-    for p in publishers {
-        p.await.unwrap();
-    }
+    let acknowledged = steady.stop().await;
     got.extend(received_within(&mut s, Duration::from_secs(3)).await);
     let stopped = setup.nodes[0].stop(PATIENCE).expect("node 1 stops");
     assert!(
@@ -993,10 +1002,10 @@ async fn a_subscriber_loses_nothing_when_its_node_stops_normally() {
             .filter(|(t, _)| *t == topic)
             .map(|(_, p)| p.parse().unwrap())
             .collect();
-        let acknowledged = next[i].load(Ordering::Acquire);
-        let missing: Vec<u64> = (0..acknowledged).filter(|n| !seqs.contains(n)).collect();
+        let missing: Vec<u64> = (0..acknowledged[i]).filter(|n| !seqs.contains(n)).collect();
         eprintln!(
-            "{name}: {acknowledged} acknowledged, {} received, missing {missing:?}",
+            "{name}: {} acknowledged, {} received, missing {missing:?}",
+            acknowledged[i],
             seqs.len()
         );
         assert!(
@@ -1074,27 +1083,14 @@ async fn a_node_back_from_a_lost_lease_keeps_no_copy_of_a_session_that_moved() {
 /// SIGTERM waited its whole grace for it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_moves_under_steady_traffic_is_handed_over() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let setup = Setup::three_linked().await;
     let mut old = subscribed_in_etcd(&setup, "busy", "b/#", QoS::AtLeastOnce).await;
-    let (mut raw, _) = connect(setup.ports[2], "steady-pub", true, 0).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let published = Arc::new(AtomicU64::new(0));
-    let publisher = {
-        let (stop, published) = (Arc::clone(&stop), Arc::clone(&published));
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Acquire) {
-                let n = published.load(Ordering::Acquire);
-                let ack = raw
-                    .publish("b/x", n.to_string(), QoS::AtLeastOnce, None)
-                    .await;
-                assert_eq!(ack, Some(v5::PubAckReason::Success));
-                published.store(n + 1, Ordering::Release);
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
+    let steady = Steady::start(
+        &[("steady-pub", setup.ports[2])],
+        "b",
+        Duration::from_millis(20),
+    )
+    .await;
     let mut got = received_until(
         &mut old,
         Duration::from_secs(2),
@@ -1117,12 +1113,10 @@ async fn a_client_that_moves_under_steady_traffic_is_handed_over() {
         )
         .await,
     );
-    stop.store(true, Ordering::Release);
-    publisher.await.unwrap();
+    let acknowledged = steady.stop().await[0];
     got.extend(received_within(&mut new, Duration::from_secs(2)).await);
     let seqs: std::collections::BTreeSet<u64> =
         got.iter().map(|(_, p)| p.parse().unwrap()).collect();
-    let acknowledged = published.load(Ordering::Acquire);
     let missing: Vec<u64> = (0..acknowledged).filter(|n| !seqs.contains(n)).collect();
     assert!(
         missing.is_empty(),
