@@ -11,8 +11,8 @@
 //! id takes it as the same message (MQTT 5 4.3.3). They
 //! come after what was published since the move, and a message published
 //! while the session moves (from the new node's CONNECT until this node
-//! has handed over, about the time etcd's watch takes plus 100 ms, 500
-//! ms at most)
+//! has handed over: etcd's watch, then up to [`FIRST`] for the router's
+//! first message and [`QUIET`] after the last, [`DRAIN_MAX`] at most)
 //! reaches both nodes' copies of the session: it may be delivered twice,
 //! never lost.
 
@@ -116,27 +116,32 @@ pub async fn hand_over(
     );
 }
 
-/// How long a handover takes what the router gives at most. What reaches
-/// the session here while the client is on its new node reaches the new
-/// node's copy too (every publish goes to every node), and would come to
-/// the client twice: a handover that waited for 300 ms without one never
-/// ended while publishes to the client kept coming faster than that
-/// (nothing was handed over, and a node stopped with SIGTERM waited for
-/// it until its grace ran out); one that took them for 2 s gave about 40
-/// of them twice at 20 a second.
+/// How long a handover takes what the router gives at most, from its
+/// first message. What reaches the session here while the client is on
+/// its new node reaches the new node's copy too (every publish goes to
+/// every node), and would come to the client twice: a handover that
+/// waited for 300 ms without one never ended while publishes to the
+/// client kept coming faster than that (nothing was handed over, and a
+/// node stopped with SIGTERM waited for it until its grace ran out); one
+/// that took them for 2 s gave about 40 of them twice at 20 a second.
 const DRAIN_MAX: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// The router gives a session's backlog at once: the drain ends once it
-/// has given nothing for this long.
+/// The router gives a session's backlog at once: once it has given a
+/// first message, the drain ends when it has given nothing for this long.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How long the drain waits for the router's first message: the router
+/// takes the link in turn with its other work, which on a loaded machine
+/// took more than 100 ms (a handover then ended with nothing, and the
+/// queued messages were lost with the session).
+const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Takes what the router gives a resumed session's link, acknowledging
-/// each message, until it has given nothing for [`QUIET`], or for at most
-/// [`DRAIN_MAX`] (a QoS 2 one sent
+/// each message: the first within [`FIRST`], then until it has given
+/// nothing for [`QUIET`], for [`DRAIN_MAX`] at most (a QoS 2 one sent
 /// again, DUP, was in flight to the client: with the id the client saw,
-/// in `ids`); returns the
-/// messages, oldest first (the newest [`HANDED_OVER_MAX`]), and how many
-/// older ones were dropped.
+/// in `ids`); returns the messages, oldest first (the newest
+/// [`HANDED_OVER_MAX`]), and how many older ones were dropped.
 async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
@@ -147,14 +152,20 @@ async fn drain(
     };
     let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
-    let deadline = tokio::time::Instant::now() + DRAIN_MAX;
+    // Set at the router's first message.
+    let mut deadline: Option<tokio::time::Instant> = None;
+    let first = tokio::time::Instant::now() + FIRST;
     loop {
-        let quiet = tokio::time::Instant::now() + QUIET;
-        let next = tokio::time::timeout_at(quiet.min(deadline), rx.next());
+        let until = match deadline {
+            Some(deadline) => (tokio::time::Instant::now() + QUIET).min(deadline),
+            None => first,
+        };
+        let next = tokio::time::timeout_at(until, rx.next());
         let notification = match next.await {
             Ok(Ok(Some(notification))) => notification,
             _ => break,
         };
+        deadline.get_or_insert_with(|| tokio::time::Instant::now() + DRAIN_MAX);
         if matches!(notification, router::Notification::Unschedule) {
             if rx.wake().await.is_err() {
                 break;
