@@ -116,8 +116,9 @@ pub async fn hand_over(
     );
 }
 
-/// How long a handover takes what the router gives at most, from its
-/// first message. What reaches the session here while the client is on
+/// How long a handover takes what the router gives at most (longer only
+/// when the router's first message came late: then [`QUIET`] after it).
+/// What reaches the session here while the client is on
 /// its new node reaches the new node's copy too (every publish goes to
 /// every node), and would come to the client twice: a handover that
 /// waited for 300 ms without one never ended while publishes to the
@@ -138,7 +139,7 @@ const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Takes what the router gives a resumed session's link, acknowledging
 /// each message: the first within [`FIRST`], then until it has given
-/// nothing for [`QUIET`], for [`DRAIN_MAX`] at most (a QoS 2 one sent
+/// nothing for [`QUIET`], until [`DRAIN_MAX`] at most (a QoS 2 one sent
 /// again, DUP, was in flight to the client: with the id the client saw,
 /// in `ids`); returns the messages, oldest first (the newest
 /// [`HANDED_OVER_MAX`]), and how many older ones were dropped.
@@ -152,20 +153,22 @@ async fn drain(
     };
     let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
-    // Set at the router's first message.
+    let started = tokio::time::Instant::now();
+    // Set at the router's first message: DRAIN_MAX after the start, but
+    // never before QUIET after that message.
     let mut deadline: Option<tokio::time::Instant> = None;
-    let first = tokio::time::Instant::now() + FIRST;
     loop {
         let until = match deadline {
             Some(deadline) => (tokio::time::Instant::now() + QUIET).min(deadline),
-            None => first,
+            None => started + FIRST,
         };
         let next = tokio::time::timeout_at(until, rx.next());
         let notification = match next.await {
             Ok(Ok(Some(notification))) => notification,
             _ => break,
         };
-        deadline.get_or_insert_with(|| tokio::time::Instant::now() + DRAIN_MAX);
+        deadline
+            .get_or_insert_with(|| (started + DRAIN_MAX).max(tokio::time::Instant::now() + QUIET));
         if matches!(notification, router::Notification::Unschedule) {
             if rx.wake().await.is_err() {
                 break;
