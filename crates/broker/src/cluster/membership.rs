@@ -397,24 +397,23 @@ async fn run(
                     );
                     break lease;
                 }
-                Err(Refused::Held { .. }) => {
-                    // Said once per loss: another process registered this
-                    // node's id meanwhile (two nodes given one id), and
-                    // this node serves nothing until that one goes.
-                    if !std::mem::replace(&mut held_said, true) {
-                        tracing::warn!(
-                            error = m.held_by_another(),
-                            "clustering: cannot register again: this node serves no client and links to no node until the other one's lease ends"
-                        );
+                Err(refused) => {
+                    match refused {
+                        // Said once per loss: another process registered
+                        // this node's id meanwhile (two nodes given one
+                        // id), and this node serves nothing until that one
+                        // goes.
+                        Refused::Held { .. } if !std::mem::replace(&mut held_said, true) => {
+                            tracing::warn!(
+                                error = m.held_by_another(),
+                                "clustering: cannot register again: this node serves no client and links to no node until the other one's lease ends"
+                            );
+                        }
+                        Refused::Held { .. } => {}
+                        Refused::Etcd(why) => {
+                            tracing::debug!(error = why, "clustering: cannot register yet");
+                        }
                     }
-                    drop(m);
-                    tokio::select! {
-                        () = tokio::time::sleep(Duration::from_millis(500)) => {}
-                        _ = stop.changed() => return,
-                    }
-                }
-                Err(Refused::Etcd(why)) => {
-                    tracing::debug!(error = why, "clustering: cannot register yet");
                     drop(m);
                     tokio::select! {
                         () = tokio::time::sleep(Duration::from_millis(500)) => {}
