@@ -520,8 +520,7 @@ impl Ownership {
                 .get(client_id)
                 .is_some_and(|c| c.connection == claim.connection)
             {
-                state.claims.remove(client_id);
-                self.leaving.claim_gone();
+                self.remove_claim(&mut state, client_id);
             }
             state.records.remove(client_id);
             // The other node's claim replaced the will record.
@@ -554,6 +553,14 @@ impl Ownership {
                 );
             }
         });
+    }
+
+    /// Removes `client_id`'s claim from `state`, telling a stop that waits
+    /// for claims to go (see [`leaving`]).
+    fn remove_claim(&self, state: &mut State, client_id: &str) {
+        if state.claims.remove(client_id).is_some() {
+            self.leaving.claim_gone();
+        }
     }
 
     /// Deletes `client_id`'s record if it is still the one put at
@@ -591,9 +598,8 @@ impl Ownership {
         if kept || writing {
             return;
         }
-        state.claims.remove(client_id);
+        self.remove_claim(&mut state, client_id);
         drop(state);
-        self.leaving.claim_gone();
         if revision > 0 {
             self.delete(client_id, revision);
         }

@@ -282,18 +282,15 @@ impl Ownership {
                     // messages, into etcd's queue under this node, for the
                     // client's next node to give again.
                 } else {
-                    state.claims.remove(&client_id);
-                    drop(state);
-                    self.leaving.claim_gone();
+                    self.remove_claim(&mut state, &client_id);
                 }
             } else if current.ended
                 && !state.records.contains_key(&client_id)
                 && (done || !current.kept)
             {
                 // Let go: the owner record went with the write, or goes now.
-                state.claims.remove(&client_id);
+                self.remove_claim(&mut state, &client_id);
                 drop(state);
-                self.leaving.claim_gone();
                 if !done {
                     self.delete(&client_id, current.revision);
                 }
