@@ -228,15 +228,9 @@ impl StateStoreService {
             Prepared::Scan(_) => return b"-ERR SCAN is not an edit\r\n".to_vec(),
         };
         let reply = self.reply_pending(request, caller, None, keyed.command.name());
-        let clock = ServiceClock(Arc::downgrade(self));
-        let quota = self.with_store(|store| store.config().quota.clone());
         // Each edit is a request of its own: nothing sends one again.
         let id = record::request_id(caller.client_id, &crate::clock::now_nanos().to_be_bytes());
-        match clustered
-            .cluster
-            .serve_key(&keyed, (id, false), &quota, &clock)
-            .await
-        {
+        match commit(self, clustered, &keyed, (id, false)).await {
             Ok(answer) => {
                 let mut payload = Vec::new();
                 answer.frame.encode(&mut payload);
@@ -284,6 +278,22 @@ async fn run_key(service: Arc<StateStoreService>, key: Vec<u8>, mut job: Job) {
     }
 }
 
+/// Serves `keyed` through etcd, with the service's clock and quotas;
+/// `request`: its identity, and whether it was sent again.
+async fn commit(
+    service: &Arc<StateStoreService>,
+    clustered: &Clustered,
+    keyed: &statestore::store::Keyed<'_>,
+    request: (u64, bool),
+) -> Result<crate::cluster::kv::Answer, Unanswered> {
+    let clock = ServiceClock(Arc::downgrade(service));
+    let quota = service.with_store(|store| store.config().quota.clone());
+    clustered
+        .cluster
+        .serve_key(keyed, request, &quota, &clock)
+        .await
+}
+
 async fn serve_key(service: &Arc<StateStoreService>, clustered: &Clustered, job: Job) {
     let served = async {
         let args = statestore::resp3::parse_request(&job.payload).ok()?;
@@ -295,14 +305,7 @@ async fn serve_key(service: &Arc<StateStoreService>, clustered: &Clustered, job:
             fencing_token: job.fencing_token.clone(),
             persist: job.persist,
         };
-        let clock = ServiceClock(Arc::downgrade(service));
-        let quota = service.with_store(|store| store.config().quota.clone());
-        Some(
-            clustered
-                .cluster
-                .serve_key(&keyed, (job.request, job.resent), &quota, &clock)
-                .await,
-        )
+        Some(commit(service, clustered, &keyed, (job.request, job.resent)).await)
     }
     .await;
     clustered
