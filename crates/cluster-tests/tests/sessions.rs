@@ -250,8 +250,9 @@ async fn a_killed_nodes_sessions_resume_elsewhere() {
 }
 
 /// A session record its killed node left, whose client never comes back,
-/// goes from etcd once its session would have expired; one that has not
-/// expired stays.
+/// goes from etcd once its session would have expired (here by the node
+/// that adopted it, as its session ends there); one that has not expired
+/// stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ownerless_session_record_goes_when_its_session_expires() {
     let mut setup = Setup::start_with(
@@ -460,8 +461,10 @@ async fn a_paused_node_does_not_hand_over_what_etcd_gave() {
     let mut setup = Setup::three_linked().await;
     let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "sleeper", "s", 10).await;
     setup.nodes[0].pause().unwrap();
+    // Gone with its lease (and the session adopted by another node, from
+    // etcd's queue: see `a_killed_nodes_offline_session_is_adopted_once_its_lease_ends`).
     eventually("node 1's ownership gone with its lease", || {
-        setup.etcd.get("/statebroker/C/sleeper").unwrap().is_none()
+        owner(&setup, "sleeper").as_deref() != Some("sb1")
     })
     .await;
     let (mut c, present) = connect(setup.ports[1], "sleeper", false, 300).await;
@@ -1143,5 +1146,95 @@ async fn a_node_stopped_with_an_offline_session_does_not_wait_for_it() {
     assert_eq!(
         topics_within(&mut c, Duration::from_secs(3)).await,
         expected
+    );
+}
+
+/// The node an owner record in etcd names for `client_id` (`None`: no
+/// node owns it).
+fn owner(setup: &Setup, client_id: &str) -> Option<String> {
+    let value = setup
+        .etcd
+        .get(&format!("/statebroker/C/{client_id}"))
+        .unwrap()?;
+    let value = String::from_utf8_lossy(&value).into_owned();
+    value.split('\n').next().map(str::to_owned)
+}
+
+/// `client_id` left node 1 with a persistent session subscribed to
+/// `w/#`; once node 1 is gone (`stop_node_1`) another node adopts the
+/// session; returns that node's index.
+async fn adopted_after(
+    setup: &mut Setup,
+    client_id: &str,
+    stop_node_1: impl FnOnce(&mut Setup),
+) -> usize {
+    let c = subscribed_in_etcd(setup, client_id, "w/#", QoS::AtLeastOnce).await;
+    leave(c).await;
+    eventually("the session kept on node 1", || {
+        owner(setup, client_id).as_deref() == Some("sb1")
+    })
+    .await;
+    stop_node_1(setup);
+    eventually("another node adopted the session", || {
+        owner(setup, client_id).is_some_and(|node| node != "sb1")
+    })
+    .await;
+    let node = owner(setup, client_id).unwrap();
+    ["sb2", "sb3"].iter().position(|n| *n == node).unwrap() + 1
+}
+
+/// 10 QoS 1 messages `w/0..10` published on node `on`; their topics.
+async fn published_on(setup: &Setup, on: usize) -> Vec<String> {
+    let (mut publisher, _) = connect(setup.ports[on], "publisher", true, 0).await;
+    let topics: Vec<String> = (0..10).map(|n| format!("w/{n}")).collect();
+    for topic in &topics {
+        publisher.publish(topic, "x", QoS::AtLeastOnce, None).await;
+    }
+    topics
+}
+
+/// A node stopped normally with the persistent session of a client that
+/// is away: another node adopts the session, and what is published while
+/// the client is still away waits for it. Here the client comes back to
+/// the third node, which takes the session and the messages from the
+/// adopter. Before, no node held the session's subscriptions until its
+/// client came back: all 10 were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_nodes_offline_session_keeps_its_messages_until_its_client_is_back() {
+    let mut setup = Setup::three_linked().await;
+    let adopter = adopted_after(&mut setup, "away", |setup| {
+        let stopped = setup.nodes[0].stop(Duration::from_secs(10)).unwrap();
+        assert!(stopped.is_some_and(|s| s.success()), "{stopped:?}");
+    })
+    .await;
+    let other = 3 - adopter;
+    let expected = published_on(&setup, adopter).await;
+    let (mut c, present) = connect(setup.ports[other], "away", false, 300).await;
+    assert!(present, "Session Present 1");
+    assert_eq!(
+        topics_until(&mut c, 10).await,
+        expected,
+        "each once, in order"
+    );
+    let again = topics_within(&mut c, Duration::from_secs(1)).await;
+    assert_eq!(again, Vec::<String>::new());
+}
+
+/// The same for a killed node, once its lease has ended: the client comes
+/// back to the adopter itself, and gets what came meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_offline_session_is_adopted_once_its_lease_ends() {
+    let mut setup = Setup::three_linked().await;
+    let adopter = adopted_after(&mut setup, "away", |setup| {
+        setup.nodes[0].kill().unwrap();
+    })
+    .await;
+    let expected = published_on(&setup, 3 - adopter).await;
+    let (mut c, present) = connect(setup.ports[adopter], "away", false, 300).await;
+    assert!(present, "Session Present 1");
+    assert_eq!(
+        topics_until(&mut c, 10).await,
+        expected,
+        "each once, in order"
     );
 }

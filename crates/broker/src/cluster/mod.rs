@@ -21,7 +21,9 @@
 //! - [`ownership`]: which node a client id is connected to; a CONNECT on
 //!   another node ends the older connection (0x8E).
 //! - [`sessions`]: persistent sessions kept in etcd, resumed on any node;
-//!   [`handover`]: the messages a session had queued go with it.
+//!   [`handover`]: the messages a session had queued go with it;
+//!   [`orphans`]: those whose node is gone, adopted by a live node until
+//!   their client comes back.
 //! - [`wills`]: the wills of clients whose node died, published by
 //!   another.
 //! - [`retained`]: retained messages kept in etcd for nodes that start
@@ -52,6 +54,7 @@ mod leader;
 pub mod membership;
 mod node;
 pub mod origins;
+mod orphans;
 pub mod ownership;
 pub mod peers;
 mod queue;

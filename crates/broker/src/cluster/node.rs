@@ -102,10 +102,15 @@ impl Node {
             cluster.settings.lease_ttl * 2 + cluster.settings.request_timeout,
             cluster.stop.subscribe(),
         );
-        tokio::spawn(sessions::reap(
-            Arc::downgrade(cluster),
-            settings.broker.max_session_expiry_secs,
-        ));
+        tokio::spawn(super::orphans::run(super::orphans::Orphans {
+            cluster: Arc::downgrade(cluster),
+            ownership: Arc::downgrade(&ownership),
+            queue: Arc::downgrade(&queue),
+            router: router.clone(),
+            standing: membership.standing(),
+            max_expiry: settings.broker.max_session_expiry_secs,
+            max_kept: settings.broker.max_kept_sessions,
+        }));
         tokio::spawn(super::wills::run(
             Arc::downgrade(cluster),
             membership.watch(),

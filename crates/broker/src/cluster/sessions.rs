@@ -35,22 +35,20 @@
 //! that changed meanwhile is read again), so that a node that dies right
 //! after taking the session over leaves its block there for the next.
 //!
-//! A record nobody owns (no owner record: its node died or lost its
-//! lease, and the client did not come back) is removed by [`reap`] once
-//! its session would have expired: counted from when its connection
-//! ended, or from when a node first found it without an owner.
+//! A record nobody owns (no owner record: its node died, stopped or lost
+//! its lease, and the client did not come back) is adopted by a live
+//! node, or removed once its session would have expired (see
+//! [`super::orphans`]).
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
-use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use router::protocol::QoS;
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
-use tokio::time::Instant;
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
-use super::{Awaited, Cluster, Ownership, Peers, Queue};
+use super::{Awaited, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
 use crate::sessions::{PacketIdBlock, Resumed};
@@ -342,7 +340,7 @@ async fn resume_once(
 /// [`super::queue`]), each for the session as its subscriptions take it
 /// now, numbered here; their keys by number go to `keys`. Those none of
 /// its subscriptions take any more go from etcd.
-async fn waiting_in_etcd(
+pub(super) async fn waiting_in_etcd(
     queue: &Queue,
     client_id: &str,
     session: &SessionRecord,
@@ -372,7 +370,7 @@ async fn waiting_in_etcd(
 /// a node that died in between left the record's older block: the next
 /// node would have taken the same block again, and the QoS 2 ids the
 /// client kept from the one that died with it.
-async fn record_block(
+pub(super) async fn record_block(
     client: &mut etcd_client::Client,
     key: Vec<u8>,
     revision: i64,
@@ -395,127 +393,4 @@ async fn record_block(
         .map_err(|_| "etcd did not answer in time".to_owned())?
         .map_err(|e| e.to_string())?;
     Ok(response.succeeded())
-}
-
-/// Removes session records nobody owns once their session would have
-/// expired (`max_expiry`: `[broker] max_session_expiry_secs`, 0: none),
-/// every `[clustering] session_reap_interval_s`, until the cluster is
-/// dropped. Every node does it; each
-/// removal compares the record's revision and that no owner record
-/// exists, so a client that came back keeps its session.
-pub async fn reap(cluster: Weak<Cluster>, max_expiry: u32) {
-    let Some((mut stop, every)) = cluster
-        .upgrade()
-        .map(|c| (c.stop.subscribe(), c.settings.session_reap_interval))
-    else {
-        return;
-    };
-    // Records without an owner: their revision and when they are due.
-    let mut orphans: HashMap<Vec<u8>, (i64, Option<Instant>)> = HashMap::new();
-    loop {
-        tokio::select! {
-            () = tokio::time::sleep(every) => {}
-            _ = stop.changed() => return,
-        }
-        let Some(cluster) = cluster.upgrade() else {
-            return;
-        };
-        if let Err(e) = reap_once(&cluster, max_expiry, &mut orphans).await {
-            tracing::debug!(
-                error = e,
-                "clustering: cannot look for ownerless sessions now"
-            );
-        }
-    }
-}
-
-async fn reap_once(
-    cluster: &Cluster,
-    max_expiry: u32,
-    orphans: &mut HashMap<Vec<u8>, (i64, Option<Instant>)>,
-) -> Result<(), String> {
-    let prefix = &cluster.settings.etcd_prefix;
-    let (owners, records) = (format!("{prefix}C/"), format!("{prefix}S/"));
-    let timeout = cluster.settings.request_timeout;
-    let mut client = cluster.client.clone();
-    let keys = || Some(GetOptions::new().with_prefix().with_keys_only());
-    let read = async {
-        let owned = client.get(owners.as_bytes(), keys()).await?;
-        let kept = client.get(records.as_bytes(), keys()).await?;
-        Ok::<_, etcd_client::Error>((owned, kept))
-    };
-    let (owned, kept) = tokio::time::timeout(timeout, read)
-        .await
-        .map_err(|_| "etcd did not answer in time".to_owned())?
-        .map_err(|e| e.to_string())?;
-    let owned: HashSet<&[u8]> = owned
-        .kvs()
-        .iter()
-        .map(|kv| &kv.key()[owners.len()..])
-        .collect();
-    let now = Instant::now();
-    let mut ownerless = HashMap::new();
-    for kv in kept.kvs() {
-        let client_id = &kv.key()[records.len()..];
-        if !owned.contains(client_id) {
-            ownerless.insert(client_id.to_vec(), kv.mod_revision());
-        }
-    }
-    orphans.retain(|client, (revision, _)| ownerless.get(client) == Some(revision));
-    for (client_id, revision) in ownerless {
-        let due = match orphans.get(&client_id) {
-            Some((_, due)) => *due,
-            None => {
-                // When its session expires, as its record says.
-                let key = [records.as_bytes(), &client_id].concat();
-                let read = client.get(key, None);
-                let response = tokio::time::timeout(timeout, read)
-                    .await
-                    .map_err(|_| "etcd did not answer in time".to_owned())?
-                    .map_err(|e| e.to_string())?;
-                let Some(kv) = response.kvs().first() else {
-                    continue;
-                };
-                let due = match SessionValue::read(kv.value()) {
-                    Ok(SessionValue { mut session, .. }) => {
-                        // Connected when its node went: from now.
-                        let at = session.disconnected_at_ms.unwrap_or_else(now_ms);
-                        session.disconnected_at_ms = Some(at);
-                        crate::durable::remaining(&session, now_ms(), max_expiry)
-                            .map(|left| left.map(|left| now + left))
-                            .unwrap_or(Some(now))
-                    }
-                    Err(_) => Some(now),
-                };
-                orphans.insert(client_id.clone(), (kv.mod_revision(), due));
-                due
-            }
-        };
-        if due.is_none_or(|due| due > now) {
-            continue;
-        }
-        let key = [records.as_bytes(), &client_id].concat();
-        let owner = [owners.as_bytes(), &client_id].concat();
-        let txn = Txn::new()
-            .when([
-                Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
-                Compare::create_revision(owner, CompareOp::Equal, 0),
-            ])
-            .and_then([
-                TxnOp::delete(key, None),
-                // Its messages queued in etcd go with it.
-                Queue::delete_session(prefix, &String::from_utf8_lossy(&client_id)),
-            ]);
-        let done = tokio::time::timeout(timeout, client.txn(txn)).await;
-        if let Ok(Ok(response)) = done
-            && response.succeeded()
-        {
-            tracing::info!(
-                client_id = %String::from_utf8_lossy(&client_id),
-                "clustering: removed the session record nobody owns: its session expired"
-            );
-        }
-        orphans.remove(&client_id);
-    }
-    Ok(())
 }

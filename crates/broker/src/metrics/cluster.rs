@@ -68,6 +68,9 @@ pub const CLUSTER_SUSPENSIONS: &str = "statebroker_cluster_suspensions_total";
 pub const CLUSTER_LEASE_LOSSES: &str = "statebroker_cluster_lease_losses_total";
 /// Clustering: wills of clients whose node died, published by this node.
 pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_total";
+/// Clustering: sessions no node held (their node gone, their client away)
+/// adopted by this node.
+pub const CLUSTER_SESSIONS_ADOPTED: &str = "statebroker_cluster_sessions_adopted_total";
 
 /// The cluster metrics' descriptions (with [`super::install`]'s).
 pub(super) fn describe() {
@@ -155,6 +158,10 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_LEASE_LOSSES,
         "Clustering: times the membership lease was lost and clients were sent to other nodes (DISCONNECT 0x9C)"
+    );
+    describe_counter!(
+        CLUSTER_SESSIONS_ADOPTED,
+        "Clustering: persistent sessions no node held (their node gone, their client away) adopted by this node"
     );
     describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
@@ -277,6 +284,12 @@ pub fn cluster_cache(records: usize, bytes: usize) {
 pub fn session_handed_over(messages: usize) {
     counter!(CLUSTER_SESSIONS_HANDED_OVER).increment(1);
     counter!(CLUSTER_MESSAGES_HANDED_OVER).increment(messages as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: this node adopted a session no node held.
+pub fn session_adopted() {
+    counter!(CLUSTER_SESSIONS_ADOPTED).increment(1);
 }
 
 #[cfg(feature = "cluster")]

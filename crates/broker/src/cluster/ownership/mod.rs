@@ -91,6 +91,10 @@ struct Claim {
     /// this one (`read`, or the revision of a record found put over it
     /// that this claim comes after).
     put_over: i64,
+    /// A session no node held, adopted without a connection (see
+    /// [`Ownership::adopt`]): its record comes before any CONNECT's, and
+    /// leaves the will record alone.
+    adopted: bool,
 }
 
 /// A session record waiting to be written, numbered so that a newer one
@@ -116,6 +120,10 @@ struct State {
     took_queue: HashSet<String>,
     numbers: u64,
 }
+
+/// The numbers of adopted sessions' claims (see [`Ownership::adopt`]):
+/// apart from connections' (counted from 0).
+const ADOPTED: u64 = 1 << 63;
 
 /// Resumed sessions waiting for their claim, at most (a CONNECT that ends
 /// between the two leaves one; past it, they are forgotten).
@@ -147,6 +155,8 @@ pub struct Ownership {
     /// Sessions moving away, waited for when the node stops (see
     /// [`leaving`]).
     leaving: Arc<leaving::Leaving>,
+    /// Adopted sessions so far (numbers their claims, see [`ADOPTED`]).
+    adoptions: std::sync::atomic::AtomicU64,
 }
 
 impl Ownership {
@@ -192,6 +202,7 @@ impl Ownership {
             wake: Arc::new(Notify::new()),
             claim_delay,
             leaving: Arc::default(),
+            adoptions: std::sync::atomic::AtomicU64::new(0),
         });
         tokio::spawn(watch(
             Arc::downgrade(&ownership),
@@ -270,13 +281,71 @@ impl Ownership {
                 epoch,
                 read: resumed.read,
                 put_over: resumed.read.0,
+                adopted: false,
             },
         );
         drop(state);
+        self.keep_recording(client_id, connection, will, self.claim_delay);
+    }
+
+    /// Records this node as the owner of `client_id`'s session, which no
+    /// node held (its node is gone) and which this node's router has now
+    /// (see `super::orphans`), with no connection: its claim is kept as a
+    /// session's after its connection ended, in the background. Its
+    /// record says it comes before every CONNECT (`at 0 0`): a client
+    /// that connects to another node meanwhile takes the session there,
+    /// as if from a node it had left, and this node hands over what it
+    /// queued. It is put only if the owner record did not change since
+    /// `resumed.read` (the session's read; the client may have connected
+    /// since), and leaves the will record alone (the dead node's will is
+    /// still to come, see `super::wills`). `false`: this node has a claim
+    /// on the client already (its CONNECT came meanwhile).
+    pub fn adopt(self: &Arc<Self>, client_id: &str, resumed: Resumed, epoch: u64) -> bool {
+        let mut state = self.state.lock();
+        if state.claims.contains_key(client_id) {
+            return false;
+        }
+        let took_queue = state.took_queue.remove(client_id);
+        let connection = ADOPTED
+            | self
+                .adoptions
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        state.claims.insert(
+            client_id.to_owned(),
+            Claim {
+                connection,
+                revision: 0,
+                superseded: (0, false),
+                clean_start: false,
+                ended: true,
+                kept: true,
+                ids: resumed.ids,
+                took_queue,
+                epoch,
+                read: (0, 0),
+                put_over: resumed.read.0,
+                adopted: true,
+            },
+        );
+        drop(state);
+        self.keep_recording(client_id, connection, None, None);
+        true
+    }
+
+    /// Puts `connection`'s claim on `client_id` (with its `will` record)
+    /// in the background, tried again while it may still be put (see
+    /// [`Ownership::record`]), after `delay` (a fault).
+    fn keep_recording(
+        self: &Arc<Self>,
+        client_id: &str,
+        connection: u64,
+        will: Option<Vec<u8>>,
+        delay: Option<Duration>,
+    ) {
         let ownership = Arc::clone(self);
         let client_id = client_id.to_owned();
         tokio::spawn(async move {
-            if let Some(delay) = ownership.claim_delay {
+            if let Some(delay) = delay {
                 tracing::info!(
                     client_id,
                     fault = "claim_delay",
@@ -340,10 +409,21 @@ impl Ownership {
         will: Option<&[u8]>,
     ) -> Result<(), NotRecorded> {
         let standing = self.membership.standing();
-        let Some((clean_start, ids, took_queue, read, put_over)) =
+        let Some((clean_start, ids, took_queue, read, put_over, adopted)) =
             claim_of(&mut self.state.lock().claims, client_id, connection)
                 .filter(|c| c.epoch == standing.epoch())
-                .map(|c| (c.clean_start, c.ids, c.took_queue, c.read, c.put_over))
+                .map(|c| {
+                    let Claim {
+                        clean_start,
+                        ids,
+                        took_queue,
+                        read,
+                        put_over,
+                        adopted,
+                        ..
+                    } = *c;
+                    (clean_start, ids, took_queue, read, put_over, adopted)
+                })
         else {
             return Err(NotRecorded::Done);
         };
@@ -361,6 +441,8 @@ impl Ownership {
             (false, false) => "",
         };
         let at = match read {
+            // Before every CONNECT's (see `Ownership::adopt`).
+            _ if adopted => "\nat 0 0".to_owned(),
             (0, _) => String::new(),
             (revision, ms) => format!("\nat {revision} {ms}"),
         };
@@ -371,17 +453,17 @@ impl Ownership {
         );
         let lease = self.membership.lease();
         let options = PutOptions::new().with_lease(lease).with_prev_key();
-        let mut ops = vec![
-            TxnOp::put(self.key(client_id), value, Some(options)),
-            match will {
+        let mut ops = vec![TxnOp::put(self.key(client_id), value, Some(options))];
+        if !adopted {
+            ops.push(match will {
                 Some(will) => TxnOp::put(
                     self.will_key(client_id),
                     super::wills::with_lease(lease, will),
                     None,
                 ),
                 None => TxnOp::delete(self.will_key(client_id), None),
-            },
-        ];
+            });
+        }
         if clean_start {
             ops.push(TxnOp::delete(self.session_key(client_id), None));
             ops.push(self.delete_queue(client_id));
@@ -421,7 +503,7 @@ impl Ownership {
             return Err(NotRecorded::Done);
         };
         claim.revision = revision;
-        if claim.ended {
+        if claim.ended && !claim.adopted {
             // Its will is with this node's will module.
             self.forget_will(client_id, revision);
         }

@@ -1,0 +1,428 @@
+//! Persistent sessions no node holds: their node died, stopped or lost its
+//! lease, and their client has not come back yet. Their records stay in
+//! etcd (see [`super::sessions`]), and so do the QoS 1 messages queued
+//! for them (see [`super::queue`]), but nothing collects what is
+//! published meanwhile: no router holds their subscriptions.
+//!
+//! So a live node **adopts** each one: it takes the session from its
+//! record and its queued messages from etcd into its router, as a CONNECT
+//! would, but with no connection, and claims the client
+//! ([`Ownership::adopt`]); messages for the session are queued there (and
+//! in etcd) until the client comes back, on this node or another (which
+//! takes the session and its messages from here as from any live node).
+//! Which node adopts a session is the live member that ranks first for
+//! its client id (rendezvous hashing over the members' ids, the same on
+//! every node); any node adopts one still ownerless at its next look (the
+//! chosen one may have died too). Nodes look when a member's registration
+//! goes (a watch on `<etcd_prefix>N/`: a node stopped, killed or cut off
+//! past its lease), when they start, and every `[clustering]
+//! session_reap_interval_s`. An adoption's claim comes before every
+//! CONNECT's (see [`Ownership::adopt`]): a client that reconnects while
+//! its session is adopted keeps its own connection.
+//!
+//! A record no node can adopt (unreadable; its session expired; the
+//! adopting node at `[broker] max_kept_sessions`) is removed once its
+//! session would have expired: counted from when its connection ended, or
+//! from when a node first found it without an owner, in a transaction that
+//! checks its revision and that no owner record exists.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Weak};
+
+use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, TxnOpResponse};
+use router::{RestoredSession, RouterHandle};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::ownership::SessionValue;
+use super::sessions::{record_block, waiting_in_etcd};
+use super::watch::{Ended, follow_prefix};
+use super::{Cluster, Ownership, Queue};
+use crate::clock::now_ms;
+use crate::sessions::Resumed;
+use crate::standing::Standing;
+
+/// What adopting and reaping work with: the node's parts (weak: the task
+/// ends with the node).
+pub struct Orphans {
+    pub cluster: Weak<Cluster>,
+    pub ownership: Weak<Ownership>,
+    pub queue: Weak<Queue>,
+    pub router: RouterHandle,
+    pub standing: Arc<Standing>,
+    /// `[broker] max_session_expiry_secs` (0: none).
+    pub max_expiry: u32,
+    /// `[broker] max_kept_sessions` (0: none): no adoption past it.
+    pub max_kept: usize,
+}
+
+/// Records without an owner seen at the last look, by client id.
+type Seen = HashMap<Vec<u8>, Orphan>;
+
+/// A record without an owner, as a look found it.
+#[derive(Debug, Clone, Copy)]
+struct Orphan {
+    revision: i64,
+    /// When it is due for removal (`None`: never).
+    due: Option<Instant>,
+    /// When a look first found it without an owner.
+    since: Instant,
+}
+
+/// Looks for ownerless session records at the start, when a member's
+/// registration goes, and every `session_reap_interval_s`, until the
+/// cluster stops or the node is dropped.
+pub async fn run(orphans: Orphans) {
+    let Some((mut stop, every, prefix)) = orphans.cluster.upgrade().map(|c| {
+        (
+            c.stop.subscribe(),
+            c.settings.session_reap_interval,
+            format!("{}N/", c.settings.etcd_prefix),
+        )
+    }) else {
+        return;
+    };
+    let member_gone = Arc::new(Notify::new());
+    tokio::spawn(watch_members(
+        orphans.cluster.clone(),
+        prefix.into_bytes(),
+        Arc::clone(&member_gone),
+    ));
+    let mut seen = Seen::new();
+    loop {
+        match look(&orphans, &mut seen).await {
+            Ok(()) => {}
+            Err(Gone) => return,
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = member_gone.notified() => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// The node is gone: the task ends.
+struct Gone;
+
+/// One look; etcd not answering is only logged (the next look tries
+/// again).
+async fn look(orphans: &Orphans, seen: &mut Seen) -> Result<(), Gone> {
+    let cluster = orphans.cluster.upgrade().ok_or(Gone)?;
+    if let Err(e) = look_once(orphans, &cluster, seen).await {
+        tracing::debug!(
+            error = e,
+            "clustering: cannot look for sessions no node holds now"
+        );
+    }
+    Ok(())
+}
+
+/// Wakes `member_gone` when a member's registration is deleted; resumed
+/// after a broken stream, ends with the cluster.
+async fn watch_members(cluster: Weak<Cluster>, prefix: Vec<u8>, member_gone: Arc<Notify>) {
+    let mut from = 0;
+    loop {
+        let Some((mut client, mut stop)) = cluster
+            .upgrade()
+            .map(|c| (c.client.clone(), c.stop.subscribe()))
+        else {
+            return;
+        };
+        let ended = follow_prefix(&mut client, &prefix, from, &mut stop, |event| {
+            if event.event_type() == EventType::Delete {
+                member_gone.notify_one();
+            }
+            true
+        });
+        from = match ended.await {
+            Ended::Stopped => return,
+            Ended::Broken(next) => next,
+            // Missed departures are found at the next periodic look.
+            Ended::Compacted(_) => 0,
+        };
+    }
+}
+
+async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Result<(), String> {
+    let prefix = &cluster.settings.etcd_prefix;
+    let (members, owners, records) = (
+        format!("{prefix}N/"),
+        format!("{prefix}C/"),
+        format!("{prefix}S/"),
+    );
+    let timeout = cluster.settings.request_timeout;
+    let mut client = cluster.client.clone();
+    let keys = |p: &str| TxnOp::get(p, Some(GetOptions::new().with_prefix().with_keys_only()));
+    // One read: the members, owners and records of one revision.
+    let read = client.txn(Txn::new().and_then([keys(&members), keys(&owners), keys(&records)]));
+    let response = tokio::time::timeout(timeout, read)
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let mut lists = response.op_responses().into_iter().map(|op| match op {
+        TxnOpResponse::Get(get) => get
+            .kvs()
+            .iter()
+            .map(|kv| (kv.key().to_vec(), kv.mod_revision()))
+            .collect(),
+        _ => Vec::new(),
+    });
+    let mut list = || -> Vec<(Vec<u8>, i64)> { lists.next().unwrap_or_default() };
+    let (live, owned, kept) = (list(), list(), list());
+    let live: Vec<&[u8]> = live.iter().map(|(k, _)| &k[members.len()..]).collect();
+    let owned: HashSet<&[u8]> = owned.iter().map(|(k, _)| &k[owners.len()..]).collect();
+    let ownerless = kept
+        .iter()
+        .map(|(k, revision)| (&k[records.len()..], *revision))
+        .filter(|(client, _)| !owned.contains(client));
+    let before = std::mem::take(seen);
+    let node_id = cluster.node_id().as_bytes();
+    let now = Instant::now();
+    let (mut adopted, mut failed) = (0, 0);
+    for (client_id, revision) in ownerless {
+        let earlier = before.get(client_id).filter(|o| o.revision == revision);
+        // The node chosen to adopt it, or any once the chosen one had time
+        // to (it may be gone too).
+        let chosen = first_ranked(client_id, &live) == Some(node_id)
+            || earlier.is_some_and(|o| now - o.since >= cluster.settings.request_timeout * 2);
+        let room = orphans.max_kept == 0 || orphans.router.kept_sessions() < orphans.max_kept;
+        if chosen && room && orphans.standing.serving() {
+            match adopt(orphans, cluster, client_id).await {
+                Ok(true) => {
+                    adopted += 1;
+                    continue;
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    failed += 1;
+                    tracing::debug!(
+                        client_id = %String::from_utf8_lossy(client_id),
+                        error = e,
+                        "clustering: cannot adopt a session no node holds now"
+                    );
+                }
+            }
+        }
+        let orphan = match earlier {
+            Some(orphan) => *orphan,
+            None => Orphan {
+                revision,
+                due: due(orphans, cluster, client_id).await?,
+                since: now,
+            },
+        };
+        if orphan.due.is_none_or(|due| due > now) {
+            seen.insert(client_id.to_vec(), orphan);
+        } else {
+            reap(cluster, client_id, revision).await;
+        }
+    }
+    if adopted > 0 || failed > 0 {
+        tracing::info!(
+            adopted,
+            failed,
+            "clustering: sessions no node held adopted here (kept until their clients come back)"
+        );
+    }
+    Ok(())
+}
+
+/// The member of `live` that ranks first for `client_id` (rendezvous
+/// hashing: every node ranks them alike, and a member's departure moves
+/// only the sessions it ranked first for).
+fn first_ranked<'a>(client_id: &[u8], live: &[&'a [u8]]) -> Option<&'a [u8]> {
+    live.iter().copied().max_by_key(|node| {
+        // Fixed keys: the same in every process of one build (nodes of
+        // different builds may both adopt: one claim wins, see `adopt`).
+        let mut hasher = std::hash::DefaultHasher::new();
+        (client_id, *node).hash(&mut hasher);
+        hasher.finish()
+    })
+}
+
+/// Adopts `client_id`'s session (see the module's documentation) if no
+/// node owns it still: `Ok(false)` when there is nothing to adopt (an
+/// owner came, the record went, cannot be read or has expired, changed
+/// meanwhile, or the router has no room).
+async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result<bool, String> {
+    let Ok(client_id) = std::str::from_utf8(client_id) else {
+        return Ok(false);
+    };
+    let (Some(ownership), Some(queue)) = (orphans.ownership.upgrade(), orphans.queue.upgrade())
+    else {
+        return Ok(false);
+    };
+    let epoch = orphans.standing.epoch();
+    let timeout = cluster.settings.request_timeout;
+    let mut client = cluster.client.clone();
+    let txn = Txn::new().and_then([
+        TxnOp::get(ownership.key(client_id), None),
+        TxnOp::get(ownership.session_key(client_id), None),
+    ]);
+    let response = tokio::time::timeout(timeout, client.txn(txn))
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let read = (response.header().map_or(0, |h| h.revision()), now_ms());
+    let mut found = response.op_responses().into_iter().map(|op| match op {
+        TxnOpResponse::Get(get) => get
+            .kvs()
+            .first()
+            .map(|kv| (kv.mod_revision(), kv.value().to_vec())),
+        _ => None,
+    });
+    let (owner, record) = (found.next().flatten(), found.next().flatten());
+    let (None, Some((revision, value))) = (owner, record) else {
+        return Ok(false);
+    };
+    let Ok(record) = SessionValue::read(&value) else {
+        return Ok(false);
+    };
+    let ids = record.ids.next();
+    let key = ownership.session_key(client_id);
+    let resumed = Resumed {
+        ids,
+        read,
+        was_here: false,
+    };
+    // This node's own copy (its lease ended and came back, or its data
+    // directory kept it): claimed as it is.
+    if record.node == ownership.node_id()
+        && orphans.router.subscriptions().has_kept_session(client_id)
+    {
+        if !record_block(&mut client, key, revision, &value, ids, timeout).await? {
+            return Ok(false);
+        }
+        return Ok(ownership.adopt(client_id, resumed, epoch));
+    }
+    let Some(expires_in) = crate::durable::remaining(&record.session, now_ms(), orphans.max_expiry)
+    else {
+        return Ok(false);
+    };
+    let mut keys = Vec::new();
+    let waiting = waiting_in_etcd(&queue, client_id, &record.session, &mut keys).await?;
+    if !record_block(&mut client, key, revision, &value, ids, timeout).await? {
+        return Ok(false);
+    }
+    let queued = keys.len();
+    let restored = RestoredSession {
+        client_id: client_id.to_owned(),
+        filters: record.session.filters,
+        expires_in,
+        queue_full: record.session.queue_full,
+        waiting,
+    };
+    // Not while its client is connected here (its CONNECT came meanwhile),
+    // nor past `max_kept_sessions`.
+    let replaced = orphans
+        .router
+        .replace_session(client_id, Some(restored))
+        .await
+        .map_err(|e| e.to_string())?;
+    if !replaced {
+        return Ok(false);
+    }
+    queue.restored(client_id, keys);
+    ownership.took_queue(client_id, true);
+    if !ownership.adopt(client_id, resumed, epoch) {
+        return Ok(false);
+    }
+    crate::metrics::session_adopted();
+    tracing::info!(
+        client_id,
+        node_was = record.node,
+        queued,
+        ids = ids.number(),
+        "clustering: adopted the session of a client whose node is gone: messages for it are kept here until it comes back"
+    );
+    Ok(true)
+}
+
+/// When `client_id`'s ownerless session expires, as its record says
+/// (`None`: never; a record that cannot be read: now).
+async fn due(
+    orphans: &Orphans,
+    cluster: &Cluster,
+    client_id: &[u8],
+) -> Result<Option<Instant>, String> {
+    let prefix = &cluster.settings.etcd_prefix;
+    let key = [format!("{prefix}S/").as_bytes(), client_id].concat();
+    let mut client = cluster.client.clone();
+    let now = Instant::now();
+    let response = tokio::time::timeout(cluster.settings.request_timeout, client.get(key, None))
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let Some(kv) = response.kvs().first() else {
+        return Ok(Some(now));
+    };
+    Ok(match SessionValue::read(kv.value()) {
+        Ok(SessionValue { mut session, .. }) => {
+            // Connected when its node went: from now.
+            let at = session.disconnected_at_ms.unwrap_or_else(now_ms);
+            session.disconnected_at_ms = Some(at);
+            crate::durable::remaining(&session, now_ms(), orphans.max_expiry)
+                .map(|left| left.map(|left| now + left))
+                .unwrap_or(Some(now))
+        }
+        Err(_) => Some(now),
+    })
+}
+
+/// Removes `client_id`'s session record, and its messages queued in etcd,
+/// if it is still the one put at `revision` and no node owns the client.
+async fn reap(cluster: &Cluster, client_id: &[u8], revision: i64) {
+    let prefix = &cluster.settings.etcd_prefix;
+    let key = [format!("{prefix}S/").as_bytes(), client_id].concat();
+    let owner = [format!("{prefix}C/").as_bytes(), client_id].concat();
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key.clone(), CompareOp::Equal, revision),
+            Compare::create_revision(owner, CompareOp::Equal, 0),
+        ])
+        .and_then([
+            TxnOp::delete(key, None),
+            // Its messages queued in etcd go with it.
+            Queue::delete_session(prefix, &String::from_utf8_lossy(client_id)),
+        ]);
+    let mut client = cluster.client.clone();
+    let done = tokio::time::timeout(cluster.settings.request_timeout, client.txn(txn)).await;
+    if let Ok(Ok(response)) = done
+        && response.succeeded()
+    {
+        tracing::info!(
+            client_id = %String::from_utf8_lossy(client_id),
+            "clustering: removed the session record nobody owns: its session expired"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every node picks the same adopter; a member's departure moves only
+    /// the sessions it was first for; sessions spread over the members.
+    #[test]
+    fn the_adopter_is_the_same_everywhere_and_departures_move_only_its_sessions() {
+        let three: [&[u8]; 3] = [b"sb1", b"sb2", b"sb3"];
+        let two: [&[u8]; 2] = [b"sb1", b"sb3"];
+        let mut counts = HashMap::new();
+        for i in 0..300 {
+            let client = format!("client-{i}");
+            let first = first_ranked(client.as_bytes(), &three).unwrap();
+            let reversed: Vec<&[u8]> = three.iter().rev().copied().collect();
+            assert_eq!(first_ranked(client.as_bytes(), &reversed), Some(first));
+            let after = first_ranked(client.as_bytes(), &two).unwrap();
+            if first != b"sb2" {
+                assert_eq!(after, first, "{client} moved though its node stayed");
+            }
+            *counts.entry(first).or_insert(0) += 1;
+        }
+        assert_eq!(counts.len(), 3);
+        assert!(counts.values().all(|&n| n > 50), "{counts:?}");
+        assert_eq!(first_ranked(b"c", &[]), None);
+    }
+}
