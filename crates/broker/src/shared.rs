@@ -458,13 +458,15 @@ impl Shared {
 
     /// The broker stops normally, its clients and links gone (a cluster
     /// node: it writes to etcd what was queued since
-    /// [`Shared::hand_over_sessions`], and removes its clients' will
-    /// records from etcd, so that no other node publishes them).
+    /// [`Shared::hand_over_sessions`], removes its clients' will records
+    /// from etcd, so that no other node publishes them, and revokes its
+    /// membership lease, so that another node adopts the sessions left).
     pub async fn leave_cluster(&self) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             node.flush_queue().await;
             node.ownership().forget_wills().await;
+            node.leave().await;
         }
     }
 

@@ -1063,7 +1063,16 @@ async fn a_node_back_from_a_lost_lease_keeps_no_copy_of_a_session_that_moved() {
             .publish(&format!("drift/{i}"), "x", QoS::AtLeastOnce, None)
             .await;
     }
-    assert_eq!(topics_until(&mut c, 10).await.len(), 10);
+    // Each comes; some may come twice: node 1, back, adopted its copy of
+    // the session again (it was the record's writer), and hands over what
+    // reached it while the session moved (the move window, see
+    // docs/cluster.md).
+    let mut got = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + PATIENCE;
+    while got.len() < 10 && Instant::now() < deadline {
+        got.extend(topics_within(&mut c, Duration::from_secs(1)).await);
+    }
+    assert_eq!(got.len(), 10, "{got:?}");
     eventually("node 1 keeps no copy of the session", || {
         metric(setup.http[0], KEPT) == Some(1.0)
     })

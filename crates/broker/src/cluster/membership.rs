@@ -74,6 +74,9 @@ pub struct Membership {
     members: tokio::sync::watch::Sender<Vec<Member>>,
     /// The lease the node is registered under now (0: none yet).
     lease: std::sync::atomic::AtomicI64,
+    /// The node left the cluster ([`Membership::leave`]): its lease is
+    /// neither renewed nor taken again.
+    left: std::sync::atomic::AtomicBool,
 }
 
 impl Membership {
@@ -106,6 +109,7 @@ impl Membership {
             standing: Arc::new(Standing::until(Instant::now())),
             members: tokio::sync::watch::Sender::new(Vec::new()),
             lease: std::sync::atomic::AtomicI64::new(0),
+            left: std::sync::atomic::AtomicBool::new(false),
         };
         // The id may still be held by this node's previous run (killed
         // before its lease ran out): wait for that lease, once; a holder
@@ -166,6 +170,34 @@ impl Membership {
     /// etcd for as long as it serves goes under it, and goes with it.
     pub fn lease(&self) -> i64 {
         self.lease.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The node stops normally (its clients, links and will records gone):
+    /// revokes its lease, so that its registration and its claims on
+    /// client ids go at once, and the other nodes adopt the sessions it
+    /// kept (see `super::orphans`) and may start a node with its id.
+    /// Before, they went when the lease ran out, a TTL later: what was
+    /// published meanwhile for those sessions was lost. Waits at most
+    /// etcd's request timeout.
+    pub async fn leave(&self) {
+        self.left.store(true, std::sync::atomic::Ordering::Release);
+        let mut client = self.cluster.client.clone();
+        let revoke = client.lease_revoke(self.lease());
+        match tokio::time::timeout(self.cluster.settings.request_timeout, revoke).await {
+            Ok(Ok(_)) => tracing::info!(
+                node_id = self.cluster.node_id(),
+                "clustering: stopping: left the cluster (membership lease revoked: the other nodes adopt the sessions kept here)"
+            ),
+            _ => tracing::warn!(
+                node_id = self.cluster.node_id(),
+                "clustering: stopping: etcd did not revoke the membership lease: this node's registration and claims go when it runs out"
+            ),
+        }
+    }
+
+    /// Whether the node left the cluster.
+    pub fn left(&self) -> bool {
+        self.left.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The node ids registered, this one's included, sorted.
@@ -324,6 +356,9 @@ async fn run(
             let Some(m) = membership.upgrade() else {
                 return;
             };
+            if m.left() {
+                return;
+            }
             if let Some(overdue) = standing.overdue() {
                 if overdue >= ttl * GIVE_UP_TTLS {
                     break;
@@ -370,6 +405,10 @@ async fn run(
         let Some(m) = membership.upgrade() else {
             return;
         };
+        // Revoked by the node itself, as it stops.
+        if m.left() {
+            return;
+        }
         m.standing.lost();
         crate::metrics::cluster_lease_lost();
         tracing::warn!(

@@ -107,6 +107,7 @@ impl Node {
             ownership: Arc::downgrade(&ownership),
             queue: Arc::downgrade(&queue),
             router: router.clone(),
+            membership: Arc::downgrade(&membership),
             standing: membership.standing(),
             max_expiry: settings.broker.max_session_expiry_secs,
             max_kept: settings.broker.max_kept_sessions,
@@ -175,6 +176,11 @@ impl Node {
             "clustering: stopping: the sessions of the clients connected at the stop went to the nodes they came back to; those kept here (clients not back in time, or away already) have their queued messages written to etcd"
         );
         self.flush_queue().await;
+    }
+
+    /// The node stops: it leaves the cluster (see [`Membership::leave`]).
+    pub async fn leave(&self) {
+        self.membership.leave().await;
     }
 
     /// Writes what waits to be written to etcd's queue now (at most

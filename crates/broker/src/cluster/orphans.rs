@@ -38,7 +38,7 @@ use tokio::time::Instant;
 use super::ownership::SessionValue;
 use super::sessions::{record_block, waiting_in_etcd};
 use super::watch::{Ended, follow_prefix};
-use super::{Cluster, Ownership, Queue};
+use super::{Cluster, Membership, Ownership, Queue};
 use crate::clock::now_ms;
 use crate::sessions::Resumed;
 use crate::standing::Standing;
@@ -50,6 +50,7 @@ pub struct Orphans {
     pub ownership: Weak<Ownership>,
     pub queue: Weak<Queue>,
     pub router: RouterHandle,
+    pub membership: Weak<Membership>,
     pub standing: Arc<Standing>,
     /// `[broker] max_session_expiry_secs` (0: none).
     pub max_expiry: u32,
@@ -61,13 +62,15 @@ pub struct Orphans {
 type Seen = HashMap<Vec<u8>, Orphan>;
 
 /// A record without an owner, as a look found it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Orphan {
     revision: i64,
     /// When it is due for removal (`None`: never).
     due: Option<Instant>,
     /// When a look first found it without an owner.
     since: Instant,
+    /// The node that wrote the record (empty: it cannot be read).
+    writer: Vec<u8>,
 }
 
 /// Looks for ownerless session records at the start, when a member's
@@ -182,13 +185,22 @@ async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Res
     let now = Instant::now();
     let (mut adopted, mut failed) = (0, 0);
     for (client_id, revision) in ownerless {
-        let earlier = before.get(client_id).filter(|o| o.revision == revision);
-        // The node chosen to adopt it, or any once the chosen one had time
-        // to (it may be gone too).
-        let chosen = first_ranked(client_id, &live) == Some(node_id)
-            || earlier.is_some_and(|o| now - o.since >= cluster.settings.request_timeout * 2);
+        let orphan = match before.get(client_id).filter(|o| o.revision == revision) {
+            Some(orphan) => orphan.clone(),
+            None => read_orphan(orphans, cluster, client_id, revision, now).await?,
+        };
+        // The node that wrote the record if it is live (it lost its lease
+        // and came back: it may keep the session still, with what etcd
+        // does not have), else the first ranked; any once the chosen one
+        // had time to (it may be gone too).
+        let chosen = if live.contains(&orphan.writer.as_slice()) {
+            orphan.writer == node_id
+        } else {
+            first_ranked(client_id, &live) == Some(node_id)
+        } || now - orphan.since >= cluster.settings.request_timeout * 2;
         let room = orphans.max_kept == 0 || orphans.router.kept_sessions() < orphans.max_kept;
-        if chosen && room && orphans.standing.serving() {
+        let leaving = orphans.membership.upgrade().is_none_or(|m| m.left());
+        if chosen && room && orphans.standing.serving() && !leaving {
             match adopt(orphans, cluster, client_id).await {
                 Ok(true) => {
                     adopted += 1;
@@ -205,14 +217,6 @@ async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Res
                 }
             }
         }
-        let orphan = match earlier {
-            Some(orphan) => *orphan,
-            None => Orphan {
-                revision,
-                due: due(orphans, cluster, client_id).await?,
-                since: now,
-            },
-        };
         if orphan.due.is_none_or(|due| due > now) {
             seen.insert(client_id.to_vec(), orphan);
         } else {
@@ -292,6 +296,9 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     if record.node == ownership.node_id()
         && orphans.router.subscriptions().has_kept_session(client_id)
     {
+        // The ids its router deliveries take already, if it kept a claim.
+        let ids = ownership.ids_of(client_id).unwrap_or(ids);
+        let resumed = Resumed { ids, ..resumed };
         if !record_block(&mut client, key, revision, &value, ids, timeout).await? {
             return Ok(false);
         }
@@ -340,35 +347,45 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     Ok(true)
 }
 
-/// When `client_id`'s ownerless session expires, as its record says
-/// (`None`: never; a record that cannot be read: now).
-async fn due(
+/// `client_id`'s ownerless record, found at `revision` (`now`): who
+/// wrote it, and when its session expires, as it says (a record that
+/// cannot be read, or is gone: now).
+async fn read_orphan(
     orphans: &Orphans,
     cluster: &Cluster,
     client_id: &[u8],
-) -> Result<Option<Instant>, String> {
+    revision: i64,
+    now: Instant,
+) -> Result<Orphan, String> {
     let prefix = &cluster.settings.etcd_prefix;
     let key = [format!("{prefix}S/").as_bytes(), client_id].concat();
     let mut client = cluster.client.clone();
-    let now = Instant::now();
     let response = tokio::time::timeout(cluster.settings.request_timeout, client.get(key, None))
         .await
         .map_err(|_| "etcd did not answer in time".to_owned())?
         .map_err(|e| e.to_string())?;
-    let Some(kv) = response.kvs().first() else {
-        return Ok(Some(now));
+    let mut orphan = Orphan {
+        revision,
+        due: Some(now),
+        since: now,
+        writer: Vec::new(),
     };
-    Ok(match SessionValue::read(kv.value()) {
-        Ok(SessionValue { mut session, .. }) => {
-            // Connected when its node went: from now.
-            let at = session.disconnected_at_ms.unwrap_or_else(now_ms);
-            session.disconnected_at_ms = Some(at);
-            crate::durable::remaining(&session, now_ms(), orphans.max_expiry)
-                .map(|left| left.map(|left| now + left))
-                .unwrap_or(Some(now))
-        }
-        Err(_) => Some(now),
-    })
+    let Some(kv) = response.kvs().first() else {
+        return Ok(orphan);
+    };
+    if let Ok(SessionValue {
+        node, mut session, ..
+    }) = SessionValue::read(kv.value())
+    {
+        // Connected when its node went: from now.
+        let at = session.disconnected_at_ms.unwrap_or_else(now_ms);
+        session.disconnected_at_ms = Some(at);
+        orphan.due = crate::durable::remaining(&session, now_ms(), orphans.max_expiry)
+            .map(|left| left.map(|left| now + left))
+            .unwrap_or(Some(now));
+        orphan.writer = node.as_bytes().to_vec();
+    }
+    Ok(orphan)
 }
 
 /// Removes `client_id`'s session record, and its messages queued in etcd,

@@ -299,10 +299,16 @@ impl Ownership {
     /// `resumed.read` (the session's read; the client may have connected
     /// since), and leaves the will record alone (the dead node's will is
     /// still to come, see `super::wills`). `false`: this node has a claim
-    /// on the client already (its CONNECT came meanwhile).
+    /// on the client already (its CONNECT came meanwhile), other than one
+    /// kept for a session from before a lease loss (never recorded since:
+    /// the adoption replaces it).
     pub fn adopt(self: &Arc<Self>, client_id: &str, resumed: Resumed, epoch: u64) -> bool {
         let mut state = self.state.lock();
-        if state.claims.contains_key(client_id) {
+        if state
+            .claims
+            .get(client_id)
+            .is_some_and(|c| !(c.ended && c.kept && c.epoch != epoch))
+        {
             return false;
         }
         let took_queue = state.took_queue.remove(client_id);
