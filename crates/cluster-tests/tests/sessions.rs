@@ -1247,3 +1247,44 @@ async fn a_killed_nodes_offline_session_is_adopted_once_its_lease_ends() {
         "each once, in order"
     );
 }
+
+/// A node stopped normally offers the sessions it keeps for clients that
+/// are away to the other nodes while its links are up: one adopts each
+/// and gets the messages queued there (handed over, at QoS 1 at most, as
+/// when a client moves). Here 5 QoS 2 messages, which etcd does not keep:
+/// before the offer (the sessions adopted from etcd once the node had
+/// left), they were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_node_hands_its_offline_sessions_over() {
+    let mut setup = Setup::three_linked().await;
+    let c = subscribed_in_etcd(&setup, "away", "q2/#", QoS::ExactlyOnce).await;
+    leave(c).await;
+    eventually("the session kept on node 1", || {
+        owner(&setup, "away").as_deref() == Some("sb1")
+    })
+    .await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    let expected: Vec<String> = (0..5).map(|n| format!("q2/{n}")).collect();
+    for topic in &expected {
+        publish_complete(&mut publisher, topic, b"x", QoS::ExactlyOnce, false).await;
+    }
+    eventually("node 1 received the messages", || {
+        metric(
+            setup.http[0],
+            "statebroker_messages_received_total{qos=\"2\"}",
+        )
+        .is_some_and(|n| n >= 5.0)
+    })
+    .await;
+    let stopped = setup.nodes[0].stop(Duration::from_secs(10)).unwrap();
+    assert!(stopped.is_some_and(|s| s.success()), "{stopped:?}");
+    let node = owner(&setup, "away").expect("adopted");
+    let adopter = ["sb2", "sb3"].iter().position(|n| *n == node).unwrap() + 1;
+    let (mut c, present) = connect(setup.ports[adopter], "away", false, 300).await;
+    assert!(present, "Session Present 1");
+    assert_eq!(
+        topics_until(&mut c, 5).await,
+        expected,
+        "each once, in order"
+    );
+}

@@ -18,6 +18,11 @@ use crate::sessions::Sessions;
 use crate::standing::Standing;
 use crate::will::WillRegistry;
 
+/// How long a stopping node waits, at most, for the other nodes to adopt
+/// the sessions it offers (they take milliseconds; one not adopted then
+/// is adopted once the node has left).
+const OFFER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// See the module's documentation.
 pub struct Node {
     cluster: Arc<Cluster>,
@@ -107,6 +112,8 @@ impl Node {
             ownership: Arc::downgrade(&ownership),
             queue: Arc::downgrade(&queue),
             router: router.clone(),
+            peers: Arc::downgrade(&peers),
+            awaited: Arc::downgrade(&awaited),
             membership: Arc::downgrade(&membership),
             standing: membership.standing(),
             max_expiry: settings.broker.max_session_expiry_secs,
@@ -168,12 +175,23 @@ impl Node {
         deadline: tokio::time::Instant,
     ) {
         let left = self.ownership.wait_moved(clients, deadline).await;
+        // The rest go to the other nodes while the links are up (see
+        // `Ownership::offer_kept`), if there are others.
+        let others = self.membership.members().len() > 1;
+        let offered = match others {
+            true => self.ownership.offer_kept().await,
+            false => Default::default(),
+        };
+        let wait = deadline.min(tokio::time::Instant::now() + OFFER_WAIT);
+        let not_adopted = self.ownership.wait_moved(&offered, wait).await;
         let kept = self.ownership.kept_sessions();
         tracing::info!(
             connected_at_stop = clients.len(),
             not_back_in_time = left,
+            offered = offered.len(),
+            not_adopted,
             kept_here = kept,
-            "clustering: stopping: the sessions of the clients connected at the stop went to the nodes they came back to; those kept here (clients not back in time, or away already) have their queued messages written to etcd"
+            "clustering: stopping: the sessions of the clients connected at the stop went to the nodes they came back to, and those kept here were offered to the others; what is queued for those still here is written to etcd"
         );
         self.flush_queue().await;
     }

@@ -35,10 +35,11 @@ use router::{RestoredSession, RouterHandle};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::ownership::SessionValue;
+use super::ownership::Offers;
+use super::ownership::{SessionValue, offered, owner_ids, owner_of};
 use super::sessions::{record_block, waiting_in_etcd};
 use super::watch::{Ended, follow_prefix};
-use super::{Cluster, Membership, Ownership, Queue};
+use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::sessions::Resumed;
 use crate::standing::Standing;
@@ -50,6 +51,8 @@ pub struct Orphans {
     pub ownership: Weak<Ownership>,
     pub queue: Weak<Queue>,
     pub router: RouterHandle,
+    pub peers: Weak<Peers>,
+    pub awaited: Weak<Awaited>,
     pub membership: Weak<Membership>,
     pub standing: Arc<Standing>,
     /// `[broker] max_session_expiry_secs` (0: none).
@@ -92,18 +95,67 @@ pub async fn run(orphans: Orphans) {
         prefix.into_bytes(),
         Arc::clone(&member_gone),
     ));
+    let Some(offers) = orphans.ownership.upgrade().map(|o| Arc::clone(o.offers())) else {
+        return;
+    };
     let mut seen = Seen::new();
+    let mut next_look = Instant::now();
     loop {
-        match look(&orphans, &mut seen).await {
-            Ok(()) => {}
-            Err(Gone) => return,
+        if Instant::now() >= next_look {
+            if look(&orphans, &mut seen).await.is_err() {
+                return;
+            }
+            next_look = Instant::now() + every;
+        }
+        if take_offers(&orphans, &offers).await.is_err() {
+            return;
         }
         tokio::select! {
-            () = tokio::time::sleep(every) => {}
-            () = member_gone.notified() => {}
+            () = tokio::time::sleep_until(next_look) => {}
+            () = member_gone.notified() => next_look = Instant::now(),
+            () = offers.wake.notified() => {}
             _ = stop.changed() => return,
         }
     }
+}
+
+/// Adopts the sessions stopping nodes offer (see
+/// [`Ownership::offer_kept`]) that this node ranks first for among the
+/// members but the offering node.
+async fn take_offers(orphans: &Orphans, offers: &Offers) -> Result<(), Gone> {
+    let offered = offers.take();
+    if offered.is_empty() {
+        return Ok(());
+    }
+    let cluster = orphans.cluster.upgrade().ok_or(Gone)?;
+    let members = orphans
+        .membership
+        .upgrade()
+        .filter(|m| !m.left())
+        .map(|m| m.members())
+        .unwrap_or_default();
+    let node_id = cluster.node_id().as_bytes();
+    for (client_id, from) in offered {
+        let others: Vec<&[u8]> = members
+            .iter()
+            .filter(|m| **m != from)
+            .map(|m| m.as_bytes())
+            .collect();
+        if first_ranked(client_id.as_bytes(), &others) != Some(node_id)
+            || !orphans.standing.serving()
+        {
+            continue;
+        }
+        if let Err(e) = adopt(orphans, &cluster, client_id.as_bytes(), Some(&from)).await {
+            tracing::debug!(
+                client_id,
+                from,
+                error = e,
+                "clustering: cannot adopt a session a stopping node offers: it is adopted once that node has left"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The node is gone: the task ends.
@@ -201,7 +253,7 @@ async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Res
         let room = orphans.max_kept == 0 || orphans.router.kept_sessions() < orphans.max_kept;
         let leaving = orphans.membership.upgrade().is_none_or(|m| m.left());
         if chosen && room && orphans.standing.serving() && !leaving {
-            match adopt(orphans, cluster, client_id).await {
+            match adopt(orphans, cluster, client_id, None).await {
                 Ok(true) => {
                     adopted += 1;
                     continue;
@@ -250,7 +302,12 @@ fn first_ranked<'a>(client_id: &[u8], live: &[&'a [u8]]) -> Option<&'a [u8]> {
 /// node owns it still: `Ok(false)` when there is nothing to adopt (an
 /// owner came, the record went, cannot be read or has expired, changed
 /// meanwhile, or the router has no room).
-async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result<bool, String> {
+async fn adopt(
+    orphans: &Orphans,
+    cluster: &Cluster,
+    client_id: &[u8],
+    from: Option<&str>,
+) -> Result<bool, String> {
     let Ok(client_id) = std::str::from_utf8(client_id) else {
         return Ok(false);
     };
@@ -278,13 +335,25 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
         _ => None,
     });
     let (owner, record) = (found.next().flatten(), found.next().flatten());
-    let (None, Some((revision, value))) = (owner, record) else {
+    let Some((revision, value)) = record else {
         return Ok(false);
+    };
+    // Still ownerless, or still offered by the stopping node `from`.
+    let offered_by = |value: &[u8]| from.is_some() && owner_of(value) == from && offered(value);
+    let owner = match &owner {
+        None if from.is_none() => None,
+        Some((_, value)) if offered_by(value) => Some(value.as_slice()),
+        _ => return Ok(false),
     };
     let Ok(record) = SessionValue::read(&value) else {
         return Ok(false);
     };
-    let ids = record.ids.next();
+    // After the stopping node's block, or the record's if later (see
+    // `super::sessions::resume`).
+    let ids = owner
+        .and_then(owner_ids)
+        .map_or(record.ids, |ids| ids.later(record.ids))
+        .next();
     let key = ownership.session_key(client_id);
     let resumed = Resumed {
         ids,
@@ -293,7 +362,8 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     };
     // This node's own copy (its lease ended and came back, or its data
     // directory kept it): claimed as it is.
-    if record.node == ownership.node_id()
+    if from.is_none()
+        && record.node == ownership.node_id()
         && orphans.router.subscriptions().has_kept_session(client_id)
     {
         // The ids its router deliveries take already, if it kept a claim.
@@ -308,8 +378,16 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     else {
         return Ok(false);
     };
+    // From etcd, unless the stopping node hands them over (its link here
+    // is up).
+    let from_queue =
+        from.is_none_or(|node| !orphans.peers.upgrade().is_some_and(|p| p.linked_from(node)));
     let mut keys = Vec::new();
-    let waiting = waiting_in_etcd(&queue, client_id, &record.session, &mut keys).await?;
+    let waiting = if from_queue {
+        waiting_in_etcd(&queue, client_id, &record.session, &mut keys).await?
+    } else {
+        Vec::new()
+    };
     if !record_block(&mut client, key, revision, &value, ids, timeout).await? {
         return Ok(false);
     }
@@ -331,8 +409,14 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     if !replaced {
         return Ok(false);
     }
-    queue.restored(client_id, keys);
-    ownership.took_queue(client_id, true);
+    if from_queue {
+        queue.restored(client_id, keys);
+        ownership.took_queue(client_id, true);
+    } else if let (Some(node), Some(awaited)) = (from, orphans.awaited.upgrade()) {
+        // Its handover comes once it sees the claim (or, if it dies
+        // first, the messages it wrote to etcd; see `super::awaited`).
+        awaited.wait(client_id, node);
+    }
     if !ownership.adopt(client_id, resumed, epoch) {
         return Ok(false);
     }
@@ -340,6 +424,7 @@ async fn adopt(orphans: &Orphans, cluster: &Cluster, client_id: &[u8]) -> Result
     tracing::info!(
         client_id,
         node_was = record.node,
+        offered_by = from,
         queued,
         ids = ids.number(),
         "clustering: adopted the session of a client whose node is gone: messages for it are kept here until it comes back"

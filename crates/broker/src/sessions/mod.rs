@@ -208,6 +208,11 @@ impl Sessions {
     /// they are the session's alone, not to publish on their topics again.
     pub fn keep_handed_over(&self, client: &str, messages: Vec<Direct>) {
         let mut clients = self.clients.write();
+        // A session the router keeps with no connection here yet (adopted
+        // from a node that stopped, see `cluster::orphans`).
+        if !clients.contains_key(client) && self.subscriptions.has_kept_session(client) {
+            clients.insert(Arc::from(client), Client::default());
+        }
         let Some(state) = clients.get_mut(client) else {
             tracing::warn!(
                 client_id = client,

@@ -157,6 +157,39 @@ pub struct Ownership {
     leaving: Arc<leaving::Leaving>,
     /// Adopted sessions so far (numbers their claims, see [`ADOPTED`]).
     adoptions: std::sync::atomic::AtomicU64,
+    /// Sessions stopping nodes offer (see [`Ownership::offer_kept`]), for
+    /// `super::orphans` to adopt.
+    offers: Arc<Offers>,
+}
+
+/// Sessions other nodes offer as they stop, in the order their records
+/// came: (client id, node).
+#[derive(Default)]
+pub struct Offers {
+    list: Mutex<std::collections::VecDeque<(String, String)>>,
+    /// Offers are waiting.
+    pub wake: Notify,
+}
+
+/// Offers waiting, at most (past it the oldest go: those sessions are
+/// adopted once their node has left, see `super::orphans`).
+const OFFERS_MAX: usize = 100_000;
+
+impl Offers {
+    fn push(&self, client_id: &str, node: &str) {
+        let mut list = self.list.lock();
+        if list.len() >= OFFERS_MAX {
+            list.pop_front();
+        }
+        list.push_back((client_id.to_owned(), node.to_owned()));
+        drop(list);
+        self.wake.notify_one();
+    }
+
+    /// The offers waiting, oldest first; none are kept.
+    pub fn take(&self) -> Vec<(String, String)> {
+        self.list.lock().drain(..).collect()
+    }
 }
 
 impl Ownership {
@@ -203,6 +236,7 @@ impl Ownership {
             claim_delay,
             leaving: Arc::default(),
             adoptions: std::sync::atomic::AtomicU64::new(0),
+            offers: Arc::default(),
         });
         tokio::spawn(watch(
             Arc::downgrade(&ownership),
@@ -215,6 +249,76 @@ impl Ownership {
             ownership.cluster.stop.subscribe(),
         ));
         Ok(ownership)
+    }
+
+    /// The sessions other nodes offer as they stop.
+    pub fn offers(&self) -> &Arc<Offers> {
+        &self.offers
+    }
+
+    /// The node stops, its clients gone (those that came back elsewhere
+    /// took their sessions): offers the sessions it still keeps to the
+    /// other nodes, while its links to them are up. Each claim's record
+    /// is put again (compared with its revision) marked `\nleaving`, and
+    /// before every CONNECT (`at 0 0`); a live node adopts the session
+    /// (see `super::orphans`), and this node hands its queued messages
+    /// over as to a client's new node. Before, the sessions were adopted
+    /// only once the node had left: what was published between its links'
+    /// end and the adoption was lost for them. Returns the client ids
+    /// offered.
+    pub async fn offer_kept(&self) -> HashSet<String> {
+        let epoch = self.membership.standing().epoch();
+        let kept: Vec<(String, Claim)> = {
+            let state = self.state.lock();
+            state
+                .claims
+                .iter()
+                .filter(|(_, c)| c.ended && c.kept && c.revision > 0 && c.epoch == epoch)
+                .map(|(client, c)| (client.clone(), *c))
+                .collect()
+        };
+        let lease = self.membership.lease();
+        let timeout = self.cluster.settings.request_timeout;
+        let offers = kept.into_iter().map(|(client_id, claim)| {
+            let mut client = self.cluster.client.clone();
+            let key = self.key(&client_id);
+            let value = format!(
+                "{}\n{}\nids {}\nat 0 0\nleaving",
+                self.cluster.node_id(),
+                claim.connection,
+                claim.ids.number()
+            );
+            async move {
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        claim.revision,
+                    )])
+                    .and_then([TxnOp::put(
+                        key,
+                        value,
+                        Some(PutOptions::new().with_lease(lease)),
+                    )]);
+                match tokio::time::timeout(timeout, client.txn(txn)).await {
+                    Ok(Ok(response)) if response.succeeded() => {
+                        let revision = response.header().map_or(0, |h| h.revision());
+                        Some((client_id, claim.connection, revision))
+                    }
+                    _ => None,
+                }
+            }
+        });
+        let put = futures_util::future::join_all(offers).await;
+        let mut state = self.state.lock();
+        let mut offered = HashSet::new();
+        for (client_id, connection, revision) in put.into_iter().flatten() {
+            if let Some(claim) = claim_of(&mut state.claims, &client_id, connection) {
+                claim.revision = claim.revision.max(revision);
+                offered.insert(client_id);
+            }
+        }
+        offered
     }
 
     /// `client_id`'s owner record.
@@ -787,6 +891,12 @@ fn wants_handover(value: &[u8]) -> bool {
     !value.ends_with(b"\nclean") && !value.ends_with(b"\nqueue")
 }
 
+/// Whether an owner record is a stopping node's offer of the session (see
+/// [`Ownership::offer_kept`]).
+pub fn offered(value: &[u8]) -> bool {
+    value.ends_with(b"\nleaving")
+}
+
 /// Whether an owner record's CONNECT started clean (ending the session).
 fn started_clean(value: &[u8]) -> bool {
     value.ends_with(b"\nclean")
@@ -825,6 +935,9 @@ async fn watch(
             let Ok(client_id) = std::str::from_utf8(&kv.key()[prefix.len()..]) else {
                 return true;
             };
+            if offered(kv.value()) {
+                o.offers.push(client_id, owner_node);
+            }
             // A clean start ended the session, or the other node took its
             // messages from etcd: nothing to hand over.
             let to = wants_handover(kv.value()).then_some(owner_node);
