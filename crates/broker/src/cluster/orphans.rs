@@ -30,6 +30,8 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Weak};
 
+use futures_util::StreamExt;
+
 use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, TxnOpResponse};
 use router::{RestoredSession, RouterHandle};
 use tokio::sync::Notify;
@@ -119,6 +121,10 @@ pub async fn run(orphans: Orphans) {
     }
 }
 
+/// Offered sessions adopted at once, at most: each takes about four etcd
+/// round trips, and the offering node waits for them 2 s at most.
+const OFFERS_AT_ONCE: usize = 16;
+
 /// Adopts the sessions stopping nodes offer (see
 /// [`Ownership::offer_kept`]) that this node ranks first for among the
 /// members but the offering node.
@@ -135,26 +141,31 @@ async fn take_offers(orphans: &Orphans, offers: &Offers) -> Result<(), Gone> {
         .map(|m| m.members())
         .unwrap_or_default();
     let node_id = cluster.node_id().as_bytes();
-    for (client_id, from) in offered {
+    let mine = offered.into_iter().filter(|(client_id, from)| {
         let others: Vec<&[u8]> = members
             .iter()
-            .filter(|m| **m != from)
+            .filter(|m| *m != from)
             .map(|m| m.as_bytes())
             .collect();
-        if first_ranked(client_id.as_bytes(), &others) != Some(node_id)
-            || !orphans.standing.serving()
-        {
-            continue;
-        }
-        if let Err(e) = adopt(orphans, &cluster, client_id.as_bytes(), Some(&from)).await {
-            tracing::debug!(
-                client_id,
-                from,
-                error = e,
-                "clustering: cannot adopt a session a stopping node offers: it is adopted once that node has left"
-            );
-        }
-    }
+        first_ranked(client_id.as_bytes(), &others) == Some(node_id)
+    });
+    // Several at once: a stopping node waits for them ([`OFFERS_AT_ONCE`]).
+    let cluster = &cluster;
+    futures_util::stream::iter(mine)
+        .for_each_concurrent(OFFERS_AT_ONCE, |(client_id, from)| async move {
+            if !orphans.standing.serving() {
+                return;
+            }
+            if let Err(e) = adopt(orphans, cluster, client_id.as_bytes(), Some(&from)).await {
+                tracing::debug!(
+                    client_id,
+                    from,
+                    error = e,
+                    "clustering: cannot adopt a session a stopping node offers: it is adopted once that node has left"
+                );
+            }
+        })
+        .await;
     Ok(())
 }
 
