@@ -10,15 +10,23 @@
 //! ([`Ownership::adopt`]); messages for the session are queued there (and
 //! in etcd) until the client comes back, on this node or another (which
 //! takes the session and its messages from here as from any live node).
-//! Which node adopts a session is the live member that ranks first for
+//! Which node adopts a session: the node that wrote its record if it is
+//! live (it lost its lease and came back, and may keep the session with
+//! what etcd does not have), else the live member that ranks first for
 //! its client id (rendezvous hashing over the members' ids, the same on
-//! every node); any node adopts one still ownerless at its next look (the
-//! chosen one may have died too). Nodes look when a member's registration
-//! goes (a watch on `<etcd_prefix>N/`: a node stopped, killed or cut off
-//! past its lease), when they start, and every `[clustering]
-//! session_reap_interval_s`. An adoption's claim comes before every
-//! CONNECT's (see [`Ownership::adopt`]): a client that reconnects while
-//! its session is adopted keeps its own connection.
+//! every node); any node, once the chosen one had twice etcd's request
+//! timeout (it may have died too). Nodes look when a member's
+//! registration goes (a watch on `<etcd_prefix>N/`: a node stopped,
+//! killed or cut off past its lease), when they start, and every
+//! `[clustering] session_reap_interval_s`. An adoption's claim comes
+//! before every CONNECT's (see [`Ownership::adopt`]): a client that
+//! reconnects while its session is adopted keeps its own connection.
+//!
+//! A node that stops **offers** the sessions it keeps first, while its
+//! links are up ([`Ownership::offer_kept`]): the member ranked first
+//! among the others adopts each as from a live node (nothing read from
+//! etcd), and the stopping node hands the session's messages over, QoS 2
+//! ones too, which etcd does not keep.
 //!
 //! A record no node can adopt (unreadable; its session expired; the
 //! adopting node at `[broker] max_kept_sessions`) is removed once its
@@ -30,15 +38,13 @@ use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Weak};
 
-use futures_util::StreamExt;
-
 use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, TxnOpResponse};
+use futures_util::StreamExt;
 use router::{RestoredSession, RouterHandle};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::ownership::Offers;
-use super::ownership::{SessionValue, offered, owner_ids, owner_of};
+use super::ownership::{Offers, SessionValue, offered, owner_ids, owner_of};
 use super::sessions::{record_block, waiting_in_etcd};
 use super::watch::{Ended, follow_prefix};
 use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
