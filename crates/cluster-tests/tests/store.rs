@@ -317,8 +317,9 @@ fn keys_page(http: u16, query: &str) -> (Vec<String>, Option<String>, String) {
 
 /// The web view's key pages on a cluster node list the keys in etcd,
 /// whichever node wrote them: live ones only, page after page, values cut
-/// to their first 1,024 bytes, versions as the nodes made them; its edit
-/// forms change them there, and watchers on other nodes hear of it.
+/// to their first 1,024 bytes, versions as the nodes made them, with the
+/// KEYNOTIFY watchers registered on the node; its edit forms change them
+/// there, and watchers on other nodes hear of it.
 /// Before 2026-11-29 the pages showed no keys and an edit answered `+OK`
 /// having changed only the node's own store; then both answered 501.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -377,6 +378,11 @@ async fn the_web_view_lists_and_edits_the_keys_in_etcd() {
     let mut w = client(setup.ports[0], "web-watcher").await;
     assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "k1"]).await), "+OK");
     let mut notes = w.notifications().expect("notifications");
+    // Each node's page shows the watchers registered on it.
+    let (_, _, body) = keys_page(setup.http[0], "pattern=k1");
+    assert!(body.contains(r#""watchers":["web-watcher"]"#), "{body}");
+    let (_, _, body) = keys_page(setup.http[1], "pattern=k1");
+    assert!(body.contains(r#""watchers":[]"#), "{body}");
     let answer = edit("/api/set", r#"{"key":"k1","value":"from-the-page"}"#);
     assert!(answer.contains(r#""answer":"+OK""#), "{answer}");
     assert_eq!(text(&ask(&mut c, &["GET", "k1"]).await), "$from-the-page");

@@ -83,6 +83,17 @@ impl Store {
         Page { keys, next }
     }
 
+    /// The client ids of this store's KEYNOTIFY registrations on `key`
+    /// (on a cluster node, whose keys are in etcd: the registrations of
+    /// that node's connections).
+    pub fn watchers(&self, key: &[u8]) -> Vec<String> {
+        self.state
+            .watchers_of(key)
+            .iter()
+            .map(|w| w.to_string())
+            .collect()
+    }
+
     /// One key as the view shows it, if it exists (for tools and test
     /// kits: a read that is not a request, so no version is handed out).
     pub fn view(&self, key: impl Into<Vec<u8>>) -> Option<KeyView> {

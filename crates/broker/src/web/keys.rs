@@ -92,7 +92,16 @@ pub(super) async fn keys(
             .browse(q.pattern.as_bytes(), after.as_deref(), q.limit, access, now)
             .await
         {
-            Ok(page) => keys_json(page.keys, page.next.map(hex::encode), now),
+            Ok(mut page) => {
+                // Registrations stay with their connection's node: this
+                // node's are in its own store.
+                shared.store.with_store(|store| {
+                    for key in &mut page.keys {
+                        key.watchers = store.watchers(&key.key);
+                    }
+                });
+                keys_json(page.keys, page.next.map(hex::encode), now)
+            }
             Err(e) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("etcd, where this cluster node's keys are, did not answer: {e}\n"),
