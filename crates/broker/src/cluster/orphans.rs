@@ -45,7 +45,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::ownership::{Offers, SessionValue, offered, owner_ids, owner_of};
-use super::sessions::{record_block, waiting_in_etcd};
+use super::sessions::{Records, read_records, record_block, waiting_in_etcd};
 use super::watch::{Ended, follow_prefix};
 use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
 use crate::clock::now_ms;
@@ -335,23 +335,11 @@ async fn adopt(
     let epoch = orphans.standing.epoch();
     let timeout = cluster.settings.request_timeout;
     let mut client = cluster.client.clone();
-    let txn = Txn::new().and_then([
-        TxnOp::get(ownership.key(client_id), None),
-        TxnOp::get(ownership.session_key(client_id), None),
-    ]);
-    let response = tokio::time::timeout(timeout, client.txn(txn))
-        .await
-        .map_err(|_| "etcd did not answer in time".to_owned())?
-        .map_err(|e| e.to_string())?;
-    let read = (response.header().map_or(0, |h| h.revision()), now_ms());
-    let mut found = response.op_responses().into_iter().map(|op| match op {
-        TxnOpResponse::Get(get) => get
-            .kvs()
-            .first()
-            .map(|kv| (kv.mod_revision(), kv.value().to_vec())),
-        _ => None,
-    });
-    let (owner, record) = (found.next().flatten(), found.next().flatten());
+    let Records {
+        read,
+        owner,
+        record,
+    } = read_records(&mut client, &ownership, client_id, timeout).await?;
     let Some((revision, value)) = record else {
         return Ok(false);
     };

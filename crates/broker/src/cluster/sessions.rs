@@ -192,32 +192,16 @@ async fn resume_once(
     let (ownership, router, timeout) = (node.ownership, node.router, node.timeout);
     ownership.took_queue(client_id, false);
     let mut client = node.client.clone();
-    let txn = Txn::new().and_then([
-        TxnOp::get(ownership.key(client_id), None),
-        TxnOp::get(ownership.session_key(client_id), None),
-    ]);
-    let response = tokio::time::timeout(timeout, client.txn(txn))
-        .await
-        .map_err(|_| "etcd did not answer in time".to_owned())?
-        .map_err(|e| e.to_string())?;
-    let read = response.header().map_or(0, |h| h.revision());
-    // Reads do not move etcd's revision: two CONNECTs read at the same
-    // one are told apart by the wall clock.
-    let read = (read, now_ms());
+    let Records {
+        read,
+        owner,
+        record,
+    } = read_records(&mut client, ownership, client_id, timeout).await?;
     let resumed = |ids| Resumed {
         ids,
         read,
         was_here: true,
     };
-    let mut found = response.op_responses().into_iter().map(|op| match op {
-        TxnOpResponse::Get(get) => get
-            .kvs()
-            .first()
-            .map(|kv| (kv.mod_revision(), kv.value().to_vec())),
-        _ => None,
-    });
-    let owner = found.next().flatten();
-    let record = found.next().flatten();
     let node_id = ownership.node_id();
     let mine = ownership.ids_of(client_id).unwrap_or(fresh);
     if owner
@@ -334,6 +318,50 @@ async fn resume_once(
         was_here: false,
         ..resumed(ids)
     }))
+}
+
+/// `client_id`'s owner and session records, read in one transaction.
+pub(super) struct Records {
+    /// The revision they were read at, and the wall clock's ms then (reads
+    /// do not move etcd's revision: two CONNECTs read at the same one are
+    /// told apart by the wall clock).
+    pub read: (i64, u64),
+    /// The owner record's mod revision and value, if there is one.
+    pub owner: Option<(i64, Vec<u8>)>,
+    /// The session record's mod revision and value, if there is one.
+    pub record: Option<(i64, Vec<u8>)>,
+}
+
+/// Reads `client_id`'s [`Records`] (`Err`: etcd did not answer in time).
+pub(super) async fn read_records(
+    client: &mut etcd_client::Client,
+    ownership: &Ownership,
+    client_id: &str,
+    timeout: std::time::Duration,
+) -> Result<Records, String> {
+    let txn = Txn::new().and_then([
+        TxnOp::get(ownership.key(client_id), None),
+        TxnOp::get(ownership.session_key(client_id), None),
+    ]);
+    let response = tokio::time::timeout(timeout, client.txn(txn))
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let read = (response.header().map_or(0, |h| h.revision()), now_ms());
+    let mut found = response.op_responses().into_iter().map(|op| match op {
+        TxnOpResponse::Get(get) => get
+            .kvs()
+            .first()
+            .map(|kv| (kv.mod_revision(), kv.value().to_vec())),
+        _ => None,
+    });
+    let owner = found.next().flatten();
+    let record = found.next().flatten();
+    Ok(Records {
+        read,
+        owner,
+        record,
+    })
 }
 
 /// The messages kept in etcd for `client_id`'s `session` (see
