@@ -9,7 +9,7 @@ use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::{Claim, Ownership, claim_of};
+use super::{Claim, Ownership, claim_of, owner_record};
 use crate::sessions::Resumed;
 
 /// The numbers of adopted sessions' claims (see [`Ownership::adopt`]):
@@ -78,11 +78,12 @@ impl Ownership {
         let offers = kept.into_iter().map(|(client_id, claim)| {
             let mut client = self.cluster.client.clone();
             let key = self.key(&client_id);
-            let value = format!(
-                "{}\n{}\nids {}\nat 0 0\nleaving",
+            let value = owner_record(
                 self.cluster.node_id(),
                 claim.connection,
-                claim.ids.number()
+                claim.ids,
+                Some((0, 0)),
+                "\nleaving",
             );
             async move {
                 let txn = Txn::new()
@@ -148,18 +149,11 @@ impl Ownership {
         state.claims.insert(
             client_id.to_owned(),
             Claim {
-                connection,
-                revision: 0,
-                superseded: (0, false),
-                clean_start: false,
                 ended: true,
                 kept: true,
-                ids: resumed.ids,
-                took_queue,
-                epoch,
                 read: (0, 0),
-                put_over: resumed.read.0,
                 adopted: true,
+                ..Claim::new(connection, &resumed, took_queue, epoch)
             },
         );
         drop(state);

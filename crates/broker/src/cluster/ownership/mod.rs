@@ -99,6 +99,27 @@ struct Claim {
     adopted: bool,
 }
 
+impl Claim {
+    /// `connection`'s claim, not recorded yet, on a session `resumed` as
+    /// its CONNECT read it (see [`Ownership::claim`]).
+    fn new(connection: u64, resumed: &Resumed, took_queue: bool, epoch: u64) -> Claim {
+        Claim {
+            connection,
+            revision: 0,
+            superseded: (0, false),
+            clean_start: false,
+            ended: false,
+            kept: false,
+            ids: resumed.ids,
+            took_queue,
+            epoch,
+            read: resumed.read,
+            put_over: resumed.read.0,
+            adopted: false,
+        }
+    }
+}
+
 /// A session record waiting to be written, numbered so that a newer one
 /// is not taken for it.
 struct Pending {
@@ -272,18 +293,8 @@ impl Ownership {
         state.claims.insert(
             client_id.to_owned(),
             Claim {
-                connection,
-                revision: 0,
-                superseded: (0, false),
                 clean_start,
-                ended: false,
-                kept: false,
-                ids: resumed.ids,
-                took_queue,
-                epoch,
-                read: resumed.read,
-                put_over: resumed.read.0,
-                adopted: false,
+                ..Claim::new(connection, &resumed, took_queue, epoch)
             },
         );
         drop(state);
@@ -400,15 +411,11 @@ impl Ownership {
         };
         let at = match read {
             // Before every CONNECT's (see `Ownership::adopt`).
-            _ if adopted => "\nat 0 0".to_owned(),
-            (0, _) => String::new(),
-            (revision, ms) => format!("\nat {revision} {ms}"),
+            _ if adopted => Some((0, 0)),
+            (0, _) => None,
+            read => Some(read),
         };
-        let value = format!(
-            "{}\n{connection}\nids {}{at}{mark}",
-            self.cluster.node_id(),
-            ids.number()
-        );
+        let value = owner_record(self.cluster.node_id(), connection, ids, at, mark);
         let lease = self.membership.lease();
         let options = PutOptions::new().with_lease(lease).with_prev_key();
         let mut ops = vec![TxnOp::put(self.key(client_id), value, Some(options))];
@@ -709,6 +716,22 @@ pub fn owner_of(value: &[u8]) -> Option<&str> {
     let mut lines = std::str::from_utf8(value).ok()?.split('\n');
     let node = lines.next()?;
     lines.next()?.parse::<u64>().ok().map(|_| node)
+}
+
+/// An owner record's value: `<node id>\n<connection>\nids <block>`, then
+/// `\nat <revision> <ms>` where its CONNECT read the session (`at`), and
+/// `mark` (`\nclean`, `\nqueue`, `\nleaving` or none).
+fn owner_record(
+    node_id: &str,
+    connection: u64,
+    ids: PacketIdBlock,
+    at: Option<(i64, u64)>,
+    mark: &str,
+) -> String {
+    let at = at.map_or(String::new(), |(revision, ms)| {
+        format!("\nat {revision} {ms}")
+    });
+    format!("{node_id}\n{connection}\nids {}{at}{mark}", ids.number())
 }
 
 /// The etcd revision an owner's record says its CONNECT read the session

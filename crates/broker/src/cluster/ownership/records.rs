@@ -412,6 +412,26 @@ mod tests {
         assert_eq!(owner_of(b"sb3"), None);
     }
 
+    /// What a claim and a stopping node's offer write reads back.
+    #[test]
+    fn an_owner_record_written_reads_back() {
+        use super::super::{offered, owner_ids, owner_read, owner_record};
+        let claim = owner_record("sb3", 42, PacketIdBlock::new(5), Some((1207, 9)), "\nqueue");
+        assert_eq!(claim, "sb3\n42\nids 5\nat 1207 9\nqueue");
+        let value = claim.as_bytes();
+        assert_eq!(owner_of(value), Some("sb3"));
+        assert_eq!(owner_ids(value), Some(PacketIdBlock::new(5)));
+        assert_eq!(owner_read(value), Some((1207, 9)));
+        assert!(!wants_handover(value) && !offered(value));
+        let clean = owner_record("sb3", 42, PacketIdBlock::new(5), None, "\nclean");
+        assert_eq!(owner_read(clean.as_bytes()), None);
+        assert!(started_clean(clean.as_bytes()));
+        let offer = owner_record("sb1", 7, PacketIdBlock::new(2), Some((0, 0)), "\nleaving");
+        assert_eq!(offer, "sb1\n7\nids 2\nat 0 0\nleaving");
+        assert!(offered(offer.as_bytes()));
+        assert_eq!(owner_read(offer.as_bytes()), Some((0, 0)));
+    }
+
     #[test]
     fn an_owner_record_says_where_its_connect_read_the_session() {
         let read = b"sb3\n42\nids 5\nat 1207 1795900000123\nqueue";
