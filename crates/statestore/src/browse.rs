@@ -112,11 +112,7 @@ impl Store {
             expires_at_ms: entry.expires_at(),
             fencing_token: entry.fencing_token().map(ToString::to_string),
             persisted: entry.persisted(),
-            watchers: state
-                .watchers_of(&key)
-                .iter()
-                .map(|w| w.to_string())
-                .collect(),
+            watchers: self.watchers(&key),
             key,
         })
     }

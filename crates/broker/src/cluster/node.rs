@@ -177,10 +177,10 @@ impl Node {
         let left = self.ownership.wait_moved(clients, deadline).await;
         // The rest go to the other nodes while the links are up (see
         // `Ownership::offer_kept`), if there are others.
-        let others = self.membership.members().len() > 1;
-        let offered = match others {
-            true => self.ownership.offer_kept().await,
-            false => Default::default(),
+        let offered = if self.membership.members().len() > 1 {
+            self.ownership.offer_kept().await
+        } else {
+            Default::default()
         };
         let wait = deadline.min(tokio::time::Instant::now() + OFFER_WAIT);
         let not_adopted = self.ownership.wait_moved(&offered, wait).await;
