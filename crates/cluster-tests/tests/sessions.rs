@@ -1169,6 +1169,24 @@ fn owner(setup: &Setup, client_id: &str) -> Option<String> {
     value.split('\n').next().map(str::to_owned)
 }
 
+/// `client_id` subscribed to `filter` at `qos` on node 1 and left, its
+/// session kept there.
+async fn away_from_node_1(setup: &Setup, client_id: &str, filter: &str, qos: QoS) {
+    let c = subscribed_in_etcd(setup, client_id, filter, qos).await;
+    leave(c).await;
+    eventually("the session kept on node 1", || {
+        owner(setup, client_id).as_deref() == Some("sb1")
+    })
+    .await;
+}
+
+/// The index of the node (2 or 3) that adopted `client_id`'s session
+/// from node 1.
+fn adopter(setup: &Setup, client_id: &str) -> usize {
+    let node = owner(setup, client_id).expect("adopted");
+    ["sb2", "sb3"].iter().position(|n| *n == node).unwrap() + 1
+}
+
 /// `client_id` left node 1 with a persistent session subscribed to
 /// `w/#`; once node 1 is gone (`stop_node_1`) another node adopts the
 /// session; returns that node's index.
@@ -1177,19 +1195,13 @@ async fn adopted_after(
     client_id: &str,
     stop_node_1: impl FnOnce(&mut Setup),
 ) -> usize {
-    let c = subscribed_in_etcd(setup, client_id, "w/#", QoS::AtLeastOnce).await;
-    leave(c).await;
-    eventually("the session kept on node 1", || {
-        owner(setup, client_id).as_deref() == Some("sb1")
-    })
-    .await;
+    away_from_node_1(setup, client_id, "w/#", QoS::AtLeastOnce).await;
     stop_node_1(setup);
     eventually("another node adopted the session", || {
         owner(setup, client_id).is_some_and(|node| node != "sb1")
     })
     .await;
-    let node = owner(setup, client_id).unwrap();
-    ["sb2", "sb3"].iter().position(|n| *n == node).unwrap() + 1
+    adopter(setup, client_id)
 }
 
 /// 10 QoS 1 messages `w/0..10` published on node `on`; their topics.
@@ -1257,12 +1269,7 @@ async fn a_killed_nodes_offline_session_is_adopted_once_its_lease_ends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_node_hands_its_offline_sessions_over() {
     let mut setup = Setup::three_linked().await;
-    let c = subscribed_in_etcd(&setup, "away", "q2/#", QoS::ExactlyOnce).await;
-    leave(c).await;
-    eventually("the session kept on node 1", || {
-        owner(&setup, "away").as_deref() == Some("sb1")
-    })
-    .await;
+    away_from_node_1(&setup, "away", "q2/#", QoS::ExactlyOnce).await;
     let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
     let expected: Vec<String> = (0..5).map(|n| format!("q2/{n}")).collect();
     for topic in &expected {
@@ -1278,9 +1285,7 @@ async fn a_stopping_node_hands_its_offline_sessions_over() {
     .await;
     let stopped = setup.nodes[0].stop(Duration::from_secs(10)).unwrap();
     assert!(stopped.is_some_and(|s| s.success()), "{stopped:?}");
-    let node = owner(&setup, "away").expect("adopted");
-    let adopter = ["sb2", "sb3"].iter().position(|n| *n == node).unwrap() + 1;
-    let (mut c, present) = connect(setup.ports[adopter], "away", false, 300).await;
+    let (mut c, present) = connect(setup.ports[adopter(&setup, "away")], "away", false, 300).await;
     assert!(present, "Session Present 1");
     assert_eq!(
         topics_until(&mut c, 5).await,
