@@ -161,9 +161,3 @@ impl Ownership {
         true
     }
 }
-
-/// Whether an owner record is a stopping node's offer of the session (see
-/// [`Ownership::offer_kept`]).
-pub fn offered(value: &[u8]) -> bool {
-    value.ends_with(b"\nleaving")
-}

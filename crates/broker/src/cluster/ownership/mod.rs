@@ -52,11 +52,14 @@ use super::{Cluster, Membership, Peers};
 
 mod adoption;
 mod leaving;
+mod owner_record;
 mod records;
 mod sweep;
 use crate::sessions::{PacketIdBlock, Resumed, Sessions};
 use crate::will::WillRegistry;
-pub use adoption::{Offers, offered};
+pub use adoption::Offers;
+pub use owner_record::{offered, owner_ids, owner_of};
+use owner_record::{owner_read, owner_record, started_clean, wants_handover};
 use records::write_records;
 pub use records::{SessionValue, with_block};
 
@@ -708,63 +711,6 @@ fn claim_of<'a>(
     claims
         .get_mut(client_id)
         .filter(|c| c.connection == connection)
-}
-
-/// The node an owner's record (`<node id>\n<connection>[\nids
-/// <block>][\nclean|\nqueue]`) names.
-pub fn owner_of(value: &[u8]) -> Option<&str> {
-    let mut lines = std::str::from_utf8(value).ok()?.split('\n');
-    let node = lines.next()?;
-    lines.next()?.parse::<u64>().ok().map(|_| node)
-}
-
-/// An owner record's value: `<node id>\n<connection>\nids <block>`, then
-/// `\nat <revision> <ms>` where its CONNECT read the session (`at`), and
-/// `mark` (`\nclean`, `\nqueue`, `\nleaving` or none).
-fn owner_record(
-    node_id: &str,
-    connection: u64,
-    ids: PacketIdBlock,
-    at: Option<(i64, u64)>,
-    mark: &str,
-) -> String {
-    let at = at.map_or(String::new(), |(revision, ms)| {
-        format!("\nat {revision} {ms}")
-    });
-    format!("{node_id}\n{connection}\nids {}{at}{mark}", ids.number())
-}
-
-/// The etcd revision an owner's record says its CONNECT read the session
-/// at, and the wall clock's ms then (`None`: it read nothing, a clean
-/// start, or a record of an earlier version).
-fn owner_read(value: &[u8]) -> Option<(i64, u64)> {
-    let lines = std::str::from_utf8(value).ok()?.split('\n');
-    lines.skip(2).find_map(|line| {
-        let (revision, ms) = line.strip_prefix("at ")?.split_once(' ')?;
-        Some((revision.parse().ok()?, ms.parse().ok()?))
-    })
-}
-
-/// The packet ids an owner's record says its claim's session takes
-/// (`None`: a record without them, of an earlier version).
-pub fn owner_ids(value: &[u8]) -> Option<PacketIdBlock> {
-    let lines = std::str::from_utf8(value).ok()?.split('\n');
-    lines
-        .skip(2)
-        .find_map(|line| line.strip_prefix("ids ")?.parse().ok())
-        .map(PacketIdBlock::new)
-}
-
-/// Whether the node an owner's record names wants the session's queued
-/// messages handed over: not after a CONNECT with Clean Start 1 (the
-/// session before it ended), nor when it took them from etcd (`\nqueue`).
-fn wants_handover(value: &[u8]) -> bool {
-    !value.ends_with(b"\nclean") && !value.ends_with(b"\nqueue")
-}
-
-/// Whether an owner record's CONNECT started clean (ending the session).
-fn started_clean(value: &[u8]) -> bool {
-    value.ends_with(b"\nclean")
 }
 
 /// Watches the owners' records from revision `from`, resumed after the
