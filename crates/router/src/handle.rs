@@ -171,12 +171,25 @@ impl RouterHandle {
         client_id: &str,
         session: Option<RestoredSession>,
     ) -> Result<bool, LinkRefused> {
+        self.replace_session_then(client_id, session, || {}).await
+    }
+
+    /// [`RouterHandle::replace_session`], calling `queued` once the
+    /// replacement is in the router's queue, before the router takes it:
+    /// what any link sends after that comes after it (patch 26).
+    pub async fn replace_session_then(
+        &self,
+        client_id: &str,
+        session: Option<RestoredSession>,
+        queued: impl FnOnce(),
+    ) -> Result<bool, LinkRefused> {
         let (done, replaced) = flume::bounded(1);
         let gone = || LinkRefused::new("the router is not running".to_owned());
         self.tx
             .send_async((0, Event::Replace(client_id.to_owned(), session, done)))
             .await
             .map_err(|_| gone())?;
+        queued();
         replaced.recv_async().await.map_err(|_| gone())
     }
 
@@ -727,6 +740,62 @@ mod tests {
         leave(tx);
         assert!(router.replace_session("k", None).await.unwrap());
         assert_eq!(router.kept_sessions(), 0);
+    }
+
+    /// Patch 26: what a link sends once a replacement is queued
+    /// (`replace_session_then`) reaches the replacement.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_comes_after_a_queued_replacement_reaches_it() {
+        let router = router();
+        let (tx, _rx, _) = router.link("r", true, 60, None).await.unwrap();
+        let properties = crate::protocol::DisconnectProperties {
+            session_expiry_interval: Some(60),
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        };
+        let disconnect = crate::protocol::Disconnect {
+            reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
+        };
+        let mut tx = tx;
+        tx.send_all([Packet::Disconnect(disconnect, Some(properties))])
+            .unwrap();
+        let replacement = RestoredSession {
+            client_id: "r".into(),
+            filters: vec![(
+                "u".into(),
+                crate::SubOptions {
+                    qos: 1,
+                    ..Default::default()
+                },
+            )],
+            expires_in: Some(std::time::Duration::from_secs(60)),
+            queue_full: None,
+            waiting: Vec::new(),
+        };
+        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let mut publish = Publish::new("u", "after", false);
+        publish.qos = QoS::AtLeastOnce;
+        publish.pkid = 1;
+        let replaced = router
+            .replace_session_then("r", Some(replacement), || {
+                pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
+            })
+            .await
+            .unwrap();
+        assert!(replaced);
+        let (_r_tx, mut r_rx, _) = router.link("r", false, 60, None).await.unwrap();
+        let mut payloads = Vec::new();
+        while let Ok(Ok(Some(n))) =
+            tokio::time::timeout(std::time::Duration::from_millis(300), r_rx.next()).await
+        {
+            match n {
+                Notification::Forward(f) => payloads.push(f.publish.payload),
+                Notification::Unschedule => r_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+        assert_eq!(payloads, ["after"]);
     }
 
     /// Patch 26: a resumed session's subscriptions are the connection's: an
