@@ -52,6 +52,19 @@ pub const HANDOVER_RETAIN: &str = "statebroker:handover-retain";
 /// `<packet id> <1 if sent again (DUP), else 0> <client id>` (see
 /// `crate::cluster::origins`).
 pub const ORIGIN: &str = "statebroker:origin";
+/// On every publish of a cluster node's clients, in its own router and on
+/// its links: `<node id>/<run>/<number>`, which tells a handed-over
+/// message the new node had already (see `crate::cluster::stamps`).
+/// Never delivered to a client.
+pub const STAMP: &str = "statebroker:stamp";
+
+/// Removes a publish's [`STAMP`] before it goes to a client.
+#[inline]
+pub fn unstamp(properties: &mut PublishProperties) {
+    if !properties.user_properties.is_empty() {
+        properties.user_properties.retain(|(k, _)| k != STAMP);
+    }
+}
 
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;

@@ -345,13 +345,39 @@ impl Shared {
         true
     }
 
+    /// Whether a message handed over for `client_id` with `stamp`, of
+    /// `topic`, is one this node's router gave the session since it took
+    /// it (a cluster node, see `cluster::stamps`).
+    pub fn handed_over_had(&self, _client_id: &str, _stamp: &str, _topic: &[u8]) -> bool {
+        #[cfg(feature = "cluster")]
+        if let (Some(node), Ok(topic)) = (&self.cluster_node, std::str::from_utf8(_topic)) {
+            return node.stamps().had(_client_id, _stamp, topic);
+        }
+        false
+    }
+
+    /// Another node's link (client id `link`) passes publish `pkid` at
+    /// `qos` with `stamp` on to the router (a cluster node, see
+    /// `cluster::stamps`).
+    pub fn stamp_arrived(&self, _link: &str, _qos: u8, _pkid: u16, _stamp: &str) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            match _qos {
+                2 => node.stamps().held(_link, _pkid, _stamp),
+                _ => node.stamps().arrived(_stamp),
+            }
+        }
+    }
+
     /// The PUBREL of the QoS 2 publish `pkid` that came on `via`'s
     /// connection: whether the router is to deliver it (a cluster node:
     /// not a copy of a message this node had, see `cluster::origins`).
     pub fn qos2_released(&self, _via: &str, _pkid: u16) -> bool {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            return node.origins().released(_via, _pkid);
+            let released = node.origins().released(_via, _pkid);
+            node.stamps().released(_via, _pkid, released);
+            return released;
         }
         true
     }

@@ -64,6 +64,7 @@ pub mod record;
 pub mod retained;
 pub mod sessions;
 pub mod shares;
+mod stamps;
 pub mod watch;
 pub mod wills;
 mod writes;

@@ -9,6 +9,7 @@ use router::protocol::{Publish, PublishProperties};
 
 use super::origins::Origins;
 use super::sessions;
+use super::stamps::Stamps;
 use super::{
     Awaited, Cluster, Membership, Ownership, Peers, Queue, Retained, SessionJournal, Shares,
 };
@@ -35,6 +36,7 @@ pub struct Node {
     queue: Arc<Queue>,
     awaited: Arc<Awaited>,
     origins: Origins,
+    stamps: Arc<Stamps>,
 }
 
 impl Node {
@@ -63,14 +65,19 @@ impl Node {
             .await
             .map_err(|e| format!("cannot read shared subscriptions from etcd: {e}"))?;
         let retained = Retained::start(Arc::clone(cluster));
+        let stamps = Arc::new(Stamps::new(
+            cluster.node_id(),
+            crate::clock::now_nanos() as u64,
+        ));
         // Wills go to the other nodes as a client's publish does, and a
         // retained one to etcd (before, a retained will was not kept there:
         // a node that started again without its data directory, or was
         // down when the will came, never had it).
         let (links, kept) = (Arc::downgrade(&peers), Arc::downgrade(&retained));
+        let will_stamps = Arc::clone(&stamps);
         publisher.forward_wills(Box::new(move |publish, properties| {
             if let Some(links) = links.upgrade() {
-                links.forward(publish, properties, &Vec::new(), None);
+                links.forward(publish, properties, &Vec::new(), None, &will_stamps);
             }
             if publish.retain
                 && let Some(kept) = kept.upgrade()
@@ -114,6 +121,7 @@ impl Node {
             router: router.clone(),
             peers: Arc::downgrade(&peers),
             awaited: Arc::downgrade(&awaited),
+            stamps: Arc::downgrade(&stamps),
             membership: Arc::downgrade(&membership),
             standing: membership.standing(),
             max_expiry: settings.broker.max_session_expiry_secs,
@@ -135,6 +143,7 @@ impl Node {
             queue,
             awaited,
             origins: Origins::default(),
+            stamps,
         })
     }
 
@@ -157,6 +166,11 @@ impl Node {
     /// to be delivered (see [`super::awaited`]).
     pub fn handover_welcome(&self, node: &str, client_id: &str) -> bool {
         self.awaited.came(client_id, node)
+    }
+
+    /// What this node's router had (see [`super::stamps`]).
+    pub fn stamps(&self) -> &Stamps {
+        &self.stamps
     }
 
     /// Which node each client id is connected to.
@@ -229,6 +243,7 @@ impl Node {
             ownership: &self.ownership,
             queue: &self.queue,
             awaited: &self.awaited,
+            stamps: &self.stamps,
             peers: &self.peers,
             router: &self.router,
             timeout: self.cluster.settings.request_timeout,
@@ -239,7 +254,8 @@ impl Node {
 
     /// A client of this node published `publish`: to every other node,
     /// and to etcd if retained. `properties` get this node's marks (see
-    /// [`Shares`]) for its own router; a QoS 2 publish goes with its
+    /// [`Shares`]) and the publish's stamp (see [`super::stamps`]) for its
+    /// own router; a QoS 2 publish goes with its
     /// origin, `client`'s (see [`super::origins`]). A QoS 1/2 publish's
     /// forwarding ticket (see [`Peers::forward`]).
     pub fn client_published(
@@ -262,16 +278,28 @@ impl Node {
                 &publish.payload,
             )
         });
-        let ticket = self
-            .peers
-            .forward(publish, properties.as_ref(), &assignment, origin);
+        let (ticket, stamp) = self.peers.forward(
+            publish,
+            properties.as_ref(),
+            &assignment,
+            origin,
+            &self.stamps,
+        );
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
         }
+        let own = properties.get_or_insert_with(Default::default);
         if !assignment.is_empty() {
-            let own = properties.get_or_insert_with(Default::default);
             Shares::mark(&assignment, self.shares.node_id(), own);
         }
+        // Noted before the router has it (see `super::stamps`).
+        if publish.qos == router::protocol::QoS::ExactlyOnce {
+            self.stamps.held(client, publish.pkid, &stamp);
+        } else {
+            self.stamps.arrived(&stamp);
+        }
+        own.user_properties
+            .push((crate::publisher::STAMP.into(), stamp.into()));
         ticket
     }
 }

@@ -46,6 +46,7 @@ use tokio::time::Instant;
 
 use super::ownership::{Offers, SessionValue, offered, owner_ids, owner_of};
 use super::sessions::{Records, read_records, record_block, waiting_in_etcd};
+use super::stamps::Stamps;
 use super::watch::{Ended, follow_prefix};
 use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
 use crate::clock::now_ms;
@@ -61,6 +62,7 @@ pub struct Orphans {
     pub router: RouterHandle,
     pub peers: Weak<Peers>,
     pub awaited: Weak<Awaited>,
+    pub stamps: Weak<Stamps>,
     pub membership: Weak<Membership>,
     pub standing: Arc<Standing>,
     /// `[broker] max_session_expiry_secs` (0: none).
@@ -404,22 +406,34 @@ async fn adopt(
         queue_full: record.session.queue_full,
         waiting,
     };
+    // The stopping node hands the messages over once it sees the claim
+    // (or, if it dies first, the messages it wrote to etcd; see
+    // `super::awaited`), without what this node's router gave the session
+    // after taking it (see `super::stamps`).
+    let filters = super::sessions::subscribed(Some(&restored));
+    let stamps = orphans.stamps.upgrade().filter(|_| !from_queue);
+    let taken = || {
+        if let Some(stamps) = &stamps {
+            stamps.taken(client_id, filters.iter().map(String::as_str));
+        }
+    };
     // Not while its client is connected here (its CONNECT came meanwhile),
     // nor past `max_kept_sessions`.
     let replaced = orphans
         .router
-        .replace_session(client_id, Some(restored))
+        .replace_session_then(client_id, Some(restored), taken)
         .await
         .map_err(|e| e.to_string())?;
     if !replaced {
+        if let Some(stamps) = &stamps {
+            stamps.forget(client_id);
+        }
         return Ok(false);
     }
     if from_queue {
         queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
     } else if let (Some(node), Some(awaited)) = (from, orphans.awaited.upgrade()) {
-        // Its handover comes once it sees the claim (or, if it dies
-        // first, the messages it wrote to etcd; see `super::awaited`).
         awaited.wait(client_id, node);
     }
     if !ownership.adopt(client_id, resumed, epoch) {

@@ -47,6 +47,7 @@ use tokio::sync::{oneshot, watch};
 use super::Cluster;
 use super::confirmations::Confirmations;
 use super::membership::Member;
+use super::stamps::Stamps;
 
 pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
 
@@ -209,21 +210,22 @@ impl Peers {
     /// a link whose queue is full does not get it, counted), each marked
     /// not for the groups `assignment` gives another node (see
     /// [`super::Shares`]), and with its `origin` (a QoS 2 publish's, see
-    /// [`super::origins`]). A QoS 1/2 publish's ticket: its acknowledgement
-    /// waits until [`Peers::confirmed`] reaches it.
+    /// [`super::origins`]) and its stamp, taken from `stamps` in the order
+    /// the links get them (see [`super::stamps`]). A QoS 1/2 publish's
+    /// ticket: its acknowledgement waits until [`Peers::confirmed`]
+    /// reaches it; and the stamp.
     pub fn forward(
         &self,
         publish: &Publish,
         properties: Option<&PublishProperties>,
         assignment: &super::shares::Assignment,
         origin: Option<String>,
-    ) -> Option<u64> {
+        stamps: &Stamps,
+    ) -> (Option<u64>, String) {
         let links = self.links.read();
-        if links.is_empty() {
-            return None;
-        }
-        let Ok(topic) = std::str::from_utf8(&publish.topic) else {
-            return None;
+        let topic = match std::str::from_utf8(&publish.topic) {
+            Ok(topic) if !links.is_empty() => topic,
+            _ => return (None, stamps.stamp()),
         };
         let qos = link_qos(publish.qos);
         let mut properties = properties.map(link_properties).unwrap_or_default();
@@ -233,13 +235,17 @@ impl Peers {
                 .push((crate::publisher::ORIGIN.to_owned(), origin));
         }
         self.confirmations.with(|state| {
+            let stamp = stamps.stamp();
+            properties
+                .user_properties
+                .push((crate::publisher::STAMP.to_owned(), stamp.clone()));
             let ticket = (qos != LinkQoS::AtMostOnce).then(|| state.issue());
             for link in links.iter() {
                 if Self::forward_on(link, topic, qos, publish, &properties, assignment) {
                     state.handed(&link.node_id, ticket);
                 }
             }
-            ticket
+            (ticket, stamp)
         })
     }
 

@@ -48,6 +48,7 @@ use router::protocol::QoS;
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
+use super::stamps::Stamps;
 use super::{Awaited, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
@@ -145,6 +146,7 @@ pub struct Resume<'a> {
     pub ownership: &'a Ownership,
     pub queue: &'a Queue,
     pub awaited: &'a Arc<Awaited>,
+    pub stamps: &'a Stamps,
     pub peers: &'a Peers,
     pub router: &'a RouterHandle,
     pub timeout: std::time::Duration,
@@ -291,18 +293,29 @@ async fn resume_once(
         }));
     }
     let from_etcd = restored.is_some();
+    // The owner is to hand the messages over (it may be dead all the same,
+    // see `super::awaited`): what it hands over that this node's router
+    // gave the session after taking it is dropped (see `super::stamps`).
+    let handover = from_etcd && !from_queue && from != node_id;
+    let filters = subscribed(restored.as_ref());
+    let taken = || {
+        if handover {
+            node.stamps
+                .taken(client_id, filters.iter().map(String::as_str));
+        }
+    };
     let replaced = router
-        .replace_session(client_id, restored)
+        .replace_session_then(client_id, restored, taken)
         .await
         .map_err(|e| e.to_string())?;
     let queued = keys.len();
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
-    } else if replaced && from_etcd && from != node_id && owner.is_some() {
-        // The owner is to hand the messages over; it may be dead all the
-        // same (see `super::awaited`).
+    } else if replaced && handover {
         node.awaited.wait(client_id, &from);
+    } else if handover {
+        node.stamps.forget(client_id);
     }
     tracing::info!(
         client_id,
@@ -318,6 +331,13 @@ async fn resume_once(
         was_here: false,
         ..resumed(ids)
     }))
+}
+
+/// The subscriptions of a session taken from etcd.
+pub(super) fn subscribed(session: Option<&RestoredSession>) -> Vec<String> {
+    session.map_or_else(Vec::new, |s| {
+        s.filters.iter().map(|(filter, _)| filter.clone()).collect()
+    })
 }
 
 /// `client_id`'s owner and session records, read in one transaction.

@@ -71,6 +71,11 @@ pub const CLUSTER_DEAD_NODE_WILLS: &str = "statebroker_cluster_dead_node_wills_t
 /// Clustering: sessions no node held (their node gone, their client away)
 /// adopted by this node.
 pub const CLUSTER_SESSIONS_ADOPTED: &str = "statebroker_cluster_sessions_adopted_total";
+/// Clustering: messages another node handed over for a session that moved
+/// here which this node's router had given the session already (not
+/// delivered twice).
+pub const CLUSTER_HANDOVER_DUPLICATES: &str =
+    "statebroker_cluster_handover_duplicates_dropped_total";
 
 /// The cluster metrics' descriptions (with [`super::install`]'s).
 pub(super) fn describe() {
@@ -162,6 +167,10 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_SESSIONS_ADOPTED,
         "Clustering: persistent sessions no node held (their node gone, their client away) adopted by this node"
+    );
+    describe_counter!(
+        CLUSTER_HANDOVER_DUPLICATES,
+        "Clustering: messages handed over for a session that moved here which this node had given it already (dropped, not delivered twice)"
     );
     describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
@@ -290,6 +299,12 @@ pub fn session_handed_over(messages: usize) {
 /// Clustering: this node adopted a session no node held.
 pub fn session_adopted() {
     counter!(CLUSTER_SESSIONS_ADOPTED).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: a handed-over message this node had given its session.
+pub fn handed_over_had() {
+    counter!(CLUSTER_HANDOVER_DUPLICATES).increment(1);
 }
 
 #[cfg(feature = "cluster")]

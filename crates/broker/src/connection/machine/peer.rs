@@ -25,15 +25,27 @@ impl Machine {
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
-            if self.shared.handover_welcome(&self.client_id, &client) {
-                let publish = Publish { retain, ..publish };
-                self.deliver_handed_over(&client, publish, properties, kept_pkid);
-            } else {
+            let stamp = take_stamp(properties.as_mut());
+            if !self.shared.handover_welcome(&self.client_id, &client) {
                 tracing::debug!(
                     client_id = client,
                     link = self.client_id,
                     "a handed-over message dropped: etcd gave the session's messages when that node left"
                 );
+            } else if kept_pkid.is_none()
+                && stamp.is_some_and(|s| self.shared.handed_over_had(&client, &s, &publish.topic))
+            {
+                // (One in flight to the client goes under the id it saw:
+                // the client takes it for the one it had.)
+                crate::metrics::handed_over_had();
+                tracing::debug!(
+                    client_id = client,
+                    link = self.client_id,
+                    "a handed-over message dropped: this node's router gave it to the session after taking it"
+                );
+            } else {
+                let publish = Publish { retain, ..publish };
+                self.deliver_handed_over(&client, publish, properties, kept_pkid);
             }
             self.ack(qos, pkid, true);
             return None;
@@ -51,6 +63,12 @@ impl Machine {
                 return None;
             }
             self.shared.hold_qos2(&self.client_id, pkid, Some(origin));
+        }
+        // Noted before the router has it (a QoS 2 one: its PUBREL, see
+        // `cluster::stamps`); the stamp stays on the router's copy, for a
+        // handover from here.
+        if let Some(stamp) = stamp_of(properties.as_ref()) {
+            self.shared.stamp_arrived(&self.client_id, qos, pkid, stamp);
         }
         Some((publish, properties))
     }
@@ -77,12 +95,13 @@ impl Machine {
 /// `HANDOVER_PKID`), nor pass its publish for another's sent again
 /// (`crate::publisher::ORIGIN`).
 pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
-    const MARKS: [&str; 5] = [
+    const MARKS: [&str; 6] = [
         router::NOT_FOR_GROUP,
         crate::publisher::HANDOVER,
         crate::publisher::HANDOVER_PKID,
         crate::publisher::HANDOVER_RETAIN,
         crate::publisher::ORIGIN,
+        crate::publisher::STAMP,
     ];
     if let Some(p) = properties
         && p.user_properties
@@ -93,9 +112,28 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
             .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin) removed"
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
         );
     }
+}
+
+/// The stamp of a publish from another node's link (see
+/// `crate::publisher::STAMP`).
+fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
+    properties?
+        .user_properties
+        .iter()
+        .find(|(k, _)| k == crate::publisher::STAMP)
+        .map(|(_, v)| v.as_ref())
+}
+
+/// The stamp of a handed-over message, its User Property removed.
+fn take_stamp(properties: Option<&mut PublishProperties>) -> Option<String> {
+    let user = &mut properties?.user_properties;
+    let at = user
+        .iter()
+        .position(|(k, _)| k == crate::publisher::STAMP)?;
+    Some(user.remove(at).1.into())
 }
 
 /// The origin another node's link forwarded a QoS 2 publish with (see

@@ -170,7 +170,10 @@ impl Outbound {
             Packet::Publish(_, Some(p)) if p.message_expiry_interval.is_some()
         );
         let now = match &mut publish {
-            Packet::Publish(p, _) => {
+            Packet::Publish(p, properties) => {
+                if let Some(properties) = properties {
+                    crate::publisher::unstamp(properties);
+                }
                 p.pkid = self.ids.to_client(p.pkid);
                 p.qos == router::protocol::QoS::AtMostOnce || (self.held.is_empty() && self.room())
             }

@@ -1,0 +1,478 @@
+//! Which messages this node's router had for a session that moved here,
+//! told by each message's stamp: the node that took it in from its
+//! publisher, that node's run, and a number.
+//!
+//! While a session moves from node A to this one, both routers have it:
+//! this one from the moment it took the session (its subscriptions
+//! active), A until it has seen the claim and handed the session over.
+//! A message published then reaches both copies, and A's came again in
+//! the handover: before 2026-11-30 the client got it twice, even at QoS
+//! 2. So:
+//!
+//! - each node stamps every publish of its clients as it forwards it
+//!   ([`Stamps::stamp`], the User Property [`crate::publisher::STAMP`],
+//!   on its own router's copy and on every link's; removed before a
+//!   client gets it);
+//! - each node notes, per origin, which numbers went to its router
+//!   ([`Stamps::arrived`]; a QoS 2 publish at its PUBREL, when the router
+//!   delivers it: [`Stamps::held`], [`Stamps::released`]), before the
+//!   router has them;
+//! - when it takes a session ([`Stamps::taken`], once its subscriptions
+//!   are in the router) it notes how far each origin had come: its last
+//!   number, and the numbers below it not come yet;
+//! - a handed-over message is dropped ([`Stamps::had`]) when its number
+//!   went to the router after that, and its topic matches one of the
+//!   session's subscriptions that is not shared (a shared one may have
+//!   given it to another member here): the router gave it to the session.
+//!
+//! What is not told (no stamp, an origin forgotten, a number lost on a
+//! link or below the [`WINDOW`], a node started again) is delivered: a
+//! duplicate, as before, never a loss. A QoS 2 message the old node had
+//! sent without its exchange completed is always delivered, under the id
+//! the client saw (the client takes it for the same message); if this
+//! node's router gave the session the message too, the client gets it
+//! twice (the old connection was still up while the session moved).
+//!
+//! Bounds: [`MAX_ORIGINS`] origins (a node's every run is one; the oldest
+//! noted first is forgotten), [`MAX_TAKEN`] sessions taken and
+//! [`MAX_HELD`] QoS 2 publishes waiting (the oldest first forgotten).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hashlink::LinkedHashMap;
+use parking_lot::Mutex;
+
+/// Origins remembered at most.
+pub const MAX_ORIGINS: usize = 16;
+/// Sessions taken remembered at most.
+pub const MAX_TAKEN: usize = 10_000;
+/// QoS 2 publishes from links waiting for their PUBREL, remembered at most.
+pub const MAX_HELD: usize = 100_000;
+/// How far below an origin's last number arrivals are told apart (a
+/// message handed over from further below is delivered).
+const WINDOW: u64 = 8_192;
+/// Numbers not come yet noted per origin when a session is taken, at most
+/// (the last ones).
+const MAX_HOLES: usize = 16;
+
+/// See the module's documentation.
+pub struct Stamps {
+    /// `<node id>/<run>`: this node's origin (node ids have no `/`).
+    own: String,
+    /// The last number given (numbers start at 1).
+    given: AtomicU64,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Origin -> what this node's links passed on from it.
+    arrived: LinkedHashMap<String, Arrived>,
+    /// The number of the next origin noted.
+    origins: u64,
+    /// (Connection's client id, packet id) -> the stamp of a QoS 2
+    /// publish waiting for its PUBREL (the router holds it until then).
+    held: LinkedHashMap<(String, u16), String>,
+    /// Client id -> how far each origin had come when its session was
+    /// taken here.
+    taken: LinkedHashMap<String, Taken>,
+}
+
+/// What the links passed on to the router from one origin: the numbers
+/// in the [`WINDOW`] up to the last.
+struct Arrived {
+    /// The origin's number among those noted here (a forgotten origin
+    /// heard of again is a new one).
+    id: u64,
+    /// The last (highest) number.
+    last: u64,
+    /// Bit `n % WINDOW`: number `n` came (for `n` in the window).
+    came: [u64; (WINDOW / 64) as usize],
+}
+
+impl Arrived {
+    fn new(id: u64) -> Arrived {
+        Arrived {
+            id,
+            last: 0,
+            came: [0; (WINDOW / 64) as usize],
+        }
+    }
+
+    fn in_window(&self, number: u64) -> bool {
+        number <= self.last && number + WINDOW > self.last
+    }
+
+    fn came(&self, number: u64) -> bool {
+        let bit = number % WINDOW;
+        self.in_window(number) && self.came[(bit / 64) as usize] & (1 << (bit % 64)) != 0
+    }
+
+    fn note(&mut self, number: u64) {
+        if number > self.last {
+            // The numbers between (not come yet) enter the window.
+            if number - self.last >= WINDOW {
+                self.came = [0; (WINDOW / 64) as usize];
+            } else {
+                for n in self.last + 1..number {
+                    let bit = n % WINDOW;
+                    self.came[(bit / 64) as usize] &= !(1 << (bit % 64));
+                }
+            }
+            self.last = number;
+        } else if !self.in_window(number) {
+            return;
+        }
+        let bit = number % WINDOW;
+        self.came[(bit / 64) as usize] |= 1 << (bit % 64);
+    }
+
+    /// The last numbers in the window not come yet (at most [`MAX_HOLES`]).
+    fn holes(&self) -> Vec<u64> {
+        let low = self.last.saturating_sub(WINDOW - 1).max(1);
+        let mut holes = Vec::new();
+        let mut n = self.last;
+        while n >= low && holes.len() < MAX_HOLES {
+            let bit = n % WINDOW;
+            // A word of numbers all come: skip it.
+            if bit % 64 == 63 && self.came[(bit / 64) as usize] == u64::MAX {
+                n = n.saturating_sub(64);
+                continue;
+            }
+            if !self.came(n) {
+                holes.push(n);
+            }
+            n -= 1;
+        }
+        holes
+    }
+}
+
+/// How far one origin had come when a session was taken.
+struct Seen {
+    /// Its [`Arrived::id`].
+    id: u64,
+    /// Its last number then.
+    last: u64,
+    /// Numbers below it not come then.
+    holes: Vec<u64>,
+}
+
+struct Taken {
+    /// The origins heard of then.
+    seen: Vec<Seen>,
+    /// The session's subscriptions that are not shared.
+    filters: Vec<String>,
+}
+
+/// A stamp read back: its origin and number.
+fn parse(stamp: &str) -> Option<(&str, u64)> {
+    let (origin, number) = stamp.rsplit_once('/')?;
+    let number = number.parse().ok().filter(|&n| n > 0)?;
+    origin.contains('/').then_some((origin, number))
+}
+
+impl Stamps {
+    /// The stamps of node `node_id` in this run of its process
+    /// (`run`: unique to it, the start time).
+    pub fn new(node_id: &str, run: u64) -> Stamps {
+        Stamps {
+            own: format!("{node_id}/{run:x}"),
+            given: AtomicU64::new(0),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The next stamp of this node's clients' publishes: called in the
+    /// order the links carry them.
+    pub fn stamp(&self) -> String {
+        let number = self.given.fetch_add(1, Ordering::Relaxed) + 1;
+        format!("{}/{number}", self.own)
+    }
+
+    /// A QoS 0 or 1 publish with `stamp` goes to the router (called
+    /// before the router has it): one of this node's clients, or one a link
+    /// passes on.
+    pub fn arrived(&self, stamp: &str) {
+        let Some((origin, number)) = parse(stamp) else {
+            return;
+        };
+        self.state.lock().note(origin, number);
+    }
+
+    /// QoS 2 publish `pkid` with `stamp` goes to the router on connection
+    /// `via` (a client's, or a link's): the router holds it until its
+    /// PUBREL ([`Stamps::released`]).
+    pub fn held(&self, via: &str, pkid: u16, stamp: &str) {
+        let mut state = self.state.lock();
+        if state.held.len() >= MAX_HELD {
+            state.held.pop_front();
+        }
+        state.held.replace((via.to_owned(), pkid), stamp.to_owned());
+    }
+
+    /// The PUBREL of QoS 2 publish `pkid` on connection `via` goes to the
+    /// router, which `delivers` it or not (a copy of one it had, see
+    /// `super::origins`).
+    pub fn released(&self, via: &str, pkid: u16, delivers: bool) {
+        let mut state = self.state.lock();
+        let Some(stamp) = state.held.remove(&(via.to_owned(), pkid)) else {
+            return;
+        };
+        if let Some((origin, number)) = parse(&stamp).filter(|_| delivers) {
+            state.note(origin, number);
+        }
+    }
+
+    /// `client_id`'s session, with `filters` (all of its subscriptions),
+    /// is in the router's queue (`router::RouterHandle::replace_session_then`):
+    /// how far each origin had come. What is noted after this reaches the
+    /// router after the session.
+    pub fn taken<'a>(&self, client_id: &str, filters: impl IntoIterator<Item = &'a str>) {
+        let filters = filters
+            .into_iter()
+            .filter(|f| !f.starts_with("$share/"))
+            .map(str::to_owned)
+            .collect();
+        let mut state = self.state.lock();
+        let taken = Taken {
+            seen: state
+                .arrived
+                .values()
+                .map(|a| Seen {
+                    id: a.id,
+                    last: a.last,
+                    holes: a.holes(),
+                })
+                .collect(),
+            filters,
+        };
+        state.taken.remove(client_id);
+        if state.taken.len() >= MAX_TAKEN {
+            state.taken.pop_front();
+        }
+        state.taken.insert(client_id.to_owned(), taken);
+    }
+
+    /// `client_id`'s session was not taken after all.
+    pub fn forget(&self, client_id: &str) {
+        self.state.lock().taken.remove(client_id);
+    }
+
+    /// Whether this node's router gave `client_id`'s session, since it
+    /// was taken here, the message of `topic` with `stamp` that another
+    /// node hands over for it (see the module's documentation).
+    pub fn had(&self, client_id: &str, stamp: &str, topic: &str) -> bool {
+        let Some((origin, number)) = parse(stamp) else {
+            return false;
+        };
+        let state = self.state.lock();
+        let Some(taken) = state.taken.get(client_id) else {
+            return false;
+        };
+        if !taken
+            .filters
+            .iter()
+            .any(|f| router::protocol::matches(topic, f))
+        {
+            return false;
+        }
+        let Some(a) = state.arrived.get(origin) else {
+            return false;
+        };
+        if !a.came(number) {
+            return false;
+        }
+        // Come since the session was taken: above the last number then,
+        // or one not come then.
+        taken
+            .seen
+            .iter()
+            .find(|s| s.id == a.id)
+            .is_none_or(|s| number > s.last || s.holes.contains(&number))
+    }
+}
+
+impl State {
+    fn note(&mut self, origin: &str, number: u64) {
+        if let Some(a) = self.arrived.get_mut(origin) {
+            a.note(number);
+            return;
+        }
+        if self.arrived.len() >= MAX_ORIGINS {
+            self.arrived.pop_front();
+        }
+        self.origins += 1;
+        let mut a = Arrived::new(self.origins);
+        a.note(number);
+        self.arrived.insert(origin.to_owned(), a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stamps() -> Stamps {
+        Stamps::new("b", 7)
+    }
+
+    #[test]
+    fn stamps_number_this_runs_publishes_from_one() {
+        let s = stamps();
+        assert_eq!(s.stamp(), "b/7/1");
+        assert_eq!(s.stamp(), "b/7/2");
+        assert_eq!(parse("b/7/2"), Some(("b/7", 2)));
+        assert_eq!(parse("b/7/0"), None);
+        assert_eq!(parse("7/2"), None);
+        assert_eq!(parse("b/7/x"), None);
+    }
+
+    #[test]
+    fn a_message_that_arrived_after_the_session_was_taken_was_had() {
+        let s = stamps();
+        for n in 1..=5 {
+            s.arrived(&format!("a/1/{n}"));
+        }
+        s.taken("c", ["t/#", "$share/g/u"]);
+        for n in 6..=8 {
+            s.arrived(&format!("a/1/{n}"));
+        }
+        // Before the session was taken: the router did not give it.
+        assert!(!s.had("c", "a/1/5", "t/x"));
+        assert!(s.had("c", "a/1/6", "t/x"));
+        assert!(s.had("c", "a/1/8", "t/x"));
+        // Not come yet.
+        assert!(!s.had("c", "a/1/9", "t/x"));
+        // Only a shared subscription matches: maybe another member's.
+        assert!(!s.had("c", "a/1/7", "u"));
+        // Another session, another origin, no stamp.
+        assert!(!s.had("d", "a/1/7", "t/x"));
+        assert!(!s.had("c", "e/1/7", "t/x"));
+        assert!(!s.had("c", "", "t/x"));
+    }
+
+    #[test]
+    fn an_origin_first_heard_of_after_the_session_was_taken_counts_from_its_first() {
+        let s = stamps();
+        s.taken("c", ["t"]);
+        s.arrived("a/2/40");
+        s.arrived("a/2/41");
+        assert!(!s.had("c", "a/2/39", "t"));
+        assert!(s.had("c", "a/2/40", "t"));
+        assert!(s.had("c", "a/2/41", "t"));
+    }
+
+    #[test]
+    fn a_number_lost_on_the_way_was_not_had_and_one_late_was() {
+        let s = stamps();
+        s.arrived("a/1/1");
+        s.taken("c", ["t"]);
+        s.arrived("a/1/2");
+        // 3 and 4 not passed on.
+        s.arrived("a/1/5");
+        assert!(s.had("c", "a/1/2", "t"));
+        assert!(!s.had("c", "a/1/3", "t"));
+        assert!(s.had("c", "a/1/5", "t"));
+        // Sent again after the link reconnected: given to the session.
+        s.arrived("a/1/4");
+        assert!(s.had("c", "a/1/4", "t"));
+        assert!(!s.had("c", "a/1/3", "t"));
+    }
+
+    #[test]
+    fn a_qos2_publish_counts_from_its_release() {
+        let s = stamps();
+        s.held("a", 7, "a/1/1");
+        s.held("a", 8, "a/1/2");
+        s.arrived("a/1/3");
+        s.released("a", 7, true);
+        // 2 waits for its PUBREL while the session is taken: the router
+        // gives it to the session at the release.
+        s.taken("c", ["t"]);
+        s.released("a", 8, true);
+        assert!(!s.had("c", "a/1/1", "t"));
+        assert!(s.had("c", "a/1/2", "t"));
+        assert!(!s.had("c", "a/1/3", "t"));
+        // Held after the session was taken, released or not.
+        s.held("a", 9, "a/1/4");
+        s.held("a", 10, "a/1/5");
+        assert!(!s.had("c", "a/1/4", "t"));
+        s.released("a", 9, true);
+        s.released("a", 10, false);
+        assert!(s.had("c", "a/1/4", "t"));
+        // A copy the router discarded at its PUBREL.
+        assert!(!s.had("c", "a/1/5", "t"));
+        // A PUBREL of nothing held.
+        s.released("a", 11, true);
+    }
+
+    #[test]
+    fn numbers_far_below_the_last_are_not_told() {
+        let s = stamps();
+        s.taken("c", ["t"]);
+        s.arrived("a/1/1");
+        s.arrived(&format!("a/1/{}", WINDOW + 1));
+        assert!(!s.had("c", "a/1/1", "t"));
+        assert!(s.had("c", &format!("a/1/{}", WINDOW + 1), "t"));
+        s.arrived("a/1/2");
+        assert!(s.had("c", "a/1/2", "t"));
+    }
+
+    #[test]
+    fn this_nodes_own_publishes_are_told_as_they_go_to_the_router() {
+        let s = stamps();
+        let before = s.stamp();
+        s.arrived(&before);
+        let (held, late) = (s.stamp(), s.stamp());
+        s.held("client", 3, &held);
+        s.taken("c", ["t"]);
+        s.arrived(&late);
+        let after = s.stamp();
+        s.arrived(&after);
+        s.released("client", 3, true);
+        assert!(!s.had("c", &before, "t"));
+        assert!(s.had("c", &held, "t"));
+        assert!(s.had("c", &late, "t"));
+        assert!(s.had("c", &after, "t"));
+        // Given, not passed on.
+        assert!(!s.had("c", &s.stamp(), "t"));
+        // Another run of this node: an origin like any other.
+        assert!(!s.had("c", "b/6/2", "t"));
+    }
+
+    #[test]
+    fn a_session_taken_again_is_told_from_then() {
+        let s = stamps();
+        s.taken("c", ["t"]);
+        s.arrived("a/1/1");
+        s.taken("c", ["t"]);
+        s.arrived("a/1/2");
+        assert!(!s.had("c", "a/1/1", "t"));
+        assert!(s.had("c", "a/1/2", "t"));
+        // Not taken after all.
+        s.forget("c");
+        assert!(!s.had("c", "a/1/2", "t"));
+    }
+
+    #[test]
+    fn origins_and_sessions_are_bounded() {
+        let s = stamps();
+        for n in 0..MAX_ORIGINS + 5 {
+            s.arrived(&format!("n{n}/1/1"));
+        }
+        for n in 0..MAX_TAKEN + 5 {
+            s.taken(&format!("c{n}"), ["t"]);
+        }
+        for n in 0..MAX_HELD + 5 {
+            s.held(&format!("n{}", n / 60_000), (n % 60_000) as u16, "a/1/1");
+        }
+        let state = s.state.lock();
+        assert_eq!(state.arrived.len(), MAX_ORIGINS);
+        assert_eq!(state.taken.len(), MAX_TAKEN);
+        assert_eq!(state.held.len(), MAX_HELD);
+        assert!(state.taken.values().all(|t| t.seen.len() <= MAX_ORIGINS));
+        assert!(!state.arrived.contains_key("n0/1"));
+        assert!(state.taken.contains_key(&format!("c{}", MAX_TAKEN + 4)));
+    }
+}
