@@ -347,11 +347,14 @@ impl Shared {
 
     /// Whether a message handed over for `client_id` with `stamp`, of
     /// `topic`, is one this node's router gave the session since it took
-    /// it (a cluster node, see `cluster::stamps`).
+    /// it (a cluster node, see `cluster::stamps`; counted).
     pub fn handed_over_had(&self, _client_id: &str, _stamp: &str, _topic: &[u8]) -> bool {
         #[cfg(feature = "cluster")]
-        if let (Some(node), Ok(topic)) = (&self.cluster_node, std::str::from_utf8(_topic)) {
-            return node.stamps().had(_client_id, _stamp, topic);
+        if let (Some(node), Ok(topic)) = (&self.cluster_node, std::str::from_utf8(_topic))
+            && node.stamps().had(_client_id, _stamp, topic)
+        {
+            crate::metrics::handed_over_had();
+            return true;
         }
         false
     }

@@ -152,7 +152,11 @@ impl Awaited {
         let count = messages.len();
         for (key, message) in messages {
             // QoS 1: only those are kept in etcd.
-            let mut direct = Direct::handed_over(message.publish, message.properties, None);
+            let mut properties = message.properties;
+            if let Some(properties) = &mut properties {
+                crate::publisher::unstamp(properties);
+            }
+            let mut direct = Direct::handed_over(message.publish, properties, None);
             let queue = Arc::clone(&self.queue);
             direct.on_done = Some(OnDone::new(move || queue.remove(vec![key.clone()])));
             self.sessions.deliver_handed_over(client_id, direct);

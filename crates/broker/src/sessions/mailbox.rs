@@ -96,12 +96,10 @@ impl Direct {
         properties: Option<PublishProperties>,
         kept_pkid: Option<u16>,
     ) -> Direct {
-        let mut properties = properties.unwrap_or_default();
-        crate::publisher::unstamp(&mut properties);
         Direct {
             topic: publish.topic,
             payload: publish.payload,
-            properties: properties.into(),
+            properties: properties.unwrap_or_default().into(),
             qos: if kept_pkid.is_some() {
                 2
             } else {

@@ -37,7 +37,6 @@ impl Machine {
             {
                 // (One in flight to the client goes under the id it saw:
                 // the client takes it for the one it had.)
-                crate::metrics::handed_over_had();
                 tracing::debug!(
                     client_id = client,
                     link = self.client_id,
