@@ -345,18 +345,21 @@ impl Shared {
         true
     }
 
-    /// Whether a message handed over for `client_id` with `stamp`, of
-    /// `topic`, is one this node's router gave the session since it took
-    /// it (a cluster node, see `cluster::stamps`; counted).
-    pub fn handed_over_had(&self, _client_id: &str, _stamp: &str, _topic: &[u8]) -> bool {
+    /// A message handed over for `client_id` with `stamp`: to deliver
+    /// now, or not (a cluster node: dropped, this node's router gave the
+    /// session its own copy; or held back until it does; see
+    /// `cluster::stamps`).
+    pub fn stamped_handover(
+        &self,
+        _client_id: &str,
+        _stamp: &str,
+        message: crate::sessions::Direct,
+    ) -> Option<crate::sessions::Direct> {
         #[cfg(feature = "cluster")]
-        if let (Some(node), Ok(topic)) = (&self.cluster_node, std::str::from_utf8(_topic))
-            && node.stamps().had(_client_id, _stamp, topic)
-        {
-            crate::metrics::handed_over_had();
-            return true;
+        if let Some(node) = &self.cluster_node {
+            return node.stamped_handover(_client_id, _stamp, message);
         }
-        false
+        Some(message)
     }
 
     /// Another node's link (client id `link`) passes publish `pkid` at
@@ -366,7 +369,7 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             match _qos {
-                2 => node.stamps().held(_link, _pkid, _stamp),
+                2 => node.give_back(node.stamps().held(_link, _pkid, _stamp)),
                 _ => node.stamps().arrived(_stamp),
             }
         }
@@ -379,7 +382,7 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             let released = node.origins().released(_via, _pkid);
-            node.stamps().released(_via, _pkid, released);
+            node.give_back(node.stamps().released(_via, _pkid, released));
             return released;
         }
         true

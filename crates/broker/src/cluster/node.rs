@@ -9,7 +9,7 @@ use router::protocol::{Publish, PublishProperties};
 
 use super::origins::Origins;
 use super::sessions;
-use super::stamps::Stamps;
+use super::stamps::{HeldBack, Stamps, Verdict};
 use super::{
     Awaited, Cluster, Membership, Ownership, Peers, Queue, Retained, SessionJournal, Shares,
 };
@@ -37,6 +37,7 @@ pub struct Node {
     awaited: Arc<Awaited>,
     origins: Origins,
     stamps: Arc<Stamps>,
+    sessions: Arc<Sessions>,
 }
 
 impl Node {
@@ -144,6 +145,7 @@ impl Node {
             awaited,
             origins: Origins::default(),
             stamps,
+            sessions: Arc::clone(sessions),
         })
     }
 
@@ -171,6 +173,55 @@ impl Node {
     /// What this node's router had (see [`super::stamps`]).
     pub fn stamps(&self) -> &Stamps {
         &self.stamps
+    }
+
+    /// A message handed over for `client_id` with `stamp`: `Some` to
+    /// deliver now; dropped if this node's router gave the session its
+    /// own copy, held back while the router holds one for its PUBREL
+    /// (delivered if that copy is not released within
+    /// [`HOLD_BACK_MAX`]; see [`super::stamps`]).
+    pub fn stamped_handover(
+        &self,
+        client_id: &str,
+        stamp: &str,
+        message: crate::sessions::Direct,
+    ) -> Option<crate::sessions::Direct> {
+        let topic = std::str::from_utf8(&message.topic).ok()?;
+        match self.stamps.judge(client_id, stamp, topic) {
+            Verdict::Had => {
+                crate::metrics::handed_over_had();
+                tracing::debug!(
+                    client_id,
+                    stamp,
+                    "a handed-over message dropped: this node's router gave it to the session after taking it"
+                );
+                None
+            }
+            Verdict::Coming => {
+                // Too many held back already: delivered now.
+                let Some(message) = self.stamps.hold_back(stamp, client_id, message) else {
+                    let (stamps, sessions) =
+                        (Arc::downgrade(&self.stamps), Arc::downgrade(&self.sessions));
+                    let stamp = stamp.to_owned();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(HOLD_BACK_MAX).await;
+                        if let (Some(stamps), Some(sessions)) =
+                            (stamps.upgrade(), sessions.upgrade())
+                        {
+                            deliver(&sessions, stamps.give_back(&stamp));
+                        }
+                    });
+                    return None;
+                };
+                Some(message)
+            }
+            Verdict::New => Some(message),
+        }
+    }
+
+    /// Delivers handed-over messages held back that are to go after all.
+    pub fn give_back(&self, back: Vec<HeldBack>) {
+        deliver(&self.sessions, back);
     }
 
     /// Which node each client id is connected to.
@@ -294,13 +345,29 @@ impl Node {
         }
         // Noted before the router has it (see `super::stamps`).
         if publish.qos == router::protocol::QoS::ExactlyOnce {
-            self.stamps.held(client, publish.pkid, &stamp);
+            self.give_back(self.stamps.held(client, publish.pkid, &stamp));
         } else {
             self.stamps.arrived(&stamp);
         }
         own.user_properties
             .push((crate::publisher::STAMP.into(), stamp.into()));
         ticket
+    }
+}
+
+/// How long a handed-over message waits, at most, for the router's own
+/// copy's PUBREL (see [`Node::stamped_handover`]): a link's PUBREL comes
+/// within milliseconds, or after its reconnection.
+const HOLD_BACK_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Delivers handed-over messages held back (see [`super::stamps`]).
+fn deliver(sessions: &Sessions, back: Vec<HeldBack>) {
+    for b in back {
+        tracing::debug!(
+            client_id = b.client,
+            "a handed-over message held back is delivered: this node's router did not deliver its own copy"
+        );
+        sessions.deliver_handed_over(&b.client, b.message);
     }
 }
 

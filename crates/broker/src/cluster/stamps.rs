@@ -6,7 +6,7 @@
 //! this one from the moment it took the session (its subscriptions
 //! active), A until it has seen the claim and handed the session over.
 //! A message published then reaches both copies, and A's came again in
-//! the handover: before 2026-11-30 the client got it twice, even at QoS
+//! the handover: before 2026-11-29 the client got it twice, even at QoS
 //! 2. So:
 //!
 //! - each node stamps every publish of its clients as it forwards it
@@ -20,10 +20,16 @@
 //! - when it takes a session ([`Stamps::taken`], once its subscriptions
 //!   are in the router) it notes how far each origin had come: its last
 //!   number, and the numbers below it not come yet;
-//! - a handed-over message is dropped ([`Stamps::had`]) when its number
-//!   went to the router after that, and its topic matches one of the
-//!   session's subscriptions that is not shared (a shared one may have
-//!   given it to another member here): the router gave it to the session.
+//! - a handed-over message ([`Stamps::judge`]) whose topic matches one of
+//!   the session's subscriptions that is not shared (a shared one may
+//!   have given it to another member here) is dropped when its number
+//!   went to the router after that: the router gave it to the session
+//!   ([`Verdict::Had`]). It is held back when the router holds a copy
+//!   for its PUBREL ([`Verdict::Coming`], [`Stamps::hold_back`]: a QoS 2
+//!   publish over a link may be released after the other node's handover
+//!   came): dropped once that copy is released and delivered, delivered
+//!   if it is discarded, forgotten, or not released in time
+//!   ([`Stamps::give_back`]).
 //!
 //! What is not told (no stamp, an origin forgotten, a number lost on a
 //! link or below the [`WINDOW`], a node started again) is delivered: a
@@ -35,12 +41,16 @@
 //!
 //! Bounds: [`MAX_ORIGINS`] origins (a node's every run is one; the oldest
 //! noted first is forgotten), [`MAX_TAKEN`] sessions taken and
-//! [`MAX_HELD`] QoS 2 publishes waiting (the oldest first forgotten).
+//! [`MAX_HELD`] QoS 2 publishes waiting (the oldest first forgotten),
+//! [`MAX_HELD_BACK`] messages held back (past it, delivered at once).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashlink::LinkedHashMap;
 use parking_lot::Mutex;
+
+use crate::sessions::Direct;
 
 /// Origins remembered at most.
 pub const MAX_ORIGINS: usize = 16;
@@ -54,6 +64,8 @@ const WINDOW: u64 = 8_192;
 /// Numbers not come yet noted per origin when a session is taken, at most
 /// (the last ones).
 const MAX_HOLES: usize = 16;
+/// Handed-over messages held back at most (past it, delivered at once).
+pub const MAX_HELD_BACK: usize = 10_000;
 
 /// See the module's documentation.
 pub struct Stamps {
@@ -73,6 +85,13 @@ struct State {
     /// (Connection's client id, packet id) -> the stamp of a QoS 2
     /// publish waiting for its PUBREL (the router holds it until then).
     held: LinkedHashMap<(String, u16), String>,
+    /// Stamp -> how many of `held` have it.
+    holding: HashMap<String, usize>,
+    /// Stamp -> handed-over messages held back until the router's own copy
+    /// is released (see [`Stamps::hold_back`]).
+    held_back: HashMap<String, Vec<HeldBack>>,
+    /// How many `held_back` has.
+    held_back_count: usize,
     /// Client id -> how far each origin had come when its session was
     /// taken here.
     taken: LinkedHashMap<String, Taken>,
@@ -165,6 +184,25 @@ struct Taken {
     filters: Vec<String>,
 }
 
+/// A handed-over message held back: for `client`.
+pub struct HeldBack {
+    pub client: String,
+    pub message: Direct,
+}
+
+/// What to do with a message handed over for a session (see
+/// [`Stamps::judge`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The router here gave it to the session: drop it.
+    Had,
+    /// The router here holds a copy for its PUBREL, which will give it to
+    /// the session: hold it back until then ([`Stamps::hold_back`]).
+    Coming,
+    /// Deliver it.
+    New,
+}
+
 /// A stamp read back: its origin and number.
 fn parse(stamp: &str) -> Option<(&str, u64)> {
     let (origin, number) = stamp.rsplit_once('/')?;
@@ -202,26 +240,78 @@ impl Stamps {
 
     /// QoS 2 publish `pkid` with `stamp` goes to the router on connection
     /// `via` (a client's, or a link's): the router holds it until its
-    /// PUBREL ([`Stamps::released`]).
-    pub fn held(&self, via: &str, pkid: u16, stamp: &str) {
+    /// PUBREL ([`Stamps::released`]). Returns the messages held back for
+    /// a stamp forgotten to make room: to deliver.
+    #[must_use]
+    pub fn held(&self, via: &str, pkid: u16, stamp: &str) -> Vec<HeldBack> {
         let mut state = self.state.lock();
-        if state.held.len() >= MAX_HELD {
-            state.held.pop_front();
+        let mut deliver = Vec::new();
+        if state.held.len() >= MAX_HELD
+            && let Some((_, old)) = state.held.pop_front()
+        {
+            deliver = state.unhold(&old);
         }
-        state.held.replace((via.to_owned(), pkid), stamp.to_owned());
+        if let Some(old) = state.held.replace((via.to_owned(), pkid), stamp.to_owned()) {
+            deliver.extend(state.unhold(&old));
+        }
+        *state.holding.entry(stamp.to_owned()).or_default() += 1;
+        deliver
     }
 
     /// The PUBREL of QoS 2 publish `pkid` on connection `via` goes to the
     /// router, which `delivers` it or not (a copy of one it had, see
-    /// `super::origins`).
-    pub fn released(&self, via: &str, pkid: u16, delivers: bool) {
+    /// `super::origins`). Returns the handed-over messages held back for
+    /// it that are to be delivered after all (the router does not deliver
+    /// its copy); those it delivers are dropped (counted).
+    #[must_use]
+    pub fn released(&self, via: &str, pkid: u16, delivers: bool) -> Vec<HeldBack> {
         let mut state = self.state.lock();
         let Some(stamp) = state.held.remove(&(via.to_owned(), pkid)) else {
-            return;
+            return Vec::new();
         };
         if let Some((origin, number)) = parse(&stamp).filter(|_| delivers) {
             state.note(origin, number);
         }
+        let back = state.unhold(&stamp);
+        if !delivers {
+            return back;
+        }
+        // The router gives the session this copy: none held back goes,
+        // even while another copy is held.
+        let back = back.len() + state.take_back(&stamp).len();
+        for _ in 0..back {
+            crate::metrics::handed_over_had();
+        }
+        Vec::new()
+    }
+
+    /// Holds `message`, handed over for `client` with `stamp`, back until
+    /// the router's own copy is released (see [`Verdict::Coming`]);
+    /// returns it if it is not (too many are, or no copy is held now), to
+    /// deliver now.
+    #[must_use]
+    pub fn hold_back(&self, stamp: &str, client: &str, message: Direct) -> Option<Direct> {
+        let mut state = self.state.lock();
+        if state.held_back_count >= MAX_HELD_BACK || !state.holding.contains_key(stamp) {
+            return Some(message);
+        }
+        state.held_back_count += 1;
+        state
+            .held_back
+            .entry(stamp.to_owned())
+            .or_default()
+            .push(HeldBack {
+                client: client.to_owned(),
+                message,
+            });
+        None
+    }
+
+    /// The messages held back for `stamp`, to deliver: its copy here was
+    /// not released in time.
+    #[must_use]
+    pub fn give_back(&self, stamp: &str) -> Vec<HeldBack> {
+        self.state.lock().take_back(stamp)
     }
 
     /// `client_id`'s session, with `filters` (all of its subscriptions),
@@ -259,41 +349,73 @@ impl Stamps {
         self.state.lock().taken.remove(client_id);
     }
 
-    /// Whether this node's router gave `client_id`'s session, since it
-    /// was taken here, the message of `topic` with `stamp` that another
-    /// node hands over for it (see the module's documentation).
-    pub fn had(&self, client_id: &str, stamp: &str, topic: &str) -> bool {
+    /// What to do with the message of `topic` with `stamp` that another
+    /// node hands over for `client_id` (see the module's documentation).
+    pub fn judge(&self, client_id: &str, stamp: &str, topic: &str) -> Verdict {
         let Some((origin, number)) = parse(stamp) else {
-            return false;
+            return Verdict::New;
         };
         let state = self.state.lock();
         let Some(taken) = state.taken.get(client_id) else {
-            return false;
+            return Verdict::New;
         };
         if !taken
             .filters
             .iter()
             .any(|f| router::protocol::matches(topic, f))
         {
-            return false;
+            return Verdict::New;
         }
-        let Some(a) = state.arrived.get(origin) else {
-            return false;
-        };
-        if !a.came(number) {
-            return false;
+        let arrived = state.arrived.get(origin);
+        if let Some(a) = arrived.filter(|a| a.came(number)) {
+            // Come since the session was taken: above the last number
+            // then, or one not come then.
+            let since = taken
+                .seen
+                .iter()
+                .find(|s| s.id == a.id)
+                .is_none_or(|s| number > s.last || s.holes.contains(&number));
+            return if since { Verdict::Had } else { Verdict::New };
         }
-        // Come since the session was taken: above the last number then,
-        // or one not come then.
-        taken
-            .seen
-            .iter()
-            .find(|s| s.id == a.id)
-            .is_none_or(|s| number > s.last || s.holes.contains(&number))
+        // Held for its PUBREL (after the session was taken, as it has not
+        // come): the router gives it to the session at the release.
+        if state.holding.contains_key(stamp) {
+            return Verdict::Coming;
+        }
+        Verdict::New
+    }
+
+    /// Whether the router here gave `client_id`'s session the handed-over
+    /// message of `topic` with `stamp` (see [`Stamps::judge`]).
+    #[cfg(test)]
+    fn had(&self, client_id: &str, stamp: &str, topic: &str) -> bool {
+        self.judge(client_id, stamp, topic) == Verdict::Had
     }
 }
 
 impl State {
+    /// A copy with `stamp` is no longer held: what was held back for it if
+    /// no copy is now.
+    fn unhold(&mut self, stamp: &str) -> Vec<HeldBack> {
+        match self.holding.get_mut(stamp) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                Vec::new()
+            }
+            _ => {
+                self.holding.remove(stamp);
+                self.take_back(stamp)
+            }
+        }
+    }
+
+    /// What was held back for `stamp`.
+    fn take_back(&mut self, stamp: &str) -> Vec<HeldBack> {
+        let back = self.held_back.remove(stamp).unwrap_or_default();
+        self.held_back_count -= back.len();
+        back
+    }
+
     fn note(&mut self, origin: &str, number: u64) {
         if let Some(a) = self.arrived.get_mut(origin) {
             a.note(number);
@@ -383,28 +505,71 @@ mod tests {
     #[test]
     fn a_qos2_publish_counts_from_its_release() {
         let s = stamps();
-        s.held("a", 7, "a/1/1");
-        s.held("a", 8, "a/1/2");
+        let _ = s.held("a", 7, "a/1/1");
+        let _ = s.held("a", 8, "a/1/2");
         s.arrived("a/1/3");
-        s.released("a", 7, true);
+        let _ = s.released("a", 7, true);
         // 2 waits for its PUBREL while the session is taken: the router
         // gives it to the session at the release.
         s.taken("c", ["t"]);
-        s.released("a", 8, true);
+        let _ = s.released("a", 8, true);
         assert!(!s.had("c", "a/1/1", "t"));
         assert!(s.had("c", "a/1/2", "t"));
         assert!(!s.had("c", "a/1/3", "t"));
         // Held after the session was taken, released or not.
-        s.held("a", 9, "a/1/4");
-        s.held("a", 10, "a/1/5");
+        let _ = s.held("a", 9, "a/1/4");
+        let _ = s.held("a", 10, "a/1/5");
         assert!(!s.had("c", "a/1/4", "t"));
-        s.released("a", 9, true);
-        s.released("a", 10, false);
+        let _ = s.released("a", 9, true);
+        let _ = s.released("a", 10, false);
         assert!(s.had("c", "a/1/4", "t"));
         // A copy the router discarded at its PUBREL.
         assert!(!s.had("c", "a/1/5", "t"));
         // A PUBREL of nothing held.
-        s.released("a", 11, true);
+        let _ = s.released("a", 11, true);
+    }
+
+    fn direct() -> Direct {
+        Direct::handed_over(crate::codec::publish(b"t", b"x", 1, 0, false), None, None)
+    }
+
+    #[test]
+    fn a_handed_over_copy_of_one_held_for_its_pubrel_waits_for_the_release() {
+        let s = stamps();
+        s.taken("c", ["t"]);
+        let _ = s.held("link", 4, "a/1/1");
+        assert_eq!(s.judge("c", "a/1/1", "t"), Verdict::Coming);
+        assert!(s.hold_back("a/1/1", "c", direct()).is_none());
+        // Released, and the router delivers its copy: the one held back goes.
+        assert!(s.released("link", 4, true).is_empty());
+        assert_eq!(s.judge("c", "a/1/1", "t"), Verdict::Had);
+        // Discarded at its release: the one held back is delivered.
+        let _ = s.held("link", 5, "a/1/2");
+        assert!(s.hold_back("a/1/2", "c", direct()).is_none());
+        let back = s.released("link", 5, false);
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].client, "c");
+        // Not released in time: given back.
+        let _ = s.held("link", 6, "a/1/3");
+        assert!(s.hold_back("a/1/3", "c", direct()).is_none());
+        assert_eq!(s.give_back("a/1/3").len(), 1);
+        assert!(s.released("link", 6, true).is_empty());
+        // Nothing held for it: not held back.
+        assert_eq!(s.judge("c", "a/1/9", "t"), Verdict::New);
+        assert!(s.hold_back("a/1/9", "c", direct()).is_some());
+        // Its packet id taken by another publish (its copy forgotten):
+        // given back.
+        let _ = s.held("link", 7, "a/1/4");
+        assert!(s.hold_back("a/1/4", "c", direct()).is_none());
+        assert_eq!(s.held("link", 7, "a/1/5").len(), 1);
+        // Two copies held (one sent again through another node): the
+        // first delivered at its release, the other discarded at its own.
+        let _ = s.held("link", 8, "a/1/6");
+        let _ = s.held("other", 1, "a/1/6");
+        assert!(s.hold_back("a/1/6", "c", direct()).is_none());
+        assert!(s.released("other", 1, true).is_empty());
+        assert!(s.released("link", 8, false).is_empty());
+        assert_eq!(s.state.lock().held_back_count, 0);
     }
 
     #[test]
@@ -425,12 +590,12 @@ mod tests {
         let before = s.stamp();
         s.arrived(&before);
         let (held, late) = (s.stamp(), s.stamp());
-        s.held("client", 3, &held);
+        let _ = s.held("client", 3, &held);
         s.taken("c", ["t"]);
         s.arrived(&late);
         let after = s.stamp();
         s.arrived(&after);
-        s.released("client", 3, true);
+        let _ = s.released("client", 3, true);
         assert!(!s.had("c", &before, "t"));
         assert!(s.had("c", &held, "t"));
         assert!(s.had("c", &late, "t"));
@@ -465,7 +630,7 @@ mod tests {
             s.taken(&format!("c{n}"), ["t"]);
         }
         for n in 0..MAX_HELD + 5 {
-            s.held(&format!("n{}", n / 60_000), (n % 60_000) as u16, "a/1/1");
+            let _ = s.held(&format!("n{}", n / 60_000), (n % 60_000) as u16, "a/1/1");
         }
         let state = s.state.lock();
         assert_eq!(state.arrived.len(), MAX_ORIGINS);

@@ -26,25 +26,26 @@ impl Machine {
         // moved here: for that client alone.
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
             let stamp = take_stamp(properties.as_mut());
-            if !self.shared.handover_welcome(&self.client_id, &client) {
+            if self.shared.handover_welcome(&self.client_id, &client) {
+                let publish = Publish { retain, ..publish };
+                let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
+                // One in flight to the client goes under the id it saw
+                // (the client takes it for the one it had); the others,
+                // unless this node's router gave the session its own copy
+                // (see `cluster::stamps`).
+                let message = match stamp.filter(|_| kept_pkid.is_none()) {
+                    Some(stamp) => self.shared.stamped_handover(&client, &stamp, message),
+                    None => Some(message),
+                };
+                if let Some(message) = message {
+                    self.shared.sessions.deliver_handed_over(&client, message);
+                }
+            } else {
                 tracing::debug!(
                     client_id = client,
                     link = self.client_id,
                     "a handed-over message dropped: etcd gave the session's messages when that node left"
                 );
-            } else if kept_pkid.is_none()
-                && stamp.is_some_and(|s| self.shared.handed_over_had(&client, &s, &publish.topic))
-            {
-                // (One in flight to the client goes under the id it saw:
-                // the client takes it for the one it had.)
-                tracing::debug!(
-                    client_id = client,
-                    link = self.client_id,
-                    "a handed-over message dropped: this node's router gave it to the session after taking it"
-                );
-            } else {
-                let publish = Publish { retain, ..publish };
-                self.deliver_handed_over(&client, publish, properties, kept_pkid);
             }
             self.ack(qos, pkid, true);
             return None;
@@ -70,20 +71,6 @@ impl Machine {
             self.shared.stamp_arrived(&self.client_id, qos, pkid, stamp);
         }
         Some((publish, properties))
-    }
-
-    /// Delivers to `client` a message its session's previous node handed
-    /// over (at most QoS 1, as direct deliveries go; QoS 2 under
-    /// `kept_pkid`, the id of one that was in flight to the client).
-    fn deliver_handed_over(
-        &self,
-        client: &str,
-        publish: Publish,
-        properties: Option<PublishProperties>,
-        kept_pkid: Option<u16>,
-    ) {
-        let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
-        self.shared.sessions.deliver_handed_over(client, message);
     }
 }
 
