@@ -1363,7 +1363,7 @@ impl Got {
 /// publisher on node 3 sends a QoS 2 message every 10 ms. Each message
 /// comes once: node 1 hands over what it queued meanwhile, and node 2
 /// drops what its own router gave the session already (see
-/// `cluster/stamps.rs`). A message node 1 had sent without its exchange
+/// `cluster/stamps/`). A message node 1 had sent without its exchange
 /// completed comes again under the id the client saw, with DUP: the same
 /// message to the client (MQTT 5 4.3.3). Before, everything published
 /// while the session moved (up to half a second of traffic) came twice,

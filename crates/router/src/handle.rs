@@ -658,33 +658,25 @@ mod tests {
         assert_eq!(router.kept_sessions(), 2);
     }
 
-    /// Patch 26: a kept session is replaced by another node's copy (its
-    /// subscriptions, not the old ones, route to it when its client comes
-    /// back) or discarded; a connected client's session is not replaced,
-    /// and one discarded ends with its connection.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_kept_session_is_replaced_or_discarded() {
-        // A DISCONNECT: the router takes it before any later event.
-        fn leave(mut tx: LinkTx) {
-            let disconnect = crate::protocol::Disconnect {
-                reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
-            };
-            let properties = crate::protocol::DisconnectProperties {
-                session_expiry_interval: Some(60),
-                reason_string: None,
-                user_properties: Vec::new(),
-                server_reference: None,
-            };
-            tx.send_all([Packet::Disconnect(disconnect, Some(properties))])
-                .unwrap();
-        }
-        let router = router();
-        let subscriptions = Arc::clone(router.subscriptions());
-        let (mut tx, mut rx, _) = router.link("r", true, 60, None).await.unwrap();
-        tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
-        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
-        leave(tx);
-        let elsewhere = RestoredSession {
+    /// A DISCONNECT keeping the session 60 s: the router takes it before
+    /// any later event.
+    fn leave(mut tx: LinkTx) {
+        let disconnect = crate::protocol::Disconnect {
+            reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
+        };
+        let properties = crate::protocol::DisconnectProperties {
+            session_expiry_interval: Some(60),
+            reason_string: None,
+            user_properties: Vec::new(),
+            server_reference: None,
+        };
+        tx.send_all([Packet::Disconnect(disconnect, Some(properties))])
+            .unwrap();
+    }
+
+    /// Another node's copy of r's session: subscribed to `u` at QoS 1.
+    fn r_elsewhere() -> RestoredSession {
+        RestoredSession {
             client_id: "r".into(),
             filters: vec![(
                 "u".into(),
@@ -696,7 +688,22 @@ mod tests {
             expires_in: Some(std::time::Duration::from_secs(60)),
             queue_full: None,
             waiting: Vec::new(),
-        };
+        }
+    }
+
+    /// Patch 26: a kept session is replaced by another node's copy (its
+    /// subscriptions, not the old ones, route to it when its client comes
+    /// back) or discarded; a connected client's session is not replaced,
+    /// and one discarded ends with its connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_session_is_replaced_or_discarded() {
+        let router = router();
+        let subscriptions = Arc::clone(router.subscriptions());
+        let (mut tx, mut rx, _) = router.link("r", true, 60, None).await.unwrap();
+        tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        leave(tx);
+        let elsewhere = r_elsewhere();
         assert!(router
             .replace_session("r", Some(elsewhere.clone()))
             .await
@@ -715,16 +722,8 @@ mod tests {
             publish.pkid = 1;
             pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
         }
-        let mut topics = Vec::new();
-        while let Ok(Ok(Some(n))) =
-            tokio::time::timeout(std::time::Duration::from_millis(300), r_rx.next()).await
-        {
-            match n {
-                Notification::Forward(f) => topics.push(f.publish.topic),
-                Notification::Unschedule => r_rx.wake().await.unwrap(),
-                _ => {}
-            }
-        }
+        // (Each publish's payload is its topic.)
+        let topics = payloads(&mut r_rx).await;
         assert_eq!(topics, ["u"], "the replacement's subscriptions only");
         // Connected: not replaced; discarded, it ends with the connection.
         assert!(!router.replace_session("r", Some(elsewhere)).await.unwrap());
@@ -748,54 +747,20 @@ mod tests {
     async fn what_comes_after_a_queued_replacement_reaches_it() {
         let router = router();
         let (tx, _rx, _) = router.link("r", true, 60, None).await.unwrap();
-        let properties = crate::protocol::DisconnectProperties {
-            session_expiry_interval: Some(60),
-            reason_string: None,
-            user_properties: Vec::new(),
-            server_reference: None,
-        };
-        let disconnect = crate::protocol::Disconnect {
-            reason_code: crate::protocol::DisconnectReasonCode::NormalDisconnection,
-        };
-        let mut tx = tx;
-        tx.send_all([Packet::Disconnect(disconnect, Some(properties))])
-            .unwrap();
-        let replacement = RestoredSession {
-            client_id: "r".into(),
-            filters: vec![(
-                "u".into(),
-                crate::SubOptions {
-                    qos: 1,
-                    ..Default::default()
-                },
-            )],
-            expires_in: Some(std::time::Duration::from_secs(60)),
-            queue_full: None,
-            waiting: Vec::new(),
-        };
+        leave(tx);
         let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
         let mut publish = Publish::new("u", "after", false);
         publish.qos = QoS::AtLeastOnce;
         publish.pkid = 1;
         let replaced = router
-            .replace_session_then("r", Some(replacement), || {
+            .replace_session_then("r", Some(r_elsewhere()), || {
                 pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
             })
             .await
             .unwrap();
         assert!(replaced);
         let (_r_tx, mut r_rx, _) = router.link("r", false, 60, None).await.unwrap();
-        let mut payloads = Vec::new();
-        while let Ok(Ok(Some(n))) =
-            tokio::time::timeout(std::time::Duration::from_millis(300), r_rx.next()).await
-        {
-            match n {
-                Notification::Forward(f) => payloads.push(f.publish.payload),
-                Notification::Unschedule => r_rx.wake().await.unwrap(),
-                _ => {}
-            }
-        }
-        assert_eq!(payloads, ["after"]);
+        assert_eq!(payloads(&mut r_rx).await, ["after"]);
     }
 
     /// Patch 26: a resumed session's subscriptions are the connection's: an
