@@ -10,7 +10,8 @@
 # keeps each QoS 1 message for them in etcd too, until acknowledged);
 # NODE=path: another statebroker-node binary (an older build, to compare);
 # CROSS_ONLY=1: only the cross-node QoS 1 rows, each with how far etcd's
-# revision moved during it (what the nodes wrote there).
+# revision moved during it (what the nodes wrote there) and each node's
+# CPU time (user + kernel) per message during it.
 # Needs etcd and mosquitto on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,7 @@ for i in 1 2 3; do
     "$node" --listen "127.0.0.1:${mp[$i]}" --http "127.0.0.1:${hp[$i]}" --in-memory \
         --cluster-node-id "sb$i" --etcd-endpoints "$endpoints" >"$dir/sb$i.log" 2>&1 &
     pids+=($!)
+    nodepid[$i]=$!
 done
 single=$(port) mosq=$(port)
 "$node" --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
@@ -69,10 +71,27 @@ if [ "${CROSS_ONLY:-0}" = 1 ]; then
         ETCDCTL_API=3 etcdctl --endpoints="$endpoints" endpoint status -w json |
             python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["header"]["revision"])'
     }
+    # Clock ticks (user + kernel) each node has used so far.
+    ticks() {
+        for i in 1 2 3; do
+            awk '{print $14 + $15}' "/proc/${nodepid[$i]}/stat"
+        done | paste -sd' '
+    }
     for pattern in pairs fan-in fan-out; do
         before=$(revision)
-        run "$pattern" 1 "cluster: cross" "${mp[1]}" "${mp[2]}"
+        cpu_before=$(ticks)
+        row=$(run "$pattern" 1 "cluster: cross" "${mp[1]}" "${mp[2]}")
+        cpu_after=$(ticks)
+        echo "$row"
         echo "  etcd revisions during it: $(($(revision) - before))"
+        python3 -c 'import sys
+before, after = [list(map(int, a.split())) for a in sys.argv[1:3]]
+rate, secs, hz = float(sys.argv[3].split()[4]), float(sys.argv[4]), float(sys.argv[5])
+# The run lasts its warm-up second too: CPU over all of it, messages at
+# the measured rate over all of it (an estimate).
+msgs = rate * (secs + 1)
+print("  CPU per message, nodes 1 2 3 (us): " + " ".join("%.2f" % ((a - b) / hz * 1e6 / msgs) for b, a in zip(before, after)))' \
+            "$cpu_before" "$cpu_after" "$row" "$secs" "$(getconf CLK_TCK)"
     done
     exit
 fi
