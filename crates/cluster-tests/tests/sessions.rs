@@ -614,7 +614,9 @@ impl Steady {
             let (stop, topic) = (Arc::clone(&stop), format!("{prefix}/{name}"));
             tasks.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Acquire) {
-                    let n = counter.load(Ordering::Acquire);
+                    // Counted before it goes: one in flight is not
+                    // "published after" a moment that came while it was.
+                    let n = counter.fetch_add(1, Ordering::AcqRel);
                     if qos == QoS::ExactlyOnce {
                         let mut publish = v5::Publish::new(&topic, qos, n.to_string(), None);
                         publish.pkid = raw.pkid();
@@ -625,7 +627,6 @@ impl Steady {
                         let ack = raw.publish(&topic, n.to_string(), qos, None).await;
                         assert_eq!(ack, Some(v5::PubAckReason::Success));
                     }
-                    counter.fetch_add(1, Ordering::AcqRel);
                     tokio::time::sleep(pause).await;
                 }
             }));
