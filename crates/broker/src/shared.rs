@@ -368,10 +368,7 @@ impl Shared {
     pub fn stamp_arrived(&self, _link: &str, _qos: u8, _pkid: u16, _stamp: &str) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
-            match _qos {
-                2 => node.give_back(node.stamps().held(_link, _pkid, _stamp)),
-                _ => node.stamps().arrived(_stamp),
-            }
+            node.stamp_arrived(_link, _qos, _pkid, _stamp);
         }
     }
 

@@ -224,6 +224,18 @@ impl Node {
         deliver(&self.sessions, back);
     }
 
+    /// Publish `pkid` at `qos` with `stamp` goes to the router on
+    /// connection `via` (a client's, or another node's link): noted
+    /// before the router has it, a QoS 2 one at its PUBREL (see
+    /// [`super::stamps`]).
+    pub fn stamp_arrived(&self, via: &str, qos: u8, pkid: u16, stamp: &str) {
+        if qos == 2 {
+            self.give_back(self.stamps.held(via, pkid, stamp));
+        } else {
+            self.stamps.arrived(stamp);
+        }
+    }
+
     /// Which node each client id is connected to.
     pub fn ownership(&self) -> &Arc<Ownership> {
         &self.ownership
@@ -343,12 +355,7 @@ impl Node {
         if !assignment.is_empty() {
             Shares::mark(&assignment, self.shares.node_id(), own);
         }
-        // Noted before the router has it (see `super::stamps`).
-        if publish.qos == router::protocol::QoS::ExactlyOnce {
-            self.give_back(self.stamps.held(client, publish.pkid, &stamp));
-        } else {
-            self.stamps.arrived(&stamp);
-        }
+        self.stamp_arrived(client, publish.qos as u8, publish.pkid, &stamp);
         own.user_properties
             .push((crate::publisher::STAMP.into(), stamp.into()));
         ticket

@@ -45,7 +45,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::ownership::{Offers, SessionValue, offered, owner_ids, owner_of};
-use super::sessions::{Records, read_records, record_block, waiting_in_etcd};
+use super::sessions::{Records, read_records, record_block, replace_session, waiting_in_etcd};
 use super::stamps::Stamps;
 use super::watch::{Ended, follow_prefix};
 use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
@@ -410,24 +410,17 @@ async fn adopt(
     // (or, if it dies first, the messages it wrote to etcd; see
     // `super::awaited`), without what this node's router gave the session
     // after taking it (see `super::stamps`).
-    let filters = super::sessions::subscribed(Some(&restored));
     let stamps = orphans.stamps.upgrade().filter(|_| !from_queue);
-    let taken = || {
-        if let Some(stamps) = &stamps {
-            stamps.taken(client_id, filters.iter().map(String::as_str));
-        }
-    };
     // Not while its client is connected here (its CONNECT came meanwhile),
     // nor past `max_kept_sessions`.
-    let replaced = orphans
-        .router
-        .replace_session_then(client_id, Some(restored), taken)
-        .await
-        .map_err(|e| e.to_string())?;
+    let replaced = replace_session(
+        &orphans.router,
+        client_id,
+        Some(restored),
+        stamps.as_deref(),
+    )
+    .await?;
     if !replaced {
-        if let Some(stamps) = &stamps {
-            stamps.forget(client_id);
-        }
         return Ok(false);
     }
     if from_queue {

@@ -297,25 +297,14 @@ async fn resume_once(
     // see `super::awaited`): what it hands over that this node's router
     // gave the session after taking it is dropped (see `super::stamps`).
     let handover = from_etcd && !from_queue && from != node_id;
-    let filters = subscribed(restored.as_ref());
-    let taken = || {
-        if handover {
-            node.stamps
-                .taken(client_id, filters.iter().map(String::as_str));
-        }
-    };
-    let replaced = router
-        .replace_session_then(client_id, restored, taken)
-        .await
-        .map_err(|e| e.to_string())?;
+    let stamps = handover.then_some(node.stamps);
+    let replaced = replace_session(router, client_id, restored, stamps).await?;
     let queued = keys.len();
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);
-    } else if handover {
-        node.stamps.forget(client_id);
     }
     tracing::info!(
         client_id,
@@ -333,11 +322,33 @@ async fn resume_once(
     }))
 }
 
-/// The subscriptions of a session taken from etcd.
-pub(super) fn subscribed(session: Option<&RestoredSession>) -> Vec<String> {
-    session.map_or_else(Vec::new, |s| {
-        s.filters.iter().map(|(filter, _)| filter.clone()).collect()
-    })
+/// Replaces the router's session of `client_id` with `restored` (see
+/// `RouterHandle::replace_session`); with `stamps` (a handover is to come),
+/// notes how far each node's messages had come as the replacement is
+/// queued, and forgets that if it is not made (see `super::stamps`).
+pub(super) async fn replace_session(
+    router: &RouterHandle,
+    client_id: &str,
+    restored: Option<RestoredSession>,
+    stamps: Option<&Stamps>,
+) -> Result<bool, String> {
+    let filters: Vec<String> = match (&restored, stamps) {
+        (Some(s), Some(_)) => s.filters.iter().map(|(f, _)| f.clone()).collect(),
+        _ => Vec::new(),
+    };
+    let taken = || {
+        if let Some(stamps) = stamps {
+            stamps.taken(client_id, filters.iter().map(String::as_str));
+        }
+    };
+    let replaced = router
+        .replace_session_then(client_id, restored, taken)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !replaced && let Some(stamps) = stamps {
+        stamps.forget(client_id);
+    }
+    Ok(replaced)
 }
 
 /// `client_id`'s owner and session records, read in one transaction.

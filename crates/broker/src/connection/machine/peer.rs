@@ -25,7 +25,7 @@ impl Machine {
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
-            let stamp = take_stamp(properties.as_mut());
+            let stamp = take(properties.as_mut(), crate::publisher::STAMP);
             if self.shared.handover_welcome(&self.client_id, &client) {
                 let publish = Publish { retain, ..publish };
                 let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
@@ -53,7 +53,7 @@ impl Machine {
         // A QoS 2 publish another node forwarded: sent again there after
         // its first copy came here and was released, had (see
         // `cluster::origins`); otherwise had once its PUBREL releases it.
-        if let Some(origin) = take_origin(properties.as_mut()) {
+        if let Some(origin) = take(properties.as_mut(), crate::publisher::ORIGIN) {
             if self.shared.had_copy_from_another_node(&origin) {
                 tracing::debug!(
                     origin,
@@ -113,22 +113,11 @@ fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
         .map(|(_, v)| v.as_ref())
 }
 
-/// The stamp of a handed-over message, its User Property removed.
-fn take_stamp(properties: Option<&mut PublishProperties>) -> Option<String> {
+/// The value of the broker's own User Property `key` on a publish from
+/// another node's link (`crate::publisher::ORIGIN`, `STAMP`), removed.
+fn take(properties: Option<&mut PublishProperties>, key: &str) -> Option<String> {
     let user = &mut properties?.user_properties;
-    let at = user
-        .iter()
-        .position(|(k, _)| k == crate::publisher::STAMP)?;
-    Some(user.remove(at).1.into())
-}
-
-/// The origin another node's link forwarded a QoS 2 publish with (see
-/// `crate::publisher::ORIGIN`), its User Property removed.
-fn take_origin(properties: Option<&mut PublishProperties>) -> Option<String> {
-    let user = &mut properties?.user_properties;
-    let at = user
-        .iter()
-        .position(|(k, _)| k == crate::publisher::ORIGIN)?;
+    let at = user.iter().position(|(k, _)| k == key)?;
     Some(user.remove(at).1.into())
 }
 
