@@ -12,6 +12,10 @@
 # CROSS_ONLY=1: only the cross-node QoS 1 rows, each with how far etcd's
 # revision moved during it (what the nodes wrote there) and each node's
 # CPU time (user + kernel) per message during it.
+# PERF=DIR (with CROSS_ONLY=1): also sample each node with `perf record -e
+# cpu-clock -g` during each row, into DIR/PATTERN-sbI.data (software
+# sampling: works where the machine has no hardware counters; PERF_ARGS
+# replaces `-g`, e.g. `--call-graph dwarf` for Rust frames).
 # Needs etcd and mosquitto on PATH; builds what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,9 +83,18 @@ if [ "${CROSS_ONLY:-0}" = 1 ]; then
     }
     for pattern in pairs fan-in fan-out; do
         before=$(revision)
+        perfs=()
+        if [ -n "${PERF:-}" ]; then
+            mkdir -p "$PERF"
+            for i in 1 2 3; do
+                perf record -q -e cpu-clock ${PERF_ARGS:--g} -p "${nodepid[$i]}" -o "$PERF/$pattern-sb$i.data" 2>/dev/null &
+                perfs+=($!)
+            done
+        fi
         cpu_before=$(ticks)
         row=$(run "$pattern" 1 "cluster: cross" "${mp[1]}" "${mp[2]}")
         cpu_after=$(ticks)
+        for p in "${perfs[@]}"; do kill -INT "$p"; wait "$p" || true; done
         echo "$row"
         echo "  etcd revisions during it: $(($(revision) - before))"
         python3 -c 'import sys
