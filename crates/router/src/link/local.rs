@@ -333,6 +333,7 @@ impl LinkTx {
             topic: topic.into(),
             pkid: 0,
             payload: payload.into(),
+            stamp: None,
         };
 
         let len = self.push(Packet::Publish(publish, None))?;
@@ -352,6 +353,7 @@ impl LinkTx {
             topic: topic.into(),
             pkid: 0,
             payload: payload.into(),
+            stamp: None,
         };
 
         let len = self.try_push(Packet::Publish(publish, None))?;

@@ -37,6 +37,7 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Publish, Erro
         pkid,
         topic,
         payload: bytes,
+        stamp: None,
     };
 
     Ok(publish)

@@ -53,6 +53,7 @@ pub fn read(
         pkid,
         topic,
         payload: bytes,
+        stamp: None,
     };
 
     Ok((publish, properties))
