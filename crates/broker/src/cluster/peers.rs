@@ -47,7 +47,7 @@ use tokio::sync::{oneshot, watch};
 use super::Cluster;
 use super::confirmations::Confirmations;
 use super::membership::Member;
-use super::stamps::Stamps;
+use super::stamps::{Stamp, Stamps};
 
 pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
 
@@ -221,7 +221,7 @@ impl Peers {
         assignment: &super::shares::Assignment,
         origin: Option<String>,
         stamps: &Stamps,
-    ) -> (Option<u64>, String) {
+    ) -> (Option<u64>, Stamp) {
         let links = self.links.read();
         let topic = match std::str::from_utf8(&publish.topic) {
             Ok(topic) if !links.is_empty() => topic,
@@ -238,10 +238,16 @@ impl Peers {
             let stamp = stamps.stamp();
             properties
                 .user_properties
-                .push((crate::publisher::STAMP.to_owned(), stamp.clone()));
+                .push((crate::publisher::STAMP.to_owned(), stamp.text.clone()));
             let ticket = (qos != LinkQoS::AtMostOnce).then(|| state.issue());
-            for link in links.iter() {
-                if Self::forward_on(link, topic, qos, publish, &properties, assignment) {
+            for (i, link) in links.iter().enumerate() {
+                // The last link takes the properties, the others a copy.
+                let properties = if i + 1 == links.len() {
+                    std::mem::take(&mut properties)
+                } else {
+                    properties.clone()
+                };
+                if Self::forward_on(link, topic, qos, publish, properties, assignment) {
                     state.handed(&link.node_id, ticket);
                 }
             }
@@ -255,11 +261,10 @@ impl Peers {
         topic: &str,
         qos: LinkQoS,
         publish: &Publish,
-        properties: &LinkProperties,
+        mut properties: LinkProperties,
         assignment: &super::shares::Assignment,
     ) -> bool {
         {
-            let mut properties = properties.clone();
             if !assignment.is_empty() {
                 let mut marks = PublishProperties::default();
                 super::Shares::mark(assignment, &link.node_id, &mut marks);
@@ -325,6 +330,11 @@ impl Peers {
                 properties
                     .user_properties
                     .push((crate::publisher::HANDOVER_RETAIN.to_owned(), "1".to_owned()));
+            }
+            if let Some(stamp) = &publish.stamp {
+                properties
+                    .user_properties
+                    .push((crate::publisher::STAMP.to_owned(), stamp.to_string()));
             }
             // Handed over in the confirmations' order (nobody waits for
             // them); a full queue is waited for, a while.

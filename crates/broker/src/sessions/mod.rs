@@ -344,6 +344,7 @@ mod tests {
             retain: false,
             kept_pkid: None,
             on_done: None,
+            stamp: None,
         };
         s.keep_handed_over("h", (0..HANDED_OVER_MAX - 1).map(direct).collect());
         s.keep_handed_over(

@@ -132,6 +132,7 @@ pub(super) mod tests {
             retain: false,
             kept_pkid: None,
             on_done: None,
+            stamp: None,
         }
     }
 

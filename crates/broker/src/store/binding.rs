@@ -175,6 +175,7 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
         retain: false,
         kept_pkid: None,
         on_done: None,
+        stamp: None,
     }
 }
 
@@ -204,6 +205,7 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
             retain: false,
             kept_pkid: None,
             on_done: None,
+            stamp: None,
         };
         (&**watcher, message)
     })

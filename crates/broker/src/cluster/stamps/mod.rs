@@ -10,9 +10,11 @@
 //! 2. So:
 //!
 //! - each node stamps every publish of its clients as it forwards it
-//!   ([`Stamps::stamp`], the User Property [`crate::publisher::STAMP`],
-//!   on its own router's copy and on every link's; removed before a
-//!   client gets it);
+//!   ([`Stamps::stamp`]): on every link's copy the User Property
+//!   [`crate::publisher::STAMP`], which the receiving node takes off; in
+//!   a router (its own copy, the one a link brings, a handed-over one
+//!   kept for the session) `router::protocol::Publish::stamp`, which no
+//!   codec writes (router patch 48): no client gets it;
 //! - each node notes, per origin, which numbers went to its router
 //!   ([`Stamps::arrived`]; a QoS 2 publish at its PUBREL, when the router
 //!   delivers it: [`Stamps::held`], [`Stamps::released`]), before the
@@ -203,11 +205,32 @@ pub enum Verdict {
     New,
 }
 
-/// A stamp read back: its origin and number.
+/// A stamp given here (see [`Stamps::stamp`]).
+pub struct Stamp {
+    /// `<node id>/<run>/<number>`, as it goes with the publish.
+    pub text: String,
+    /// Its number.
+    pub number: u64,
+}
+
+/// A stamp read back: its origin and number. Read from the end, in one
+/// pass over the number: every publish from a link has one.
 fn parse(stamp: &str) -> Option<(&str, u64)> {
-    let (origin, number) = stamp.rsplit_once('/')?;
-    let number = number.parse().ok().filter(|&n| n > 0)?;
-    origin.contains('/').then_some((origin, number))
+    let bytes = stamp.as_bytes();
+    let (mut number, mut scale, mut at) = (0u64, 1u64, bytes.len());
+    while at > 0 && bytes[at - 1] != b'/' {
+        let digit = bytes[at - 1].wrapping_sub(b'0');
+        if digit > 9 || bytes.len() - at >= 19 {
+            return None;
+        }
+        number += u64::from(digit) * scale;
+        scale = scale.wrapping_mul(10);
+        at -= 1;
+    }
+    // At the slash before the number, one at least in the origin before it.
+    let origin = stamp.get(..at.checked_sub(1)?)?;
+    (number > 0 && at < bytes.len() && origin.as_bytes().contains(&b'/'))
+        .then_some((origin, number))
 }
 
 impl Stamps {
@@ -223,19 +246,31 @@ impl Stamps {
 
     /// The next stamp of this node's clients' publishes: called in the
     /// order the links carry them.
-    pub fn stamp(&self) -> String {
+    pub fn stamp(&self) -> Stamp {
         let number = self.given.fetch_add(1, Ordering::Relaxed) + 1;
-        format!("{}/{number}", self.own)
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(number);
+        let mut text = String::with_capacity(self.own.len() + 1 + digits.len());
+        text.push_str(&self.own);
+        text.push('/');
+        text.push_str(digits);
+        Stamp { text, number }
     }
 
     /// A QoS 0 or 1 publish with `stamp` goes to the router (called
-    /// before the router has it): one of this node's clients, or one a link
-    /// passes on.
+    /// before the router has it): one a link passes on.
     pub fn arrived(&self, stamp: &str) {
         let Some((origin, number)) = parse(stamp) else {
             return;
         };
         self.state.lock().note(origin, number);
+    }
+
+    /// A QoS 0 or 1 publish of this node's clients with stamp `number`
+    /// goes to the router (as [`Stamps::arrived`], without reading it
+    /// back).
+    pub fn arrived_here(&self, number: u64) {
+        self.state.lock().note(&self.own, number);
     }
 
     /// QoS 2 publish `pkid` with `stamp` goes to the router on connection

@@ -9,12 +9,39 @@ fn stamps() -> Stamps {
 #[test]
 fn stamps_number_this_runs_publishes_from_one() {
     let s = stamps();
-    assert_eq!(s.stamp(), "b/7/1");
-    assert_eq!(s.stamp(), "b/7/2");
+    assert_eq!(s.stamp().text, "b/7/1");
+    let second = s.stamp();
+    assert_eq!((second.text.as_str(), second.number), ("b/7/2", 2));
+    assert_eq!(parse(&second.text), Some(("b/7", 2)));
+}
+
+#[test]
+fn a_stamp_is_read_back_or_refused() {
     assert_eq!(parse("b/7/2"), Some(("b/7", 2)));
-    assert_eq!(parse("b/7/0"), None);
-    assert_eq!(parse("7/2"), None);
-    assert_eq!(parse("b/7/x"), None);
+    assert_eq!(
+        parse("node-1/18c5a3/1234567"),
+        Some(("node-1/18c5a3", 1_234_567))
+    );
+    assert_eq!(
+        parse("b/7/9999999999999999999"),
+        Some(("b/7", 9_999_999_999_999_999_999))
+    );
+    for bad in [
+        "b/7/0",
+        "7/2",
+        "b/7/x",
+        "b/7/1x",
+        "b/7/",
+        "/",
+        "//",
+        "",
+        "12",
+        "b/7/18446744073709551616",
+        "b/7/99999999999999999999",
+        "b/7/+1",
+    ] {
+        assert_eq!(parse(bad), None, "{bad:?}");
+    }
 }
 
 #[test]
@@ -154,13 +181,13 @@ fn numbers_far_below_the_last_are_not_told() {
 #[test]
 fn this_nodes_own_publishes_are_told_as_they_go_to_the_router() {
     let s = stamps();
-    let before = s.stamp();
+    let before = s.stamp().text;
     s.arrived(&before);
-    let (held, late) = (s.stamp(), s.stamp());
+    let (held, late) = (s.stamp().text, s.stamp().text);
     let _ = s.held("client", 3, &held);
     s.taken("c", ["t"]);
     s.arrived(&late);
-    let after = s.stamp();
+    let after = s.stamp().text;
     s.arrived(&after);
     let _ = s.released("client", 3, true);
     assert!(!s.had("c", &before, "t"));
@@ -168,7 +195,7 @@ fn this_nodes_own_publishes_are_told_as_they_go_to_the_router() {
     assert!(s.had("c", &late, "t"));
     assert!(s.had("c", &after, "t"));
     // Given, not passed on.
-    assert!(!s.had("c", &s.stamp(), "t"));
+    assert!(!s.had("c", &s.stamp().text, "t"));
     // Another run of this node: an origin like any other.
     assert!(!s.had("c", "b/6/2", "t"));
 }
