@@ -52,15 +52,13 @@ pub const HANDOVER_RETAIN: &str = "statebroker:handover-retain";
 /// `<packet id> <1 if sent again (DUP), else 0> <client id>` (see
 /// `crate::cluster::origins`).
 pub const ORIGIN: &str = "statebroker:origin";
-/// On every publish of a cluster node's clients on its links:
-/// `<node id>/<run>/<number>`, which tells a handed-over message the new
-/// node had already (see `crate::cluster::stamps`). The receiving node
-/// moves it to `router::protocol::Publish::stamp` (never encoded).
+/// On every publish of a cluster node's clients, in its own router and on
+/// its links: `<node id>/<run>/<number>`, which tells a handed-over
+/// message the new node had already (see `crate::cluster::stamps`).
+/// Never delivered to a client.
 pub const STAMP: &str = "statebroker:stamp";
 
-/// Removes a publish's [`STAMP`] before it goes to a client: one that
-/// routers kept as a User Property before router patch 48 (a session
-/// saved to the data directory, a message kept in etcd).
+/// Removes a publish's [`STAMP`] before it goes to a client.
 #[inline]
 pub fn unstamp(properties: &mut PublishProperties) {
     let user = &mut properties.user_properties;

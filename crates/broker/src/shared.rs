@@ -263,7 +263,7 @@ impl Shared {
     pub fn forward_to_peers(
         &self,
         _client: &str,
-        _publish: &mut router::protocol::Publish,
+        _publish: &router::protocol::Publish,
         _properties: &mut Option<router::protocol::PublishProperties>,
     ) -> Option<u64> {
         #[cfg(feature = "cluster")]

@@ -763,51 +763,6 @@ mod tests {
         assert_eq!(payloads(&mut r_rx).await, ["after"]);
     }
 
-    /// Patch 48: a publish's stamp reaches its subscribers with it, and a
-    /// kept session's queue (what statebroker hands over when a session
-    /// moves to another node).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_publishs_stamp_goes_with_it_to_deliveries_and_kept_sessions() {
-        let router = router();
-        let (mut tx, mut rx, _) = router.link("r", true, 60, None).await.unwrap();
-        tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
-        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
-        let (mut pub_tx, _pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
-        let stamped = |n: u16| {
-            let mut publish = Publish::new("t", "m", false);
-            publish.qos = QoS::AtLeastOnce;
-            publish.pkid = n;
-            publish.stamp = Some(format!("node/1/{n}").into());
-            Packet::Publish(publish, None)
-        };
-        pub_tx.send_all([stamped(1)]).unwrap();
-        assert_eq!(stamps(&mut rx).await, ["node/1/1"]);
-        leave(tx);
-        pub_tx.send_all([stamped(2)]).unwrap();
-        // The first again (not acknowledged), and the second (queued, or
-        // sent before the DISCONNECT was taken and not acknowledged).
-        let (_tx, mut rx, _) = router.link("r", false, 60, None).await.unwrap();
-        assert_eq!(stamps(&mut rx).await, ["node/1/1", "node/1/2"]);
-    }
-
-    /// The stamps of the publishes `rx` is given until it is quiet for
-    /// 300 ms.
-    async fn stamps(rx: &mut LinkRx) -> Vec<String> {
-        let mut got = Vec::new();
-        loop {
-            let next = tokio::time::timeout(std::time::Duration::from_millis(300), rx.next());
-            match next.await {
-                Ok(Ok(Some(Notification::Forward(f)))) => {
-                    got.push(f.publish.stamp.map(String::from).unwrap_or_default());
-                }
-                Ok(Ok(Some(Notification::Unschedule))) => rx.wake().await.unwrap(),
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => panic!("{e}"),
-                Err(_) => return got,
-            }
-        }
-    }
-
     /// Patch 26: a resumed session's subscriptions are the connection's: an
     /// UNSUBSCRIBE removes them (it answered "no subscription existed" and
     /// the messages kept coming).

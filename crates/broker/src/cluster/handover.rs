@@ -79,8 +79,7 @@ pub async fn hand_over(
     let mut messages: Vec<_> = kept
         .into_iter()
         .map(|m| {
-            let mut publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, m.retain);
-            publish.stamp = m.stamp;
+            let publish = crate::codec::publish(&m.topic, &m.payload, m.qos, 0, m.retain);
             handed_over(publish, Some(m.properties.into_publish()), m.kept_pkid)
         })
         .collect();

@@ -316,15 +316,15 @@ impl Node {
     }
 
     /// A client of this node published `publish`: to every other node,
-    /// and to etcd if retained. For its own router, `properties` get this
-    /// node's marks (see [`Shares`]) and `publish` its stamp (see
-    /// [`super::stamps`]); a QoS 2 publish goes with its
+    /// and to etcd if retained. `properties` get this node's marks (see
+    /// [`Shares`]) and the publish's stamp (see [`super::stamps`]) for its
+    /// own router; a QoS 2 publish goes with its
     /// origin, `client`'s (see [`super::origins`]). A QoS 1/2 publish's
     /// forwarding ticket (see [`Peers::forward`]).
     pub fn client_published(
         &self,
         client: &str,
-        publish: &mut Publish,
+        publish: &Publish,
         properties: &mut Option<PublishProperties>,
     ) -> Option<u64> {
         let topic = std::str::from_utf8(&publish.topic).unwrap_or_default();
@@ -351,8 +351,8 @@ impl Node {
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
         }
+        let own = properties.get_or_insert_with(Default::default);
         if !assignment.is_empty() {
-            let own = properties.get_or_insert_with(Default::default);
             Shares::mark(&assignment, self.shares.node_id(), own);
         }
         if publish.qos == router::protocol::QoS::ExactlyOnce {
@@ -360,7 +360,10 @@ impl Node {
         } else {
             self.stamps.arrived_here(stamp.number);
         }
-        publish.stamp = Some(stamp.text.into());
+        own.user_properties.push((
+            router::protocol::ByteString::from_static(crate::publisher::STAMP),
+            stamp.text.into(),
+        ));
         ticket
     }
 }

@@ -331,11 +331,6 @@ impl Peers {
                     .user_properties
                     .push((crate::publisher::HANDOVER_RETAIN.to_owned(), "1".to_owned()));
             }
-            if let Some(stamp) = &publish.stamp {
-                properties
-                    .user_properties
-                    .push((crate::publisher::STAMP.to_owned(), stamp.to_string()));
-            }
             // Handed over in the confirmations' order (nobody waits for
             // them); a full queue is waited for, a while.
             let mut full_since = None;

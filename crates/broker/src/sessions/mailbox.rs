@@ -109,7 +109,6 @@ impl Direct {
             retain: publish.retain,
             kept_pkid,
             on_done: None,
-            stamp: publish.stamp,
         }
     }
 
@@ -177,9 +176,6 @@ pub struct Direct {
     pub kept_pkid: Option<u16>,
     /// What to do once no copy of it is needed anywhere (see [`OnDone`]).
     pub on_done: Option<OnDone>,
-    /// A handed-over message's stamp (see `cluster::stamps`), should the
-    /// session move on before the client has it; `None` for the others.
-    pub stamp: Option<router::protocol::ByteString>,
 }
 
 /// What to do once a direct delivery needs no copy anywhere: the client

@@ -132,7 +132,6 @@ pub(super) mod tests {
             retain: false,
             kept_pkid: None,
             on_done: None,
-            stamp: None,
         }
     }
 

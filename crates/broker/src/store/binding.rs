@@ -175,7 +175,6 @@ pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direc
         retain: false,
         kept_pkid: None,
         on_done: None,
-        stamp: None,
     }
 }
 
@@ -205,7 +204,6 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
             retain: false,
             kept_pkid: None,
             on_done: None,
-            stamp: None,
         };
         (&**watcher, message)
     })

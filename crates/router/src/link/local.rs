@@ -333,7 +333,6 @@ impl LinkTx {
             topic: topic.into(),
             pkid: 0,
             payload: payload.into(),
-            stamp: None,
         };
 
         let len = self.push(Packet::Publish(publish, None))?;
@@ -353,7 +352,6 @@ impl LinkTx {
             topic: topic.into(),
             pkid: 0,
             payload: payload.into(),
-            stamp: None,
         };
 
         let len = self.try_push(Packet::Publish(publish, None))?;

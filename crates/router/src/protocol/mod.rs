@@ -180,11 +180,6 @@ pub struct Publish {
     pub retain: bool,
     pub topic: Bytes,
     pub payload: Bytes,
-    /// statebroker patch 48: the broker's stamp on the publish (which node
-    /// took it in, and its number there: statebroker's `cluster::stamps`),
-    /// carried with it through the router (its logs, kept sessions and
-    /// deliveries) and never encoded: no client sends or sees it.
-    pub stamp: Option<ByteString>,
 }
 
 impl Publish {
@@ -198,7 +193,6 @@ impl Publish {
             retain,
             topic: topic.into(),
             payload: payload.into(),
-            stamp: None,
         }
     }
 
@@ -250,7 +244,6 @@ impl Publish {
             topic,
             pkid,
             payload,
-            stamp: None,
         }
     }
 }

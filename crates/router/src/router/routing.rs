@@ -1945,7 +1945,6 @@ impl Router {
             topic: will.topic,
             pkid: 0,
             payload: will.message,
-            stamp: None,
         };
 
         let properties = will_props.map(PublishProperties::from);

@@ -10,11 +10,9 @@
 //! 2. So:
 //!
 //! - each node stamps every publish of its clients as it forwards it
-//!   ([`Stamps::stamp`]): on every link's copy the User Property
-//!   [`crate::publisher::STAMP`], which the receiving node takes off; in
-//!   a router (its own copy, the one a link brings, a handed-over one
-//!   kept for the session) `router::protocol::Publish::stamp`, which no
-//!   codec writes (router patch 48): no client gets it;
+//!   ([`Stamps::stamp`], the User Property [`crate::publisher::STAMP`],
+//!   on its own router's copy and on every link's; removed before a
+//!   client gets it);
 //! - each node notes, per origin, which numbers went to its router
 //!   ([`Stamps::arrived`]; a QoS 2 publish at its PUBREL, when the router
 //!   delivers it: [`Stamps::held`], [`Stamps::released`]), before the

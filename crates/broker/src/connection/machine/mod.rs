@@ -441,7 +441,7 @@ impl Machine {
             return Ok(());
         }
         // What another node's link sends that this node handles itself.
-        let (mut publish, mut properties) = if self.from_link {
+        let (publish, mut properties) = if self.from_link {
             match self.on_peer_publish(publish, properties, qos, pkid) {
                 Some(rest) => rest,
                 None => return Ok(()),
@@ -455,9 +455,9 @@ impl Machine {
         if !self.from_link {
             peer::unmarked(&mut properties, &self.client_id);
             if !retransmitted {
-                ticket =
-                    self.shared
-                        .forward_to_peers(&self.client_id, &mut publish, &mut properties);
+                ticket = self
+                    .shared
+                    .forward_to_peers(&self.client_id, &publish, &mut properties);
             }
         }
         // The publisher's node died after forwarding it, before its

@@ -5,7 +5,7 @@
 //! `crate::cluster::origins`), and a client's publish that carries such a
 //! mark (removed).
 
-use router::protocol::{ByteString, Publish, PublishProperties};
+use router::protocol::{Publish, PublishProperties};
 
 use super::Machine;
 
@@ -27,12 +27,7 @@ impl Machine {
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
             let stamp = take(properties.as_mut(), crate::publisher::STAMP);
             if self.shared.handover_welcome(&self.client_id, &client) {
-                // Its stamp goes with it, should the session move on.
-                let publish = Publish {
-                    retain,
-                    stamp: stamp.clone(),
-                    ..publish
-                };
+                let publish = Publish { retain, ..publish };
                 let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
                 // One in flight to the client goes under the id it saw
                 // (the client takes it for the one it had); the others,
@@ -58,8 +53,7 @@ impl Machine {
         // A QoS 2 publish another node forwarded: sent again there after
         // its first copy came here and was released, had (see
         // `cluster::origins`); otherwise had once its PUBREL releases it.
-        if let Some(origin) = take(properties.as_mut(), crate::publisher::ORIGIN).map(String::from)
-        {
+        if let Some(origin) = take(properties.as_mut(), crate::publisher::ORIGIN) {
             if self.shared.had_copy_from_another_node(&origin) {
                 tracing::debug!(
                     origin,
@@ -71,20 +65,10 @@ impl Machine {
             self.shared.hold_qos2(&self.client_id, pkid, Some(origin));
         }
         // Noted before the router has it (a QoS 2 one: its PUBREL, see
-        // `cluster::stamps`); the stamp goes with the router's copy (never
-        // to a client), for a handover from here.
-        let mut publish = publish;
-        publish.stamp = take(properties.as_mut(), crate::publisher::STAMP);
-        if let Some(stamp) = &publish.stamp {
+        // `cluster::stamps`); the stamp stays on the router's copy, for a
+        // handover from here.
+        if let Some(stamp) = stamp_of(properties.as_ref()) {
             self.shared.stamp_arrived(&self.client_id, qos, pkid, stamp);
-        }
-        // Most publishes have no property but the stamp: none then, which
-        // the router and the deliveries pass on for less.
-        if properties
-            .as_ref()
-            .is_some_and(|p| *p == PublishProperties::default())
-        {
-            properties = None;
         }
         Some((publish, properties))
     }
@@ -119,12 +103,22 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
     }
 }
 
+/// The stamp of a publish from another node's link (see
+/// `crate::publisher::STAMP`).
+fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
+    properties?
+        .user_properties
+        .iter()
+        .find(|(k, _)| k == crate::publisher::STAMP)
+        .map(|(_, v)| v.as_ref())
+}
+
 /// The value of the broker's own User Property `key` on a publish from
 /// another node's link (`crate::publisher::ORIGIN`, `STAMP`), removed.
-fn take(properties: Option<&mut PublishProperties>, key: &str) -> Option<ByteString> {
+fn take(properties: Option<&mut PublishProperties>, key: &str) -> Option<String> {
     let user = &mut properties?.user_properties;
     let at = user.iter().position(|(k, _)| k == key)?;
-    Some(user.remove(at).1)
+    Some(user.remove(at).1.into())
 }
 
 /// The client a publish from another node's link is handed over to (see

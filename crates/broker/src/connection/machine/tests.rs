@@ -261,7 +261,6 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
         retain: false,
         kept_pkid: None,
         on_done: None,
-        stamp: None,
     })))
     .unwrap();
     let Packet::Publish(answer, _) = &written(&mut m)[0] else {

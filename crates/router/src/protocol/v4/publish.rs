@@ -37,7 +37,6 @@ pub fn read(fixed_header: FixedHeader, mut bytes: Bytes) -> Result<Publish, Erro
         pkid,
         topic,
         payload: bytes,
-        stamp: None,
     };
 
     Ok(publish)

@@ -53,7 +53,6 @@ pub fn read(
         pkid,
         topic,
         payload: bytes,
-        stamp: None,
     };
 
     Ok((publish, properties))
