@@ -36,6 +36,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, TxnOpResponse};
@@ -247,51 +248,62 @@ async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Res
     let (live, owned, kept) = (list(), list(), list());
     let live: Vec<&[u8]> = live.iter().map(|(k, _)| &k[members.len()..]).collect();
     let owned: HashSet<&[u8]> = owned.iter().map(|(k, _)| &k[owners.len()..]).collect();
-    let ownerless = kept
+    // Owned: a stream of borrowed items cannot be sent to another thread
+    // (rust-lang/rust#64552).
+    let ownerless: Vec<(Vec<u8>, i64)> = kept
         .iter()
-        .map(|(k, revision)| (&k[records.len()..], *revision))
-        .filter(|(client, _)| !owned.contains(client));
+        .map(|(k, revision)| (k[records.len()..].to_vec(), *revision))
+        .filter(|(client, _)| !owned.contains(client.as_slice()))
+        .collect();
     let before = std::mem::take(seen);
     let node_id = cluster.node_id().as_bytes();
     let now = Instant::now();
+    let room = AtomicUsize::new(if orphans.max_kept == 0 {
+        usize::MAX
+    } else {
+        orphans
+            .max_kept
+            .saturating_sub(orphans.router.kept_sessions())
+    });
+    let at = At {
+        orphans,
+        cluster,
+        before: &before,
+        live: &live,
+        room: &room,
+        node_id,
+        now,
+    };
+    // Several at once ([`ADOPTIONS_AT_ONCE`]): each takes about four etcd
+    // round trips, and what is published for a session before its
+    // adoption is lost for it.
+    let looked: Vec<_> = futures_util::stream::iter(ownerless)
+        .map(|(client_id, revision)| look_at(&at, client_id, revision))
+        .buffer_unordered(ADOPTIONS_AT_ONCE)
+        .collect()
+        .await;
     let (mut adopted, mut failed) = (0, 0);
-    for (client_id, revision) in ownerless {
-        let orphan = match before.get(client_id).filter(|o| o.revision == revision) {
-            Some(orphan) => orphan.clone(),
-            None => read_orphan(orphans, cluster, client_id, revision, now).await?,
-        };
-        // The node that wrote the record if it is live (it lost its lease
-        // and came back: it may keep the session still, with what etcd
-        // does not have), else the first ranked; any once the chosen one
-        // had time to (it may be gone too).
-        let chosen = if live.contains(&orphan.writer.as_slice()) {
-            orphan.writer == node_id
-        } else {
-            first_ranked(client_id, &live) == Some(node_id)
-        } || now - orphan.since >= cluster.settings.request_timeout * 2;
-        let room = orphans.max_kept == 0 || orphans.router.kept_sessions() < orphans.max_kept;
-        let leaving = orphans.membership.upgrade().is_none_or(|m| m.left());
-        if chosen && room && orphans.standing.serving() && !leaving {
-            match adopt(orphans, cluster, client_id, None).await {
-                Ok(true) => {
-                    adopted += 1;
-                    continue;
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    failed += 1;
-                    tracing::debug!(
-                        client_id = %String::from_utf8_lossy(client_id),
-                        error = e,
-                        "clustering: cannot adopt a session no node holds now"
-                    );
-                }
+    let mut unread = None;
+    for result in looked {
+        let (client_id, orphan, looked) = match result {
+            Ok(ok) => ok,
+            Err(e) => {
+                unread.get_or_insert(e);
+                continue;
             }
+        };
+        match looked {
+            Looked::Adopted => {
+                adopted += 1;
+                continue;
+            }
+            Looked::Failed => failed += 1,
+            Looked::Left => {}
         }
         if orphan.due.is_none_or(|due| due > now) {
-            seen.insert(client_id.to_vec(), orphan);
+            seen.insert(client_id, orphan);
         } else {
-            reap(cluster, client_id, revision).await;
+            reap(cluster, &client_id, orphan.revision).await;
         }
     }
     if adopted > 0 || failed > 0 {
@@ -301,8 +313,89 @@ async fn look_once(orphans: &Orphans, cluster: &Cluster, seen: &mut Seen) -> Res
             "clustering: sessions no node held adopted here (kept until their clients come back)"
         );
     }
-    Ok(())
+    unread.map_or(Ok(()), Err)
 }
+
+/// What a look knows (see [`look_at`]).
+struct At<'a> {
+    orphans: &'a Orphans,
+    cluster: &'a Cluster,
+    /// What the last look found.
+    before: &'a Seen,
+    /// The live members.
+    live: &'a [&'a [u8]],
+    /// Room for adoptions under `[broker] max_kept_sessions`, taken before
+    /// each (several run at once).
+    room: &'a AtomicUsize,
+    node_id: &'a [u8],
+    now: Instant,
+}
+
+/// Adopts ownerless `client_id`'s session (its record put at `revision`)
+/// if this node is to.
+async fn look_at(
+    at: &At<'_>,
+    client_id: Vec<u8>,
+    revision: i64,
+) -> Result<(Vec<u8>, Orphan, Looked), String> {
+    let At {
+        orphans,
+        cluster,
+        now,
+        ..
+    } = *at;
+    let orphan = match at.before.get(&client_id).filter(|o| o.revision == revision) {
+        Some(orphan) => orphan.clone(),
+        None => read_orphan(orphans, cluster, &client_id, revision, now).await?,
+    };
+    // The node that wrote the record if it is live (it lost its lease and
+    // came back: it may keep the session still, with what etcd does not
+    // have), else the first ranked; any once the chosen one had time to
+    // (it may be gone too).
+    let chosen = if at.live.contains(&orphan.writer.as_slice()) {
+        orphan.writer == at.node_id
+    } else {
+        first_ranked(&client_id, at.live) == Some(at.node_id)
+    } || now - orphan.since >= cluster.settings.request_timeout * 2;
+    let leaving = orphans.membership.upgrade().is_none_or(|m| m.left());
+    let took_room = || {
+        at.room
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(1))
+            .is_ok()
+    };
+    if !chosen || !orphans.standing.serving() || leaving || !took_room() {
+        return Ok((client_id, orphan, Looked::Left));
+    }
+    let looked = match adopt(orphans, cluster, &client_id, None).await {
+        Ok(true) => Looked::Adopted,
+        Ok(false) => Looked::Left,
+        Err(e) => {
+            tracing::debug!(
+                client_id = %String::from_utf8_lossy(&client_id),
+                error = e,
+                "clustering: cannot adopt a session no node holds now"
+            );
+            Looked::Failed
+        }
+    };
+    if looked != Looked::Adopted {
+        at.room.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok((client_id, orphan, looked))
+}
+
+/// What a look did with one ownerless session.
+#[derive(PartialEq, Eq)]
+enum Looked {
+    Adopted,
+    /// Not adopted here (another node's to, no room, or it found an
+    /// owner): left for the next look, or removed if it expired.
+    Left,
+    Failed,
+}
+
+/// Ownerless sessions a look adopts at once, at most.
+const ADOPTIONS_AT_ONCE: usize = 16;
 
 /// The member of `live` that ranks first for `client_id` (rendezvous
 /// hashing: every node ranks them alike, and a member's departure moves
