@@ -25,7 +25,9 @@ impl Machine {
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
-            let stamp = take(properties.as_mut(), crate::publisher::STAMP);
+            // The stamp stays on the message (never written to the
+            // client), should the session move on before the client has it.
+            let stamp = stamp_of(properties.as_ref()).map(str::to_owned);
             if self.shared.handover_welcome(&self.client_id, &client) {
                 let publish = Publish { retain, ..publish };
                 let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);

@@ -9,7 +9,7 @@ use bytes::BytesMut;
 
 use super::{FIRST_DIRECT_PKID, PacketIds, is_direct};
 use crate::codec::{self, Protocol};
-use crate::sessions::{Direct, QueueBound};
+use crate::sessions::{Direct, DirectProperties, QueueBound};
 
 /// Direct deliveries in flight to this client, and those waiting for
 /// room.
@@ -113,13 +113,19 @@ impl DirectWindow {
             }
         };
         let start = out.len();
+        // A handed-over message keeps its stamp (see `cluster::stamps`),
+        // which no client gets.
+        let unstamped = message
+            .handed_over
+            .then(|| unstamped(&message.properties))
+            .flatten();
         codec::encode_publish(
             protocol,
             &message.topic,
             &message.payload,
             message.qos,
             pkid,
-            &message.properties,
+            unstamped.as_ref().unwrap_or(&message.properties),
             out,
         );
         if out.len() - start > self.max_packet_size {
@@ -205,4 +211,21 @@ impl DirectWindow {
 fn finished(bound: &QueueBound, message: &Direct) {
     bound.release(message.size());
     message.done();
+}
+
+/// `properties` without their [`crate::publisher::STAMP`], if they have
+/// one.
+fn unstamped(properties: &DirectProperties) -> Option<DirectProperties> {
+    let DirectProperties::Publish(p) = properties else {
+        return None;
+    };
+    let stamped = p
+        .user_properties
+        .iter()
+        .any(|(k, _)| k == crate::publisher::STAMP);
+    stamped.then(|| {
+        let mut p = p.clone();
+        crate::publisher::unstamp(&mut p);
+        DirectProperties::Publish(p)
+    })
 }

@@ -247,17 +247,28 @@ fn room_is_given_back_when_a_message_is_done_with() {
 fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     let block = PacketIdBlock::default().next().next();
     let mut o = Outbound::new("c", 3, usize::MAX, unbounded(), 0, block);
+    // Each with its stamp (see `cluster::stamps`), as another node hands
+    // it over.
     let kept = |n: u8, pkid: u16| Direct {
         handed_over: true,
         retain: false,
         kept_pkid: Some(pkid),
         on_done: None,
+        properties: PublishProperties {
+            user_properties: vec![(crate::publisher::STAMP.into(), format!("a/1/{n}").into())],
+            ..PublishProperties::default()
+        }
+        .into(),
         ..message(n, 2)
     };
     let mut out = BytesMut::new();
     o.deliver(kept(1, 105), Protocol::V5, &mut out);
     o.deliver(kept(2, 205), Protocol::V5, &mut out); // block 2's own
     o.deliver(kept(3, 106), Protocol::V5, &mut out);
+    assert!(
+        !out.windows(4).any(|w| w == b"a/1/"),
+        "a stamp never goes to the client"
+    );
     let mut written = Vec::new();
     while let Some(incoming) = Protocol::V5.read(&mut out, 1 << 20).unwrap() {
         let Packet::Publish(p, _) = incoming.packet else {
@@ -313,12 +324,22 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     let back: Vec<_> = o
         .hand_back(&mut Inbox::new(rx))
         .into_iter()
-        .map(|m| (m.kept_pkid, m.payload[0]))
+        .map(|m| {
+            let p = m.properties.into_publish();
+            let stamp = p.user_properties.first().map(|(_, v)| v.to_string());
+            (m.kept_pkid, m.payload[0], stamp)
+        })
         .collect();
+    let stamp = |n: u8| Some(format!("a/1/{n}"));
     assert_eq!(
         back,
-        [(Some(106), 3), (None, 4), (Some(108), 6)],
-        "in flight (the kept id first), then waiting"
+        [
+            (Some(106), 3, stamp(3)),
+            (None, 4, None),
+            (Some(108), 6, stamp(6))
+        ],
+        "in flight (the kept id first), then waiting; each with its stamp, \
+         should the session move on"
     );
 }
 
