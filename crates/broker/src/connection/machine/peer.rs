@@ -116,7 +116,7 @@ fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
 }
 
 /// The value of the broker's own User Property `key` on a publish from
-/// another node's link (`crate::publisher::ORIGIN`, `STAMP`), removed.
+/// another node's link (`crate::publisher::ORIGIN`), removed.
 fn take(properties: Option<&mut PublishProperties>, key: &str) -> Option<String> {
     let user = &mut properties?.user_properties;
     let at = user.iter().position(|(k, _)| k == key)?;
