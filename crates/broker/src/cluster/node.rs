@@ -355,14 +355,10 @@ impl Node {
         if !assignment.is_empty() {
             Shares::mark(&assignment, self.shares.node_id(), own);
         }
-        if publish.qos == router::protocol::QoS::ExactlyOnce {
-            self.give_back(self.stamps.held(client, publish.pkid, &stamp.text));
-        } else {
-            self.stamps.arrived_here(stamp.number);
-        }
+        self.stamp_arrived(client, publish.qos as u8, publish.pkid, &stamp);
         own.user_properties.push((
             router::protocol::ByteString::from_static(crate::publisher::STAMP),
-            stamp.text.into(),
+            stamp.into(),
         ));
         ticket
     }

@@ -47,7 +47,7 @@ use tokio::sync::{oneshot, watch};
 use super::Cluster;
 use super::confirmations::Confirmations;
 use super::membership::Member;
-use super::stamps::{Stamp, Stamps};
+use super::stamps::Stamps;
 
 pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
 
@@ -221,7 +221,7 @@ impl Peers {
         assignment: &super::shares::Assignment,
         origin: Option<String>,
         stamps: &Stamps,
-    ) -> (Option<u64>, Stamp) {
+    ) -> (Option<u64>, String) {
         let links = self.links.read();
         let topic = match std::str::from_utf8(&publish.topic) {
             Ok(topic) if !links.is_empty() => topic,
@@ -238,7 +238,7 @@ impl Peers {
             let stamp = stamps.stamp();
             properties
                 .user_properties
-                .push((crate::publisher::STAMP.to_owned(), stamp.text.clone()));
+                .push((crate::publisher::STAMP.to_owned(), stamp.clone()));
             let ticket = (qos != LinkQoS::AtMostOnce).then(|| state.issue());
             for (i, link) in links.iter().enumerate() {
                 // The last link takes the properties, the others a copy.

@@ -203,14 +203,6 @@ pub enum Verdict {
     New,
 }
 
-/// A stamp given here (see [`Stamps::stamp`]).
-pub struct Stamp {
-    /// `<node id>/<run>/<number>`, as it goes with the publish.
-    pub text: String,
-    /// Its number.
-    pub number: u64,
-}
-
 /// A stamp read back: its origin and number. Read from the end, in one
 /// pass over the number: every publish from a link has one.
 fn parse(stamp: &str) -> Option<(&str, u64)> {
@@ -244,7 +236,7 @@ impl Stamps {
 
     /// The next stamp of this node's clients' publishes: called in the
     /// order the links carry them.
-    pub fn stamp(&self) -> Stamp {
+    pub fn stamp(&self) -> String {
         let number = self.given.fetch_add(1, Ordering::Relaxed) + 1;
         let mut digits = itoa::Buffer::new();
         let digits = digits.format(number);
@@ -252,23 +244,17 @@ impl Stamps {
         text.push_str(&self.own);
         text.push('/');
         text.push_str(digits);
-        Stamp { text, number }
+        text
     }
 
     /// A QoS 0 or 1 publish with `stamp` goes to the router (called
-    /// before the router has it): one a link passes on.
+    /// before the router has it): one of this node's clients, or one a link
+    /// passes on.
     pub fn arrived(&self, stamp: &str) {
         let Some((origin, number)) = parse(stamp) else {
             return;
         };
         self.state.lock().note(origin, number);
-    }
-
-    /// A QoS 0 or 1 publish of this node's clients with stamp `number`
-    /// goes to the router (as [`Stamps::arrived`], without reading it
-    /// back).
-    pub fn arrived_here(&self, number: u64) {
-        self.state.lock().note(&self.own, number);
     }
 
     /// QoS 2 publish `pkid` with `stamp` goes to the router on connection
