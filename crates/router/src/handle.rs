@@ -220,6 +220,23 @@ impl RouterHandle {
             .await
             .map_err(LinkRefused::from)
     }
+
+    /// Resumes `client_id`'s session on a link that ends it (session
+    /// expiry 0) and is told, with `Notification::CaughtUp`, once the
+    /// router has given it everything the session had waiting (statebroker
+    /// patch 48): a session handed over to another node is taken whole
+    /// without guessing from the time.
+    pub async fn link_for_backlog(&self, client_id: &str) -> Result<Link, LinkRefused> {
+        LinkBuilder::new(client_id, self.tx.clone())
+            .clean_session(false)
+            .session_expiry(0)
+            .dynamic_filters(true)
+            .topic_alias_max(0)
+            .tell_caught_up(true)
+            .build_async()
+            .await
+            .map_err(LinkRefused::from)
+    }
 }
 
 #[cfg(test)]
@@ -875,6 +892,100 @@ mod tests {
                 assert_eq!(rel.pkid, pkid)
             }
             other => panic!("expected the PUBREL at once, got {other:?}"),
+        }
+    }
+
+    /// Patch 48: a link built for a session's backlog gets everything the
+    /// session had waiting (more than the router sends before it waits
+    /// for acknowledgements), then `CaughtUp` once; what comes after
+    /// still comes; an empty session's link is told at once, and a link
+    /// that did not ask is never told.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backlog_link_is_told_when_it_has_the_whole_backlog() {
+        use std::time::Duration;
+        let router = router();
+        let (mut sub_tx, mut sub_rx, _) = router.link("sub", false, 60, None).await.unwrap();
+        sub_tx.send_all([subscribe_to_t(QoS::AtLeastOnce)]).unwrap();
+        loop {
+            if let Ok(Some(Notification::DeviceAck(_))) = sub_rx.next().await {
+                break;
+            }
+        }
+        let (empty_tx, _empty_rx, _) = router.link("empty", false, 60, None).await.unwrap();
+        drop((sub_tx, sub_rx, empty_tx));
+        let (mut pub_tx, mut pub_rx, _) = router.link("pub", true, 0, None).await.unwrap();
+        let total = usize::from(MAX_ROUTER_PKID) * 2 + 30;
+        let publishes = (0..total).map(|n| {
+            let mut publish = Publish::new("t".to_string(), n.to_string(), false);
+            publish.qos = QoS::AtLeastOnce;
+            publish.pkid = (n + 1) as u16;
+            Packet::Publish(publish, None)
+        });
+        pub_tx.send_all(publishes).unwrap();
+        // The publisher's PUBACKs: every publish is in the log.
+        let mut acked = 0;
+        while acked < total {
+            match pub_rx.next().await.unwrap() {
+                Some(Notification::DeviceAck(_)) => acked += 1,
+                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                other => panic!("{other:?}"),
+            }
+        }
+
+        let (mut tx, mut rx, _) = router.link_for_backlog("sub").await.unwrap();
+        let mut payloads = Vec::new();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(10), rx.next());
+            match next.await.expect("the backlog, then CaughtUp").unwrap() {
+                Some(Notification::Forward(f)) => {
+                    payloads.push(String::from_utf8(f.publish.payload.to_vec()).unwrap());
+                    let ack = PubAck {
+                        pkid: f.publish.pkid,
+                        reason: PubAckReason::Success,
+                    };
+                    tx.send_all([Packet::PubAck(ack, None)]).unwrap();
+                }
+                Some(Notification::Unschedule) => rx.wake().await.unwrap(),
+                Some(Notification::CaughtUp) => break,
+                _ => {}
+            }
+        }
+        let expected: Vec<String> = (0..total).map(|n| n.to_string()).collect();
+        assert_eq!(
+            payloads, expected,
+            "the whole backlog, in order, before CaughtUp"
+        );
+        // A later publish still comes, and CaughtUp is not told again.
+        let mut publish = Publish::new("t", "later", false);
+        publish.qos = QoS::AtLeastOnce;
+        publish.pkid = 1;
+        pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
+        loop {
+            let next = tokio::time::timeout(Duration::from_secs(10), rx.next());
+            match next.await.expect("the later publish").unwrap() {
+                Some(Notification::Forward(f)) => {
+                    assert_eq!(&f.publish.payload[..], b"later");
+                    break;
+                }
+                Some(Notification::CaughtUp) => panic!("told twice"),
+                _ => {}
+            }
+        }
+
+        // An empty session: told at once.
+        let (_tx, mut rx, _) = router.link_for_backlog("empty").await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(10), rx.next());
+        match next.await.expect("CaughtUp").unwrap() {
+            Some(Notification::CaughtUp) => {}
+            other => panic!("expected CaughtUp, got {other:?}"),
+        }
+        // The publisher's link never asked: acknowledgements only.
+        while let Ok(next) = tokio::time::timeout(Duration::from_millis(200), pub_rx.next()).await {
+            let next = next.unwrap();
+            assert!(
+                !matches!(next, Some(Notification::CaughtUp)),
+                "told unasked"
+            );
         }
     }
 

@@ -76,6 +76,9 @@ pub struct LinkBuilder<'a> {
     // This session's choice when a publish would push out of a log what it
     // has not had (`None`: the router's) (statebroker patch 25)
     queue_full: Option<crate::QueueFull>,
+    // Told once the router has given everything the session had waiting
+    // (statebroker patch 48)
+    tell_caught_up: bool,
 }
 
 impl<'a> LinkBuilder<'a> {
@@ -91,7 +94,17 @@ impl<'a> LinkBuilder<'a> {
             topic_alias_max: 0,
             session_expiry: None,
             queue_full: None,
+            tell_caught_up: false,
         }
+    }
+
+    /// The link gets `Notification::CaughtUp` once, the first time the
+    /// router has given it everything: the session's restored messages
+    /// and what its subscriptions' logs held for it (statebroker patch
+    /// 48).
+    pub fn tell_caught_up(mut self, tell: bool) -> Self {
+        self.tell_caught_up = tell;
+        self
     }
 
     /// MQTT 5: how long (seconds, `u32::MAX` for ever) the router keeps the
@@ -172,6 +185,7 @@ impl<'a> LinkBuilder<'a> {
             self.session_expiry
                 .unwrap_or(if self.clean_session { 0 } else { u32::MAX });
         connection.queue_full = self.queue_full;
+        connection.tell_caught_up = self.tell_caught_up;
 
         connection
             .last_will(self.last_will, self.last_will_properties)

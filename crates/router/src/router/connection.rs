@@ -46,6 +46,9 @@ pub struct Connection {
     /// session has not had (`None`: the router's
     /// [`crate::RouterConfig::queue_full`]) (statebroker patch 25).
     pub queue_full: Option<crate::QueueFull>,
+    /// Tell the link (`Notification::CaughtUp`) the first time the router
+    /// has nothing more to give it (statebroker patch 48).
+    pub tell_caught_up: bool,
     /// Messages pushed out of its logs before it read them, not yet in a
     /// WARN line, and when the last line was written (statebroker patch 23).
     pub(crate) dropped: DropReport,
@@ -104,6 +107,7 @@ impl Connection {
             session_expiry: if clean { 0 } else { u32::MAX },
             discarded: false,
             queue_full: None,
+            tell_caught_up: false,
             client_id,
             tenant_prefix,
             dynamic_filters,

@@ -103,6 +103,10 @@ pub enum Notification {
     /// Shadow
     Shadow(ShadowReply),
     Unschedule,
+    /// The router has given the link everything its session had waiting
+    /// (sent once, to a link built with
+    /// [`crate::local::LinkBuilder::tell_caught_up`]; statebroker patch 48).
+    CaughtUp,
     Disconnect(Disconnect, Option<DisconnectProperties>),
 }
 
@@ -114,7 +118,7 @@ impl From<Notification> for MaybePacket {
         let packet: Packet = match notification {
             Notification::Forward(forward) => Packet::Publish(forward.publish, forward.properties),
             Notification::DeviceAck(ack) | Notification::DurableAck(_, ack) => ack.into(),
-            Notification::Unschedule => return None,
+            Notification::Unschedule | Notification::CaughtUp => return None,
             Notification::Disconnect(disconnect, props) => Packet::Disconnect(disconnect, props),
             v => {
                 tracing::error!(

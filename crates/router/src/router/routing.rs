@@ -1871,6 +1871,12 @@ impl Router {
                         // if no requests is in skip list, that means
                         // we have nothing left to process, i.e. we caughtup
                         self.scheduler.pause(id, PauseReason::Caughtup);
+                        // Told once, after everything pushed so far
+                        // (statebroker patch 48).
+                        if std::mem::take(&mut connection.tell_caught_up) {
+                            outgoing.push_notification(Notification::CaughtUp);
+                            outgoing.handle.try_send(()).ok();
+                        }
                     }
                     // add back the skipped requests!
                     self.scheduler.trackv(id, skipped_requests);
