@@ -11,10 +11,10 @@
 //! id takes it as the same message (MQTT 5 4.3.3). They
 //! come after what was published since the move, and a message published
 //! while the session moves (from the new node's CONNECT until this node
-//! has handed over: etcd's watch, then up to [`FIRST`] for the router's
-//! first message and [`QUIET`] after the last, [`DRAIN_MAX`] at most)
-//! reaches both nodes' copies of the session: it may be delivered twice,
-//! never lost.
+//! has handed over: etcd's watch, the router's backlog until it says it
+//! has given it all, then [`QUIET`] after the last message, [`DRAIN_MAX`]
+//! at most) reaches both nodes' copies of the session: it may be
+//! delivered twice, never lost.
 
 use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties, QoS};
@@ -59,7 +59,7 @@ pub async fn hand_over(
 ) {
     use router::protocol::Packet;
     // Session expiry 0: the session ends with this link.
-    let Ok((mut tx, mut rx, connack)) = router.link(client_id, false, 0, None).await else {
+    let Ok((mut tx, mut rx, connack)) = router.link_for_backlog(client_id).await else {
         return;
     };
     let present = matches!(
@@ -116,33 +116,42 @@ pub async fn hand_over(
     );
 }
 
-/// How long a handover takes what the router gives at most (longer only
-/// when the router's first message came late: then [`QUIET`] after it).
-/// What reaches the session here while the client is on
-/// its new node reaches the new node's copy too (every publish goes to
-/// every node), and would come to the client twice: a handover that
-/// waited for 300 ms without one never ended while publishes to the
-/// client kept coming faster than that (nothing was handed over, and a
-/// node stopped with SIGTERM waited for it until its grace ran out); one
-/// that took them for 2 s gave about 40 of them twice at 20 a second.
+/// How long a handover goes on taking what the router gives after the
+/// router said it had given the whole backlog (longer only when a message
+/// came late: then [`QUIET`] after it). What reaches the session here
+/// while the client is on its new node reaches the new node's copy too
+/// (every publish goes to every node), and would come to the client
+/// twice: a handover that waited for 300 ms without one never ended
+/// while publishes to the client kept coming faster than that (nothing
+/// was handed over, and a node stopped with SIGTERM waited for it until
+/// its grace ran out); one that took them for 2 s gave about 40 of them
+/// twice at 20 a second.
 const DRAIN_MAX: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// The router gives a session's backlog at once: once it has given a
-/// first message, the drain ends when it has given nothing for this long.
+/// Once the router has given the backlog, the drain ends when it has
+/// given nothing for this long: a message another node sent to both
+/// nodes' copies of the session may reach this one a moment after it
+/// reached the new node's router, before the session was there.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// How long the drain waits for the router's first message: the router
-/// takes the link in turn with its other work, which on a loaded machine
-/// took more than 100 ms (a handover then ended with nothing, and the
-/// queued messages were lost with the session).
-const FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long the drain waits for the router's next message, or for its
+/// word that it has given the whole backlog (router patch 48,
+/// `Notification::CaughtUp`), before it takes the router for stalled; and
+/// how long it takes the backlog at most ([`BACKLOG_MAX`]). Before that
+/// word, the drain waited 1 s for a first message and ended 100 ms after
+/// the last, or 500 ms after its start: a session without messages cost
+/// a stopping node 1 s, and a backlog the router took longer than that
+/// to give was cut, the rest lost with the session.
+const STALL: std::time::Duration = std::time::Duration::from_secs(2);
+const BACKLOG_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Takes what the router gives a resumed session's link, acknowledging
-/// each message: the first within [`FIRST`], then until it has given
-/// nothing for [`QUIET`], until [`DRAIN_MAX`] at most (a QoS 2 one sent
-/// again, DUP, was in flight to the client: with the id the client saw,
-/// in `ids`); returns the messages, oldest first (the newest
-/// [`HANDED_OVER_MAX`]), and how many older ones were dropped.
+/// each message: the whole backlog (until the router says so; see
+/// [`STALL`]), then until it has given nothing for [`QUIET`], for
+/// [`DRAIN_MAX`] at most (a QoS 2 one sent again, DUP, was in flight to
+/// the client: with the id the client saw, in `ids`); returns the
+/// messages, oldest first (the newest [`HANDED_OVER_MAX`]), and how many
+/// older ones were dropped.
 async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
@@ -154,21 +163,28 @@ async fn drain(
     let mut messages = std::collections::VecDeque::new();
     let mut dropped = 0usize;
     let started = tokio::time::Instant::now();
-    // Set at the router's first message: DRAIN_MAX after the start, but
-    // never before QUIET after that message.
+    // Set when the router has given the whole backlog: DRAIN_MAX after.
     let mut deadline: Option<tokio::time::Instant> = None;
     loop {
+        let now = tokio::time::Instant::now();
         let until = match deadline {
-            Some(deadline) => (tokio::time::Instant::now() + QUIET).min(deadline),
-            None => started + FIRST,
+            Some(deadline) => (now + QUIET).min(deadline),
+            None => (now + STALL).min(started + BACKLOG_MAX),
         };
         let next = tokio::time::timeout_at(until, rx.next());
         let notification = match next.await {
             Ok(Ok(Some(notification))) => notification,
+            // A wake-up that found the link's buffer empty (the router
+            // wakes once per push, and one read may take several pushes):
+            // not the end (before, it ended the drain, the rest of the
+            // backlog lost with the session).
+            Ok(Ok(None)) => continue,
             _ => break,
         };
-        deadline
-            .get_or_insert_with(|| (started + DRAIN_MAX).max(tokio::time::Instant::now() + QUIET));
+        if matches!(notification, router::Notification::CaughtUp) {
+            deadline = Some(tokio::time::Instant::now() + DRAIN_MAX);
+            continue;
+        }
         if matches!(notification, router::Notification::Unschedule) {
             if rx.wake().await.is_err() {
                 break;
