@@ -344,6 +344,28 @@ async fn queued_messages_move_with_the_session_from_a_live_node() {
     assert_eq!(metric(setup.http[0], KEPT), Some(LINK_SESSIONS));
 }
 
+/// A backlog of 1,000 messages queued on a live node moves whole: the old
+/// node's router gives it in several rounds, and the handover takes all
+/// of them. Before, a wake-up of its link that found nothing (one read
+/// takes several rounds) ended the handover, and the rest of the backlog
+/// was lost with the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_backlog_moves_whole_from_a_live_node() {
+    let setup = Setup::three_linked().await;
+    let (_publisher, expected) = queued_on_node_1(&setup, "backlog", "b", 1_000).await;
+    let mut c = resumed_on_node_2(&setup, "backlog").await;
+    let got = topics_until(&mut c, expected.len()).await;
+    assert_eq!(got.len(), expected.len(), "the whole backlog");
+    assert_eq!(got, expected, "once, in order");
+    assert_eq!(
+        metric(
+            setup.http[0],
+            "statebroker_cluster_messages_handed_over_total"
+        ),
+        Some(1_000.0)
+    );
+}
+
 /// A retained message queued on node 1 for a Retain As Published
 /// subscription keeps its RETAIN flag when the session moves to node 2
 /// (MQTT 5 3.8.3.1); one for a plain subscription goes with RETAIN 0. The

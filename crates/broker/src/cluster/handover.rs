@@ -237,3 +237,71 @@ async fn drain(
     }
     (messages.into(), dropped)
 }
+
+#[cfg(test)]
+mod tests {
+    use router::Notification;
+    use router::protocol::{Filter, Packet, Publish, QoS, RetainForwardRule, Subscribe};
+
+    use super::*;
+
+    /// The drain takes a session's whole backlog: more messages than the
+    /// router sends before it waits for acknowledgements, which it pushes
+    /// in several rounds (each round wakes the link; a read may take
+    /// several rounds, and the wake-ups left find the buffer empty). Before,
+    /// such a wake-up ended the drain, and the rest of the backlog was lost
+    /// with the session.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_drain_takes_the_whole_backlog() {
+        let config = router::RouterConfig {
+            max_connections: 10,
+            max_segment_size: 1 << 20,
+            max_segment_count: 4,
+            max_outgoing_packet_count: 200,
+            ..router::RouterConfig::default()
+        };
+        let router = RouterHandle::spawn(0, config, 0, None);
+        let (mut tx, mut rx, _) = router.link("s", false, 60, None).await.unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::AtLeastOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        tx.send_all([Packet::Subscribe(subscribe, None)]).unwrap();
+        while !matches!(rx.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        drop((tx, rx));
+
+        let total = 1_000;
+        let (mut pub_tx, mut pub_rx, _) = router.link("p", true, 0, None).await.unwrap();
+        for n in 0..total {
+            let mut publish = Publish::new("t".to_owned(), n.to_string(), false);
+            publish.qos = QoS::AtLeastOnce;
+            publish.pkid = n as u16 % 60_000 + 1;
+            pub_tx.send_all([Packet::Publish(publish, None)]).unwrap();
+        }
+        let mut acked = 0;
+        while acked < total {
+            match pub_rx.next().await.unwrap() {
+                Some(Notification::DeviceAck(_)) => acked += 1,
+                Some(Notification::Unschedule) => pub_rx.wake().await.unwrap(),
+                _ => {}
+            }
+        }
+
+        let (mut tx, mut rx, _) = router.link_for_backlog("s").await.unwrap();
+        let (messages, dropped) = drain(&mut tx, &mut rx, PacketIdBlock::new(0)).await;
+        let payloads: Vec<String> = messages
+            .iter()
+            .map(|(p, _)| String::from_utf8(p.payload.to_vec()).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..total).map(|n| n.to_string()).collect();
+        assert_eq!(dropped, 0);
+        assert_eq!(payloads.len(), total, "the whole backlog");
+        assert_eq!(payloads, expected, "in order");
+    }
+}
