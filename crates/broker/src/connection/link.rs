@@ -141,10 +141,12 @@ impl RouterLink {
     /// directory, its journal has it).
     pub async fn close_with(&mut self, packets: &mut Vec<Packet>, within: std::time::Duration) {
         if self.send(packets).await.is_ok() {
-            let _ = tokio::time::timeout(within, async {
-                while let Ok(Some(_)) = self.next().await {}
-            })
-            .await;
+            // Until the link closes (`Err`): a wake-up that finds nothing
+            // (`Ok(None)`: the router wakes the link once per push, and one
+            // read may take several) is not the close; before, it ended
+            // the wait early.
+            let _ =
+                tokio::time::timeout(within, async { while self.next().await.is_ok() {} }).await;
         }
     }
 
@@ -213,5 +215,62 @@ mod tests {
             .await
             .unwrap();
         assert!(link.is_linked() && !present);
+    }
+
+    /// `close_with` returns once the router has closed the link, not at a
+    /// wake-up that finds nothing to read: the router wakes the link once
+    /// per push, and one read may take several pushes. Before, such a
+    /// wake-up ended the wait (199 times in the mqtt5, delivery,
+    /// protocol_edge and durable tests), and the socket closed before the
+    /// router had ended the session.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_close_waits_for_the_router_to_close_the_link() {
+        use futures_util::FutureExt;
+        use router::protocol::{Filter, QoS, RetainForwardRule, Subscribe};
+        let router = RouterHandle::spawn(
+            0,
+            router::RouterConfig {
+                max_connections: 10,
+                max_segment_size: 1 << 20,
+                max_segment_count: 2,
+                max_outgoing_packet_count: 1000,
+                ..router::RouterConfig::default()
+            },
+            0,
+            None,
+        );
+        for round in 0..20 {
+            let (mut link, _) = RouterLink::open(&router, "c", true, 0, None, false)
+                .await
+                .unwrap();
+            let subscribe = Subscribe {
+                pkid: 1,
+                filters: vec![Filter {
+                    path: "t".into(),
+                    qos: QoS::AtMostOnce,
+                    nolocal: false,
+                    preserve_retain: false,
+                    retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+                }],
+            };
+            link.send(&mut vec![Packet::Subscribe(subscribe, None)])
+                .await
+                .unwrap();
+            while !matches!(link.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+            // Several pushes to the link (the pauses let the router push
+            // each batch on its own), none read.
+            let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
+            for _ in 0..5 {
+                let batch = (0..10).map(|_| Packet::Publish(Publish::new("t", "x", false), None));
+                tx.send_all(batch).unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+            link.close_with(&mut vec![goodbye(0)], std::time::Duration::from_secs(30))
+                .await;
+            assert!(
+                matches!(link.next().now_or_never(), Some(Err(_))),
+                "round {round}: the router closed the link"
+            );
+        }
     }
 }
