@@ -117,8 +117,7 @@ pub async fn hand_over(
 }
 
 /// How long a handover goes on taking what the router gives after the
-/// router said it had given the whole backlog (longer only when a message
-/// came late: then [`QUIET`] after it). What reaches the session here
+/// router said it had given the whole backlog. What reaches the session here
 /// while the client is on its new node reaches the new node's copy too
 /// (every publish goes to every node), and would come to the client
 /// twice: a handover that waited for 300 ms without one never ended
@@ -136,13 +135,15 @@ const QUIET: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How long the drain waits for the router's next message, or for its
 /// word that it has given the whole backlog (router patch 48,
-/// `Notification::CaughtUp`), before it takes the router for stalled; and
-/// how long it takes the backlog at most ([`BACKLOG_MAX`]). Before that
-/// word, the drain waited 1 s for a first message and ended 100 ms after
-/// the last, or 500 ms after its start: a session without messages cost
-/// a stopping node 1 s, and a backlog the router took longer than that
-/// to give was cut, the rest lost with the session.
+/// `Notification::CaughtUp`), before it takes the router for stalled.
+/// Before that word, the drain waited 1 s for a first message and ended
+/// 100 ms after the last, or 500 ms after its start: a session without
+/// messages cost a stopping node 1 s, and a backlog the router took
+/// longer than that to give was cut, the rest lost with the session.
 const STALL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long the drain takes the backlog at most (a router that never
+/// catches up: publishes for the session coming faster than it drains).
 const BACKLOG_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Takes what the router gives a resumed session's link, acknowledging
