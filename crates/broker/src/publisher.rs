@@ -48,6 +48,16 @@ pub const HANDOVER_PKID: &str = "statebroker:handover-pkid";
 /// (1 would make this node's router keep it as the topic's retained
 /// message).
 pub const HANDOVER_RETAIN: &str = "statebroker:handover-retain";
+/// The User Property of the publish that ends another node's handover of
+/// a session (after its messages, if any; the publish itself carries
+/// none, on [`HANDOVER_DONE_TOPIC`]): the client id whose session moved
+/// to this node. Its connection holds back what this node's router gives
+/// the session until then, so the older messages come first.
+pub const HANDOVER_DONE: &str = "statebroker:handover-done";
+/// The topic of that publish (a `$` topic: no wildcard subscription of
+/// a node that does not know the mark matches it).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub const HANDOVER_DONE_TOPIC: &str = "$statebroker/handover-done";
 /// On a QoS 2 publish another node's link forwards: its origin,
 /// `<packet id> <1 if sent again (DUP), else 0> <client id>` (see
 /// `crate::cluster::origins`).

@@ -459,6 +459,7 @@ impl Shared {
             ids: self.run_ids,
             read: (0, 0),
             was_here: true,
+            awaits_handover: false,
         })
     }
 

@@ -366,6 +366,57 @@ async fn a_large_backlog_moves_whole_from_a_live_node() {
     );
 }
 
+/// A session that moves from a live node gets what that node had queued
+/// for it before what was published since the move: 100 messages wait on
+/// node 1 for a client that comes back on node 2 while a publisher on
+/// node 3 goes on publishing; the client gets every message, each
+/// publisher's in order. Node 2's connection holds back what its router
+/// gives the session until node 1 says it has handed over. Before, the
+/// handed-over messages came after newer ones from node 2's router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_session_gets_its_queued_messages_before_newer_ones() {
+    let setup = Setup::three_linked().await;
+    let (mut publisher, queued) = queued_on_node_1(&setup, "ordered", "o", 100).await;
+    let total = 300;
+    let steady = tokio::spawn(async move {
+        for n in queued.len()..total {
+            publisher
+                .publish(&format!("o/{n}"), "x", QoS::AtLeastOnce, None)
+                .await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        publisher
+    });
+    let mut c = resumed_on_node_2(&setup, "ordered").await;
+    let got = topics_until(&mut c, total).await;
+    let _publisher = steady.await.unwrap();
+    let mut got = got;
+    got.extend(topics_within(&mut c, Duration::from_secs(1)).await);
+    // Each message's first arrival, in the order they came.
+    let mut seen = std::collections::HashSet::new();
+    let first: Vec<usize> = got
+        .iter()
+        .filter(|t| seen.insert(t.as_str()))
+        .map(|t| t.trim_start_matches("o/").parse().unwrap())
+        .collect();
+    let mut newest = 0;
+    let late: Vec<(usize, usize)> = first
+        .iter()
+        .filter_map(|&n| {
+            newest = newest.max(n);
+            (n < newest).then_some((n, newest))
+        })
+        .collect();
+    println!(
+        "{} messages, {} again (QoS 1 allows it), {} after a newer one",
+        first.len(),
+        got.len() - first.len(),
+        late.len()
+    );
+    assert_eq!(first.len(), total, "every message");
+    assert_eq!(late, Vec::new(), "(message, after) none after a newer one");
+}
+
 /// A retained message queued on node 1 for a Retain As Published
 /// subscription keeps its RETAIN flag when the session moves to node 2
 /// (MQTT 5 3.8.3.1); one for a plain subscription goes with RETAIN 0. The

@@ -8,8 +8,12 @@
 //! for a QoS 2 message this node had sent the client and not had
 //! completed: that one goes at QoS 2 under the packet id the client saw
 //! (`crate::publisher::HANDOVER_PKID`), so that a client that keeps the
-//! id takes it as the same message (MQTT 5 4.3.3). They
-//! come after what was published since the move, and a message published
+//! id takes it as the same message (MQTT 5 4.3.3). Then, with messages
+//! or without, it sends the mark that it has handed over
+//! (`crate::publisher::HANDOVER_DONE`): the client's connection on the
+//! new node holds back what its own router gives the session until that
+//! mark (3 s at most, or until the client sends what needs the router),
+//! so the older messages come first. A message published
 //! while the session moves (from the new node's CONNECT until this node
 //! has handed over: etcd's watch, the router's backlog until it says it
 //! has given it all, then [`QUIET`] after the last message, [`DRAIN_MAX`]
@@ -60,6 +64,8 @@ pub async fn hand_over(
     use router::protocol::Packet;
     // Session expiry 0: the session ends with this link.
     let Ok((mut tx, mut rx, connack)) = router.link_for_backlog(client_id).await else {
+        // Nothing to hand over: the new node's connection need not wait.
+        peers.hand_over(to, client_id, Vec::new()).await;
         return;
     };
     let present = matches!(
@@ -98,11 +104,9 @@ pub async fn hand_over(
         );
     }
     let count = messages.len();
-    let sent = if count == 0 {
-        0
-    } else {
-        peers.hand_over(to, client_id, messages).await
-    };
+    // Without messages too: the new node's connection holds back what its
+    // router gives the session until this node says it has handed over.
+    let sent = peers.hand_over(to, client_id, messages).await;
     if sent == count {
         done.iter().for_each(OnDone::run);
     }

@@ -459,6 +459,7 @@ async fn adopt(
         ids,
         read,
         was_here: false,
+        awaits_handover: false,
     };
     // This node's own copy (its lease ended and came back, or its data
     // directory kept it): claimed as it is.

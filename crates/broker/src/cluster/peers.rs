@@ -299,8 +299,11 @@ impl Peers {
     /// Sends `node` the messages queued here for `client_id`'s session,
     /// which moved there: each with the User Property
     /// [`crate::publisher::HANDOVER`] naming the client, which the other
-    /// node delivers to that client alone. Waits for room on the link;
-    /// returns how many it took (none without a link to `node`).
+    /// node delivers to that client alone; then, with none or all of them
+    /// sent, a publish marked [`crate::publisher::HANDOVER_DONE`], which
+    /// tells the client's connection there that what its router gives may
+    /// follow. Waits for room on the link; returns how many messages it
+    /// took (none without a link to `node`).
     pub async fn hand_over(
         &self,
         node: &str,
@@ -317,11 +320,11 @@ impl Peers {
             return 0;
         };
         let mut sent = 0;
-        'messages: for (publish, properties) in messages {
+        let mut whole = true;
+        for (publish, properties) in messages {
             let Ok(topic) = std::str::from_utf8(&publish.topic) else {
                 continue;
             };
-            let qos = link_qos(publish.qos);
             let mut properties = properties.as_ref().map(link_properties).unwrap_or_default();
             properties
                 .user_properties
@@ -331,35 +334,73 @@ impl Peers {
                     .user_properties
                     .push((crate::publisher::HANDOVER_RETAIN.to_owned(), "1".to_owned()));
             }
-            // Handed over in the confirmations' order (nobody waits for
-            // them); a full queue is waited for, a while.
-            let mut full_since = None;
-            loop {
-                let taken = self.confirmations.with(|state| {
-                    let published = client.try_publish_with_properties(
-                        topic,
-                        qos,
-                        false,
-                        publish.payload.clone(),
-                        properties.clone(),
-                    );
-                    published
-                        .is_ok()
-                        .then(|| state.handed(node, None))
-                        .is_some()
-                });
-                if taken {
-                    break;
-                }
-                let since = *full_since.get_or_insert_with(std::time::Instant::now);
-                if since.elapsed() > HANDOVER_PATIENCE {
-                    break 'messages;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
+            let qos = link_qos(publish.qos);
+            if !self
+                .hand_one(&client, node, topic, qos, publish.payload, properties)
+                .await
+            {
+                whole = false;
+                break;
             }
             sent += 1;
         }
+        if whole {
+            let mut properties = LinkProperties::default();
+            properties.user_properties.push((
+                crate::publisher::HANDOVER_DONE.to_owned(),
+                client_id.to_owned(),
+            ));
+            let topic = crate::publisher::HANDOVER_DONE_TOPIC;
+            let payload = bytes::Bytes::new();
+            self.hand_one(
+                &client,
+                node,
+                topic,
+                LinkQoS::AtLeastOnce,
+                payload,
+                properties,
+            )
+            .await;
+        }
         sent
+    }
+
+    /// Publishes one message of a handover on the link to `node`, in the
+    /// confirmations' order (nobody waits for them); a full queue is
+    /// waited for, [`HANDOVER_PATIENCE`] at most. `false`: not taken.
+    async fn hand_one(
+        &self,
+        client: &AsyncClient,
+        node: &str,
+        topic: &str,
+        qos: LinkQoS,
+        payload: bytes::Bytes,
+        properties: LinkProperties,
+    ) -> bool {
+        let mut full_since = None;
+        loop {
+            let taken = self.confirmations.with(|state| {
+                let published = client.try_publish_with_properties(
+                    topic,
+                    qos,
+                    false,
+                    payload.clone(),
+                    properties.clone(),
+                );
+                published
+                    .is_ok()
+                    .then(|| state.handed(node, None))
+                    .is_some()
+            });
+            if taken {
+                return true;
+            }
+            let since = *full_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > HANDOVER_PATIENCE {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Opens links to the members not linked yet and closes those to nodes

@@ -203,6 +203,7 @@ async fn resume_once(
         ids,
         read,
         was_here: true,
+        awaits_handover: false,
     };
     let node_id = ownership.node_id();
     let mine = ownership.ids_of(client_id).unwrap_or(fresh);
@@ -318,6 +319,7 @@ async fn resume_once(
     );
     Ok(Some(Resumed {
         was_here: false,
+        awaits_handover: replaced && handover,
         ..resumed(ids)
     }))
 }

@@ -207,6 +207,7 @@ pub(crate) async fn accept(
             ids: shared.run_ids,
             read: (0, 0),
             was_here: true,
+            awaits_handover: false,
         }
     } else {
         match shared.resume_session(client_id).await {

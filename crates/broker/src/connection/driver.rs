@@ -26,6 +26,14 @@ use crate::sessions::Peer;
 /// How long a closing connection waits for the router to end its session
 /// before it closes the socket anyway.
 pub(super) const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
+
+/// How long what the router gives a session that moved here waits for
+/// its previous node's handover at most (see
+/// `machine::Start::awaits_handover`): that node sees the move through
+/// etcd's watch and drains its router (2 s at most before it takes it
+/// for stalled, see `cluster::handover`); one that died with its link up
+/// never says.
+const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 use crate::shared::Shared;
 
 /// How long a write to a client without keep-alive may stall before the
@@ -97,6 +105,8 @@ impl<S: Stream> Driver<S> {
         let mut outcomes = machine
             .outcomes_done()
             .unwrap_or_else(|| watch::Sender::new(0).subscribe());
+        let handover_wait = tokio::time::sleep(HANDOVER_WAIT);
+        tokio::pin!(handover_wait);
         // What the client sent right after its CONNECT and came in the same
         // read (a client need not wait for the CONNACK: MQTT 5 and 3.1.1,
         // 3.1.4) is taken in before the first wait: no read may follow it.
@@ -136,7 +146,7 @@ impl<S: Stream> Driver<S> {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
-                    notification = self.link.next() => {
+                    notification = self.link.next(), if !machine.holds_router() => {
                         match notification {
                             Ok(Some(n)) => {
                                 machine.on_router(n)?;
@@ -153,6 +163,9 @@ impl<S: Stream> Driver<S> {
                         }
                     }
                     Some(message) = self.inbox.recv() => machine.on_broker(message)?,
+                    () = &mut handover_wait, if machine.holds_router() => {
+                        machine.router_may_go("the session's previous node did not hand over in time");
+                    }
                     () = &mut keep_alive, if self.idle_limit.is_some() => {
                         let deadline = last_heard + self.idle_limit.unwrap_or_default();
                         if Instant::now() >= deadline {
@@ -169,6 +182,11 @@ impl<S: Stream> Driver<S> {
                     self.suspended().await?;
                 }
                 self.read_packets(machine)?;
+            }
+            // What the client sent for the router waits for its answer,
+            // which comes with what the router gives.
+            if !machine.to_router.is_empty() {
+                machine.router_may_go("the client sent what needs the router");
             }
             self.link.send(&mut machine.to_router).await?;
             // The router answered the (UN)SUBSCRIBEs reading waited for:

@@ -123,6 +123,7 @@ pub(crate) async fn serve<S: Stream>(
         return socket.shutdown().await;
     }
     let client_id = terms.client_id.clone();
+    let awaits_handover = resumed.awaits_handover;
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();
     let broker = &shared.settings.broker;
@@ -193,6 +194,7 @@ pub(crate) async fn serve<S: Stream>(
         disk: shared.store.answered(),
         from_link: from_node.is_some(),
         ids: resumed.ids,
+        awaits_handover: awaits_handover && from_node.is_none(),
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
     let mut driver = Driver {

@@ -27,6 +27,11 @@ pub enum ToConnection {
     /// The node stopped serving (a cluster node lost its membership): end
     /// the connection (MQTT 5: 0x9C use another server).
     SendAway,
+    /// The session's previous node has handed over what it had queued for
+    /// it (a cluster node, see `cluster::handover`; the handed-over
+    /// messages came before this): what the router gives the session may
+    /// go out now, after them.
+    HandoverDone,
 }
 
 /// The bound on what waits for one connection: direct deliveries queued,

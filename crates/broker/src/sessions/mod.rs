@@ -141,6 +141,20 @@ impl Sessions {
         Arc::clone(&state.acknowledged)
     }
 
+    /// Tells `client`'s connection that its session's previous node has
+    /// handed over everything (see [`ToConnection::HandoverDone`]); nothing
+    /// if it is not connected.
+    pub fn handover_done(&self, client: &str) {
+        if let Some(live) = self
+            .clients
+            .read()
+            .get(client)
+            .and_then(|s| s.live.as_ref())
+        {
+            let _ = live.mailbox.tx.send(ToConnection::HandoverDone);
+        }
+    }
+
     /// Tells `client`'s connection to end with DISCONNECT `reason` (a
     /// fault, see [`crate::faults`]); `false` if it is not connected.
     pub fn disconnect(&self, client: &str, reason: protocol::DisconnectReasonCode) -> bool {

@@ -41,6 +41,11 @@ pub struct Resumed {
     /// node's session replaced from etcd, discarded, or new, which such
     /// a CONNECT must not leave behind (see `connection::serve`).
     pub was_here: bool,
+    /// The session came from a live node, which is to hand over what it
+    /// had queued for it (a cluster node, see `cluster::handover`): the
+    /// connection holds back what the router gives the session until that
+    /// node says it has, so that the older messages come first.
+    pub awaits_handover: bool,
 }
 
 /// One block of packet ids for the router's deliveries (see the module's

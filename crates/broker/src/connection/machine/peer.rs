@@ -22,6 +22,15 @@ impl Machine {
         qos: u8,
         pkid: u16,
     ) -> Option<(Publish, Option<PublishProperties>)> {
+        // Another node has handed over all it had queued for a session
+        // that moved here.
+        if let Some(client) = take(properties.as_mut(), crate::publisher::HANDOVER_DONE) {
+            if self.shared.handover_welcome(&self.client_id, &client) {
+                self.shared.sessions.handover_done(&client);
+            }
+            self.ack(qos, pkid, true);
+            return None;
+        }
         // Another node hands over what it had queued for a session that
         // moved here: for that client alone.
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
@@ -80,12 +89,13 @@ impl Machine {
 /// client cannot keep its message from a shared subscription
 /// (`router::NOT_FOR_GROUP`), nor have other nodes deliver it to one
 /// client alone as if handed over (`crate::publisher::HANDOVER`,
-/// `HANDOVER_PKID`), nor pass its publish for another's sent again
+/// `HANDOVER_PKID`, `HANDOVER_DONE`), nor pass its publish for another's sent again
 /// (`crate::publisher::ORIGIN`).
 pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
-    const MARKS: [&str; 6] = [
+    const MARKS: [&str; 7] = [
         router::NOT_FOR_GROUP,
         crate::publisher::HANDOVER,
+        crate::publisher::HANDOVER_DONE,
         crate::publisher::HANDOVER_PKID,
         crate::publisher::HANDOVER_RETAIN,
         crate::publisher::ORIGIN,
@@ -100,7 +110,7 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
             .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-done, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
         );
     }
 }
