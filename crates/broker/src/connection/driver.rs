@@ -22,6 +22,7 @@ use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use crate::persistence::Position;
 use crate::sessions::Peer;
+use crate::sessions::ToConnection;
 
 /// How long a closing connection waits for the router to end its session
 /// before it closes the socket anyway.
@@ -29,11 +30,11 @@ pub(super) const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
 
 /// How long what the router gives a session that moved here waits for
 /// its previous node's handover at most (see
-/// `machine::Start::awaits_handover`): that node sees the move through
+/// [`RouterLink::hold_until`]): that node sees the move through
 /// etcd's watch and drains its router (2 s at most before it takes it
 /// for stalled, see `cluster::handover`); one that died with its link up
 /// never says.
-const HANDOVER_WAIT: Duration = Duration::from_secs(3);
+pub(super) const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 use crate::shared::Shared;
 
 /// How long a write to a client without keep-alive may stall before the
@@ -105,8 +106,6 @@ impl<S: Stream> Driver<S> {
         let mut outcomes = machine
             .outcomes_done()
             .unwrap_or_else(|| watch::Sender::new(0).subscribe());
-        let handover_wait = tokio::time::sleep(HANDOVER_WAIT);
-        tokio::pin!(handover_wait);
         // What the client sent right after its CONNECT and came in the same
         // read (a client need not wait for the CONNACK: MQTT 5 and 3.1.1,
         // 3.1.4) is taken in before the first wait: no read may follow it.
@@ -146,7 +145,7 @@ impl<S: Stream> Driver<S> {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
-                    notification = self.link.next(), if !machine.holds_router() => {
+                    notification = self.link.next() => {
                         match notification {
                             Ok(Some(n)) => {
                                 machine.on_router(n)?;
@@ -162,10 +161,7 @@ impl<S: Stream> Driver<S> {
                             Err(_) => return Err(End::RouterClosed),
                         }
                     }
-                    Some(message) = self.inbox.recv() => machine.on_broker(message)?,
-                    () = &mut handover_wait, if machine.holds_router() => {
-                        machine.router_may_go("the session's previous node did not hand over in time");
-                    }
+                    Some(message) = self.inbox.recv() => self.on_broker(machine, message)?,
                     () = &mut keep_alive, if self.idle_limit.is_some() => {
                         let deadline = last_heard + self.idle_limit.unwrap_or_default();
                         if Instant::now() >= deadline {
@@ -183,11 +179,6 @@ impl<S: Stream> Driver<S> {
                 }
                 self.read_packets(machine)?;
             }
-            // What the client sent for the router waits for its answer,
-            // which comes with what the router gives.
-            if !machine.to_router.is_empty() {
-                machine.router_may_go("the client sent what needs the router");
-            }
             self.link.send(&mut machine.to_router).await?;
             // The router answered the (UN)SUBSCRIBEs reading waited for:
             // what was read after them is served now (see
@@ -198,7 +189,7 @@ impl<S: Stream> Driver<S> {
             // Direct deliveries that are ready (the answers to what was just
             // read among them) go out with the same write.
             while let Some(message) = self.inbox.try_recv() {
-                machine.on_broker(message)?;
+                self.on_broker(machine, message)?;
             }
             for delayed in machine.later.drain(..) {
                 tokio::spawn(delayed.run(Arc::clone(&self.shared)));
@@ -236,6 +227,18 @@ impl<S: Stream> Driver<S> {
             }
             _ = shutdown.changed() => Err(End::Shutdown),
         }
+    }
+
+    /// What the broker tells the connection: to the machine, but the end of
+    /// a handover, which ends the link's hold (see
+    /// [`RouterLink::hold_until`]).
+    fn on_broker(&mut self, machine: &mut Machine, message: ToConnection) -> Result<(), End> {
+        if let ToConnection::HandoverDone = message {
+            self.link
+                .release("the session's previous node handed over what it had");
+            return Ok(());
+        }
+        machine.on_broker(message)
     }
 
     /// Decodes and hands the machine every complete packet read, until too

@@ -49,6 +49,9 @@ pub(crate) struct RouterLink {
     /// [`super::waiting`]; the wait itself is kept across turns, router
     /// patch 34).
     wake: WhileWaiting,
+    /// What the router gives is not read before this (see
+    /// [`RouterLink::hold_until`]).
+    held_until: Option<tokio::time::Instant>,
 }
 
 impl RouterLink {
@@ -74,6 +77,7 @@ impl RouterLink {
             queue_full,
             link: None,
             wake: WhileWaiting::new(),
+            held_until: None,
         };
         if lazy {
             return Ok((link, false));
@@ -100,6 +104,9 @@ impl RouterLink {
         if packets.is_empty() {
             return Ok(());
         }
+        // What the client sent for the router waits for its answer, which
+        // comes with what the router gives.
+        self.release("the client sent what needs the router");
         if self.link.is_none() {
             let (tx, rx, _connack) = self
                 .router
@@ -150,8 +157,33 @@ impl RouterLink {
         }
     }
 
-    /// The next notification from the router; never, without a link.
+    /// What the router gives the session is not read until `until`, or
+    /// [`RouterLink::release`], or a send (the client sent what needs the
+    /// router's answer): a session that moved here from a live cluster node
+    /// waits for that node's handover (see `cluster::handover`), so that
+    /// the older messages come first.
+    pub fn hold_until(&mut self, until: tokio::time::Instant) {
+        self.held_until = Some(until);
+    }
+
+    /// Ends the hold (see [`RouterLink::hold_until`]).
+    pub fn release(&mut self, why: &'static str) {
+        if self.held_until.take().is_some() {
+            tracing::debug!(
+                client_id = self.client_id,
+                why,
+                "clustering: the router's deliveries go out"
+            );
+        }
+    }
+
+    /// The next notification from the router; never, without a link (nor
+    /// while held, see [`RouterLink::hold_until`]).
     pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
+        if let Some(until) = self.held_until {
+            tokio::time::sleep_until(until).await;
+            self.release("the session's previous node did not hand over in time");
+        }
         match &mut self.link {
             Some((_, rx)) => {
                 let _done = self.wake.until_dropped();

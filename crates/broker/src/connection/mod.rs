@@ -194,9 +194,12 @@ pub(crate) async fn serve<S: Stream>(
         disk: shared.store.answered(),
         from_link: from_node.is_some(),
         ids: resumed.ids,
-        awaits_handover: awaits_handover && from_node.is_none(),
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
+    let mut link = link;
+    if awaits_handover && from_node.is_none() {
+        link.hold_until(tokio::time::Instant::now() + driver::HANDOVER_WAIT);
+    }
     let mut driver = Driver {
         socket,
         link,

@@ -88,10 +88,6 @@ pub(crate) struct Start {
     pub from_link: bool,
     /// The packet ids the router's deliveries take on this connection.
     pub ids: crate::sessions::PacketIdBlock,
-    /// The session's previous node is to hand over what it had queued for
-    /// it (a cluster node, see `cluster::handover`): what the router gives
-    /// waits until it has, so that the older messages come first.
-    pub awaits_handover: bool,
 }
 
 /// A successful PUBACK without properties, as MQTT 3.1.1 and 5 both encode
@@ -128,9 +124,6 @@ pub(crate) struct Machine {
     /// The connection has joined the router, or will with the next
     /// hand-over: only then has the router anything of it.
     joined: bool,
-    /// What the router gives waits for the session's previous node's
-    /// handover (see [`Start::awaits_handover`]).
-    awaiting_handover: bool,
     /// Topic aliases and QoS state of the client's publishes.
     pub(super) inbound: Inbound,
     /// Acknowledgements in the order the publishes arrived.
@@ -197,7 +190,6 @@ impl Machine {
             awaiting_router: 0,
             resume_reading: false,
             joined: start.joined,
-            awaiting_handover: start.awaits_handover,
             inbound: Inbound::new(
                 start.topic_alias_max,
                 start.broker_receive_maximum,
@@ -516,30 +508,9 @@ impl Machine {
             ToConnection::Overflow => Err(End::Overflow),
             ToConnection::Disconnect(code) => Err(End::Fault(code)),
             ToConnection::SendAway => Err(End::NotServing),
-            ToConnection::HandoverDone => {
-                self.router_may_go("the session's previous node handed over what it had");
-                Ok(())
-            }
-        }
-    }
-
-    /// Whether what the router gives waits (for the session's previous
-    /// node's handover, see [`Start::awaits_handover`]): the driver does
-    /// not read the router meanwhile.
-    pub fn holds_router(&self) -> bool {
-        self.awaiting_handover
-    }
-
-    /// What the router gives goes out from now on: the previous node's
-    /// handover came, or did not come in time, or the client sent what
-    /// needs the router's answer.
-    pub fn router_may_go(&mut self, why: &'static str) {
-        if std::mem::take(&mut self.awaiting_handover) {
-            tracing::debug!(
-                client_id = self.client_id,
-                why,
-                "clustering: the router's deliveries go out"
-            );
+            // The driver's: it ends the link's hold (see
+            // `link::RouterLink::hold_until`).
+            ToConnection::HandoverDone => Ok(()),
         }
     }
 

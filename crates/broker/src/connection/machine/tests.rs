@@ -73,7 +73,6 @@ async fn machine_with(
         disk: position,
         from_link: false,
         ids: crate::sessions::PacketIdBlock::default(),
-        awaits_handover: false,
     };
     (Machine::new(start, shared), disk)
 }
