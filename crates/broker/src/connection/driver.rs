@@ -21,8 +21,8 @@ use super::link::RouterLink;
 use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use crate::persistence::Position;
-use crate::sessions::Peer;
-use crate::sessions::ToConnection;
+use crate::sessions::{Peer, ToConnection};
+use crate::shared::Shared;
 
 /// How long a closing connection waits for the router to end its session
 /// before it closes the socket anyway.
@@ -35,7 +35,6 @@ pub(super) const ROUTER_GOODBYE: Duration = Duration::from_secs(2);
 /// for stalled, see `cluster::handover`); one that died with its link up
 /// never says.
 pub(super) const HANDOVER_WAIT: Duration = Duration::from_secs(3);
-use crate::shared::Shared;
 
 /// How long a write to a client without keep-alive may stall before the
 /// client is disconnected.
