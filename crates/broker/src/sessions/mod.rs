@@ -145,22 +145,21 @@ impl Sessions {
     /// handed over everything (see [`ToConnection::HandoverDone`]); nothing
     /// if it is not connected.
     pub fn handover_done(&self, client: &str) {
-        if let Some(live) = self
-            .clients
-            .read()
-            .get(client)
-            .and_then(|s| s.live.as_ref())
-        {
-            let _ = live.mailbox.tx.send(ToConnection::HandoverDone);
-        }
+        self.tell(client, ToConnection::HandoverDone);
     }
 
     /// Tells `client`'s connection to end with DISCONNECT `reason` (a
     /// fault, see [`crate::faults`]); `false` if it is not connected.
     pub fn disconnect(&self, client: &str, reason: protocol::DisconnectReasonCode) -> bool {
+        self.tell(client, ToConnection::Disconnect(reason))
+    }
+
+    /// Sends `client`'s live connection `message`; `false` if it is not
+    /// connected.
+    fn tell(&self, client: &str, message: ToConnection) -> bool {
         let clients = self.clients.read();
         let live = clients.get(client).and_then(|c| c.live.as_ref());
-        live.is_some_and(|l| l.mailbox.tx.send(ToConnection::Disconnect(reason)).is_ok())
+        live.is_some_and(|l| l.mailbox.tx.send(message).is_ok())
     }
 
     /// Ends `client`'s connection `connection` with DISCONNECT 0x8E
