@@ -88,7 +88,7 @@ pub(crate) async fn serve<S: Stream>(
     let Accepted {
         terms,
         principal,
-        link,
+        mut link,
         connack,
         session_present,
         permit,
@@ -113,7 +113,6 @@ pub(crate) async fn serve<S: Stream>(
         // read brought from etcd (or its link made) is not this node's to
         // keep (it would collect the client's messages, and copies of them
         // in etcd, until it expired); one the node had stays as it was.
-        let mut link = link;
         let expiry = if resumed.was_here {
             terms.session_expiry
         } else {
@@ -122,8 +121,12 @@ pub(crate) async fn serve<S: Stream>(
         link.leave(expiry, driver::ROUTER_GOODBYE).await;
         return socket.shutdown().await;
     }
+    // A session that moved from a live node: what the router gives waits
+    // for that node's handover (see `link::RouterLink::hold_until`).
+    if resumed.awaits_handover && from_node.is_none() {
+        link.hold_until(tokio::time::Instant::now() + driver::HANDOVER_WAIT);
+    }
     let client_id = terms.client_id.clone();
-    let awaits_handover = resumed.awaits_handover;
     shared.wills.connected(&client_id, id, terms.clean_start);
     let (direct_tx, direct_rx) = mpsc::unbounded_channel();
     let broker = &shared.settings.broker;
@@ -196,10 +199,6 @@ pub(crate) async fn serve<S: Stream>(
         ids: resumed.ids,
     };
     let mut machine = Machine::new(start, Arc::clone(&shared));
-    let mut link = link;
-    if awaits_handover && from_node.is_none() {
-        link.hold_until(tokio::time::Instant::now() + driver::HANDOVER_WAIT);
-    }
     let mut driver = Driver {
         socket,
         link,
