@@ -15,7 +15,7 @@ use crate::durable::Durable;
 use crate::faults::Faults;
 use crate::persistence::{Loaded, Persistence};
 use crate::publisher::{INTERNAL_LINKS, Publisher};
-use crate::sessions::Sessions;
+use crate::sessions::{BeforeSending, Sessions};
 use crate::sessions::{PacketIdBlock, Resumed};
 use crate::standing::Standing;
 use crate::store::StateStoreService;
@@ -269,6 +269,16 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             return node.client_published(_client, _publish, _properties);
+        }
+        None
+    }
+
+    /// What connections ask before a QoS 2 delivery goes (see
+    /// [`BeforeSending`]); `None` on a single node.
+    pub fn before_sending(&self) -> Option<BeforeSending> {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            return node.before_sending();
         }
         None
     }

@@ -526,6 +526,99 @@ async fn a_killed_nodes_queued_messages_come_from_etcd() {
     .await;
 }
 
+/// `client_id` subscribes to `{prefix}/#` at QoS 2 on node 1 and leaves;
+/// `count` QoS 2 messages `{prefix}/0..count` are published on node 3,
+/// each exchange completed, until etcd has node 1's copies of them all.
+async fn queued_qos2_in_etcd(
+    setup: &Setup,
+    client_id: &str,
+    prefix: &str,
+    count: usize,
+) -> Vec<String> {
+    let (mut c, _) = connect(setup.ports[0], client_id, false, 300).await;
+    c.subscribe(&format!("{prefix}/#"), QoS::ExactlyOnce).await;
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    let topics: Vec<String> = (0..count).map(|n| format!("{prefix}/{n}")).collect();
+    for topic in &topics {
+        publish_complete(&mut publisher, topic, b"x", QoS::ExactlyOnce, false).await;
+    }
+    eventually("node 1's copies of the messages in etcd", || {
+        queued_in_etcd(setup, client_id) == count as u64
+    })
+    .await;
+    topics
+}
+
+/// Issue #29: QoS 2 messages a killed node had queued for a session are
+/// kept in etcd too, and come once, in order, at QoS 2, on the node its
+/// client comes back to; each leaves etcd before it is sent. Before, they
+/// were lost with the node (etcd kept QoS 1 messages only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_nodes_queued_qos2_messages_come_from_etcd() {
+    let mut setup = Setup::three_linked().await;
+    let expected = queued_qos2_in_etcd(&setup, "orphan2", "e", 20).await;
+    setup.nodes[0].kill().unwrap();
+    eventually("node 2 without its link to node 1", || {
+        metric(setup.http[1], "statebroker_cluster_peer_links") == Some(1.0)
+    })
+    .await;
+    let (mut c, present) = connect(setup.ports[1], "orphan2", false, 300).await;
+    assert!(present, "Session Present 1 after its node died");
+    let mut got = Vec::new();
+    while let Recv::Packet(packet) = c.recv_within(Duration::from_secs(3)).await {
+        match packet {
+            v5::Packet::Publish(p) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce);
+                assert!(!p.dup, "never sent before");
+                got.push(String::from_utf8_lossy(&p.topic).into_owned());
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+            }
+            v5::Packet::PubRel(rel) => {
+                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(got, expected, "the queued messages, once, in order");
+    assert_eq!(queued_in_etcd(&setup, "orphan2"), 0);
+}
+
+/// A QoS 2 message kept in etcd leaves it before its client may have it:
+/// once the client has the PUBLISHes, before any PUBREC, etcd keeps none;
+/// so a node killed then leaves nothing the next node would send again
+/// as a new message (before its QoS 2 copies went to etcd, such a message
+/// would have come twice: the first try in the fault run, 3 times).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos2_message_leaves_etcd_before_its_client_has_it() {
+    let mut setup = Setup::three_linked().await;
+    let expected = queued_qos2_in_etcd(&setup, "twice", "t", 10).await;
+    let (mut c, present) = connect(setup.ports[0], "twice", false, 300).await;
+    assert!(present);
+    let mut got = Vec::new();
+    while got.len() < expected.len() {
+        let p = common::mqtt::next_raw_publish(&mut c).await;
+        got.push(String::from_utf8_lossy(&p.topic).into_owned());
+    }
+    assert_eq!(got, expected);
+    assert_eq!(
+        queued_in_etcd(&setup, "twice"),
+        0,
+        "no copy left in etcd once the client has the messages (no PUBREC sent)"
+    );
+    setup.nodes[0].kill().unwrap();
+    eventually("node 2 without its link to node 1", || {
+        metric(setup.http[1], "statebroker_cluster_peer_links") == Some(1.0)
+    })
+    .await;
+    drop(c);
+    let (mut c, present) = connect(setup.ports[1], "twice", false, 300).await;
+    assert!(present);
+    c.no_publish_within(Duration::from_secs(2)).await;
+}
+
 /// A node paused past its lease comes back to find its client's session
 /// on another node, which took the queued messages from etcd: it does not
 /// hand them over again (no duplicates).

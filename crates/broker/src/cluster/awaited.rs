@@ -5,12 +5,13 @@
 //! A node that has just died can look alive for a while: killed with its
 //! machine, its links stay up until their keep-alive runs out. So the
 //! node waits: if the other node leaves the cluster (its lease ended) and
-//! no handover for the client came from it, the QoS 1 messages it kept in
+//! no handover for the client came from it, the messages it kept in
 //! etcd for the session (see [`super::queue`]) are delivered from there,
-//! to that client alone, each removed from etcd once the client has
-//! acknowledged it (one its connection ends without acknowledging is kept
-//! for the session's next connection, and its copy stays in etcd until
-//! then). A handover from that node for that
+//! to that client alone, each QoS 1 one removed from etcd once the client
+//! has acknowledged it (one its connection ends without acknowledging is
+//! kept for the session's next connection, and its copy stays in etcd
+//! until then), each QoS 2 one once etcd has its removal, before it goes
+//! to the client. A handover from that node for that
 //! client that comes later (it was paused or cut off, and came back) is
 //! then dropped: its messages are the ones etcd gave. The wait ends after
 //! twice the lease's TTL and one etcd request: a node still a member then
@@ -150,15 +151,31 @@ impl Awaited {
             }
         };
         let count = messages.len();
-        for (key, message) in messages {
-            // QoS 1: only those are kept in etcd.
+        // A QoS 2 message leaves etcd before the client may have it (see
+        // `Queue::sending`): the removals go at once, in as few requests
+        // as they take, and each delivery waits for its own.
+        let removals: Vec<_> = messages
+            .iter()
+            .map(|(key, message)| {
+                (message.publish.qos == router::protocol::QoS::ExactlyOnce)
+                    .then(|| self.queue.remove_waited(key.clone()))
+            })
+            .collect();
+        for ((key, message), removal) in messages.into_iter().zip(removals) {
             let mut properties = message.properties;
             if let Some(properties) = &mut properties {
                 crate::publisher::unstamp(properties);
             }
             let mut direct = Direct::handed_over(message.publish, properties, None);
-            let queue = Arc::clone(&self.queue);
-            direct.on_done = Some(OnDone::new(move || queue.remove(vec![key.clone()])));
+            if let Some(removal) = removal {
+                if removal.await.is_err() {
+                    // The node stops: the rest stays in etcd.
+                    return;
+                }
+            } else {
+                let queue = Arc::clone(&self.queue);
+                direct.on_done = Some(OnDone::new(move || queue.remove(vec![key.clone()])));
+            }
             self.sessions.deliver_handed_over(client_id, direct);
         }
         tracing::info!(

@@ -293,6 +293,15 @@ impl Node {
         }
     }
 
+    /// What a connection asks before a QoS 2 delivery goes (see
+    /// [`Queue::sending`]).
+    pub fn before_sending(&self) -> Option<crate::sessions::BeforeSending> {
+        let queue = Arc::downgrade(&self.queue);
+        Some(Arc::new(move |client, number| {
+            queue.upgrade()?.sending(client, number)
+        }))
+    }
+
     /// Makes the router's session of `client_id` the current one across
     /// the cluster before a CONNECT with Clean Start 0 links (see
     /// [`sessions::resume`]).

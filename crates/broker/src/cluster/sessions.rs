@@ -25,7 +25,7 @@
 //!
 //! What moves is the subscriptions and the expiry, and the messages
 //! queued for the session: from a node that is alive, over its link (see
-//! [`super::handover`]); from etcd, the QoS 1 ones, when its node is gone
+//! [`super::handover`]); from etcd when its node is gone
 //! or has no link here (see [`super::queue`], and [`super::awaited`] for
 //! a node that only looked alive). The session's router deliveries take the next
 //! block of packet ids after the one they took on the node it left
@@ -44,7 +44,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
-use router::protocol::QoS;
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
@@ -114,12 +113,8 @@ impl Journal for SessionJournal {
         let queue = self.queue();
         let (number, receipt) = match &self.data_dir {
             Some(journal) => journal.queued(clients, message)?,
-            // Only QoS 1 messages go to etcd (see `super::queue`): the
-            // router need not tell this journal about the others.
-            None if message.publish.qos == QoS::AtLeastOnce => {
-                (queue.as_ref().filter(|q| q.keeps())?.number(), None)
-            }
-            None => return None,
+            // The router tells it of QoS 1 and 2 messages only.
+            None => (queue.as_ref().filter(|q| q.keeps())?.number(), None),
         };
         if let Some(queue) = queue {
             queue.keep(clients, number, message);

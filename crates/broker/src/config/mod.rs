@@ -107,7 +107,7 @@ pub struct ClusteringSettings {
     /// `session_reap_interval_s`: how often ownerless session records are
     /// looked for.
     pub session_reap_interval: Duration,
-    /// `keep_queued_in_etcd`: QoS 1 messages queued for persistent
+    /// `keep_queued_in_etcd`: QoS 1 and 2 messages queued for persistent
     /// sessions are kept in etcd too (see `cluster::queue`).
     pub keep_queued_in_etcd: bool,
 }

@@ -249,7 +249,7 @@ pub(crate) async fn accept(
         lazy,
     )
     .await;
-    let (link, session_present) = match opened {
+    let (mut link, session_present) = match opened {
         Ok(opened) => opened,
         // The router keeps `max_kept_sessions` and this would be one more:
         // refused, not accepted without its session (see docs/architecture.md,
@@ -272,6 +272,7 @@ pub(crate) async fn accept(
             return Err(handshake::refusal(protocol, Refusal::Busy));
         }
     };
+    link.ask_before_sending(shared.before_sending());
     Ok(Accepted {
         terms,
         principal,

@@ -5,12 +5,39 @@
 //! router, so that a connection that only talks to the state store, or
 //! idles, costs the router nothing. What one turn of the connection's loop
 //! has for the router is handed over in one batch, with one wake-up.
+//!
+//! On a cluster node a QoS 2 delivery of a persistent session may have to
+//! wait before it goes out: its copy in etcd must be gone by then (see
+//! `cluster::queue`). The link asks ([`BeforeSending`]) and keeps such a
+//! delivery, and what the router gives after it, until etcd has the
+//! removal: the connection reads nothing of them before.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use router::local::{LinkError, LinkRx, LinkTx};
-use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
+use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, QoS};
 use router::{LinkRefused, Notification, RouterHandle};
+use tokio::sync::oneshot;
 
 use super::waiting::WhileWaiting;
+use crate::sessions::BeforeSending;
+
+/// While a delivery waits: its removal came (`false`: it will not), or
+/// the router gave more. (A value of one wait, never kept: boxing the
+/// notification would cost every delivery an allocation.)
+#[allow(clippy::large_enum_variant)]
+enum Event {
+    Removed(bool),
+    Router(Result<Option<Notification>, LinkError>),
+}
+
+/// Notifications a link keeps behind a delivery that waits (see the
+/// module's documentation), at most: past them it reads no more from the
+/// router until that delivery goes.
+const MAX_WAITING: usize = 1024;
 
 /// Why the router could not be reached.
 #[derive(Debug)]
@@ -52,6 +79,13 @@ pub(crate) struct RouterLink {
     /// What the router gives is not read before this (see
     /// [`RouterLink::hold_until`]).
     held_until: Option<tokio::time::Instant>,
+    /// What to ask before a QoS 2 delivery goes (a cluster node's).
+    before_sending: Option<BeforeSending>,
+    /// What the router gave behind a delivery that waits, in order, each
+    /// with what it waits for (see the module's documentation).
+    waiting: VecDeque<(Notification, Option<oneshot::Receiver<()>>)>,
+    /// A removal waited for will not come (the node stops).
+    stopped: bool,
 }
 
 impl RouterLink {
@@ -78,6 +112,9 @@ impl RouterLink {
             link: None,
             wake: WhileWaiting::new(),
             held_until: None,
+            before_sending: None,
+            waiting: VecDeque::new(),
+            stopped: false,
         };
         if lazy {
             return Ok((link, false));
@@ -147,6 +184,10 @@ impl RouterLink {
     /// does once the session is as the goodbye says (and, with a data
     /// directory, its journal has it).
     pub async fn close_with(&mut self, packets: &mut Vec<Packet>, within: std::time::Duration) {
+        // Deliveries that wait for etcd do not go now (the router takes
+        // them as sent: they come again on the session's next connection).
+        self.waiting.clear();
+        self.stopped = false;
         if self.send(packets).await.is_ok() {
             // Until the link closes (`Err`): a wake-up that finds nothing
             // (`Ok(None)`: the router wakes the link once per push, and one
@@ -177,26 +218,117 @@ impl RouterLink {
         }
     }
 
+    /// QoS 2 deliveries ask `before_sending` before they go (see the
+    /// module's documentation).
+    pub fn ask_before_sending(&mut self, before_sending: Option<BeforeSending>) {
+        self.before_sending = before_sending;
+    }
+
     /// The next notification from the router; never, without a link (nor
-    /// while held, see [`RouterLink::hold_until`]).
+    /// while held, see [`RouterLink::hold_until`]). `Ok(None)`: nothing
+    /// yet (a wake-up that found nothing to give).
     pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
         if let Some(until) = self.held_until {
             tokio::time::sleep_until(until).await;
             self.release("the session's previous node did not hand over in time");
         }
-        match &mut self.link {
-            Some((_, rx)) => {
-                let _done = self.wake.until_dropped();
-                std::future::poll_fn(|cx| self.wake.poll_with(cx, |cx| rx.poll_next(cx))).await
+        loop {
+            if let Some(notification) = self.ready_waiting() {
+                return Ok(Some(notification));
             }
-            None => std::future::pending().await,
+            if self.stopped {
+                // The node stops before etcd had a removal: what waits is
+                // not sent.
+                return std::future::pending().await;
+            }
+            let Some((_, rx)) = &mut self.link else {
+                return std::future::pending().await;
+            };
+            // While one waits for its removal, what the router gives
+            // meanwhile is asked about at once (its removal goes with the
+            // first's), up to a bound.
+            let event = {
+                let (waiting, wake) = (&mut self.waiting, &self.wake);
+                let _done = wake.until_dropped();
+                std::future::poll_fn(|cx| {
+                    if let Some((_, Some(heard))) = waiting.front_mut()
+                        && let Poll::Ready(heard) = Pin::new(heard).poll(cx)
+                    {
+                        return Poll::Ready(Event::Removed(heard.is_ok()));
+                    }
+                    if waiting.len() < MAX_WAITING
+                        && let Poll::Ready(next) = wake.poll_with(cx, |cx| rx.poll_next(cx))
+                    {
+                        return Poll::Ready(Event::Router(next));
+                    }
+                    Poll::Pending
+                })
+                .await
+            };
+            match event {
+                Event::Removed(removed) => {
+                    if let Some((_, heard)) = self.waiting.front_mut() {
+                        *heard = None;
+                    }
+                    self.stopped |= !removed;
+                }
+                Event::Router(next) => match next? {
+                    Some(notification) => {
+                        if let Some(notification) = self.admit(notification) {
+                            return Ok(Some(notification));
+                        }
+                    }
+                    None if self.waiting.is_empty() => return Ok(None),
+                    None => {}
+                },
+            }
         }
     }
 
     /// The next notification if the router has one ready now.
     pub fn next_ready(&mut self) -> Option<Notification> {
+        if !self.waiting.is_empty() {
+            return self.ready_waiting();
+        }
         let (_, rx) = self.link.as_mut()?;
-        rx.try_next().ok().flatten()
+        let notification = rx.try_next().ok().flatten()?;
+        self.admit(notification)
+    }
+
+    /// `notification` if it may go now; otherwise it waits (see the
+    /// module's documentation).
+    fn admit(&mut self, notification: Notification) -> Option<Notification> {
+        let removal = match (&notification, &self.before_sending) {
+            (Notification::Forward(forward), Some(ask))
+                if forward.publish.qos == QoS::ExactlyOnce =>
+            {
+                forward.queued.and_then(|q| ask(&self.client_id, q))
+            }
+            _ => None,
+        };
+        if removal.is_none() && self.waiting.is_empty() {
+            return Some(notification);
+        }
+        self.waiting.push_back((notification, removal));
+        None
+    }
+
+    /// The first of those waiting, if it may go now.
+    fn ready_waiting(&mut self) -> Option<Notification> {
+        let (_, removal) = self.waiting.front_mut()?;
+        if let Some(heard) = removal {
+            match heard.try_recv() {
+                Ok(()) => {}
+                Err(oneshot::error::TryRecvError::Empty) => return None,
+                Err(oneshot::error::TryRecvError::Closed) => {
+                    self.stopped = true;
+                    return None;
+                }
+            }
+        }
+        self.waiting
+            .pop_front()
+            .map(|(notification, _)| notification)
     }
 
     /// Tells the router this connection wants to be scheduled again (after
@@ -247,6 +379,121 @@ mod tests {
             .await
             .unwrap();
         assert!(link.is_linked() && !present);
+    }
+
+    /// A QoS 2 delivery the cluster's queue must first remove from etcd
+    /// waits until it says so, and what the router gives after it waits
+    /// behind it; then both come, in order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_qos2_delivery_waits_until_its_copy_is_gone() {
+        use router::protocol::{Filter, PubRel, PubRelReason, QoS, RetainForwardRule, Subscribe};
+        use router::{Journal, Message, MessageId, Receipt, SessionRecord};
+        use std::sync::atomic::{AtomicU64, Ordering};
+
+        /// Numbers the messages it is told of 1, 2, ...
+        #[derive(Default)]
+        struct Numbering(AtomicU64);
+        impl Journal for Numbering {
+            fn session(&self, _: &str, _: Option<&SessionRecord>) -> Option<Receipt> {
+                None
+            }
+            fn retained(&self, _: &str, _: Option<&Message>) -> Option<Receipt> {
+                None
+            }
+            fn queued(&self, _: &[&str], _: &Message) -> Option<(MessageId, Option<Receipt>)> {
+                Some((MessageId(self.0.fetch_add(1, Ordering::Relaxed) + 1), None))
+            }
+            fn delivered(&self, _: &str, _: MessageId) {}
+        }
+
+        let router = RouterHandle::spawn(
+            0,
+            router::RouterConfig {
+                max_connections: 10,
+                max_segment_size: 1 << 20,
+                max_segment_count: 2,
+                max_outgoing_packet_count: 100,
+                ..router::RouterConfig::default()
+            },
+            0,
+            Some(std::sync::Arc::new(Numbering::default()) as std::sync::Arc<dyn Journal>),
+        );
+        let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
+            .await
+            .unwrap();
+        let (gone, heard) = oneshot::channel();
+        let heard = parking_lot::Mutex::new(Some(heard));
+        let asked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let seen = std::sync::Arc::clone(&asked);
+        sub.ask_before_sending(Some(std::sync::Arc::new(
+            move |client: &str, n: MessageId| {
+                seen.lock().push((client.to_owned(), n));
+                if n == MessageId(1) {
+                    heard.lock().take()
+                } else {
+                    None
+                }
+            },
+        )));
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::ExactlyOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        sub.send(&mut vec![Packet::Subscribe(subscribe, None)])
+            .await
+            .unwrap();
+        while !matches!(sub.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
+        for (pkid, payload) in [(1, "one"), (2, "two")] {
+            let mut publish = Publish::new("t", payload, false);
+            publish.qos = QoS::ExactlyOnce;
+            publish.pkid = pkid;
+            let pubrel = PubRel {
+                pkid,
+                reason: PubRelReason::Success,
+            };
+            tx.send_all([Packet::Publish(publish, None), Packet::PubRel(pubrel, None)])
+                .unwrap();
+        }
+        let forwarded = |n: Notification| match n {
+            Notification::Forward(f) => Some(f.publish.payload),
+            _ => None,
+        };
+        // Until the first one's copy is gone, neither comes.
+        let early = tokio::time::timeout(std::time::Duration::from_millis(500), async {
+            loop {
+                if let Ok(Some(n)) = sub.next().await
+                    && let Some(payload) = forwarded(n)
+                {
+                    return payload;
+                }
+            }
+        })
+        .await;
+        assert!(early.is_err(), "nothing before the removal: {early:?}");
+        assert!(sub.next_ready().is_none());
+        assert_eq!(
+            *asked.lock(),
+            [
+                ("s".to_owned(), MessageId(1)),
+                ("s".to_owned(), MessageId(2))
+            ],
+            "each asked once, in order"
+        );
+        gone.send(()).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            if let Some(payload) = sub.next().await.unwrap().and_then(forwarded) {
+                got.push(payload);
+            }
+        }
+        assert_eq!(got, ["one", "two"]);
     }
 
     /// `close_with` returns once the router has closed the link, not at a

@@ -52,6 +52,14 @@ pub use mailbox::OnDone;
 pub use packet_ids::{PacketIdBlock, Resumed};
 pub use route::Route;
 
+/// What a connection asks before it sends its client a QoS 2 delivery
+/// the router numbered for persistent sessions (client id, number): what
+/// to wait for first, if anything (a cluster node: the message's copy in
+/// etcd going, see `cluster::queue`).
+pub type BeforeSending = std::sync::Arc<
+    dyn Fn(&str, router::MessageId) -> Option<tokio::sync::oneshot::Receiver<()>> + Send + Sync,
+>;
+
 struct Live {
     connection: u64,
     mailbox: Mailbox,

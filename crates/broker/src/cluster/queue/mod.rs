@@ -1,7 +1,7 @@
 //! Messages queued for persistent sessions, kept in etcd as well: a
 //! session whose node died finds them there on the node it resumes on.
 //!
-//! Each QoS 1 message the router saves for persistent sessions
+//! Each QoS 1 and 2 message the router saves for persistent sessions
 //! ([`router::Journal::queued`]) is written for each of them to
 //! `<etcd_prefix>Q/<client id length>:<client id>/<node id>/<run>.<number>`
 //! (the run: `d` on a node with a data directory, whose numbers go on
@@ -31,13 +31,17 @@
 //! [`super::handover`]: the old node's router gives them up, acknowledged,
 //! and their copies here go).
 //!
-//! QoS 2 messages are not kept here: one the client had (its PUBREC
-//! reached the node, whose removal from etcd had not) would come again as
-//! a new message, and exactly once would need etcd to confirm each
-//! delivery and each release before the client sees it. A QoS 2 message
-//! queued on a node that dies is lost with it, never delivered twice; a
-//! QoS 1 message may come again (QoS 1 allows it).
-//!
+//! QoS 2 messages are kept too, but must never be in etcd once the
+//! client may have them: the next node would send one again, a new
+//! message to the client. So the connection asks before it sends one
+//! ([`Queue::sending`]): a put that has not left is not made, and a copy
+//! written (or read back) is removed, and the delivery waits until etcd
+//! has the removal. What dies with a node is then at most once: a QoS 2
+//! message it had sent (its exchange open) is not sent again by the
+//! next node, and one it had not sent comes from etcd. The client's
+//! PUBREC removes nothing more. A QoS 1 message may come again (QoS 1
+//! allows it).
+
 //! The session's records go when it ends: the copies with its session
 //! record, in the transaction that compares this node's claim (see
 //! `super::ownership::records`), or with a clean start anywhere, or when
@@ -58,6 +62,7 @@ use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp};
 use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
+use tokio::sync::oneshot;
 
 use super::{Cluster, backlog};
 use crate::durable::format::{decode_message, encode_message};
@@ -147,7 +152,7 @@ impl Queue {
     /// `message`, numbered `number`, is queued for the persistent sessions
     /// of `clients`: written for each (see the module's documentation).
     pub fn keep(&self, clients: &[&str], number: MessageId, message: &Message) {
-        if !self.keep || message.publish.qos != QoS::AtLeastOnce {
+        if !self.keep || message.publish.qos == QoS::AtMostOnce {
             return;
         }
         let Some(value) = encode_message(
@@ -213,6 +218,23 @@ impl Queue {
         if removal && idle {
             self.wake.notify_one();
         }
+    }
+
+    /// `client`'s connection is about to send it message `number` at QoS
+    /// 2 (see the module's documentation): what to wait for before it
+    /// does, if anything (its copy in etcd going).
+    pub fn sending(&self, client: &str, number: MessageId) -> Option<oneshot::Receiver<()>> {
+        let heard = if number.0 & RESTORED != 0 {
+            let key = self
+                .restored
+                .lock()
+                .remove(&(client.to_owned(), number.0))?;
+            self.pending.lock().remove_waited(key)
+        } else {
+            self.pending.lock().sending(client, number.0)?
+        };
+        self.wake.notify_one();
+        Some(heard)
     }
 
     /// `client`'s session ended here: what is kept of it in memory goes,
@@ -320,6 +342,13 @@ impl Queue {
         }
     }
 
+    /// Removes `key`; the receiver hears when etcd has the removal.
+    pub fn remove_waited(&self, key: Vec<u8>) -> oneshot::Receiver<()> {
+        let heard = self.pending.lock().remove_waited(key);
+        self.wake.notify_one();
+        heard
+    }
+
     /// Removes `keys` (read back and not for the session).
     pub fn remove(&self, keys: Vec<Vec<u8>>) {
         let mut pending = self.pending.lock();
@@ -351,6 +380,7 @@ impl Queue {
                 pending.put_back(changes, Instant::now());
                 return pending.len();
             }
+            changes.into_iter().for_each(pending::Change::done);
         }
     }
 }
@@ -389,8 +419,13 @@ impl backlog::Backlog for Queue {
     ) -> Result<(), etcd_client::Error> {
         client
             .txn(Txn::new().and_then(std::mem::take(&mut batch.ops)))
-            .await
-            .map(drop)
+            .await?;
+        // Those waiting for a removal hear (a QoS 2 delivery, see
+        // `Queue::sending`).
+        std::mem::take(&mut batch.changes)
+            .into_iter()
+            .for_each(pending::Change::done);
+        Ok(())
     }
 
     fn put_back(&self, batch: Batch) {

@@ -6,14 +6,21 @@
 //! delivered before its put left is taken off the first set: its put is
 //! skipped when its turn comes, and nothing is written for it. One
 //! delivered after is taken off the second: its removal is written. A
-//! message never kept here (QoS 2, or refused by the bounds) costs etcd
-//! nothing when delivered.
+//! message never kept here (refused by the bounds) costs etcd nothing
+//! when delivered. A QoS 2 message is taken off either set before it is
+//! sent (see [`Pending::sending`]), and its removal, if it has one, says
+//! when etcd has it.
+//!
+//! Removals go before puts: a removal is of a key whose put has left
+//! already (or of another node's key), so it need not wait behind puts
+//! that are not due yet.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 use etcd_client::TxnOp;
+use tokio::sync::oneshot;
 
 use super::{BATCH_OPS, LINGER};
 
@@ -57,22 +64,35 @@ pub enum Change {
         value: Arc<Vec<u8>>,
         due: Instant,
     },
-    /// Removes `key`.
-    Remove { key: Vec<u8> },
+    /// Removes `key`; `done` hears when etcd has the removal.
+    Remove {
+        key: Vec<u8>,
+        done: Option<oneshot::Sender<()>>,
+    },
 }
 
 impl Change {
+    /// Etcd has it: whoever waits for it hears.
+    pub fn done(self) {
+        if let Change::Remove {
+            done: Some(done), ..
+        } = self
+        {
+            let _ = done.send(());
+        }
+    }
+
     fn key(&self, keys: &Keys) -> Vec<u8> {
         match self {
             Change::Put { client, number, .. } => keys.key(client, *number),
-            Change::Remove { key } => key.clone(),
+            Change::Remove { key, .. } => key.clone(),
         }
     }
 
     fn size(&self) -> usize {
         match self {
             Change::Put { value, .. } => value.len() + 128,
-            Change::Remove { key } => key.len() + 64,
+            Change::Remove { key, .. } => key.len() + 64,
         }
     }
 }
@@ -89,7 +109,10 @@ struct Kept {
 /// See the module's documentation.
 pub struct Pending {
     keys: Keys,
+    /// Puts, in order.
     changes: VecDeque<Change>,
+    /// Removals, in order (due at once).
+    removals: VecDeque<Change>,
     sessions: HashMap<String, Kept>,
 }
 
@@ -98,13 +121,14 @@ impl Pending {
         Pending {
             keys,
             changes: VecDeque::new(),
+            removals: VecDeque::new(),
             sessions: HashMap::new(),
         }
     }
 
     /// Writes waiting.
     pub fn len(&self) -> usize {
-        self.changes.len()
+        self.changes.len() + self.removals.len()
     }
 
     /// Messages `client` has here, written or not.
@@ -155,9 +179,36 @@ impl Pending {
         written
     }
 
+    /// `client` is about to be sent message `number` at QoS 2, which must
+    /// not be in etcd by then (the next node would send it again, a new
+    /// message to the client): its put is not made if it has not left
+    /// (`None`), or its removal is queued, and what hears when etcd has
+    /// it is returned (`None` too for a message never kept here).
+    pub fn sending(&mut self, client: &str, number: u64) -> Option<oneshot::Receiver<()>> {
+        let kept = self.sessions.get_mut(client)?;
+        let written = !kept.unsent.remove(&number) && kept.written.remove(&number);
+        if kept.unsent.is_empty() && kept.written.is_empty() {
+            self.sessions.remove(client);
+        }
+        if !written {
+            return None;
+        }
+        Some(self.remove_waited(self.keys.key(client, number)))
+    }
+
     /// Removes `key` (a message read back, or not wanted).
     pub fn remove(&mut self, key: Vec<u8>) {
-        self.changes.push_back(Change::Remove { key });
+        self.removals.push_back(Change::Remove { key, done: None });
+    }
+
+    /// Removes `key`; the receiver hears when etcd has the removal.
+    pub fn remove_waited(&mut self, key: Vec<u8>) -> oneshot::Receiver<()> {
+        let (done, heard) = oneshot::channel();
+        self.removals.push_back(Change::Remove {
+            key,
+            done: Some(done),
+        });
+        heard
     }
 
     /// `client`'s session ended here: its puts that have not left will
@@ -182,6 +233,22 @@ impl Pending {
         let mut ops = Vec::new();
         let mut keys = HashSet::new();
         let mut bytes = 0;
+        while batch.len() < BATCH_OPS {
+            let Some(change) = self.removals.front() else {
+                break;
+            };
+            let key = change.key(&self.keys);
+            if keys.contains(&key) || (!batch.is_empty() && bytes + change.size() > budget) {
+                return (batch, ops);
+            }
+            bytes += change.size();
+            let Some(change) = self.removals.pop_front() else {
+                break;
+            };
+            ops.push(TxnOp::delete(key.clone(), None));
+            keys.insert(key);
+            batch.push(change);
+        }
         while batch.len() < BATCH_OPS {
             let Some(change) = self.changes.front() else {
                 break;
@@ -232,6 +299,9 @@ impl Pending {
 
     /// When the first write waiting may leave.
     pub fn next_due(&self) -> Option<Instant> {
+        if !self.removals.is_empty() {
+            return Some(Instant::now());
+        }
         self.changes.front().map(|c| match c {
             Change::Put { due, .. } => *due,
             Change::Remove { .. } => Instant::now(),
@@ -264,7 +334,10 @@ impl Pending {
                         due: now,
                     }
                 }
-                remove => remove,
+                remove => {
+                    self.removals.push_front(remove);
+                    continue;
+                }
             };
             self.changes.push_front(change);
         }
@@ -366,10 +439,66 @@ mod tests {
         assert_eq!(
             written(&batch),
             [
-                ("/p/Q/1:c/n/r.0000000000000002".into(), true),
                 ("/p/Q/1:c/n/r.0000000000000001".into(), false),
+                ("/p/Q/1:c/n/r.0000000000000002".into(), true),
             ]
         );
+    }
+
+    #[test]
+    fn a_removal_does_not_wait_behind_puts_not_due() {
+        let t = Instant::now();
+        let mut p = pending();
+        p.put("c", 1, v("one"), t);
+        p.take(ALL, t + LINGER);
+        p.put("c", 2, v("two"), t + LINGER);
+        assert!(p.delivered("c", 1));
+        assert!(p.next_due().unwrap() <= Instant::now(), "due at once");
+        assert_eq!(
+            written(&p.take(ALL, t + LINGER)),
+            [("/p/Q/1:c/n/r.0000000000000001".into(), false)],
+            "the removal, not the put due later"
+        );
+    }
+
+    #[test]
+    fn a_qos2_message_leaves_etcd_before_it_is_sent() {
+        let t = Instant::now();
+        let mut p = pending();
+        p.put("c", 1, v("one"), t);
+        p.put("c", 2, v("two"), t);
+        p.put("c", 3, v("three"), t);
+        // Sent before its put left: nothing is written, nothing to wait for.
+        assert!(p.sending("c", 1).is_none());
+        let batch = p.take(ALL, t + LINGER);
+        assert_eq!(written(&batch).len(), 2, "2 and 3 written");
+        // Sent after: its removal first, and word once etcd has it.
+        let mut heard = p.sending("c", 2).expect("a removal to wait for");
+        assert!(heard.try_recv().is_err(), "not before etcd has it");
+        let (removal, _) = p.take(ALL, t + LINGER);
+        assert_eq!(removal.len(), 1);
+        for change in removal {
+            change.done();
+        }
+        assert_eq!(heard.try_recv(), Ok(()));
+        // Its PUBREC later writes nothing; 3 is still kept.
+        assert!(!p.delivered("c", 2));
+        assert_eq!(p.count("c"), 1);
+        assert!(p.sending("c", 9).is_none(), "never kept here");
+    }
+
+    #[test]
+    fn a_failed_removal_goes_again_and_is_still_waited_for() {
+        let mut p = pending();
+        let mut heard = p.remove_waited(b"k".to_vec());
+        let now = Instant::now();
+        let (failed, _) = p.take(ALL, now);
+        p.put_back(failed, now);
+        assert!(heard.try_recv().is_err());
+        let (batch, _) = p.take(ALL, now);
+        assert_eq!(batch.len(), 1);
+        batch.into_iter().for_each(Change::done);
+        assert_eq!(heard.try_recv(), Ok(()));
     }
 
     #[test]
