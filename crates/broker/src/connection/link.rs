@@ -7,37 +7,14 @@
 //! has for the router is handed over in one batch, with one wake-up.
 //!
 //! On a cluster node a QoS 2 delivery of a persistent session may have to
-//! wait before it goes out: its copy in etcd must be gone by then (see
-//! `cluster::queue`). The link asks ([`BeforeSending`]) and keeps such a
-//! delivery, and what the router gives after it, until etcd has the
-//! removal: the connection reads nothing of them before.
+//! wait before it goes out (see [`super::ask_first`]).
 
-use std::collections::VecDeque;
-use std::future::Future;
-use std::pin::Pin;
-use std::task::Poll;
-
-use router::local::{LinkError, LinkRx, LinkTx};
-use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet, QoS};
-use router::{LinkRefused, Notification, RouterHandle};
-use tokio::sync::oneshot;
-
+use super::ask_first::AskFirst;
 use super::waiting::WhileWaiting;
 use crate::sessions::BeforeSending;
-
-/// While a delivery waits: its removal came (`false`: it will not), or
-/// the router gave more. (A value of one wait, never kept: boxing the
-/// notification would cost every delivery an allocation.)
-#[allow(clippy::large_enum_variant)]
-enum Event {
-    Removed(bool),
-    Router(Result<Option<Notification>, LinkError>),
-}
-
-/// Notifications a link keeps behind a delivery that waits (see the
-/// module's documentation), at most: past them it reads no more from the
-/// router until that delivery goes.
-const MAX_WAITING: usize = 1024;
+use router::local::{LinkError, LinkRx, LinkTx};
+use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
+use router::{LinkRefused, Notification, RouterHandle};
 
 /// Why the router could not be reached.
 #[derive(Debug)]
@@ -79,13 +56,8 @@ pub(crate) struct RouterLink {
     /// What the router gives is not read before this (see
     /// [`RouterLink::hold_until`]).
     held_until: Option<tokio::time::Instant>,
-    /// What to ask before a QoS 2 delivery goes (a cluster node's).
-    before_sending: Option<BeforeSending>,
-    /// What the router gave behind a delivery that waits, in order, each
-    /// with what it waits for (see the module's documentation).
-    waiting: VecDeque<(Notification, Option<oneshot::Receiver<()>>)>,
-    /// A removal waited for will not come (the node stops).
-    stopped: bool,
+    /// QoS 2 deliveries that ask before they go (a cluster node's).
+    ask_first: Option<AskFirst>,
 }
 
 impl RouterLink {
@@ -112,9 +84,7 @@ impl RouterLink {
             link: None,
             wake: WhileWaiting::new(),
             held_until: None,
-            before_sending: None,
-            waiting: VecDeque::new(),
-            stopped: false,
+            ask_first: None,
         };
         if lazy {
             return Ok((link, false));
@@ -184,10 +154,10 @@ impl RouterLink {
     /// does once the session is as the goodbye says (and, with a data
     /// directory, its journal has it).
     pub async fn close_with(&mut self, packets: &mut Vec<Packet>, within: std::time::Duration) {
-        // Deliveries that wait for etcd do not go now (the router takes
-        // them as sent: they come again on the session's next connection).
-        self.waiting.clear();
-        self.stopped = false;
+        // Deliveries that wait for etcd do not go now.
+        if let Some(ask_first) = &mut self.ask_first {
+            ask_first.clear();
+        }
         if self.send(packets).await.is_ok() {
             // Until the link closes (`Err`): a wake-up that finds nothing
             // (`Ok(None)`: the router wakes the link once per push, and one
@@ -218,10 +188,10 @@ impl RouterLink {
         }
     }
 
-    /// QoS 2 deliveries ask `before_sending` before they go (see the
-    /// module's documentation).
+    /// QoS 2 deliveries ask `before_sending` before they go (see
+    /// [`super::ask_first`]).
     pub fn ask_before_sending(&mut self, before_sending: Option<BeforeSending>) {
-        self.before_sending = before_sending;
+        self.ask_first = before_sending.map(AskFirst::new);
     }
 
     /// The next notification from the router; never, without a link (nor
@@ -232,103 +202,30 @@ impl RouterLink {
             tokio::time::sleep_until(until).await;
             self.release("the session's previous node did not hand over in time");
         }
-        loop {
-            if let Some(notification) = self.ready_waiting() {
-                return Ok(Some(notification));
-            }
-            if self.stopped {
-                // The node stops before etcd had a removal: what waits is
-                // not sent.
-                return std::future::pending().await;
-            }
-            let Some((_, rx)) = &mut self.link else {
-                return std::future::pending().await;
-            };
-            // While one waits for its removal, what the router gives
-            // meanwhile is asked about at once (its removal goes with the
-            // first's), up to a bound.
-            let event = {
-                let (waiting, wake) = (&mut self.waiting, &self.wake);
-                let _done = wake.until_dropped();
+        let Some((_, rx)) = &mut self.link else {
+            return std::future::pending().await;
+        };
+        let _done = self.wake.until_dropped();
+        let wake = &self.wake;
+        match &mut self.ask_first {
+            None => std::future::poll_fn(|cx| wake.poll_with(cx, |cx| rx.poll_next(cx))).await,
+            Some(ask_first) => {
+                let client = &self.client_id;
                 std::future::poll_fn(|cx| {
-                    if let Some((_, Some(heard))) = waiting.front_mut()
-                        && let Poll::Ready(heard) = Pin::new(heard).poll(cx)
-                    {
-                        return Poll::Ready(Event::Removed(heard.is_ok()));
-                    }
-                    if waiting.len() < MAX_WAITING
-                        && let Poll::Ready(next) = wake.poll_with(cx, |cx| rx.poll_next(cx))
-                    {
-                        return Poll::Ready(Event::Router(next));
-                    }
-                    Poll::Pending
+                    ask_first.poll_next(client, cx, |cx| wake.poll_with(cx, |cx| rx.poll_next(cx)))
                 })
                 .await
-            };
-            match event {
-                Event::Removed(removed) => {
-                    if let Some((_, heard)) = self.waiting.front_mut() {
-                        *heard = None;
-                    }
-                    self.stopped |= !removed;
-                }
-                Event::Router(next) => match next? {
-                    Some(notification) => {
-                        if let Some(notification) = self.admit(notification) {
-                            return Ok(Some(notification));
-                        }
-                    }
-                    None if self.waiting.is_empty() => return Ok(None),
-                    None => {}
-                },
             }
         }
     }
 
     /// The next notification if the router has one ready now.
     pub fn next_ready(&mut self) -> Option<Notification> {
-        if !self.waiting.is_empty() {
-            return self.ready_waiting();
-        }
         let (_, rx) = self.link.as_mut()?;
-        let notification = rx.try_next().ok().flatten()?;
-        self.admit(notification)
-    }
-
-    /// `notification` if it may go now; otherwise it waits (see the
-    /// module's documentation).
-    fn admit(&mut self, notification: Notification) -> Option<Notification> {
-        let removal = match (&notification, &self.before_sending) {
-            (Notification::Forward(forward), Some(ask))
-                if forward.publish.qos == QoS::ExactlyOnce =>
-            {
-                forward.queued.and_then(|q| ask(&self.client_id, q))
-            }
-            _ => None,
-        };
-        if removal.is_none() && self.waiting.is_empty() {
-            return Some(notification);
+        if let Some(ask_first) = &mut self.ask_first {
+            return ask_first.next_ready(&self.client_id, rx);
         }
-        self.waiting.push_back((notification, removal));
-        None
-    }
-
-    /// The first of those waiting, if it may go now.
-    fn ready_waiting(&mut self) -> Option<Notification> {
-        let (_, removal) = self.waiting.front_mut()?;
-        if let Some(heard) = removal {
-            match heard.try_recv() {
-                Ok(()) => {}
-                Err(oneshot::error::TryRecvError::Empty) => return None,
-                Err(oneshot::error::TryRecvError::Closed) => {
-                    self.stopped = true;
-                    return None;
-                }
-            }
-        }
-        self.waiting
-            .pop_front()
-            .map(|(notification, _)| notification)
+        rx.try_next().ok().flatten()
     }
 
     /// Tells the router this connection wants to be scheduled again (after
@@ -421,7 +318,7 @@ mod tests {
         let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
             .await
             .unwrap();
-        let (gone, heard) = oneshot::channel();
+        let (gone, heard) = tokio::sync::oneshot::channel();
         let heard = parking_lot::Mutex::new(Some(heard));
         let asked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let seen = std::sync::Arc::clone(&asked);

@@ -32,6 +32,7 @@
 //! will is scheduled unless it said a normal goodbye.
 
 mod accept;
+mod ask_first;
 mod driver;
 mod end;
 mod gate;
