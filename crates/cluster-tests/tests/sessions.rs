@@ -375,8 +375,25 @@ async fn a_large_backlog_moves_whole_from_a_live_node() {
 /// handed-over messages came after newer ones from node 2's router.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_session_gets_its_queued_messages_before_newer_ones() {
+    moved_session_keeps_the_order("ordered", false).await;
+}
+
+/// The same with a client that subscribes (to another topic) as soon as
+/// it is back: its SUBACK comes at once, and the deliveries still wait
+/// for the handover. Before 2026-11-30 the SUBSCRIBE ended the hold (it
+/// held the router's SUBACK too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_session_that_subscribes_at_once_keeps_the_order() {
+    moved_session_keeps_the_order("ordered-sub", true).await;
+}
+
+/// 100 messages queued on node 1 for `client_id`, a publisher on node 3
+/// going on while the client comes back on node 2 (subscribing to
+/// another topic at once if `subscribe`): every message comes, none after
+/// a newer one.
+async fn moved_session_keeps_the_order(client_id: &str, subscribe: bool) {
     let setup = Setup::three_linked().await;
-    let (mut publisher, queued) = queued_on_node_1(&setup, "ordered", "o", 100).await;
+    let (mut publisher, queued) = queued_on_node_1(&setup, client_id, "o", 100).await;
     let total = 300;
     let steady = tokio::spawn(async move {
         for n in queued.len()..total {
@@ -387,7 +404,16 @@ async fn a_moved_session_gets_its_queued_messages_before_newer_ones() {
         }
         publisher
     });
-    let mut c = resumed_on_node_2(&setup, "ordered").await;
+    let (mut c, present) = connect(setup.ports[1], client_id, false, 300).await;
+    assert!(present, "Session Present 1 on another node");
+    if subscribe {
+        let codes = c.subscribe("other/#", QoS::AtLeastOnce).await;
+        assert_eq!(codes.len(), 1, "its SUBACK, before the handover");
+    }
+    eventually("node 1 handed the session over", || {
+        metric(setup.http[0], HANDED_OVER) == Some(1.0)
+    })
+    .await;
     let got = topics_until(&mut c, total).await;
     let _publisher = steady.await.unwrap();
     let mut got = got;

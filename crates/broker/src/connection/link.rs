@@ -9,12 +9,18 @@
 //! On a cluster node a QoS 2 delivery of a persistent session may have to
 //! wait before it goes out (see [`super::ask_first`]).
 
-use super::ask_first::AskFirst;
-use super::waiting::WhileWaiting;
-use crate::sessions::BeforeSending;
+use std::collections::VecDeque;
+
 use router::local::{LinkError, LinkRx, LinkTx};
 use router::protocol::{Disconnect, DisconnectProperties, DisconnectReasonCode, Packet};
 use router::{LinkRefused, Notification, RouterHandle};
+
+use super::ask_first::AskFirst;
+use super::waiting::WhileWaiting;
+use crate::sessions::BeforeSending;
+
+/// Deliveries a hold keeps at most (see [`RouterLink::hold_until`]).
+pub(crate) const MAX_HELD: usize = 4096;
 
 /// Why the router could not be reached.
 #[derive(Debug)]
@@ -53,9 +59,12 @@ pub(crate) struct RouterLink {
     /// [`super::waiting`]; the wait itself is kept across turns, router
     /// patch 34).
     wake: WhileWaiting,
-    /// What the router gives is not read before this (see
+    /// What the router gives for the session is held until this (see
     /// [`RouterLink::hold_until`]).
     held_until: Option<tokio::time::Instant>,
+    /// The deliveries held, in order (given before anything else once the
+    /// hold ends).
+    held: VecDeque<Notification>,
     /// QoS 2 deliveries that ask before they go (a cluster node's).
     ask_first: Option<AskFirst>,
 }
@@ -84,6 +93,7 @@ impl RouterLink {
             link: None,
             wake: WhileWaiting::new(),
             held_until: None,
+            held: VecDeque::new(),
             ask_first: None,
         };
         if lazy {
@@ -111,9 +121,6 @@ impl RouterLink {
         if packets.is_empty() {
             return Ok(());
         }
-        // What the client sent for the router waits for its answer, which
-        // comes with what the router gives.
-        self.release("the client sent what needs the router");
         if self.link.is_none() {
             let (tx, rx, _connack) = self
                 .router
@@ -168,23 +175,37 @@ impl RouterLink {
         }
     }
 
-    /// What the router gives the session is not read until `until`, or
-    /// [`RouterLink::release`], or a send (the client sent what needs the
-    /// router's answer): a session that moved here from a live cluster node
-    /// waits for that node's handover (see `cluster::handover`), so that
-    /// the older messages come first.
+    /// The router's deliveries to the session are held until `until`, or
+    /// [`RouterLink::release`]; its other notifications (acknowledgements
+    /// of what the client sends meanwhile: a SUBACK, a PUBACK) are not. A
+    /// session that moved here from a live cluster node waits for that
+    /// node's handover (see `cluster::handover`), so that the older
+    /// messages come first. (Before 2026-11-30 the hold held everything
+    /// and ended at the client's first SUBSCRIBE or PUBLISH, which needed
+    /// the router's answer.) At most [`MAX_HELD`] deliveries are held: past
+    /// them the hold ends.
     pub fn hold_until(&mut self, until: tokio::time::Instant) {
         self.held_until = Some(until);
     }
 
-    /// Ends the hold (see [`RouterLink::hold_until`]).
+    /// Ends the hold (see [`RouterLink::hold_until`]): the deliveries held
+    /// come first.
     pub fn release(&mut self, why: &'static str) {
         if self.held_until.take().is_some() {
             tracing::debug!(
                 client_id = self.client_id,
                 why,
+                held = self.held.len(),
                 "clustering: the router's deliveries go out"
             );
+        }
+    }
+
+    /// Holds `forward` (see [`RouterLink::hold_until`]).
+    fn hold(&mut self, forward: Notification) {
+        self.held.push_back(forward);
+        if self.held.len() >= MAX_HELD {
+            self.release("too many deliveries held");
         }
     }
 
@@ -195,13 +216,33 @@ impl RouterLink {
     }
 
     /// The next notification from the router; never, without a link (nor
-    /// while held, see [`RouterLink::hold_until`]). `Ok(None)`: nothing
-    /// yet (a wake-up that found nothing to give).
+    /// a delivery while held, see [`RouterLink::hold_until`]). `Ok(None)`:
+    /// nothing yet (a wake-up that found nothing to give).
     pub async fn next(&mut self) -> Result<Option<Notification>, LinkError> {
-        if let Some(until) = self.held_until {
-            tokio::time::sleep_until(until).await;
-            self.release("the session's previous node did not hand over in time");
+        loop {
+            let Some(until) = self.held_until else {
+                if let Some(held) = self.held.pop_front() {
+                    return Ok(Some(held));
+                }
+                return self.read().await;
+            };
+            let read = tokio::select! {
+                read = self.read() => read,
+                () = tokio::time::sleep_until(until) => {
+                    self.release("the session's previous node did not hand over in time");
+                    continue;
+                }
+            };
+            match read {
+                Ok(Some(forward @ Notification::Forward(_))) => self.hold(forward),
+                other => return other,
+            }
         }
+    }
+
+    /// The next notification from the router (see [`RouterLink::next`]),
+    /// hold or not.
+    async fn read(&mut self) -> Result<Option<Notification>, LinkError> {
         let Some((_, rx)) = &mut self.link else {
             return std::future::pending().await;
         };
@@ -219,8 +260,32 @@ impl RouterLink {
         }
     }
 
-    /// The next notification if the router has one ready now.
+    /// The next notification if the router has one ready now (nor a
+    /// delivery while held, see [`RouterLink::hold_until`]).
     pub fn next_ready(&mut self) -> Option<Notification> {
+        if self.held_until.is_some() || !self.held.is_empty() {
+            return self.next_ready_held();
+        }
+        self.read_ready()
+    }
+
+    /// [`RouterLink::next_ready`] while the hold lasts or what it held
+    /// goes.
+    #[inline(never)]
+    fn next_ready_held(&mut self) -> Option<Notification> {
+        loop {
+            if self.held_until.is_none() {
+                return self.held.pop_front().or_else(|| self.read_ready());
+            }
+            match self.read_ready()? {
+                forward @ Notification::Forward(_) => self.hold(forward),
+                other => return Some(other),
+            }
+        }
+    }
+
+    /// The next notification if the router has one ready now, hold or not.
+    fn read_ready(&mut self) -> Option<Notification> {
         let (_, rx) = self.link.as_mut()?;
         if let Some(ask_first) = &mut self.ask_first {
             return ask_first.next_ready(&self.client_id, rx);
