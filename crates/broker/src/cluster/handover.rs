@@ -8,7 +8,10 @@
 //! for a QoS 2 message this node had sent the client and not had
 //! completed: that one goes at QoS 2 under the packet id the client saw
 //! (`crate::publisher::HANDOVER_PKID`), so that a client that keeps the
-//! id takes it as the same message (MQTT 5 4.3.3). Then, with messages
+//! id takes it as the same message (MQTT 5 4.3.3). The session's copies
+//! in this node's queue in etcd go (a node that read the session's queue
+//! later would send them again), a QoS 2 message's before the message is
+//! handed over, as before a delivery (see `super::queue`). Then, with messages
 //! or without, it sends the mark that it has handed over
 //! (`crate::publisher::HANDOVER_DONE`): the client's connection on the
 //! new node holds back what its own router gives the session until that
@@ -23,7 +26,7 @@
 use router::RouterHandle;
 use router::protocol::{Publish, PublishProperties, QoS};
 
-use super::Peers;
+use super::{Peers, Queue};
 use crate::sessions::{HANDED_OVER_MAX, OnDone, PacketIdBlock, Sessions, bound_handed_over};
 
 /// A message handed over: `publish` and its `properties`, with the packet
@@ -46,22 +49,38 @@ fn handed_over(
     (publish, properties)
 }
 
+/// The parts of the node a handover works with.
+pub struct From<'a> {
+    pub router: &'a RouterHandle,
+    pub sessions: &'a Sessions,
+    pub peers: &'a Peers,
+    /// The node's queue in etcd: the session's copies there go, a QoS 2
+    /// message's before it is handed over (see [`Queue::hand_over`]).
+    pub queue: Option<&'a Queue>,
+}
+
 /// `client_id`'s session moved to node `to`: takes the messages this
 /// node's router queued for it (resuming it on an internal link, each
 /// acknowledged; `ids`: the packet ids its deliveries took here), ends it
 /// here, and sends them to `to` (see the module's
 /// documentation), after those handed over to it here earlier that its
 /// connection did not acknowledge (kept by `sessions`). Without messages
-/// (or a session) it just ends.
-pub async fn hand_over(
-    router: &RouterHandle,
-    sessions: &Sessions,
-    peers: &Peers,
-    client_id: &str,
-    to: &str,
-    ids: PacketIdBlock,
-) {
+/// (or a session) it just ends. A QoS 2 message whose copy in etcd this
+/// node cannot remove within [`REMOVAL_WAIT`] is not handed over: it
+/// stays in etcd (a message twice is what QoS 2 must never do; the
+/// copy there comes to the client if the session's next node reads
+/// etcd, and goes with the session otherwise).
+pub async fn hand_over(node: From<'_>, client_id: &str, to: &str, ids: PacketIdBlock) {
     use router::protocol::Packet;
+    let From {
+        router,
+        sessions,
+        peers,
+        queue,
+    } = node;
+    // Its copies in etcd go first (the link below makes the router give
+    // the session up, and the queue forget it).
+    let mut removals = queue.map(|q| q.hand_over(client_id)).unwrap_or_default();
     // Session expiry 0: the session ends with this link.
     let Ok((mut tx, mut rx, connack)) = router.link_for_backlog(client_id).await else {
         // Nothing to hand over: the new node's connection need not wait.
@@ -72,11 +91,14 @@ pub async fn hand_over(
         Option::<Packet>::from(connack),
         Some(Packet::ConnAck(ack, _)) if ack.session_present
     );
+    // A QoS 2 message is handed over once its copy's removal is done.
+    let mut removal_of = |number| removals.remove(&number);
     let (drained, mut dropped) = if present {
-        drain(&mut tx, &mut rx, ids).await
+        drain(&mut tx, &mut rx, ids, &mut removal_of).await
     } else {
         (Vec::new(), 0)
     };
+    let drained = without_copies_in_etcd(client_id, drained).await;
     // Taken after the drain: the connection that kept them has ended by
     // then.
     let kept = sessions.take_handed_over(client_id);
@@ -120,6 +142,46 @@ pub async fn hand_over(
     );
 }
 
+/// How long a handover waits for etcd to take the removals of its QoS 2
+/// messages' copies there.
+pub const REMOVAL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A message the drain took, and the removal of its copy in etcd that
+/// must be done before it is handed over (a QoS 2 one's).
+type Drained = (
+    (Publish, Option<PublishProperties>),
+    Option<tokio::sync::oneshot::Receiver<()>>,
+);
+
+/// The messages of `drained` that may be handed over: each QoS 2 one once
+/// etcd has the removal of its copy there (see [`hand_over`]); those
+/// whose removal etcd did not take within [`REMOVAL_WAIT`] stay there.
+async fn without_copies_in_etcd(
+    client_id: &str,
+    drained: Vec<Drained>,
+) -> Vec<(Publish, Option<PublishProperties>)> {
+    let deadline = tokio::time::Instant::now() + REMOVAL_WAIT;
+    let mut messages = Vec::with_capacity(drained.len());
+    let mut stayed = 0usize;
+    for (message, removal) in drained {
+        if let Some(removal) = removal
+            && !matches!(tokio::time::timeout_at(deadline, removal).await, Ok(Ok(())))
+        {
+            stayed += 1;
+            continue;
+        }
+        messages.push(message);
+    }
+    if stayed > 0 {
+        tracing::warn!(
+            client_id,
+            stayed,
+            "clustering: QoS 2 messages of a session that moved are not handed over: etcd did not take the removal of their copies in time (they stay there, for the next node that reads the session's queue)"
+        );
+    }
+    messages
+}
+
 /// How long a handover goes on taking what the router gives after the
 /// router said it had given the whole backlog. What reaches the session here
 /// while the client is on its new node reaches the new node's copy too
@@ -161,7 +223,10 @@ async fn drain(
     tx: &mut router::local::LinkTx,
     rx: &mut router::local::LinkRx,
     ids: PacketIdBlock,
-) -> (Vec<(Publish, Option<PublishProperties>)>, usize) {
+    removal_of: &mut (
+             dyn FnMut(router::MessageId) -> Option<tokio::sync::oneshot::Receiver<()>> + Send
+         ),
+) -> (Vec<Drained>, usize) {
     use router::protocol::{
         Packet, PubAck, PubAckReason, PubComp, PubCompReason, PubRec, PubRecReason,
     };
@@ -196,6 +261,14 @@ async fn drain(
             }
             continue;
         }
+        // A QoS 2 message leaves etcd before it is handed over, as before
+        // it is sent (see `super::queue`).
+        let removal = match &notification {
+            router::Notification::Forward(f) if f.publish.qos == QoS::ExactlyOnce => {
+                f.queued.and_then(&mut *removal_of)
+            }
+            _ => None,
+        };
         let answer = match Option::<Packet>::from(notification) {
             Some(Packet::Publish(publish, properties)) => {
                 let pkid = publish.pkid;
@@ -218,7 +291,7 @@ async fn drain(
                 };
                 let kept =
                     (publish.qos == QoS::ExactlyOnce && publish.dup).then(|| ids.to_client(pkid));
-                messages.push_back(handed_over(publish, properties, kept));
+                messages.push_back((handed_over(publish, properties, kept), removal));
                 if messages.len() > HANDED_OVER_MAX {
                     messages.pop_front();
                     dropped += 1;
@@ -299,10 +372,11 @@ mod tests {
         }
 
         let (mut tx, mut rx, _) = router.link_for_backlog("s").await.unwrap();
-        let (messages, dropped) = drain(&mut tx, &mut rx, PacketIdBlock::new(0)).await;
+        let (messages, dropped) =
+            drain(&mut tx, &mut rx, PacketIdBlock::new(0), &mut |_| None).await;
         let payloads: Vec<String> = messages
             .iter()
-            .map(|(p, _)| String::from_utf8(p.payload.to_vec()).unwrap())
+            .map(|((p, _), _)| String::from_utf8(p.payload.to_vec()).unwrap())
             .collect();
         let expected: Vec<String> = (0..total).map(|n| n.to_string()).collect();
         assert_eq!(dropped, 0);

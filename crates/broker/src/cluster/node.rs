@@ -108,6 +108,7 @@ impl Node {
         .map_err(|e| format!("cannot watch client ownership in etcd: {e}"))?;
         let queue = Queue::start(Arc::clone(cluster), journal.has_data_dir());
         journal.attach(&ownership, &queue);
+        ownership.attach(&queue);
         let awaited = Awaited::new(
             Arc::clone(&queue),
             Arc::clone(sessions),

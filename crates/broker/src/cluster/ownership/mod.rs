@@ -162,6 +162,8 @@ pub struct Ownership {
     wills: Arc<WillRegistry>,
     router: RouterHandle,
     peers: Arc<Peers>,
+    /// The node's queue in etcd (see [`Ownership::attach`]).
+    queue: std::sync::OnceLock<std::sync::Weak<super::Queue>>,
     /// `<etcd_prefix>C/`.
     prefix: Vec<u8>,
     /// `<etcd_prefix>S/`.
@@ -220,6 +222,7 @@ impl Ownership {
             wills,
             router,
             peers,
+            queue: std::sync::OnceLock::new(),
             prefix,
             sessions_prefix,
             wills_prefix: format!("{}W/", cluster_prefix).into_bytes(),
@@ -588,9 +591,15 @@ impl Ownership {
         if let Some(to) = to.map(str::to_owned) {
             let peers = Arc::clone(&self.peers);
             let sessions = Arc::clone(&self.sessions);
+            let queue = self.queue.get().and_then(std::sync::Weak::upgrade);
             tokio::spawn(async move {
-                super::handover::hand_over(&router, &sessions, &peers, &client_id, &to, claim.ids)
-                    .await;
+                let node = super::handover::From {
+                    router: &router,
+                    sessions: &sessions,
+                    peers: &peers,
+                    queue: queue.as_deref(),
+                };
+                super::handover::hand_over(node, &client_id, &to, claim.ids).await;
                 drop(counted);
             });
             return;
@@ -603,6 +612,12 @@ impl Ownership {
                 );
             }
         });
+    }
+
+    /// Handovers take QoS 2 messages out of `queue` before they go (see
+    /// [`super::handover`]).
+    pub fn attach(&self, queue: &Arc<super::Queue>) {
+        let _ = self.queue.set(Arc::downgrade(queue));
     }
 
     /// Removes `client_id`'s claim from `state`, telling a stop that waits

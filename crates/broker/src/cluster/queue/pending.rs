@@ -196,6 +196,24 @@ impl Pending {
         Some(self.remove_waited(self.keys.key(client, number)))
     }
 
+    /// `client`'s session leaves this node (handed over): its puts that
+    /// have not left are not made, and the copies written are removed;
+    /// returns, by number, what hears when etcd has each removal.
+    pub fn hand_over(&mut self, client: &str) -> Vec<(u64, oneshot::Receiver<()>)> {
+        let Some(kept) = self.sessions.remove(client) else {
+            return Vec::new();
+        };
+        let mut written: Vec<u64> = kept.written.into_iter().collect();
+        written.sort_unstable();
+        written
+            .into_iter()
+            .map(|number| {
+                let key = self.keys.key(client, number);
+                (number, self.remove_waited(key))
+            })
+            .collect()
+    }
+
     /// Removes `key` (a message read back, or not wanted).
     pub fn remove(&mut self, key: Vec<u8>) {
         self.removals.push_back(Change::Remove { key, done: None });
@@ -485,6 +503,35 @@ mod tests {
         assert!(!p.delivered("c", 2));
         assert_eq!(p.count("c"), 1);
         assert!(p.sending("c", 9).is_none(), "never kept here");
+    }
+
+    #[test]
+    fn a_session_handed_over_takes_its_copies_out_of_etcd() {
+        let t = Instant::now();
+        let mut p = pending();
+        p.put("c", 1, v("one"), t);
+        p.put("c", 2, v("two"), t);
+        p.take(ALL, t + LINGER);
+        p.put("c", 3, v("three"), t + LINGER);
+        p.put("d", 4, v("four"), t);
+        let removals = p.hand_over("c");
+        let numbers: Vec<u64> = removals.iter().map(|(n, _)| *n).collect();
+        assert_eq!(numbers, [1, 2], "the copies written");
+        assert_eq!(p.count("c"), 0);
+        let batch = p.take(ALL, t + LINGER * 2);
+        assert_eq!(
+            written(&batch),
+            [
+                ("/p/Q/1:c/n/r.0000000000000001".into(), false),
+                ("/p/Q/1:c/n/r.0000000000000002".into(), false),
+                ("/p/Q/1:d/n/r.0000000000000004".into(), true),
+            ],
+            "3's put is not made; d's is"
+        );
+        batch.0.into_iter().for_each(Change::done);
+        for (_, mut heard) in removals {
+            assert_eq!(heard.try_recv(), Ok(()));
+        }
     }
 
     #[test]
