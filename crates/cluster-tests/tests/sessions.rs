@@ -466,6 +466,12 @@ async fn a_handed_over_message_keeps_retain_as_published() {
         Recv::Packet(v5::Packet::SubAck(_)) => {}
         other => panic!("no SUBACK: {other:?}"),
     }
+    // The session record follows the SUBACK (a client back on node 2
+    // before it would find no session there).
+    eventually("the subscriptions in etcd", || {
+        record(&setup, "rap").is_some_and(|r| r.contains("rap/plain/#"))
+    })
+    .await;
     leave(c).await;
     let (mut publisher, _) = connect(setup.ports[0], "rap-publisher", true, 0).await;
     for topic in ["rap/kept/1", "rap/plain/1"] {
