@@ -78,9 +78,9 @@ pub async fn hand_over(node: From<'_>, client_id: &str, to: &str, ids: PacketIdB
         peers,
         queue,
     } = node;
-    // Its copies in etcd go first (the link below makes the router give
-    // the session up, and the queue forget it).
-    let mut removals = queue.map(|q| q.hand_over(client_id)).unwrap_or_default();
+    // Its copies in etcd, taken before the link below makes the router give
+    // the session up (and the queue forget it).
+    let mut copies = queue.map(|q| q.hand_over(client_id)).unwrap_or_default();
     // Session expiry 0: the session ends with this link.
     let Ok((mut tx, mut rx, connack)) = router.link_for_backlog(client_id).await else {
         // Nothing to hand over: the new node's connection need not wait.
@@ -91,8 +91,11 @@ pub async fn hand_over(node: From<'_>, client_id: &str, to: &str, ids: PacketIdB
         Option::<Packet>::from(connack),
         Some(Packet::ConnAck(ack, _)) if ack.session_present
     );
-    // A QoS 2 message is handed over once its copy's removal is done.
-    let mut removal_of = |number| removals.remove(&number);
+    // A QoS 2 message is handed over once etcd has its copy's removal.
+    let mut removal_of = |number| {
+        let key = copies.remove(&number)?;
+        queue.map(|q| q.remove_waited(key))
+    };
     let (drained, mut dropped) = if present {
         drain(&mut tx, &mut rx, ids, &mut removal_of).await
     } else {
@@ -131,6 +134,15 @@ pub async fn hand_over(node: From<'_>, client_id: &str, to: &str, ids: PacketIdB
     let sent = peers.hand_over(to, client_id, messages).await;
     if sent == count {
         done.iter().for_each(OnDone::run);
+        // The other copies (QoS 1 messages') go once the new node has the
+        // messages: a node that died before would leave them to the next
+        // reader of the session's queue (a QoS 1 message twice, rather
+        // than lost).
+        if let Some(queue) = queue
+            && !copies.is_empty()
+        {
+            queue.remove(copies.into_values().collect());
+        }
     }
     crate::metrics::session_handed_over(sent);
     tracing::info!(

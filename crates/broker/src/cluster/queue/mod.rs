@@ -238,39 +238,29 @@ impl Queue {
     }
 
     /// `client`'s session is handed over to another node (see
-    /// `super::handover`): the copies this node wrote of its messages, and
-    /// those it read back for it, go from etcd (the messages go over the
-    /// link: a node that read the session's queue later would send them
-    /// again), and its puts not made are not made. Returns, by number,
-    /// what hears when etcd has each removal. To call before the router
-    /// gives the session up: that forgets it here (see [`Queue::forget`]).
-    pub fn hand_over(&self, client: &str) -> HashMap<MessageId, oneshot::Receiver<()>> {
-        let restored: Vec<(u64, Vec<u8>)> = {
+    /// `super::handover`): forgotten here, its puts not made are not made;
+    /// returns, by number, the keys of the copies of its messages in etcd
+    /// this node wrote or read back, for the handover to remove (a node
+    /// that read the session's queue later would send them again). To call
+    /// before the router gives the session up: that forgets it here (see
+    /// [`Queue::forget`]), and the copies would stay in etcd until the
+    /// session ends.
+    pub fn hand_over(&self, client: &str) -> HashMap<MessageId, Vec<u8>> {
+        let mut copies: HashMap<MessageId, Vec<u8>> = HashMap::new();
+        {
             let mut restored = self.restored.lock();
-            let numbers: Vec<u64> = restored
-                .keys()
-                .filter(|(c, _)| c == client)
-                .map(|(_, n)| *n)
-                .collect();
-            numbers
-                .into_iter()
-                .filter_map(|n| Some((n, restored.remove(&(client.to_owned(), n))?)))
-                .collect()
-        };
-        let mut pending = self.pending.lock();
-        let mut removals: HashMap<MessageId, oneshot::Receiver<()>> = pending
-            .hand_over(client)
-            .into_iter()
-            .map(|(n, heard)| (MessageId(n), heard))
-            .collect();
-        for (n, key) in restored {
-            removals.insert(MessageId(n), pending.remove_waited(key));
+            restored.retain(|(c, n), key| {
+                if c != client {
+                    return true;
+                }
+                copies.insert(MessageId(*n), std::mem::take(key));
+                false
+            });
         }
-        drop(pending);
-        if !removals.is_empty() {
-            self.wake.notify_one();
+        for (n, key) in self.pending.lock().hand_over(client) {
+            copies.insert(MessageId(n), key);
         }
-        removals
+        copies
     }
 
     /// `client`'s session ended here: what is kept of it in memory goes,

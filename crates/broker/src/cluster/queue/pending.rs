@@ -197,9 +197,10 @@ impl Pending {
     }
 
     /// `client`'s session leaves this node (handed over): its puts that
-    /// have not left are not made, and the copies written are removed;
-    /// returns, by number, what hears when etcd has each removal.
-    pub fn hand_over(&mut self, client: &str) -> Vec<(u64, oneshot::Receiver<()>)> {
+    /// have not left are not made, and it is forgotten; returns the
+    /// numbers and keys of the copies written, oldest first, for the
+    /// caller to remove.
+    pub fn hand_over(&mut self, client: &str) -> Vec<(u64, Vec<u8>)> {
         let Some(kept) = self.sessions.remove(client) else {
             return Vec::new();
         };
@@ -207,10 +208,7 @@ impl Pending {
         written.sort_unstable();
         written
             .into_iter()
-            .map(|number| {
-                let key = self.keys.key(client, number);
-                (number, self.remove_waited(key))
-            })
+            .map(|number| (number, self.keys.key(client, number)))
             .collect()
     }
 
@@ -506,7 +504,7 @@ mod tests {
     }
 
     #[test]
-    fn a_session_handed_over_takes_its_copies_out_of_etcd() {
+    fn a_session_handed_over_gives_its_copies_and_makes_no_more() {
         let t = Instant::now();
         let mut p = pending();
         p.put("c", 1, v("one"), t);
@@ -514,24 +512,21 @@ mod tests {
         p.take(ALL, t + LINGER);
         p.put("c", 3, v("three"), t + LINGER);
         p.put("d", 4, v("four"), t);
-        let removals = p.hand_over("c");
-        let numbers: Vec<u64> = removals.iter().map(|(n, _)| *n).collect();
-        assert_eq!(numbers, [1, 2], "the copies written");
-        assert_eq!(p.count("c"), 0);
-        let batch = p.take(ALL, t + LINGER * 2);
+        let copies = p.hand_over("c");
         assert_eq!(
-            written(&batch),
+            copies,
             [
-                ("/p/Q/1:c/n/r.0000000000000001".into(), false),
-                ("/p/Q/1:c/n/r.0000000000000002".into(), false),
-                ("/p/Q/1:d/n/r.0000000000000004".into(), true),
+                (1, b"/p/Q/1:c/n/r.0000000000000001".to_vec()),
+                (2, b"/p/Q/1:c/n/r.0000000000000002".to_vec()),
             ],
+            "the copies written"
+        );
+        assert_eq!(p.count("c"), 0);
+        assert_eq!(
+            written(&p.take(ALL, t + LINGER * 2)),
+            [("/p/Q/1:d/n/r.0000000000000004".into(), true)],
             "3's put is not made; d's is"
         );
-        batch.0.into_iter().for_each(Change::done);
-        for (_, mut heard) in removals {
-            assert_eq!(heard.try_recv(), Ok(()));
-        }
     }
 
     #[test]
