@@ -38,6 +38,8 @@ pub struct Node {
     origins: Origins,
     stamps: Arc<Stamps>,
     sessions: Arc<Sessions>,
+    /// What connections ask before a QoS 2 delivery goes (one for all).
+    before_sending: crate::sessions::BeforeSending,
 }
 
 impl Node {
@@ -109,6 +111,9 @@ impl Node {
         let queue = Queue::start(Arc::clone(cluster), journal.has_data_dir());
         journal.attach(&ownership, &queue);
         ownership.attach(&queue);
+        let weak = Arc::downgrade(&queue);
+        let before_sending: crate::sessions::BeforeSending =
+            Arc::new(move |client, number| weak.upgrade()?.sending(client, number));
         let awaited = Awaited::new(
             Arc::clone(&queue),
             Arc::clone(sessions),
@@ -147,6 +152,7 @@ impl Node {
             origins: Origins::default(),
             stamps,
             sessions: Arc::clone(sessions),
+            before_sending,
         })
     }
 
@@ -297,10 +303,7 @@ impl Node {
     /// What a connection asks before a QoS 2 delivery goes (see
     /// [`Queue::sending`]).
     pub fn before_sending(&self) -> Option<crate::sessions::BeforeSending> {
-        let queue = Arc::downgrade(&self.queue);
-        Some(Arc::new(move |client, number| {
-            queue.upgrade()?.sending(client, number)
-        }))
+        Some(Arc::clone(&self.before_sending))
     }
 
     /// Makes the router's session of `client_id` the current one across

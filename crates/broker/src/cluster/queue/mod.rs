@@ -200,11 +200,7 @@ impl Queue {
 
     /// `client` has message `number`: its copy goes (or is not written).
     pub fn delivered(&self, client: &str, number: MessageId) {
-        let key = if number.0 & RESTORED != 0 {
-            self.restored.lock().remove(&(client.to_owned(), number.0))
-        } else {
-            None
-        };
+        let key = self.take_restored(client, number);
         let mut pending = self.pending.lock();
         let idle = pending.len() == 0;
         let removal = match key {
@@ -225,16 +221,22 @@ impl Queue {
     /// does, if anything (its copy in etcd going).
     pub fn sending(&self, client: &str, number: MessageId) -> Option<oneshot::Receiver<()>> {
         let heard = if number.0 & RESTORED != 0 {
-            let key = self
-                .restored
-                .lock()
-                .remove(&(client.to_owned(), number.0))?;
+            let key = self.take_restored(client, number)?;
             self.pending.lock().remove_waited(key)
         } else {
             self.pending.lock().sending(client, number.0)?
         };
         self.wake.notify_one();
         Some(heard)
+    }
+
+    /// The key of message `number` read back for `client`, no longer kept
+    /// here (`None`: not a message read back, or already taken).
+    fn take_restored(&self, client: &str, number: MessageId) -> Option<Vec<u8>> {
+        if number.0 & RESTORED == 0 {
+            return None;
+        }
+        self.restored.lock().remove(&(client.to_owned(), number.0))
     }
 
     /// `client`'s session is handed over to another node (see

@@ -166,15 +166,23 @@ impl Pending {
     /// write (`false`: its put had not left, and now will not; or it was
     /// never kept here).
     pub fn delivered(&mut self, client: &str, number: u64) -> bool {
+        let written = self.forget_message(client, number);
+        if written {
+            self.remove(self.keys.key(client, number));
+        }
+        written
+    }
+
+    /// Takes message `number` off `client`'s sets: `true` if its put had
+    /// left (its copy is, or may be, in etcd), `false` if it had not (it
+    /// now will not) or it was never kept here.
+    fn forget_message(&mut self, client: &str, number: u64) -> bool {
         let Some(kept) = self.sessions.get_mut(client) else {
             return false;
         };
         let written = !kept.unsent.remove(&number) && kept.written.remove(&number);
         if kept.unsent.is_empty() && kept.written.is_empty() {
             self.sessions.remove(client);
-        }
-        if written {
-            self.remove(self.keys.key(client, number));
         }
         written
     }
@@ -185,15 +193,8 @@ impl Pending {
     /// (`None`), or its removal is queued, and what hears when etcd has
     /// it is returned (`None` too for a message never kept here).
     pub fn sending(&mut self, client: &str, number: u64) -> Option<oneshot::Receiver<()>> {
-        let kept = self.sessions.get_mut(client)?;
-        let written = !kept.unsent.remove(&number) && kept.written.remove(&number);
-        if kept.unsent.is_empty() && kept.written.is_empty() {
-            self.sessions.remove(client);
-        }
-        if !written {
-            return None;
-        }
-        Some(self.remove_waited(self.keys.key(client, number)))
+        self.forget_message(client, number)
+            .then(|| self.remove_waited(self.keys.key(client, number)))
     }
 
     /// `client`'s session leaves this node (handed over): its puts that
