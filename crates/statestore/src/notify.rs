@@ -106,6 +106,54 @@ pub struct Watchers {
     by_owner: HashMap<Arc<str>, Usage>,
     /// What all registrations hold.
     total: Usage,
+    /// Registrations made and ended since the last
+    /// [`Watchers::take_changes`], when kept ([`Watchers::keep_changes`]).
+    changes: Option<KeptChanges>,
+}
+
+/// The changes kept for [`Watchers::take_changes`].
+#[derive(Debug, Default)]
+struct KeptChanges {
+    list: Vec<WatchChange>,
+    /// How many the list holds at most.
+    limit: usize,
+    /// More were made: the list was dropped.
+    overflowed: bool,
+}
+
+impl KeptChanges {
+    fn push(&mut self, change: WatchChange) {
+        if self.overflowed {
+            return;
+        }
+        if self.list.len() >= self.limit {
+            self.list = Vec::new();
+            self.overflowed = true;
+            return;
+        }
+        self.list.push(change);
+    }
+}
+
+/// A registration made or ended, for a broker that tells others of them
+/// (a cluster node publishes its registrations for the other nodes' key
+/// pages).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchChange {
+    /// `client` registered for changes of `key`.
+    Made {
+        /// The client id.
+        client: Arc<str>,
+        /// The key.
+        key: Box<[u8]>,
+    },
+    /// `client`'s registration for `key` ended.
+    Ended {
+        /// The client id.
+        client: Arc<str>,
+        /// The key.
+        key: Box<[u8]>,
+    },
 }
 
 /// Registrations, and the bytes of key names they keep.
@@ -250,7 +298,16 @@ impl Watchers {
             .insert(key.into(), Registration { connection, owner });
         watches.usage.add(key.len());
         self.total.add(key.len());
-        self.by_key.entry(key.into()).or_default().push(client_id);
+        self.by_key
+            .entry(key.into())
+            .or_default()
+            .push(client_id.clone());
+        if let Some(kept) = &mut self.changes {
+            kept.push(WatchChange::Made {
+                client: client_id,
+                key: key.into(),
+            });
+        }
         Ok(())
     }
 
@@ -269,7 +326,52 @@ impl Watchers {
         release(&mut self.by_owner, &registration.owner, key.len());
         self.total.remove(key.len());
         self.remove_from_key(client, key);
+        if let Some(kept) = &mut self.changes {
+            kept.push(WatchChange::Ended {
+                client: Arc::from(client),
+                key: key.into(),
+            });
+        }
         true
+    }
+
+    /// Keeps the registrations made and ended from now on, `limit` at
+    /// most until [`Watchers::take_changes`] takes them.
+    pub fn keep_changes(&mut self, limit: usize) {
+        self.changes = Some(KeptChanges {
+            limit,
+            ..KeptChanges::default()
+        });
+    }
+
+    /// The registrations made and ended since the last call, in order
+    /// (none unless [`Watchers::keep_changes`]); `None` if more than its
+    /// limit were made (then [`Watchers::all`] is what there is).
+    pub fn take_changes(&mut self) -> Option<Vec<WatchChange>> {
+        let Some(kept) = &mut self.changes else {
+            return Some(Vec::new());
+        };
+        if std::mem::take(&mut kept.overflowed) {
+            return None;
+        }
+        Some(std::mem::take(&mut kept.list))
+    }
+
+    /// Whether [`Watchers::take_changes`] has something to give.
+    pub fn changes_waiting(&self) -> bool {
+        self.changes
+            .as_ref()
+            .is_some_and(|kept| kept.overflowed || !kept.list.is_empty())
+    }
+
+    /// Every registration: its client and key.
+    pub fn all(&self) -> Vec<(Arc<str>, Box<[u8]>)> {
+        self.by_client
+            .iter()
+            .flat_map(|(client, watches)| {
+                watches.keys.keys().map(|key| (client.clone(), key.clone()))
+            })
+            .collect()
     }
 
     fn remove_from_key(&mut self, client: &str, key: &[u8]) {
@@ -388,6 +490,49 @@ mod tests {
         let mut v: Vec<String> = w.of_key(key).iter().map(|c| c.to_string()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn changes_are_kept_only_when_asked_and_once() {
+        let limits = count_limit(10);
+        let mut w = Watchers::default();
+        w.register("a", "a", 1, b"k", &limits).unwrap();
+        assert_eq!(w.take_changes(), Some(Vec::new()), "not kept unless asked");
+        w.keep_changes(4);
+        w.register("a", "a", 1, b"k", &limits).unwrap();
+        w.register("a", "a", 1, b"j", &limits).unwrap();
+        w.register("b", "b", 2, b"k", &limits).unwrap();
+        w.connection_closed("a", 1);
+        let made = |c: &str, k: &[u8]| WatchChange::Made {
+            client: c.into(),
+            key: k.into(),
+        };
+        let ended = |c: &str, k: &[u8]| WatchChange::Ended {
+            client: c.into(),
+            key: k.into(),
+        };
+        let mut changes = w.take_changes().unwrap();
+        // The two ends come in the client's map order.
+        changes[2..].sort_by(|x, y| format!("{x:?}").cmp(&format!("{y:?}")));
+        assert_eq!(
+            changes,
+            [
+                made("a", b"j"),
+                made("b", b"k"),
+                ended("a", b"j"),
+                ended("a", b"k")
+            ],
+            "registering again is no change"
+        );
+        assert_eq!(w.take_changes(), Some(Vec::new()), "taken once");
+        assert_eq!(w.all(), [(Arc::from("b"), Box::from(&b"k"[..]))]);
+        // Past the limit the list goes: the caller reads them all.
+        for key in [b"1", b"2", b"3", b"4", b"5"] {
+            w.register("b", "b", 2, key, &limits).unwrap();
+        }
+        assert_eq!(w.take_changes(), None, "5 made, 4 kept at most");
+        w.unregister("b", b"1");
+        assert_eq!(w.take_changes().map(|c| c.len()), Some(1), "kept again");
     }
 
     #[test]

@@ -405,4 +405,12 @@ impl State {
     pub(crate) fn watchers_of(&self, key: &[u8]) -> &[std::sync::Arc<str>] {
         self.watchers.of_key(key)
     }
+
+    pub(crate) fn watchers(&self) -> &Watchers {
+        &self.watchers
+    }
+
+    pub(crate) fn watchers_mut(&mut self) -> &mut Watchers {
+        &mut self.watchers
+    }
 }

@@ -390,6 +390,31 @@ impl Store {
         self.state.watch_count()
     }
 
+    /// Keeps the KEYNOTIFY registrations made and ended from now on, for
+    /// [`Store::take_watch_changes`] (a cluster node tells the other nodes
+    /// of its registrations), `limit` at most between two takes.
+    pub fn keep_watch_changes(&mut self, limit: usize) {
+        self.state.watchers_mut().keep_changes(limit);
+    }
+
+    /// The registrations made and ended since the last call, in order;
+    /// `None` if more than the limit were made (then
+    /// [`Store::all_watches`] is what there is).
+    pub fn take_watch_changes(&mut self) -> Option<Vec<crate::notify::WatchChange>> {
+        self.state.watchers_mut().take_changes()
+    }
+
+    /// Whether registrations were made or ended since the last
+    /// [`Store::take_watch_changes`].
+    pub fn watch_changes_waiting(&self) -> bool {
+        self.state.watchers().changes_waiting()
+    }
+
+    /// Every KEYNOTIFY registration: its client id and key.
+    pub fn all_watches(&self) -> Vec<(std::sync::Arc<str>, Box<[u8]>)> {
+        self.state.watchers().all()
+    }
+
     /// The highest version handed out so far.
     pub fn last_version(&self) -> Version {
         self.state.last_version()

@@ -7,10 +7,11 @@
 //! (`statestore::browse`). etcd gives whole records, so the page reads
 //! them a few at a time and ends after [`READ_BYTES`] of them (a page of
 //! large values is short), after [`KEY_BYTES_PER_PAGE`] of keys, or when
-//! its glob steps are spent. Reads are serializable (the member's own
-//! copy: a page may lag behind a write that just committed; the store's
-//! requests are the linearizable path). KEYNOTIFY registrations are each
-//! node's own: the page shows none.
+//! its glob steps are spent. Reads are linearizable (a page shows every
+//! write committed before it was asked for), the later ones at the
+//! first's revision: a page is one moment of the store. The watchers are the
+//! caller's to add (this node's in its store, the others' in
+//! [`super::registrations`]).
 
 use std::time::Duration;
 
@@ -66,11 +67,11 @@ impl Cluster {
         let mut revision = None;
         let timeout: Duration = self.settings.request_timeout;
         loop {
-            let mut options = GetOptions::new()
-                .with_range(end.clone())
-                .with_limit(CHUNK)
-                .with_serializable();
+            let mut options = GetOptions::new().with_range(end.clone()).with_limit(CHUNK);
             if let Some(revision) = revision {
+                // Linearizable too: a member behind the first read's
+                // (requests go to any member) would refuse a serializable
+                // read of a revision it has not applied yet.
                 options = options.with_revision(revision);
             }
             let response =

@@ -72,8 +72,6 @@ pub struct Membership {
     standing: Arc<Standing>,
     /// The members as last read, this node included, sorted by id.
     members: tokio::sync::watch::Sender<Vec<Member>>,
-    /// The lease the node is registered under now (0: none yet).
-    lease: std::sync::atomic::AtomicI64,
     /// The node left the cluster ([`Membership::leave`]): its lease is
     /// neither renewed nor taken again.
     left: std::sync::atomic::AtomicBool,
@@ -108,7 +106,6 @@ impl Membership {
             ttl,
             standing: Arc::new(Standing::until(Instant::now())),
             members: tokio::sync::watch::Sender::new(Vec::new()),
-            lease: std::sync::atomic::AtomicI64::new(0),
             left: std::sync::atomic::AtomicBool::new(false),
         };
         // The id may still be held by this node's previous run (killed
@@ -142,9 +139,7 @@ impl Membership {
             }
         };
         membership.standing = Arc::new(Standing::until(until));
-        membership
-            .lease
-            .store(lease, std::sync::atomic::Ordering::Release);
+        membership.cluster.lease.send_replace(lease);
         let membership = Arc::new(membership);
         membership.refresh_members().await;
         tracing::info!(
@@ -169,7 +164,7 @@ impl Membership {
     /// The lease the node is registered under now: what it records in
     /// etcd for as long as it serves goes under it, and goes with it.
     pub fn lease(&self) -> i64 {
-        self.lease.load(std::sync::atomic::Ordering::Acquire)
+        *self.cluster.lease.borrow()
     }
 
     /// The node stops normally (its clients, links and will records gone):
@@ -426,7 +421,7 @@ async fn run(
             };
             match m.register().await {
                 Ok((lease, until)) => {
-                    m.lease.store(lease, std::sync::atomic::Ordering::Release);
+                    m.cluster.lease.send_replace(lease);
                     m.standing.serve_until(until);
                     m.refresh_members().await;
                     tracing::info!(

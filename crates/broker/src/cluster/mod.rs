@@ -39,7 +39,8 @@
 //!
 //! Registrations (KEYNOTIFY) stay with the node of their connection, in
 //! its own `statestore::Store`, which also holds the node's hybrid logical
-//! clock.
+//! clock; [`registrations`] records them in etcd for every node's key
+//! pages.
 
 mod awaited;
 mod backlog;
@@ -61,6 +62,7 @@ mod queue;
 mod reads;
 mod reaper;
 pub mod record;
+pub mod registrations;
 pub mod retained;
 pub mod sessions;
 pub mod shares;
@@ -119,6 +121,10 @@ pub struct Cluster {
     /// Keys and bytes of keys and values in etcd, as the watch delivered
     /// them (see [`watch::Keyspace`]).
     keyspace: Mutex<watch::Keyspace>,
+    /// The membership lease this node is registered under (0: none yet);
+    /// only [`membership`] writes it. What the node records in etcd for as
+    /// long as it serves goes under it.
+    lease: tokio::sync::watch::Sender<i64>,
     /// Wakes [`endpoints::follow`] to ask the members now (a request
     /// failed: one may have gone down since the last round).
     recheck: Arc<tokio::sync::Notify>,
@@ -201,6 +207,7 @@ impl Cluster {
             index: Mutex::new(watch::Index::default()),
             keyspace: Mutex::new(watch::Keyspace::default()),
             stop: tokio::sync::watch::Sender::new(()),
+            lease: tokio::sync::watch::Sender::new(0),
             recheck: Arc::clone(&recheck),
         });
         tokio::spawn(endpoints::follow(

@@ -24,6 +24,7 @@ use statestore::{Caller, KeyAccess, Request};
 
 use super::binding::ReplyTo;
 use super::service::{Reply, StateStoreService};
+use crate::cluster::registrations::{self, Recorder, Registered};
 use crate::cluster::{Change, Cluster, NodeClock, Unanswered, record};
 
 /// Requests handed to etcd and not answered yet, on this node: beyond it a
@@ -37,6 +38,9 @@ pub(crate) struct Clustered {
     queues: Mutex<HashMap<Vec<u8>, VecDeque<Job>>>,
     /// Requests handed over and not answered.
     queued: std::sync::atomic::AtomicUsize,
+    /// Wakes the task that records this node's KEYNOTIFY registrations in
+    /// etcd (see `cluster::registrations`).
+    recorder: Arc<Recorder>,
 }
 
 /// A request's parts, owned, for the task that serves it.
@@ -59,7 +63,13 @@ impl Clustered {
             cluster,
             queues: Mutex::new(HashMap::new()),
             queued: std::sync::atomic::AtomicUsize::new(0),
+            recorder: Arc::new(Recorder::default()),
         }
+    }
+
+    /// Some KEYNOTIFY registration was made or ended on this node.
+    pub(crate) fn registrations_changed(&self) {
+        self.recorder.wake();
     }
 
     /// Whether etcd answers (for `/readyz`).
@@ -86,6 +96,13 @@ impl Clustered {
             service.with_store(|store| store.set_keyspace(Some(now)));
         };
         keyspace(service, &clustered.cluster);
+        // The node's registrations, recorded in etcd for every node's key
+        // pages.
+        service.with_store(|store| store.keep_watch_changes(registrations::MAX_CHANGES));
+        clustered.cluster.record_registrations(
+            Arc::new(ServiceRegistrations(Arc::downgrade(service))),
+            &clustered.recorder,
+        );
         let weak = Arc::downgrade(service);
         let cluster = Arc::clone(&clustered.cluster);
         tokio::spawn(async move {
@@ -98,6 +115,27 @@ impl Clustered {
             }
         });
         Ok(())
+    }
+}
+
+/// The node's KEYNOTIFY registrations, for the task that records them.
+struct ServiceRegistrations(Weak<StateStoreService>);
+
+impl Registered for ServiceRegistrations {
+    fn changes(&self) -> Option<Vec<statestore::notify::WatchChange>> {
+        match self.0.upgrade() {
+            Some(service) => service.with_store(|store| store.take_watch_changes()),
+            None => Some(Vec::new()),
+        }
+    }
+
+    fn all(&self) -> Vec<(Arc<str>, Box<[u8]>)> {
+        self.0.upgrade().map_or_else(Vec::new, |service| {
+            service.with_store(|store| {
+                let _ = store.take_watch_changes();
+                store.all_watches()
+            })
+        })
     }
 }
 
@@ -145,7 +183,13 @@ impl StateStoreService {
         access: Option<Arc<dyn KeyAccess + Send + Sync>>,
     ) {
         let now = self.wall_ms();
-        let prepared = self.with_store(|store| store.prepare(request, caller, now));
+        let (prepared, registered) = self.with_store(|store| {
+            let prepared = store.prepare(request, caller, now);
+            (prepared, store.watch_changes_waiting())
+        });
+        if registered {
+            clustered.registrations_changed();
+        }
         let (key, command) = match prepared {
             Prepared::Done(outcome) => {
                 let reply = self.reply(request, caller, reply_to, &outcome);

@@ -94,19 +94,25 @@ pub(super) async fn keys(
         {
             Ok(mut page) => {
                 // Registrations stay with their connection's node: this
-                // node's are in its own store.
+                // node's are in its own store, the others' recorded in etcd.
+                let keys: Vec<Vec<u8>> = page.keys.iter().map(|k| k.key.clone()).collect();
+                let mut elsewhere = match cluster.watchers_of(&keys).await {
+                    Ok(elsewhere) => elsewhere,
+                    Err(e) => return unavailable(&e),
+                };
                 shared.store.with_store(|store| {
                     for key in &mut page.keys {
                         key.watchers = store.watchers(&key.key);
+                        if let Some(more) = elsewhere.remove(&key.key) {
+                            key.watchers.extend(more);
+                            key.watchers.sort();
+                            key.watchers.dedup();
+                        }
                     }
                 });
                 keys_json(page.keys, page.next.map(hex::encode), now)
             }
-            Err(e) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("etcd, where this cluster node's keys are, did not answer: {e}\n"),
-            )
-                .into_response(),
+            Err(e) => unavailable(&e),
         };
     }
     let start = match q.start.as_str() {
@@ -121,6 +127,16 @@ pub(super) async fn keys(
         .store
         .with_store(|store| store.browse(q.pattern.as_bytes(), start, q.limit, access));
     keys_json(page.keys, page.next, crate::clock::now_ms())
+}
+
+/// etcd did not answer a cluster node's page.
+#[cfg(feature = "cluster")]
+fn unavailable(e: &str) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("etcd, where this cluster node's keys are, did not answer: {e}\n"),
+    )
+        .into_response()
 }
 
 fn bad_start() -> Response {

@@ -536,6 +536,7 @@ impl StateStoreService {
     pub fn connection_opened(&self, client_id: &str, connection: u64) {
         let dropped = self.store.lock().connection_opened(client_id, connection);
         if dropped > 0 {
+            self.registrations_changed();
             tracing::debug!(
                 client_id,
                 connection,
@@ -549,12 +550,21 @@ impl StateStoreService {
     pub fn connection_closed(&self, client_id: &str, connection: u64) {
         let dropped = self.store.lock().connection_closed(client_id, connection);
         if dropped > 0 {
+            self.registrations_changed();
             tracing::debug!(
                 client_id,
                 connection,
                 dropped,
                 "KEYNOTIFY registrations removed"
             );
+        }
+    }
+
+    /// KEYNOTIFY registrations ended: a cluster node records that in etcd.
+    fn registrations_changed(&self) {
+        #[cfg(feature = "cluster")]
+        if let Some(clustered) = &self.clustered {
+            clustered.registrations_changed();
         }
     }
 
