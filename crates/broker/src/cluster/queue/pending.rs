@@ -54,45 +54,47 @@ impl Keys {
     }
 }
 
-/// A write waiting.
+/// A put waiting: message `number` for `client`, `value` (shared by
+/// every session it is for), from `due` on.
+pub struct Put {
+    client: Arc<str>,
+    number: u64,
+    value: Arc<Vec<u8>>,
+    due: Instant,
+}
+
+impl Put {
+    fn size(&self) -> usize {
+        self.value.len() + 128
+    }
+}
+
+/// A removal waiting: `key`; `done` hears when etcd has it.
+pub struct Removal {
+    key: Vec<u8>,
+    done: Option<oneshot::Sender<()>>,
+}
+
+impl Removal {
+    fn size(&self) -> usize {
+        self.key.len() + 64
+    }
+}
+
+/// A write of a batch taken ([`Pending::take`]).
 pub enum Change {
-    /// Message `number` for `client`, `value` (shared by every session it
-    /// is for), from `due` on.
-    Put {
-        client: Arc<str>,
-        number: u64,
-        value: Arc<Vec<u8>>,
-        due: Instant,
-    },
-    /// Removes `key`; `done` hears when etcd has the removal.
-    Remove {
-        key: Vec<u8>,
-        done: Option<oneshot::Sender<()>>,
-    },
+    Put(Put),
+    Remove(Removal),
 }
 
 impl Change {
     /// Etcd has it: whoever waits for it hears.
     pub fn done(self) {
-        if let Change::Remove {
+        if let Change::Remove(Removal {
             done: Some(done), ..
-        } = self
+        }) = self
         {
             let _ = done.send(());
-        }
-    }
-
-    fn key(&self, keys: &Keys) -> Vec<u8> {
-        match self {
-            Change::Put { client, number, .. } => keys.key(client, *number),
-            Change::Remove { key, .. } => key.clone(),
-        }
-    }
-
-    fn size(&self) -> usize {
-        match self {
-            Change::Put { value, .. } => value.len() + 128,
-            Change::Remove { key, .. } => key.len() + 64,
         }
     }
 }
@@ -110,9 +112,9 @@ struct Kept {
 pub struct Pending {
     keys: Keys,
     /// Puts, in order.
-    changes: VecDeque<Change>,
+    puts: VecDeque<Put>,
     /// Removals, in order (due at once).
-    removals: VecDeque<Change>,
+    removals: VecDeque<Removal>,
     sessions: HashMap<String, Kept>,
 }
 
@@ -120,7 +122,7 @@ impl Pending {
     pub fn new(keys: Keys) -> Pending {
         Pending {
             keys,
-            changes: VecDeque::new(),
+            puts: VecDeque::new(),
             removals: VecDeque::new(),
             sessions: HashMap::new(),
         }
@@ -128,7 +130,7 @@ impl Pending {
 
     /// Writes waiting.
     pub fn len(&self) -> usize {
-        self.changes.len() + self.removals.len()
+        self.puts.len() + self.removals.len()
     }
 
     /// Messages `client` has here, written or not.
@@ -154,7 +156,7 @@ impl Pending {
         };
         kept.unsent.insert(number);
         let client = Arc::clone(&kept.name);
-        self.changes.push_back(Change::Put {
+        self.puts.push_back(Put {
             client,
             number,
             value,
@@ -215,13 +217,13 @@ impl Pending {
 
     /// Removes `key` (a message read back, or not wanted).
     pub fn remove(&mut self, key: Vec<u8>) {
-        self.removals.push_back(Change::Remove { key, done: None });
+        self.removals.push_back(Removal { key, done: None });
     }
 
     /// Removes `key`; the receiver hears when etcd has the removal.
     pub fn remove_waited(&mut self, key: Vec<u8>) -> oneshot::Receiver<()> {
         let (done, heard) = oneshot::channel();
-        self.removals.push_back(Change::Remove {
+        self.removals.push_back(Removal {
             key,
             done: Some(done),
         });
@@ -251,65 +253,47 @@ impl Pending {
         let mut keys = HashSet::new();
         let mut bytes = 0;
         while batch.len() < BATCH_OPS {
-            let Some(change) = self.removals.front() else {
+            let Some(removal) = self.removals.front() else {
                 break;
             };
-            let key = change.key(&self.keys);
-            if keys.contains(&key) || (!batch.is_empty() && bytes + change.size() > budget) {
+            if keys.contains(&removal.key) || (!batch.is_empty() && bytes + removal.size() > budget)
+            {
                 return (batch, ops);
             }
-            bytes += change.size();
-            let Some(change) = self.removals.pop_front() else {
+            bytes += removal.size();
+            let Some(removal) = self.removals.pop_front() else {
                 break;
             };
-            ops.push(TxnOp::delete(key.clone(), None));
-            keys.insert(key);
-            batch.push(change);
+            ops.push(TxnOp::delete(removal.key.clone(), None));
+            keys.insert(removal.key.clone());
+            batch.push(Change::Remove(removal));
         }
         while batch.len() < BATCH_OPS {
-            let Some(change) = self.changes.front() else {
+            let Some(put) = self.puts.front() else {
                 break;
             };
-            if let Change::Put {
-                client,
-                number,
-                due,
-                ..
-            } = change
-            {
-                if !self.wanted(client, *number) {
-                    self.changes.pop_front();
-                    continue;
-                }
-                if *due > now {
-                    break;
-                }
+            if !self.wanted(&put.client, put.number) {
+                self.puts.pop_front();
+                continue;
             }
-            let key = change.key(&self.keys);
-            if keys.contains(&key) || (!batch.is_empty() && bytes + change.size() > budget) {
+            if put.due > now {
                 break;
             }
-            bytes += change.size();
-            let Some(change) = self.changes.pop_front() else {
+            let key = self.keys.key(&put.client, put.number);
+            if keys.contains(&key) || (!batch.is_empty() && bytes + put.size() > budget) {
+                break;
+            }
+            bytes += put.size();
+            let Some(put) = self.puts.pop_front() else {
                 break;
             };
-            ops.push(match &change {
-                Change::Put {
-                    client,
-                    number,
-                    value,
-                    ..
-                } => {
-                    if let Some(kept) = self.sessions.get_mut(&**client) {
-                        kept.unsent.remove(number);
-                        kept.written.insert(*number);
-                    }
-                    TxnOp::put(key.clone(), value.to_vec(), None)
-                }
-                Change::Remove { .. } => TxnOp::delete(key.clone(), None),
-            });
+            if let Some(kept) = self.sessions.get_mut(&*put.client) {
+                kept.unsent.remove(&put.number);
+                kept.written.insert(put.number);
+            }
+            ops.push(TxnOp::put(key.clone(), put.value.to_vec(), None));
             keys.insert(key);
-            batch.push(change);
+            batch.push(Change::Put(put));
         }
         (batch, ops)
     }
@@ -319,10 +303,7 @@ impl Pending {
         if !self.removals.is_empty() {
             return Some(Instant::now());
         }
-        self.changes.front().map(|c| match c {
-            Change::Put { due, .. } => *due,
-            Change::Remove { .. } => Instant::now(),
-        })
+        self.puts.front().map(|put| put.due)
     }
 
     /// Puts a batch that failed back in front, in its order, due at once
@@ -330,33 +311,19 @@ impl Pending {
     /// follows covers a put that reached etcd after all).
     pub fn put_back(&mut self, batch: Vec<Change>, now: Instant) {
         for change in batch.into_iter().rev() {
-            let change = match change {
-                Change::Put {
-                    client,
-                    number,
-                    value,
-                    ..
-                } => {
-                    let Some(kept) = self.sessions.get_mut(&*client) else {
+            match change {
+                Change::Put(put) => {
+                    let Some(kept) = self.sessions.get_mut(&*put.client) else {
                         continue;
                     };
-                    if !kept.written.remove(&number) {
+                    if !kept.written.remove(&put.number) {
                         continue;
                     }
-                    kept.unsent.insert(number);
-                    Change::Put {
-                        client,
-                        number,
-                        value,
-                        due: now,
-                    }
+                    kept.unsent.insert(put.number);
+                    self.puts.push_front(Put { due: now, ..put });
                 }
-                remove => {
-                    self.removals.push_front(remove);
-                    continue;
-                }
-            };
-            self.changes.push_front(change);
+                Change::Remove(removal) => self.removals.push_front(removal),
+            }
         }
     }
 }
@@ -383,12 +350,12 @@ mod tests {
         batch
             .0
             .iter()
-            .map(|c| {
-                let key = c.key(&pending().keys);
-                (
-                    String::from_utf8(key).unwrap(),
-                    matches!(c, Change::Put { .. }),
-                )
+            .map(|c| match c {
+                Change::Put(put) => {
+                    let key = pending().keys.key(&put.client, put.number);
+                    (String::from_utf8(key).unwrap(), true)
+                }
+                Change::Remove(removal) => (String::from_utf8(removal.key.clone()).unwrap(), false),
             })
             .collect()
     }
