@@ -372,6 +372,16 @@ impl Shared {
         Some(message)
     }
 
+    /// A message handed over for `client_id`'s session, to be delivered
+    /// now: a cluster node keeps a copy in etcd until the client has it
+    /// (see `cluster::queue`).
+    pub fn keep_handed_over(&self, _client_id: &str, _message: &mut crate::sessions::Direct) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.keep_handed_over(_client_id, _message);
+        }
+    }
+
     /// Another node's link (client id `link`) passes publish `pkid` at
     /// `qos` with `stamp` on to the router (a cluster node, see
     /// `cluster::stamps`).

@@ -1135,6 +1135,48 @@ async fn handed_over_messages_stay_with_their_session() {
     );
 }
 
+/// Messages handed over to a session's new node, which its client leaves
+/// without acknowledging, are kept in etcd by that node too: killed, it
+/// leaves them to the next node the client comes to, once each and in
+/// order, and they leave etcd as the client has them. Before 2026-11-30
+/// they lived in the new node's memory alone (the old node removes its
+/// own copies once the new node has the messages): lost with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_over_messages_outlive_the_node_they_were_handed_to() {
+    let mut setup = Setup::three_linked().await;
+    let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "carried", "c", 5).await;
+    let mut c = resumed_on_node_2(&setup, "carried").await;
+    let got = unacknowledged_within(&mut c, Duration::from_secs(3)).await;
+    assert_eq!(got, expected, "handed over, not acknowledged");
+    leave(c).await;
+    // Node 1's copies go, node 2's come.
+    eventually("node 2's copies in etcd, node 1's gone", || {
+        queued_in_etcd(&setup, "carried") == 5
+            && setup
+                .etcd
+                .count_prefix("/statebroker/Q/7:carried/sb1/")
+                .unwrap()
+                == 0
+    })
+    .await;
+    setup.nodes[1].kill().unwrap();
+    let (mut c, present) = connect(setup.ports[2], "carried", false, 300).await;
+    assert!(present);
+    assert_eq!(
+        topics_until(&mut c, expected.len()).await,
+        expected,
+        "from node 2's copies in etcd"
+    );
+    eventually("the copies gone once the client has them", || {
+        queued_in_etcd(&setup, "carried") == 0
+    })
+    .await;
+    assert_eq!(
+        topics_within(&mut c, Duration::from_secs(1)).await,
+        Vec::<String>::new()
+    );
+}
+
 /// Messages a live node hands over to a session whose client has already
 /// left the new node wait there for its next connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

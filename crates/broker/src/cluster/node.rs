@@ -226,6 +226,43 @@ impl Node {
         }
     }
 
+    /// A QoS 1 message handed over for `client_id`'s session is kept in
+    /// etcd by this node too until the client has it (see
+    /// [`Queue::keep_handed_over`]): its `on_done` removes the copy.
+    pub fn keep_handed_over(&self, client_id: &str, message: &mut crate::sessions::Direct) {
+        if message.qos != 1 || message.kept_pkid.is_some() {
+            return;
+        }
+        let crate::sessions::DirectProperties::Publish(properties) = &message.properties else {
+            return;
+        };
+        let publish = router::protocol::Publish {
+            dup: false,
+            qos: router::protocol::QoS::AtLeastOnce,
+            pkid: 0,
+            retain: message.retain,
+            topic: message.topic.clone(),
+            payload: message.payload.clone(),
+        };
+        let copy = router::Message {
+            publish,
+            properties: Some(properties.clone()),
+        };
+        let Some(number) = self.queue.keep_handed_over(client_id, &copy) else {
+            return;
+        };
+        let (queue, client) = (Arc::downgrade(&self.queue), client_id.to_owned());
+        let earlier = message.on_done.take();
+        message.on_done = Some(crate::sessions::OnDone::new(move || {
+            if let Some(queue) = queue.upgrade() {
+                queue.delivered(&client, number);
+            }
+            if let Some(earlier) = &earlier {
+                earlier.run();
+            }
+        }));
+    }
+
     /// Delivers handed-over messages held back that are to go after all.
     pub fn give_back(&self, back: Vec<HeldBack>) {
         deliver(&self.sessions, back);

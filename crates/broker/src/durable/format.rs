@@ -16,7 +16,10 @@ const SESSION_WITH_QUEUE_FULL: u8 = 2;
 /// Larger than any packet a listener accepts.
 const MAX_STORED_PACKET: usize = 1 << 30;
 
-/// A retained message's saved form (`None` if it cannot be encoded).
+/// A message's saved form (`None` if it cannot be encoded). The packet
+/// id kept means nothing (whoever reads it back numbers it): a QoS 1 or 2
+/// message without one (the broker's own) is saved with 1, which the
+/// encoder takes (it refuses 0 at QoS 1 and 2).
 pub(crate) fn encode_message(
     publish: &Publish,
     properties: Option<&PublishProperties>,
@@ -25,11 +28,12 @@ pub(crate) fn encode_message(
     let mut out = BytesMut::with_capacity(16 + publish.topic.len() + publish.payload.len());
     out.put_u8(VERSION);
     out.put_u64(now);
+    let mut publish = publish.clone();
+    if publish.qos != router::protocol::QoS::AtMostOnce && publish.pkid == 0 {
+        publish.pkid = 1;
+    }
     Protocol::V5
-        .write(
-            Packet::Publish(publish.clone(), properties.cloned()),
-            &mut out,
-        )
+        .write(Packet::Publish(publish, properties.cloned()), &mut out)
         .ok()?;
     Some(out.to_vec())
 }
@@ -258,5 +262,19 @@ mod tests {
         for len in 0..value.len() {
             assert!(decode_message(&value[..len], at).is_err(), "{len} bytes");
         }
+    }
+
+    /// A QoS 1 message the broker made itself has no packet id: it is
+    /// saved all the same (before, the encoder refused it, and a message
+    /// handed over to a cluster node was silently not kept in etcd).
+    #[test]
+    fn a_message_without_a_packet_id_is_saved() {
+        let publish = crate::codec::publish(b"t", b"x", 1, 0, false);
+        let value = encode_message(&publish, None, 0).expect("encoded");
+        let got = decode_message(&value, 0).unwrap().unwrap();
+        assert_eq!(
+            (&got.publish.topic[..], got.publish.qos as u8),
+            (&b"t"[..], 1)
+        );
     }
 }

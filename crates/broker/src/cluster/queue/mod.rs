@@ -29,7 +29,11 @@
 //! and comes back does not hand the same messages over again. A session that moves
 //! from a live node takes its messages along over the link instead (see
 //! [`super::handover`]: the old node's router gives them up, acknowledged,
-//! and their copies here go).
+//! and their copies here go). The new node keeps the QoS 1 messages
+//! handed over to it here too ([`Queue::keep_handed_over`], numbers with
+//! the second bit set, from when the process started: never one the data
+//! directory gives, nor one of an earlier run's), until its client has
+//! them: a new node that dies before leaves them to the next one.
 //!
 //! QoS 2 messages are kept too, but must never be in etcd once the
 //! client may have them: the next node would send one again, a new
@@ -80,6 +84,8 @@ const BATCH_OPS: usize = 128;
 const PAGE: i64 = 500;
 /// The numbers of messages read back from etcd have it set.
 const RESTORED: u64 = 1 << 63;
+/// The numbers of messages handed over to this node have it set.
+const HANDED_OVER: u64 = 1 << 62;
 /// How long a message waits before it is written: one its client
 /// acknowledges by then is never written (a subscriber that keeps up
 /// costs etcd nothing).
@@ -95,6 +101,8 @@ pub struct Queue {
     next: AtomicU64,
     /// The numbers of messages read back.
     next_restored: AtomicU64,
+    /// The numbers of messages handed over.
+    next_handed_over: AtomicU64,
     pending: Mutex<Pending>,
     /// The keys of the messages read back, by client and number.
     restored: Mutex<HashMap<(String, u64), Vec<u8>>>,
@@ -124,6 +132,11 @@ impl Queue {
             keep,
             next: AtomicU64::new(0),
             next_restored: AtomicU64::new(RESTORED),
+            // From the time: an earlier run's copies may still be there
+            // (with a data directory, under the same run).
+            next_handed_over: AtomicU64::new(
+                HANDED_OVER | (crate::clock::now_nanos() as u64 & (HANDED_OVER - 1)),
+            ),
             pending: Mutex::new(Pending::new(keys)),
             restored: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -149,6 +162,19 @@ impl Queue {
         TxnOp::delete(prefix, Some(DeleteOptions::new().with_prefix()))
     }
 
+    /// `message` was handed over to this node for `client`'s session (see
+    /// `super::handover`): kept like a queued message, under a number of
+    /// its own, returned for [`Queue::delivered`] (`None`: QoS 0, or
+    /// nothing is kept).
+    pub fn keep_handed_over(&self, client: &str, message: &Message) -> Option<MessageId> {
+        if !self.keep || message.publish.qos == QoS::AtMostOnce {
+            return None;
+        }
+        let number = MessageId(self.next_handed_over.fetch_add(1, Ordering::Relaxed));
+        self.keep(&[client], number, message);
+        Some(number)
+    }
+
     /// `message`, numbered `number`, is queued for the persistent sessions
     /// of `clients`: written for each (see the module's documentation).
     pub fn keep(&self, clients: &[&str], number: MessageId, message: &Message) {
@@ -160,6 +186,10 @@ impl Queue {
             message.properties.as_ref(),
             crate::clock::now_ms(),
         ) else {
+            tracing::error!(
+                topic = %String::from_utf8_lossy(&message.publish.topic),
+                "clustering: a message queued for persistent sessions cannot be encoded: not kept in etcd"
+            );
             return;
         };
         if value.len() + 256 > self.cluster.settings.max_request_bytes / 2 {

@@ -48,7 +48,10 @@ impl Machine {
                     Some(stamp) => self.shared.stamped_handover(&client, &stamp, message),
                     None => Some(message),
                 };
-                if let Some(message) = message {
+                if let Some(mut message) = message {
+                    // Kept in etcd here too until the client has it: the
+                    // node it came from removes its own copy now.
+                    self.shared.keep_handed_over(&client, &mut message);
                     self.shared.sessions.deliver_handed_over(&client, message);
                 }
             } else {
