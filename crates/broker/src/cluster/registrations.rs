@@ -5,8 +5,8 @@
 //! `statestore::Store` holds them and its watch tells them of changes.
 //! This module only records them, one empty etcd key each,
 //! `<etcd_prefix>KN/<key in hex>/<node id>/<client id in hex>`, under the
-//! node's membership lease (they go with the node). Hex keeps the keys'
-//! order, so the watchers of a page of keys are one range read
+//! node's membership lease (they go with the node). A page reads its
+//! keys' records by prefix, many keys a transaction
 //! ([`Cluster::watchers_of`]).
 //!
 //! The store keeps the registrations made and ended
@@ -39,12 +39,15 @@ const BATCH_OPS: usize = 64;
 /// most: past it the task records everything again.
 pub const MAX_CHANGES: usize = 65_536;
 
-/// Records of a page's watchers read at most (a page's keys are read
-/// first: this bounds what a key watched by many clients costs a page).
-const MAX_PAGE_RECORDS: i64 = 16_384;
+/// Watchers of one key read for a page, at most (what a key watched by
+/// many clients costs a page).
+const MAX_PER_KEY: i64 = 1_000;
 
-/// How long a failed write waits before the task tries again.
+/// How long a failed write waits before the task tries again, at first
+/// (then twice as long each time, up to [`RETRY_MAX`]; a new lease ends
+/// the wait).
 const RETRY: Duration = Duration::from_millis(250);
+const RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// One registration: client id and key.
 type Registration = (Arc<str>, Box<[u8]>);
@@ -107,37 +110,45 @@ impl Cluster {
         ));
     }
 
-    /// The client ids watching each of `keys` (in key order) on the other
-    /// nodes, as recorded in etcd (this node's own are in its store).
-    /// `Err`: etcd did not answer.
+    /// The client ids watching each of `keys` on the other nodes, as
+    /// recorded in etcd (this node's own are in its store): each key's
+    /// records read with a prefix, [`BATCH_OPS`] keys a transaction, at
+    /// most [`MAX_PER_KEY`] a key. `Err`: etcd did not answer.
     pub async fn watchers_of(
         &self,
         keys: &[Vec<u8>],
     ) -> Result<HashMap<Vec<u8>, Vec<String>>, String> {
-        let (Some(first), Some(last)) = (keys.first(), keys.last()) else {
-            return Ok(HashMap::new());
-        };
         let prefix = self.registrations_prefix();
-        let from = [prefix.as_slice(), hex::encode(first).as_bytes(), b"/"].concat();
-        let end = prefix_end(&[prefix.as_slice(), hex::encode(last).as_bytes(), b"/"].concat());
-        let options = GetOptions::new()
-            .with_range(end)
-            .with_keys_only()
-            .with_limit(MAX_PAGE_RECORDS);
-        let mut client = self.client.clone();
-        let read = client.get(from, Some(options));
-        let response = tokio::time::timeout(self.settings.request_timeout, read)
-            .await
-            .map_err(|_| "etcd did not answer in time".to_owned())?
-            .map_err(|e| e.to_string())?;
-        let wanted: HashSet<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let mut watchers: HashMap<Vec<u8>, Vec<String>> = HashMap::new();
-        for kv in response.kvs() {
-            let Some((key, node, client)) = parse(&kv.key()[prefix.len()..]) else {
-                continue;
-            };
-            if node != self.node_id() && wanted.contains(key.as_slice()) {
-                watchers.entry(key).or_default().push(client);
+        let mut client = self.client.clone();
+        for chunk in keys.chunks(BATCH_OPS) {
+            let reads: Vec<TxnOp> = chunk
+                .iter()
+                .map(|key| {
+                    let of_key = [prefix.as_slice(), hex::encode(key).as_bytes(), b"/"].concat();
+                    let options = GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only()
+                        .with_limit(MAX_PER_KEY);
+                    TxnOp::get(of_key, Some(options))
+                })
+                .collect();
+            let read = client.txn(Txn::new().and_then(reads));
+            let response = tokio::time::timeout(self.settings.request_timeout, read)
+                .await
+                .map_err(|_| "etcd did not answer in time".to_owned())?
+                .map_err(|e| e.to_string())?;
+            for op in response.op_responses() {
+                let etcd_client::TxnOpResponse::Get(get) = op else {
+                    continue;
+                };
+                for kv in get.kvs() {
+                    if let Some((key, node, client)) = parse(&kv.key()[prefix.len()..])
+                        && node != self.node_id()
+                    {
+                        watchers.entry(key).or_default().push(client);
+                    }
+                }
             }
         }
         Ok(watchers)
@@ -228,6 +239,7 @@ async fn record(
 ) {
     let mut unwritten = Unwritten::default();
     let mut written_lease = 0;
+    let mut retry = RETRY;
     loop {
         let now = *lease.borrow_and_update();
         if now != 0 {
@@ -247,19 +259,24 @@ async fn record(
                 Ok(()) => {
                     unwritten.all = false;
                     written_lease = now;
+                    retry = RETRY;
                 }
                 Err(e) => {
                     tracing::debug!(
                         error = e,
                         "clustering: cannot record the KEYNOTIFY registrations"
                     );
-                    // Some batches may have gone: all again, from the store.
+                    // Some batches may have gone: all again, from the store
+                    // (after a while: recording all reads every node's).
                     unwritten.all = true;
                     drop(c);
                     tokio::select! {
-                        () = tokio::time::sleep(RETRY) => continue,
+                        () = tokio::time::sleep(retry) => {}
+                        changed = lease.changed() => if changed.is_err() { return },
                         _ = stop.changed() => return,
                     }
+                    retry = (retry * 2).min(RETRY_MAX);
+                    continue;
                 }
             }
         }
@@ -338,27 +355,6 @@ mod tests {
         );
         assert_eq!(parse(b"zz/sb1/61"), None);
         assert_eq!(parse(b"61/sb1"), None);
-    }
-
-    #[test]
-    fn hex_keeps_the_keys_order() {
-        let mut keys: Vec<Vec<u8>> = vec![
-            b"ab".to_vec(),
-            b"a".to_vec(),
-            b"b".to_vec(),
-            b"a\0".to_vec(),
-        ];
-        let mut records: Vec<String> = keys
-            .iter()
-            .map(|k| format!("{}/n/00", hex::encode(k)))
-            .collect();
-        keys.sort();
-        records.sort();
-        let back: Vec<Vec<u8>> = records
-            .iter()
-            .map(|r| parse(r.as_bytes()).unwrap().0)
-            .collect();
-        assert_eq!(back, keys);
     }
 
     struct Log(parking_lot::Mutex<Option<Vec<WatchChange>>>);
