@@ -106,6 +106,9 @@ struct Kept {
     unsent: HashSet<u64>,
     /// Written, not delivered yet.
     written: HashSet<u64>,
+    /// A message was refused since the last one kept (see
+    /// [`Pending::refused`]).
+    refused: bool,
 }
 
 /// See the module's documentation.
@@ -116,6 +119,9 @@ pub struct Pending {
     /// Removals, in order (due at once).
     removals: VecDeque<Removal>,
     sessions: HashMap<String, Kept>,
+    /// A message of a session with nothing here was refused since the
+    /// last message kept (see [`Pending::refused`]).
+    refused_unkept: bool,
 }
 
 impl Pending {
@@ -125,6 +131,7 @@ impl Pending {
             puts: VecDeque::new(),
             removals: VecDeque::new(),
             sessions: HashMap::new(),
+            refused_unkept: false,
         }
     }
 
@@ -152,9 +159,12 @@ impl Pending {
                     name: Arc::from(client),
                     unsent: HashSet::new(),
                     written: HashSet::new(),
+                    refused: false,
                 }),
         };
+        kept.refused = false;
         kept.unsent.insert(number);
+        self.refused_unkept = false;
         let client = Arc::clone(&kept.name);
         self.puts.push_back(Put {
             client,
@@ -162,6 +172,17 @@ impl Pending {
             value,
             due: now + LINGER,
         });
+    }
+
+    /// A message for `client` was not kept (a bound): `true` the first
+    /// time since the session's last message kept, so that it is told
+    /// once, not for every message past the bound.
+    pub fn refused(&mut self, client: &str) -> bool {
+        match self.sessions.get_mut(client) {
+            Some(kept) => !std::mem::replace(&mut kept.refused, true),
+            // A session with nothing here: all writes are full.
+            None => !std::mem::replace(&mut self.refused_unkept, true),
+        }
     }
 
     /// `client` has message `number`: `true` if that is a removal to
@@ -533,6 +554,18 @@ mod tests {
         assert_eq!(p.take(300, due).0.len(), 2, "(10 + 128) bytes each");
         assert_eq!(p.take(1, due).0.len(), 1, "one at least");
         assert_eq!(p.count("c"), 200);
+    }
+
+    #[test]
+    fn a_refusal_is_told_once_until_a_message_is_kept_again() {
+        let mut p = pending();
+        p.put("c", 1, v("1"), Instant::now());
+        assert!(p.refused("c"));
+        assert!(!p.refused("c"), "not again");
+        assert!(!p.refused("c"));
+        p.put("c", 2, v("2"), Instant::now());
+        assert!(p.refused("c"), "again after one was kept");
+        assert!(p.refused("new") && !p.refused("new") && !p.refused("other"));
     }
 
     #[test]
