@@ -201,6 +201,44 @@ async fn a_session_follows_its_client_from_node_to_node() {
     assert!(!present, "no session after a clean start elsewhere");
 }
 
+/// A node whose owner record of a connected client went (as with its
+/// lease: here deleted by the test) keeps its claim when the next write
+/// of the session record finds that, so the client's CONNECT on another
+/// node still ends the connection here (0x8E) and takes the session.
+/// Before 2026-11-30 the claim was dropped: the old connection stayed up,
+/// and a session kept after it collected the client's messages into
+/// etcd's queue for the next node to give again (10,012 duplicates in a
+/// long fault round, after every node's lease ended at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_outlives_its_owner_record_while_the_client_is_connected() {
+    let setup = Setup::three_linked().await;
+    let mut old = subscribed_in_etcd(&setup, "unowned", "u/1", QoS::AtLeastOnce).await;
+    let deleted = setup
+        .etcd
+        .etcdctl()
+        .args(["del", "/statebroker/C/unowned"])
+        .output()
+        .unwrap();
+    assert!(deleted.status.success(), "{deleted:?}");
+    // A change of the session: its record's write finds no owner.
+    old.subscribe("u/2", QoS::AtLeastOnce).await;
+    let node = &setup.nodes[0];
+    eventually("the session record's write found no owner", || {
+        std::fs::read_to_string(node.log_path())
+            .unwrap_or_default()
+            .contains("session record not written: no node owns the client")
+    })
+    .await;
+    let (_new, present) = connect(setup.ports[1], "unowned", false, 300).await;
+    assert!(present);
+    match old.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::Disconnect(d)) => {
+            assert_eq!(d.reason_code, v5::DisconnectReasonCode::SessionTakenOver)
+        }
+        other => panic!("expected DISCONNECT 0x8E, got {other:?}"),
+    }
+}
+
 /// The connection on the old node ends with 0x8E; the new node's
 /// connection gets each message once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -272,15 +272,25 @@ impl Ownership {
                     // `lost` removes the claim (with the handover counted).
                     drop(state);
                     self.lost(&client_id, current, to.as_deref(), clean);
-                } else if current.kept && !done {
-                    // No node owns the client, and the session stays here
-                    // (its client may come back: see `sessions::resume`):
-                    // so does the claim, so that another node's claim
-                    // later discards the session or takes its messages
-                    // (`taken`). Without it, the copy stayed after its
-                    // client had moved and collected the client's
-                    // messages, into etcd's queue under this node, for the
-                    // client's next node to give again.
+                } else if !done && (current.kept || !current.ended) {
+                    // No node owns the client, and the session is still
+                    // here: kept (its client may come back: see
+                    // `sessions::resume`), or its connection still open
+                    // (sent away soon, its lease gone). So is the claim,
+                    // so that another node's claim later ends the
+                    // connection, or discards the session or takes its
+                    // messages (`taken`). Without it, the copy stayed
+                    // after its client had moved and collected the
+                    // client's messages, into etcd's queue under this
+                    // node, for the client's next node to give again.
+                    // (Until 2026-11-30 only for a kept session: a write
+                    // that found the owner record gone while the
+                    // connection was open dropped the claim; 10,012
+                    // messages came twice in one long fault round.)
+                    tracing::debug!(
+                        client_id,
+                        "clustering: session record not written: no node owns the client (this node's lease ended with its records?); the claim stays with the session"
+                    );
                 } else {
                     self.remove_claim(&mut state, &client_id);
                 }
