@@ -459,6 +459,40 @@ async fn a_key_page_shows_the_watchers_of_every_node() {
     assert_eq!(text(&ask(&mut c, &["GET", "w1"]).await), "$v");
 }
 
+/// A registration etcd could not take reaches the other nodes' pages
+/// once etcd is back: the recording task's failed write is tried again
+/// (every registration of the node rewritten from its store). Every
+/// member is killed, so the write cannot commit later by itself; the
+/// lease is long enough that the nodes keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_etcd_could_not_record_reaches_the_pages_later() {
+    let mut setup = Setup::start_with(3, 2, &[("STATEBROKER__CLUSTERING__LEASE_TTL_MS", "30000")]);
+    let mut c = client(setup.ports[0], "setter").await;
+    assert_eq!(text(&ask(&mut c, &["SET", "late", "v"]).await), "+OK");
+    let mut w = client(setup.ports[1], "late-watcher").await;
+    for member in 0..3 {
+        setup.etcd.kill(member).unwrap();
+    }
+    // Served by node 2's own store, without etcd.
+    assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "late"]).await), "+OK");
+    let node = &setup.nodes[1];
+    eventually("node 2 failed to record the registration", || {
+        std::fs::read_to_string(node.log_path())
+            .unwrap_or_default()
+            .contains("cannot record the KEYNOTIFY registrations")
+    })
+    .await;
+    for member in 0..3 {
+        setup.etcd.restart(member).unwrap();
+    }
+    let http = setup.http[0];
+    eventually("node 1's page lists the watcher", || {
+        http_get(http, "/api/keys?pattern=late")
+            .is_some_and(|page| page.contains(r#""watchers":["late-watcher"]"#))
+    })
+    .await;
+}
+
 /// One etcd member of three down, a quorum left: the nodes stay ready and
 /// serve, and a node whose endpoints name the dead member first starts.
 /// Before, etcd's client sent about one request in three to the dead
