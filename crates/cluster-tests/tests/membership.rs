@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::raw::{Raw, Recv, v5};
-use common::{BROKER, PATIENCE, Setup, addr, eventually, http_status, metric};
+use common::{BROKER, PATIENCE, Setup, addr, eventually, http_status, lines_with, metric};
 
 const MEMBERS: &str = "statebroker_cluster_members";
 
@@ -582,15 +582,6 @@ async fn a_connect_its_client_gave_up_on_leaves_no_session_behind() {
     // accept the CONNECT: kept there, it would count from then on.
     eventually("sb1 keeps no session of the client", || kept(0) == before).await;
     goes_on(&mut later, &setup.nodes[1]).await;
-}
-
-/// How many lines of `node`'s log contain `text`.
-fn lines_with(node: &statebroker_cluster_harness::Node, text: &str) -> usize {
-    std::fs::read_to_string(node.log_path())
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains(text))
-        .count()
 }
 
 /// Two processes given one node id: the second starts while the first is

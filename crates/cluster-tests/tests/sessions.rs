@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::mqtt::{kept_qos2_ids, publish_complete, publish_until_pubrec, pubrel_with};
 use common::raw::{REQUEST_TOPIC, Raw, Recv, now_hlc, v5};
-use common::{PATIENCE, Setup, addr, eventually, metric};
+use common::{PATIENCE, Setup, addr, eventually, lines_with, metric};
 use rumqttc::v5::mqttbytes::QoS;
 
 const KEPT: &str = "statebroker_kept_sessions";
@@ -224,9 +224,7 @@ async fn a_claim_outlives_its_owner_record_while_the_client_is_connected() {
     old.subscribe("u/2", QoS::AtLeastOnce).await;
     let node = &setup.nodes[0];
     eventually("the session record's write found no owner", || {
-        std::fs::read_to_string(node.log_path())
-            .unwrap_or_default()
-            .contains("session record not written: no node owns the client")
+        lines_with(node, "session record not written: no node owns the client") > 0
     })
     .await;
     let (_new, present) = connect(setup.ports[1], "unowned", false, 300).await;

@@ -477,9 +477,7 @@ async fn a_watcher_etcd_could_not_record_reaches_the_pages_later() {
     assert_eq!(text(&ask(&mut w, &["KEYNOTIFY", "late"]).await), "+OK");
     let node = &setup.nodes[1];
     eventually("node 2 failed to record the registration", || {
-        std::fs::read_to_string(node.log_path())
-            .unwrap_or_default()
-            .contains("cannot record the KEYNOTIFY registrations")
+        lines_with(node, "cannot record the KEYNOTIFY registrations") > 0
     })
     .await;
     for member in 0..3 {

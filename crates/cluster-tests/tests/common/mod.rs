@@ -296,6 +296,15 @@ pub fn http_status(port: u16, path: &str) -> Option<u16> {
         .ok()
 }
 
+/// How many lines of `node`'s log contain `text`.
+pub fn lines_with(node: &statebroker_cluster_harness::Node, text: &str) -> usize {
+    std::fs::read_to_string(node.log_path())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(text))
+        .count()
+}
+
 /// Polls `cond` until it holds; panics after [`PATIENCE`] naming `what`.
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let start = std::time::Instant::now();
