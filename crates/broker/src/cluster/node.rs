@@ -233,9 +233,6 @@ impl Node {
         if message.qos != 1 || message.kept_pkid.is_some() {
             return;
         }
-        let crate::sessions::DirectProperties::Publish(properties) = &message.properties else {
-            return;
-        };
         let publish = router::protocol::Publish {
             dup: false,
             qos: router::protocol::QoS::AtLeastOnce,
@@ -246,7 +243,7 @@ impl Node {
         };
         let copy = router::Message {
             publish,
-            properties: Some(properties.clone()),
+            properties: Some(message.properties.clone().into_publish()),
         };
         let Some(number) = self.queue.keep_handed_over(client_id, &copy) else {
             return;
