@@ -11,6 +11,10 @@
 #   two builds side by side); the default is this tree's release build.
 #   ROUNDS=n: raw etcd and the cluster alternate n times on each line.
 #   CONNECTIONS="1 64": the connection counts measured.
+#   SPREAD=1: each round also runs etcd-txn-bench against etcd's leader
+#   alone ("etcd-leader") and statebroker-bench against a fifth node with
+#   [clustering] requests_to_leader = false ("spread"), which sends its
+#   requests to every member as etcd's client does.
 # Each cluster line ends with node 1's mean time per request from its
 # /metrics (arrival to answer, and etcd's part of it).
 # Needs etcd 3.4+ on PATH; builds what it runs.
@@ -60,6 +64,14 @@ mp[4]=$(port) hp[4]=$(port)
 STATEBROKER__CLUSTERING__CACHED_READS=true "$node" --listen "127.0.0.1:${mp[4]}" --http "127.0.0.1:${hp[4]}" --in-memory \
     --cluster-node-id sb4 --etcd-endpoints "$endpoints" >"$dir/sb4.log" 2>&1 &
 pids+=($!)
+mp[5]=$(port) hp[5]=$(port)
+if [ -n "${SPREAD:-}" ]; then
+    STATEBROKER__CLUSTERING__REQUESTS_TO_LEADER=false "$node" --listen "127.0.0.1:${mp[5]}" --http "127.0.0.1:${hp[5]}" --in-memory \
+        --cluster-node-id sb5 --etcd-endpoints "$endpoints" >"$dir/sb5.log" 2>&1 &
+    pids+=($!)
+else
+    unset 'mp[5]' 'hp[5]'
+fi
 single=$(port)
 "$node" --listen "127.0.0.1:$single" --no-http --in-memory >"$dir/single.log" 2>&1 &
 pids+=($!)
@@ -71,6 +83,14 @@ for h in "${hp[@]}"; do
     timeout 30 bash -c "until curl -sf 127.0.0.1:$h/readyz >/dev/null; do sleep 0.2; done"
 done
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+# etcd's leader's client URL (for SPREAD's etcd-leader line).
+leader_endpoint() {
+    ETCDCTL_API=3 etcdctl --endpoints="$endpoints" endpoint status -w json | python3 -c '
+import json, sys
+for e in json.load(sys.stdin):
+    if e["Status"]["leader"] == e["Status"]["header"]["member_id"]:
+        print(e["Endpoint"])'
+}
 # Node 1's time per request, from its /metrics: the sums and counts of
 # arrival-to-answer and of etcd's answers (reads for GET, writes for SET).
 split() { # what
@@ -94,6 +114,8 @@ run() { # name what c: one line
     ratio=$([ "$what" = SET ] && echo 1 || echo 0)
     case $name in
         etcd) line=$("$txnbench" --endpoints "$endpoints" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio") ;;
+        etcd-leader) line=$("$txnbench" --endpoints "$(leader_endpoint)" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio") ;;
+        spread) line=$("$bench" --target "127.0.0.1:${mp[5]}" -c "$c" -d "$secs" --warmup 2 --set-ratio "$ratio" 2>&1 | grep -E "requests/s|p50" | tr '\n' ' ') ;;
         cluster)
             local before
             before=$(split "$what")
@@ -110,7 +132,9 @@ run() { # name what c: one line
 for what in "${workloads[@]}"; do
     for c in ${CONNECTIONS:-1 64}; do
         for _ in $(seq "${ROUNDS:-1}"); do
-            for name in etcd cluster; do run "$name" "$what" "$c"; done
+            names=(etcd cluster)
+            [ -n "${SPREAD:-}" ] && names=(etcd etcd-leader cluster spread)
+            for name in "${names[@]}"; do run "$name" "$what" "$c"; done
         done
         run single "$what" "$c"
         [ "$what" = GET ] && run cached GET "$c"

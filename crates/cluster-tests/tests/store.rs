@@ -532,6 +532,77 @@ async fn one_etcd_member_down_leaves_the_nodes_ready_and_lets_a_node_start() {
     assert_eq!(text(&ask(&mut other, &["GET", "k"]).await), "$v");
 }
 
+/// Linearizable reads (etcd `Range`s) member `i` of `setup`'s etcd has
+/// served (0 for a member killed).
+fn ranges_served(setup: &mut Setup, i: usize) -> f64 {
+    let served = metric(
+        setup.etcd.client_port(i),
+        r#"grpc_server_handled_total{grpc_code="OK",grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"}"#,
+    );
+    match setup.etcd.state(i) {
+        statebroker_cluster_harness::ProcState::Running => {
+            served.unwrap_or_else(|| panic!("etcd member {i} reports its Ranges"))
+        }
+        _ => 0.0,
+    }
+}
+
+/// How many of `gets` GETs of one key on `c` each member served.
+async fn ranges_of_gets(
+    setup: &mut Setup,
+    c: &mut statebroker_cli::client::Client,
+    gets: usize,
+) -> Vec<f64> {
+    let before: Vec<f64> = (0..3).map(|i| ranges_served(setup, i)).collect();
+    for _ in 0..gets {
+        assert_eq!(text(&ask(c, &["GET", "k"]).await), "$v");
+    }
+    (0..3)
+        .map(|i| ranges_served(setup, i) - before[i])
+        .collect()
+}
+
+/// The node sends the keys' reads to etcd's leader (a read at a follower
+/// waits for one more round trip between members), and to the new one
+/// after the leader is killed, answering throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gets_go_to_etcds_leader_and_to_the_next_one_after_it_dies() {
+    let mut setup = Setup::start(3, 1);
+    let leader = setup.etcd.wait_healthy(PATIENCE).expect("etcd healthy");
+    let routed_to = |setup: &Setup, member: usize| {
+        let line = format!("endpoint=\"{}\"", setup.etcd.endpoint(member));
+        std::fs::read_to_string(setup.nodes[0].log_path())
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.contains("requests go to etcd's leader") && l.contains(&line))
+    };
+    eventually("the node names etcd's leader", || routed_to(&setup, leader)).await;
+    let mut c = client(setup.ports[0], "reader").await;
+    assert_eq!(text(&ask(&mut c, &["SET", "k", "v"]).await), "+OK");
+    let served = ranges_of_gets(&mut setup, &mut c, 200).await;
+    // (The node's other reads, its readiness probe's, go to any member.)
+    assert!(served[leader] >= 200.0, "the leader served {served:?}");
+    for follower in (0..3).filter(|&m| m != leader) {
+        assert!(
+            served[follower] < 50.0,
+            "member {follower} served {served:?}"
+        );
+    }
+
+    setup.etcd.kill(leader).unwrap();
+    let next = setup.etcd.wait_healthy(PATIENCE).expect("a new leader");
+    assert_ne!(next, leader);
+    // Answered while etcd elects and the node finds the new leader.
+    for _ in 0..20 {
+        assert_eq!(text(&ask(&mut c, &["GET", "k"]).await), "$v");
+    }
+    eventually("the node names the new leader", || routed_to(&setup, next)).await;
+    let served = ranges_of_gets(&mut setup, &mut c, 200).await;
+    assert!(served[next] >= 200.0, "the new leader served {served:?}");
+    let other = (0..3).find(|&m| m != leader && m != next).unwrap();
+    assert!(served[other] < 50.0, "member {other} served {served:?}");
+}
+
 /// Every key a SCAN of `pattern` lists, page after page, and how many
 /// pages it took.
 async fn scan_all(c: &mut statebroker_cli::client::Client, pattern: &[u8]) -> (Vec<String>, usize) {

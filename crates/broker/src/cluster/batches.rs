@@ -32,6 +32,7 @@ use etcd_client::KvClient;
 use tokio::sync::{Mutex, MutexGuard, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::leader::Leader;
+use super::route::Route;
 
 /// How long a batch may be out before the next one goes anyway.
 pub(super) const STUCK_AFTER: Duration = Duration::from_millis(200);
@@ -68,7 +69,7 @@ pub(super) struct Batcher<B: Batch> {
 
 /// What the task and the requests sent at once share.
 struct Out {
-    kv: KvClient,
+    route: Arc<Route>,
     leader: Arc<Leader>,
     /// Held while a batch is out, and not stuck: one at a time.
     turn: Mutex<()>,
@@ -83,10 +84,10 @@ struct Out {
 }
 
 impl<B: Batch> Batcher<B> {
-    /// Starts the batching task, sending through `kv` batches made by
+    /// Starts the batching task, sending along `route` batches made by
     /// `new`. Must be called within a tokio runtime.
     pub(super) fn start(
-        kv: KvClient,
+        route: Arc<Route>,
         leader: Arc<Leader>,
         new: impl Fn() -> B + Send + Sync + 'static,
     ) -> Batcher<B> {
@@ -95,7 +96,7 @@ impl<B: Batch> Batcher<B> {
         // (`MAX_QUEUED`).
         let (queue, taken) = mpsc::unbounded_channel();
         let out = Arc::new(Out {
-            kv,
+            route,
             leader,
             turn: Mutex::new(()),
             slots: Arc::new(Semaphore::new(MAX_OUT)),
@@ -140,12 +141,16 @@ impl Out {
         let number = self.sent.fetch_add(1, Ordering::AcqRel) + 1;
         let term = self.leader.term();
         let sent = Instant::now();
-        let mut sending = Box::pin(batch.send(self.kv.clone(), Arc::clone(&self.leader)));
+        let way = self.route.way(term);
+        let direct = way.direct;
+        let mut sending = Box::pin(batch.send(way.kv, Arc::clone(&self.leader)));
         tokio::select! {
             ok = &mut sending => {
                 if ok {
                     crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
                     self.note_answered(number);
+                } else if direct {
+                    self.route.leave();
                 }
                 drop(slot);
             }
@@ -161,6 +166,8 @@ impl Out {
                             if ok {
                                 crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
                                 out.note_answered(number);
+                            } else if direct {
+                                out.route.leave();
                             }
                         }
                         () = out.leader.newer_than(term) => {

@@ -13,12 +13,17 @@
 //! every second and at once when a request fails, it asks each member on a
 //! connection of its own, takes one that stops answering out of the
 //! channel (a WARN), and puts it back once it answers again (an INFO). The
-//! last member in the channel is never taken out.
+//! last member in the channel is never taken out. The member that answers
+//! that it leads becomes the route of the keys' reads and writes (see
+//! [`super::route`]).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Client, ConnectOptions, StatusResponse};
+
+use super::leader::Leader;
+use super::route::Route;
 
 /// How often each member is asked.
 const EVERY: Duration = Duration::from_secs(1);
@@ -30,8 +35,12 @@ struct Probe {
 }
 
 impl Probe {
-    /// Whether the member answers a status call within `timeout`.
-    async fn answers(&mut self, options: &ConnectOptions, timeout: Duration) -> bool {
+    /// The member's status, if it answers within `timeout`.
+    async fn status(
+        &mut self,
+        options: &ConnectOptions,
+        timeout: Duration,
+    ) -> Option<StatusResponse> {
         let asked = async {
             if self.client.is_none() {
                 self.client = Client::connect([self.endpoint.as_str()], Some(options.clone()))
@@ -41,11 +50,14 @@ impl Probe {
             let client = self.client.as_mut()?;
             client.status().await.ok()
         };
-        tokio::time::timeout(timeout, asked)
-            .await
-            .ok()
-            .flatten()
-            .is_some()
+        tokio::time::timeout(timeout, asked).await.ok().flatten()
+    }
+
+    /// Whether the member says it leads.
+    fn leads(status: &StatusResponse) -> bool {
+        status
+            .header()
+            .is_some_and(|h| h.member_id() != 0 && h.member_id() == status.leader())
     }
 }
 
@@ -60,9 +72,13 @@ fn probes(endpoints: &[String]) -> Vec<Probe> {
         .collect()
 }
 
-/// Whether each member answers, asked at once.
-async fn ask_all(probes: &mut [Probe], options: &ConnectOptions, timeout: Duration) -> Vec<bool> {
-    futures_util::future::join_all(probes.iter_mut().map(|p| p.answers(options, timeout))).await
+/// Each member's status, if it answers, asked at once.
+async fn ask_all(
+    probes: &mut [Probe],
+    options: &ConnectOptions,
+    timeout: Duration,
+) -> Vec<Option<StatusResponse>> {
+    futures_util::future::join_all(probes.iter_mut().map(|p| p.status(options, timeout))).await
 }
 
 /// The members of `endpoints` that answer now (all of them if none does),
@@ -76,7 +92,7 @@ pub(super) async fn answering(
     let up: Vec<String> = endpoints
         .iter()
         .zip(answers)
-        .filter(|(_, up)| *up)
+        .filter(|(_, status)| status.is_some())
         .map(|(endpoint, _)| endpoint.clone())
         .collect();
     if up.is_empty() {
@@ -86,18 +102,40 @@ pub(super) async fn answering(
     }
 }
 
-/// Keeps `client`'s channel to the members of `endpoints` that answer,
-/// starting from `in_use`: each second, and when `recheck` is notified;
-/// ends when `stop` fires.
+/// What [`follow`] keeps up to date.
+pub(super) struct Following {
+    /// The client whose channel holds the members that answer.
+    pub(super) client: Client,
+    /// `etcd_endpoints`.
+    pub(super) endpoints: Vec<String>,
+    /// The members in the channel at the start.
+    pub(super) in_use: Vec<String>,
+    pub(super) options: ConnectOptions,
+    /// How long a member may take to answer.
+    pub(super) timeout: Duration,
+    /// The route of the keys' requests: to the member that leads.
+    pub(super) route: std::sync::Arc<Route>,
+    /// Takes in the terms the members answer with.
+    pub(super) leader: std::sync::Arc<Leader>,
+}
+
+/// Keeps the channel to the members of `endpoints` that answer, and the
+/// route to the one that leads: each second, and when `recheck` is
+/// notified; ends when `stop` fires.
 pub(super) async fn follow(
-    client: Client,
-    endpoints: Vec<String>,
-    in_use: Vec<String>,
-    options: ConnectOptions,
-    timeout: Duration,
+    following: Following,
     recheck: std::sync::Arc<tokio::sync::Notify>,
     mut stop: tokio::sync::watch::Receiver<()>,
 ) {
+    let Following {
+        client,
+        endpoints,
+        in_use,
+        options,
+        timeout,
+        route,
+        leader,
+    } = following;
     let mut probes = probes(&endpoints);
     let mut in_use: BTreeSet<String> = in_use.into_iter().collect();
     let mut tick = tokio::time::interval(EVERY);
@@ -109,7 +147,22 @@ pub(super) async fn follow(
             _ = stop.changed() => return,
         }
         let answers = ask_all(&mut probes, &options, timeout).await;
-        for (endpoint, up) in endpoints.iter().zip(answers) {
+        let mut led = false;
+        for (probe, status) in probes.iter().zip(&answers) {
+            let Some(status) = status else { continue };
+            leader.observe(status.header());
+            if Probe::leads(status)
+                && let Some(client) = &probe.client
+            {
+                route.lead(&probe.endpoint, status.raft_term(), client);
+                led = true;
+            }
+        }
+        if !led {
+            route.leave();
+        }
+        for (endpoint, status) in endpoints.iter().zip(answers) {
+            let up = status.is_some();
             let used = in_use.contains(endpoint);
             if up && !used && client.add_endpoint(endpoint).await.is_ok() {
                 in_use.insert(endpoint.clone());

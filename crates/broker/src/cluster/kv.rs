@@ -700,6 +700,7 @@ mod etcd_tests {
             max_request_bytes,
             cached_reads: false,
             cache_bytes: 1 << 20,
+            requests_to_leader: true,
             lease_ttl: Duration::from_secs(5),
             peer_address: None,
             forward_queue: 100,

@@ -64,6 +64,7 @@ mod reaper;
 pub mod record;
 pub mod registrations;
 pub mod retained;
+mod route;
 pub mod sessions;
 pub mod shares;
 mod stamps;
@@ -186,11 +187,30 @@ impl Cluster {
         let kv = client
             .kv_client()
             .max_decoding_message_size(reads::decoding_limit(settings.max_request_bytes));
-        let reads =
-            reads::Reads::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
-        let writes =
-            writes::Writes::start(kv.clone(), Arc::clone(&leader), settings.max_request_bytes);
-        let follow = (client.clone(), settings.etcd_endpoints.clone());
+        let route = Arc::new(route::Route::new(
+            kv.clone(),
+            settings.requests_to_leader,
+            reads::decoding_limit(settings.max_request_bytes),
+        ));
+        let reads = reads::Reads::start(
+            Arc::clone(&route),
+            Arc::clone(&leader),
+            settings.max_request_bytes,
+        );
+        let writes = writes::Writes::start(
+            Arc::clone(&route),
+            Arc::clone(&leader),
+            settings.max_request_bytes,
+        );
+        let following = endpoints::Following {
+            client: client.clone(),
+            endpoints: settings.etcd_endpoints.clone(),
+            in_use,
+            options,
+            timeout,
+            route,
+            leader: Arc::clone(&leader),
+        };
         let recheck = Arc::new(tokio::sync::Notify::new());
         let cluster = Arc::new(Cluster {
             leader,
@@ -211,11 +231,7 @@ impl Cluster {
             recheck: Arc::clone(&recheck),
         });
         tokio::spawn(endpoints::follow(
-            follow.0,
-            follow.1,
-            in_use,
-            options,
-            timeout,
+            following,
             recheck,
             cluster.stop.subscribe(),
         ));

@@ -29,6 +29,7 @@ use tokio::sync::oneshot;
 
 use super::batches;
 use super::leader::Leader;
+use super::route::Route;
 
 /// Keys in one batch (etcd's `--max-txn-ops` is 128 by default).
 pub(super) const MAX_KEYS: usize = 64;
@@ -53,12 +54,12 @@ pub(super) struct Reads {
 }
 
 impl Reads {
-    /// Starts the task, reading through `kv` (which decodes answers up to
-    /// [`decoding_limit`]); `max_request_bytes` is etcd's request limit.
+    /// Starts the task, reading along `route` (whose clients decode
+    /// answers up to [`decoding_limit`]); `max_request_bytes` is etcd's request limit.
     /// Must be called within a tokio runtime.
-    pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Reads {
+    pub(super) fn start(route: Arc<Route>, leader: Arc<Leader>, max_request_bytes: usize) -> Reads {
         let max_key_bytes = max_request_bytes / 2;
-        let batcher = batches::Batcher::start(kv, leader, move || Batch {
+        let batcher = batches::Batcher::start(route, leader, move || Batch {
             max_key_bytes,
             ..Batch::default()
         });

@@ -27,6 +27,7 @@ use tokio::sync::oneshot;
 
 use super::batches::{self, Batch as _};
 use super::leader::Leader;
+use super::route::Route;
 
 /// Keys in one batch: each is a compare, a put and a get (etcd's
 /// `--max-txn-ops`, 128 by default, bounds each of the three lists).
@@ -82,11 +83,15 @@ pub(super) struct Writes {
 }
 
 impl Writes {
-    /// Starts the task, writing through `kv`; `max_request_bytes` is etcd's
+    /// Starts the task, writing along `route`; `max_request_bytes` is etcd's
     /// request limit. Must be called within a tokio runtime.
-    pub(super) fn start(kv: KvClient, leader: Arc<Leader>, max_request_bytes: usize) -> Writes {
+    pub(super) fn start(
+        route: Arc<Route>,
+        leader: Arc<Leader>,
+        max_request_bytes: usize,
+    ) -> Writes {
         let max_bytes = max_request_bytes.saturating_sub(FRAMING);
-        let batcher = batches::Batcher::start(kv, leader, move || Batch {
+        let batcher = batches::Batcher::start(route, leader, move || Batch {
             max_bytes,
             ..Batch::default()
         });

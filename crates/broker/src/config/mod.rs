@@ -97,6 +97,9 @@ pub struct ClusteringSettings {
     pub cached_reads: bool,
     /// `cache_bytes`: how much of the records the node keeps in memory.
     pub cache_bytes: usize,
+    /// `requests_to_leader`: keys' reads and writes go to etcd's leader
+    /// when the node knows it (see `cluster::route`).
+    pub requests_to_leader: bool,
     /// `lease_ttl_ms`: the membership lease's TTL (whole seconds).
     pub lease_ttl: Duration,
     /// `peer_address`: where the other nodes' links reach this node
@@ -216,6 +219,7 @@ impl ClusteringSettings {
             max_request_bytes: section.etcd_max_request_bytes,
             cached_reads: section.cached_reads,
             cache_bytes: section.cache_bytes,
+            requests_to_leader: section.requests_to_leader,
             lease_ttl: Duration::from_millis(section.lease_ttl_ms),
         }))
     }

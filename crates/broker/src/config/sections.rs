@@ -80,6 +80,8 @@ pub struct ClusteringSection {
     pub cached_reads: bool,
     /// Memory for the node's copy of the records, bytes.
     pub cache_bytes: usize,
+    /// Keys' reads and writes go to etcd's leader when the node knows it.
+    pub requests_to_leader: bool,
     /// The membership lease's TTL, milliseconds (etcd counts whole
     /// seconds).
     pub lease_ttl_ms: u64,
