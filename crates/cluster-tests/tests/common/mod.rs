@@ -216,6 +216,31 @@ pub async fn client(port: u16, client_id: &str) -> Client {
     Client::connect(&target).await.expect("connects")
 }
 
+/// A client of node `port` once the node takes clients again: a node
+/// that lost its membership lease (etcd without a quorum) refuses CONNECT
+/// (0x9C) until it has registered again.
+pub async fn client_when_serving(port: u16, client_id: &str) -> Client {
+    let target = Target {
+        host: "127.0.0.1".into(),
+        port,
+        client_id: client_id.into(),
+        login: None,
+        timeout: PATIENCE,
+        tls: None,
+    };
+    let start = std::time::Instant::now();
+    loop {
+        match Client::connect(&target).await {
+            Ok(client) => return client,
+            Err(e) if start.elapsed() < PATIENCE => {
+                eprintln!("{client_id}: not connected yet ({e}); trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("{client_id} never connected: {e}"),
+        }
+    }
+}
+
 /// Sends a request; panics without an answer.
 pub async fn ask(client: &mut Client, args: &[&str]) -> Answer {
     ask_with(client, args, &[]).await
