@@ -71,6 +71,8 @@ pub struct Report {
     /// Receptions of a message already received, QoS 2 publishers, of a
     /// number the publisher never sent again.
     pub duplicates_qos2: usize,
+    /// The first few of those, `(publisher, number)`.
+    pub duplicates_qos2_sample: Vec<(String, u64)>,
     /// The same, of numbers sent again after a reconnection
     /// ([`Published::resent`]).
     pub duplicates_qos2_resent: usize,
@@ -112,6 +114,9 @@ impl fmt::Display for Report {
         )?;
         if !self.lost_sample.is_empty() {
             write!(f, "; lost e.g. {:?}", self.lost_sample)?;
+        }
+        if !self.duplicates_qos2_sample.is_empty() {
+            write!(f, "; QoS 2 twice e.g. {:?}", self.duplicates_qos2_sample)?;
         }
         if !self.reordered_sample.is_empty() {
             write!(
@@ -178,6 +183,11 @@ pub fn check(
                 report.duplicates_qos2_handed_over += 1;
             } else if p.qos == 2 {
                 report.duplicates_qos2 += 1;
+                if report.duplicates_qos2_sample.len() < SAMPLE {
+                    report
+                        .duplicates_qos2_sample
+                        .push((p.publisher.clone(), *n));
+                }
             } else {
                 report.duplicates += 1;
             }
@@ -276,6 +286,11 @@ mod tests {
             |_, _| true,
         );
         assert_eq!((report.duplicates, report.duplicates_qos2), (1, 1));
+        assert_eq!(report.duplicates_qos2_sample, [("b".to_owned(), 1)]);
+        assert!(
+            report.to_string().contains("QoS 2 twice e.g. [(\"b\", 1)]"),
+            "{report}"
+        );
         assert!(!report.is_valid());
         // A QoS 2 message its publisher had to send again to another node
         // is counted apart, and allowed.

@@ -657,7 +657,7 @@ pub(super) fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 
 /// Against a real etcd member (`etcd` on PATH): two nodes' halves.
 #[cfg(test)]
-mod etcd_tests {
+pub(super) mod etcd_tests {
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -685,7 +685,8 @@ mod etcd_tests {
         }
     }
 
-    async fn node(id: &str, endpoint: &str) -> Arc<Cluster> {
+    /// A cluster node `id` on etcd `endpoint` (its tasks not started).
+    pub(in crate::cluster) async fn node(id: &str, endpoint: &str) -> Arc<Cluster> {
         node_with(id, endpoint, 1_572_864).await
     }
 

@@ -46,6 +46,19 @@
 //! PUBREC removes nothing more. A QoS 1 message may come again (QoS 1
 //! allows it).
 
+//! A batch etcd did not answer in time may still commit later (one that
+//! waits at a paused member commits when the member wakes), after a
+//! removal sent since: a copy of a message the client has, which the next
+//! node would send again (a QoS 2 message twice in a long fault round,
+//! 2026-11-30). So every batch compares the node's fence,
+//! `<etcd_prefix>QF/<node id>` (put under the membership lease), with the
+//! revision the node last put it at; after a batch that failed the node
+//! puts the fence again before anything else, so a late batch can no
+//! longer commit, and counts that batch's puts as written (see
+//! [`pending`]): the removal of a message delivered meanwhile deletes what
+//! the late batch may have left. The fence goes with the lease too: a node
+//! that lost it writes nothing more under the old one.
+
 //! The session's records go when it ends: the copies with its session
 //! record, in the transaction that compares this node's claim (see
 //! `super::ownership::records`), or with a clean start anywhere, or when
@@ -62,7 +75,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{
+    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+};
 use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
@@ -109,6 +124,11 @@ pub struct Queue {
     /// Wakes the writer (shared with it: it holds no strong reference
     /// while it waits).
     wake: Arc<tokio::sync::Notify>,
+    /// The fence's etcd key (see the module's documentation).
+    fence: Vec<u8>,
+    /// The revision the node last put the fence at, which its writes
+    /// compare with (`None`: to be put again first).
+    fenced_at: Mutex<Option<i64>>,
 }
 
 impl Queue {
@@ -128,7 +148,6 @@ impl Queue {
             own: format!("{}/{run}.", cluster.node_id()),
         };
         let queue = Arc::new(Queue {
-            cluster,
             keep,
             next: AtomicU64::new(0),
             next_restored: AtomicU64::new(RESTORED),
@@ -140,6 +159,9 @@ impl Queue {
             pending: Mutex::new(Pending::new(keys)),
             restored: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
+            fence: format!("{}QF/{}", cluster.settings.etcd_prefix, cluster.node_id()).into_bytes(),
+            fenced_at: Mutex::new(None),
+            cluster,
         });
         backlog::start(&queue);
         queue
@@ -434,14 +456,74 @@ impl Queue {
             if changes.is_empty() {
                 return 0;
             }
-            let txn = client.txn(Txn::new().and_then(ops));
-            if !matches!(tokio::time::timeout_at(deadline, txn).await, Ok(Ok(_))) {
+            let txn = self.fenced(&mut client, ops);
+            if !matches!(tokio::time::timeout_at(deadline, txn).await, Ok(Ok(true))) {
+                *self.fenced_at.lock() = None;
                 let mut pending = self.pending.lock();
                 pending.put_back(changes, Instant::now());
                 return pending.len();
             }
             changes.into_iter().for_each(pending::Change::done);
         }
+    }
+}
+
+/// The fence (see the module's documentation).
+impl Queue {
+    /// Commits `ops` if the fence is where this node last put it (put
+    /// first if it is to be): `Ok(false)` if it moved (nothing committed;
+    /// it is to be put again).
+    async fn fenced(
+        &self,
+        client: &mut etcd_client::Client,
+        ops: Vec<TxnOp>,
+    ) -> Result<bool, etcd_client::Error> {
+        let at = *self.fenced_at.lock();
+        let at = match at {
+            Some(at) => at,
+            None => self.put_fence(client).await?,
+        };
+        let committed = client.txn(self.behind_fence(at, ops)).await?.succeeded();
+        if !committed {
+            tracing::debug!(
+                "clustering: the queue's fence moved (a new lease, or a late write): put again"
+            );
+            *self.fenced_at.lock() = None;
+        }
+        Ok(committed)
+    }
+
+    /// `ops` if the fence is still at revision `at`.
+    fn behind_fence(&self, at: i64, ops: Vec<TxnOp>) -> Txn {
+        Txn::new()
+            .when([Compare::mod_revision(
+                self.fence.clone(),
+                CompareOp::Equal,
+                at,
+            )])
+            .and_then(ops)
+    }
+
+    /// Puts the fence under the membership lease; returns its revision.
+    async fn put_fence(&self, client: &mut etcd_client::Client) -> Result<i64, etcd_client::Error> {
+        let lease = *self.cluster.lease.borrow();
+        if lease == 0 {
+            return Err(etcd_client::Error::InvalidArgs(
+                "no membership lease to put the queue's fence under yet".into(),
+            ));
+        }
+        let put = client
+            .put(
+                self.fence.clone(),
+                self.cluster.node_id(),
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+        let at = put.header().map(|h| h.revision()).ok_or_else(|| {
+            etcd_client::Error::InvalidArgs("etcd answered a put without its revision".into())
+        })?;
+        *self.fenced_at.lock() = Some(at);
+        Ok(at)
     }
 }
 
@@ -477,9 +559,11 @@ impl backlog::Backlog for Queue {
         client: &mut etcd_client::Client,
         batch: &mut Batch,
     ) -> Result<(), etcd_client::Error> {
-        client
-            .txn(Txn::new().and_then(std::mem::take(&mut batch.ops)))
-            .await?;
+        if !self.fenced(client, std::mem::take(&mut batch.ops)).await? {
+            return Err(etcd_client::Error::InvalidArgs(
+                "the queue's fence moved: written again".into(),
+            ));
+        }
         // Those waiting for a removal hear (a QoS 2 delivery, see
         // `Queue::sending`).
         std::mem::take(&mut batch.changes)
@@ -489,6 +573,105 @@ impl backlog::Backlog for Queue {
     }
 
     fn put_back(&self, batch: Batch) {
+        // The batch may still commit: the fence goes up again first.
+        *self.fenced_at.lock() = None;
         self.pending.lock().put_back(batch.changes, Instant::now());
+    }
+}
+
+/// Against a real etcd member (`etcd` on PATH).
+#[cfg(test)]
+mod etcd_tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use router::protocol::Publish;
+
+    use super::backlog::Backlog as _;
+    use super::*;
+    use crate::cluster::kv::etcd_tests::node;
+
+    fn message(payload: &str) -> Message {
+        let mut publish = Publish::new(
+            Bytes::from_static(b"t"),
+            Bytes::from(payload.to_owned()),
+            false,
+        );
+        publish.qos = QoS::AtLeastOnce;
+        Message {
+            publish,
+            properties: None,
+        }
+    }
+
+    /// A batch that failed may commit later (it waited at a paused
+    /// member): the queue puts its fence up again before it writes
+    /// anything more, so the late batch cannot leave a copy behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_failed_cannot_commit_after_the_writes_that_follow() {
+        let etcd = statebroker_cluster_harness::EtcdCluster::start(1).expect("etcd starts");
+        let cluster = node("q", &etcd.endpoint(0)).await;
+        let mut client = cluster.client.clone();
+        let lease = client.lease_grant(30, None).await.unwrap().id();
+        cluster.lease.send_replace(lease);
+        let queue = Queue::start(Arc::clone(&cluster), false);
+        let copies = |client: etcd_client::Client| async move {
+            let prefix = Keys::session("/kv-test/", "c");
+            let mut client = client;
+            client
+                .get(
+                    prefix,
+                    Some(GetOptions::new().with_prefix().with_count_only()),
+                )
+                .await
+                .unwrap()
+                .count()
+        };
+        let written = |n: i64| {
+            let client = cluster.client.clone();
+            async move {
+                let start = Instant::now();
+                while copies(client.clone()).await != n {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(30),
+                        "{n} copies never in etcd"
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        queue.keep(&["c"], MessageId(1), &message("one"));
+        written(1).await;
+        let first = queue.fenced_at.lock().expect("the fence is up");
+
+        // A batch in doubt: taken, sent (it waits at a member), failed.
+        queue.keep(&["c"], MessageId(2), &message("two"));
+        let late = {
+            let (changes, ops) = queue
+                .pending
+                .lock()
+                .take(1 << 20, Instant::now() + LINGER * 2);
+            assert_eq!(changes.len(), 1, "message 2's put");
+            let late = queue.behind_fence(first, ops.clone());
+            queue.put_back(Batch {
+                changes,
+                ops: Vec::new(),
+            });
+            late
+        };
+        // Message 2 is delivered meanwhile: its removal goes (it may be
+        // in etcd), and the writer goes on with another message.
+        queue.delivered("c", MessageId(2));
+        queue.keep(&["c"], MessageId(3), &message("three"));
+        // (The writer puts a batch back itself, awake; here it is woken.)
+        queue.wake.notify_one();
+        written(2).await;
+        let now = queue.fenced_at.lock().expect("the fence is up again");
+        assert!(now > first, "the fence went up again: {first} -> {now}");
+
+        // The late batch reaches etcd now: it does not commit.
+        let answer = client.txn(late).await.unwrap();
+        assert!(!answer.succeeded(), "a batch from behind the old fence");
+        assert_eq!(copies(client.clone()).await, 2, "messages 1 and 3 only");
     }
 }

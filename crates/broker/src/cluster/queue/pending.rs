@@ -14,6 +14,16 @@
 //! Removals go before puts: a removal is of a key whose put has left
 //! already (or of another node's key), so it need not wait behind puts
 //! that are not due yet.
+//!
+//! A put whose batch failed may still reach etcd (a request etcd did not
+//! answer in time, e.g. one waiting at a paused member, can commit
+//! later). So it is put back to be written again *and* still counts as
+//! written until then: a message delivered meanwhile gets its removal
+//! (before 2026-11-30 it went out with none, and a put that committed
+//! late left a copy for the next node to send again: a QoS 2 message
+//! twice in a long fault round). The writer fences its batches so that
+//! such a late put cannot commit after the removal (`super::Queue`'s
+//! fence).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -197,13 +207,15 @@ impl Pending {
     }
 
     /// Takes message `number` off `client`'s sets: `true` if its put had
-    /// left (its copy is, or may be, in etcd), `false` if it had not (it
-    /// now will not) or it was never kept here.
+    /// left (its copy is, or may be, in etcd: a put whose batch failed is
+    /// in both sets), `false` if it had not (it now will not) or it was
+    /// never kept here.
     fn forget_message(&mut self, client: &str, number: u64) -> bool {
         let Some(kept) = self.sessions.get_mut(client) else {
             return false;
         };
-        let written = !kept.unsent.remove(&number) && kept.written.remove(&number);
+        kept.unsent.remove(&number);
+        let written = kept.written.remove(&number);
         if kept.unsent.is_empty() && kept.written.is_empty() {
             self.sessions.remove(client);
         }
@@ -329,7 +341,8 @@ impl Pending {
 
     /// Puts a batch that failed back in front, in its order, due at once
     /// (but the puts of messages delivered meanwhile: the removal that
-    /// follows covers a put that reached etcd after all).
+    /// follows covers a put that reached etcd after all). A put put back
+    /// still counts as written (see the module's documentation).
     pub fn put_back(&mut self, batch: Vec<Change>, now: Instant) {
         for change in batch.into_iter().rev() {
             match change {
@@ -337,7 +350,7 @@ impl Pending {
                     let Some(kept) = self.sessions.get_mut(&*put.client) else {
                         continue;
                     };
-                    if !kept.written.remove(&put.number) {
+                    if !kept.written.contains(&put.number) {
                         continue;
                     }
                     kept.unsent.insert(put.number);
@@ -516,6 +529,37 @@ mod tests {
             [("/p/Q/1:d/n/r.0000000000000004".into(), true)],
             "3's put is not made; d's is"
         );
+    }
+
+    /// A put whose batch failed may still commit: a message sent after
+    /// that waits for its removal, and a delivered one gets one, whether
+    /// or not the put went again.
+    #[test]
+    fn a_failed_put_still_counts_as_written() {
+        let t = Instant::now();
+        let mut p = pending();
+        for n in 1..=3 {
+            p.put("c", n, v("m"), t);
+        }
+        let (failed, _) = p.take(ALL, t + LINGER);
+        p.put_back(failed, t + LINGER);
+        // QoS 2, before its put went again: a removal to wait for.
+        assert!(p.sending("c", 1).is_some(), "1 may be in etcd");
+        // QoS 1, delivered: a removal.
+        assert!(p.delivered("c", 2), "2 may be in etcd");
+        let (batch, _) = p.take(ALL, t + LINGER);
+        assert_eq!(
+            written(&(batch, Vec::new())),
+            [
+                ("/p/Q/1:c/n/r.0000000000000001".into(), false),
+                ("/p/Q/1:c/n/r.0000000000000002".into(), false),
+                ("/p/Q/1:c/n/r.0000000000000003".into(), true),
+            ],
+            "1 and 2 removed, 3 written again"
+        );
+        // 3 went again: delivered, it is removed as any written message.
+        assert!(p.delivered("c", 3));
+        assert_eq!(p.count("c"), 0);
     }
 
     #[test]
