@@ -46,18 +46,10 @@
 //! PUBREC removes nothing more. A QoS 1 message may come again (QoS 1
 //! allows it).
 
-//! A batch etcd did not answer in time may still commit later (one that
-//! waits at a paused member commits when the member wakes), after a
-//! removal sent since: a copy of a message the client has, which the next
-//! node would send again (a QoS 2 message twice in a long fault round,
-//! 2026-11-30). So every batch compares the node's fence,
-//! `<etcd_prefix>QF/<node id>` (put under the membership lease), with the
-//! revision the node last put it at; after a batch that failed the node
-//! puts the fence again before anything else, so a late batch can no
-//! longer commit, and counts that batch's puts as written (see
-//! [`pending`]): the removal of a message delivered meanwhile deletes what
-//! the late batch may have left. The fence goes with the lease too: a node
-//! that lost it writes nothing more under the old one.
+//! A batch etcd did not answer in time may still commit later, after
+//! the removals sent since: every batch goes behind the node's fence
+//! ([`fence`]), put again after a failure, and a failed batch's puts
+//! count as written until they go again (see [`pending`]).
 
 //! The session's records go when it ends: the copies with its session
 //! record, in the transaction that compares this node's claim (see
@@ -75,9 +67,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use etcd_client::{
-    Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-};
+use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, TxnOp};
 use parking_lot::Mutex;
 use router::protocol::QoS;
 use router::{Message, MessageId};
@@ -86,7 +76,9 @@ use tokio::sync::oneshot;
 use super::{Cluster, backlog};
 use crate::durable::format::{decode_message, encode_message};
 
+mod fence;
 mod pending;
+use fence::Fence;
 use pending::{Keys, Pending};
 
 /// Messages kept in etcd per session, at most.
@@ -124,11 +116,8 @@ pub struct Queue {
     /// Wakes the writer (shared with it: it holds no strong reference
     /// while it waits).
     wake: Arc<tokio::sync::Notify>,
-    /// The fence's etcd key (see the module's documentation).
-    fence: Vec<u8>,
-    /// The revision the node last put the fence at, which its writes
-    /// compare with (`None`: to be put again first).
-    fenced_at: Mutex<Option<i64>>,
+    /// What every batch goes behind (see [`fence`]).
+    fence: Fence,
 }
 
 impl Queue {
@@ -159,8 +148,7 @@ impl Queue {
             pending: Mutex::new(Pending::new(keys)),
             restored: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
-            fence: format!("{}QF/{}", cluster.settings.etcd_prefix, cluster.node_id()).into_bytes(),
-            fenced_at: Mutex::new(None),
+            fence: Fence::new(&cluster.settings.etcd_prefix, cluster.node_id()),
             cluster,
         });
         backlog::start(&queue);
@@ -456,74 +444,15 @@ impl Queue {
             if changes.is_empty() {
                 return 0;
             }
-            let txn = self.fenced(&mut client, ops);
+            let txn = self.fence.commit(&mut client, &self.cluster, ops);
             if !matches!(tokio::time::timeout_at(deadline, txn).await, Ok(Ok(true))) {
-                *self.fenced_at.lock() = None;
+                self.fence.lower();
                 let mut pending = self.pending.lock();
                 pending.put_back(changes, Instant::now());
                 return pending.len();
             }
             changes.into_iter().for_each(pending::Change::done);
         }
-    }
-}
-
-/// The fence (see the module's documentation).
-impl Queue {
-    /// Commits `ops` if the fence is where this node last put it (put
-    /// first if it is to be): `Ok(false)` if it moved (nothing committed;
-    /// it is to be put again).
-    async fn fenced(
-        &self,
-        client: &mut etcd_client::Client,
-        ops: Vec<TxnOp>,
-    ) -> Result<bool, etcd_client::Error> {
-        let at = *self.fenced_at.lock();
-        let at = match at {
-            Some(at) => at,
-            None => self.put_fence(client).await?,
-        };
-        let committed = client.txn(self.behind_fence(at, ops)).await?.succeeded();
-        if !committed {
-            tracing::debug!(
-                "clustering: the queue's fence moved (a new lease, or a late write): put again"
-            );
-            *self.fenced_at.lock() = None;
-        }
-        Ok(committed)
-    }
-
-    /// `ops` if the fence is still at revision `at`.
-    fn behind_fence(&self, at: i64, ops: Vec<TxnOp>) -> Txn {
-        Txn::new()
-            .when([Compare::mod_revision(
-                self.fence.clone(),
-                CompareOp::Equal,
-                at,
-            )])
-            .and_then(ops)
-    }
-
-    /// Puts the fence under the membership lease; returns its revision.
-    async fn put_fence(&self, client: &mut etcd_client::Client) -> Result<i64, etcd_client::Error> {
-        let lease = *self.cluster.lease.borrow();
-        if lease == 0 {
-            return Err(etcd_client::Error::InvalidArgs(
-                "no membership lease to put the queue's fence under yet".into(),
-            ));
-        }
-        let put = client
-            .put(
-                self.fence.clone(),
-                self.cluster.node_id(),
-                Some(PutOptions::new().with_lease(lease)),
-            )
-            .await?;
-        let at = put.header().map(|h| h.revision()).ok_or_else(|| {
-            etcd_client::Error::InvalidArgs("etcd answered a put without its revision".into())
-        })?;
-        *self.fenced_at.lock() = Some(at);
-        Ok(at)
     }
 }
 
@@ -559,7 +488,8 @@ impl backlog::Backlog for Queue {
         client: &mut etcd_client::Client,
         batch: &mut Batch,
     ) -> Result<(), etcd_client::Error> {
-        if !self.fenced(client, std::mem::take(&mut batch.ops)).await? {
+        let ops = std::mem::take(&mut batch.ops);
+        if !self.fence.commit(client, &self.cluster, ops).await? {
             return Err(etcd_client::Error::InvalidArgs(
                 "the queue's fence moved: written again".into(),
             ));
@@ -574,7 +504,7 @@ impl backlog::Backlog for Queue {
 
     fn put_back(&self, batch: Batch) {
         // The batch may still commit: the fence goes up again first.
-        *self.fenced_at.lock() = None;
+        self.fence.lower();
         self.pending.lock().put_back(batch.changes, Instant::now());
     }
 }
@@ -642,7 +572,7 @@ mod etcd_tests {
         };
         queue.keep(&["c"], MessageId(1), &message("one"));
         written(1).await;
-        let first = queue.fenced_at.lock().expect("the fence is up");
+        let first = queue.fence.at().expect("the fence is up");
 
         // A batch in doubt: taken, sent (it waits at a member), failed.
         queue.keep(&["c"], MessageId(2), &message("two"));
@@ -652,7 +582,7 @@ mod etcd_tests {
                 .lock()
                 .take(1 << 20, Instant::now() + LINGER * 2);
             assert_eq!(changes.len(), 1, "message 2's put");
-            let late = queue.behind_fence(first, ops.clone());
+            let late = queue.fence.behind(first, ops.clone());
             queue.put_back(Batch {
                 changes,
                 ops: Vec::new(),
@@ -666,7 +596,7 @@ mod etcd_tests {
         // (The writer puts a batch back itself, awake; here it is woken.)
         queue.wake.notify_one();
         written(2).await;
-        let now = queue.fenced_at.lock().expect("the fence is up again");
+        let now = queue.fence.at().expect("the fence is up again");
         assert!(now > first, "the fence went up again: {first} -> {now}");
 
         // The late batch reaches etcd now: it does not commit.
