@@ -203,31 +203,30 @@ impl Setup {
     }
 }
 
-/// A client of node `port`.
-pub async fn client(port: u16, client_id: &str) -> Client {
-    let target = Target {
+/// Node `port` on loopback, for client `client_id`.
+fn target(port: u16, client_id: &str) -> Target {
+    Target {
         host: "127.0.0.1".into(),
         port,
         client_id: client_id.into(),
         login: None,
         timeout: PATIENCE,
         tls: None,
-    };
-    Client::connect(&target).await.expect("connects")
+    }
+}
+
+/// A client of node `port`.
+pub async fn client(port: u16, client_id: &str) -> Client {
+    Client::connect(&target(port, client_id))
+        .await
+        .expect("connects")
 }
 
 /// A client of node `port` once the node takes clients again: a node
 /// that lost its membership lease (etcd without a quorum) refuses CONNECT
 /// (0x9C) until it has registered again.
 pub async fn client_when_serving(port: u16, client_id: &str) -> Client {
-    let target = Target {
-        host: "127.0.0.1".into(),
-        port,
-        client_id: client_id.into(),
-        login: None,
-        timeout: PATIENCE,
-        tls: None,
-    };
+    let target = target(port, client_id);
     let start = std::time::Instant::now();
     loop {
         match Client::connect(&target).await {
