@@ -580,11 +580,13 @@ async fn gets_go_to_etcds_leader_and_to_the_next_one_after_it_dies() {
     let mut c = client(setup.ports[0], "reader").await;
     assert_eq!(text(&ask(&mut c, &["SET", "k", "v"]).await), "+OK");
     let served = ranges_of_gets(&mut setup, &mut c, 200).await;
-    // (The node's other reads, its readiness probe's, go to any member.)
+    // The node's other reads (readiness, sessions, ...) go to any member,
+    // about as many to each however long the GETs take: the leader served
+    // the GETs over and above them.
     assert!(served[leader] >= 200.0, "the leader served {served:?}");
     for follower in (0..3).filter(|&m| m != leader) {
         assert!(
-            served[follower] < 50.0,
+            served[leader] - served[follower] >= 150.0,
             "member {follower} served {served:?}"
         );
     }
@@ -600,7 +602,10 @@ async fn gets_go_to_etcds_leader_and_to_the_next_one_after_it_dies() {
     let served = ranges_of_gets(&mut setup, &mut c, 200).await;
     assert!(served[next] >= 200.0, "the new leader served {served:?}");
     let other = (0..3).find(|&m| m != leader && m != next).unwrap();
-    assert!(served[other] < 50.0, "member {other} served {served:?}");
+    assert!(
+        served[next] - served[other] >= 150.0,
+        "member {other} served {served:?}"
+    );
 }
 
 /// Every key a SCAN of `pattern` lists, page after page, and how many
