@@ -146,12 +146,7 @@ impl Out {
         let mut sending = Box::pin(batch.send(way.kv, Arc::clone(&self.leader)));
         tokio::select! {
             ok = &mut sending => {
-                if ok {
-                    crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
-                    self.note_answered(number);
-                } else if direct {
-                    self.route.leave();
-                }
+                self.ended(B::KIND, ok, direct, number, sent);
                 drop(slot);
             }
             () = tokio::time::sleep(STUCK_AFTER) => {
@@ -162,14 +157,7 @@ impl Out {
                     let _probing = out.leader.stuck();
                     let mut later = out.answered.subscribe();
                     tokio::select! {
-                        ok = sending => {
-                            if ok {
-                                crate::metrics::cluster_etcd_answered(B::KIND, sent.elapsed());
-                                out.note_answered(number);
-                            } else if direct {
-                                out.route.leave();
-                            }
-                        }
+                        ok = sending => out.ended(B::KIND, ok, direct, number, sent),
                         () = out.leader.newer_than(term) => {
                             tracing::debug!(term, "clustering: etcd requests out since an older leader's term are given up");
                             crate::metrics::cluster_requests_given_up("leader_changed");
@@ -182,6 +170,18 @@ impl Out {
                     drop(slot);
                 });
             }
+        }
+    }
+
+    /// Batch `number` (a `kind` one, sent at `sent`, to the leader if
+    /// `direct`) ended: answered (`ok`), or not, which leaves the route to
+    /// the leader.
+    fn ended(&self, kind: &'static str, ok: bool, direct: bool, number: u64, sent: Instant) {
+        if ok {
+            crate::metrics::cluster_etcd_answered(kind, sent.elapsed());
+            self.note_answered(number);
+        } else if direct {
+            self.route.leave();
         }
     }
 

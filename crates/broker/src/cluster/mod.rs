@@ -184,13 +184,12 @@ impl Cluster {
                 "clustering: STATEBROKER_CLUSTER_BROKEN is set: this node answers WRONGLY on purpose (a test of the history checker)"
             );
         }
-        let kv = client
-            .kv_client()
-            .max_decoding_message_size(reads::decoding_limit(settings.max_request_bytes));
+        let decoding_limit = reads::decoding_limit(settings.max_request_bytes);
+        let kv = client.kv_client().max_decoding_message_size(decoding_limit);
         let route = Arc::new(route::Route::new(
             kv.clone(),
             settings.requests_to_leader,
-            reads::decoding_limit(settings.max_request_bytes),
+            decoding_limit,
         ));
         let reads = reads::Reads::start(
             Arc::clone(&route),

@@ -30,7 +30,7 @@ pub(super) struct Route {
     /// The client's channel to every member that answers.
     any: KvClient,
     /// The leader, when known.
-    leader: Mutex<Option<Leader>>,
+    leader: Mutex<Option<Leading>>,
     /// `requests_to_leader`.
     enabled: bool,
     /// Answers decoded, at most (as `any`'s).
@@ -38,7 +38,7 @@ pub(super) struct Route {
 }
 
 /// A member that said it leads.
-struct Leader {
+struct Leading {
     endpoint: String,
     /// The term it said it leads in.
     term: u64,
@@ -102,7 +102,7 @@ impl Route {
             term,
             "clustering: state store requests go to etcd's leader"
         );
-        *leader = Some(Leader {
+        *leader = Some(Leading {
             endpoint: endpoint.to_owned(),
             term,
             kv: client

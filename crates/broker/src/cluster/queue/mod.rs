@@ -446,13 +446,20 @@ impl Queue {
             }
             let txn = self.fence.commit(&mut client, &self.cluster, ops);
             if !matches!(tokio::time::timeout_at(deadline, txn).await, Ok(Ok(true))) {
-                self.fence.lower();
-                let mut pending = self.pending.lock();
-                pending.put_back(changes, Instant::now());
-                return pending.len();
+                self.failed(changes);
+                return self.pending.lock().len();
             }
             changes.into_iter().for_each(pending::Change::done);
         }
+    }
+}
+
+impl Queue {
+    /// A batch of `changes` etcd did not take: they go back, and as the
+    /// batch may still commit, the fence goes up again before the next.
+    fn failed(&self, changes: Vec<pending::Change>) {
+        self.fence.lower();
+        self.pending.lock().put_back(changes, Instant::now());
     }
 }
 
@@ -503,9 +510,7 @@ impl backlog::Backlog for Queue {
     }
 
     fn put_back(&self, batch: Batch) {
-        // The batch may still commit: the fence goes up again first.
-        self.fence.lower();
-        self.pending.lock().put_back(batch.changes, Instant::now());
+        self.failed(batch.changes);
     }
 }
 

@@ -150,7 +150,9 @@ impl Pending {
         self.puts.len() + self.removals.len()
     }
 
-    /// Messages `client` has here, written or not.
+    /// Messages `client` has here, written or not (one whose batch
+    /// failed and waits to go again counts twice until it goes: the bound
+    /// this serves is met a little early, never late).
     pub fn count(&self, client: &str) -> usize {
         self.sessions
             .get(client)
