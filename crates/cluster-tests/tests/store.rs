@@ -535,16 +535,14 @@ async fn one_etcd_member_down_leaves_the_nodes_ready_and_lets_a_node_start() {
 /// Linearizable reads (etcd `Range`s) member `i` of `setup`'s etcd has
 /// served (0 for a member killed).
 fn ranges_served(setup: &mut Setup, i: usize) -> f64 {
-    let served = metric(
+    if setup.etcd.state(i) != statebroker_cluster_harness::ProcState::Running {
+        return 0.0;
+    }
+    metric(
         setup.etcd.client_port(i),
         r#"grpc_server_handled_total{grpc_code="OK",grpc_method="Range",grpc_service="etcdserverpb.KV",grpc_type="unary"}"#,
-    );
-    match setup.etcd.state(i) {
-        statebroker_cluster_harness::ProcState::Running => {
-            served.unwrap_or_else(|| panic!("etcd member {i} reports its Ranges"))
-        }
-        _ => 0.0,
-    }
+    )
+    .unwrap_or_else(|| panic!("etcd member {i} reports its Ranges"))
 }
 
 /// How many of `gets` GETs of one key on `c` each member served.
@@ -570,11 +568,11 @@ async fn gets_go_to_etcds_leader_and_to_the_next_one_after_it_dies() {
     let mut setup = Setup::start(3, 1);
     let leader = setup.etcd.wait_healthy(PATIENCE).expect("etcd healthy");
     let routed_to = |setup: &Setup, member: usize| {
-        let line = format!("endpoint=\"{}\"", setup.etcd.endpoint(member));
-        std::fs::read_to_string(setup.nodes[0].log_path())
-            .unwrap_or_default()
-            .lines()
-            .any(|l| l.contains("requests go to etcd's leader") && l.contains(&line))
+        let line = format!(
+            "requests go to etcd's leader endpoint=\"{}\"",
+            setup.etcd.endpoint(member)
+        );
+        lines_with(&setup.nodes[0], &line) > 0
     };
     eventually("the node names etcd's leader", || routed_to(&setup, leader)).await;
     let mut c = client(setup.ports[0], "reader").await;
