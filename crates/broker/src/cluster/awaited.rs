@@ -151,22 +151,24 @@ impl Awaited {
             }
         };
         let count = messages.len();
-        // A QoS 2 message leaves etcd before the client may have it (see
-        // `Queue::sending`): the removals go at once, in as few requests
-        // as they take, and each delivery waits for its own.
+        // A QoS 2 message leaves etcd before the client may have it here
+        // (handed over, see `Direct::handed_over`: at QoS 1, or under the
+        // id it was in flight under): the removals go at once, in as few
+        // requests as they take, and each delivery waits for its own.
         let removals: Vec<_> = messages
             .iter()
-            .map(|(key, message)| {
-                (message.publish.qos == router::protocol::QoS::ExactlyOnce)
-                    .then(|| self.queue.remove_waited(key.clone()))
+            .map(|queued| {
+                (queued.message.publish.qos == router::protocol::QoS::ExactlyOnce)
+                    .then(|| self.queue.remove_waited(queued.key.clone()))
             })
             .collect();
-        for ((key, message), removal) in messages.into_iter().zip(removals) {
+        for (queued, removal) in messages.into_iter().zip(removals) {
+            let (key, message) = (queued.key, queued.message);
             let mut properties = message.properties;
             if let Some(properties) = &mut properties {
                 crate::publisher::unstamp(properties);
             }
-            let mut direct = Direct::handed_over(message.publish, properties, None);
+            let mut direct = Direct::handed_over(message.publish, properties, queued.in_flight);
             if let Some(removal) = removal {
                 if removal.await.is_err() {
                     // The node stops: the rest stays in etcd.

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::config::Settings;
 use crate::publisher::Publisher;
-use crate::sessions::Sessions;
+use crate::sessions::{Sending, Sessions};
 use crate::standing::Standing;
 use crate::will::WillRegistry;
 
@@ -112,8 +112,17 @@ impl Node {
         journal.attach(&ownership, &queue);
         ownership.attach(&queue);
         let weak = Arc::downgrade(&queue);
-        let before_sending: crate::sessions::BeforeSending =
-            Arc::new(move |client, number| weak.upgrade()?.sending(client, number));
+        let before_sending: crate::sessions::BeforeSending = Arc::new(move |client, sending| {
+            let queue = weak.upgrade()?;
+            match sending {
+                Sending::Publish {
+                    number,
+                    publish,
+                    properties,
+                } => queue.sending(client, number, publish, properties),
+                Sending::PubRel(pkid) => queue.releasing(client, pkid),
+            }
+        });
         let awaited = Awaited::new(
             Arc::clone(&queue),
             Arc::clone(sessions),
@@ -130,6 +139,7 @@ impl Node {
             awaited: Arc::downgrade(&awaited),
             stamps: Arc::downgrade(&stamps),
             membership: Arc::downgrade(&membership),
+            sessions: Arc::downgrade(sessions),
             standing: membership.standing(),
             max_expiry: settings.broker.max_session_expiry_secs,
             max_kept: settings.broker.max_kept_sessions,
@@ -356,6 +366,7 @@ impl Node {
             stamps: &self.stamps,
             peers: &self.peers,
             router: &self.router,
+            sessions: &self.sessions,
             timeout: self.cluster.settings.request_timeout,
             client: self.cluster.client.clone(),
         };

@@ -46,7 +46,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::ownership::{Offers, SessionValue, offered, owner_ids, owner_of};
-use super::sessions::{Records, read_records, record_block, replace_session, waiting_in_etcd};
+use super::sessions::{
+    Records, read_records, record_block, replace_session, resend_in_flight, waiting_in_etcd,
+};
 use super::stamps::Stamps;
 use super::watch::{Ended, follow_prefix};
 use super::{Awaited, Cluster, Membership, Ownership, Peers, Queue};
@@ -65,6 +67,9 @@ pub struct Orphans {
     pub awaited: Weak<Awaited>,
     pub stamps: Weak<Stamps>,
     pub membership: Weak<Membership>,
+    /// Where the messages a dead node had in flight go (see
+    /// [`resend_in_flight`]).
+    pub sessions: Weak<crate::sessions::Sessions>,
     pub standing: Arc<Standing>,
     /// `[broker] max_session_expiry_secs` (0: none).
     pub max_expiry: u32,
@@ -484,8 +489,16 @@ async fn adopt(
     let from_queue =
         from.is_none_or(|node| !orphans.peers.upgrade().is_some_and(|p| p.linked_from(node)));
     let mut keys = Vec::new();
+    let mut in_flight = Vec::new();
     let waiting = if from_queue {
-        waiting_in_etcd(&queue, client_id, &record.session, &mut keys).await?
+        waiting_in_etcd(
+            &queue,
+            client_id,
+            &record.session,
+            &mut keys,
+            &mut in_flight,
+        )
+        .await?
     } else {
         Vec::new()
     };
@@ -525,6 +538,9 @@ async fn adopt(
     }
     if !ownership.adopt(client_id, resumed, epoch) {
         return Ok(false);
+    }
+    if let Some(sessions) = orphans.sessions.upgrade() {
+        resend_in_flight(&queue, &sessions, client_id, in_flight).await;
     }
     crate::metrics::session_adopted();
     tracing::info!(

@@ -47,11 +47,12 @@ use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 use router::{Journal, Message, MessageId, Receipt, RestoredSession, RouterHandle, SessionRecord};
 
 use super::ownership::{SessionValue, owner_ids, owner_of};
+use super::queue::Queued;
 use super::stamps::Stamps;
 use super::{Awaited, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
-use crate::sessions::{PacketIdBlock, Resumed};
+use crate::sessions::{Direct, PacketIdBlock, Resumed, Sessions};
 
 /// The router's journal on a cluster node: sessions go to etcd (through
 /// the node's [`Ownership`]) besides the data directory's journal, if any.
@@ -144,6 +145,7 @@ pub struct Resume<'a> {
     pub stamps: &'a Stamps,
     pub peers: &'a Peers,
     pub router: &'a RouterHandle,
+    pub sessions: &'a Sessions,
     pub timeout: std::time::Duration,
     pub client: etcd_client::Client,
 }
@@ -258,13 +260,14 @@ async fn resume_once(
     let from_queue = owner.is_none() || (from != node_id && !node.peers.linked_from(&from));
     let mut ids = fresh;
     let mut keys = Vec::new();
+    let mut in_flight = Vec::new();
     let mut restored = None;
     if let Some((next, session)) = session
         && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
     {
         ids = next;
         let waiting = if from_queue {
-            waiting_in_etcd(node.queue, client_id, &session, &mut keys).await?
+            waiting_in_etcd(node.queue, client_id, &session, &mut keys, &mut in_flight).await?
         } else {
             Vec::new()
         };
@@ -299,6 +302,7 @@ async fn resume_once(
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
+        resend_in_flight(node.queue, node.sessions, client_id, in_flight).await;
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);
     }
@@ -395,28 +399,81 @@ pub(super) async fn read_records(
 /// The messages kept in etcd for `client_id`'s `session` (see
 /// [`super::queue`]), each for the session as its subscriptions take it
 /// now, numbered here; their keys by number go to `keys`. Those none of
-/// its subscriptions take any more go from etcd.
+/// its subscriptions take any more go from etcd. Those their node had in
+/// flight to the client go to `in_flight` instead (see
+/// [`resend_in_flight`]).
 pub(super) async fn waiting_in_etcd(
     queue: &Queue,
     client_id: &str,
     session: &SessionRecord,
     keys: &mut Vec<(MessageId, Vec<u8>)>,
+    in_flight: &mut Vec<Queued>,
 ) -> Result<Vec<(MessageId, Message)>, String> {
     let mut waiting = Vec::new();
     let mut gone = Vec::new();
-    for (key, mut message) in queue.read(client_id).await? {
-        if !crate::durable::for_session(session, &mut message) {
-            gone.push(key);
+    for mut queued in queue.read(client_id).await? {
+        if !crate::durable::for_session(session, &mut queued.message) {
+            gone.push(queued.key);
+            continue;
+        }
+        if queued.in_flight.is_some() {
+            in_flight.push(queued);
             continue;
         }
         let number = queue.restored_number();
-        keys.push((number, key));
-        waiting.push((number, message));
+        keys.push((number, queued.key));
+        waiting.push((number, queued.message));
     }
     if !gone.is_empty() {
         queue.remove(gone);
     }
     Ok(waiting)
+}
+
+/// QoS 2 messages read back from etcd that their node had sent the client
+/// (see `Queue::sending`), for the session this node took: each leaves
+/// etcd (the client forgets the id at the PUBREL, and a copy sent again
+/// after it would be a new message), then goes to the session like a
+/// message handed over under the id the client saw, with DUP (see
+/// [`crate::sessions::Direct::handed_over`]), before what its router has
+/// (a client that had it takes it as the same message; one whose PUBLISH
+/// was lost gets it). Those etcd does not remove in time stay there and
+/// are not sent.
+pub(super) async fn resend_in_flight(
+    queue: &Queue,
+    sessions: &Sessions,
+    client_id: &str,
+    in_flight: Vec<Queued>,
+) {
+    if in_flight.is_empty() {
+        return;
+    }
+    let removals: Vec<_> = in_flight
+        .iter()
+        .map(|queued| queue.remove_waited(queued.key.clone()))
+        .collect();
+    let mut messages = Vec::with_capacity(in_flight.len());
+    for (queued, removal) in in_flight.into_iter().zip(removals) {
+        if removal.await.is_err() {
+            // The node stops.
+            break;
+        }
+        let mut properties = queued.message.properties;
+        if let Some(properties) = &mut properties {
+            crate::publisher::unstamp(properties);
+        }
+        messages.push(Direct::handed_over(
+            queued.message.publish,
+            properties,
+            queued.in_flight,
+        ));
+    }
+    tracing::info!(
+        client_id,
+        count = messages.len(),
+        "clustering: QoS 2 messages the session's last node had in flight to the client came from etcd: sent again under their packet ids"
+    );
+    sessions.keep_handed_over(client_id, messages);
 }
 
 /// Writes `ids` into the session record `value` at `key` if it is still

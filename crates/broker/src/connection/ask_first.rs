@@ -1,14 +1,18 @@
 //! QoS 2 deliveries that ask before they go out (a cluster node's).
 //!
 //! A QoS 2 message queued for a persistent session may have a copy in
-//! etcd (see `cluster::queue`), which must be gone before the client may
-//! have the message: the next node would send it again, a new message to
-//! the client. So before the connection reads such a delivery from its
-//! router link, it asks ([`BeforeSending`]); one that must wait is kept,
-//! with everything the router gives after it (the client sees them in
-//! order), until etcd has the removal. What the router gives meanwhile is
-//! asked about at once (its removal goes with the first's), up to
-//! [`MAX_WAITING`] notifications.
+//! etcd (see `cluster::queue`), which must say, before the client may
+//! have the message, that it is in flight under its packet id: the next
+//! node, if this one dies, sends it again under that id with DUP, which a
+//! client that had it takes for the same message (MQTT 5 4.3.3), and one
+//! that had not gets. The copy must be gone before the PUBREL: the client
+//! forgets the id then, and a copy sent again would be a new message. So
+//! before the connection reads such a delivery, or the PUBREL of one,
+//! from its router link, it asks ([`BeforeSending`]); one that must wait
+//! is kept, with everything the router gives after it (the client sees
+//! them in order), until etcd has the write. What the router gives
+//! meanwhile is asked about at once (its write goes with the first's), up
+//! to [`MAX_WAITING`] notifications.
 //!
 //! A single node has no such link state: the router link reads as if this
 //! were not there (measured: the moves of a notification through a check
@@ -20,12 +24,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use router::Notification;
 use router::local::{LinkError, LinkRx};
 use router::protocol::QoS;
+use router::{Ack, Notification};
 use tokio::sync::oneshot;
 
-use crate::sessions::BeforeSending;
+use crate::sessions::{BeforeSending, Sending};
 
 /// Notifications kept behind a delivery that waits, at most: past them
 /// the router is not read until that delivery goes.
@@ -39,9 +43,9 @@ pub(super) type Read = Poll<Result<Option<Notification>, LinkError>>;
 pub(super) struct AskFirst {
     ask: BeforeSending,
     /// What the router gave behind a delivery that waits, in order, each
-    /// with the removal it waits for.
+    /// with the write to etcd it waits for.
     waiting: VecDeque<(Notification, Option<oneshot::Receiver<()>>)>,
-    /// A removal waited for will not come (the node stops): what waits is
+    /// A write waited for will not come (the node stops): what waits is
     /// never given.
     stopped: bool,
 }
@@ -118,7 +122,17 @@ impl AskFirst {
     fn admit(&mut self, client: &str, notification: Notification) -> Option<Notification> {
         let removal = match &notification {
             Notification::Forward(forward) if forward.publish.qos == QoS::ExactlyOnce => {
-                forward.queued.and_then(|number| (self.ask)(client, number))
+                forward.queued.and_then(|number| {
+                    let sending = Sending::Publish {
+                        number,
+                        publish: &forward.publish,
+                        properties: forward.properties.as_ref(),
+                    };
+                    (self.ask)(client, sending)
+                })
+            }
+            Notification::DeviceAck(Ack::PubRel(rel) | Ack::PubRelWithProperties(rel, _)) => {
+                (self.ask)(client, Sending::PubRel(rel.pkid))
             }
             _ => None,
         };

@@ -343,12 +343,16 @@ mod tests {
         assert!(link.is_linked() && !present);
     }
 
-    /// A QoS 2 delivery the cluster's queue must first remove from etcd
-    /// waits until it says so, and what the router gives after it waits
-    /// behind it; then both come, in order.
+    /// A QoS 2 delivery whose copy the cluster's queue must first mark in
+    /// flight in etcd waits until it says so, and what the router gives
+    /// after it waits behind it; then both come, in order, and the
+    /// PUBREL of one waits the same way (for its copy to go).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_qos2_delivery_waits_until_its_copy_is_gone() {
-        use router::protocol::{Filter, PubRel, PubRelReason, QoS, RetainForwardRule, Subscribe};
+    async fn a_qos2_delivery_and_its_pubrel_wait_for_the_queue() {
+        use crate::sessions::Sending;
+        use router::protocol::{
+            Filter, PubRec, PubRecReason, PubRel, PubRelReason, QoS, RetainForwardRule, Subscribe,
+        };
         use router::{Journal, Message, MessageId, Receipt, SessionRecord};
         use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -383,17 +387,25 @@ mod tests {
         let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
             .await
             .unwrap();
-        let (gone, heard) = tokio::sync::oneshot::channel();
+        let (marked, heard) = tokio::sync::oneshot::channel();
         let heard = parking_lot::Mutex::new(Some(heard));
+        let (gone, released) = tokio::sync::oneshot::channel();
+        let released = parking_lot::Mutex::new(Some(released));
         let asked = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let seen = std::sync::Arc::clone(&asked);
         sub.ask_before_sending(Some(std::sync::Arc::new(
-            move |client: &str, n: MessageId| {
-                seen.lock().push((client.to_owned(), n));
-                if n == MessageId(1) {
-                    heard.lock().take()
-                } else {
-                    None
+            move |client: &str, sending: Sending<'_>| {
+                let (what, wait) = match sending {
+                    Sending::Publish { number, .. } => {
+                        (format!("publish {}", number.0), number == MessageId(1))
+                    }
+                    Sending::PubRel(pkid) => (format!("pubrel {pkid}"), true),
+                };
+                seen.lock().push((client.to_owned(), what.clone()));
+                match (wait, what.starts_with("pubrel")) {
+                    (false, _) => None,
+                    (true, false) => heard.lock().take(),
+                    (true, true) => released.lock().take(),
                 }
             },
         )));
@@ -424,7 +436,7 @@ mod tests {
                 .unwrap();
         }
         let forwarded = |n: Notification| match n {
-            Notification::Forward(f) => Some(f.publish.payload),
+            Notification::Forward(f) => Some((f.publish.payload, f.publish.pkid)),
             _ => None,
         };
         // Until the first one's copy is gone, neither comes.
@@ -438,24 +450,46 @@ mod tests {
             }
         })
         .await;
-        assert!(early.is_err(), "nothing before the removal: {early:?}");
+        assert!(early.is_err(), "nothing before the mark: {early:?}");
         assert!(sub.next_ready().is_none());
         assert_eq!(
             *asked.lock(),
             [
-                ("s".to_owned(), MessageId(1)),
-                ("s".to_owned(), MessageId(2))
+                ("s".to_owned(), "publish 1".to_owned()),
+                ("s".to_owned(), "publish 2".to_owned())
             ],
             "each asked once, in order"
         );
-        gone.send(()).unwrap();
+        marked.send(()).unwrap();
         let mut got = Vec::new();
         while got.len() < 2 {
-            if let Some(payload) = sub.next().await.unwrap().and_then(forwarded) {
-                got.push(payload);
+            if let Some(delivery) = sub.next().await.unwrap().and_then(forwarded) {
+                got.push(delivery);
             }
         }
-        assert_eq!(got, ["one", "two"]);
+        let payloads: Vec<_> = got.iter().map(|(payload, _)| payload.clone()).collect();
+        assert_eq!(payloads, ["one", "two"]);
+        // The client has the first: its PUBREL waits for the copy to go.
+        let pkid = got[0].1;
+        let pubrec = PubRec {
+            pkid,
+            reason: PubRecReason::Success,
+        };
+        sub.send(&mut vec![Packet::PubRec(pubrec, None)])
+            .await
+            .unwrap();
+        let pubrel = |n: Notification| matches!(n, Notification::DeviceAck(router::Ack::PubRel(_)));
+        let early = tokio::time::timeout(std::time::Duration::from_millis(500), async {
+            while !sub.next().await.unwrap().is_some_and(pubrel) {}
+        })
+        .await;
+        assert!(early.is_err(), "no PUBREL before the copy is gone");
+        assert_eq!(
+            asked.lock().last(),
+            Some(&("s".to_owned(), format!("pubrel {pkid}")))
+        );
+        gone.send(()).unwrap();
+        while !sub.next().await.unwrap().is_some_and(pubrel) {}
     }
 
     /// `close_with` returns once the router has closed the link, not at a

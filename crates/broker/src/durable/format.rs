@@ -13,6 +13,11 @@ const VERSION: u8 = 1;
 /// (1: drop_oldest, 2: refuse). A session without one is still written as
 /// version 1, which binaries from before can read.
 const SESSION_WITH_QUEUE_FULL: u8 = 2;
+/// A QoS 2 message queued in etcd and in flight to its client (a cluster
+/// node's, see `crate::cluster::queue`): `[3][packet id u16 BE]`, then a
+/// message's saved form without its version byte.
+#[cfg(any(test, feature = "cluster"))]
+const IN_FLIGHT: u8 = 3;
 /// Larger than any packet a listener accepts.
 const MAX_STORED_PACKET: usize = 1 << 30;
 
@@ -38,11 +43,57 @@ pub(crate) fn encode_message(
     Some(out.to_vec())
 }
 
+/// `publish`'s saved form (see [`encode_message`]) marked as in flight to
+/// its client under packet id `pkid` (a cluster node's queue in etcd: the
+/// next node sends it again under that id, with DUP).
+#[cfg(any(test, feature = "cluster"))]
+pub(crate) fn encode_in_flight(
+    publish: &Publish,
+    properties: Option<&PublishProperties>,
+    now: u64,
+    pkid: u16,
+) -> Option<Vec<u8>> {
+    let saved = encode_message(publish, properties, now)?;
+    let mut out = Vec::with_capacity(saved.len() + 2);
+    out.put_u8(IN_FLIGHT);
+    out.put_u16(pkid);
+    out.extend_from_slice(&saved[1..]);
+    Some(out)
+}
+
+/// A queued message's saved form, either kind (see [`decode_message`]),
+/// with the packet id it is in flight under if it is marked so (see
+/// [`encode_in_flight`]).
+#[cfg(any(test, feature = "cluster"))]
+pub(crate) fn decode_queued(
+    value: &[u8],
+    now: u64,
+) -> Result<Option<(Message, Option<u16>)>, String> {
+    match value.first() {
+        Some(&IN_FLIGHT) if value.len() >= 3 => {
+            let pkid = u16::from_be_bytes([value[1], value[2]]);
+            if pkid == 0 {
+                return Err("in flight under packet id 0".into());
+            }
+            Ok(decode_saved(&value[3..], now)?.map(|m| (m, Some(pkid))))
+        }
+        _ => Ok(decode_message(value, now)?.map(|m| (m, None))),
+    }
+}
+
 /// A saved retained message, with its Message Expiry Interval reduced by
 /// the time it waited; `Ok(None)` if it has expired.
 pub(crate) fn decode_message(value: &[u8], now: u64) -> Result<Option<Message>, String> {
+    match value.split_first() {
+        Some((&VERSION, rest)) => decode_saved(rest, now),
+        _ => Err("unknown format".into()),
+    }
+}
+
+/// [`decode_message`] after the version byte.
+fn decode_saved(value: &[u8], now: u64) -> Result<Option<Message>, String> {
     let mut cursor = value;
-    if cursor.len() < 9 || cursor.get_u8() != VERSION {
+    if cursor.len() < 8 {
         return Err("unknown format".into());
     }
     let stored_at = cursor.get_u64();
@@ -262,6 +313,36 @@ mod tests {
         for len in 0..value.len() {
             assert!(decode_message(&value[..len], at).is_err(), "{len} bytes");
         }
+    }
+
+    /// A QoS 2 message marked in flight keeps its packet id and the rest
+    /// of its saved form; an unmarked one reads as none in flight.
+    #[test]
+    fn a_message_in_flight_round_trips_with_its_packet_id() {
+        let publish = crate::codec::publish(b"a/b", b"x", 2, 9, false);
+        let properties = PublishProperties {
+            message_expiry_interval: Some(60),
+            ..PublishProperties::default()
+        };
+        let at = 5_000;
+        let value = encode_in_flight(&publish, Some(&properties), at, 513).unwrap();
+        let (got, pkid) = decode_queued(&value, at + 10_000).unwrap().unwrap();
+        assert_eq!(pkid, Some(513));
+        assert_eq!(
+            (&got.publish.topic[..], got.publish.qos as u8),
+            (&b"a/b"[..], 2)
+        );
+        assert_eq!(got.properties.unwrap().message_expiry_interval, Some(50));
+        assert_eq!(decode_queued(&value, at + 60_000), Ok(None), "expired");
+        assert!(decode_message(&value, at).is_err(), "not a plain message");
+        let plain = encode_message(&publish, None, at).unwrap();
+        assert_eq!(decode_queued(&plain, at).unwrap().unwrap().1, None);
+        for len in 0..value.len() {
+            assert!(decode_queued(&value[..len], at).is_err(), "{len} bytes");
+        }
+        let mut zero = value.clone();
+        zero[1..3].copy_from_slice(&[0, 0]);
+        assert!(decode_queued(&zero, at).is_err(), "packet id 0");
     }
 
     /// A QoS 1 message the broker made itself has no packet id: it is

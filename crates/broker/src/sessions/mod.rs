@@ -53,12 +53,27 @@ pub use packet_ids::{PacketIdBlock, Resumed};
 pub use route::Route;
 
 /// What a connection asks before it sends its client a QoS 2 delivery
-/// the router numbered for persistent sessions (client id, number): what
-/// to wait for first, if anything (a cluster node: the message's copy in
-/// etcd going, see `cluster::queue`).
+/// the router numbered for persistent sessions, or the PUBREL of one
+/// (client id, which): what to wait for first, if anything (a cluster
+/// node: the message's copy in etcd marked in flight, then gone, see
+/// `cluster::queue`).
 pub type BeforeSending = std::sync::Arc<
-    dyn Fn(&str, router::MessageId) -> Option<tokio::sync::oneshot::Receiver<()>> + Send + Sync,
+    dyn Fn(&str, Sending<'_>) -> Option<tokio::sync::oneshot::Receiver<()>> + Send + Sync,
 >;
+
+/// What [`BeforeSending`] is asked about (read by a cluster node's queue).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub enum Sending<'a> {
+    /// A QoS 2 delivery: the router's number for it, and the packet.
+    Publish {
+        number: router::MessageId,
+        publish: &'a router::protocol::Publish,
+        properties: Option<&'a router::protocol::PublishProperties>,
+    },
+    /// The PUBREL of the delivery under this packet id (the client has
+    /// the message).
+    PubRel(u16),
+}
 
 struct Live {
     connection: u64,

@@ -35,16 +35,21 @@
 //! directory gives, nor one of an earlier run's), until its client has
 //! them: a new node that dies before leaves them to the next one.
 //!
-//! QoS 2 messages are kept too, but must never be in etcd once the
-//! client may have them: the next node would send one again, a new
-//! message to the client. So the connection asks before it sends one
-//! ([`Queue::sending`]): a put that has not left is not made, and a copy
-//! written (or read back) is removed, and the delivery waits until etcd
-//! has the removal. What dies with a node is then at most once: a QoS 2
-//! message it had sent (its exchange open) is not sent again by the
-//! next node, and one it had not sent comes from etcd. The client's
-//! PUBREC removes nothing more. A QoS 1 message may come again (QoS 1
-//! allows it).
+//! QoS 2 messages are kept too, but a copy in etcd must say, once the
+//! client may have its message, under which packet id: the next node
+//! sends it again under that id, with DUP, which the client takes for the
+//! same message if it had it (it keeps the id until the PUBREL, MQTT 5
+//! 4.3.3), and gets if it had not. So the connection asks before it sends
+//! one ([`Queue::sending`]): a put that has not left is not made, and a
+//! copy written (or read back) is written again marked in flight under
+//! the delivery's packet id (`crate::durable::format::encode_in_flight`),
+//! and the delivery waits until etcd has it. The copy goes before the
+//! PUBREL ([`Queue::releasing`]: the client forgets the id then, and a
+//! copy sent again would be a new message), which waits until etcd has
+//! the removal. So a QoS 2 message in flight when its node dies comes
+//! exactly once: the client had it, or gets it (since 2026-11-30; before,
+//! the copy went before the PUBLISH, and a message the client never got
+//! was lost). A QoS 1 message may come again (QoS 1 allows it).
 
 //! A batch etcd did not answer in time may still commit later, after
 //! the removals sent since: every batch goes behind the node's fence
@@ -69,12 +74,12 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{DeleteOptions, GetOptions, SortOrder, SortTarget, TxnOp};
 use parking_lot::Mutex;
-use router::protocol::QoS;
+use router::protocol::{Publish, PublishProperties, QoS};
 use router::{Message, MessageId};
 use tokio::sync::oneshot;
 
 use super::{Cluster, backlog};
-use crate::durable::format::{decode_message, encode_message};
+use crate::durable::format::{decode_queued, encode_in_flight, encode_message};
 
 mod fence;
 mod pending;
@@ -98,6 +103,19 @@ const HANDED_OVER: u64 = 1 << 62;
 /// costs etcd nothing).
 pub const LINGER: Duration = Duration::from_millis(100);
 
+/// One session's QoS 2 messages whose copy is marked in flight, by packet
+/// id: their numbers and keys.
+type InFlight = HashMap<u16, (u64, Vec<u8>)>;
+
+/// A message read back from etcd ([`Queue::read`]).
+pub struct Queued {
+    pub key: Vec<u8>,
+    pub message: Message,
+    /// The packet id it was in flight to its client under when its node
+    /// wrote it (see [`Queue::sending`]): it goes again under that id.
+    pub in_flight: Option<u16>,
+}
+
 /// See the module's documentation.
 pub struct Queue {
     cluster: Arc<Cluster>,
@@ -113,6 +131,10 @@ pub struct Queue {
     pending: Mutex<Pending>,
     /// The keys of the messages read back, by client and number.
     restored: Mutex<HashMap<(String, u64), Vec<u8>>>,
+    /// QoS 2 messages whose copy is marked in flight (see
+    /// [`Queue::sending`]), by client. At most the router's in flight per
+    /// session kept here.
+    in_flight: Mutex<HashMap<String, InFlight>>,
     /// Wakes the writer (shared with it: it holds no strong reference
     /// while it waits).
     wake: Arc<tokio::sync::Notify>,
@@ -147,6 +169,7 @@ impl Queue {
             ),
             pending: Mutex::new(Pending::new(keys)),
             restored: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
             wake: Arc::new(tokio::sync::Notify::new()),
             fence: Fence::new(&cluster.settings.etcd_prefix, cluster.node_id()),
             cluster,
@@ -259,17 +282,55 @@ impl Queue {
     }
 
     /// `client`'s connection is about to send it message `number` at QoS
-    /// 2 (see the module's documentation): what to wait for before it
-    /// does, if anything (its copy in etcd going).
-    pub fn sending(&self, client: &str, number: MessageId) -> Option<oneshot::Receiver<()>> {
-        let heard = if number.0 & RESTORED != 0 {
-            let key = self.take_restored(client, number)?;
-            self.pending.lock().remove_waited(key)
+    /// 2, `publish` (see the module's documentation): what to wait for
+    /// before it does, if anything (its copy in etcd marked in flight
+    /// under `publish`'s packet id).
+    pub fn sending(
+        &self,
+        client: &str,
+        number: MessageId,
+        publish: &Publish,
+        properties: Option<&PublishProperties>,
+    ) -> Option<oneshot::Receiver<()>> {
+        let key = if number.0 & RESTORED != 0 {
+            self.take_restored(client, number)?
         } else {
             self.pending.lock().sending(client, number.0)?
         };
+        let marked = (publish.pkid != 0)
+            .then(|| encode_in_flight(publish, properties, crate::clock::now_ms(), publish.pkid))
+            .flatten();
+        let heard = match marked {
+            Some(value) => {
+                self.in_flight
+                    .lock()
+                    .entry(client.to_owned())
+                    .or_default()
+                    .insert(publish.pkid, (number.0, key.clone()));
+                self.pending.lock().mark_waited(key, value)
+            }
+            // It cannot be marked (it was encoded once): gone before it is
+            // sent, as never twice.
+            None => self.pending.lock().remove_waited(key),
+        };
         self.wake.notify_one();
         Some(heard)
+    }
+
+    /// `client`'s connection is about to send the PUBREL of the QoS 2
+    /// delivery under `pkid`: what to wait for before it does, if
+    /// anything (the message's copy marked in flight going from etcd).
+    pub fn releasing(&self, client: &str, pkid: u16) -> Option<oneshot::Receiver<()>> {
+        let (_, key) = {
+            let mut in_flight = self.in_flight.lock();
+            let of_client = in_flight.get_mut(client)?;
+            let copy = of_client.remove(&pkid)?;
+            if of_client.is_empty() {
+                in_flight.remove(client);
+            }
+            copy
+        };
+        Some(self.remove_waited(key))
     }
 
     /// The key of message `number` read back for `client`, no longer kept
@@ -304,6 +365,9 @@ impl Queue {
         for (n, key) in self.pending.lock().hand_over(client) {
             copies.insert(MessageId(n), key);
         }
+        for (_, (n, key)) in self.in_flight.lock().remove(client).unwrap_or_default() {
+            copies.insert(MessageId(n), key);
+        }
         copies
     }
 
@@ -312,32 +376,25 @@ impl Queue {
     /// with its session record (see the module's documentation).
     pub fn forget(&self, client: &str) {
         self.restored.lock().retain(|(c, _), _| c != client);
+        self.in_flight.lock().remove(client);
         self.pending.lock().forget(client);
     }
 
     /// The messages kept in etcd for `client_id`, in the order they were
     /// written, each with its key (those that cannot be read, or have
     /// expired, are removed). Read in pages at one revision.
-    pub async fn read(&self, client_id: &str) -> Result<Vec<(Vec<u8>, Message)>, String> {
+    pub async fn read(&self, client_id: &str) -> Result<Vec<Queued>, String> {
         let prefix = Keys::session(&self.cluster.settings.etcd_prefix, client_id);
         self.read_prefix(client_id, prefix).await
     }
 
     /// The same, of those node `node` wrote.
-    pub async fn read_from(
-        &self,
-        client_id: &str,
-        node: &str,
-    ) -> Result<Vec<(Vec<u8>, Message)>, String> {
+    pub async fn read_from(&self, client_id: &str, node: &str) -> Result<Vec<Queued>, String> {
         let prefix = Keys::node(&self.cluster.settings.etcd_prefix, client_id, node);
         self.read_prefix(client_id, prefix).await
     }
 
-    async fn read_prefix(
-        &self,
-        client_id: &str,
-        prefix: Vec<u8>,
-    ) -> Result<Vec<(Vec<u8>, Message)>, String> {
+    async fn read_prefix(&self, client_id: &str, prefix: Vec<u8>) -> Result<Vec<Queued>, String> {
         let mut client = self.cluster.client.clone();
         let timeout = self.cluster.settings.request_timeout;
         let now = crate::clock::now_ms();
@@ -370,9 +427,14 @@ impl Queue {
                     continue;
                 }
                 new += 1;
-                match decode_message(kv.value(), now) {
-                    Ok(Some(message)) => {
-                        messages.push((kv.create_revision(), kv.key().to_vec(), message));
+                match decode_queued(kv.value(), now) {
+                    Ok(Some((message, in_flight))) => {
+                        let queued = Queued {
+                            key: kv.key().to_vec(),
+                            message,
+                            in_flight,
+                        };
+                        messages.push((kv.create_revision(), queued));
                     }
                     Ok(None) => gone.push(kv.key().to_vec()),
                     Err(why) => {
@@ -394,8 +456,8 @@ impl Queue {
         }
         // Written together, in the order of their numbers (etcd's sort
         // leaves keys of one revision in any order).
-        messages.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        Ok(messages.into_iter().map(|(_, k, m)| (k, m)).collect())
+        messages.sort_by(|a, b| (a.0, &a.1.key).cmp(&(b.0, &b.1.key)));
+        Ok(messages.into_iter().map(|(_, queued)| queued).collect())
     }
 
     /// A number for a message read back from etcd.

@@ -8,12 +8,13 @@
 //! delivered after is taken off the second: its removal is written. A
 //! message never kept here (refused by the bounds) costs etcd nothing
 //! when delivered. A QoS 2 message is taken off either set before it is
-//! sent (see [`Pending::sending`]), and its removal, if it has one, says
-//! when etcd has it.
+//! sent (see [`Pending::sending`]); its copy, if it has one, is marked in
+//! flight ([`Pending::mark_waited`]) and removed at its PUBREL, and each
+//! of those writes says when etcd has it.
 //!
-//! Removals go before puts: a removal is of a key whose put has left
-//! already (or of another node's key), so it need not wait behind puts
-//! that are not due yet.
+//! Those writes and removals are due at once, and go before puts: they
+//! are of keys whose put has left already (or of another node's keys), so
+//! they need not wait behind puts that are not due yet.
 //!
 //! A put whose batch failed may still reach etcd (a request etcd did not
 //! answer in time, e.g. one waiting at a paused member, can commit
@@ -79,28 +80,30 @@ impl Put {
     }
 }
 
-/// A removal waiting: `key`; `done` hears when etcd has it.
-pub struct Removal {
+/// A write due at once: `key` removed, or (`value`) written again (a QoS
+/// 2 message's copy marked in flight); `done` hears when etcd has it.
+pub struct Now {
     key: Vec<u8>,
+    value: Option<Vec<u8>>,
     done: Option<oneshot::Sender<()>>,
 }
 
-impl Removal {
+impl Now {
     fn size(&self) -> usize {
-        self.key.len() + 64
+        self.key.len() + self.value.as_ref().map_or(0, Vec::len) + 64
     }
 }
 
 /// A write of a batch taken ([`Pending::take`]).
 pub enum Change {
     Put(Put),
-    Remove(Removal),
+    Now(Now),
 }
 
 impl Change {
     /// Etcd has it: whoever waits for it hears.
     pub fn done(self) {
-        if let Change::Remove(Removal {
+        if let Change::Now(Now {
             done: Some(done), ..
         }) = self
         {
@@ -126,8 +129,8 @@ pub struct Pending {
     keys: Keys,
     /// Puts, in order.
     puts: VecDeque<Put>,
-    /// Removals, in order (due at once).
-    removals: VecDeque<Removal>,
+    /// Writes due at once (removals, marks), in order.
+    now: VecDeque<Now>,
     sessions: HashMap<String, Kept>,
     /// A message of a session with nothing here was refused since the
     /// last message kept (see [`Pending::refused`]).
@@ -139,7 +142,7 @@ impl Pending {
         Pending {
             keys,
             puts: VecDeque::new(),
-            removals: VecDeque::new(),
+            now: VecDeque::new(),
             sessions: HashMap::new(),
             refused_unkept: false,
         }
@@ -147,7 +150,7 @@ impl Pending {
 
     /// Writes waiting.
     pub fn len(&self) -> usize {
-        self.puts.len() + self.removals.len()
+        self.puts.len() + self.now.len()
     }
 
     /// Messages `client` has here, written or not (one whose batch
@@ -224,14 +227,13 @@ impl Pending {
         written
     }
 
-    /// `client` is about to be sent message `number` at QoS 2, which must
-    /// not be in etcd by then (the next node would send it again, a new
-    /// message to the client): its put is not made if it has not left
-    /// (`None`), or its removal is queued, and what hears when etcd has
-    /// it is returned (`None` too for a message never kept here).
-    pub fn sending(&mut self, client: &str, number: u64) -> Option<oneshot::Receiver<()>> {
+    /// `client` is about to be sent message `number` at QoS 2: it is
+    /// taken off the sets, its put not made if it has not left (`None`);
+    /// if it has, the key of its copy is returned, for the caller to mark
+    /// or remove (`None` too for a message never kept here).
+    pub fn sending(&mut self, client: &str, number: u64) -> Option<Vec<u8>> {
         self.forget_message(client, number)
-            .then(|| self.remove_waited(self.keys.key(client, number)))
+            .then(|| self.keys.key(client, number))
     }
 
     /// `client`'s session leaves this node (handed over): its puts that
@@ -252,14 +254,29 @@ impl Pending {
 
     /// Removes `key` (a message read back, or not wanted).
     pub fn remove(&mut self, key: Vec<u8>) {
-        self.removals.push_back(Removal { key, done: None });
+        self.now.push_back(Now {
+            key,
+            value: None,
+            done: None,
+        });
     }
 
     /// Removes `key`; the receiver hears when etcd has the removal.
     pub fn remove_waited(&mut self, key: Vec<u8>) -> oneshot::Receiver<()> {
+        self.write_now(key, None)
+    }
+
+    /// Writes `value` (a copy marked in flight) at `key`, at once; the
+    /// receiver hears when etcd has it.
+    pub fn mark_waited(&mut self, key: Vec<u8>, value: Vec<u8>) -> oneshot::Receiver<()> {
+        self.write_now(key, Some(value))
+    }
+
+    fn write_now(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) -> oneshot::Receiver<()> {
         let (done, heard) = oneshot::channel();
-        self.removals.push_back(Removal {
+        self.now.push_back(Now {
             key,
+            value,
             done: Some(done),
         });
         heard
@@ -288,20 +305,22 @@ impl Pending {
         let mut keys = HashSet::new();
         let mut bytes = 0;
         while batch.len() < BATCH_OPS {
-            let Some(removal) = self.removals.front() else {
+            let Some(write) = self.now.front() else {
                 break;
             };
-            if keys.contains(&removal.key) || (!batch.is_empty() && bytes + removal.size() > budget)
-            {
+            if keys.contains(&write.key) || (!batch.is_empty() && bytes + write.size() > budget) {
                 return (batch, ops);
             }
-            bytes += removal.size();
-            let Some(removal) = self.removals.pop_front() else {
+            bytes += write.size();
+            let Some(write) = self.now.pop_front() else {
                 break;
             };
-            ops.push(TxnOp::delete(removal.key.clone(), None));
-            keys.insert(removal.key.clone());
-            batch.push(Change::Remove(removal));
+            ops.push(match &write.value {
+                None => TxnOp::delete(write.key.clone(), None),
+                Some(value) => TxnOp::put(write.key.clone(), value.clone(), None),
+            });
+            keys.insert(write.key.clone());
+            batch.push(Change::Now(write));
         }
         while batch.len() < BATCH_OPS {
             let Some(put) = self.puts.front() else {
@@ -335,7 +354,7 @@ impl Pending {
 
     /// When the first write waiting may leave.
     pub fn next_due(&self) -> Option<Instant> {
-        if !self.removals.is_empty() {
+        if !self.now.is_empty() {
             return Some(Instant::now());
         }
         self.puts.front().map(|put| put.due)
@@ -358,7 +377,7 @@ impl Pending {
                     kept.unsent.insert(put.number);
                     self.puts.push_front(Put { due: now, ..put });
                 }
-                Change::Remove(removal) => self.removals.push_front(removal),
+                Change::Now(write) => self.now.push_front(write),
             }
         }
     }
@@ -391,7 +410,10 @@ mod tests {
                     let key = pending().keys.key(&put.client, put.number);
                     (String::from_utf8(key).unwrap(), true)
                 }
-                Change::Remove(removal) => (String::from_utf8(removal.key.clone()).unwrap(), false),
+                Change::Now(write) => (
+                    String::from_utf8(write.key.clone()).unwrap(),
+                    write.value.is_some(),
+                ),
             })
             .collect()
     }
@@ -482,28 +504,42 @@ mod tests {
     }
 
     #[test]
-    fn a_qos2_message_leaves_etcd_before_it_is_sent() {
+    fn a_qos2_messages_copy_is_marked_before_it_is_sent() {
         let t = Instant::now();
         let mut p = pending();
         p.put("c", 1, v("one"), t);
         p.put("c", 2, v("two"), t);
         p.put("c", 3, v("three"), t);
-        // Sent before its put left: nothing is written, nothing to wait for.
+        // Sent before its put left: nothing is written, nothing to mark.
         assert!(p.sending("c", 1).is_none());
         let batch = p.take(ALL, t + LINGER);
         assert_eq!(written(&batch).len(), 2, "2 and 3 written");
-        // Sent after: its removal first, and word once etcd has it.
-        let mut heard = p.sending("c", 2).expect("a removal to wait for");
+        // Sent after: its copy's key, for the caller to mark; the mark
+        // goes first, and word once etcd has it.
+        let key = p.sending("c", 2).expect("a copy to mark");
+        assert_eq!(key, b"/p/Q/1:c/n/r.0000000000000002");
+        let mut heard = p.mark_waited(key.clone(), b"marked".to_vec());
         assert!(heard.try_recv().is_err(), "not before etcd has it");
-        let (removal, _) = p.take(ALL, t + LINGER);
-        assert_eq!(removal.len(), 1);
-        for change in removal {
-            change.done();
-        }
+        let batch = p.take(ALL, t + LINGER);
+        assert_eq!(
+            written(&batch),
+            [("/p/Q/1:c/n/r.0000000000000002".into(), true)],
+            "the mark, a put"
+        );
+        batch.0.into_iter().for_each(Change::done);
         assert_eq!(heard.try_recv(), Ok(()));
-        // Its PUBREC later writes nothing; 3 is still kept.
+        // Its PUBREC writes nothing (its PUBREL removes the copy, see
+        // `Queue::releasing`); 3 is still kept.
         assert!(!p.delivered("c", 2));
         assert_eq!(p.count("c"), 1);
+        let mut gone = p.remove_waited(key);
+        let batch = p.take(ALL, t + LINGER);
+        assert_eq!(
+            written(&batch),
+            [("/p/Q/1:c/n/r.0000000000000002".into(), false)]
+        );
+        batch.0.into_iter().for_each(Change::done);
+        assert_eq!(gone.try_recv(), Ok(()));
         assert!(p.sending("c", 9).is_none(), "never kept here");
     }
 
@@ -545,8 +581,9 @@ mod tests {
         }
         let (failed, _) = p.take(ALL, t + LINGER);
         p.put_back(failed, t + LINGER);
-        // QoS 2, before its put went again: a removal to wait for.
-        assert!(p.sending("c", 1).is_some(), "1 may be in etcd");
+        // QoS 2, before its put went again: a copy to mark (removed here).
+        let key = p.sending("c", 1).expect("1 may be in etcd");
+        p.remove(key);
         // QoS 1, delivered: a removal.
         assert!(p.delivered("c", 2), "2 may be in etcd");
         let (batch, _) = p.take(ALL, t + LINGER);
