@@ -577,6 +577,11 @@ async fn nothing_again_once_node_1_is_back(setup: &mut Setup, c: &mut Raw) {
 async fn a_killed_nodes_queued_messages_come_from_etcd() {
     let mut setup = Setup::three_linked().await;
     let (_publisher, expected) = queued_in_etcd_by_node_1(&setup, "orphan", "d", 20).await;
+    let fence = "/statebroker/QF/sb1";
+    assert!(
+        setup.etcd.get(fence).unwrap().is_some(),
+        "node 1's queue fence"
+    );
     setup.nodes[0].kill().unwrap();
     // Node 2 saw its link to node 1 break (the one from node 1 broke with
     // it).
@@ -586,6 +591,9 @@ async fn a_killed_nodes_queued_messages_come_from_etcd() {
     .await;
     let (mut c, present) = connect(setup.ports[1], "orphan", false, 300).await;
     assert!(present, "Session Present 1 after its node died");
+    // Node 1's lease lives: node 2 took its fence down before it read the
+    // copies (a batch of node 1's in doubt cannot commit after the read).
+    assert!(setup.etcd.get(fence).unwrap().is_none(), "node 1's fence");
     let got = topics_within(&mut c, Duration::from_secs(3)).await;
     assert_eq!(got, expected, "the queued messages, once, in order");
     eventually("the delivered messages gone from etcd", || {

@@ -266,6 +266,11 @@ async fn resume_once(
         && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
     {
         ids = next;
+        if from_queue && owner.is_some() && from != node_id {
+            // Its lease lives: a batch of its in doubt could commit after
+            // the read (without an owner record, its fence went with it).
+            node.queue.fence_off(&from).await?;
+        }
         let waiting = if from_queue {
             waiting_in_etcd(node.queue, client_id, &session, &mut keys, &mut in_flight).await?
         } else {

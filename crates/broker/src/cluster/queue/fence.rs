@@ -13,6 +13,13 @@
 //! removals delete: its puts count as written, see `super::pending`.) The
 //! fence goes with the lease: a node that lost it writes nothing more
 //! under the old one.
+//!
+//! Another node that takes a session from this one while its lease lives
+//! (its link is down: killed moments ago, or cut off) reads the session's
+//! copies from etcd; a batch of this node's in doubt could commit after
+//! that read, and leave a copy the next reader sends again. So that node
+//! takes the fence down first ([`fence_off`]): the late batch fails, and
+//! this node puts the fence up again for its next one.
 
 use etcd_client::{Client, Compare, CompareOp, Error, PutOptions, Txn, TxnOp};
 use parking_lot::Mutex;
@@ -28,11 +35,27 @@ pub(super) struct Fence {
     at: Mutex<Option<i64>>,
 }
 
+/// Node `node_id`'s fence's key.
+fn key(etcd_prefix: &str, node_id: &str) -> Vec<u8> {
+    format!("{etcd_prefix}QF/{node_id}").into_bytes()
+}
+
+/// Takes node `node_id`'s fence down (see the module's documentation):
+/// once this returns, no batch it sent before commits.
+pub(super) async fn fence_off(
+    client: &mut Client,
+    etcd_prefix: &str,
+    node_id: &str,
+) -> Result<(), Error> {
+    client.delete(key(etcd_prefix, node_id), None).await?;
+    Ok(())
+}
+
 impl Fence {
     /// Node `node_id`'s fence, not put yet.
     pub(super) fn new(etcd_prefix: &str, node_id: &str) -> Fence {
         Fence {
-            key: format!("{etcd_prefix}QF/{node_id}").into_bytes(),
+            key: key(etcd_prefix, node_id),
             at: Mutex::new(None),
         }
     }

@@ -380,6 +380,21 @@ impl Queue {
         self.pending.lock().forget(client);
     }
 
+    /// Node `node` holds a session this node takes, but has no link here:
+    /// its fence goes first (see [`fence`]), so that no batch of its
+    /// commits after this node reads the session's copies.
+    pub async fn fence_off(&self, node: &str) -> Result<(), String> {
+        let mut client = self.cluster.client.clone();
+        let prefix = &self.cluster.settings.etcd_prefix;
+        tokio::time::timeout(
+            self.cluster.settings.request_timeout,
+            fence::fence_off(&mut client, prefix, node),
+        )
+        .await
+        .map_err(|_| "etcd did not answer in time".to_owned())?
+        .map_err(|e| e.to_string())
+    }
+
     /// The messages kept in etcd for `client_id`, in the order they were
     /// written, each with its key (those that cannot be read, or have
     /// expired, are removed). Read in pages at one revision.
@@ -599,6 +614,59 @@ mod etcd_tests {
             publish,
             properties: None,
         }
+    }
+
+    /// Another node that takes a session from this one while its lease
+    /// lives (no link: killed moments ago, or cut off) takes its fence
+    /// down before it reads the session's copies: a batch this node sent
+    /// and etcd had not committed cannot commit after that read (and
+    /// leave a copy the next reader would send again). This node puts
+    /// its fence up again and goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_in_doubt_cannot_commit_once_another_node_read_the_session() {
+        let etcd = statebroker_cluster_harness::EtcdCluster::start(1).expect("etcd starts");
+        let (x, y) = (
+            node("x", &etcd.endpoint(0)).await,
+            node("y", &etcd.endpoint(0)).await,
+        );
+        let mut client = x.client.clone();
+        for cluster in [&x, &y] {
+            let lease = client.lease_grant(30, None).await.unwrap().id();
+            cluster.lease.send_replace(lease);
+        }
+        let (qx, qy) = (Queue::start(Arc::clone(&x), false), Queue::start(y, false));
+        let read = |queue: Arc<Queue>| async move {
+            let queued = queue.read("c").await.unwrap();
+            queued
+                .into_iter()
+                .map(|q| String::from_utf8_lossy(&q.message.publish.payload).into_owned())
+                .collect::<Vec<_>>()
+        };
+        let until = |queue: Arc<Queue>, want: Vec<&'static str>| async move {
+            let start = Instant::now();
+            while read(Arc::clone(&queue)).await != want {
+                assert!(start.elapsed() < Duration::from_secs(30), "never {want:?}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        qx.keep(&["c"], MessageId(1), &message("one"));
+        until(Arc::clone(&qy), vec!["one"]).await;
+        // A batch of x's etcd has not committed (x had no answer).
+        let first = qx.fence.at().expect("x's fence is up");
+        let mut key = Keys::node("/kv-test/", "c", "x");
+        key.extend_from_slice(b"late.0000000000000002");
+        let value = encode_message(&message("two").publish, None, 0).unwrap();
+        let late = qx.fence.behind(first, vec![TxnOp::put(key, value, None)]);
+        // y takes the session: x's fence first, then the copies.
+        qy.fence_off("x").await.unwrap();
+        assert_eq!(read(Arc::clone(&qy)).await, ["one"]);
+        let answer = client.txn(late).await.unwrap();
+        assert!(!answer.succeeded(), "x's late batch commits after y's read");
+        assert_eq!(read(Arc::clone(&qy)).await, ["one"]);
+        // x goes on behind its fence put up again.
+        qx.keep(&["c"], MessageId(3), &message("three"));
+        until(qy, vec!["one", "three"]).await;
+        assert!(qx.fence.at().is_some_and(|at| at > first));
     }
 
     /// A batch that failed may commit later (it waited at a paused
