@@ -8,6 +8,10 @@ import os
 import sys
 
 PUBSUB_PATTERNS = (("pairs", "64 pairs"), ("fan-in", "fan-in 64 → 1"), ("fan-out", "fan-out 1 → 64"))
+# Redis driven by statebroker-bench (`--protocol resp`): the requests of row
+# (1), sent by the same client; redis-benchmark's rows measure its own client
+# too (see crates/bench/src/resp.rs).
+REDIS_SAME_CLIENT = "redis, statebroker-bench's client (50/50 GET/SET)"
 # The persisted section's mixed workload in memory: the base of its ratio.
 MIX_IN_MEMORY = "statebroker 10% SETs, 90% GETs, in memory"
 
@@ -107,7 +111,8 @@ def report(rows, extras, conns, machine, pinning, out):
     now = datetime.date.today().isoformat()
     by = {(r["system"], r["connections"]): r for r in rows}
     systems = ["statebroker (in-process store)", "statebroker + external responder",
-               "mosquitto + external responder", "rumqttd + external responder", "redis GET", "redis SET"]
+               "mosquitto + external responder", "rumqttd + external responder", REDIS_SAME_CLIENT,
+               "redis GET", "redis SET"]
     md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine, "
           f"{pinning}.", ""]
     if rows:

@@ -13,8 +13,9 @@ use serde::Serialize;
 use tokio::io::AsyncBufReadExt;
 use tokio::time::Instant;
 
+use crate::resp::Resp;
 use crate::wire::Wire;
-use crate::{FillArgs, LoadArgs, Responder};
+use crate::{FillArgs, LoadArgs, Protocol, Responder};
 
 /// The state store request topic (served in process by statebroker).
 pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
@@ -73,6 +74,15 @@ async fn connect(target: SocketAddr, client_id: String) -> Result<Conn, String> 
         response_topic,
         client_id,
     })
+}
+
+/// Opens `n` RESP connections (`--protocol resp`).
+async fn connect_resp(target: SocketAddr, n: usize) -> Result<Vec<Client>, String> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(Client::Resp(Resp::connect(target).await?));
+    }
+    Ok(conns)
 }
 
 /// Connects `n` clients, at most 64 handshakes at a time.
@@ -163,8 +173,71 @@ struct ConnStats {
     failure: Option<String>,
 }
 
+/// What a request came to.
+enum Outcome {
+    /// Its answer (RESP3 from the state store, RESP from Redis).
+    Answer(Bytes),
+    /// No answer in time.
+    Lost,
+    /// The connection failed.
+    Failed(String),
+}
+
+/// One benchmark connection, in the protocol of the run.
+enum Client {
+    Mqtt(Conn),
+    Resp(Resp),
+}
+
+impl Client {
+    /// Sends `command` (on MQTT, as a state store request on `topic`,
+    /// numbered `correlation`) and waits until `deadline` for its answer.
+    async fn exchange(
+        &mut self,
+        topic: &str,
+        command: Vec<u8>,
+        correlation: u64,
+        persist: bool,
+        deadline: Instant,
+    ) -> Outcome {
+        match self {
+            Client::Mqtt(conn) => {
+                if let Err(e) = conn.send(topic, command, correlation, persist).await {
+                    return Outcome::Failed(e);
+                }
+                loop {
+                    match tokio::time::timeout_at(deadline, conn.next()).await {
+                        Ok(Ok(Response {
+                            correlation: c,
+                            payload,
+                        })) if c == correlation => return Outcome::Answer(payload),
+                        Ok(Ok(Response { .. })) => continue, // a late answer to a lost request
+                        Ok(Err(e)) => return Outcome::Failed(e),
+                        Err(_) => return Outcome::Lost,
+                    }
+                }
+            }
+            // One reply per command, in order: a reply that does not come
+            // in time leaves the connection out of step, so it ends.
+            Client::Resp(resp) => {
+                match tokio::time::timeout_at(deadline, resp.request(&command)).await {
+                    Ok(Ok(reply)) => Outcome::Answer(Bytes::from(reply)),
+                    Ok(Err(e)) => Outcome::Failed(e),
+                    Err(_) => Outcome::Failed("no reply in time".into()),
+                }
+            }
+        }
+    }
+
+    async fn close(self) {
+        if let Client::Mqtt(conn) = self {
+            conn.close().await;
+        }
+    }
+}
+
 async fn drive(
-    mut conn: Conn,
+    mut client: Client,
     args: LoadArgs,
     topic: String,
     warm_end: Instant,
@@ -184,58 +257,43 @@ async fn drive(
         correlation += 1;
         let k = key(fastrand::u64(..args.keys), args.key_size);
         let is_set = fastrand::f64() < args.set_ratio;
-        let payload = if is_set {
+        let command = if is_set {
             statestore::resp3::encode_request(&[&b"SET"[..], &k, &value])
         } else {
             statestore::resp3::encode_request(&[&b"GET"[..], &k])
         };
         let started = Instant::now();
         let measured = started >= warm_end;
-        if let Err(e) = conn
-            .send(&topic, payload, correlation, is_set && args.persist)
+        let persist = is_set && args.persist;
+        match client
+            .exchange(&topic, command, correlation, persist, started + timeout)
             .await
         {
-            stats.failure = Some(e);
-            stats.lost += u64::from(measured);
-            return stats;
-        }
-        let deadline = started + timeout;
-        loop {
-            match tokio::time::timeout_at(deadline, conn.next()).await {
-                Ok(Ok(Response {
-                    correlation: c,
-                    payload,
-                })) if c == correlation => {
-                    if measured {
-                        let good = if is_set {
-                            &payload[..] == b"+OK\r\n"
-                        } else {
-                            payload.first() == Some(&b'$')
-                        };
-                        if good {
-                            stats.ok += 1;
-                            let us = started.elapsed().as_micros().max(1) as u64;
-                            let _ = stats.histogram.record(us);
-                        } else {
-                            stats.errors += 1;
-                        }
+            Outcome::Answer(payload) => {
+                if measured {
+                    let good = if is_set {
+                        &payload[..] == b"+OK\r\n"
+                    } else {
+                        payload.first() == Some(&b'$')
+                    };
+                    if good {
+                        stats.ok += 1;
+                        let us = started.elapsed().as_micros().max(1) as u64;
+                        let _ = stats.histogram.record(us);
+                    } else {
+                        stats.errors += 1;
                     }
-                    break;
                 }
-                Ok(Ok(Response { .. })) => continue, // a late answer to a lost request
-                Ok(Err(e)) => {
-                    stats.failure = Some(e);
-                    stats.lost += u64::from(measured);
-                    return stats;
-                }
-                Err(_) => {
-                    stats.lost += u64::from(measured);
-                    break;
-                }
+            }
+            Outcome::Lost => stats.lost += u64::from(measured),
+            Outcome::Failed(e) => {
+                stats.failure = Some(e);
+                stats.lost += u64::from(measured);
+                return stats;
             }
         }
     }
-    conn.close().await;
+    client.close().await;
     stats
 }
 
@@ -243,6 +301,7 @@ async fn drive(
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub target: String,
+    pub protocol: String,
     pub responder: String,
     pub connections: usize,
     pub duration_s: f64,
@@ -332,7 +391,12 @@ async fn run_shards(args: &LoadArgs, topic: &str) -> Result<Vec<Vec<ConnStats>>,
                     .build()
                     .map_err(|e| e.to_string())?;
                 runtime.block_on(async move {
-                    let conns = connect_all(args.target, n, &prefix).await;
+                    let conns = match args.protocol {
+                        Protocol::Mqtt => connect_all(args.target, n, &prefix)
+                            .await
+                            .map(|conns| conns.into_iter().map(Client::Mqtt).collect()),
+                        Protocol::Resp => connect_resp(args.target, n).await,
+                    };
                     let ready = conns.as_ref().map(|_| ()).map_err(Clone::clone);
                     let _ = ready_tx.send(ready).await;
                     let conns = conns?;
@@ -389,6 +453,14 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
     if args.connections == 0 || args.keys == 0 {
         return Err("--connections and --keys must be at least 1".into());
     }
+    if args.protocol == Protocol::Resp
+        && (args.responder != Responder::Inprocess || args.persist || args.wildcard_subscribers > 0)
+    {
+        return Err(
+            "--protocol resp talks to a Redis server: --responder, --persist and --wildcard-subscribers are MQTT's"
+                .into(),
+        );
+    }
     let (_responder, topic) = match args.responder {
         Responder::Inprocess => (None, REQUEST_TOPIC.to_owned()),
         Responder::External => (
@@ -414,6 +486,7 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
     let duration = args.duration;
     let report = Report {
         target: args.target.to_string(),
+        protocol: format!("{:?}", args.protocol).to_lowercase(),
         responder: format!("{:?}", args.responder).to_lowercase(),
         connections: args.connections,
         duration_s: duration,
@@ -430,10 +503,11 @@ pub async fn run(args: LoadArgs) -> Result<(), String> {
     };
     crate::emit(&report, args.json, &failures, || {
         format!(
-            "target {}  responder {}  connections {}  measured {:.1} s\n\
+            "target {}  protocol {}  responder {}  connections {}  measured {:.1} s\n\
              requests {}  requests/s {:.0}  errors {}  lost {}  failed connections {}\n\
              latency µs: p50 {}  p90 {}  p99 {}  max {}",
             report.target,
+            report.protocol,
             report.responder,
             report.connections,
             report.duration_s,

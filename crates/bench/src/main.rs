@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! statebroker-bench --target 127.0.0.1:1883 --connections 64 --duration 10 [--responder external] [--json]
+//! statebroker-bench --protocol resp --target 127.0.0.1:6379 -c 64  # the same requests to Redis
 //! statebroker-bench responder --target 127.0.0.1:1883        # the external responder on its own
 //! statebroker-bench fill --target 127.0.0.1:1883 --keys 1000000
 //! statebroker-bench idle --target 127.0.0.1:1883 --connections 10000 --hold 30
@@ -17,6 +18,7 @@
 mod idle;
 mod load;
 mod pubsub;
+mod resp;
 mod responder;
 mod wire;
 
@@ -126,6 +128,17 @@ pub enum Responder {
     External,
 }
 
+/// What the load run speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Protocol {
+    /// MQTT 5 state store requests (statebroker, or any broker with
+    /// `--responder external`).
+    Mqtt,
+    /// The same GETs and SETs as Redis commands, to a Redis server: both
+    /// servers measured with this one client (see `resp.rs`).
+    Resp,
+}
+
 /// Options of the load run (the default mode).
 #[derive(Args, Debug, Clone)]
 pub struct LoadArgs {
@@ -153,6 +166,10 @@ pub struct LoadArgs {
     /// A request without a response after this long is lost.
     #[arg(long, default_value_t = 5_000)]
     pub timeout_ms: u64,
+    /// The protocol: MQTT state store requests, or the same commands to a
+    /// Redis server (`--target` its address).
+    #[arg(long, value_enum, default_value_t = Protocol::Mqtt)]
+    pub protocol: Protocol,
     /// Who answers: the broker's in-process store, or an external responder process.
     #[arg(long, value_enum, default_value_t = Responder::Inprocess)]
     pub responder: Responder,

@@ -49,6 +49,62 @@ async fn external_responder_smoke_run() {
     check(&report);
 }
 
+/// `--protocol resp` sends the same requests to a real Redis server
+/// (`redis-server`, as `bench/compare.py` starts it): every GET and SET
+/// answered, and the report says which protocol it spoke. With MQTT-only
+/// options it refuses to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resp_protocol_smoke_run_against_redis() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut redis = tokio::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("redis-server runs (apt-get install redis-server)");
+    let target = format!("127.0.0.1:{port}");
+    let start = std::time::Instant::now();
+    while tokio::net::TcpStream::connect(&target).await.is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "redis-server listens"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let report = bench(&[
+        "--protocol",
+        "resp",
+        "--target",
+        &target,
+        "-c",
+        "3",
+        "-d",
+        "1",
+        "--warmup",
+        "0.2",
+        "--json",
+    ])
+    .await;
+    assert_eq!(report["protocol"], "resp", "{report}");
+    check(&report);
+    let refused = tokio::process::Command::new(env!("CARGO_BIN_EXE_statebroker-bench"))
+        .args(["--protocol", "resp", "--target", &target, "--persist"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--persist"),
+        "{refused:?}"
+    );
+    redis.kill().await.unwrap();
+}
+
 /// A short `pubsub` run: every pattern at every QoS delivers each message
 /// exactly once to each subscriber (nothing lost, nothing twice).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
