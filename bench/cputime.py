@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """User and kernel CPU time per request of statebroker's state store and of
-redis-server's GET, at 64 connections, alternated for ROUNDS rounds: the
+redis-server, at 64 connections, alternated for ROUNDS rounds: the same
+requests (50/50 GET/SET) from the same load generator (statebroker-bench,
+`--protocol resp` for Redis; before 2026-11-30 Redis's load came from
+redis-benchmark, GETs only, whose client saturated its core first), the
 server pinned to core 0 and the load generator to core 1, as
 bench/compare.py pins them; the server's utime/stime from /proc/PID/stat
 over the load's length, divided by the requests the load generator
@@ -66,7 +69,7 @@ def main():
     p.add_argument("--duration", type=int, default=5)
     a = p.parse_args()
     print("| round | statebroker req/s, user / kernel µs per request "
-          "| redis GET req/s, user / kernel µs per request |")
+          "| redis req/s, user / kernel µs per request |")
     print("|---|---|---|")
     for r in range(1, a.rounds + 1):
         port = free_port()
@@ -78,12 +81,12 @@ def main():
             lambda out: int(re.search(r"requests (\d+)", out).group(1)),
         )
         port = free_port()
-        n = 100_000 * a.duration
         rd = measure(
             ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-            ["redis-benchmark", "-p", str(port), "-c", "64", "-n", str(n), "-t", "get", "-q"],
+            [a.bench, "--protocol", "resp", "--target", f"127.0.0.1:{port}", "-c", "64", "-d",
+             str(a.duration), "--warmup", "0"],
             port,
-            lambda out: n,
+            lambda out: int(re.search(r"requests (\d+)", out).group(1)),
         )
         print(f"| {r} | {sb[0]:,.0f}, {sb[1]:.2f} / {sb[2]:.2f} "
               f"| {rd[0]:,.0f}, {rd[1]:.2f} / {rd[2]:.2f} |", flush=True)
