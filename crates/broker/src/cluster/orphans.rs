@@ -540,7 +540,7 @@ async fn adopt(
         return Ok(false);
     }
     if let Some(sessions) = orphans.sessions.upgrade() {
-        resend_in_flight(&queue, &sessions, client_id, in_flight).await;
+        resend_in_flight(&queue, &sessions, client_id, in_flight, timeout).await;
     }
     crate::metrics::session_adopted();
     tracing::info!(

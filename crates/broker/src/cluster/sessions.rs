@@ -307,7 +307,7 @@ async fn resume_once(
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
-        resend_in_flight(node.queue, node.sessions, client_id, in_flight).await;
+        resend_in_flight(node.queue, node.sessions, client_id, in_flight, timeout).await;
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);
     }
@@ -442,13 +442,16 @@ pub(super) async fn waiting_in_etcd(
 /// message handed over under the id the client saw, with DUP (see
 /// [`crate::sessions::Direct::handed_over`]), before what its router has
 /// (a client that had it takes it as the same message; one whose PUBLISH
-/// was lost gets it). Those etcd does not remove in time stay there and
-/// are not sent.
+/// was lost gets it). The removals are waited for `patience` at most (the
+/// CONNECT or the adoption waits): past it the messages go all the same,
+/// with a WARN (a copy etcd removes later is then sent again only if
+/// this node dies first, after the client ended the exchange).
 pub(super) async fn resend_in_flight(
     queue: &Queue,
     sessions: &Sessions,
     client_id: &str,
     in_flight: Vec<Queued>,
+    patience: std::time::Duration,
 ) {
     if in_flight.is_empty() {
         return;
@@ -457,12 +460,26 @@ pub(super) async fn resend_in_flight(
         .iter()
         .map(|queued| queue.remove_waited(queued.key.clone()))
         .collect();
-    let mut messages = Vec::with_capacity(in_flight.len());
-    for (queued, removal) in in_flight.into_iter().zip(removals) {
-        if removal.await.is_err() {
-            // The node stops.
-            break;
+    let removed = tokio::time::timeout(patience, async {
+        for removal in removals {
+            if removal.await.is_err() {
+                // The node stops.
+                return false;
+            }
         }
+        true
+    })
+    .await;
+    match removed {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(_) => tracing::warn!(
+            client_id,
+            "clustering: etcd did not remove the copies of QoS 2 messages the session's last node had in flight in time: sent again all the same"
+        ),
+    }
+    let mut messages = Vec::with_capacity(in_flight.len());
+    for queued in in_flight {
         let mut properties = queued.message.properties;
         if let Some(properties) = &mut properties {
             crate::publisher::unstamp(properties);
