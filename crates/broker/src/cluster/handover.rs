@@ -15,7 +15,8 @@
 //! or without, it sends the mark that it has handed over
 //! (`crate::publisher::HANDOVER_DONE`): the client's connection on the
 //! new node holds back what its own router gives the session until that
-//! mark (3 s at most; the router's answers to the client are not held),
+//! mark (3 s at most after the CONNECT or the last handed-over message,
+//! 30 s in all; the router's answers to the client are not held),
 //! so the older messages come first. A message published
 //! while the session moves (from the new node's CONNECT until this node
 //! has handed over: etcd's watch, the router's backlog until it says it

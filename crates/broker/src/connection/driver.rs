@@ -232,10 +232,19 @@ impl<S: Stream> Driver<S> {
     /// a handover, which ends the link's hold (see
     /// [`RouterLink::hold_until`]).
     fn on_broker(&mut self, machine: &mut Machine, message: ToConnection) -> Result<(), End> {
-        if let ToConnection::HandoverDone = message {
-            self.link
-                .release("the session's previous node handed over what it had");
-            return Ok(());
+        match &message {
+            ToConnection::HandoverDone => {
+                self.link
+                    .release("the session's previous node handed over what it had");
+                return Ok(());
+            }
+            // The handover goes on: the hold lasts (see
+            // [`RouterLink::hold_on`]).
+            ToConnection::Deliver(direct) if direct.handed_over => {
+                self.link
+                    .hold_on(tokio::time::Instant::now(), HANDOVER_WAIT);
+            }
+            _ => {}
         }
         machine.on_broker(message)
     }

@@ -19,6 +19,10 @@ use super::ask_first::AskFirst;
 use super::waiting::WhileWaiting;
 use crate::sessions::BeforeSending;
 
+/// How long a hold lasts at most, however long the handover's messages
+/// keep coming (see [`RouterLink::hold_on`]).
+const MAX_HOLD: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Deliveries a hold keeps at most (see [`RouterLink::hold_until`]).
 pub(crate) const MAX_HELD: usize = 4096;
 
@@ -60,8 +64,9 @@ pub(crate) struct RouterLink {
     /// patch 34).
     wake: WhileWaiting,
     /// What the router gives for the session is held until this (see
-    /// [`RouterLink::hold_until`]).
+    /// [`RouterLink::hold_until`]), and never past the second.
     held_until: Option<tokio::time::Instant>,
+    hold_ends_by: Option<tokio::time::Instant>,
     /// The deliveries held, in order (given before anything else once the
     /// hold ends).
     held: VecDeque<Notification>,
@@ -93,6 +98,7 @@ impl RouterLink {
             link: None,
             wake: WhileWaiting::new(),
             held_until: None,
+            hold_ends_by: None,
             held: VecDeque::new(),
             ask_first: None,
         };
@@ -186,6 +192,19 @@ impl RouterLink {
     /// them the hold ends.
     pub fn hold_until(&mut self, until: tokio::time::Instant) {
         self.held_until = Some(until);
+        self.hold_ends_by = Some(tokio::time::Instant::now() + MAX_HOLD);
+    }
+
+    /// The previous node's handed-over messages are still coming: a hold
+    /// that is on lasts `wait` from `now` (never past [`MAX_HOLD`] after
+    /// it began). A handover that takes longer than the first wait (a
+    /// large backlog over a busy link) keeps its messages before the
+    /// router's; before 2026-11-30 the hold ended 3 s after the CONNECT
+    /// whatever came.
+    pub fn hold_on(&mut self, now: tokio::time::Instant, wait: std::time::Duration) {
+        if let (Some(until), Some(by)) = (&mut self.held_until, self.hold_ends_by) {
+            *until = (*until).max(now + wait).min(by);
+        }
     }
 
     /// Ends the hold (see [`RouterLink::hold_until`]): the deliveries held
@@ -341,6 +360,73 @@ mod tests {
             .await
             .unwrap();
         assert!(link.is_linked() && !present);
+    }
+
+    /// What the router gives a session held for a handover stays held
+    /// while the handed-over messages keep coming ([`RouterLink::hold_on`]),
+    /// past the first wait, but never past [`MAX_HOLD`] after the hold
+    /// began; a link that holds nothing is not made to.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hold_lasts_while_the_handover_goes_on() {
+        use router::protocol::{Filter, QoS, RetainForwardRule, Subscribe};
+        use std::time::Duration;
+        use tokio::time::Instant;
+        let router = RouterHandle::spawn(
+            0,
+            router::RouterConfig {
+                max_connections: 10,
+                max_segment_size: 1 << 20,
+                max_segment_count: 2,
+                max_outgoing_packet_count: 100,
+                ..router::RouterConfig::default()
+            },
+            0,
+            None,
+        );
+        let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
+            .await
+            .unwrap();
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos: QoS::AtMostOnce,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        sub.send(&mut vec![Packet::Subscribe(subscribe, None)])
+            .await
+            .unwrap();
+        while !matches!(sub.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        sub.hold_on(Instant::now(), Duration::from_secs(60));
+        assert_eq!(sub.held_until, None, "no hold to make last");
+
+        sub.hold_until(Instant::now() + Duration::from_millis(100));
+        let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
+        tx.send_all([Packet::Publish(Publish::new("t", "x", false), None)])
+            .unwrap();
+        // A handed-over message comes: the hold lasts a second from now.
+        let extended = Instant::now();
+        sub.hold_on(extended, Duration::from_secs(1));
+        loop {
+            match sub.next().await {
+                Ok(Some(Notification::Forward(_))) => break,
+                Ok(_) => {}
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        assert!(
+            extended.elapsed() >= Duration::from_secs(1),
+            "held a second after the last handed-over message: {:?}",
+            extended.elapsed()
+        );
+
+        sub.hold_until(Instant::now() + Duration::from_millis(10));
+        let by = sub.hold_ends_by.unwrap();
+        sub.hold_on(Instant::now(), MAX_HOLD * 2);
+        assert_eq!(sub.held_until, Some(by), "never past MAX_HOLD");
     }
 
     /// A QoS 2 delivery whose copy the cluster's queue must first mark in
