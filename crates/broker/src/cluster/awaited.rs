@@ -30,7 +30,7 @@ use tokio::sync::watch;
 
 use super::Queue;
 use super::membership::Member;
-use crate::sessions::{Direct, OnDone, Sessions};
+use crate::sessions::{OnDone, Sessions};
 
 /// Clients waited for (and clients whose late handover is dropped), at most.
 pub const MAX_CLIENTS: usize = 10_000;
@@ -163,12 +163,7 @@ impl Awaited {
             })
             .collect();
         for (queued, removal) in messages.into_iter().zip(removals) {
-            let (key, message) = (queued.key, queued.message);
-            let mut properties = message.properties;
-            if let Some(properties) = &mut properties {
-                crate::publisher::unstamp(properties);
-            }
-            let mut direct = Direct::handed_over(message.publish, properties, queued.in_flight);
+            let (key, mut direct) = queued.handed_over();
             if let Some(removal) = removal {
                 if removal.await.is_err() {
                     // The node stops: the rest stays in etcd.

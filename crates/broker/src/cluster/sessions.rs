@@ -52,7 +52,7 @@ use super::stamps::Stamps;
 use super::{Awaited, Ownership, Peers, Queue};
 use crate::clock::now_ms;
 use crate::durable::format::encode_session;
-use crate::sessions::{Direct, PacketIdBlock, Resumed, Sessions};
+use crate::sessions::{PacketIdBlock, Resumed, Sessions};
 
 /// The router's journal on a cluster node: sessions go to etcd (through
 /// the node's [`Ownership`]) besides the data directory's journal, if any.
@@ -266,7 +266,8 @@ async fn resume_once(
         && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
     {
         ids = next;
-        if from_queue && owner.is_some() && from != node_id {
+        // From the queue with an owner record: another node, unlinked.
+        if from_queue && owner.is_some() {
             // Its lease lives: a batch of its in doubt could commit after
             // the read (without an owner record, its fence went with it).
             node.queue.fence_off(&from).await?;
@@ -478,18 +479,10 @@ pub(super) async fn resend_in_flight(
             "clustering: etcd did not remove the copies of QoS 2 messages the session's last node had in flight in time: sent again all the same"
         ),
     }
-    let mut messages = Vec::with_capacity(in_flight.len());
-    for queued in in_flight {
-        let mut properties = queued.message.properties;
-        if let Some(properties) = &mut properties {
-            crate::publisher::unstamp(properties);
-        }
-        messages.push(Direct::handed_over(
-            queued.message.publish,
-            properties,
-            queued.in_flight,
-        ));
-    }
+    let messages: Vec<_> = in_flight
+        .into_iter()
+        .map(|queued| queued.handed_over().1)
+        .collect();
     tracing::info!(
         client_id,
         count = messages.len(),

@@ -116,6 +116,21 @@ pub struct Queued {
     pub in_flight: Option<u16>,
 }
 
+impl Queued {
+    /// Its key, and the message as another node hands one over (see
+    /// `crate::sessions::Direct::handed_over`): its stamp removed, at QoS
+    /// 1 at most, or at QoS 2 under the id it was in flight under.
+    pub fn handed_over(self) -> (Vec<u8>, crate::sessions::Direct) {
+        let mut properties = self.message.properties;
+        if let Some(properties) = &mut properties {
+            crate::publisher::unstamp(properties);
+        }
+        let direct =
+            crate::sessions::Direct::handed_over(self.message.publish, properties, self.in_flight);
+        (self.key, direct)
+    }
+}
+
 /// See the module's documentation.
 pub struct Queue {
     cluster: Arc<Cluster>,
