@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 /// Replies larger than this are refused (the run's values are small).
@@ -59,14 +59,7 @@ impl Resp {
             if self.rx.len() > MAX_REPLY {
                 return Err("a reply larger than 1 MiB".into());
             }
-            let n = self
-                .stream
-                .read_buf(&mut self.rx)
-                .await
-                .map_err(|e| format!("read: {e}"))?;
-            if n == 0 {
-                return Err("the server closed the connection".into());
-            }
+            crate::wire::read_more(&mut self.stream, &mut self.rx).await?;
         }
     }
 }

@@ -153,14 +153,7 @@ impl Wire {
             if self.rx.capacity() - self.rx.len() < 1024 {
                 self.rx.reserve(4096);
             }
-            let n = self
-                .stream
-                .read_buf(&mut self.rx)
-                .await
-                .map_err(|e| format!("read: {e}"))?;
-            if n == 0 {
-                return Err("the server closed the connection".into());
-            }
+            read_more(&mut self.stream, &mut self.rx).await?;
         }
     }
 
@@ -169,4 +162,18 @@ impl Wire {
             .await
             .map_err(|_| format!("no answer within {limit:?}"))?
     }
+}
+
+/// Reads what `stream` has into `rx` (cancel-safe: what was read stays);
+/// the server closing the connection is an error. Shared with
+/// [`crate::resp`].
+pub(crate) async fn read_more(stream: &mut TcpStream, rx: &mut BytesMut) -> Result<(), String> {
+    let n = stream
+        .read_buf(rx)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if n == 0 {
+        return Err("the server closed the connection".into());
+    }
+    Ok(())
 }

@@ -674,6 +674,33 @@ async fn unacknowledged_qos2(c: &mut Raw, count: usize) -> Vec<(u16, String)> {
     got
 }
 
+/// The QoS 2 messages `c` gets again (DUP) until `count` exchanges are
+/// complete (each PUBREC'd, each PUBREL for one of them, PUBCOMP'd):
+/// packet id and topic of each, in order.
+async fn sent_again_and_completed(c: &mut Raw, count: usize) -> Vec<(u16, String)> {
+    let mut again = Vec::new();
+    let mut completed = 0;
+    while completed < count {
+        match c.recv().await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
+                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(v5::Packet::PubRel(rel)) => {
+                assert!(again.iter().any(|(id, _)| *id == rel.pkid), "{rel:?}");
+                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+                completed += 1;
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH or PUBREL, got {other:?} after {again:?}"),
+        }
+    }
+    again
+}
+
 /// Issue #29, QoS 2 exactly once across nodes: a QoS 2 message whose
 /// copy is in etcd stays there while its exchange is open, marked with
 /// the packet id it went out under; a node killed then leaves it to the
@@ -704,25 +731,7 @@ async fn a_qos2_message_in_flight_at_a_killed_node_comes_again_under_its_id() {
     drop(c);
     let (mut c, present) = connect(setup.ports[1], "twice", false, 300).await;
     assert!(present);
-    let mut again = Vec::new();
-    let mut completed = 0;
-    while completed < sent.len() {
-        match c.recv().await {
-            Recv::Packet(v5::Packet::Publish(p)) => {
-                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
-                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
-                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
-                    .await;
-            }
-            Recv::Packet(v5::Packet::PubRel(rel)) => {
-                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
-                    .await;
-                completed += 1;
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH or PUBREL, got {other:?} after {again:?}"),
-        }
-    }
+    let again = sent_again_and_completed(&mut c, sent.len()).await;
     assert_eq!(
         again, sent,
         "the same messages under the same ids, in order"
@@ -1157,26 +1166,7 @@ async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
     }
     let (mut c, present) = connect(setup.ports[1], "inflight", false, 300).await;
     assert!(present);
-    let mut again = Vec::new();
-    let mut completed = 0;
-    while completed < 3 {
-        match c.recv().await {
-            Recv::Packet(v5::Packet::Publish(p)) => {
-                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
-                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
-                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
-                    .await;
-            }
-            Recv::Packet(v5::Packet::PubRel(rel)) => {
-                assert!(again.iter().any(|(id, _)| *id == rel.pkid), "{rel:?}");
-                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
-                    .await;
-                completed += 1;
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH or PUBREL, got {other:?} after {again:?}"),
-        }
-    }
+    let again = sent_again_and_completed(&mut c, 3).await;
     assert_eq!(again, seen, "the same messages under the same ids");
     assert_eq!(
         unacknowledged_within(&mut c, Duration::from_secs(2)).await,

@@ -325,22 +325,46 @@ impl RouterLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use router::protocol::Publish;
+    use router::protocol::{Filter, Publish, QoS, RetainForwardRule, Subscribe};
+
+    /// A router for these tests: `outgoing` packets waiting per link at
+    /// most, `journal` its journal.
+    fn test_router(
+        outgoing: u64,
+        journal: Option<std::sync::Arc<dyn router::Journal>>,
+    ) -> RouterHandle {
+        let config = router::RouterConfig {
+            max_connections: 10,
+            max_segment_size: 1 << 20,
+            max_segment_count: 2,
+            max_outgoing_packet_count: outgoing,
+            ..router::RouterConfig::default()
+        };
+        RouterHandle::spawn(0, config, 0, journal)
+    }
+
+    /// `link` subscribed to `t` at `qos`, once the router said so (its
+    /// SUBACK read).
+    async fn subscribed_to_t(link: &mut RouterLink, qos: QoS) {
+        let subscribe = Subscribe {
+            pkid: 1,
+            filters: vec![Filter {
+                path: "t".into(),
+                qos,
+                nolocal: false,
+                preserve_retain: false,
+                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
+            }],
+        };
+        link.send(&mut vec![Packet::Subscribe(subscribe, None)])
+            .await
+            .unwrap();
+        while !matches!(link.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn joins_the_router_only_when_something_is_sent() {
-        let router = RouterHandle::spawn(
-            0,
-            router::RouterConfig {
-                max_connections: 10,
-                max_segment_size: 1 << 20,
-                max_segment_count: 2,
-                max_outgoing_packet_count: 10,
-                ..router::RouterConfig::default()
-            },
-            0,
-            None,
-        );
+        let router = test_router(10, None);
         let (mut link, present) = RouterLink::open(&router, "c", true, 0, None, true)
             .await
             .unwrap();
@@ -368,38 +392,13 @@ mod tests {
     /// began; a link that holds nothing is not made to.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hold_lasts_while_the_handover_goes_on() {
-        use router::protocol::{Filter, QoS, RetainForwardRule, Subscribe};
         use std::time::Duration;
         use tokio::time::Instant;
-        let router = RouterHandle::spawn(
-            0,
-            router::RouterConfig {
-                max_connections: 10,
-                max_segment_size: 1 << 20,
-                max_segment_count: 2,
-                max_outgoing_packet_count: 100,
-                ..router::RouterConfig::default()
-            },
-            0,
-            None,
-        );
+        let router = test_router(100, None);
         let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
             .await
             .unwrap();
-        let subscribe = Subscribe {
-            pkid: 1,
-            filters: vec![Filter {
-                path: "t".into(),
-                qos: QoS::AtMostOnce,
-                nolocal: false,
-                preserve_retain: false,
-                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
-            }],
-        };
-        sub.send(&mut vec![Packet::Subscribe(subscribe, None)])
-            .await
-            .unwrap();
-        while !matches!(sub.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        subscribed_to_t(&mut sub, QoS::AtMostOnce).await;
         sub.hold_on(Instant::now(), Duration::from_secs(60));
         assert_eq!(sub.held_until, None, "no hold to make last");
 
@@ -436,9 +435,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_qos2_delivery_and_its_pubrel_wait_for_the_queue() {
         use crate::sessions::Sending;
-        use router::protocol::{
-            Filter, PubRec, PubRecReason, PubRel, PubRelReason, QoS, RetainForwardRule, Subscribe,
-        };
+        use router::protocol::{PubRec, PubRecReason, PubRel, PubRelReason};
         use router::{Journal, Message, MessageId, Receipt, SessionRecord};
         use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -458,16 +455,8 @@ mod tests {
             fn delivered(&self, _: &str, _: MessageId) {}
         }
 
-        let router = RouterHandle::spawn(
-            0,
-            router::RouterConfig {
-                max_connections: 10,
-                max_segment_size: 1 << 20,
-                max_segment_count: 2,
-                max_outgoing_packet_count: 100,
-                ..router::RouterConfig::default()
-            },
-            0,
+        let router = test_router(
+            100,
             Some(std::sync::Arc::new(Numbering::default()) as std::sync::Arc<dyn Journal>),
         );
         let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
@@ -495,20 +484,7 @@ mod tests {
                 }
             },
         )));
-        let subscribe = Subscribe {
-            pkid: 1,
-            filters: vec![Filter {
-                path: "t".into(),
-                qos: QoS::ExactlyOnce,
-                nolocal: false,
-                preserve_retain: false,
-                retain_forward_rule: RetainForwardRule::OnEverySubscribe,
-            }],
-        };
-        sub.send(&mut vec![Packet::Subscribe(subscribe, None)])
-            .await
-            .unwrap();
-        while !matches!(sub.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+        subscribed_to_t(&mut sub, QoS::ExactlyOnce).await;
         let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
         for (pkid, payload) in [(1, "one"), (2, "two")] {
             let mut publish = Publish::new("t", payload, false);
@@ -587,37 +563,12 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_close_waits_for_the_router_to_close_the_link() {
         use futures_util::FutureExt;
-        use router::protocol::{Filter, QoS, RetainForwardRule, Subscribe};
-        let router = RouterHandle::spawn(
-            0,
-            router::RouterConfig {
-                max_connections: 10,
-                max_segment_size: 1 << 20,
-                max_segment_count: 2,
-                max_outgoing_packet_count: 1000,
-                ..router::RouterConfig::default()
-            },
-            0,
-            None,
-        );
+        let router = test_router(1000, None);
         for round in 0..20 {
             let (mut link, _) = RouterLink::open(&router, "c", true, 0, None, false)
                 .await
                 .unwrap();
-            let subscribe = Subscribe {
-                pkid: 1,
-                filters: vec![Filter {
-                    path: "t".into(),
-                    qos: QoS::AtMostOnce,
-                    nolocal: false,
-                    preserve_retain: false,
-                    retain_forward_rule: RetainForwardRule::OnEverySubscribe,
-                }],
-            };
-            link.send(&mut vec![Packet::Subscribe(subscribe, None)])
-                .await
-                .unwrap();
-            while !matches!(link.next().await, Ok(Some(Notification::DeviceAck(_)))) {}
+            subscribed_to_t(&mut link, QoS::AtMostOnce).await;
             // Several pushes to the link (the pauses let the router push
             // each batch on its own), none read.
             let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
