@@ -68,6 +68,15 @@ pub const ORIGIN: &str = "statebroker:origin";
 /// Never delivered to a client.
 pub const STAMP: &str = "statebroker:stamp";
 
+/// The User Property of the publish a node sends every other node when
+/// its link to a node breaks or closes (the publish itself carries none,
+/// on [`HAD_TOPIC`]): how far that node had the sender's publishes (see
+/// `crate::cluster::recent`).
+pub const HAD: &str = "statebroker:had";
+/// The topic of that publish (a `$` topic, as [`HANDOVER_DONE_TOPIC`]).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub const HAD_TOPIC: &str = "$statebroker/had";
+
 /// Removes a publish's [`STAMP`] before it goes to a client.
 #[inline]
 pub fn unstamp(properties: &mut PublishProperties) {

@@ -384,11 +384,36 @@ impl Shared {
 
     /// Another node's link (client id `link`) passes publish `pkid` at
     /// `qos` with `stamp` on to the router (a cluster node, see
-    /// `cluster::stamps`).
-    pub fn stamp_arrived(&self, _link: &str, _qos: u8, _pkid: u16, _stamp: &str) {
+    /// `cluster::stamps`; kept a while, see `cluster::recent`).
+    pub fn stamp_arrived(
+        &self,
+        _link: &str,
+        _qos: u8,
+        _pkid: u16,
+        _stamp: &str,
+        _publish: &router::protocol::Publish,
+        _properties: Option<&router::protocol::PublishProperties>,
+    ) {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             node.stamp_arrived(_link, _qos, _pkid, _stamp);
+            node.recent().note(_stamp, _publish, _properties);
+        }
+    }
+
+    /// Another node's link (client id `link`) says how far a node whose
+    /// link broke had that node's publishes (a cluster node, see
+    /// `cluster::recent`).
+    pub fn heard_had(&self, _link: &str, _said: &str) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node
+            && !node.recent().heard(_said)
+        {
+            tracing::warn!(
+                link = _link,
+                said = _said,
+                "clustering: a node's word on how far another had its publishes cannot be read: ignored"
+            );
         }
     }
 

@@ -602,6 +602,118 @@ async fn a_killed_nodes_queued_messages_come_from_etcd() {
     .await;
 }
 
+/// Node 1, which held `client_id`'s session (subscribed to `{prefix}/#`
+/// at `qos`, away), is killed after etcd has its copy of one message
+/// (`{prefix}/before`); node 3's client publishes `{prefix}/0..count` at
+/// `qos` once nodes 2 and 3 saw their links to node 1 break, before any
+/// node takes the session. Returns the topics the client is to get, in
+/// order.
+async fn published_after_node_1_died(
+    setup: &mut Setup,
+    client_id: &str,
+    prefix: &str,
+    qos: QoS,
+    count: usize,
+) -> Vec<String> {
+    let (mut c, _) = connect(setup.ports[0], client_id, false, 300).await;
+    c.subscribe(&format!("{prefix}/#"), qos).await;
+    leave(c).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    let before = format!("{prefix}/before");
+    publish_complete(&mut publisher, &before, b"x", qos, false).await;
+    eventually("node 1's copy in etcd", || {
+        queued_in_etcd(setup, client_id) == 1
+    })
+    .await;
+    setup.nodes[0].kill().unwrap();
+    for node in [1, 2] {
+        eventually("the links to node 1 broken", || {
+            metric(setup.http[node], "statebroker_cluster_peer_links") == Some(1.0)
+        })
+        .await;
+    }
+    let mut expected = vec![before];
+    for n in 0..count {
+        let topic = format!("{prefix}/{n}");
+        publish_complete(&mut publisher, &topic, b"x", qos, false).await;
+        expected.push(topic);
+    }
+    expected
+}
+
+/// `client_id` back on node 2 (Session Present 1).
+async fn back_on_node_2(setup: &Setup, client_id: &str) -> Raw {
+    let (c, present) = connect(setup.ports[1], client_id, false, 300).await;
+    assert!(present, "Session Present 1 after its node died");
+    c
+}
+
+/// Issue #29: what is published after a node died, while no node holds
+/// its sessions (until their client comes back, or another node adopts
+/// them), reaches them: the node that takes one from etcd gives it, after
+/// what etcd kept, what the dead node had not had, from its log of recent
+/// publishes (`cluster::recent`). Before, it was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_published_while_no_node_holds_a_dead_nodes_session_reaches_it() {
+    let mut setup = Setup::three_linked().await;
+    let expected =
+        published_after_node_1_died(&mut setup, "missed", "m", QoS::AtLeastOnce, 10).await;
+    let mut c = back_on_node_2(&setup, "missed").await;
+    let got = topics_within(&mut c, Duration::from_secs(3)).await;
+    assert_eq!(got, expected, "every message, once, in order");
+    eventually("the delivered messages gone from etcd", || {
+        queued_in_etcd(&setup, "missed") == 0
+    })
+    .await;
+}
+
+/// The same when another node adopted the session before its client
+/// came back (node 1's lease ended meanwhile): the adopting node gave it
+/// what node 1 had not had, and kept it in etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_published_before_a_dead_nodes_session_is_adopted_reaches_it() {
+    let mut setup = Setup::three_linked().await;
+    let expected =
+        published_after_node_1_died(&mut setup, "adopted", "a", QoS::AtLeastOnce, 10).await;
+    eventually("the session adopted", || {
+        owner(&setup, "adopted").is_some_and(|node| node != "sb1")
+    })
+    .await;
+    eventually("the adopting node's copies in etcd", || {
+        queued_in_etcd(&setup, "adopted") == expected.len() as u64
+    })
+    .await;
+    let mut c = back_on_node_2(&setup, "adopted").await;
+    let got = topics_within(&mut c, Duration::from_secs(3)).await;
+    assert_eq!(got, expected, "every message, once, in order");
+}
+
+/// The same at QoS 2: each once, at QoS 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_is_published_at_qos2_while_no_node_holds_a_dead_nodes_session_comes_once() {
+    let mut setup = Setup::three_linked().await;
+    let expected =
+        published_after_node_1_died(&mut setup, "missed2", "m2", QoS::ExactlyOnce, 10).await;
+    let mut c = back_on_node_2(&setup, "missed2").await;
+    let mut got = Vec::new();
+    while let Recv::Packet(packet) = c.recv_within(Duration::from_secs(3)).await {
+        match packet {
+            v5::Packet::Publish(p) => {
+                assert_eq!(p.qos, QoS::ExactlyOnce);
+                got.push(String::from_utf8_lossy(&p.topic).into_owned());
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+            }
+            v5::Packet::PubRel(rel) => {
+                c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
+                    .await;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(got, expected, "every message, once, in order");
+}
+
 /// `client_id` subscribes to `{prefix}/#` at QoS 2 on node 1 and leaves;
 /// `count` QoS 2 messages `{prefix}/0..count` are published on node 3,
 /// each exchange completed, until etcd has node 1's copies of them all.

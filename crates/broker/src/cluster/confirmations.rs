@@ -23,6 +23,12 @@
 //! the link's session (restarted), the link client drops what it had not
 //! sent, and so do the tickets.
 //!
+//! Each link also keeps the stamp numbers (see [`super::stamps`]) of the
+//! QoS 1/2 publishes handed to it and not acknowledged yet: when it
+//! breaks, [`Confirmations::had_up_to`] tells how far the other node had
+//! this node's publishes, which a node that takes that node's sessions
+//! needs (see [`super::recent`]).
+//!
 //! Nothing is waited for longer than [`MAX_WAIT`]: a node that stops
 //! answering while its link stays up (paused), or a publish the link
 //! client lost track of, costs its publishers that long at most (WARN,
@@ -48,6 +54,8 @@ pub struct Confirmations {
 #[derive(Default)]
 pub struct State {
     issued: u64,
+    /// The stamp number of the publish being handed to the links.
+    number: u64,
     links: HashMap<String, Link>,
 }
 
@@ -67,6 +75,9 @@ struct Link {
     unsent_at_break: usize,
     /// The tickets this link has to confirm, and since when.
     owed: BTreeMap<u64, Instant>,
+    /// The tickets handed to it and not acknowledged, with their stamp
+    /// numbers (not waited for any more or not: it may never have them).
+    unacknowledged: BTreeMap<u64, u64>,
 }
 
 impl State {
@@ -76,15 +87,35 @@ impl State {
         self.issued
     }
 
+    /// The publish about to be handed to the links has stamp `number`.
+    pub fn stamped(&mut self, number: u64) {
+        self.number = number;
+    }
+
     /// A publish (`ticket`; `None`: nobody waits for it) was handed to the
     /// link to `node`.
     pub fn handed(&mut self, node: &str, ticket: Option<u64>) {
         let link = self.links.entry(node.to_owned()).or_default();
         let ticket = ticket.unwrap_or(0);
         link.queued.push_back(ticket);
-        if ticket != 0 && link.up {
-            link.owed.insert(ticket, Instant::now());
+        if ticket != 0 {
+            link.unacknowledged.insert(ticket, self.number);
+            if link.up {
+                link.owed.insert(ticket, Instant::now());
+            }
         }
+    }
+
+    /// How far `node` had this node's QoS 1/2 publishes: every one with a
+    /// stamp number up to the returned one that was handed to its link, it
+    /// acknowledged (`None`: no link to it).
+    pub fn had_up_to(&self, node: &str) -> Option<u64> {
+        let link = self.links.get(node)?;
+        Some(
+            link.unacknowledged
+                .first_key_value()
+                .map_or(self.number, |(_, &number)| number.saturating_sub(1)),
+        )
     }
 
     /// Every ticket up to the returned one is confirmed.
@@ -135,9 +166,14 @@ impl Confirmations {
             let link = s.links.entry(node.to_owned()).or_default();
             link.up = true;
             if !session_present {
+                // The other node lost what it had not acknowledged.
                 let dropped = link.unsent_at_break.min(link.queued.len());
-                link.queued.drain(..dropped);
-                link.sent.clear();
+                for ticket in link.queued.drain(..dropped) {
+                    link.unacknowledged.remove(&ticket);
+                }
+                for (_, ticket) in link.sent.drain() {
+                    link.unacknowledged.remove(&ticket);
+                }
                 link.held_back = None;
             }
             link.unsent_at_break = 0;
@@ -229,6 +265,7 @@ impl Confirmations {
                 && let Some(ticket) = link.sent.remove(&pkid)
             {
                 link.owed.remove(&ticket);
+                link.unacknowledged.remove(&ticket);
             }
         });
     }
@@ -339,6 +376,47 @@ mod tests {
         c.acknowledged("b", 2);
         assert_eq!(confirmed(&c), t3);
         let _ = t2;
+    }
+
+    #[test]
+    fn a_link_had_every_stamp_number_below_the_first_it_did_not_acknowledge() {
+        let c = Confirmations::default();
+        c.link_up("b", true);
+        let hand = |c: &Confirmations, number: u64, qos0: bool| {
+            c.with(|s| {
+                s.stamped(number);
+                let t = (!qos0).then(|| s.issue());
+                s.handed("b", t);
+            })
+        };
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(0));
+        assert_eq!(c.with(|s| s.had_up_to("x")), None, "no link");
+        hand(&c, 1, false);
+        hand(&c, 2, true);
+        hand(&c, 3, false);
+        c.went_out("b", 1);
+        c.went_out("b", 0);
+        c.went_out("b", 2);
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(0));
+        c.acknowledged("b", 2);
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(0), "1 still out");
+        c.acknowledged("b", 1);
+        // Everything it was handed, and the QoS 0 one nobody waits for.
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(3));
+        // One not acknowledged when the link breaks stays the limit,
+        // waited for or not.
+        hand(&c, 4, false);
+        c.went_out("b", 3);
+        c.link_down("b");
+        hand(&c, 5, false);
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(3));
+        // The other node lost the link's session: what it lost (4) is not
+        // waited for any more; 5, handed after the break, goes now.
+        c.link_up("b", false);
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(4));
+        c.went_out("b", 1);
+        c.acknowledged("b", 1);
+        assert_eq!(c.with(|s| s.had_up_to("b")), Some(5));
     }
 
     #[test]

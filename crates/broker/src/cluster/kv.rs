@@ -707,6 +707,7 @@ pub(super) mod etcd_tests {
             forward_queue: 100,
             session_reap_interval: Duration::from_secs(60),
             keep_queued_in_etcd: true,
+            recent_publishes_bytes: 0,
         })
         .await
         .expect("etcd answers")

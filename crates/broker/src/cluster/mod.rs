@@ -61,6 +61,7 @@ pub mod peers;
 mod queue;
 mod reads;
 mod reaper;
+mod recent;
 pub mod record;
 pub mod registrations;
 pub mod retained;

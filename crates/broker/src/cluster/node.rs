@@ -8,6 +8,7 @@ use std::sync::Arc;
 use router::protocol::{Publish, PublishProperties};
 
 use super::origins::Origins;
+use super::recent::Recent;
 use super::sessions;
 use super::stamps::{HeldBack, Stamps, Verdict};
 use super::{
@@ -37,6 +38,8 @@ pub struct Node {
     awaited: Arc<Awaited>,
     origins: Origins,
     stamps: Arc<Stamps>,
+    /// The publishes of the last seconds (see [`super::recent`]).
+    recent: Arc<Recent>,
     sessions: Arc<Sessions>,
     /// What connections ask before a QoS 2 delivery goes (one for all).
     before_sending: crate::sessions::BeforeSending,
@@ -63,15 +66,26 @@ impl Node {
             .collect();
         let membership =
             Membership::join(Arc::clone(cluster), listeners, peer_address(settings)).await?;
-        let peers = Peers::start(cluster, membership.watch(), membership.standing()).await?;
-        let shares = Shares::start(cluster, &membership, router.shared_groups())
-            .await
-            .map_err(|e| format!("cannot read shared subscriptions from etcd: {e}"))?;
-        let retained = Retained::start(Arc::clone(cluster));
         let stamps = Arc::new(Stamps::new(
             cluster.node_id(),
             crate::clock::now_nanos() as u64,
         ));
+        let recent = Arc::new(Recent::new(
+            cluster.settings.recent_publishes_bytes,
+            cluster.settings.lease_ttl * 2 + std::time::Duration::from_secs(10),
+        ));
+        let peers = Peers::start(
+            cluster,
+            membership.watch(),
+            membership.standing(),
+            Arc::clone(&stamps),
+            Arc::clone(&recent),
+        )
+        .await?;
+        let shares = Shares::start(cluster, &membership, router.shared_groups())
+            .await
+            .map_err(|e| format!("cannot read shared subscriptions from etcd: {e}"))?;
+        let retained = Retained::start(Arc::clone(cluster));
         // Wills go to the other nodes as a client's publish does, and a
         // retained one to etcd (before, a retained will was not kept there:
         // a node that started again without its data directory, or was
@@ -138,6 +152,7 @@ impl Node {
             peers: Arc::downgrade(&peers),
             awaited: Arc::downgrade(&awaited),
             stamps: Arc::downgrade(&stamps),
+            recent: Arc::downgrade(&recent),
             membership: Arc::downgrade(&membership),
             sessions: Arc::downgrade(sessions),
             standing: membership.standing(),
@@ -161,6 +176,7 @@ impl Node {
             awaited,
             origins: Origins::default(),
             stamps,
+            recent,
             sessions: Arc::clone(sessions),
             before_sending,
         })
@@ -190,6 +206,11 @@ impl Node {
     /// What this node's router had (see [`super::stamps`]).
     pub fn stamps(&self) -> &Stamps {
         &self.stamps
+    }
+
+    /// The publishes of the last seconds (see [`super::recent`]).
+    pub fn recent(&self) -> &Recent {
+        &self.recent
     }
 
     /// A message handed over for `client_id` with `stamp`: `Some` to
@@ -240,34 +261,7 @@ impl Node {
     /// etcd by this node too until the client has it (see
     /// [`Queue::keep_handed_over`]): its `on_done` removes the copy.
     pub fn keep_handed_over(&self, client_id: &str, message: &mut crate::sessions::Direct) {
-        if message.qos != 1 || message.kept_pkid.is_some() {
-            return;
-        }
-        let publish = router::protocol::Publish {
-            dup: false,
-            qos: router::protocol::QoS::AtLeastOnce,
-            pkid: 0,
-            retain: message.retain,
-            topic: message.topic.clone(),
-            payload: message.payload.clone(),
-        };
-        let copy = router::Message {
-            publish,
-            properties: Some(message.properties.clone().into_publish()),
-        };
-        let Some(number) = self.queue.keep_handed_over(client_id, &copy) else {
-            return;
-        };
-        let (queue, client) = (Arc::downgrade(&self.queue), client_id.to_owned());
-        let earlier = message.on_done.take();
-        message.on_done = Some(crate::sessions::OnDone::new(move || {
-            if let Some(queue) = queue.upgrade() {
-                queue.delivered(&client, number);
-            }
-            if let Some(earlier) = &earlier {
-                earlier.run();
-            }
-        }));
+        self.queue.keep_direct(client_id, message);
     }
 
     /// Delivers handed-over messages held back that are to go after all.
@@ -364,6 +358,7 @@ impl Node {
             queue: &self.queue,
             awaited: &self.awaited,
             stamps: &self.stamps,
+            recent: &self.recent,
             peers: &self.peers,
             router: &self.router,
             sessions: &self.sessions,
@@ -409,6 +404,7 @@ impl Node {
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
         }
+        self.recent.note(&stamp, publish, properties.as_ref());
         let own = properties.get_or_insert_with(Default::default);
         if !assignment.is_empty() {
             Shares::mark(&assignment, self.shares.node_id(), own);

@@ -66,6 +66,8 @@ pub struct Orphans {
     pub peers: Weak<Peers>,
     pub awaited: Weak<Awaited>,
     pub stamps: Weak<Stamps>,
+    /// The publishes of the last seconds (see [`super::recent`]).
+    pub recent: Weak<super::recent::Recent>,
     pub membership: Weak<Membership>,
     /// Where the messages a dead node had in flight go (see
     /// [`resend_in_flight`]).
@@ -506,18 +508,51 @@ async fn adopt(
         return Ok(false);
     }
     let queued = keys.len();
-    let restored = RestoredSession {
+    let mut restored = RestoredSession {
         client_id: client_id.to_owned(),
         filters: record.session.filters,
         expires_in,
         queue_full: record.session.queue_full,
         waiting,
     };
+    // What the dead node did not have goes after what etcd kept (see
+    // `super::recent`).
+    let dead = from.unwrap_or(record.node);
+    let parts = (
+        orphans.recent.upgrade(),
+        orphans.peers.upgrade(),
+        orphans.stamps.upgrade(),
+    );
+    let live = |node: &str| parts.1.as_ref().is_some_and(|peers| peers.is_member(node));
+    let taking = match &parts {
+        (Some(recent), Some(_), Some(stamps)) if from_queue && dead != ownership.node_id() => {
+            Some(super::recent::Taking {
+                recent,
+                live: &live,
+                stamps,
+                queue: &queue,
+                dead,
+                client_id,
+            })
+        }
+        _ => None,
+    };
+    let mut given = None;
+    if let Some(taking) = &taking {
+        let session = super::recent::record_of(&restored);
+        given = Some((
+            super::recent::before_take(taking, &mut restored).await,
+            session,
+        ));
+    }
     // The stopping node hands the messages over once it sees the claim
     // (or, if it dies first, the messages it wrote to etcd; see
     // `super::awaited`), without what this node's router gave the session
     // after taking it (see `super::stamps`).
-    let stamps = orphans.stamps.upgrade().filter(|_| !from_queue);
+    let stamps = orphans
+        .stamps
+        .upgrade()
+        .filter(|_| !from_queue || given.is_some());
     // Not while its client is connected here (its CONNECT came meanwhile),
     // nor past `max_kept_sessions`.
     let replaced = replace_session(
@@ -541,6 +576,9 @@ async fn adopt(
     }
     if let Some(sessions) = orphans.sessions.upgrade() {
         resend_in_flight(&queue, &sessions, client_id, in_flight, timeout).await;
+        if let (Some(taking), Some((given, session))) = (&taking, given) {
+            super::recent::after_take(taking, given, &session, &sessions);
+        }
     }
     crate::metrics::session_adopted();
     tracing::info!(

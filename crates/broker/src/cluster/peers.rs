@@ -47,6 +47,7 @@ use tokio::sync::{oneshot, watch};
 use super::Cluster;
 use super::confirmations::Confirmations;
 use super::membership::Member;
+use super::recent::Recent;
 use super::stamps::Stamps;
 
 pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
@@ -78,6 +79,13 @@ pub struct Peers {
     /// Whether this node serves (a broken link waits for it to connect
     /// again).
     standing: Arc<crate::standing::Standing>,
+    /// This node's stamps (its origin).
+    stamps: Arc<Stamps>,
+    /// Where this node notes how far a node whose link broke had its
+    /// publishes (see [`super::recent`]).
+    recent: Arc<Recent>,
+    /// Itself, for its links' tasks.
+    me: Weak<Peers>,
 }
 
 /// One link, and the task that drives it (it ends when the link is dropped).
@@ -99,11 +107,13 @@ impl Peers {
         cluster: &Arc<Cluster>,
         members: watch::Receiver<Vec<Member>>,
         standing: Arc<crate::standing::Standing>,
+        stamps: Arc<Stamps>,
+        recent: Arc<Recent>,
     ) -> Result<Arc<Peers>, String> {
         let secret = secret(cluster)
             .await
             .map_err(|e| format!("cannot read the cluster's secret from etcd: {e}"))?;
-        let peers = Arc::new(Peers {
+        let peers = Arc::new_cyclic(|me| Peers {
             node_id: cluster.node_id().to_owned(),
             secret,
             forward_queue: cluster.settings.forward_queue,
@@ -113,6 +123,9 @@ impl Peers {
             joined: std::sync::atomic::AtomicBool::new(false),
             confirmations: Arc::new(Confirmations::default()),
             standing: Arc::clone(&standing),
+            stamps,
+            recent,
+            me: me.clone(),
         });
         tokio::spawn(follow(Arc::downgrade(&peers), members.clone()));
         tokio::spawn(expire(Arc::downgrade(&peers.confirmations)));
@@ -235,7 +248,8 @@ impl Peers {
                 .push((crate::publisher::ORIGIN.to_owned(), origin));
         }
         self.confirmations.with(|state| {
-            let stamp = stamps.stamp();
+            let (stamp, number) = stamps.numbered();
+            state.stamped(number);
             properties
                 .user_properties
                 .push((crate::publisher::STAMP.to_owned(), stamp.clone()));
@@ -403,6 +417,54 @@ impl Peers {
         }
     }
 
+    /// The link to `node` broke (see [`drive`]): notes how far `node` had
+    /// this node's publishes, and tells the other nodes.
+    fn link_broke(&self, node: &str) {
+        self.tell_had(&self.links.read(), node);
+    }
+
+    /// Notes how far `node` had this node's QoS 1/2 publishes (its link
+    /// broke or closes), and tells the other nodes on `links`, after what
+    /// was forwarded to them (see [`super::recent`]).
+    fn tell_had(&self, links: &[Link], node: &str) {
+        let origin = self.stamps.origin();
+        self.confirmations.with(|state| {
+            let Some(up_to) = state.had_up_to(node) else {
+                return;
+            };
+            self.recent.own_link_down(node, origin, up_to);
+            let said = super::recent::said(node, origin, up_to);
+            for link in links.iter().filter(|l| l.node_id != node) {
+                let mut properties = LinkProperties::default();
+                properties
+                    .user_properties
+                    .push((crate::publisher::HAD.to_owned(), said.clone()));
+                let sent = link.client.try_publish_with_properties(
+                    crate::publisher::HAD_TOPIC,
+                    LinkQoS::AtLeastOnce,
+                    false,
+                    bytes::Bytes::new(),
+                    properties,
+                );
+                match sent {
+                    Ok(()) => state.handed(&link.node_id, None),
+                    Err(e) => tracing::warn!(
+                        peer = link.node_id,
+                        node,
+                        error = %e,
+                        "clustering: cannot tell a node how far a node whose link broke had this node's publishes: the link's queue is full"
+                    ),
+                }
+            }
+            tracing::debug!(node, up_to, "clustering: a node's link broke: how far it had this node's publishes noted and told");
+        });
+    }
+
+    /// Whether `node` is a member: this node, or one it links to.
+    pub fn is_member(&self, node: &str) -> bool {
+        node == self.node_id || self.links.read().iter().any(|l| l.node_id == node)
+    }
+
     /// Opens links to the members not linked yet and closes those to nodes
     /// gone (or moved).
     fn follow_members(&self, members: &[Member]) {
@@ -412,8 +474,16 @@ impl Peers {
             .filter_map(|m| Some((m.node_id.as_str(), m.peer_address.as_deref()?)))
             .collect();
         let mut links = self.links.write();
+        let gone: Vec<String> = links
+            .iter()
+            .filter(|l| wanted.get(l.node_id.as_str()) != Some(&l.address.as_str()))
+            .map(|l| l.node_id.clone())
+            .collect();
+        for node in &gone {
+            self.tell_had(&links, node);
+        }
         links.retain(|link| {
-            let keep = wanted.get(link.node_id.as_str()) == Some(&link.address.as_str());
+            let keep = !gone.contains(&link.node_id);
             if !keep {
                 self.confirmations.link_closed(&link.node_id);
                 tracing::info!(
@@ -471,6 +541,7 @@ impl Peers {
             address.to_owned(),
             Arc::clone(&self.confirmations),
             Arc::clone(&self.standing),
+            self.me.clone(),
             stopped,
         ));
         let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
@@ -631,6 +702,7 @@ async fn drive(
     address: String,
     confirmations: Arc<Confirmations>,
     standing: Arc<crate::standing::Standing>,
+    peers: Weak<Peers>,
     mut stop: oneshot::Receiver<()>,
 ) {
     let mut connected = false;
@@ -675,6 +747,9 @@ async fn drive(
             Err(e) => {
                 if connected {
                     tracing::warn!(peer, address, error = %e, "clustering: link to a node broken: reconnecting");
+                    if let Some(peers) = peers.upgrade() {
+                        peers.link_broke(&peer);
+                    }
                 } else {
                     tracing::debug!(peer, address, error = %e, "clustering: cannot link to a node yet");
                 }
@@ -749,6 +824,9 @@ mod tests {
             joined: std::sync::atomic::AtomicBool::new(false),
             confirmations: Arc::new(Confirmations::default()),
             standing: Arc::new(crate::standing::Standing::always()),
+            stamps: Arc::new(Stamps::new("sb1", 1)),
+            recent: Arc::new(Recent::new(0, Duration::from_secs(1))),
+            me: Weak::new(),
         }
     }
 

@@ -140,9 +140,10 @@ impl Journal for SessionJournal {
 /// What [`resume`] works with: the node's parts.
 pub struct Resume<'a> {
     pub ownership: &'a Ownership,
-    pub queue: &'a Queue,
+    pub queue: &'a Arc<Queue>,
     pub awaited: &'a Arc<Awaited>,
     pub stamps: &'a Stamps,
+    pub recent: &'a super::recent::Recent,
     pub peers: &'a Peers,
     pub router: &'a RouterHandle,
     pub sessions: &'a Sessions,
@@ -239,6 +240,7 @@ async fn resume_once(
                     .map_or(record.ids, |ids| ids.later(record.ids))
                     .next(),
                 record.session,
+                record.node,
             )),
             Err(why) => {
                 tracing::error!(
@@ -262,10 +264,20 @@ async fn resume_once(
     let mut keys = Vec::new();
     let mut in_flight = Vec::new();
     let mut restored = None;
-    if let Some((next, session)) = session
+    let mut dead = None;
+    if let Some((next, session, writer)) = session
         && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
     {
         ids = next;
+        // The node that had it, dead (or cut off, or paused).
+        if from_queue {
+            dead = Some(if owner.is_some() {
+                from.clone()
+            } else {
+                writer.to_owned()
+            })
+            .filter(|dead| dead != node_id);
+        }
         // From the queue with an owner record: another node, unlinked.
         if from_queue && owner.is_some() {
             // Its lease lives: a batch of its in doubt could commit after
@@ -302,13 +314,32 @@ async fn resume_once(
     // see `super::awaited`): what it hands over that this node's router
     // gave the session after taking it is dropped (see `super::stamps`).
     let handover = from_etcd && !from_queue && from != node_id;
-    let stamps = handover.then_some(node.stamps);
+    // What the dead node did not have goes after what etcd kept (see
+    // `super::recent`).
+    let live = |node_id: &str| node.peers.is_member(node_id);
+    let taking = dead.as_deref().map(|dead| super::recent::Taking {
+        recent: node.recent,
+        live: &live,
+        stamps: node.stamps,
+        queue: node.queue,
+        dead,
+        client_id,
+    });
+    let mut given = None;
+    if let (Some(taking), Some(restored)) = (&taking, &mut restored) {
+        let session = super::recent::record_of(restored);
+        given = Some((super::recent::before_take(taking, restored).await, session));
+    }
+    let stamps = (handover || given.is_some()).then_some(node.stamps);
     let replaced = replace_session(router, client_id, restored, stamps).await?;
     let queued = keys.len();
     if replaced && from_etcd && from_queue {
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
         resend_in_flight(node.queue, node.sessions, client_id, in_flight, timeout).await;
+        if let (Some(taking), Some((given, session))) = (&taking, given) {
+            super::recent::after_take(taking, given, &session, node.sessions);
+        }
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);
     }

@@ -113,6 +113,10 @@ pub struct ClusteringSettings {
     /// `keep_queued_in_etcd`: QoS 1 and 2 messages queued for persistent
     /// sessions are kept in etcd too (see `cluster::queue`).
     pub keep_queued_in_etcd: bool,
+    /// `recent_publishes_bytes`: memory for the publishes kept a few
+    /// seconds for the sessions of a node that dies (see
+    /// `cluster::recent`; 0: none kept).
+    pub recent_publishes_bytes: usize,
 }
 
 impl ClusteringSettings {
@@ -211,6 +215,7 @@ impl ClusteringSettings {
             forward_queue: section.forward_queue,
             session_reap_interval: Duration::from_secs(section.session_reap_interval_s),
             keep_queued_in_etcd: section.keep_queued_in_etcd,
+            recent_publishes_bytes: section.recent_publishes_bytes,
             node_id,
             etcd_endpoints: endpoints,
             etcd_prefix: prefix,

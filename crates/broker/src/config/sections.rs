@@ -94,6 +94,9 @@ pub struct ClusteringSection {
     pub session_reap_interval_s: u64,
     /// QoS 1 messages queued for persistent sessions are kept in etcd too.
     pub keep_queued_in_etcd: bool,
+    /// Memory for the publishes a node keeps a few seconds for the
+    /// sessions of a node that dies, bytes (0: none kept).
+    pub recent_publishes_bytes: usize,
 }
 
 /// `[log]`

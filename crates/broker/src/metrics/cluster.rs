@@ -76,6 +76,12 @@ pub const CLUSTER_SESSIONS_ADOPTED: &str = "statebroker_cluster_sessions_adopted
 /// delivered twice).
 pub const CLUSTER_HANDOVER_DUPLICATES: &str =
     "statebroker_cluster_handover_duplicates_dropped_total";
+/// Clustering: publishes a dead node had not had, given to one of its
+/// sessions taken here from this node's log of recent publishes.
+pub const CLUSTER_REPLAYED: &str = "statebroker_cluster_dead_node_missed_given_total";
+/// Clustering: origins whose word on how far a dead node had their
+/// publishes did not come in time when one of its sessions was taken here.
+pub const CLUSTER_REPLAY_UNKNOWN: &str = "statebroker_cluster_dead_node_missed_unknown_total";
 
 /// The cluster metrics' descriptions (with [`super::install`]'s).
 pub(super) fn describe() {
@@ -171,6 +177,14 @@ pub(super) fn describe() {
     describe_counter!(
         CLUSTER_HANDOVER_DUPLICATES,
         "Clustering: messages handed over for a session that moved here which this node had given it already (dropped, not delivered twice)"
+    );
+    describe_counter!(
+        CLUSTER_REPLAYED,
+        "Clustering: publishes a dead node had not had, given to one of its sessions taken here (from this node's log of recent publishes)"
+    );
+    describe_counter!(
+        CLUSTER_REPLAY_UNKNOWN,
+        "Clustering: nodes that did not say in time how far a dead node had their publishes when one of its sessions was taken here (what they published meanwhile not given)"
     );
     describe_counter!(
         CLUSTER_DEAD_NODE_WILLS,
@@ -299,6 +313,18 @@ pub fn session_handed_over(messages: usize) {
 /// Clustering: this node adopted a session no node held.
 pub fn session_adopted() {
     counter!(CLUSTER_SESSIONS_ADOPTED).increment(1);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: publishes a dead node had not had, given to its session.
+pub fn cluster_replayed(count: usize) {
+    counter!(CLUSTER_REPLAYED).increment(count as u64);
+}
+
+#[cfg(feature = "cluster")]
+/// Clustering: origins silent when a dead node's session was taken.
+pub fn cluster_replay_unknown(count: usize) {
+    counter!(CLUSTER_REPLAY_UNKNOWN).increment(count as u64);
 }
 
 #[cfg(feature = "cluster")]

@@ -223,6 +223,41 @@ impl Queue {
         Some(number)
     }
 
+    /// A QoS 1 `message` handed over for `client`'s session (or given it
+    /// from another node's log, see `super::recent`) is kept in etcd here
+    /// too until the client has it ([`Queue::keep_handed_over`]): its
+    /// `on_done` removes the copy.
+    pub fn keep_direct(self: &Arc<Queue>, client: &str, message: &mut crate::sessions::Direct) {
+        if message.qos != 1 || message.kept_pkid.is_some() {
+            return;
+        }
+        let publish = Publish {
+            dup: false,
+            qos: QoS::AtLeastOnce,
+            pkid: 0,
+            retain: message.retain,
+            topic: message.topic.clone(),
+            payload: message.payload.clone(),
+        };
+        let copy = Message {
+            publish,
+            properties: Some(message.properties.clone().into_publish()),
+        };
+        let Some(number) = self.keep_handed_over(client, &copy) else {
+            return;
+        };
+        let (queue, client) = (Arc::downgrade(self), client.to_owned());
+        let earlier = message.on_done.take();
+        message.on_done = Some(crate::sessions::OnDone::new(move || {
+            if let Some(queue) = queue.upgrade() {
+                queue.delivered(&client, number);
+            }
+            if let Some(earlier) = &earlier {
+                earlier.run();
+            }
+        }));
+    }
+
     /// `message`, numbered `number`, is queued for the persistent sessions
     /// of `clients`: written for each (see the module's documentation).
     pub fn keep(&self, clients: &[&str], number: MessageId, message: &Message) {

@@ -237,6 +237,11 @@ impl Stamps {
     /// The next stamp of this node's clients' publishes: called in the
     /// order the links carry them.
     pub fn stamp(&self) -> String {
+        self.numbered().0
+    }
+
+    /// [`Stamps::stamp`], with its number.
+    pub fn numbered(&self) -> (String, u64) {
         let number = self.given.fetch_add(1, Ordering::Relaxed) + 1;
         let mut digits = itoa::Buffer::new();
         let digits = digits.format(number);
@@ -244,7 +249,12 @@ impl Stamps {
         text.push_str(&self.own);
         text.push('/');
         text.push_str(digits);
-        text
+        (text, number)
+    }
+
+    /// This node's origin: `<node id>/<run>`.
+    pub fn origin(&self) -> &str {
+        &self.own
     }
 
     /// A QoS 0 or 1 publish with `stamp` goes to the router (called
@@ -361,6 +371,16 @@ impl Stamps {
             state.taken.pop_front();
         }
         state.taken.insert(client_id.to_owned(), taken);
+    }
+
+    /// Whether the publish with `stamp` went to the router (a QoS 2 one:
+    /// released, see [`Stamps::released`]), as far as the [`WINDOW`] tells.
+    pub fn came(&self, stamp: &str) -> bool {
+        let Some((origin, number)) = parse(stamp) else {
+            return false;
+        };
+        let state = self.state.lock();
+        state.arrived.get(origin).is_some_and(|a| a.came(number))
     }
 
     /// `client_id`'s session was not taken after all.

@@ -22,6 +22,13 @@ impl Machine {
         qos: u8,
         pkid: u16,
     ) -> Option<(Publish, Option<PublishProperties>)> {
+        // Another node says how far a node whose link broke had its
+        // publishes (see `cluster::recent`).
+        if let Some(said) = take(properties.as_mut(), crate::publisher::HAD) {
+            self.shared.heard_had(&self.client_id, &said);
+            self.ack(qos, pkid, true);
+            return None;
+        }
         // Another node has handed over all it had queued for a session
         // that moved here.
         if let Some(client) = take(properties.as_mut(), crate::publisher::HANDOVER_DONE) {
@@ -82,7 +89,14 @@ impl Machine {
         // `cluster::stamps`); the stamp stays on the router's copy, for a
         // handover from here.
         if let Some(stamp) = stamp_of(properties.as_ref()) {
-            self.shared.stamp_arrived(&self.client_id, qos, pkid, stamp);
+            self.shared.stamp_arrived(
+                &self.client_id,
+                qos,
+                pkid,
+                stamp,
+                &publish,
+                properties.as_ref(),
+            );
         }
         Some((publish, properties))
     }
@@ -93,10 +107,11 @@ impl Machine {
 /// (`router::NOT_FOR_GROUP`), nor have other nodes deliver it to one
 /// client alone as if handed over (`crate::publisher::HANDOVER`,
 /// `HANDOVER_PKID`, `HANDOVER_DONE`), nor pass its publish for another's sent again
-/// (`crate::publisher::ORIGIN`).
+/// (`crate::publisher::ORIGIN`), nor speak for a node (`crate::publisher::HAD`).
 pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &str) {
-    const MARKS: [&str; 7] = [
+    const MARKS: [&str; 8] = [
         router::NOT_FOR_GROUP,
+        crate::publisher::HAD,
         crate::publisher::HANDOVER,
         crate::publisher::HANDOVER_DONE,
         crate::publisher::HANDOVER_PKID,
@@ -113,7 +128,7 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
             .retain(|(k, _)| !MARKS.contains(&k.as_ref()));
         tracing::debug!(
             client_id,
-            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:handover, statebroker:handover-done, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
+            "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:had, statebroker:handover, statebroker:handover-done, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
         );
     }
 }

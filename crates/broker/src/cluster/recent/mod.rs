@@ -1,0 +1,498 @@
+//! What was published while no node held a dead node's sessions.
+//!
+//! When a node dies, its persistent sessions are held by nobody until
+//! their client reconnects to another node or another node adopts them
+//! (see [`super::orphans`]: the lease's TTL and a few etcd round trips).
+//! Every node had what was published meanwhile (each publish goes to
+//! every node), but no router had those sessions' subscriptions: before
+//! this module (2026-11-30), it was lost for them.
+//!
+//! So each node keeps the QoS 1/2 publishes its router had in the last
+//! seconds ([`Recent::note`]: bounded in bytes and age), each with its
+//! stamp (origin and number, see [`super::stamps`]). When a node's link
+//! to another breaks or closes, it notes how far that node had its
+//! publishes (every one up to a number acknowledged, see
+//! [`super::confirmations::State::had_up_to`]) and tells every other
+//! node, on its links, after what it forwarded to them
+//! ([`crate::publisher::HAD`]). A node that takes a session of a dead
+//! node from etcd ([`Recent::replay`]) gives it, after what etcd kept
+//! for it, the publishes of the log its subscriptions match that the
+//! dead node did not have: from every live origin, those after the
+//! number that origin said. The dead node's own clients' publishes are
+//! not given again (its router had them all), nor those of an origin
+//! that has said nothing within [`PATIENCE`] (its node is dead too, or
+//! its word was lost: counted, WARN).
+//!
+//! What it does not give: what the dead node had and had not written to
+//! etcd yet (queued less than an etcd round trip and 100 ms before it
+//! died, see [`super::queue`]); what is older than the log; a will.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use router::protocol::{Publish, PublishProperties, QoS};
+use router::{Message, MessageId, RestoredSession, SessionRecord};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// How long a node taking a dead node's session waits, at most, for the
+/// live nodes to say how far the dead one had their publishes.
+pub const PATIENCE: Duration = Duration::from_secs(1);
+/// Nodes whose link breaks are remembered at most (the oldest forgotten).
+const MAX_NODES: usize = 64;
+/// Origins remembered per node at most.
+const MAX_ORIGINS: usize = 64;
+/// A word older than this before this node's own link to the node broke
+/// is from an earlier break.
+const FRESH: Duration = Duration::from_secs(5);
+/// What an entry costs besides its topic, payload and User Properties.
+const ENTRY_OVERHEAD: usize = 160;
+
+/// See the module's documentation.
+pub struct Recent {
+    max_bytes: usize,
+    max_age: Duration,
+    state: Mutex<State>,
+    /// Told when a node says how far another had its publishes.
+    said: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    log: VecDeque<Entry>,
+    bytes: usize,
+    /// The number of the next entry.
+    next: u64,
+    /// Node whose link broke -> origin -> how far it had that origin's
+    /// publishes, and when that was said.
+    had: HashMap<String, HashMap<String, (u64, Instant)>>,
+    /// Node -> when this node's own link to it last broke or closed.
+    down: HashMap<String, Instant>,
+}
+
+/// A publish the router had.
+struct Entry {
+    /// Its place in the log.
+    seq: u64,
+    at: Instant,
+    stamp: String,
+    /// The origin's length in `stamp` (`<origin>/<number>`).
+    origin: usize,
+    number: u64,
+    publish: Publish,
+    properties: Option<PublishProperties>,
+    size: usize,
+}
+
+impl Entry {
+    fn origin(&self) -> &str {
+        &self.stamp[..self.origin]
+    }
+
+    fn node(&self) -> &str {
+        let origin = self.origin();
+        origin.rsplit_once('/').map_or(origin, |(node, _)| node)
+    }
+}
+
+/// The publishes a taken session is to get (see [`Recent::replay`]).
+pub struct Replay {
+    /// In the order the router had them.
+    pub messages: Vec<Message>,
+    /// The log's place they reach: what came after it may have reached the
+    /// router after the session (see [`Recent::since`]).
+    pub upto: u64,
+    /// Origins that said nothing in time (their publishes not given).
+    pub silent: Vec<String>,
+}
+
+/// `<number>\n<origin>\n<node>`: how far `node` had `origin`'s publishes
+/// (node ids and origins have no line breaks).
+pub fn said(node: &str, origin: &str, up_to: u64) -> String {
+    format!("{up_to}\n{origin}\n{node}")
+}
+
+fn parse_said(value: &str) -> Option<(&str, &str, u64)> {
+    let mut parts = value.splitn(3, '\n');
+    let up_to = parts.next()?.parse().ok()?;
+    let origin = parts.next()?;
+    let node = parts.next()?;
+    (!origin.is_empty() && !node.is_empty()).then_some((node, origin, up_to))
+}
+
+/// `<origin>/<number>`: the origin's length and the number.
+fn parse_stamp(stamp: &str) -> Option<(usize, u64)> {
+    let (origin, number) = stamp.rsplit_once('/')?;
+    Some((origin.len(), number.parse().ok()?))
+}
+
+impl Recent {
+    /// A log of `max_bytes` at most (0: none kept), each publish kept
+    /// `max_age` at most.
+    pub fn new(max_bytes: usize, max_age: Duration) -> Recent {
+        Recent {
+            max_bytes,
+            max_age,
+            state: Mutex::new(State::default()),
+            said: Notify::new(),
+        }
+    }
+
+    /// The router has (or is about to have) `publish` with `stamp`: a
+    /// client's of this node, or one another node's link passed on.
+    pub fn note(&self, stamp: &str, publish: &Publish, properties: Option<&PublishProperties>) {
+        if self.max_bytes == 0 || publish.qos == QoS::AtMostOnce {
+            return;
+        }
+        let Some((origin, number)) = parse_stamp(stamp) else {
+            return;
+        };
+        let size = ENTRY_OVERHEAD
+            + stamp.len()
+            + publish.topic.len()
+            + publish.payload.len()
+            + properties.map_or(0, |p| {
+                p.user_properties
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len() + 32)
+                    .sum::<usize>()
+                    + p.content_type.as_ref().map_or(0, |c| c.len())
+                    + p.response_topic.as_ref().map_or(0, |t| t.len())
+                    + p.correlation_data.as_ref().map_or(0, |c| c.len())
+            });
+        let now = Instant::now();
+        let mut state = self.state.lock();
+        let seq = state.next;
+        state.next += 1;
+        state.bytes += size;
+        state.log.push_back(Entry {
+            seq,
+            at: now,
+            stamp: stamp.to_owned(),
+            origin,
+            number,
+            publish: publish.clone(),
+            properties: properties.cloned(),
+            size,
+        });
+        while state.bytes > self.max_bytes
+            || state
+                .log
+                .front()
+                .is_some_and(|e| now.duration_since(e.at) > self.max_age)
+        {
+            let Some(old) = state.log.pop_front() else {
+                break;
+            };
+            state.bytes -= old.size;
+        }
+    }
+
+    /// This node's link to `node` broke or closed: `node` had every
+    /// publish of `origin` (this node's) up to `up_to`.
+    pub fn own_link_down(&self, node: &str, origin: &str, up_to: u64) {
+        self.state
+            .lock()
+            .down
+            .insert(node.to_owned(), Instant::now());
+        self.had(node, origin, up_to);
+    }
+
+    /// Another node's word (see [`said`]); `false`: it cannot be read.
+    pub fn heard(&self, value: &str) -> bool {
+        let Some((node, origin, up_to)) = parse_said(value) else {
+            return false;
+        };
+        self.had(node, origin, up_to);
+        true
+    }
+
+    fn had(&self, node: &str, origin: &str, up_to: u64) {
+        let mut state = self.state.lock();
+        if !state.had.contains_key(node) && state.had.len() >= MAX_NODES {
+            // The node heard of least recently.
+            let oldest = state
+                .had
+                .iter()
+                .filter_map(|(n, o)| Some((o.values().map(|(_, at)| *at).max()?, n.clone())))
+                .min();
+            if let Some((_, oldest)) = oldest {
+                state.had.remove(&oldest);
+                state.down.remove(&oldest);
+            }
+        }
+        let origins = state.had.entry(node.to_owned()).or_default();
+        if !origins.contains_key(origin) && origins.len() >= MAX_ORIGINS {
+            let oldest = origins
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(o, _)| o.clone());
+            if let Some(oldest) = oldest {
+                origins.remove(&oldest);
+            }
+        }
+        origins.insert(origin.to_owned(), (up_to, Instant::now()));
+        drop(state);
+        self.said.notify_waiters();
+    }
+
+    /// The publishes of the log that `session` (taken from `dead`, which
+    /// died) is to get: those its subscriptions match (not the shared
+    /// ones) that `dead` did not have, from every origin but `dead`'s,
+    /// whose node `live` says is a member (this node's own included),
+    /// without those with a stamp in `had` (read back from etcd), and
+    /// QoS 2 ones only once `released` says the router had them (at their
+    /// PUBREL; one released later reaches the session through the router).
+    /// Waits [`PATIENCE`] at most for the live origins' word.
+    pub async fn replay(
+        &self,
+        dead: &str,
+        session: &SessionRecord,
+        had: &HashSet<String>,
+        live: impl Fn(&str) -> bool,
+        released: impl Fn(&str) -> bool,
+    ) -> Replay {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let said = self.said.notified();
+            let replay = self.collect(dead, session, had, &live, &released);
+            if replay.silent.is_empty() || Instant::now() >= deadline {
+                return replay;
+            }
+            let _ = tokio::time::timeout_at(deadline, said).await;
+        }
+    }
+
+    fn collect(
+        &self,
+        dead: &str,
+        session: &SessionRecord,
+        had: &HashSet<String>,
+        live: &impl Fn(&str) -> bool,
+        released: &impl Fn(&str) -> bool,
+    ) -> Replay {
+        let state = self.state.lock();
+        let words = state.had.get(dead);
+        // A word from before this node's own link to `dead` last broke
+        // (less what the links' timing may put between them) is from an
+        // earlier break.
+        let since = state.down.get(dead).map(|at| *at - FRESH.min(at.elapsed()));
+        let up_to = |origin: &str| {
+            let (up_to, at) = words?.get(origin)?;
+            since.is_none_or(|since| *at >= since).then_some(*up_to)
+        };
+        let mut messages = Vec::new();
+        let mut silent: Vec<String> = Vec::new();
+        let mut upto = state.next;
+        for entry in &state.log {
+            upto = entry.seq + 1;
+            let node = entry.node();
+            if node == dead || !live(node) {
+                continue;
+            }
+            let topic = std::str::from_utf8(&entry.publish.topic).unwrap_or("");
+            let filters = session.filters.iter().map(|(f, s)| (f, s));
+            if router::granted(filters, topic, false).is_none_or(|(qos, _)| qos == 0) {
+                continue;
+            }
+            match up_to(entry.origin()) {
+                Some(up_to) if entry.number <= up_to => continue,
+                Some(_) => {}
+                None => {
+                    if !silent.iter().any(|o| o == entry.origin()) {
+                        silent.push(entry.origin().to_owned());
+                    }
+                    continue;
+                }
+            }
+            if had.contains(&entry.stamp)
+                || (entry.publish.qos == QoS::ExactlyOnce && !released(&entry.stamp))
+            {
+                continue;
+            }
+            let mut message = Message {
+                publish: entry.publish.clone(),
+                properties: entry.properties.clone(),
+            };
+            message.publish.retain = false;
+            if crate::durable::for_session(session, &mut message) {
+                messages.push(message);
+            }
+        }
+        Replay {
+            messages,
+            upto,
+            silent,
+        }
+    }
+
+    /// What [`Recent::replay`] would give `session` of what came after
+    /// `after` (the log's place it reached), with each one's stamp: the
+    /// caller drops those the router gave the session once it had taken
+    /// it (see [`super::stamps`]).
+    pub fn since(
+        &self,
+        after: u64,
+        dead: &str,
+        session: &SessionRecord,
+        live: impl Fn(&str) -> bool,
+    ) -> Vec<(String, Message)> {
+        let state = self.state.lock();
+        let words = state.had.get(dead);
+        let mut messages = Vec::new();
+        for entry in state.log.iter().filter(|e| e.seq >= after) {
+            let node = entry.node();
+            let known = words.and_then(|w| w.get(entry.origin()));
+            if node == dead || !live(node) || known.is_none_or(|(up_to, _)| entry.number <= *up_to)
+            {
+                continue;
+            }
+            let mut message = Message {
+                publish: entry.publish.clone(),
+                properties: entry.properties.clone(),
+            };
+            message.publish.retain = false;
+            if crate::durable::for_session(session, &mut message) {
+                messages.push((entry.stamp.clone(), message));
+            }
+        }
+        messages
+    }
+
+    /// The log's size: entries and bytes.
+    #[cfg(test)]
+    fn len(&self) -> (usize, usize) {
+        let state = self.state.lock();
+        (state.log.len(), state.bytes)
+    }
+}
+
+/// The stamps of `messages` (see [`crate::publisher::STAMP`]).
+pub fn stamps_of<'a>(messages: impl IntoIterator<Item = &'a Message>) -> HashSet<String> {
+    messages
+        .into_iter()
+        .filter_map(|m| {
+            m.properties
+                .as_ref()?
+                .user_properties
+                .iter()
+                .find(|(k, _)| k == crate::publisher::STAMP)
+                .map(|(_, v)| v.to_string())
+        })
+        .collect()
+}
+
+/// What a node taking a dead node's session from etcd works with (see
+/// [`before_take`], [`after_take`]).
+pub struct Taking<'a> {
+    pub recent: &'a Recent,
+    /// Whether a node is a member (this one, or one it links to).
+    pub live: &'a (dyn Fn(&str) -> bool + Sync),
+    pub stamps: &'a super::stamps::Stamps,
+    pub queue: &'a Arc<super::Queue>,
+    /// The node that had the session, dead.
+    pub dead: &'a str,
+    pub client_id: &'a str,
+}
+
+/// What [`before_take`] gave the session: the log's place it reached, and
+/// the messages to keep in etcd once the session is taken.
+pub struct Given {
+    upto: u64,
+    kept: Vec<(MessageId, Message)>,
+}
+
+/// Before `session` goes into the router (`restored`, with what etcd kept
+/// for it): the publishes of the log it is to get (see [`Recent::replay`])
+/// go after those, numbered as read back.
+pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) -> Given {
+    let session = record_of(restored);
+    let had = stamps_of(restored.waiting.iter().map(|(_, m)| m));
+    let stamps = taking.stamps;
+    let replay = taking
+        .recent
+        .replay(taking.dead, &session, &had, taking.live, |stamp| {
+            stamps.came(stamp)
+        })
+        .await;
+    if !replay.silent.is_empty() {
+        crate::metrics::cluster_replay_unknown(replay.silent.len());
+        tracing::warn!(
+            client_id = taking.client_id,
+            dead = taking.dead,
+            origins = ?replay.silent,
+            "clustering: nodes did not say in time how far a dead node had their publishes: what they published before its session was taken here is not given to it"
+        );
+    }
+    let mut kept = Vec::with_capacity(replay.messages.len());
+    for message in replay.messages {
+        let number = taking.queue.restored_number();
+        kept.push((number, message.clone()));
+        restored.waiting.push((number, message));
+    }
+    if !kept.is_empty() {
+        crate::metrics::cluster_replayed(kept.len());
+        tracing::info!(
+            client_id = taking.client_id,
+            dead = taking.dead,
+            count = kept.len(),
+            "clustering: publishes the dead node had not had go to its session after what etcd kept"
+        );
+    }
+    Given {
+        upto: replay.upto,
+        kept,
+    }
+}
+
+/// The session is in the router (with `filters`; the stamps noted how far
+/// each origin had come): the messages [`before_take`] gave it are kept in
+/// etcd until the client has them, and those that came between its look
+/// and the take go to the session ahead of the router's (once: not those
+/// the router gave it after the take, see [`super::stamps`]).
+pub fn after_take(
+    taking: &Taking<'_>,
+    given: Given,
+    session: &SessionRecord,
+    sessions: &crate::sessions::Sessions,
+) {
+    for (number, message) in &given.kept {
+        taking.queue.keep(&[taking.client_id], *number, message);
+    }
+    let late = taking
+        .recent
+        .since(given.upto, taking.dead, session, taking.live);
+    let mut messages = Vec::new();
+    for (stamp, message) in late {
+        let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
+        let qos2 = message.publish.qos == QoS::ExactlyOnce;
+        if taking.stamps.judge(taking.client_id, &stamp, topic) != super::stamps::Verdict::New
+            || (qos2 && !taking.stamps.came(&stamp))
+        {
+            continue;
+        }
+        let mut direct =
+            crate::sessions::Direct::handed_over(message.publish, message.properties, None);
+        taking.queue.keep_direct(taking.client_id, &mut direct);
+        messages.push(direct);
+    }
+    if !messages.is_empty() {
+        crate::metrics::cluster_replayed(messages.len());
+        sessions.keep_handed_over(taking.client_id, messages);
+    }
+}
+
+/// The session `restored` is, as its record says (its subscriptions).
+pub fn record_of(restored: &RestoredSession) -> SessionRecord {
+    SessionRecord {
+        expiry: 0,
+        disconnected_at_ms: None,
+        filters: restored.filters.clone(),
+        queue_full: restored.queue_full,
+    }
+}
+
+#[cfg(test)]
+mod tests;
