@@ -72,6 +72,17 @@ struct State {
     down: HashMap<String, Instant>,
 }
 
+impl State {
+    /// How far `dead` had `origin`'s publishes, as said since its last
+    /// break: a word from more than [`FRESH`] before this node's own link
+    /// to `dead` last broke is from an earlier break.
+    fn word(&self, dead: &str, origin: &str) -> Option<u64> {
+        let (up_to, at) = self.had.get(dead)?.get(origin)?;
+        let since = self.down.get(dead).and_then(|down| down.checked_sub(FRESH));
+        since.is_none_or(|since| *at >= since).then_some(*up_to)
+    }
+}
+
 /// A publish the router had.
 struct Entry {
     /// Its place in the log.
@@ -274,15 +285,7 @@ impl Recent {
         released: &impl Fn(&str) -> bool,
     ) -> Replay {
         let state = self.state.lock();
-        let words = state.had.get(dead);
-        // A word from before this node's own link to `dead` last broke
-        // (less what the links' timing may put between them) is from an
-        // earlier break.
-        let since = state.down.get(dead).map(|at| *at - FRESH.min(at.elapsed()));
-        let up_to = |origin: &str| {
-            let (up_to, at) = words?.get(origin)?;
-            since.is_none_or(|since| *at >= since).then_some(*up_to)
-        };
+        let up_to = |origin: &str| state.word(dead, origin);
         let mut messages = Vec::new();
         let mut silent: Vec<String> = Vec::new();
         let mut upto = state.next;
@@ -340,13 +343,11 @@ impl Recent {
         live: impl Fn(&str) -> bool,
     ) -> Vec<(String, Message)> {
         let state = self.state.lock();
-        let words = state.had.get(dead);
         let mut messages = Vec::new();
         for entry in state.log.iter().filter(|e| e.seq >= after) {
             let node = entry.node();
-            let known = words.and_then(|w| w.get(entry.origin()));
-            if node == dead || !live(node) || known.is_none_or(|(up_to, _)| entry.number <= *up_to)
-            {
+            let known = state.word(dead, entry.origin());
+            if node == dead || !live(node) || known.is_none_or(|up_to| entry.number <= up_to) {
                 continue;
             }
             let mut message = Message {
