@@ -1160,8 +1160,10 @@ async fn a_subscribers_session_survives_its_node_killed_under_load() {
         for seqs in [&before, &moved] {
             assert!(
                 seqs.windows(2).all(|w| w[0] < w[1]),
-                "{name}: once and in order on each node: {:?}",
-                seqs.windows(2).filter(|w| w[0] >= w[1]).collect::<Vec<_>>()
+                "{name}: once and in order on each node: {:?} (the last before the move: {:?}; the first after: {:?})",
+                seqs.windows(2).filter(|w| w[0] >= w[1]).collect::<Vec<_>>(),
+                &before[before.len().saturating_sub(8)..],
+                &moved[..moved.len().min(30)]
             );
         }
         let again: Vec<u64> = moved

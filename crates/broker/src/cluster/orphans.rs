@@ -576,9 +576,9 @@ async fn adopt(
     }
     if let Some(sessions) = orphans.sessions.upgrade() {
         resend_in_flight(&queue, &sessions, client_id, in_flight, timeout).await;
-        if let (Some(taking), Some((given, session))) = (&taking, given) {
-            super::recent::after_take(taking, given, &session, &sessions);
-        }
+    }
+    if let (Some(taking), Some((given, session))) = (&taking, given) {
+        super::recent::after_take(taking, given, &session);
     }
     crate::metrics::session_adopted();
     tracing::info!(

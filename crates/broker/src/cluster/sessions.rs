@@ -338,7 +338,7 @@ async fn resume_once(
         ownership.took_queue(client_id, true);
         resend_in_flight(node.queue, node.sessions, client_id, in_flight, timeout).await;
         if let (Some(taking), Some((given, session))) = (&taking, given) {
-            super::recent::after_take(taking, given, &session, node.sessions);
+            super::recent::after_take(taking, given, &session);
         }
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);

@@ -403,6 +403,8 @@ pub struct Taking<'a> {
 pub struct Given {
     upto: u64,
     kept: Vec<(MessageId, Message)>,
+    /// The origins that said nothing in time.
+    silent: Vec<String>,
 }
 
 /// Before `session` goes into the router (`restored`, with what etcd kept
@@ -418,70 +420,67 @@ pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) ->
             stamps.came(stamp)
         })
         .await;
-    if !replay.silent.is_empty() {
-        crate::metrics::cluster_replay_unknown(replay.silent.len());
-        tracing::warn!(
-            client_id = taking.client_id,
-            dead = taking.dead,
-            origins = ?replay.silent,
-            "clustering: nodes did not say in time how far a dead node had their publishes: what they published before its session was taken here is not given to it"
-        );
-    }
+    // Nothing slow from the look to the take (see [`after_take`]).
     let mut kept = Vec::with_capacity(replay.messages.len());
     for message in replay.messages {
         let number = taking.queue.restored_number();
         kept.push((number, message.clone()));
         restored.waiting.push((number, message));
     }
-    if !kept.is_empty() {
-        crate::metrics::cluster_replayed(kept.len());
-        tracing::info!(
-            client_id = taking.client_id,
-            dead = taking.dead,
-            count = kept.len(),
-            "clustering: publishes the dead node had not had go to its session after what etcd kept"
-        );
-    }
     Given {
         upto: replay.upto,
         kept,
+        silent: replay.silent,
     }
 }
 
 /// The session is in the router (with `filters`; the stamps noted how far
 /// each origin had come): the messages [`before_take`] gave it are kept in
-/// etcd until the client has them, and those that came between its look
-/// and the take go to the session ahead of the router's (once: not those
-/// the router gave it after the take, see [`super::stamps`]).
-pub fn after_take(
-    taking: &Taking<'_>,
-    given: Given,
-    session: &SessionRecord,
-    sessions: &crate::sessions::Sessions,
-) {
+/// etcd until the client has them. Those that came between its look and
+/// the take (its router did not give them to the session: it had them
+/// before the session) are not given: they would reach the client after
+/// newer ones, which the router gives at once (tried: 2 of 5 runs of
+/// `a_subscribers_session_survives_its_node_killed_under_load` had one
+/// out of order); counted in a log line.
+pub fn after_take(taking: &Taking<'_>, given: Given, session: &SessionRecord) {
     for (number, message) in &given.kept {
         taking.queue.keep(&[taking.client_id], *number, message);
+    }
+    if !given.silent.is_empty() {
+        crate::metrics::cluster_replay_unknown(given.silent.len());
+        tracing::warn!(
+            client_id = taking.client_id,
+            dead = taking.dead,
+            origins = ?given.silent,
+            "clustering: nodes did not say in time how far a dead node had their publishes: what they published before its session was taken here is not given to it"
+        );
+    }
+    if !given.kept.is_empty() {
+        crate::metrics::cluster_replayed(given.kept.len());
+        tracing::info!(
+            client_id = taking.client_id,
+            dead = taking.dead,
+            count = given.kept.len(),
+            "clustering: publishes the dead node had not had went to its session after what etcd kept"
+        );
     }
     let late = taking
         .recent
         .since(given.upto, taking.dead, session, taking.live);
-    let mut messages = Vec::new();
-    for (stamp, message) in late {
-        let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
-        let qos2 = message.publish.qos == QoS::ExactlyOnce;
-        if taking.stamps.judge(taking.client_id, &stamp, topic) != super::stamps::Verdict::New
-            || (qos2 && !taking.stamps.came(&stamp))
-        {
-            continue;
-        }
-        let mut direct =
-            crate::sessions::Direct::handed_over(message.publish, message.properties, None);
-        taking.queue.keep_direct(taking.client_id, &mut direct);
-        messages.push(direct);
-    }
-    if !messages.is_empty() {
-        crate::metrics::cluster_replayed(messages.len());
-        sessions.keep_handed_over(taking.client_id, messages);
+    let missed = late
+        .iter()
+        .filter(|(stamp, message)| {
+            let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
+            taking.stamps.judge(taking.client_id, stamp, topic) == super::stamps::Verdict::New
+        })
+        .count();
+    if missed > 0 {
+        tracing::info!(
+            client_id = taking.client_id,
+            dead = taking.dead,
+            count = missed,
+            "clustering: publishes that came while the session was being taken, after this node looked at its log, are not given to it (they would come after newer ones)"
+        );
     }
 }
 
