@@ -397,7 +397,7 @@ impl Shared {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             node.stamp_arrived(_link, _qos, _pkid, _stamp);
-            node.recent().note(_stamp, _publish, _properties);
+            node.recent().note(_publish, _properties);
         }
     }
 

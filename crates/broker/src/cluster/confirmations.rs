@@ -77,7 +77,35 @@ struct Link {
     owed: BTreeMap<u64, Instant>,
     /// The tickets handed to it and not acknowledged, with their stamp
     /// numbers (not waited for any more or not: it may never have them).
-    unacknowledged: BTreeMap<u64, u64>,
+    unacknowledged: Unacknowledged,
+}
+
+/// A link's tickets not acknowledged, in the order handed (tickets grow),
+/// each with its stamp number; acknowledged ones leave from the front.
+#[derive(Default)]
+struct Unacknowledged {
+    /// Ticket, stamp number, acknowledged.
+    entries: VecDeque<(u64, u64, bool)>,
+}
+
+impl Unacknowledged {
+    fn push(&mut self, ticket: u64, number: u64) {
+        self.entries.push_back((ticket, number, false));
+    }
+
+    fn remove(&mut self, ticket: u64) {
+        if let Ok(at) = self.entries.binary_search_by_key(&ticket, |e| e.0) {
+            self.entries[at].2 = true;
+        }
+        while self.entries.front().is_some_and(|e| e.2) {
+            self.entries.pop_front();
+        }
+    }
+
+    /// The stamp number of the first not acknowledged.
+    fn first(&self) -> Option<u64> {
+        self.entries.front().map(|e| e.1)
+    }
 }
 
 impl State {
@@ -99,7 +127,7 @@ impl State {
         let ticket = ticket.unwrap_or(0);
         link.queued.push_back(ticket);
         if ticket != 0 {
-            link.unacknowledged.insert(ticket, self.number);
+            link.unacknowledged.push(ticket, self.number);
             if link.up {
                 link.owed.insert(ticket, Instant::now());
             }
@@ -113,8 +141,8 @@ impl State {
         let link = self.links.get(node)?;
         Some(
             link.unacknowledged
-                .first_key_value()
-                .map_or(self.number, |(_, &number)| number.saturating_sub(1)),
+                .first()
+                .map_or(self.number, |number| number.saturating_sub(1)),
         )
     }
 
@@ -169,10 +197,10 @@ impl Confirmations {
                 // The other node lost what it had not acknowledged.
                 let dropped = link.unsent_at_break.min(link.queued.len());
                 for ticket in link.queued.drain(..dropped) {
-                    link.unacknowledged.remove(&ticket);
+                    link.unacknowledged.remove(ticket);
                 }
                 for (_, ticket) in link.sent.drain() {
-                    link.unacknowledged.remove(&ticket);
+                    link.unacknowledged.remove(ticket);
                 }
                 link.held_back = None;
             }
@@ -265,7 +293,7 @@ impl Confirmations {
                 && let Some(ticket) = link.sent.remove(&pkid)
             {
                 link.owed.remove(&ticket);
-                link.unacknowledged.remove(&ticket);
+                link.unacknowledged.remove(ticket);
             }
         });
     }

@@ -404,7 +404,6 @@ impl Node {
         if publish.retain {
             self.retained.keep(publish, properties.as_ref());
         }
-        self.recent.note(&stamp, publish, properties.as_ref());
         let own = properties.get_or_insert_with(Default::default);
         if !assignment.is_empty() {
             Shares::mark(&assignment, self.shares.node_id(), own);
@@ -414,6 +413,7 @@ impl Node {
             router::protocol::ByteString::from_static(crate::publisher::STAMP),
             stamp.into(),
         ));
+        self.recent.note(publish, properties.as_ref());
         ticket
     }
 }

@@ -88,8 +88,8 @@ struct Entry {
     /// Its place in the log.
     seq: u64,
     at: Instant,
-    stamp: String,
-    /// The origin's length in `stamp` (`<origin>/<number>`).
+    /// The origin's length in its stamp (`<origin>/<number>`, a User
+    /// Property of `properties`).
     origin: usize,
     number: u64,
     publish: Publish,
@@ -98,8 +98,15 @@ struct Entry {
 }
 
 impl Entry {
+    fn stamp(&self) -> &str {
+        self.properties
+            .as_ref()
+            .and_then(stamp_of)
+            .unwrap_or_default()
+    }
+
     fn origin(&self) -> &str {
-        &self.stamp[..self.origin]
+        &self.stamp()[..self.origin]
     }
 
     fn node(&self) -> &str {
@@ -151,17 +158,17 @@ impl Recent {
         }
     }
 
-    /// The router has (or is about to have) `publish` with `stamp`: a
-    /// client's of this node, or one another node's link passed on.
-    pub fn note(&self, stamp: &str, publish: &Publish, properties: Option<&PublishProperties>) {
+    /// The router has (or is about to have) `publish`, its stamp among its
+    /// `properties`: a client's of this node, or one another node's link
+    /// passed on.
+    pub fn note(&self, publish: &Publish, properties: Option<&PublishProperties>) {
         if self.max_bytes == 0 || publish.qos == QoS::AtMostOnce {
             return;
         }
-        let Some((origin, number)) = parse_stamp(stamp) else {
+        let Some((origin, number)) = properties.and_then(stamp_of).and_then(parse_stamp) else {
             return;
         };
         let size = ENTRY_OVERHEAD
-            + stamp.len()
             + publish.topic.len()
             + publish.payload.len()
             + properties.map_or(0, |p| {
@@ -181,7 +188,6 @@ impl Recent {
         state.log.push_back(Entry {
             seq,
             at: now,
-            stamp: stamp.to_owned(),
             origin,
             number,
             publish: publish.clone(),
@@ -310,8 +316,8 @@ impl Recent {
                     continue;
                 }
             }
-            if had.contains(&entry.stamp)
-                || (entry.publish.qos == QoS::ExactlyOnce && !released(&entry.stamp))
+            if had.contains(entry.stamp())
+                || (entry.publish.qos == QoS::ExactlyOnce && !released(entry.stamp()))
             {
                 continue;
             }
@@ -356,7 +362,7 @@ impl Recent {
             };
             message.publish.retain = false;
             if crate::durable::for_session(session, &mut message) {
-                messages.push((entry.stamp.clone(), message));
+                messages.push((entry.stamp().to_owned(), message));
             }
         }
         messages
@@ -370,18 +376,20 @@ impl Recent {
     }
 }
 
-/// The stamps of `messages` (see [`crate::publisher::STAMP`]).
+/// The stamp among `properties` (see [`crate::publisher::STAMP`]).
+fn stamp_of(properties: &PublishProperties) -> Option<&str> {
+    properties
+        .user_properties
+        .iter()
+        .find(|(k, _)| k == crate::publisher::STAMP)
+        .map(|(_, v)| v.as_ref())
+}
+
+/// The stamps of `messages`.
 pub fn stamps_of<'a>(messages: impl IntoIterator<Item = &'a Message>) -> HashSet<String> {
     messages
         .into_iter()
-        .filter_map(|m| {
-            m.properties
-                .as_ref()?
-                .user_properties
-                .iter()
-                .find(|(k, _)| k == crate::publisher::STAMP)
-                .map(|(_, v)| v.to_string())
-        })
+        .filter_map(|m| stamp_of(m.properties.as_ref()?).map(str::to_owned))
         .collect()
 }
 

@@ -44,6 +44,15 @@ fn topics(replay: &Replay) -> Vec<String> {
         .collect()
 }
 
+/// `r` notes `publish` with `stamp` (a User Property, as a node has it).
+fn note(r: &Recent, stamp: &str, publish: &Publish) {
+    let mut properties = PublishProperties::default();
+    properties
+        .user_properties
+        .push((crate::publisher::STAMP.into(), stamp.into()));
+    r.note(publish, Some(&properties));
+}
+
 fn recent() -> Recent {
     Recent::new(1 << 20, Duration::from_secs(60))
 }
@@ -62,10 +71,10 @@ fn two_origins(r: &Recent, n: u64) {
     for number in 1..=n {
         for origin in ["a/1", "c/1"] {
             let topic = format!("t/{origin}/{number}");
-            r.note(
+            note(
+                r,
                 &format!("{origin}/{number}"),
                 &publish(&topic, QoS::AtLeastOnce),
-                None,
             );
         }
     }
@@ -110,7 +119,7 @@ async fn only_what_the_sessions_subscriptions_take_at_their_qos() {
     // Not through the shared subscription, nor at QoS 0.
     assert_eq!(topics(&replay), ["t/a/1/1", "t/a/1/2"]);
     let r = recent();
-    r.note("a/1/1", &publish("t/x", QoS::ExactlyOnce), None);
+    note(&r, "a/1/1", &publish("t/x", QoS::ExactlyOnce));
     r.own_link_down("d", "a/1", 0);
     let replay = r
         .replay(
@@ -142,9 +151,9 @@ async fn only_what_the_sessions_subscriptions_take_at_their_qos() {
 #[tokio::test]
 async fn the_dead_nodes_own_publishes_and_other_dead_nodes_are_not_given() {
     let r = recent();
-    r.note("d/9/1", &publish("t/1", QoS::AtLeastOnce), None);
-    r.note("e/9/1", &publish("t/2", QoS::AtLeastOnce), None);
-    r.note("a/1/1", &publish("t/3", QoS::AtLeastOnce), None);
+    note(&r, "d/9/1", &publish("t/1", QoS::AtLeastOnce));
+    note(&r, "e/9/1", &publish("t/2", QoS::AtLeastOnce));
+    note(&r, "a/1/1", &publish("t/3", QoS::AtLeastOnce));
     r.own_link_down("d", "a/1", 0);
     let live = |node: &str| node != "e";
     let replay = r
@@ -235,14 +244,14 @@ async fn a_word_from_an_earlier_break_is_not_taken() {
 #[tokio::test]
 async fn what_came_after_the_look_is_found_by_its_place() {
     let r = recent();
-    r.note("a/1/1", &publish("t/1", QoS::AtLeastOnce), None);
+    note(&r, "a/1/1", &publish("t/1", QoS::AtLeastOnce));
     r.own_link_down("d", "a/1", 0);
     let s = session(&[("t/#", 1)]);
     let replay = r
         .replay("d", &s, &HashSet::new(), all_live, all_released)
         .await;
     assert_eq!(topics(&replay), ["t/1"]);
-    r.note("a/1/2", &publish("t/2", QoS::AtLeastOnce), None);
+    note(&r, "a/1/2", &publish("t/2", QoS::AtLeastOnce));
     let late = r.since(replay.upto, "d", &s, all_live);
     let late: Vec<_> = late.iter().map(|(stamp, _)| stamp.as_str()).collect();
     assert_eq!(late, ["a/1/2"]);
@@ -251,25 +260,25 @@ async fn what_came_after_the_look_is_found_by_its_place() {
 #[test]
 fn the_log_is_bounded_in_bytes_and_keeps_no_qos_0() {
     let r = Recent::new(10 * (ENTRY_OVERHEAD + 16), Duration::from_secs(60));
-    r.note("a/1/1", &publish("t/0", QoS::AtMostOnce), None);
+    note(&r, "a/1/1", &publish("t/0", QoS::AtMostOnce));
     assert_eq!(r.len().0, 0, "QoS 0 is not kept");
     for n in 1..=100 {
-        r.note(&format!("a/1/{n}"), &publish("t/1", QoS::AtLeastOnce), None);
+        note(&r, &format!("a/1/{n}"), &publish("t/1", QoS::AtLeastOnce));
     }
     let (entries, bytes) = r.len();
     assert!((8..=10).contains(&entries), "{entries}");
     assert!(bytes <= 10 * (ENTRY_OVERHEAD + 16), "{bytes}");
     let off = Recent::new(0, Duration::from_secs(60));
-    off.note("a/1/1", &publish("t/1", QoS::AtLeastOnce), None);
+    note(&off, "a/1/1", &publish("t/1", QoS::AtLeastOnce));
     assert_eq!(off.len().0, 0, "0 bytes: none kept");
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_log_forgets_what_is_older_than_its_age() {
     let r = Recent::new(1 << 20, Duration::from_secs(10));
-    r.note("a/1/1", &publish("t/1", QoS::AtLeastOnce), None);
+    note(&r, "a/1/1", &publish("t/1", QoS::AtLeastOnce));
     tokio::time::sleep(Duration::from_secs(11)).await;
-    r.note("a/1/2", &publish("t/2", QoS::AtLeastOnce), None);
+    note(&r, "a/1/2", &publish("t/2", QoS::AtLeastOnce));
     assert_eq!(r.len().0, 1);
 }
 
