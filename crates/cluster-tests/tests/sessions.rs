@@ -688,41 +688,6 @@ async fn what_is_published_before_a_dead_nodes_session_is_adopted_reaches_it() {
     assert_eq!(got, expected, "every message, once, in order");
 }
 
-/// What a killed node had queued for a client that was away, but not
-/// written to etcd yet (it writes 100 ms after queueing), reaches the
-/// client on another node: the node that takes the session gives it, but
-/// what etcd had, from its log (`cluster::recent`). Before, it was lost
-/// with the node.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn what_a_killed_node_had_not_written_to_etcd_reaches_its_away_client() {
-    let mut setup = Setup::three_linked().await;
-    let mut c = subscribed_in_etcd(&setup, "unwritten", "u/#", QoS::AtLeastOnce).await;
-    let connected = record(&setup, "unwritten");
-    leave(c).await;
-    eventually("the session record says the client left", || {
-        record(&setup, "unwritten") != connected
-    })
-    .await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    let mut expected = Vec::new();
-    for n in 0..10 {
-        // Acknowledged once every node had it: node 1 queued it.
-        let topic = format!("u/{n}");
-        publish_complete(&mut publisher, &topic, b"x", QoS::AtLeastOnce, false).await;
-        expected.push(topic);
-    }
-    setup.nodes[0].kill().unwrap();
-    for node in [1, 2] {
-        eventually("the links to node 1 broken", || {
-            metric(setup.http[node], "statebroker_cluster_peer_links") == Some(1.0)
-        })
-        .await;
-    }
-    c = back_on_node_2(&setup, "unwritten").await;
-    let got = topics_within(&mut c, Duration::from_secs(3)).await;
-    assert_eq!(got, expected, "every message, once, in order");
-}
-
 /// The same at QoS 2: each once, at QoS 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_is_published_at_qos2_while_no_node_holds_a_dead_nodes_session_comes_once() {

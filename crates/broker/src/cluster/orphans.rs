@@ -508,7 +508,6 @@ async fn adopt(
         return Ok(false);
     }
     let queued = keys.len();
-    let away = record.session.disconnected_at_ms.is_some();
     let mut restored = RestoredSession {
         client_id: client_id.to_owned(),
         filters: record.session.filters,
@@ -533,7 +532,6 @@ async fn adopt(
                 stamps,
                 queue: &queue,
                 dead,
-                away,
                 client_id,
             })
         }

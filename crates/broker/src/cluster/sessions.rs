@@ -265,7 +265,6 @@ async fn resume_once(
     let mut in_flight = Vec::new();
     let mut restored = None;
     let mut dead = None;
-    let mut away = false;
     if let Some((next, session, writer)) = session
         && let Some(expires_in) = crate::durable::remaining(&session, now_ms(), max_expiry)
     {
@@ -278,7 +277,6 @@ async fn resume_once(
                 writer.to_owned()
             })
             .filter(|dead| dead != node_id);
-            away = session.disconnected_at_ms.is_some();
         }
         // From the queue with an owner record: another node, unlinked.
         if from_queue && owner.is_some() {
@@ -325,7 +323,6 @@ async fn resume_once(
         stamps: node.stamps,
         queue: node.queue,
         dead,
-        away,
         client_id,
     });
     let mut given = None;

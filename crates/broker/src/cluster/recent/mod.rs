@@ -47,9 +47,6 @@ const MAX_ORIGINS: usize = 64;
 /// A word older than this before this node's own link to the node broke
 /// is from an earlier break.
 const FRESH: Duration = Duration::from_secs(5);
-/// How long before this node's own link to a dead node broke what that
-/// node had may not be in etcd yet (see [`Recent::replay`]).
-const LAST_WRITES: Duration = Duration::from_secs(1);
 /// What an entry costs besides its topic, payload and User Properties.
 const ENTRY_OVERHEAD: usize = 160;
 
@@ -261,10 +258,7 @@ impl Recent {
     /// The publishes of the log that `session` (taken from `dead`, which
     /// died) is to get: those its subscriptions match (not the shared
     /// ones) that `dead` did not have, from every origin but `dead`'s,
-    /// whose node `live` says is a member (this node's own included) —
-    /// and, for a session whose client was away when `dead` died
-    /// (`disconnected_at_ms`), what came in the [`LAST_WRITES`] before
-    /// this node's link to `dead` broke, from `dead` too —
+    /// whose node `live` says is a member (this node's own included),
     /// without those with a stamp in `had` (read back from etcd), and
     /// QoS 2 ones only once `released` says the router had them (at their
     /// PUBREL; one released later reaches the session through the router).
@@ -298,21 +292,13 @@ impl Recent {
     ) -> Replay {
         let state = self.state.lock();
         let up_to = |origin: &str| state.word(dead, origin);
-        // A session whose client was away when its node died had nothing
-        // of what that node had: what came in its last [`LAST_WRITES`] may
-        // not be in etcd yet (written 100 ms after it was queued), and
-        // goes too, but what etcd has (`had`).
-        let last_writes = session
-            .disconnected_at_ms
-            .and_then(|_| state.down.get(dead)?.checked_sub(LAST_WRITES));
         let mut messages = Vec::new();
         let mut silent: Vec<String> = Vec::new();
         let mut upto = state.next;
         for entry in &state.log {
             upto = entry.seq + 1;
             let node = entry.node();
-            let last = last_writes.is_some_and(|since| entry.at >= since);
-            if (node == dead && !last) || (node != dead && !live(node)) {
+            if node == dead || !live(node) {
                 continue;
             }
             let topic = std::str::from_utf8(&entry.publish.topic).unwrap_or("");
@@ -321,8 +307,7 @@ impl Recent {
                 continue;
             }
             match up_to(entry.origin()) {
-                _ if node == dead => {}
-                Some(up_to) if entry.number <= up_to && !last => continue,
+                Some(up_to) if entry.number <= up_to => continue,
                 Some(_) => {}
                 None => {
                     if !silent.iter().any(|o| o == entry.origin()) {
@@ -418,8 +403,6 @@ pub struct Taking<'a> {
     pub queue: &'a Arc<super::Queue>,
     /// The node that had the session, dead.
     pub dead: &'a str,
-    /// The session's client was not connected when that node died.
-    pub away: bool,
     pub client_id: &'a str,
 }
 
@@ -436,8 +419,7 @@ pub struct Given {
 /// for it): the publishes of the log it is to get (see [`Recent::replay`])
 /// go after those, numbered as read back.
 pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) -> Given {
-    let mut session = record_of(restored);
-    session.disconnected_at_ms = taking.away.then_some(0);
+    let session = record_of(restored);
     let had = stamps_of(restored.waiting.iter().map(|(_, m)| m));
     let stamps = taking.stamps;
     let replay = taking

@@ -290,27 +290,3 @@ fn a_word_reads_back_or_is_refused() {
         assert_eq!(parse_said(bad), None, "{bad:?}");
     }
 }
-
-#[tokio::test(start_paused = true)]
-async fn a_session_away_gets_what_came_in_the_dead_nodes_last_writes_but_what_etcd_has() {
-    let r = recent();
-    note(&r, "a/1/1", &publish("t/old", QoS::AtLeastOnce));
-    tokio::time::sleep(LAST_WRITES + Duration::from_secs(1)).await;
-    // d had all of these (a's up to 3), and its own client's; its link
-    // broke just after.
-    note(&r, "a/1/2", &publish("t/a2", QoS::AtLeastOnce));
-    note(&r, "d/9/5", &publish("t/d5", QoS::AtLeastOnce));
-    note(&r, "a/1/3", &publish("t/a3", QoS::AtLeastOnce));
-    r.own_link_down("d", "a/1", 3);
-    let mut away = session(&[("t/#", 1)]);
-    away.disconnected_at_ms = Some(1);
-    // etcd had a/1/2 already.
-    let had = HashSet::from(["a/1/2".to_owned()]);
-    let replay = r.replay("d", &away, &had, all_live, all_released).await;
-    assert_eq!(topics(&replay), ["t/d5", "t/a3"]);
-    // A session whose client was connected may have had them: not given.
-    let replay = r
-        .replay("d", &session(&[("t/#", 1)]), &had, all_live, all_released)
-        .await;
-    assert!(replay.messages.is_empty());
-}
