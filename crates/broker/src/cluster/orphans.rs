@@ -539,11 +539,7 @@ async fn adopt(
     };
     let mut given = None;
     if let Some(taking) = &taking {
-        let session = super::recent::record_of(&restored);
-        given = Some((
-            super::recent::before_take(taking, &mut restored).await,
-            session,
-        ));
+        given = Some(super::recent::before_take(taking, &mut restored).await);
     }
     // The stopping node hands the messages over once it sees the claim
     // (or, if it dies first, the messages it wrote to etcd; see
@@ -577,8 +573,8 @@ async fn adopt(
     if let Some(sessions) = orphans.sessions.upgrade() {
         resend_in_flight(&queue, &sessions, client_id, in_flight, timeout).await;
     }
-    if let (Some(taking), Some((given, session))) = (&taking, given) {
-        super::recent::after_take(taking, given, &session);
+    if let (Some(taking), Some(given)) = (&taking, given) {
+        super::recent::after_take(taking, given);
     }
     crate::metrics::session_adopted();
     tracing::info!(

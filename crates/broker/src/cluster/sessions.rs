@@ -327,8 +327,7 @@ async fn resume_once(
     });
     let mut given = None;
     if let (Some(taking), Some(restored)) = (&taking, &mut restored) {
-        let session = super::recent::record_of(restored);
-        given = Some((super::recent::before_take(taking, restored).await, session));
+        given = Some(super::recent::before_take(taking, restored).await);
     }
     let stamps = (handover || given.is_some()).then_some(node.stamps);
     let replaced = replace_session(router, client_id, restored, stamps).await?;
@@ -337,8 +336,8 @@ async fn resume_once(
         node.queue.restored(client_id, keys);
         ownership.took_queue(client_id, true);
         resend_in_flight(node.queue, node.sessions, client_id, in_flight, timeout).await;
-        if let (Some(taking), Some((given, session))) = (&taking, given) {
-            super::recent::after_take(taking, given, &session);
+        if let (Some(taking), Some(given)) = (&taking, given) {
+            super::recent::after_take(taking, given);
         }
     } else if replaced && handover {
         node.awaited.wait(client_id, &from);

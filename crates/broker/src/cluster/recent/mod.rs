@@ -109,6 +109,17 @@ impl Entry {
         &self.stamp()[..self.origin]
     }
 
+    fn topic(&self) -> &str {
+        std::str::from_utf8(&self.publish.topic).unwrap_or("")
+    }
+
+    /// Whether one of `session`'s subscriptions (not a shared one) takes
+    /// it, at QoS 1 or 2.
+    fn taken_by(&self, session: &SessionRecord) -> bool {
+        let filters = session.filters.iter().map(|(f, s)| (f, s));
+        router::granted(filters, self.topic(), false).is_some_and(|(qos, _)| qos > 0)
+    }
+
     fn node(&self) -> &str {
         let origin = self.origin();
         origin.rsplit_once('/').map_or(origin, |(node, _)| node)
@@ -301,9 +312,7 @@ impl Recent {
             if node == dead || !live(node) {
                 continue;
             }
-            let topic = std::str::from_utf8(&entry.publish.topic).unwrap_or("");
-            let filters = session.filters.iter().map(|(f, s)| (f, s));
-            if router::granted(filters, topic, false).is_none_or(|(qos, _)| qos == 0) {
+            if !entry.taken_by(session) {
                 continue;
             }
             match up_to(entry.origin()) {
@@ -337,35 +346,32 @@ impl Recent {
         }
     }
 
-    /// What [`Recent::replay`] would give `session` of what came after
-    /// `after` (the log's place it reached), with each one's stamp: the
-    /// caller drops those the router gave the session once it had taken
-    /// it (see [`super::stamps`]).
+    /// What [`Recent::replay`] would have given `session` of what came
+    /// after `after` (the log's place it reached): each one's stamp and
+    /// topic, for the caller to tell those the router gave the session
+    /// once it had taken it (see [`super::stamps`]).
     pub fn since(
         &self,
         after: u64,
         dead: &str,
         session: &SessionRecord,
         live: impl Fn(&str) -> bool,
-    ) -> Vec<(String, Message)> {
+    ) -> Vec<(String, String)> {
         let state = self.state.lock();
-        let mut messages = Vec::new();
-        for entry in state.log.iter().filter(|e| e.seq >= after) {
-            let node = entry.node();
-            let known = state.word(dead, entry.origin());
-            if node == dead || !live(node) || known.is_none_or(|up_to| entry.number <= up_to) {
-                continue;
-            }
-            let mut message = Message {
-                publish: entry.publish.clone(),
-                properties: entry.properties.clone(),
-            };
-            message.publish.retain = false;
-            if crate::durable::for_session(session, &mut message) {
-                messages.push((entry.stamp().to_owned(), message));
-            }
-        }
-        messages
+        state
+            .log
+            .iter()
+            .filter(|e| e.seq >= after)
+            .filter(|entry| {
+                let node = entry.node();
+                let known = state.word(dead, entry.origin());
+                node != dead
+                    && live(node)
+                    && known.is_some_and(|up_to| entry.number > up_to)
+                    && entry.taken_by(session)
+            })
+            .map(|entry| (entry.stamp().to_owned(), entry.topic().to_owned()))
+            .collect()
     }
 
     /// The log's size: entries and bytes.
@@ -409,6 +415,8 @@ pub struct Taking<'a> {
 /// What [`before_take`] gave the session: the log's place it reached, and
 /// the messages to keep in etcd once the session is taken.
 pub struct Given {
+    /// The session's subscriptions, as the look took them.
+    session: SessionRecord,
     upto: u64,
     kept: Vec<(MessageId, Message)>,
     /// The origins that said nothing in time.
@@ -436,6 +444,7 @@ pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) ->
         restored.waiting.push((number, message));
     }
     Given {
+        session,
         upto: replay.upto,
         kept,
         silent: replay.silent,
@@ -450,7 +459,7 @@ pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) ->
 /// newer ones, which the router gives at once (tried: 2 of 5 runs of
 /// `a_subscribers_session_survives_its_node_killed_under_load` had one
 /// out of order); counted in a log line.
-pub fn after_take(taking: &Taking<'_>, given: Given, session: &SessionRecord) {
+pub fn after_take(taking: &Taking<'_>, given: Given) {
     for (number, message) in &given.kept {
         taking.queue.keep(&[taking.client_id], *number, message);
     }
@@ -474,11 +483,10 @@ pub fn after_take(taking: &Taking<'_>, given: Given, session: &SessionRecord) {
     }
     let late = taking
         .recent
-        .since(given.upto, taking.dead, session, taking.live);
+        .since(given.upto, taking.dead, &given.session, taking.live);
     let missed = late
         .iter()
-        .filter(|(stamp, message)| {
-            let topic = std::str::from_utf8(&message.publish.topic).unwrap_or("");
+        .filter(|(stamp, topic)| {
             taking.stamps.judge(taking.client_id, stamp, topic) == super::stamps::Verdict::New
         })
         .count();
@@ -493,7 +501,7 @@ pub fn after_take(taking: &Taking<'_>, given: Given, session: &SessionRecord) {
 }
 
 /// The session `restored` is, as its record says (its subscriptions).
-pub fn record_of(restored: &RestoredSession) -> SessionRecord {
+fn record_of(restored: &RestoredSession) -> SessionRecord {
     SessionRecord {
         expiry: 0,
         disconnected_at_ms: None,
