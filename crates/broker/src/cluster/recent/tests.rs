@@ -57,6 +57,19 @@ fn recent() -> Recent {
     Recent::new(1 << 20, Duration::from_secs(60))
 }
 
+/// What `r` gives a session of `t/#` at QoS 1 taken from `dead`, every
+/// node live, every QoS 2 publish released, etcd having none.
+async fn replay_all(r: &Recent, dead: &str) -> Replay {
+    r.replay(
+        dead,
+        &session(&[("t/#", 1)]),
+        &HashSet::new(),
+        all_live,
+        all_released,
+    )
+    .await
+}
+
 fn all_live(_: &str) -> bool {
     true
 }
@@ -87,15 +100,7 @@ async fn a_dead_nodes_session_gets_what_each_origin_published_after_the_dead_nod
     // Node d had a's publishes up to 2, c's up to 3.
     r.own_link_down("d", "a/1", 2);
     assert!(r.heard(&said("d", "c/1", 3)));
-    let replay = r
-        .replay(
-            "d",
-            &session(&[("t/#", 1)]),
-            &HashSet::new(),
-            all_live,
-            all_released,
-        )
-        .await;
+    let replay = replay_all(&r, "d").await;
     assert_eq!(topics(&replay), ["t/a/1/3", "t/a/1/4", "t/c/1/4"]);
     assert!(replay.silent.is_empty());
     // What etcd kept for the session is not given twice.
@@ -121,15 +126,7 @@ async fn only_what_the_sessions_subscriptions_take_at_their_qos() {
     let r = recent();
     note(&r, "a/1/1", &publish("t/x", QoS::ExactlyOnce));
     r.own_link_down("d", "a/1", 0);
-    let replay = r
-        .replay(
-            "d",
-            &session(&[("t/#", 1)]),
-            &HashSet::new(),
-            all_live,
-            all_released,
-        )
-        .await;
+    let replay = replay_all(&r, "d").await;
     assert_eq!(
         replay.messages[0].publish.qos,
         QoS::AtLeastOnce,
@@ -175,31 +172,14 @@ async fn an_origin_that_says_nothing_is_waited_for_then_left_out() {
     two_origins(&r, 2);
     r.own_link_down("d", "a/1", 1);
     let started = Instant::now();
-    let replay = r
-        .replay(
-            "d",
-            &session(&[("t/#", 1)]),
-            &HashSet::new(),
-            all_live,
-            all_released,
-        )
-        .await;
+    let replay = replay_all(&r, "d").await;
     assert_eq!(started.elapsed(), PATIENCE);
     assert_eq!(topics(&replay), ["t/a/1/2"]);
     assert_eq!(replay.silent, ["c/1"]);
     // Its word coming meanwhile ends the wait.
     let waiting = {
         let r = Arc::clone(&r);
-        tokio::spawn(async move {
-            r.replay(
-                "e",
-                &session(&[("t/#", 1)]),
-                &HashSet::new(),
-                all_live,
-                all_released,
-            )
-            .await
-        })
+        tokio::spawn(async move { replay_all(&r, "e").await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     r.own_link_down("e", "a/1", 2);
@@ -218,26 +198,10 @@ async fn a_word_from_an_earlier_break_is_not_taken() {
     // This node's own link to d breaks later: c's word was for an earlier
     // break of c's.
     r.own_link_down("d", "a/1", 3);
-    let replay = r
-        .replay(
-            "d",
-            &session(&[("t/#", 1)]),
-            &HashSet::new(),
-            all_live,
-            all_released,
-        )
-        .await;
+    let replay = replay_all(&r, "d").await;
     assert_eq!(replay.silent, ["c/1"]);
     r.heard(&said("d", "c/1", 2));
-    let replay = r
-        .replay(
-            "d",
-            &session(&[("t/#", 1)]),
-            &HashSet::new(),
-            all_live,
-            all_released,
-        )
-        .await;
+    let replay = replay_all(&r, "d").await;
     assert_eq!(topics(&replay), ["t/c/1/3"]);
 }
 
