@@ -2,7 +2,7 @@
 """Side-by-side comparison: statebroker against mosquitto, rumqttd and Redis.
 
     python3 bench/compare.py [--duration 10] [--connections 1,16,64,256] [--quick]
-                             [--only reqresp,persist,pubsub,connections] [--out DIR]
+                             [--only reqresp,persist,pubsub,connections] [--out DIR] [--pgo]
 
 Runs, on this machine:
   request/response, for each connection count:
@@ -30,7 +30,9 @@ and pubsub.png to --out (default bench/results, which the README shows);
 compare_report.py makes them.
 
 It installs what it needs (mosquitto, redis via apt; rumqttd via cargo
-install; matplotlib via pip) and builds statebroker in release mode.
+install; matplotlib via pip) and builds statebroker in release mode; with
+`--pgo` it measures the profile-guided build of `bench/pgo.sh` instead (and
+installs rustc's `llvm-NN` with apt for its llvm-profdata).
 
 CPU placement: on a machine with two or more cores, every server (each
 broker, the Redis server) runs pinned to core 0 and every load generator
@@ -129,13 +131,17 @@ def raise_nofile(want=250_000):
 
 # ------------------------------------------------------------------ setup
 
+def apt_install(*packages):
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run(["apt-get", "update", "-qq"], env=env)
+    run(["apt-get", "install", "-y", "-qq", *packages], env=env)
+
+
 def install():
     missing = [p for p, b in [("mosquitto", "mosquitto"), ("redis-server", "redis-server"),
                               ("redis-tools", "redis-benchmark")] if not shutil.which(b)]
     if missing:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        run(["apt-get", "update", "-qq"], env=env)
-        run(["apt-get", "install", "-y", "-qq", *missing], env=env)
+        apt_install(*missing)
     rumqttd = os.path.join(TOOLS, "bin", "rumqttd")
     if not os.path.exists(rumqttd):
         # Not --locked: the lockfile rumqttd published pins a `metrics` that
@@ -147,6 +153,17 @@ def install():
         run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"])
     run(["cargo", "build", "--release", "-q", "-p", "statebroker", "-p", "statebroker-bench"], cwd=ROOT)
     return rumqttd
+
+
+def pgo_build():
+    """Builds target/pgo/statebroker with bench/pgo.sh and measures it."""
+    global BROKER
+    major = re.search(r"LLVM version: (\d+)", subprocess.run(["rustc", "-vV"], capture_output=True,
+                                                            text=True, check=True).stdout).group(1)
+    if not shutil.which(f"llvm-profdata-{major}"):
+        apt_install(f"llvm-{major}")
+    BROKER = os.path.join(ROOT, "target", "pgo", "statebroker")
+    run(["bash", os.path.join(ROOT, "bench", "pgo.sh"), BROKER], cwd=ROOT)
 
 
 # ------------------------------------------------------------------ servers
@@ -395,6 +412,8 @@ def main():
     ap.add_argument("--out", default=RESULTS, help="where the tables and charts go (default: bench/results, "
                     "the copy the README shows)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin servers and load generators to cores")
+    ap.add_argument("--pgo", action="store_true", help="measure the profile-guided build of bench/pgo.sh "
+                    "(target/pgo/statebroker) instead of the plain release build")
     args = ap.parse_args()
     sections = {x.strip() for x in args.only.split(",") if x.strip()}
     unknown = sections - set(SECTIONS)
@@ -408,6 +427,10 @@ def main():
     conns = [int(c) for c in args.connections.split(",")]
     nofile = raise_nofile()
     rumqttd_bin = install()
+    build = "release build"
+    if args.pgo:
+        pgo_build()
+        build = "profile-guided release build (bench/pgo.sh)"
     machine = describe_machine()
     rows, extras = [], {}
     tmp = tempfile.mkdtemp(prefix="sb-compare-")
@@ -459,7 +482,7 @@ def main():
             extras["c1024"] = bench(sb.port, 1024, args.duration, args.warmup)
         finally:
             sb.stop()
-    report(rows, extras, conns, machine, pinning, RESULTS)
+    report(rows, extras, conns, machine, pinning, RESULTS, build)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -106,14 +106,14 @@ def pubsub_chart(results, now, machine, plt, out):
     fig.savefig(os.path.join(out, "pubsub.png"), dpi=110)
 
 
-def report(rows, extras, conns, machine, pinning, out):
+def report(rows, extras, conns, machine, pinning, out, build="release build"):
     """Writes comparison.{md,json} and the charts to `out`, and prints the tables."""
     now = datetime.date.today().isoformat()
     by = {(r["system"], r["connections"]): r for r in rows}
     systems = ["statebroker (in-process store)", "statebroker + external responder",
                "mosquitto + external responder", "rumqttd + external responder", REDIS_SAME_CLIENT,
                "redis GET", "redis SET"]
-    md = [f"Measured {now} on {machine}; release build; load generator and server on the same machine, "
+    md = [f"Measured {now} on {machine}; {build}; load generator and server on the same machine, "
           f"{pinning}.", ""]
     if rows:
         md += request_response_tables(by, systems, conns)
