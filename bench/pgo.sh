@@ -39,7 +39,9 @@ fi
 # a new path each run, so that every crate is built again with it.
 data="$PWD/target/pgo/profiles"
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+pid=""
+# A failed training step leaves no broker behind.
+trap '[ -z "$pid" ] || kill "$pid" 2>/dev/null; rm -rf "$work"' EXIT
 # shellcheck disable=SC2086
 build() {
     local flags="$1" dir="$2"
@@ -66,6 +68,7 @@ start() {
 stop() {
     kill -TERM "$pid"
     wait "$pid" || { echo "pgo: the instrumented broker did not stop cleanly:" >&2; tail "$work/broker.log" >&2; exit 1; }
+    pid=""
 }
 b() { "$bench" --target "127.0.0.1:$port" --warmup 0 "$@" >/dev/null; }
 bp() { "$bench" pubsub --target "127.0.0.1:$port" --warmup 0 "$@" >/dev/null; }
