@@ -89,6 +89,17 @@ pub fn unstamp(properties: &mut PublishProperties) {
     }
 }
 
+/// A publish's [`STAMP`], if it has one (a cluster node's publishes, and
+/// those another node's link passed on).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
+    properties?
+        .user_properties
+        .iter()
+        .find(|(k, _)| k == STAMP)
+        .map(|(_, v)| v.as_ref())
+}
+
 /// Links the broker needs besides client connections: the publisher's.
 pub const INTERNAL_LINKS: usize = 1;
 

@@ -37,6 +37,8 @@ use router::{Message, MessageId, RestoredSession, SessionRecord};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::publisher::stamp_of;
+
 /// How long a node taking a dead node's session waits, at most, for the
 /// live nodes to say how far the dead one had their publishes.
 pub const PATIENCE: Duration = Duration::from_secs(1);
@@ -99,10 +101,7 @@ struct Entry {
 
 impl Entry {
     fn stamp(&self) -> &str {
-        self.properties
-            .as_ref()
-            .and_then(stamp_of)
-            .unwrap_or_default()
+        stamp_of(self.properties.as_ref()).unwrap_or_default()
     }
 
     fn origin(&self) -> &str {
@@ -176,7 +175,7 @@ impl Recent {
         if self.max_bytes == 0 || publish.qos == QoS::AtMostOnce {
             return;
         }
-        let Some((origin, number)) = properties.and_then(stamp_of).and_then(parse_stamp) else {
+        let Some((origin, number)) = stamp_of(properties).and_then(parse_stamp) else {
             return;
         };
         let size = ENTRY_OVERHEAD
@@ -382,20 +381,11 @@ impl Recent {
     }
 }
 
-/// The stamp among `properties` (see [`crate::publisher::STAMP`]).
-fn stamp_of(properties: &PublishProperties) -> Option<&str> {
-    properties
-        .user_properties
-        .iter()
-        .find(|(k, _)| k == crate::publisher::STAMP)
-        .map(|(_, v)| v.as_ref())
-}
-
 /// The stamps of `messages`.
 pub fn stamps_of<'a>(messages: impl IntoIterator<Item = &'a Message>) -> HashSet<String> {
     messages
         .into_iter()
-        .filter_map(|m| stamp_of(m.properties.as_ref()?).map(str::to_owned))
+        .filter_map(|m| stamp_of(m.properties.as_ref()).map(str::to_owned))
         .collect()
 }
 

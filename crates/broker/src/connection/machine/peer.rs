@@ -43,7 +43,7 @@ impl Machine {
         if let Some((client, kept_pkid, retain)) = handed_over(properties.as_mut()) {
             // The stamp stays on the message (never written to the
             // client), should the session move on before the client has it.
-            let stamp = stamp_of(properties.as_ref()).map(str::to_owned);
+            let stamp = crate::publisher::stamp_of(properties.as_ref()).map(str::to_owned);
             if self.shared.handover_welcome(&self.client_id, &client) {
                 let publish = Publish { retain, ..publish };
                 let message = crate::sessions::Direct::handed_over(publish, properties, kept_pkid);
@@ -88,7 +88,7 @@ impl Machine {
         // Noted before the router has it (a QoS 2 one: its PUBREL, see
         // `cluster::stamps`); the stamp stays on the router's copy, for a
         // handover from here.
-        if let Some(stamp) = stamp_of(properties.as_ref()) {
+        if let Some(stamp) = crate::publisher::stamp_of(properties.as_ref()) {
             self.shared.stamp_arrived(
                 &self.client_id,
                 qos,
@@ -131,16 +131,6 @@ pub(super) fn unmarked(properties: &mut Option<PublishProperties>, client_id: &s
             "publish: the broker's own User Properties (statebroker:not-for-group, statebroker:had, statebroker:handover, statebroker:handover-done, statebroker:handover-pkid, statebroker:handover-retain, statebroker:origin, statebroker:stamp) removed"
         );
     }
-}
-
-/// The stamp of a publish from another node's link (see
-/// `crate::publisher::STAMP`).
-fn stamp_of(properties: Option<&PublishProperties>) -> Option<&str> {
-    properties?
-        .user_properties
-        .iter()
-        .find(|(k, _)| k == crate::publisher::STAMP)
-        .map(|(_, v)| v.as_ref())
 }
 
 /// The value of the broker's own User Property `key` on a publish from
