@@ -26,6 +26,9 @@
 //! What it does not give: what the dead node had and had not written to
 //! etcd yet (queued less than an etcd round trip and 100 ms before it
 //! died, see [`super::queue`]); what is older than the log; a will.
+//!
+//! Liveness (the links' lock) is asked before the log's lock is taken,
+//! never under it (see [`Recent::live_nodes`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -300,6 +303,7 @@ impl Recent {
         live: &impl Fn(&str) -> bool,
         released: &impl Fn(&str) -> bool,
     ) -> Replay {
+        let live = self.live_nodes(live);
         let state = self.state.lock();
         let up_to = |origin: &str| state.word(dead, origin);
         let mut messages = Vec::new();
@@ -308,7 +312,7 @@ impl Recent {
         for entry in &state.log {
             upto = entry.seq + 1;
             let node = entry.node();
-            if node == dead || !live(node) {
+            if node == dead || !live.contains(node) {
                 continue;
             }
             if !entry.taken_by(session) {
@@ -356,6 +360,7 @@ impl Recent {
         session: &SessionRecord,
         live: impl Fn(&str) -> bool,
     ) -> Vec<(String, String)> {
+        let live = self.live_nodes(&live);
         let state = self.state.lock();
         state
             .log
@@ -365,12 +370,36 @@ impl Recent {
                 let node = entry.node();
                 let known = state.word(dead, entry.origin());
                 node != dead
-                    && live(node)
+                    && live.contains(node)
                     && known.is_some_and(|up_to| entry.number > up_to)
                     && entry.taken_by(session)
             })
             .map(|entry| (entry.stamp().to_owned(), entry.topic().to_owned()))
             .collect()
+    }
+
+    /// The nodes of the log's entries that `live` says are members.
+    /// `live` is not called with the log locked: it reads the links'
+    /// lock, which the peers hold (written, when a node leaves and its
+    /// link closes: `Peers::follow_members`) while they note here how far
+    /// that node had this one's publishes (`own_link_down`), the opposite
+    /// order. Before (2026-11-30), a node that adopted a session of the
+    /// node that had just left, as it closed the link to it, stopped
+    /// answering for good: each of its two runtime threads held one lock
+    /// and waited for the other (1 in 16 short fault runs; the nodes it
+    /// linked to saw its keep-alive end).
+    fn live_nodes(&self, live: &impl Fn(&str) -> bool) -> HashSet<String> {
+        let nodes: HashSet<String> = {
+            let state = self.state.lock();
+            let mut nodes = HashSet::new();
+            for entry in &state.log {
+                if !nodes.contains(entry.node()) {
+                    nodes.insert(entry.node().to_owned());
+                }
+            }
+            nodes
+        };
+        nodes.into_iter().filter(|node| live(node)).collect()
     }
 
     /// The log's size: entries and bytes.

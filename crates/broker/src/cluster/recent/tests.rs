@@ -254,3 +254,29 @@ fn a_word_reads_back_or_is_refused() {
         assert_eq!(parse_said(bad), None, "{bad:?}");
     }
 }
+
+/// Whether a node is live is asked with the log unlocked: the peers hold
+/// their links' lock while they note a link's end here (the opposite
+/// order; a node deadlocked, see `Recent::live_nodes`).
+#[tokio::test]
+async fn liveness_is_asked_with_the_log_unlocked() {
+    let r = recent();
+    r.own_link_down("b", "a/1", 0);
+    r.own_link_down("b", "c/1", 0);
+    note(&r, "a/1/1", &publish("t/1", QoS::AtLeastOnce));
+    note(&r, "c/1/1", &publish("t/2", QoS::AtLeastOnce));
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let live = |_: &str| {
+        assert!(r.state.try_lock().is_some(), "asked under the log's lock");
+        asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    };
+    let session = session(&[("t/#", 1)]);
+    let replay = r
+        .replay("b", &session, &HashSet::new(), live, all_released)
+        .await;
+    assert_eq!(topics(&replay), ["t/1", "t/2"]);
+    assert_eq!(r.since(0, "b", &session, live).len(), 2);
+    // Once per node, not per entry.
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 4);
+}
