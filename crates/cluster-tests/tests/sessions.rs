@@ -1291,6 +1291,79 @@ async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
     assert!(seen.iter().all(|(id, _)| *id != ids[0]), "{ids:?} {seen:?}");
 }
 
+/// The QoS 2 messages sent again under the ids the client saw on node 1
+/// stay open (PUBREC'd, not completed) while node 2's router delivers
+/// at QoS 1: its ids, translated from node 2's block, have the same
+/// numbers as the kept ones (both the router's first). Each PUBACK is of
+/// node 2's delivery, not of a kept QoS 2 message: until 2026-11-30 the
+/// node took the first for a PUBACK of a QoS 2 delivery and ended the
+/// connection (0x82), and the subscriber, moved from a stopping node at
+/// a rolling restart, went to a third node (the short fault run, CI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routers_delivery_is_not_taken_for_a_kept_one_of_its_number() {
+    let setup = Setup::three_linked().await;
+    let mut c = subscribed_in_etcd(&setup, "kept-ids", "f/#", QoS::ExactlyOnce).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for m in 0..3 {
+        let topic = format!("f/{m}");
+        publish_complete(&mut publisher, &topic, b"x", QoS::ExactlyOnce, false).await;
+    }
+    let seen = unacknowledged_qos2(&mut c, 3).await;
+    let (mut c, present) = connect(setup.ports[1], "kept-ids", false, 300).await;
+    assert!(present);
+    // Sent again under the ids seen, PUBREC'd, their PUBCOMPs held back.
+    let mut again = Vec::new();
+    while again.len() < 3 {
+        match c.recv().await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
+                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
+                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(_) => {}
+            other => panic!("expected PUBLISH, got {other:?}"),
+        }
+    }
+    assert_eq!(again, seen);
+    for m in 0..3 {
+        let topic = format!("f/q{m}");
+        publish_complete(&mut publisher, &topic, b"x", QoS::AtLeastOnce, false).await;
+    }
+    let (mut q1, mut released) = (Vec::new(), Vec::new());
+    let deadline = Instant::now() + PATIENCE;
+    while q1.len() < 3 && Instant::now() < deadline {
+        match c.recv_within(Duration::from_secs(1)).await {
+            Recv::Packet(v5::Packet::Publish(p)) if p.qos == QoS::AtLeastOnce => {
+                q1.push(p.pkid);
+                c.send(v5::Packet::PubAck(v5::PubAck::new(p.pkid, None)))
+                    .await;
+            }
+            Recv::Packet(v5::Packet::PubRel(rel)) => released.push(rel.pkid),
+            Recv::Packet(v5::Packet::Disconnect(d)) => panic!("disconnected: {d:?}"),
+            Recv::Packet(_) | Recv::Timeout => {}
+            Recv::Closed => panic!("connection closed after {q1:?}"),
+        }
+    }
+    assert_eq!(q1.len(), 3, "node 2's QoS 1 deliveries, each PUBACK'd");
+    // The kept ones complete after, and the connection goes on.
+    for id in released {
+        c.send(v5::Packet::PubComp(v5::PubComp::new(id, None)))
+            .await;
+    }
+    publish_complete(&mut publisher, "f/after", b"x", QoS::AtLeastOnce, false).await;
+    loop {
+        match c.recv_within(PATIENCE).await {
+            Recv::Packet(v5::Packet::Publish(p)) => {
+                assert_eq!(&p.topic[..], b"f/after", "{p:?}");
+                break;
+            }
+            Recv::Packet(v5::Packet::PubRel(_)) => {}
+            other => panic!("expected the next PUBLISH, got {other:?}"),
+        }
+    }
+}
+
 /// A node that takes a session from etcd writes the packet id block it
 /// takes into the session record before its CONNACK. Before, the record
 /// kept the old block until the node's own record followed its claim: a

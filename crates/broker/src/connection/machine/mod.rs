@@ -237,6 +237,23 @@ impl Machine {
         // instructions a request).
         crate::codec::check_from_client(&incoming.packet)?;
         let header = (incoming.qos, incoming.pkid, incoming.dup);
+        // 4.3.3: a handed-over QoS 2 message (under the id the client saw
+        // on the node it left) is acknowledged with PUBREC. Asked before
+        // the ids are translated to the router's: a kept id and a router
+        // id are of different blocks (a PUBACK of the router's QoS 1
+        // delivery whose router id was a kept one's number ended the
+        // connection with 0x82 until 2026-11-30).
+        if let Packet::PubAck(ack, _) = &incoming.packet
+            && self.out.is_kept(ack.pkid)
+        {
+            return Err(End::Violation(
+                DisconnectReasonCode::ProtocolError,
+                format!(
+                    "PUBACK for QoS 2 delivery {} (4.3.3: PUBREC, then PUBCOMP)",
+                    ack.pkid
+                ),
+            ));
+        }
         // A handed-over QoS 2 message's flow is finished here.
         if self.out.kept_ack(
             &incoming.packet,

@@ -246,19 +246,26 @@ impl Outbound {
     /// The QoS of the delivery `pkid` that the client may acknowledge now:
     /// 1, or 2 (also after its PUBREC, until PUBCOMP); `None` for a packet
     /// id not in flight here (the router may still know it: a PUBREL it
-    /// resent after a reconnect).
+    /// resent after a reconnect). `pkid` is a direct delivery's, or the
+    /// router's (translated from the client's, see
+    /// [`Outbound::router_pkid`]); a kept id is asked with
+    /// [`Outbound::is_kept`].
     pub fn delivery_qos(&self, pkid: u16) -> Option<u8> {
         if is_direct(pkid) {
             // The broker's own deliveries go at QoS 1 only.
             return self.direct.is_in_flight(pkid).then_some(1);
         }
-        if self.direct.is_kept(pkid) {
-            return Some(2);
-        }
         if self.router_released.contains(&pkid) {
             return Some(2);
         }
         self.router_qos.get(&pkid).copied()
+    }
+
+    /// Whether `pkid` (as the client saw it) is the kept id of a
+    /// handed-over QoS 2 message in flight (see
+    /// [`crate::sessions::Direct::kept_pkid`]).
+    pub fn is_kept(&self, pkid: u16) -> bool {
+        self.direct.is_kept(pkid)
     }
 
     /// The client completed the router's QoS 2 publish `pkid` (PUBCOMP).

@@ -239,6 +239,38 @@ fn room_is_given_back_when_a_message_is_done_with() {
     );
 }
 
+/// A kept id (the client's, of the block the session had on the node it
+/// left) and the router's ids (translated back from this block's) are
+/// apart: the router's QoS 1 delivery whose router id is a kept id's
+/// number is acknowledged with PUBACK. Until 2026-11-30 its PUBACK was
+/// taken for one of the kept QoS 2 message, and the connection ended
+/// with 0x82 (a subscriber moved at a rolling restart, the short fault
+/// run on CI).
+#[test]
+fn a_kept_id_is_not_the_routers_id_of_the_same_number() {
+    let block = PacketIdBlock::default().next();
+    let mut o = Outbound::new("c", 10, usize::MAX, unbounded(), 0, block);
+    let kept = Direct {
+        handed_over: true,
+        retain: false,
+        kept_pkid: Some(5),
+        on_done: None,
+        ..message(1, 2)
+    };
+    let (mut out, mut to_router) = (BytesMut::new(), Vec::new());
+    o.deliver(kept, Protocol::V5, &mut out);
+    o.forward(routed(2, 5), false, Protocol::V5, &mut out, &mut to_router);
+    let client_id = o.client_pkid(5);
+    assert_ne!(client_id, 5);
+    assert!(
+        o.is_kept(5),
+        "the handed-over message, as the client saw it"
+    );
+    assert!(!o.is_kept(client_id));
+    assert_eq!(o.router_pkid(client_id), Some(5));
+    assert_eq!(o.delivery_qos(5), Some(1), "the router's delivery 5");
+}
+
 /// A QoS 2 message another node handed over while in flight goes under
 /// the id the client saw there, with DUP, and its flow ends here:
 /// PUBREC -> PUBREL, PUBCOMP -> done. A kept id this session's block
@@ -280,7 +312,7 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
         written,
         [(105, 2, true, 1), (D, 1, false, 2), (106, 2, true, 3)]
     );
-    assert_eq!(o.delivery_qos(105), Some(2));
+    assert!(o.is_kept(105));
     assert_eq!(o.in_flight(), 3, "Receive Maximum reached");
     o.deliver(message(4, 1), Protocol::V5, &mut out);
     assert!(out.is_empty(), "waits for room");
@@ -311,7 +343,7 @@ fn a_handed_over_qos2_message_goes_under_its_kept_id() {
     assert_eq!(o.in_flight(), 3, "in flight until PUBCOMP");
     assert!(o.kept_ack(&comp(105), Protocol::V5, &mut out, &mut Vec::new()));
     assert_eq!(sent(&mut out), vec![(D + 1, 4)], "room for the next");
-    assert_eq!(o.delivery_qos(105), None);
+    assert!(!o.is_kept(105));
 
     // At the connection's end: 106 (not acknowledged) stays the
     // session's under its id, first; 107, PUBREC'd, does not (the
