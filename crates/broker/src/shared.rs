@@ -420,14 +420,26 @@ impl Shared {
     /// The PUBREL of the QoS 2 publish `pkid` that came on `via`'s
     /// connection: whether the router is to deliver it (a cluster node:
     /// not a copy of a message this node had, see `cluster::origins`).
-    pub fn qos2_released(&self, _via: &str, _pkid: u16) -> bool {
+    /// The stamp of one it delivers goes to `_sending` (a cluster node):
+    /// [`Shared::qos2_sent`] once it is in the router's queue.
+    pub fn qos2_released(&self, _via: &str, _pkid: u16, _sending: &mut Vec<String>) -> bool {
         #[cfg(feature = "cluster")]
         if let Some(node) = &self.cluster_node {
             let released = node.origins().released(_via, _pkid);
-            node.give_back(node.stamps().released(_via, _pkid, released));
+            node.give_back(node.stamps().released(_via, _pkid, released, _sending));
             return released;
         }
         true
+    }
+
+    /// The PUBRELs whose stamps [`Shared::qos2_released`] put in `sent`
+    /// are in the router's queue (or never will be: the connection ended).
+    pub fn qos2_sent(&self, sent: &mut Vec<String>) {
+        #[cfg(feature = "cluster")]
+        if let Some(node) = &self.cluster_node {
+            node.stamps().sent(sent);
+        }
+        sent.clear();
     }
 
     /// How far the other nodes have confirmed this node's forwarded

@@ -178,7 +178,9 @@ impl<S: Stream> Driver<S> {
                 }
                 self.read_packets(machine)?;
             }
-            self.link.send(&mut machine.to_router).await?;
+            let sent = self.link.send(&mut machine.to_router).await;
+            self.shared.qos2_sent(&mut machine.released_stamps);
+            sent?;
             // The router answered the (UN)SUBSCRIBEs reading waited for:
             // what was read after them is served now (see
             // `Machine::awaiting_router`).
@@ -308,6 +310,7 @@ impl<S: Stream> Driver<S> {
                 .close_with(&mut machine.to_router, ROUTER_GOODBYE)
                 .await;
         }
+        self.shared.qos2_sent(&mut machine.released_stamps);
         self.socket.shutdown().await;
         if end.reason().0.is_some() {
             // The broker ended it: let the client read why before closing.

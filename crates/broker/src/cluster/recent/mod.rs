@@ -25,7 +25,11 @@
 //!
 //! What it does not give: what the dead node had and had not written to
 //! etcd yet (queued less than an etcd round trip and 100 ms before it
-//! died, see [`super::queue`]); what is older than the log; a will.
+//! died, see [`super::queue`]); what is older than the log; a will; what
+//! reached the router between the look and the take (see [`after_take`]),
+//! a QoS 2 publish counted from when its PUBREL is in the router's queue
+//! (`super::stamps::Stamps::in_router`: one whose PUBREL had been read and
+//! not yet passed on was given, and the router gave it again).
 //!
 //! Liveness (the links' lock) is asked before the log's lock is taken,
 //! never under it (see [`Recent::live_nodes`]).
@@ -273,8 +277,10 @@ impl Recent {
     /// ones) that `dead` did not have, from every origin but `dead`'s,
     /// whose node `live` says is a member (this node's own included),
     /// without those with a stamp in `had` (read back from etcd), and
-    /// QoS 2 ones only once `released` says the router had them (at their
-    /// PUBREL; one released later reaches the session through the router).
+    /// QoS 2 ones only once `released` says the router had them (their
+    /// PUBREL in its queue; one released later reaches the session through
+    /// the router, and one whose PUBREL reaches the router's queue
+    /// between this look and the take is not given: see [`after_take`]).
     /// Waits [`PATIENCE`] at most for the live origins' word.
     pub async fn replay(
         &self,
@@ -452,7 +458,7 @@ pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) ->
     let replay = taking
         .recent
         .replay(taking.dead, &session, &had, taking.live, |stamp| {
-            stamps.came(stamp)
+            stamps.in_router(stamp)
         })
         .await;
     // Nothing slow from the look to the take (see [`after_take`]).

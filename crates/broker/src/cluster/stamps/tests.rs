@@ -102,11 +102,11 @@ fn a_qos2_publish_counts_from_its_release() {
     let _ = s.held("a", 7, "a/1/1");
     let _ = s.held("a", 8, "a/1/2");
     s.arrived("a/1/3");
-    let _ = s.released("a", 7, true);
+    let _ = s.released("a", 7, true, &mut Vec::new());
     // 2 waits for its PUBREL while the session is taken: the router
     // gives it to the session at the release.
     s.taken("c", ["t"]);
-    let _ = s.released("a", 8, true);
+    let _ = s.released("a", 8, true, &mut Vec::new());
     assert!(!s.had("c", "a/1/1", "t"));
     assert!(s.had("c", "a/1/2", "t"));
     assert!(!s.had("c", "a/1/3", "t"));
@@ -114,13 +114,45 @@ fn a_qos2_publish_counts_from_its_release() {
     let _ = s.held("a", 9, "a/1/4");
     let _ = s.held("a", 10, "a/1/5");
     assert!(!s.had("c", "a/1/4", "t"));
-    let _ = s.released("a", 9, true);
-    let _ = s.released("a", 10, false);
+    let _ = s.released("a", 9, true, &mut Vec::new());
+    let _ = s.released("a", 10, false, &mut Vec::new());
     assert!(s.had("c", "a/1/4", "t"));
     // A copy the router discarded at its PUBREL.
     assert!(!s.had("c", "a/1/5", "t"));
     // A PUBREL of nothing held.
-    let _ = s.released("a", 11, true);
+    let _ = s.released("a", 11, true, &mut Vec::new());
+}
+
+#[test]
+fn a_qos2_publish_is_in_the_router_once_its_pubrel_was_sent() {
+    let s = stamps();
+    let _ = s.held("a", 7, "a/1/1");
+    let _ = s.held("a", 8, "a/1/2");
+    let _ = s.held("b", 8, "a/1/2");
+    assert!(!s.in_router("a/1/1"));
+    let mut sending = Vec::new();
+    let _ = s.released("a", 7, true, &mut sending);
+    assert_eq!(sending, ["a/1/1"]);
+    // Released, its PUBREL not yet in the router's queue.
+    assert!(s.came("a/1/1"));
+    assert!(!s.in_router("a/1/1"));
+    s.sent(&mut sending);
+    assert!(sending.is_empty());
+    assert!(s.in_router("a/1/1"));
+    // Two copies of one stamp in transit: in the router once both went.
+    let (mut one, mut two) = (Vec::new(), Vec::new());
+    let _ = s.released("a", 8, true, &mut one);
+    let _ = s.released("b", 8, true, &mut two);
+    s.sent(&mut one);
+    assert!(!s.in_router("a/1/2"));
+    s.sent(&mut two);
+    assert!(s.in_router("a/1/2"));
+    // A copy the router discards is not in transit, nor in the router.
+    let _ = s.held("a", 9, "a/1/3");
+    let mut discarded = Vec::new();
+    let _ = s.released("a", 9, false, &mut discarded);
+    assert!(discarded.is_empty());
+    assert!(!s.in_router("a/1/3"));
 }
 
 fn direct() -> Direct {
@@ -135,19 +167,19 @@ fn a_handed_over_copy_of_one_held_for_its_pubrel_waits_for_the_release() {
     assert_eq!(s.judge("c", "a/1/1", "t"), Verdict::Coming);
     assert!(s.hold_back("a/1/1", "c", direct()).is_none());
     // Released, and the router delivers its copy: the one held back goes.
-    assert!(s.released("link", 4, true).is_empty());
+    assert!(s.released("link", 4, true, &mut Vec::new()).is_empty());
     assert_eq!(s.judge("c", "a/1/1", "t"), Verdict::Had);
     // Discarded at its release: the one held back is delivered.
     let _ = s.held("link", 5, "a/1/2");
     assert!(s.hold_back("a/1/2", "c", direct()).is_none());
-    let back = s.released("link", 5, false);
+    let back = s.released("link", 5, false, &mut Vec::new());
     assert_eq!(back.len(), 1);
     assert_eq!(back[0].client, "c");
     // Not released in time: given back.
     let _ = s.held("link", 6, "a/1/3");
     assert!(s.hold_back("a/1/3", "c", direct()).is_none());
     assert_eq!(s.give_back("a/1/3").len(), 1);
-    assert!(s.released("link", 6, true).is_empty());
+    assert!(s.released("link", 6, true, &mut Vec::new()).is_empty());
     // Nothing held for it: not held back.
     assert_eq!(s.judge("c", "a/1/9", "t"), Verdict::New);
     assert!(s.hold_back("a/1/9", "c", direct()).is_some());
@@ -161,8 +193,8 @@ fn a_handed_over_copy_of_one_held_for_its_pubrel_waits_for_the_release() {
     let _ = s.held("link", 8, "a/1/6");
     let _ = s.held("other", 1, "a/1/6");
     assert!(s.hold_back("a/1/6", "c", direct()).is_none());
-    assert!(s.released("other", 1, true).is_empty());
-    assert!(s.released("link", 8, false).is_empty());
+    assert!(s.released("other", 1, true, &mut Vec::new()).is_empty());
+    assert!(s.released("link", 8, false, &mut Vec::new()).is_empty());
     assert_eq!(s.state.lock().held_back_count, 0);
 }
 
@@ -189,7 +221,7 @@ fn this_nodes_own_publishes_are_told_as_they_go_to_the_router() {
     s.arrived(&late);
     let after = s.stamp();
     s.arrived(&after);
-    let _ = s.released("client", 3, true);
+    let _ = s.released("client", 3, true, &mut Vec::new());
     assert!(!s.had("c", &before, "t"));
     assert!(s.had("c", &held, "t"));
     assert!(s.had("c", &late, "t"));

@@ -107,6 +107,10 @@ pub(crate) struct Machine {
     pub wbuf: BytesMut,
     /// Packets for the router, not yet handed over.
     pub to_router: Vec<Packet>,
+    /// The stamps of the QoS 2 PUBRELs in `to_router` the router delivers
+    /// (a cluster node's, see `cluster::stamps`): told once they are in
+    /// the router's queue ([`crate::shared::Shared::qos2_sent`]).
+    pub released_stamps: Vec<String>,
     /// Requests a fault delays, to start.
     pub later: Vec<Delayed>,
     /// The router asked to be told when this connection can take more.
@@ -185,6 +189,7 @@ impl Machine {
             protocol: start.protocol,
             wbuf: BytesMut::new(),
             to_router: Vec::new(),
+            released_stamps: Vec::new(),
             later: Vec::new(),
             unscheduled: false,
             awaiting_router: 0,
@@ -271,7 +276,11 @@ impl Machine {
             Packet::PubRel(pubrel, mut properties) => {
                 // Whether the router delivers it: not a copy of a message
                 // this node had (a cluster node's, see `cluster::origins`).
-                let deliver = self.shared.qos2_released(&self.client_id, pubrel.pkid);
+                let deliver = self.shared.qos2_released(
+                    &self.client_id,
+                    pubrel.pkid,
+                    &mut self.released_stamps,
+                );
                 if let Some(pubcomp) = self.inbound.release(pubrel.pkid) {
                     self.inbound.completed(&pubcomp);
                     self.queue(pubcomp);
