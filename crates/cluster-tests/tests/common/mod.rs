@@ -180,7 +180,7 @@ impl Setup {
                     .then(|| format!("--cluster-node-id=sb{n}")),
             )
             .arg(format!("--etcd-endpoints={endpoints}"))
-            .env("RUST_LOG", "info,broker::cluster=debug")
+            .env("RUST_LOG", "info,broker::cluster=debug,broker::cluster::queue=trace,broker::cluster::recent=trace")
             .args(args);
         for (k, v) in env {
             spec = spec.env(k, v);

@@ -5,7 +5,7 @@
 //! does. What they record is checked with
 //! `statebroker_checker::delivery`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -329,6 +329,10 @@ pub async fn subscriber(
         };
         let mut unreleased: HashSet<u16> = HashSet::new();
         let mut last = Instant::now();
+        let started = Instant::now();
+        // Where each QoS 2 message came first: (packet id, DUP, node,
+        // time), to tell in the test's output how a second one came.
+        let mut first_qos2: HashMap<(String, u64), (u16, bool, usize, Duration)> = HashMap::new();
         loop {
             match conn.next(Duration::from_millis(500)).await {
                 Next::Packet(v5::Packet::Publish(p)) => {
@@ -351,6 +355,17 @@ pub async fn subscriber(
                             new || !p.dup
                         }
                     };
+                    if new && p.qos == QoS::ExactlyOnce {
+                        let here = (p.pkid, p.dup, conn.node, started.elapsed());
+                        match first_qos2.get(&(publisher.clone(), n)) {
+                            None => {
+                                first_qos2.insert((publisher.clone(), n), here);
+                            }
+                            Some(first) => eprintln!(
+                                "{name}: QoS 2 {publisher} {n} again: first (pkid, dup, node, at) {first:?}, now {here:?}"
+                            ),
+                        }
+                    }
                     if new {
                         log.received.messages.push((publisher, n, p.qos as u8));
                     }

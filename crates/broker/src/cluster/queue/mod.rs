@@ -350,6 +350,14 @@ impl Queue {
         let marked = (publish.pkid != 0)
             .then(|| encode_in_flight(publish, properties, crate::clock::now_ms(), publish.pkid))
             .flatten();
+        tracing::trace!(
+            client,
+            number = number.0,
+            pkid = publish.pkid,
+            key = %String::from_utf8_lossy(&key),
+            marked = marked.is_some(),
+            "clustering: a QoS 2 delivery's copy in etcd is marked in flight before it is sent"
+        );
         let heard = match marked {
             Some(value) => {
                 self.in_flight
@@ -380,6 +388,12 @@ impl Queue {
             }
             copy
         };
+        tracing::trace!(
+            client,
+            pkid,
+            key = %String::from_utf8_lossy(&key),
+            "clustering: a QoS 2 delivery's copy in etcd goes before its PUBREL"
+        );
         Some(self.remove_waited(key))
     }
 
@@ -494,6 +508,14 @@ impl Queue {
                 new += 1;
                 match decode_queued(kv.value(), now) {
                     Ok(Some((message, in_flight))) => {
+                        tracing::trace!(
+                            client_id,
+                            key = %String::from_utf8_lossy(kv.key()),
+                            topic = %String::from_utf8_lossy(&message.publish.topic),
+                            payload = %String::from_utf8_lossy(&message.publish.payload[..message.publish.payload.len().min(32)]),
+                            in_flight = ?in_flight,
+                            "clustering: a queued message read back from etcd"
+                        );
                         let queued = Queued {
                             key: kv.key().to_vec(),
                             message,

@@ -465,6 +465,14 @@ pub async fn before_take(taking: &Taking<'_>, restored: &mut RestoredSession) ->
     let mut kept = Vec::with_capacity(replay.messages.len());
     for message in replay.messages {
         let number = taking.queue.restored_number();
+        tracing::trace!(
+            client_id = taking.client_id,
+            number = number.0,
+            stamp = stamp_of(message.properties.as_ref()).unwrap_or_default(),
+            topic = %String::from_utf8_lossy(&message.publish.topic),
+            payload = %String::from_utf8_lossy(&message.publish.payload[..message.publish.payload.len().min(32)]),
+            "clustering: a publish the dead node had not had goes to the session"
+        );
         kept.push((number, message.clone()));
         restored.waiting.push((number, message));
     }
