@@ -731,6 +731,9 @@ async fn drive(
             Ok(Event::Incoming(LinkPacket::ConnAck(ack))) => {
                 events.options.set_clean_start(false);
                 confirmations.link_up(&peer, ack.session_present);
+                if let Some(peers) = peers.upgrade() {
+                    peers.recent.link_up(&peer);
+                }
                 tracing::info!(
                     peer,
                     address,

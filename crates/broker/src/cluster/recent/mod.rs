@@ -79,16 +79,27 @@ struct State {
     had: HashMap<String, HashMap<String, (u64, Instant)>>,
     /// Node -> when this node's own link to it last broke or closed.
     down: HashMap<String, Instant>,
+    /// Node -> when this node's own link to it last came up.
+    up: HashMap<String, Instant>,
 }
 
 impl State {
     /// How far `dead` had `origin`'s publishes, as said since its last
     /// break: a word from more than [`FRESH`] before this node's own link
     /// to `dead` last broke is from an earlier break.
+    ///
+    /// Nor is a word from before this node's own link to `dead` last came
+    /// up: that was of an earlier break, or of an earlier run of `dead`,
+    /// and says nothing of what the node that died now had. (A node that
+    /// took a session of a paused node as its lease ended, its own link
+    /// to that node not yet closed, took the word said when that node
+    /// had stopped and started again 20 s before, and gave the session
+    /// all it had had since: 7,542 messages, 2026-11-30.)
     fn word(&self, dead: &str, origin: &str) -> Option<u64> {
         let (up_to, at) = self.had.get(dead)?.get(origin)?;
         let since = self.down.get(dead).and_then(|down| down.checked_sub(FRESH));
-        since.is_none_or(|since| *at >= since).then_some(*up_to)
+        let current = self.up.get(dead).is_none_or(|up| at >= up);
+        (current && since.is_none_or(|since| *at >= since)).then_some(*up_to)
     }
 }
 
@@ -232,6 +243,23 @@ impl Recent {
             .down
             .insert(node.to_owned(), Instant::now());
         self.had(node, origin, up_to);
+    }
+
+    /// This node's link to `node` came up (a word said before is of an
+    /// earlier break, see `State::word`).
+    pub fn link_up(&self, node: &str) {
+        let mut state = self.state.lock();
+        if !state.up.contains_key(node) && state.up.len() >= MAX_NODES {
+            let oldest = state
+                .up
+                .iter()
+                .min_by_key(|(_, at)| **at)
+                .map(|(n, _)| n.clone());
+            if let Some(oldest) = oldest {
+                state.up.remove(&oldest);
+            }
+        }
+        state.up.insert(node.to_owned(), Instant::now());
     }
 
     /// Another node's word (see [`said`]); `false`: it cannot be read.

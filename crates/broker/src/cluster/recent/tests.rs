@@ -205,6 +205,29 @@ async fn a_word_from_an_earlier_break_is_not_taken() {
     assert_eq!(topics(&replay), ["t/c/1/3"]);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_word_from_before_the_link_came_up_is_not_taken() {
+    let r = recent();
+    two_origins(&r, 3);
+    // d stopped: the words of that break.
+    r.own_link_down("d", "a/1", 1);
+    r.heard(&said("d", "c/1", 1));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // d started again, this node linked to it, and d died: its session
+    // is taken before any word of this break.
+    r.link_up("d");
+    let replay = replay_all(&r, "d").await;
+    assert!(replay.messages.is_empty(), "{:?}", topics(&replay));
+    let mut silent = replay.silent.clone();
+    silent.sort();
+    assert_eq!(silent, ["a/1", "c/1"]);
+    // The words of this break.
+    r.own_link_down("d", "a/1", 3);
+    r.heard(&said("d", "c/1", 2));
+    let replay = replay_all(&r, "d").await;
+    assert_eq!(topics(&replay), ["t/c/1/3"]);
+}
+
 #[tokio::test]
 async fn what_came_after_the_look_is_found_by_its_place() {
     let r = recent();
