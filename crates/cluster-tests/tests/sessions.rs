@@ -273,8 +273,9 @@ async fn a_connected_client_that_moves_takes_its_session_along() {
 /// copy, and when the client comes back there it gets what was published
 /// meanwhile once. (Written after the short fault run on CI, 2026-11-30,
 /// where a subscriber ended with 0x82 that way got the next 19 s of
-/// messages a second time when it came back to that node, between other
-/// faults; this path alone does not do that. The 0x82 itself is mended:
+/// messages a second time when it came back to that node; that came from
+/// elsewhere: a stale word in the log of recent publishes, see
+/// `cluster::recent`. The 0x82 itself is mended:
 /// `a_routers_delivery_is_not_taken_for_a_kept_one_of_its_number`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_that_broke_as_it_left_a_stopping_node_leaves_no_copy_behind() {
