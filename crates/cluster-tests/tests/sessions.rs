@@ -856,9 +856,21 @@ async fn unacknowledged_qos2(c: &mut Raw, count: usize) -> Vec<(u16, String)> {
 /// complete (each PUBREC'd, each PUBREL for one of them, PUBCOMP'd):
 /// packet id and topic of each, in order.
 async fn sent_again_and_completed(c: &mut Raw, count: usize) -> Vec<(u16, String)> {
-    let mut again = Vec::new();
+    sent_again(c, count, true).await.0
+}
+
+/// The QoS 2 messages `c` gets again (DUP), each PUBREC'd, until `count`
+/// of them came (`complete`: until `count` exchanges are complete, each
+/// PUBREL answered with PUBCOMP): packet id and topic of each, in order,
+/// and the PUBRELs left unanswered.
+async fn sent_again(c: &mut Raw, count: usize, complete: bool) -> (Vec<(u16, String)>, Vec<u16>) {
+    let (mut again, mut released) = (Vec::new(), Vec::new());
     let mut completed = 0;
-    while completed < count {
+    while if complete {
+        completed < count
+    } else {
+        again.len() < count
+    } {
         match c.recv().await {
             Recv::Packet(v5::Packet::Publish(p)) => {
                 assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
@@ -868,6 +880,10 @@ async fn sent_again_and_completed(c: &mut Raw, count: usize) -> Vec<(u16, String
             }
             Recv::Packet(v5::Packet::PubRel(rel)) => {
                 assert!(again.iter().any(|(id, _)| *id == rel.pkid), "{rel:?}");
+                if !complete {
+                    released.push(rel.pkid);
+                    continue;
+                }
                 c.send(v5::Packet::PubComp(v5::PubComp::new(rel.pkid, None)))
                     .await;
                 completed += 1;
@@ -876,7 +892,7 @@ async fn sent_again_and_completed(c: &mut Raw, count: usize) -> Vec<(u16, String
             other => panic!("expected PUBLISH or PUBREL, got {other:?} after {again:?}"),
         }
     }
-    again
+    (again, released)
 }
 
 /// Issue #29, QoS 2 exactly once across nodes: a QoS 2 message whose
@@ -1310,6 +1326,27 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
     }
 }
 
+/// `client_id` subscribed to `f/#` at QoS 2 on node 1, which sent it
+/// three QoS 2 messages (`f/0` to `f/2`, from a publisher on node 3) it
+/// has not acknowledged, then connected to node 2 (Session Present 1):
+/// its connection to node 1 (still open), to node 2, the publisher, and
+/// (packet id, topic) of each message as the client saw it on node 1.
+async fn moved_with_qos2_in_flight(
+    setup: &Setup,
+    client_id: &str,
+) -> (Raw, Raw, Raw, Vec<(u16, String)>) {
+    let mut old = subscribed_in_etcd(setup, client_id, "f/#", QoS::ExactlyOnce).await;
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
+    for m in 0..3 {
+        let topic = format!("f/{m}");
+        publish_complete(&mut publisher, &topic, b"x", QoS::ExactlyOnce, false).await;
+    }
+    let seen = unacknowledged_qos2(&mut old, 3).await;
+    let (new, present) = connect(setup.ports[1], client_id, false, 300).await;
+    assert!(present);
+    (old, new, publisher, seen)
+}
+
 /// A QoS 2 message a live node had sent the client, which the client has
 /// not acknowledged (it may have it, and keeps its id until the PUBREL),
 /// moves with the session under the id the client saw, QoS 2 and DUP: a
@@ -1320,32 +1357,8 @@ async fn qos2_packet_ids_the_client_keeps_are_not_reused_after_a_move() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
     let setup = Setup::three_linked().await;
-    let mut c = subscribed_in_etcd(&setup, "inflight", "f/#", QoS::ExactlyOnce).await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    for m in 0..3 {
-        publish_complete(
-            &mut publisher,
-            &format!("f/{m}"),
-            b"x",
-            QoS::ExactlyOnce,
-            false,
-        )
-        .await;
-    }
-    // Received on node 1, not acknowledged.
-    let mut seen = Vec::new();
-    while seen.len() < 3 {
-        match c.recv().await {
-            Recv::Packet(v5::Packet::Publish(p)) => {
-                assert_eq!(p.qos, QoS::ExactlyOnce);
-                seen.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH, got {other:?}"),
-        }
-    }
-    let (mut c, present) = connect(setup.ports[1], "inflight", false, 300).await;
-    assert!(present);
+    let (_on_node_1, mut c, mut publisher, seen) =
+        moved_with_qos2_in_flight(&setup, "inflight").await;
     let again = sent_again_and_completed(&mut c, 3).await;
     assert_eq!(again, seen, "the same messages under the same ids");
     assert_eq!(
@@ -1369,35 +1382,16 @@ async fn a_qos2_message_in_flight_moves_under_the_id_the_client_saw() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routers_delivery_is_not_taken_for_a_kept_one_of_its_number() {
     let setup = Setup::three_linked().await;
-    let mut c = subscribed_in_etcd(&setup, "kept-ids", "f/#", QoS::ExactlyOnce).await;
-    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
-    for m in 0..3 {
-        let topic = format!("f/{m}");
-        publish_complete(&mut publisher, &topic, b"x", QoS::ExactlyOnce, false).await;
-    }
-    let seen = unacknowledged_qos2(&mut c, 3).await;
-    let (mut c, present) = connect(setup.ports[1], "kept-ids", false, 300).await;
-    assert!(present);
+    let (_on_node_1, mut c, mut publisher, seen) =
+        moved_with_qos2_in_flight(&setup, "kept-ids").await;
     // Sent again under the ids seen, PUBREC'd, their PUBCOMPs held back.
-    let mut again = Vec::new();
-    while again.len() < 3 {
-        match c.recv().await {
-            Recv::Packet(v5::Packet::Publish(p)) => {
-                assert_eq!((p.qos, p.dup), (QoS::ExactlyOnce, true), "{p:?}");
-                again.push((p.pkid, String::from_utf8_lossy(&p.topic).into_owned()));
-                c.send(v5::Packet::PubRec(v5::PubRec::new(p.pkid, None)))
-                    .await;
-            }
-            Recv::Packet(_) => {}
-            other => panic!("expected PUBLISH, got {other:?}"),
-        }
-    }
+    let (again, mut released) = sent_again(&mut c, 3, false).await;
     assert_eq!(again, seen);
     for m in 0..3 {
         let topic = format!("f/q{m}");
         publish_complete(&mut publisher, &topic, b"x", QoS::AtLeastOnce, false).await;
     }
-    let (mut q1, mut released) = (Vec::new(), Vec::new());
+    let mut q1 = Vec::new();
     let deadline = Instant::now() + PATIENCE;
     while q1.len() < 3 && Instant::now() < deadline {
         match c.recv_within(Duration::from_secs(1)).await {
