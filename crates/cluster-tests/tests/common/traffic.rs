@@ -5,6 +5,7 @@
 //! does. What they record is checked with
 //! `statebroker_checker::delivery`.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -357,12 +358,13 @@ pub async fn subscriber(
                     };
                     if new && p.qos == QoS::ExactlyOnce {
                         let here = (p.pkid, p.dup, conn.node, started.elapsed());
-                        match first_qos2.get(&(publisher.clone(), n)) {
-                            None => {
-                                first_qos2.insert((publisher.clone(), n), here);
+                        match first_qos2.entry((publisher.clone(), n)) {
+                            Entry::Vacant(first) => {
+                                first.insert(here);
                             }
-                            Some(first) => eprintln!(
-                                "{name}: QoS 2 {publisher} {n} again: first (pkid, dup, node, at) {first:?}, now {here:?}"
+                            Entry::Occupied(first) => eprintln!(
+                                "{name}: QoS 2 {publisher} {n} again: first (pkid, dup, node, at) {:?}, now {here:?}",
+                                first.get()
                             ),
                         }
                     }

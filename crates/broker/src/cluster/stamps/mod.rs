@@ -295,6 +295,7 @@ impl Stamps {
     /// `super::origins`). Returns the handed-over messages held back for
     /// it that are to be delivered after all (the router does not deliver
     /// its copy); those it delivers are dropped (counted).
+    ///
     /// The stamp of a PUBREL the router delivers goes to `sending` (and
     /// counts as in transit until [`Stamps::sent`] is told).
     #[must_use]
@@ -386,19 +387,9 @@ impl Stamps {
         state.taken.insert(client_id.to_owned(), taken);
     }
 
-    /// Whether the publish with `stamp` went to the router (a QoS 2 one:
-    /// released, see [`Stamps::released`]), as far as the [`WINDOW`] tells.
-    pub fn came(&self, stamp: &str) -> bool {
-        let Some((origin, number)) = parse(stamp) else {
-            return false;
-        };
-        let state = self.state.lock();
-        state.arrived.get(origin).is_some_and(|a| a.came(number))
-    }
-
     /// Whether the PUBREL of the QoS 2 publish with `stamp` is in the
-    /// router's queue (or processed) already: released
-    /// ([`Stamps::came`]) and sent ([`Stamps::sent`]). A session that goes
+    /// router's queue (or processed) already: released (noted as come,
+    /// see `State::came`) and sent ([`Stamps::sent`]). A session that goes
     /// into the router after this does not get it from the router; one
     /// released and not sent yet reaches the router after the session,
     /// which the router gives it to (a publish the dead node did not have
@@ -406,7 +397,8 @@ impl Stamps {
     /// QoS 2 when it was taken for one the router had: 1 in 8 short fault
     /// runs, 2026-11-30).
     pub fn in_router(&self, stamp: &str) -> bool {
-        self.came(stamp) && !self.state.lock().in_transit.contains_key(stamp)
+        let state = self.state.lock();
+        state.came(stamp) && !state.in_transit.contains_key(stamp)
     }
 
     /// The PUBRELs [`Stamps::released`] put in `sent` are in the router's
@@ -476,6 +468,15 @@ impl Stamps {
 }
 
 impl State {
+    /// Whether the publish with `stamp` went to the router (a QoS 2 one:
+    /// released, see [`Stamps::released`]), as far as the [`WINDOW`] tells.
+    fn came(&self, stamp: &str) -> bool {
+        let Some((origin, number)) = parse(stamp) else {
+            return false;
+        };
+        self.arrived.get(origin).is_some_and(|a| a.came(number))
+    }
+
     /// A copy with `stamp` is no longer held: what was held back for it if
     /// no copy is now.
     fn unhold(&mut self, stamp: &str) -> Vec<HeldBack> {

@@ -134,7 +134,7 @@ fn a_qos2_publish_is_in_the_router_once_its_pubrel_was_sent() {
     let _ = s.released("a", 7, true, &mut sending);
     assert_eq!(sending, ["a/1/1"]);
     // Released, its PUBREL not yet in the router's queue.
-    assert!(s.came("a/1/1"));
+    assert!(s.state.lock().came("a/1/1"));
     assert!(!s.in_router("a/1/1"));
     s.sent(&mut sending);
     assert!(sending.is_empty());

@@ -251,13 +251,7 @@ impl Machine {
         if let Packet::PubAck(ack, _) = &incoming.packet
             && self.out.is_kept(ack.pkid)
         {
-            return Err(End::Violation(
-                DisconnectReasonCode::ProtocolError,
-                format!(
-                    "PUBACK for QoS 2 delivery {} (4.3.3: PUBREC, then PUBCOMP)",
-                    ack.pkid
-                ),
-            ));
+            return Err(puback_of_qos2(ack.pkid));
         }
         // A handed-over QoS 2 message's flow is finished here.
         if self.out.kept_ack(
@@ -347,13 +341,7 @@ impl Machine {
             )),
             // 4.3.2, 4.3.3: a delivery is acknowledged as its QoS says.
             Packet::PubAck(ack, _) if self.out.delivery_qos(ack.pkid) == Some(2) => {
-                Err(End::Violation(
-                    DisconnectReasonCode::ProtocolError,
-                    format!(
-                        "PUBACK for QoS 2 delivery {} (4.3.3: PUBREC, then PUBCOMP)",
-                        ack.pkid
-                    ),
-                ))
+                Err(puback_of_qos2(ack.pkid))
             }
             Packet::PubRec(rec, _) if self.out.delivery_qos(rec.pkid) == Some(1) => {
                 Err(End::Violation(
@@ -593,6 +581,15 @@ fn failed(reason: &protocol::PubRecReason) -> bool {
     !matches!(
         reason,
         protocol::PubRecReason::Success | protocol::PubRecReason::NoMatchingSubscribers
+    )
+}
+
+/// 4.3.3: a QoS 2 delivery (`pkid`) is acknowledged with PUBREC, then
+/// PUBCOMP; a PUBACK of one ends the connection.
+fn puback_of_qos2(pkid: u16) -> End {
+    End::Violation(
+        DisconnectReasonCode::ProtocolError,
+        format!("PUBACK for QoS 2 delivery {pkid} (4.3.3: PUBREC, then PUBCOMP)"),
     )
 }
 
