@@ -233,3 +233,83 @@ async fn a_client_cycling_client_ids_is_bounded_by_max_kept_sessions() {
     assert_eq!(&r.payload[..], b"$-1\r\n");
     drop(child);
 }
+
+/// A client that sends without pause (its socket never empty when the
+/// broker looks: PINGREQs, which the connection answers itself and which
+/// never fill the router's side) still gets what it subscribed to while
+/// it sends: the connection asks its socket first on each turn, and every
+/// few turns asks the router and the rest first (`connection/driver.rs`,
+/// `FAIR_TURN`). (With the socket first on every turn and no such turn,
+/// tokio's cooperative budget still ends a run of reads now and then:
+/// the test passed, in 0.8-3.3 s against 0.2 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_pauses_still_gets_its_deliveries() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MESSAGES: usize = 200;
+    let broker = common::start_broker().await;
+    let mut flooder = Raw::connect(broker.local_addr(), "flooder").await;
+    flooder.subscribe("flood/t", QoS::AtMostOnce).await;
+    let mut burst = bytes::BytesMut::new();
+    for _ in 0..10_000 {
+        v5::Packet::PingReq(v5::PingReq)
+            .write(&mut burst, None)
+            .unwrap();
+    }
+    let (mut rd, mut wr) = tokio::io::split(flooder.stream);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let stop = std::sync::Arc::clone(&stop);
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            let mut bursts = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if tokio::time::Instant::now() > deadline {
+                    return (false, bursts);
+                }
+                wr.write_all(&burst)
+                    .await
+                    .expect("the broker keeps reading");
+                bursts += 1;
+            }
+            (true, bursts)
+        })
+    };
+    // Counts deliveries while the writer writes, then stops it.
+    let reader = tokio::spawn(async move {
+        let mut rbuf = bytes::BytesMut::new();
+        let mut delivered = 0;
+        while delivered < MESSAGES {
+            match v5::Packet::read(&mut rbuf, None) {
+                Ok(v5::Packet::Publish(_)) => delivered += 1,
+                Ok(_) => {}
+                Err(rumqttc::v5::mqttbytes::Error::InsufficientBytes(_)) => {
+                    let n = tokio::time::timeout(Duration::from_secs(40), rd.read_buf(&mut rbuf))
+                        .await
+                        .expect("nothing from the broker for 40 s")
+                        .expect("read");
+                    assert!(n > 0, "the broker closed the connection");
+                }
+                Err(e) => panic!("malformed packet: {e:?}"),
+            }
+        }
+    });
+    // Another client publishes while the flood runs.
+    let mut publisher = Raw::connect(broker.local_addr(), "publisher").await;
+    for n in 0..MESSAGES {
+        publisher
+            .publish(
+                "flood/t",
+                Bytes::from(n.to_string()),
+                QoS::AtLeastOnce,
+                None,
+            )
+            .await;
+    }
+    reader.await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (stopped, bursts) = writer.await.unwrap();
+    assert!(
+        stopped,
+        "{MESSAGES} deliveries came only once the client paused ({bursts} bursts of 10,000 PINGREQs sent)"
+    );
+}
