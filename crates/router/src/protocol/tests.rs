@@ -89,6 +89,24 @@ mod size_tests {
 mod string_tests {
     use crate::protocol::*;
 
+    /// Patch 49: the NUL search finds a NUL at every position, and none
+    /// where there is none.
+    #[test]
+    fn null_checks_find_a_nul_wherever_it_is() {
+        for len in 0..=100 {
+            let clean = vec![b'a'; len];
+            assert!(check_no_null(&clean).is_ok(), "{len} bytes without NUL");
+            for at in 0..len {
+                let mut with = clean.clone();
+                with[at] = 0;
+                assert!(
+                    matches!(check_no_null(&with), Err(Error::NullCharacter)),
+                    "NUL at {at} of {len}"
+                );
+            }
+        }
+    }
+
     /// The check before patch 30.
     fn before(bytes: &[u8]) -> Result<String, Error> {
         check_no_null(bytes)?;
