@@ -416,13 +416,20 @@ impl Machine {
                 .resolve_alias(&mut publish, alias)
                 .map_err(|(code, why)| End::Violation(code, why))?;
         }
-        let topic = match protocol::mqtt_str(&publish.topic) {
-            Some(t) if !t.is_empty() && protocol::valid_topic(t) => t,
-            _ => {
-                return Err(End::Violation(
-                    DisconnectReasonCode::TopicNameInvalid,
-                    "invalid topic name".into(),
-                ));
+        // The state store's request topic, the most frequent one, is known
+        // valid: compared first, it skips the checks (~150 instructions a
+        // request).
+        let topic = if *publish.topic == *topics::REQUEST_TOPIC.as_bytes() {
+            topics::REQUEST_TOPIC
+        } else {
+            match protocol::mqtt_str(&publish.topic) {
+                Some(t) if !t.is_empty() && protocol::valid_topic(t) => t,
+                _ => {
+                    return Err(End::Violation(
+                        DisconnectReasonCode::TopicNameInvalid,
+                        "invalid topic name".into(),
+                    ));
+                }
             }
         };
         crate::metrics::received(qos, publish.payload.len());
