@@ -237,11 +237,10 @@ async fn a_client_cycling_client_ids_is_bounded_by_max_kept_sessions() {
 /// A client that sends without pause (its socket never empty when the
 /// broker looks: PINGREQs, which the connection answers itself and which
 /// never fill the router's side) still gets what it subscribed to while
-/// it sends: the connection asks its socket first on each turn, and every
-/// few turns asks the router and the rest first (`connection/driver.rs`,
-/// `FAIR_TURN`). (With the socket first on every turn and no such turn,
-/// tokio's cooperative budget still ends a run of reads now and then:
-/// the test passed, in 0.8-3.3 s against 0.2 s.)
+/// it sends: the connection's loop asks its sources in a random order
+/// (`connection/driver.rs`). A loop that asked the socket first on every
+/// turn and nothing else until it was empty passed only through tokio's
+/// cooperative budget (0.8-3.3 s against 0.2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_pauses_still_gets_its_deliveries() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -52,14 +52,6 @@ const WRITE_BATCH: usize = 256 * 1024;
 /// written, rather than kept, empty, for the life of the connection.
 const KEEP_WRITE_ROOM: usize = 1024 * 1024;
 
-/// The socket is asked first on every turn: most turns are the client's
-/// bytes, and asking the other sources first (as an unbiased `select!`
-/// does, in a random order) cost ~500 instructions a request. After this
-/// many turns in a row that the socket had something, one turn asks
-/// everything else first, so that a client that never pauses cannot keep
-/// its deliveries, the disk's answers or the shutdown waiting.
-const FAIR_TURN: u32 = 16;
-
 /// The connection's I/O.
 pub(crate) struct Driver<S> {
     pub socket: Socket<S>,
@@ -119,20 +111,13 @@ impl<S: Stream> Driver<S> {
         // read (a client need not wait for the CONNACK: MQTT 5 and 3.1.1,
         // 3.1.4) is taken in before the first wait: no read may follow it.
         let mut read = self.socket.has_buffered();
-        let mut socket_turns = 0u32;
         loop {
             let waiting_for = machine.waiting_for();
             let waiting_for_links = machine.waiting_for_links();
             let waiting_for_outcome = machine.waiting_for_outcome();
-            let fair = socket_turns >= FAIR_TURN;
-            if fair {
-                socket_turns = 0;
-            }
             if !read {
                 tokio::select! {
-                    biased;
-                    filled = self.socket.fill(), if !fair && !machine.reading_paused() => {
-                        socket_turns += 1;
+                    filled = self.socket.fill(), if !machine.reading_paused() => {
                         match filled {
                             Ok(0) => return Err(End::Closed),
                             Err(e) => return Err(End::read_failed(e)),
@@ -186,7 +171,6 @@ impl<S: Stream> Driver<S> {
                         keep_alive.as_mut().reset(deadline);
                     }
                     _ = &mut shutdown => return Err(End::Shutdown),
-                    () = std::future::ready(()), if fair => {}
                 }
             }
             // (Outside the select: its outcome may hold a watch's guard.)
