@@ -171,15 +171,18 @@ mod string_tests {
         ] {
             same(case);
         }
-        // Every byte alone, after ASCII, and at every place of a string
-        // longer than a word (in the words and in the rest).
+        // Every byte alone, after ASCII, and at every place of strings
+        // of a word and longer (in the words and in the rest, which patch
+        // 50 reads as a last word overlapping the one before).
         for b in 0..=255u8 {
             same(&[b]);
             same(&[b'x', b'y', b]);
-            for at in 0..21 {
-                let mut long = vec![b'a'; 21];
-                long[at] = b;
-                same(&long);
+            for len in [8, 9, 15, 16, 21, 24] {
+                for at in 0..len {
+                    let mut long = vec![b'a'; len];
+                    long[at] = b;
+                    same(&long);
+                }
             }
         }
         // Pseudo-random strings, mostly ASCII, some not.
