@@ -22,6 +22,7 @@ use super::inbox::Inbox;
 use super::link::RouterLink;
 use super::machine::Machine;
 use super::socket::{Socket, Stream};
+use super::waiting::Quiet;
 use crate::persistence::Position;
 use crate::sessions::{Peer, ToConnection};
 use crate::shared::Shared;
@@ -87,13 +88,12 @@ impl<S: Stream> Driver<S> {
         // shutdown signal is awaited by one future: making both anew on
         // every turn registered and removed a timer and a waiter per
         // request (1,400 instructions, 6% of a request).
-        let keep_alive = tokio::time::sleep_until(
+        // Both are looked at only once they woke (see `waiting::Quiet`).
+        let mut keep_alive = Quiet::new(Box::pin(tokio::time::sleep_until(
             last_heard + self.idle_limit.unwrap_or(Duration::from_secs(86_400)),
-        );
-        tokio::pin!(keep_alive);
+        )));
         let mut shutdown = self.stop.clone();
-        let shutdown = shutdown.changed();
-        tokio::pin!(shutdown);
+        let mut shutdown = Quiet::new(Box::pin(shutdown.changed()));
         // One subscription to the disk's position for the connection's life.
         let mut disk: watch::Receiver<Position> = self.shared.store.answered();
         // A cluster node's: how far the other nodes confirmed its forwarded
@@ -146,7 +146,8 @@ impl<S: Stream> Driver<S> {
                         machine.on_disk()?;
                         self.read_packets(machine)?;
                     }
-                    notification = self.link.next() => {
+                    // (Without a link nothing comes: not looked at.)
+                    notification = self.link.next(), if self.link.may_notify() => {
                         match notification {
                             Ok(Some(n)) => {
                                 machine.on_router(n)?;
@@ -168,7 +169,7 @@ impl<S: Stream> Driver<S> {
                         if Instant::now() >= deadline {
                             return Err(End::KeepAlive);
                         }
-                        keep_alive.as_mut().reset(deadline);
+                        keep_alive.inner_mut().as_mut().reset(deadline);
                     }
                     _ = &mut shutdown => return Err(End::Shutdown),
                 }

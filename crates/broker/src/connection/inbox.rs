@@ -48,7 +48,8 @@ impl Future for Recv<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Inbox { rx, wake } = &mut *self.get_mut().inbox;
-        wake.poll_with(cx, |cx| rx.poll_recv(cx))
+        // Only this polls `rx` (`try_recv` leaves its waker as it is).
+        wake.poll_when_woken(cx, |cx| rx.poll_recv(cx))
     }
 }
 

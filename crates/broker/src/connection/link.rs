@@ -259,6 +259,12 @@ impl RouterLink {
         }
     }
 
+    /// Whether [`RouterLink::next`] may ever give anything: not before the
+    /// connection joins the router, unless a hold is on or holds something.
+    pub fn may_notify(&self) -> bool {
+        self.link.is_some() || self.held_until.is_some() || !self.held.is_empty()
+    }
+
     /// The next notification from the router (see [`RouterLink::next`]),
     /// hold or not.
     async fn read(&mut self) -> Result<Option<Notification>, LinkError> {
