@@ -274,7 +274,12 @@ impl RouterLink {
         let _done = self.wake.until_dropped();
         let wake = &self.wake;
         match &mut self.ask_first {
-            None => std::future::poll_fn(|cx| wake.poll_with(cx, |cx| rx.poll_next(cx))).await,
+            // Only this and `read_ready` (which resets it) take from `rx`:
+            // it is looked at again once it woke. (What `ask_first` waits
+            // for wakes the task itself, so it is looked at every time.)
+            None => {
+                std::future::poll_fn(|cx| wake.poll_when_woken(cx, |cx| rx.poll_next(cx))).await
+            }
             Some(ask_first) => {
                 let client = &self.client_id;
                 std::future::poll_fn(|cx| {
@@ -312,6 +317,9 @@ impl RouterLink {
     /// The next notification if the router has one ready now, hold or not.
     fn read_ready(&mut self) -> Option<Notification> {
         let (_, rx) = self.link.as_mut()?;
+        // A trigger it takes woke the link's waker when it came, so the
+        // next look would happen anyway; it is not left to that.
+        self.wake.looked_elsewhere();
         if let Some(ask_first) = &mut self.ask_first {
             return ask_first.next_ready(&self.client_id, rx);
         }
@@ -390,6 +398,56 @@ mod tests {
             .await
             .unwrap();
         assert!(link.is_linked() && !present);
+    }
+
+    /// Every delivery arrives when the link is looked at as the
+    /// connection's loop does: `next` in a `select!` that another branch
+    /// often wins (its future dropped while Pending), then what else is
+    /// ready by `next_ready`. The link is looked at again only once it
+    /// woke (see `waiting::WhileWaiting::poll_when_woken`): a wake missed
+    /// would leave deliveries waiting, and the test at its timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deliveries_arrive_whatever_took_them_last() {
+        const MESSAGES: usize = 2_000;
+        let router = test_router(10_000, None);
+        let (mut sub, _) = RouterLink::open(&router, "s", false, 60, None, false)
+            .await
+            .unwrap();
+        subscribed_to_t(&mut sub, QoS::AtMostOnce).await;
+        let (mut tx, _rx, _) = router.link("p", true, 0, None).await.unwrap();
+        let publisher = tokio::spawn(async move {
+            let mut sent = 0;
+            let mut burst = 1;
+            while sent < MESSAGES {
+                let n = burst.min(MESSAGES - sent);
+                tx.send_all((0..n).map(|_| Packet::Publish(Publish::new("t", "x", false), None)))
+                    .unwrap();
+                sent += n;
+                burst = burst % 7 + 1;
+                tokio::task::yield_now().await;
+            }
+            tx
+        });
+        let received = async {
+            let mut received = 0;
+            while received < MESSAGES {
+                let first = tokio::select! {
+                    n = sub.next() => n.unwrap(),
+                    () = tokio::task::yield_now() => None,
+                };
+                let mut forwards = usize::from(matches!(first, Some(Notification::Forward(_))));
+                while let Some(n) = sub.next_ready() {
+                    forwards += usize::from(matches!(n, Notification::Forward(_)));
+                }
+                received += forwards;
+            }
+            received
+        };
+        let received = tokio::time::timeout(std::time::Duration::from_secs(60), received)
+            .await
+            .expect("every delivery arrived");
+        assert_eq!(received, MESSAGES);
+        drop(publisher.await.unwrap());
     }
 
     /// What the router gives a session held for a handover stays held

@@ -81,7 +81,16 @@ impl WhileWaiting {
         // The task's waker first: what arrives after the source's look
         // then wakes the task.
         self.task.waker.register(cx.waker());
+        // A look by this may change what the source holds the waker for:
+        // the next `poll_when_woken` looks too.
+        self.parked.store(false, Ordering::Relaxed);
         poll(&mut Context::from_waker(&self.waker))
+    }
+
+    /// Something other than these polls took from the source (or replaced
+    /// it): the next [`WhileWaiting::poll_when_woken`] looks, woken or not.
+    pub fn looked_elsewhere(&self) {
+        self.parked.store(false, Ordering::Relaxed);
     }
 
     /// [`WhileWaiting::poll_with`] for a source polled by nothing else (no
@@ -148,7 +157,7 @@ impl<F: Future + Unpin> Quiet<F> {
     /// The future, to change (a timer's deadline): polled on the next poll,
     /// woken or not.
     pub fn inner_mut(&mut self) -> &mut F {
-        self.wake.parked.store(false, Ordering::Relaxed);
+        self.wake.looked_elsewhere();
         &mut self.inner
     }
 }
