@@ -431,13 +431,27 @@ mod tests {
         let received = async {
             let mut received = 0;
             while received < MESSAGES {
+                // Another branch that wins now or after a while: the link
+                // is looked at between, or waited on.
                 let first = tokio::select! {
                     n = sub.next() => n.unwrap(),
-                    () = tokio::task::yield_now() => None,
+                    () = tokio::task::yield_now(), if received % 2 == 0 => None,
+                    () = tokio::time::sleep(std::time::Duration::from_millis(1)) => None,
                 };
-                let mut forwards = usize::from(matches!(first, Some(Notification::Forward(_))));
-                while let Some(n) = sub.next_ready() {
-                    forwards += usize::from(matches!(n, Notification::Forward(_)));
+                let (mut forwards, mut unscheduled) = (0, false);
+                for n in first
+                    .into_iter()
+                    .chain(std::iter::from_fn(|| sub.next_ready()))
+                {
+                    match n {
+                        Notification::Forward(_) => forwards += 1,
+                        // The router waits for the link to ask for more.
+                        Notification::Unschedule => unscheduled = true,
+                        _ => {}
+                    }
+                }
+                if unscheduled {
+                    sub.wake().await.unwrap();
                 }
                 received += forwards;
             }
