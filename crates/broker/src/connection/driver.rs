@@ -256,13 +256,22 @@ impl<S: Stream> Driver<S> {
         machine.on_broker(message)
     }
 
-    /// Decodes and hands the machine every complete packet read, until too
-    /// much waits for the disk.
+    /// Hands the machine every complete packet read, until too much waits
+    /// for the disk.
     fn read_packets(&mut self, machine: &mut Machine) -> Result<(), End> {
-        while !machine.reading_paused()
-            && let Some(incoming) = self.socket.next_packet(self.max_packet_size)?
-        {
-            machine.on_packet(incoming)?;
+        while !machine.reading_paused() {
+            // A state store request is read in place (see
+            // `request_publish`); any other packet is decoded.
+            if let Some((request, len)) = self.socket.next_request(self.max_packet_size) {
+                let served = machine.on_request_read(request);
+                self.socket.consume(len);
+                served?;
+                continue;
+            }
+            match self.socket.next_packet(self.max_packet_size)? {
+                Some(incoming) => machine.on_packet(incoming)?,
+                None => break,
+            }
         }
         Ok(())
     }

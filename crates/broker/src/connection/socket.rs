@@ -11,6 +11,7 @@ use router::protocol::Packet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, Incoming, Protocol};
+use crate::request_publish::{self, RequestPublish};
 
 /// What a connection needs of its byte stream.
 pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
@@ -92,6 +93,23 @@ impl<S: Stream> Socket<S> {
             std::future::Future::poll(read, &mut cx),
             std::task::Poll::Ready(Ok(0) | Err(_))
         )
+    }
+
+    /// The state store request at the front of what was read, if it is
+    /// one [`request_publish::read`] takes, and its length: the caller
+    /// [`Socket::consume`]s that once done with it (else
+    /// [`Socket::next_packet`] decodes the front packet).
+    pub fn next_request(&self, max_packet_size: usize) -> Option<(RequestPublish<'_>, usize)> {
+        match self.protocol {
+            Protocol::V5 => request_publish::read(&self.rbuf, max_packet_size),
+            Protocol::V4 => None,
+        }
+    }
+
+    /// Drops `len` bytes from the front of what was read (a request
+    /// [`Socket::next_request`] gave).
+    pub fn consume(&mut self, len: usize) {
+        bytes::Buf::advance(&mut self.rbuf, len);
     }
 
     /// Decodes the next complete packet from what was read (what a client

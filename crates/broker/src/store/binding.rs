@@ -26,8 +26,10 @@
 //! official Rust client requires on every RESP3 answer, `-ERR` ones included.
 
 use bytes::Bytes;
-use router::protocol::{self, DisconnectReasonCode, PublishProperties};
+use router::protocol::{self, DisconnectReasonCode};
 use statestore::{Dialect, Notice, Request};
+
+use crate::request_publish::RequestPublish;
 
 use crate::sessions::{Direct, DirectProperties, FixedProperties};
 use crate::topics;
@@ -84,8 +86,8 @@ pub fn dialect(topic: &str, legacy_2023: bool) -> Option<Dialect> {
 /// Checks a request's Response Topic (the rules that disconnect). Call
 /// before acknowledging the PUBLISH: a client that is disconnected for it
 /// gets no PUBACK.
-pub fn check_response_topic(properties: &PublishProperties) -> Result<(), Violation> {
-    let Some(topic) = &properties.response_topic else {
+pub fn check_response_topic(response_topic: Option<&str>) -> Result<(), Violation> {
+    let Some(topic) = response_topic else {
         return Ok(());
     };
     if topics::is_reserved_response_topic(topic) {
@@ -109,13 +111,11 @@ pub fn check_response_topic(properties: &PublishProperties) -> Result<(), Violat
 /// [`crate::sessions::Route`]), taken for the Response Topic when it is
 /// the same.
 pub fn admit<'a>(
-    payload: &'a [u8],
-    properties: &'a PublishProperties,
-    qos: u8,
+    request: &RequestPublish<'a>,
     dialect: Dialect,
     known: Option<&Bytes>,
 ) -> Admission<'a> {
-    let Some(topic) = &properties.response_topic else {
+    let Some(topic) = request.response_topic else {
         return Admission::Ignore;
     };
     let reply_to = ReplyTo {
@@ -126,32 +126,33 @@ pub fn admit<'a>(
         },
         // A copy: a slice would keep the whole read buffer alive for as
         // long as the router keeps the response.
-        correlation: properties
-            .correlation_data
-            .as_deref()
-            .map(Bytes::copy_from_slice),
+        correlation: request.correlation_data.map(Bytes::copy_from_slice),
         resent: false,
         ticket: None,
         route: None,
     };
-    if qos == 0 {
+    if request.qos == 0 {
         return Admission::Refuse(reply_to, "requests must be published with QoS 1");
     }
     if reply_to.correlation.is_none() {
         return Admission::Refuse(reply_to, "requests must carry correlation data");
     }
-    let property = |name: &str| {
-        properties
-            .user_properties
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| &**v)
-    };
+    // The first of each name, in one look at them.
+    let (mut timestamp, mut fencing_token, mut persist) = (None, None, None);
+    for (name, value) in request.user_properties() {
+        let slot = match name {
+            "__ts" => &mut timestamp,
+            "__ft" => &mut fencing_token,
+            "aio-persistence" => &mut persist,
+            _ => continue,
+        };
+        slot.get_or_insert(value);
+    }
     let request = Request {
-        payload,
-        timestamp: property("__ts"),
-        fencing_token: property("__ft"),
-        persist: property("aio-persistence").is_some_and(|v| v.eq_ignore_ascii_case("true")),
+        payload: request.payload,
+        timestamp,
+        fencing_token,
+        persist: persist.is_some_and(|v: &str| v.eq_ignore_ascii_case("true")),
         dialect,
         access: None,
     };
@@ -212,7 +213,17 @@ pub fn notifications(notice: &Notice) -> impl Iterator<Item = (&str, Direct)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use router::protocol::{Publish, PublishProperties};
     use statestore::Event;
+
+    /// The request of `publish` with `properties` at `qos`.
+    fn request<'a>(
+        publish: &'a Publish,
+        properties: &'a PublishProperties,
+        qos: u8,
+    ) -> RequestPublish<'a> {
+        RequestPublish::decoded(publish, Some(properties), (qos, 1, false))
+    }
 
     const RESPONSE: &str = "clients/c1/services/statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke/response";
 
@@ -248,30 +259,28 @@ mod tests {
             topics::LEGACY_REQUEST_TOPIC.to_owned(),
             format!("{}/x", topics::NOTIFY_NAMESPACE),
         ] {
-            let code = check_response_topic(&props(Some(&reserved), Some(b"c")))
-                .unwrap_err()
-                .0;
+            let code = check_response_topic(Some(&reserved)).unwrap_err().0;
             assert_eq!(code, DisconnectReasonCode::NotAuthorized, "{reserved}");
         }
         for invalid in ["", "a/+/b", "a/#"] {
-            let code = check_response_topic(&props(Some(invalid), Some(b"c")))
-                .unwrap_err()
-                .0;
+            let code = check_response_topic(Some(invalid)).unwrap_err().0;
             assert_eq!(code, DisconnectReasonCode::ProtocolError, "{invalid:?}");
         }
-        assert!(check_response_topic(&props(Some(RESPONSE), None)).is_ok());
-        assert!(check_response_topic(&props(None, None)).is_ok());
+        assert!(check_response_topic(Some(RESPONSE)).is_ok());
+        assert!(check_response_topic(None).is_ok());
     }
 
     #[test]
     fn admission() {
+        let x = Publish::new("t", "x", false);
+        let payload = Publish::new("t", "payload", false);
         let no_topic = props(None, Some(b"c"));
         assert!(matches!(
-            admit(b"x", &no_topic, 1, Dialect::V1, None),
+            admit(&request(&x, &no_topic, 1), Dialect::V1, None),
             Admission::Ignore
         ));
         let p = props(Some(RESPONSE), Some(b"c"));
-        match admit(b"x", &p, 0, Dialect::V1, None) {
+        match admit(&request(&x, &p, 0), Dialect::V1, None) {
             Admission::Refuse(to, text) => {
                 assert_eq!(to.topic, RESPONSE);
                 assert_eq!(text, "requests must be published with QoS 1");
@@ -280,10 +289,10 @@ mod tests {
         }
         let uncorrelated = props(Some(RESPONSE), None);
         assert!(matches!(
-            admit(b"x", &uncorrelated, 1, Dialect::V1, None),
+            admit(&request(&x, &uncorrelated, 1), Dialect::V1, None),
             Admission::Refuse(_, "requests must carry correlation data")
         ));
-        match admit(b"payload", &p, 1, Dialect::Legacy2023, None) {
+        match admit(&request(&payload, &p, 1), Dialect::Legacy2023, None) {
             Admission::Serve(request, to) => {
                 assert_eq!(request.payload, b"payload");
                 assert_eq!(request.timestamp, Some("1:0:c1"));
@@ -297,12 +306,12 @@ mod tests {
         // The answer route's topic is taken when it is the Response Topic
         // (shared, not copied); another is not.
         let known = Bytes::copy_from_slice(RESPONSE.as_bytes());
-        match admit(b"payload", &p, 1, Dialect::V1, Some(&known)) {
+        match admit(&request(&payload, &p, 1), Dialect::V1, Some(&known)) {
             Admission::Serve(_, to) => assert_eq!(to.topic.as_ptr(), known.as_ptr()),
             other => panic!("{other:?}"),
         }
         let elsewhere = Bytes::from_static(b"clients/other/response");
-        match admit(b"payload", &p, 1, Dialect::V1, Some(&elsewhere)) {
+        match admit(&request(&payload, &p, 1), Dialect::V1, Some(&elsewhere)) {
             Admission::Serve(_, to) => assert_eq!(to.topic, RESPONSE),
             other => panic!("{other:?}"),
         }

@@ -45,6 +45,7 @@ mod router_side;
 use crate::authorization::Principal;
 use crate::codec::{Incoming, Protocol};
 use crate::persistence::Position;
+use crate::request_publish::RequestPublish;
 use crate::sessions::{SharedAcknowledged, ToConnection};
 use crate::shared::Shared;
 use crate::store::binding;
@@ -438,7 +439,8 @@ impl Machine {
             .arrived(qos, pkid)
             .map_err(|(code, why)| End::Violation(code, why))?;
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
-            return self.on_request(publish, properties, (qos, pkid, dup), dialect);
+            let request = RequestPublish::decoded(&publish, properties.as_ref(), (qos, pkid, dup));
+            return self.on_request(request, dialect);
         }
         if topics::in_notify_namespace(topic) || crate::topics::is_sys_topic(topic) {
             tracing::warn!(
@@ -516,6 +518,18 @@ impl Machine {
             }
         }
         Ok(())
+    }
+
+    /// A state store request read straight from the bytes (see
+    /// [`crate::request_publish`]): what [`Machine::on_packet`] and
+    /// `on_publish` do for a PUBLISH on the request topic, without the
+    /// checks that such a one passed by being read so.
+    pub fn on_request_read(&mut self, request: RequestPublish<'_>) -> Result<(), End> {
+        crate::metrics::received(request.qos, request.payload.len());
+        self.inbound
+            .arrived(request.qos, request.pkid)
+            .map_err(|(code, why)| End::Violation(code, why))?;
+        self.on_request(request, statestore::Dialect::V1)
     }
 
     /// What the broker tells this connection.

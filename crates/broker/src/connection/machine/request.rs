@@ -7,7 +7,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use router::protocol::{Publish, PublishProperties};
 use statestore::{Caller, Dialect, Request};
 
 use super::Machine;
@@ -15,22 +14,21 @@ use crate::authorization::{KeyRules, Policy, Principal};
 use crate::connection::end::End;
 use crate::faults::Action;
 use crate::persistence::Batch;
+use crate::request_publish::RequestPublish;
 use crate::shared::Shared;
 use crate::store::StateStoreService;
 use crate::store::binding::{self, Admission, ReplyTo};
 
 impl Machine {
     /// A state store request: checked by the binding, acknowledged here,
-    /// executed by the store. `(qos, pkid, dup)`: from its fixed header.
-    pub(super) fn on_request(
+    /// executed by the store.
+    pub(crate) fn on_request(
         &mut self,
-        publish: Publish,
-        properties: Option<PublishProperties>,
-        (qos, pkid, dup): (u8, u16, bool),
+        request: RequestPublish<'_>,
         dialect: Dialect,
     ) -> Result<(), End> {
-        let properties = properties.unwrap_or_default();
-        if let Err((code, why)) = binding::check_response_topic(&properties) {
+        let RequestPublish { qos, pkid, dup, .. } = request;
+        if let Err((code, why)) = binding::check_response_topic(request.response_topic) {
             tracing::warn!(
                 client_id = self.client_id,
                 reason = why,
@@ -41,12 +39,12 @@ impl Machine {
         // With a policy, answers go only where the caller may subscribe.
         let policy = self.shared.authorizer.current();
         if let Some(policy) = &policy
-            && let Some(topic) = &properties.response_topic
+            && let Some(topic) = request.response_topic
             && !policy.may_subscribe(&self.principal, topic)
         {
             tracing::info!(
                 client_id = self.client_id,
-                response_topic = &**topic,
+                response_topic = topic,
                 "request refused: the authorization policy denies subscribing to its response topic"
             );
             self.ack(qos, pkid, false);
@@ -55,7 +53,7 @@ impl Machine {
         // A request this session ran already, sent again (see
         // `sessions/acknowledged.rs`): acknowledged again only, when its
         // answer may go out.
-        let correlation = properties.correlation_data.as_deref();
+        let correlation = request.correlation_data;
         let again = self.inbound.ran_already(qos, pkid, dup, correlation);
         // A cluster node acknowledges a request once its outcome is out
         // (see `store::tickets`): the acknowledgement is queued after the
@@ -81,7 +79,7 @@ impl Machine {
         }
         let kept = self.session_expiry > 0;
         let known = self.answer_route.as_ref().map(|route| route.topic());
-        match binding::admit(&publish.payload, &properties, qos, dialect, known) {
+        match binding::admit(&request, dialect, known) {
             Admission::Serve(mut request, mut reply_to) => {
                 reply_to.resent = dup;
                 reply_to.ticket = ticket.take();
