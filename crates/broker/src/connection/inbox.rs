@@ -62,19 +62,10 @@ impl Drop for Recv<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::connection::waiting::tests::Count;
     use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::task::{Wake, Waker};
-
-    /// Counts the wakes it gets.
-    #[derive(Default)]
-    struct Count(AtomicUsize);
-
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
+    use std::sync::atomic::Ordering;
+    use std::task::Waker;
 
     fn poll(recv: &mut Recv<'_>, waker: &Waker) -> Poll<Option<ToConnection>> {
         Pin::new(recv).poll(&mut Context::from_waker(waker))

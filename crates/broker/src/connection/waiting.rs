@@ -172,13 +172,13 @@ impl<F: Future + Unpin> Future for Quiet<F> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
-    /// Counts the wakes it gets.
+    /// Counts the wakes it gets (the inbox's tests use it too).
     #[derive(Default)]
-    struct Count(AtomicUsize);
+    pub(in crate::connection) struct Count(pub AtomicUsize);
 
     impl Wake for Count {
         fn wake(self: Arc<Self>) {
