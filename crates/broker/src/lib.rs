@@ -64,7 +64,7 @@ pub mod passwords;
 pub(crate) mod persistence;
 pub(crate) mod publisher;
 pub mod reload;
-pub(crate) mod request_publish;
+pub mod request_publish;
 pub(crate) mod sessions;
 mod shared;
 pub(crate) mod standing;
