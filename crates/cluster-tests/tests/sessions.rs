@@ -1434,7 +1434,7 @@ async fn a_routers_delivery_is_not_taken_for_a_kept_one_of_its_number() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moved_sessions_block_is_in_etcd_before_its_connack() {
     let mut setup = Setup::three_linked().await;
-    let _c = subscribed_in_etcd(&setup, "blocky", "bk/#", QoS::ExactlyOnce).await;
+    let mut old = subscribed_in_etcd(&setup, "blocky", "bk/#", QoS::ExactlyOnce).await;
     let block = |setup: &Setup| {
         let value = setup.etcd.get("/statebroker/S/blocky").unwrap().unwrap();
         (value[0], value[1])
@@ -1447,7 +1447,20 @@ async fn a_moved_sessions_block_is_in_etcd_before_its_connack() {
     setup.nodes[1].kill().unwrap();
     let (mut c, present) = connect(setup.ports[2], "blocky", false, 300).await;
     assert!(present);
-    let (mut publisher, _) = connect(setup.ports[0], "publisher", true, 0).await;
+    // Node 1 lets its connection go once it sees a claim after its own:
+    // node 2's, if it was written before the pause, else node 3's (node
+    // 2 may have been paused between its CONNACK and its claim). Until
+    // then node 1 still delivers to its connection, and hands what is in
+    // flight there over to node 3 under node 1's ids (CI, 2026-12-01: a
+    // publish on node 1 before it saw node 3's claim came to node 3's
+    // client as id 1). So: after node 1 let go, published on node 3.
+    match old.recv_within(PATIENCE).await {
+        Recv::Packet(v5::Packet::Disconnect(d)) => {
+            assert_eq!(d.reason_code, v5::DisconnectReasonCode::SessionTakenOver)
+        }
+        other => panic!("expected DISCONNECT 0x8E on node 1, got {other:?}"),
+    }
+    let (mut publisher, _) = connect(setup.ports[2], "publisher", true, 0).await;
     publish_complete(&mut publisher, "bk/1", b"x", QoS::ExactlyOnce, false).await;
     let ids = kept_qos2_ids(&mut c, 1).await;
     assert!((201..=300).contains(&ids[0]), "node 3's block: {ids:?}");
