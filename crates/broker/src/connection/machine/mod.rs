@@ -433,11 +433,8 @@ impl Machine {
                 }
             }
         };
-        crate::metrics::received(qos, publish.payload.len());
         let retransmitted = self.inbound.is_retransmission(qos, pkid);
-        self.inbound
-            .arrived(qos, pkid)
-            .map_err(|(code, why)| End::Violation(code, why))?;
+        self.publish_arrived(qos, pkid, publish.payload.len())?;
         if let Some(dialect) = binding::dialect(topic, self.legacy_2023) {
             let request = RequestPublish::decoded(&publish, properties.as_ref(), (qos, pkid, dup));
             return self.on_request(request, dialect);
@@ -525,11 +522,18 @@ impl Machine {
     /// `on_publish` do for a PUBLISH on the request topic, without the
     /// checks that such a one passed by being read so.
     pub fn on_request_read(&mut self, request: RequestPublish<'_>) -> Result<(), End> {
-        crate::metrics::received(request.qos, request.payload.len());
-        self.inbound
-            .arrived(request.qos, request.pkid)
-            .map_err(|(code, why)| End::Violation(code, why))?;
+        self.publish_arrived(request.qos, request.pkid, request.payload.len())?;
         self.on_request(request, statestore::Dialect::V1)
+    }
+
+    /// A PUBLISH of `qos` with `pkid` and a payload of `len` bytes came,
+    /// however it was read: counted, and one more unacknowledged under
+    /// the Receive Maximum (which it may not pass).
+    fn publish_arrived(&mut self, qos: u8, pkid: u16, len: usize) -> Result<(), End> {
+        crate::metrics::received(qos, len);
+        self.inbound
+            .arrived(qos, pkid)
+            .map_err(|(code, why)| End::Violation(code, why))
     }
 
     /// What the broker tells this connection.
