@@ -24,7 +24,7 @@ use router::protocol::{
 };
 
 use crate::codec;
-use crate::sessions::{Direct, Route, Sessions, Undelivered};
+use crate::sessions::{Answer, Direct, Route, Sessions, Undelivered};
 use router::RouterHandle;
 
 /// Client ids with this prefix belong to the broker itself; clients may not use them.
@@ -181,15 +181,15 @@ impl Publisher {
         }
     }
 
-    /// `message` (an answer to `client`) for the connection `route` leads
-    /// to, handed back to be delivered by that connection's own task (see
+    /// `answer` (to `client`) for the connection `route` leads to,
+    /// handed back to be delivered by that connection's own task (see
     /// [`Sessions::take_on`]); otherwise published as
     /// [`Publisher::publish_for`] does, and `None`.
-    pub fn take_or_publish(&self, client: &str, route: &Route, message: Direct) -> Option<Direct> {
-        match self.sessions.take_on(route, message) {
-            Ok(message) => Some(message),
-            Err(message) => {
-                self.publish_for(client, Some(route), message);
+    pub fn take_or_publish(&self, client: &str, route: &Route, answer: Answer) -> Option<Answer> {
+        match self.sessions.take_on(route, answer) {
+            Ok(answer) => Some(answer),
+            Err(answer) => {
+                self.publish_for(client, Some(route), answer.into_direct());
                 None
             }
         }

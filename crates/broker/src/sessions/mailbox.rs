@@ -333,7 +333,6 @@ impl DirectProperties {
 
 impl crate::codec::EncodeProperties for DirectProperties {
     fn encoded_len(&self) -> usize {
-        use crate::codec::{string_len, subscription_identifiers_len, user_property_len};
         match self {
             DirectProperties::Publish(p) => p.encoded_len(),
             DirectProperties::Fixed {
@@ -341,22 +340,17 @@ impl crate::codec::EncodeProperties for DirectProperties {
                 correlation_data,
                 varying,
                 subscription_identifiers,
-            } => {
-                string_len(fixed.content_type.len())
-                    + correlation_data.as_ref().map_or(0, |c| string_len(c.len()))
-                    + subscription_identifiers_len(subscription_identifiers)
-                    + fixed
-                        .user_properties
-                        .iter()
-                        .map(|(k, v)| user_property_len(k, v))
-                        .sum::<usize>()
-                    + user_property_len(varying.0, &varying.1)
+            } => FixedView {
+                fixed,
+                correlation_data: correlation_data.as_deref(),
+                varying: (varying.0, &varying.1),
+                subscription_identifiers,
             }
+            .encoded_len(),
         }
     }
 
     fn put(&self, out: &mut bytes::BytesMut) {
-        use crate::codec::{put_property_string, put_subscription_identifiers, put_user_property};
         match self {
             DirectProperties::Publish(p) => p.put(out),
             DirectProperties::Fixed {
@@ -364,17 +358,51 @@ impl crate::codec::EncodeProperties for DirectProperties {
                 correlation_data,
                 varying,
                 subscription_identifiers,
-            } => {
-                // The order PublishProperties' encoding keeps.
-                let (head, users) = fixed.encoded();
-                out.extend_from_slice(head);
-                if let Some(c) = correlation_data {
-                    put_property_string(out, 0x09, c);
-                }
-                put_subscription_identifiers(out, subscription_identifiers);
-                out.extend_from_slice(users);
-                put_user_property(out, varying.0, &varying.1);
+            } => FixedView {
+                fixed,
+                correlation_data: correlation_data.as_deref(),
+                varying: (varying.0, &varying.1),
+                subscription_identifiers,
             }
+            .put(out),
         }
+    }
+}
+
+/// [`DirectProperties::Fixed`]'s parts, borrowed: what the encoder writes
+/// (an [`super::Answer`] is encoded from its own parts the same way).
+pub(super) struct FixedView<'a> {
+    pub fixed: &'static FixedProperties,
+    pub correlation_data: Option<&'a [u8]>,
+    pub varying: (&'static str, &'a str),
+    pub subscription_identifiers: &'a [usize],
+}
+
+impl crate::codec::EncodeProperties for FixedView<'_> {
+    fn encoded_len(&self) -> usize {
+        use crate::codec::{string_len, subscription_identifiers_len, user_property_len};
+        string_len(self.fixed.content_type.len())
+            + self.correlation_data.map_or(0, |c| string_len(c.len()))
+            + subscription_identifiers_len(self.subscription_identifiers)
+            + self
+                .fixed
+                .user_properties
+                .iter()
+                .map(|(k, v)| user_property_len(k, v))
+                .sum::<usize>()
+            + user_property_len(self.varying.0, self.varying.1)
+    }
+
+    fn put(&self, out: &mut bytes::BytesMut) {
+        use crate::codec::{put_property_string, put_subscription_identifiers, put_user_property};
+        // The order PublishProperties' encoding keeps.
+        let (head, users) = self.fixed.encoded();
+        out.extend_from_slice(head);
+        if let Some(c) = self.correlation_data {
+            put_property_string(out, 0x09, c);
+        }
+        put_subscription_identifiers(out, self.subscription_identifiers);
+        out.extend_from_slice(users);
+        put_user_property(out, self.varying.0, self.varying.1);
     }
 }

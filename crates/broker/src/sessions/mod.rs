@@ -27,6 +27,7 @@
 //! response traffic then costs no memory after delivery.
 
 mod acknowledged;
+mod answer;
 mod census;
 mod mailbox;
 mod packet_ids;
@@ -42,6 +43,7 @@ use router::Subscriptions;
 use router::protocol;
 
 pub use acknowledged::{SharedAcknowledged, Wait};
+pub use answer::Answer;
 pub use census::{Census, Peer};
 pub use mailbox::{
     Direct, DirectProperties, FixedProperties, Mailbox, QueueBound, ToConnection, Undelivered,

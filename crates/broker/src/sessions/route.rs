@@ -18,8 +18,8 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 
-use super::recipients::{grant, send};
-use super::{Direct, Mailbox, Sessions, Undelivered};
+use super::recipients::send;
+use super::{Answer, Direct, Mailbox, Sessions, Undelivered};
 
 /// The way to one client's live connection for answers on one topic of
 /// which it is the only subscriber, as it was at the changes `seen`.
@@ -92,24 +92,27 @@ impl Sessions {
         }
     }
 
-    /// `message` (an answer) ready for the connection `route` leads to,
-    /// to be handed to it by its caller rather than through its mailbox:
-    /// for the connection's own task, which ran the request (see
-    /// `StateStoreService::serve_here`). Within the connection's bound, as
-    /// [`send`]. `Err`: the route no longer holds, or is for another topic,
-    /// or the bound is reached: deliver it as always.
-    // The message comes back by value on the rare way out (the route no
+    /// `answer` ready for the connection `route` leads to, to be encoded
+    /// by its caller rather than sent through its mailbox: for the
+    /// connection's own task, which ran the request (see
+    /// `StateStoreService::serve_here`). At the QoS and with the
+    /// Subscription Identifiers the route grants, within the connection's
+    /// bound, as [`send`]. `Err`: the route no longer holds, or is for
+    /// another topic, or the bound is reached: deliver it as always.
+    // The answer comes back by value on the rare way out (the route no
     // longer holds): boxing it would cost the allocation this spares.
     #[allow(clippy::result_large_err)]
-    pub fn take_on(&self, route: &Route, mut message: Direct) -> Result<Direct, Direct> {
-        if !self.holds(route) || message.topic != route.topic {
-            return Err(message);
+    pub fn take_on(&self, route: &Route, mut answer: Answer) -> Result<Answer, Answer> {
+        if !self.holds(route) || answer.topic != route.topic {
+            return Err(answer);
         }
-        grant(&mut message, route.granted, route.ids.clone());
-        if !route.mailbox.bound.reserve(message.size()) {
-            return Err(message);
+        // The broker's own deliveries go at QoS 1 at most (as `grant`).
+        answer.qos = answer.qos.min(route.granted).min(1);
+        answer.subscription_identifiers = route.ids.clone();
+        if !route.mailbox.bound.reserve(answer.size()) {
+            return Err(answer);
         }
-        Ok(message)
+        Ok(answer)
     }
 
     /// The counts of changes a route depends on: the subscriptions', and
@@ -132,6 +135,22 @@ mod tests {
     use crate::sessions::ToConnection;
     use crate::sessions::recipients::tests::{msg, router, subscribe};
     use crate::sessions::tests::{mailbox, peer};
+
+    static FIXED: crate::sessions::FixedProperties =
+        crate::sessions::FixedProperties::new("text/plain", &[]);
+
+    /// An answer on `resp/a`.
+    fn answer() -> Answer {
+        Answer {
+            topic: bytes::Bytes::from_static(b"resp/a"),
+            payload: Vec::new(),
+            fixed: &FIXED,
+            correlation_data: None,
+            varying: ("__ts", String::new()),
+            qos: 1,
+            subscription_identifiers: Vec::new(),
+        }
+    }
 
     /// What `rx` has now: the QoS of each delivery.
     fn delivered(rx: &mut mpsc::UnboundedReceiver<ToConnection>) -> Vec<u8> {
@@ -221,18 +240,18 @@ mod tests {
         let _a = subscribe(&router, "a", "resp/a", 0, None).await;
         let route = s.route("a", 1, b"resp/a").expect("the only subscriber");
 
-        let Ok(taken) = s.take_on(&route, msg()) else {
+        let Ok(taken) = s.take_on(&route, answer()) else {
             panic!("not taken");
         };
         assert_eq!(taken.qos, 0, "at the subscription's QoS");
         assert!(delivered(&mut rx).is_empty(), "not through the mailbox");
-        assert!(s.take_on(&route, msg()).is_err(), "the bound is full");
+        assert!(s.take_on(&route, answer()).is_err(), "the bound is full");
         bound.release(taken.size());
-        assert!(s.take_on(&route, msg()).is_ok());
+        assert!(s.take_on(&route, answer()).is_ok());
 
         let _b = subscribe(&router, "b", "resp/#", 1, None).await;
         assert!(
-            s.take_on(&route, msg()).is_err(),
+            s.take_on(&route, answer()).is_err(),
             "the route no longer holds"
         );
     }

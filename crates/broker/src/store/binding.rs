@@ -31,7 +31,7 @@ use statestore::{Dialect, Notice, Request};
 
 use crate::request_publish::RequestPublish;
 
-use crate::sessions::{Direct, DirectProperties, FixedProperties};
+use crate::sessions::{Answer, Direct, DirectProperties, FixedProperties};
 use crate::topics;
 
 /// Content type of every state store payload.
@@ -162,20 +162,20 @@ pub fn admit<'a>(
 /// The response to a request: `payload` on the Response Topic, with the
 /// request's Correlation Data, `__stat` = `200` and `__ts` = `timestamp`.
 pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direct {
-    Direct {
+    answer(reply_to, payload, timestamp).into_direct()
+}
+
+/// [`response`]'s parts, for the requester's connection to encode (see
+/// [`Answer`]).
+pub fn answer(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Answer {
+    Answer {
         topic: reply_to.topic,
-        payload: Bytes::from(payload),
-        properties: DirectProperties::Fixed {
-            fixed: &ANSWER,
-            correlation_data: reply_to.correlation,
-            varying: ("__ts", timestamp),
-            subscription_identifiers: Vec::new(),
-        },
+        payload,
+        fixed: &ANSWER,
+        correlation_data: reply_to.correlation,
+        varying: ("__ts", timestamp),
         qos: 1,
-        handed_over: false,
-        retain: false,
-        kept_pkid: None,
-        on_done: None,
+        subscription_identifiers: Vec::new(),
     }
 }
 

@@ -124,7 +124,7 @@ impl Machine {
                         // The answer, if it went out at once, after its
                         // acknowledgement.
                         if let Some(answer) = answer {
-                            self.out.deliver(answer, self.protocol, &mut self.wbuf);
+                            self.out.answer(answer, kept, self.protocol, &mut self.wbuf);
                         }
                         if wait.is_some() || !self.awaited.is_empty() {
                             let position = self.position();
@@ -285,7 +285,7 @@ fn run_planned(
     reply_to: ReplyTo,
     action: Action,
     access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
-    here: Option<&mut Option<crate::sessions::Direct>>,
+    here: Option<&mut Option<crate::sessions::Answer>>,
 ) -> Option<Batch> {
     match action {
         Action::Execute => match here {

@@ -5,11 +5,11 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 
 use super::{FIRST_DIRECT_PKID, PacketIds, is_direct};
 use crate::codec::{self, Protocol};
-use crate::sessions::{Direct, DirectProperties, QueueBound};
+use crate::sessions::{Answer, Direct, DirectProperties, QueueBound};
 
 /// Direct deliveries in flight to this client, and those waiting for
 /// room.
@@ -17,7 +17,7 @@ use crate::sessions::{Direct, DirectProperties, QueueBound};
 pub(crate) struct DirectWindow {
     /// Sent at QoS 1 (or, under a kept id, 2), not yet acknowledged (a
     /// QoS 2 one: completed), by packet id.
-    inflight: HashMap<u16, Direct, PacketIds>,
+    inflight: HashMap<u16, Sent, PacketIds>,
     /// Kept ids in flight whose PUBREC came (until PUBCOMP).
     released: HashSet<u16, PacketIds>,
     /// Waiting for room under the client's Receive Maximum.
@@ -144,7 +144,56 @@ impl DirectWindow {
         if pkid == 0 {
             finished(&self.bound, &message);
         } else {
-            self.inflight.insert(pkid, message);
+            self.inflight.insert(pkid, Sent::Message(Box::new(message)));
+        }
+        true
+    }
+
+    /// Encodes `answer` into `out` as [`Self::send`] would encode its
+    /// message ([`Answer::into_direct`]), or (at QoS 1 without `room`)
+    /// holds that message. In flight it is kept, if the session is `kept`
+    /// beyond the connection, as the PUBLISH encoded (one copy of the
+    /// bytes written), not as a message: the message is made again from
+    /// those bytes only if the connection ends first
+    /// ([`Self::take_unacknowledged`]). A session that ends with its
+    /// connection gets nothing again (MQTT 5 3.1.2.11.2), so only the
+    /// answer's size is kept. `false`: larger than the client accepts,
+    /// discarded.
+    pub fn send_answer(
+        &mut self,
+        answer: Answer,
+        kept: bool,
+        protocol: Protocol,
+        out: &mut BytesMut,
+        room: bool,
+    ) -> bool {
+        // Only MQTT 5 has the properties to make it again from.
+        if (answer.qos > 0 && !room) || protocol != Protocol::V5 {
+            return self.send(answer.into_direct(), protocol, out, room);
+        }
+        let pkid = if answer.qos == 0 { 0 } else { self.next_pkid() };
+        let start = out.len();
+        codec::encode_publish(
+            protocol,
+            &answer.topic,
+            &answer.payload,
+            answer.qos,
+            pkid,
+            &answer.properties(),
+            out,
+        );
+        let size = answer.size();
+        if out.len() - start > self.max_packet_size {
+            out.truncate(start);
+            self.bound.release(size);
+            return false;
+        }
+        crate::metrics::sent(answer.qos, out.len() - start);
+        if pkid == 0 {
+            self.bound.release(size);
+        } else {
+            let packet = kept.then(|| Bytes::copy_from_slice(&out[start..]));
+            self.inflight.insert(pkid, Sent::Answer { packet, size });
         }
         true
     }
@@ -170,7 +219,7 @@ impl DirectWindow {
     pub fn acknowledged(&mut self, pkid: u16) -> bool {
         match self.inflight.remove(&pkid) {
             Some(done) => {
-                finished(&self.bound, &done);
+                done.finished(&self.bound);
                 true
             }
             None => false,
@@ -187,7 +236,7 @@ impl DirectWindow {
         for pkid in self.released.drain() {
             if let Some(done) = self.inflight.remove(&pkid) {
                 // PUBREC'd: the client has it.
-                finished(&self.bound, &done);
+                done.finished(&self.bound);
             }
         }
         // Ids go out in turn around FIRST_DIRECT_PKID..=u16::MAX: the
@@ -198,9 +247,12 @@ impl DirectWindow {
         let age = |pkid: u16| {
             (i32::from(pkid) - i32::from(FIRST_DIRECT_PKID) - last - 1).rem_euclid(ring)
         };
-        let mut sent: Vec<(u16, Direct)> = self.inflight.drain().collect();
+        let mut sent: Vec<(u16, Sent)> = self.inflight.drain().collect();
         sent.sort_unstable_by_key(|(pkid, _)| (is_direct(*pkid), age(*pkid)));
-        let mut all: Vec<Direct> = sent.into_iter().map(|(_, m)| m).collect();
+        let mut all: Vec<Direct> = sent
+            .into_iter()
+            .filter_map(|(_, sent)| sent.into_direct(self.max_packet_size))
+            .collect();
         all.extend(self.pending.drain(..));
         all
     }
@@ -211,6 +263,62 @@ impl DirectWindow {
 fn finished(bound: &QueueBound, message: &Direct) {
     bound.release(message.size());
     message.done();
+}
+
+/// A direct delivery in flight. (A message boxed: an answer's entry is
+/// moved in and out of the map with each request, at its variant's size
+/// or the largest.)
+#[derive(Debug)]
+enum Sent {
+    Message(Box<Direct>),
+    /// A state store answer, as the PUBLISH encoded (`None`: the session
+    /// ends with the connection; see [`DirectWindow::send_answer`]), and
+    /// its size in the bound.
+    Answer {
+        packet: Option<Bytes>,
+        size: usize,
+    },
+}
+
+impl Sent {
+    /// The client acknowledged it (see [`finished`]).
+    fn finished(self, bound: &QueueBound) {
+        match self {
+            Sent::Message(message) => finished(bound, &message),
+            Sent::Answer { size, .. } => bound.release(size),
+        }
+    }
+
+    /// The message, for the session to get later. An answer is read back
+    /// from its PUBLISH by the decoder that reads the clients' (it wrote
+    /// it: it reads; `None`, logged, if it ever did not). `None` for an
+    /// answer of a session that ends with the connection.
+    fn into_direct(self, max_packet_size: usize) -> Option<Direct> {
+        let packet = match self {
+            Sent::Message(message) => return Some(*message),
+            Sent::Answer { packet, .. } => packet?,
+        };
+        let mut buf = BytesMut::from(&packet[..]);
+        match Protocol::V5.read(&mut buf, max_packet_size.max(packet.len())) {
+            Ok(Some(crate::codec::Incoming {
+                packet: router::protocol::Packet::Publish(publish, properties),
+                ..
+            })) => Some(Direct {
+                topic: publish.topic,
+                payload: publish.payload,
+                properties: properties.unwrap_or_default().into(),
+                qos: publish.qos as u8,
+                handed_over: false,
+                retain: false,
+                kept_pkid: None,
+                on_done: None,
+            }),
+            other => {
+                tracing::error!(?other, "an answer in flight could not be read back: lost");
+                None
+            }
+        }
+    }
 }
 
 /// `properties` without their [`crate::publisher::STAMP`], if they have

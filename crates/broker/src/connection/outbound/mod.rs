@@ -32,7 +32,7 @@ use bytes::{Bytes, BytesMut};
 use router::protocol::{Packet, PubRel, PubRelReason};
 
 use crate::codec::{self, Protocol};
-use crate::sessions::{Direct, PacketIdBlock, QueueBound, ToConnection};
+use crate::sessions::{Answer, Direct, PacketIdBlock, QueueBound, ToConnection};
 
 /// The first packet id of direct deliveries: above every block of the
 /// router's.
@@ -297,6 +297,18 @@ impl Outbound {
         // In order: nothing overtakes what already waits.
         let room = self.held.is_empty() && !self.direct.has_pending() && self.room();
         let sent = self.direct.send(message, protocol, out, room);
+        self.count_discarded(u64::from(!sent));
+    }
+
+    /// A state store answer for this client, taken on its answer route
+    /// (see [`crate::sessions::Answer`]): encoded into `out` as
+    /// [`Self::deliver`] would encode its message, or held as that message
+    /// while the client's Receive Maximum is reached. `kept`: the session
+    /// outlives the connection (what is unacknowledged at its end is sent
+    /// again later; see [`DirectWindow::send_answer`]).
+    pub fn answer(&mut self, answer: Answer, kept: bool, protocol: Protocol, out: &mut BytesMut) {
+        let room = self.held.is_empty() && !self.direct.has_pending() && self.room();
+        let sent = self.direct.send_answer(answer, kept, protocol, out, room);
         self.count_discarded(u64::from(!sent));
     }
 

@@ -515,3 +515,115 @@ fn a_deliverys_on_done_runs_when_it_is_done_with() {
     back[0].done();
     assert_eq!(done(), 4, "kept with it");
 }
+
+static ANSWER_FIXED: crate::sessions::FixedProperties =
+    crate::sessions::FixedProperties::new("application/octet-stream", &[("__stat", "200")]);
+
+/// An answer with payload `[n]` at `qos`, as a route hands it over.
+fn answer(n: u8, qos: u8) -> Answer {
+    Answer {
+        topic: Bytes::from_static(b"clients/c/response"),
+        payload: vec![n],
+        fixed: &ANSWER_FIXED,
+        correlation_data: Some(Bytes::copy_from_slice(&[n, 0xAA])),
+        varying: ("__ts", format!("{n:015}:00000:node")),
+        qos,
+        subscription_identifiers: vec![5],
+    }
+}
+
+/// An answer encoded from its parts takes a packet id and a place in the
+/// Receive Maximum as its message would, waits as that message when there
+/// is no room, and gives its room in the bound back when acknowledged (or
+/// discarded as too large, or sent at QoS 0).
+#[test]
+fn answers_share_the_window_and_the_bound_with_messages() {
+    let bound = QueueBound::new(100, 10_000);
+    let mut o = Outbound::new("c", 2, 200, Arc::clone(&bound), 0, PacketIdBlock::default());
+    let mut out = BytesMut::new();
+    let take = |a: Answer| {
+        assert!(bound.reserve(a.size()));
+        a
+    };
+    let size = answer(0, 1).size();
+    o.answer(take(answer(1, 1)), true, Protocol::V5, &mut out);
+    o.deliver(message(2, 1), Protocol::V5, &mut out);
+    o.answer(take(answer(3, 1)), false, Protocol::V5, &mut out); // no room: waits
+    o.answer(take(answer(4, 0)), true, Protocol::V5, &mut out); // QoS 0: at once
+    assert_eq!(sent(&mut out), vec![(D, 1), (D + 1, 2), (0, 4)]);
+    assert_eq!(o.in_flight(), 2);
+    assert_eq!(
+        bound.held(),
+        (2, 2 * size),
+        "the one in flight and the one waiting"
+    );
+    o.direct_acknowledged(D, Protocol::V5, &mut out, &mut Vec::new());
+    assert_eq!(
+        sent(&mut out),
+        vec![(D + 2, 3)],
+        "the waiting answer, in its turn"
+    );
+    assert_eq!(bound.held(), (1, size));
+    o.direct_acknowledged(D + 2, Protocol::V5, &mut out, &mut Vec::new());
+    assert_eq!(bound.held(), (0, 0));
+    let mut big = answer(5, 1);
+    big.payload = vec![b'x'; 300];
+    o.answer(take(big), false, Protocol::V5, &mut out);
+    assert!(out.is_empty());
+    assert_eq!(o.discarded(), 1);
+    assert_eq!(
+        bound.held(),
+        (0, 0),
+        "a discarded answer gives its room back"
+    );
+}
+
+/// An answer the client did not acknowledge before the connection ended
+/// comes back as the message it was: every part and property the client
+/// would have had, read back from the bytes kept in flight.
+#[test]
+fn an_unacknowledged_answer_comes_back_as_its_message() {
+    let mut w = DirectWindow::new(usize::MAX, unbounded());
+    let mut out = BytesMut::new();
+    w.send(message(1, 1), Protocol::V5, &mut out, true);
+    assert!(w.send_answer(answer(2, 1), true, Protocol::V5, &mut out, true));
+    assert!(w.send_answer(answer(9, 1), false, Protocol::V5, &mut out, true));
+    w.send(message(3, 1), Protocol::V5, &mut out, true);
+    let back = w.take_unacknowledged();
+    let payloads: Vec<u8> = back.iter().map(|m| m.payload[0]).collect();
+    assert_eq!(
+        payloads,
+        [1, 2, 3],
+        "in the order they were sent; not the answer of a session that ends with the connection"
+    );
+    let again = &back[1];
+    assert_eq!(
+        (again.qos, &again.topic[..]),
+        (1, &b"clients/c/response"[..])
+    );
+    let (mut written, mut expected) = (BytesMut::new(), BytesMut::new());
+    crate::codec::encode_publish(
+        Protocol::V5,
+        &again.topic,
+        &again.payload,
+        1,
+        9,
+        &again.properties,
+        &mut written,
+    );
+    let original = answer(2, 1).into_direct();
+    crate::codec::encode_publish(
+        Protocol::V5,
+        &original.topic,
+        &original.payload,
+        1,
+        9,
+        &original.properties,
+        &mut expected,
+    );
+    assert_eq!(written, expected, "the same PUBLISH, properties and all");
+    let properties = again.properties.clone().into_publish();
+    assert_eq!(properties.correlation_data.as_deref(), Some(&[2, 0xAA][..]));
+    assert_eq!(properties.subscription_identifiers, [5]);
+    assert!(w.take_unacknowledged().is_empty());
+}

@@ -13,7 +13,7 @@ use statestore::persist::{Observed, Write};
 
 use super::{Reply, StateStoreService};
 use crate::persistence::{Batch, Position};
-use crate::sessions::Direct;
+use crate::sessions::Answer;
 
 /// What waits for the disk.
 #[derive(Default)]
@@ -88,7 +88,7 @@ impl StateStoreService {
         reply: Option<Reply<'_>>,
         outcome: Outcome,
         wait: Option<Batch>,
-        here: Option<&mut Option<Direct>>,
+        here: Option<&mut Option<Answer>>,
     ) -> Option<Batch> {
         if let Some(batch) = wait {
             // Checked under the lock the durable task drains under: either

@@ -30,7 +30,7 @@ use crate::activity::{Activity, Event};
 use crate::clock::now_ms;
 use crate::persistence::{Batch, Loaded, Persistence, Position};
 use crate::publisher::Publisher;
-use crate::sessions::{Direct, Undelivered};
+use crate::sessions::{Answer, Undelivered};
 use durable::Waiters;
 use expiry::Alarm;
 
@@ -206,7 +206,7 @@ impl StateStoreService {
         caller: Caller<'_>,
         reply_to: ReplyTo,
         access: Option<Arc<dyn statestore::KeyAccess + Send + Sync>>,
-        here: &mut Option<Direct>,
+        here: &mut Option<Answer>,
     ) -> Option<Batch> {
         #[cfg(feature = "cluster")]
         if self.clustered.is_some() {
@@ -460,7 +460,7 @@ impl StateStoreService {
         &self,
         reply: Option<Reply<'_>>,
         outcome: Outcome,
-        here: Option<&mut Option<Direct>>,
+        here: Option<&mut Option<Answer>>,
     ) {
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
@@ -480,16 +480,17 @@ impl StateStoreService {
                 // The acknowledgement goes once the answer is on its way.
                 let ticket = to.ticket.take();
                 let route = to.route.take();
-                let response = binding::response(to, outcome.payload, outcome.timestamp);
+                let answer = binding::answer(to, outcome.payload, outcome.timestamp);
                 match (here, route.as_deref()) {
                     (Some(here), Some(route)) => {
                         *here = self
                             .publisher
-                            .take_or_publish(&reply.requester, route, response);
+                            .take_or_publish(&reply.requester, route, answer);
                     }
-                    (_, route) => self
-                        .publisher
-                        .publish_for(&reply.requester, route, response),
+                    (_, route) => {
+                        self.publisher
+                            .publish_for(&reply.requester, route, answer.into_direct());
+                    }
                 }
                 drop(ticket);
             }
