@@ -12,6 +12,10 @@ use bytes::Bytes;
 use super::mailbox::FixedView;
 use super::{Direct, DirectProperties, FixedProperties};
 
+/// A request's Correlation Data, as its answer carries it back: inline
+/// up to 24 bytes (copied from the read buffer without an allocation).
+pub type Correlation = smallvec::SmallVec<[u8; 24]>;
+
 /// An answer's parts (see the module's documentation).
 #[derive(Debug)]
 pub struct Answer {
@@ -21,8 +25,8 @@ pub struct Answer {
     pub payload: Vec<u8>,
     /// The properties every answer carries.
     pub fixed: &'static FixedProperties,
-    /// The request's Correlation Data.
-    pub correlation_data: Option<Bytes>,
+    /// The request's Correlation Data (inline when short).
+    pub correlation_data: Option<Correlation>,
     /// The one User Property that varies (`__ts`), after the fixed ones.
     pub varying: (&'static str, String),
     /// QoS 1, or 0 when the requester's subscription grants only that.
@@ -55,7 +59,7 @@ impl Answer {
             payload: Bytes::from(self.payload),
             properties: DirectProperties::Fixed {
                 fixed: self.fixed,
-                correlation_data: self.correlation_data,
+                correlation_data: self.correlation_data.as_deref().map(Bytes::copy_from_slice),
                 varying: self.varying,
                 subscription_identifiers: self.subscription_identifiers,
             },
@@ -80,7 +84,7 @@ mod tests {
             topic: Bytes::from_static(b"clients/a/response"),
             payload: b"+OK\r\n".to_vec(),
             fixed: &FIXED,
-            correlation_data: Some(Bytes::from_static(b"\x01\x02")),
+            correlation_data: Some(Correlation::from_slice(b"\x01\x02")),
             varying: ("__ts", "0000000000123:00000:n".to_owned()),
             qos,
             subscription_identifiers: ids,

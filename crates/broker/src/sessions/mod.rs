@@ -43,7 +43,7 @@ use router::Subscriptions;
 use router::protocol;
 
 pub use acknowledged::{SharedAcknowledged, Wait};
-pub use answer::Answer;
+pub use answer::{Answer, Correlation};
 pub use census::{Census, Peer};
 pub use mailbox::{
     Direct, DirectProperties, FixedProperties, Mailbox, QueueBound, ToConnection, Undelivered,

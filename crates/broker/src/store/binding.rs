@@ -31,7 +31,7 @@ use statestore::{Dialect, Notice, Request};
 
 use crate::request_publish::RequestPublish;
 
-use crate::sessions::{Answer, Direct, DirectProperties, FixedProperties};
+use crate::sessions::{Answer, Correlation, Direct, DirectProperties, FixedProperties};
 use crate::topics;
 
 /// Content type of every state store payload.
@@ -44,7 +44,7 @@ pub struct ReplyTo {
     /// route when it is that route's topic, see [`admit`]).
     pub topic: Bytes,
     /// The request's Correlation Data.
-    pub correlation: Option<Bytes>,
+    pub correlation: Option<Correlation>,
     /// The client sent it again (MQTT DUP), as after a reconnection: a
     /// cluster node answers with the key's last write if that write was
     /// this request's, instead of running it twice.
@@ -124,9 +124,9 @@ pub fn admit<'a>(
             Some(known) if known == topic.as_bytes() => known.clone(),
             _ => Bytes::copy_from_slice(topic.as_bytes()),
         },
-        // A copy: a slice would keep the whole read buffer alive for as
-        // long as the router keeps the response.
-        correlation: request.correlation_data.map(Bytes::copy_from_slice),
+        // A copy (inline up to its size): a slice would keep the whole
+        // read buffer alive for as long as the router keeps the response.
+        correlation: request.correlation_data.map(Correlation::from_slice),
         resent: false,
         ticket: None,
         route: None,
@@ -334,7 +334,7 @@ mod tests {
     fn response_properties() {
         let to = ReplyTo {
             topic: Bytes::from_static(RESPONSE.as_bytes()),
-            correlation: Some(Bytes::from_static(b"corr")),
+            correlation: Some(Correlation::from_slice(b"corr")),
             resent: false,
             ticket: None,
             route: None,
@@ -391,7 +391,7 @@ mod tests {
         }
         let to = ReplyTo {
             topic: Bytes::from_static(RESPONSE.as_bytes()),
-            correlation: Some(Bytes::from_static(b"corr")),
+            correlation: Some(Correlation::from_slice(b"corr")),
             resent: false,
             ticket: None,
             route: None,

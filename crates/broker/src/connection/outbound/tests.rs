@@ -525,7 +525,7 @@ fn answer(n: u8, qos: u8) -> Answer {
         topic: Bytes::from_static(b"clients/c/response"),
         payload: vec![n],
         fixed: &ANSWER_FIXED,
-        correlation_data: Some(Bytes::copy_from_slice(&[n, 0xAA])),
+        correlation_data: Some(crate::sessions::Correlation::from_slice(&[n, 0xAA])),
         varying: ("__ts", format!("{n:015}:00000:node")),
         qos,
         subscription_identifiers: vec![5],
