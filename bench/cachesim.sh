@@ -3,14 +3,18 @@
 # a given machine's caches (most VMs expose no hardware counters): the
 # server's user-space instructions and L1/L2 misses, marginal between two
 # runs of different lengths, at 64 connections, for statebroker's state
-# store (statebroker-bench, 50/50 GET/SET) or for redis-server
-# (redis-benchmark GET). callgrind simulates two levels: its "LL" stands
-# for the L2 here (both machines' L3 hold either server's working set).
+# store or for redis-server, the same requests from the same client
+# (statebroker-bench, 50/50 GET/SET; `--protocol resp` for Redis; before
+# 2026-12-01 Redis's load was redis-benchmark's GETs). callgrind
+# simulates two levels: its "LL" stands for the L2 here (the machines' L3
+# hold either server's working set).
 #
-#   bench/cachesim.sh statebroker|redis amd|intel [BROKER_BINARY]
+#   bench/cachesim.sh statebroker|redis amd|amd1m|intel [BROKER_BINARY]
 #
 # amd:   L1i 32 KiB 8-way, L1d 32 KiB 8-way, L2 512 KiB 8-way (the AMD EPYC
 #        VMs of the earlier sessions)
+# amd1m: L1i 32 KiB 8-way, L1d 32 KiB 8-way, L2 1 MiB 8-way (the AMD EPYC
+#        VM of 2026-12-01)
 # intel: L1i 32 KiB 8-way, L1d 48 KiB 12-way, L2 2 MiB 16-way (the Intel
 #        Xeon VM of 2026-11-29)
 set -euo pipefail
@@ -19,8 +23,9 @@ broker="${3:-$(dirname "$0")/../target/release/statebroker}"
 bench="${BENCH:-$(dirname "$0")/../target/release/statebroker-bench}"
 case "$machine" in
     amd) caches=(--I1=32768,8,64 --D1=32768,8,64 --LL=524288,8,64) ;;
+    amd1m) caches=(--I1=32768,8,64 --D1=32768,8,64 --LL=1048576,8,64) ;;
     intel) caches=(--I1=32768,8,64 --D1=49152,12,64 --LL=2097152,16,64) ;;
-    *) echo "machine: amd or intel" >&2; exit 2 ;;
+    *) echo "machine: amd, amd1m or intel" >&2; exit 2 ;;
 esac
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
@@ -34,7 +39,7 @@ wait_port() {
     done
     return 1
 }
-# run SIZE: the load's length (seconds for statebroker, requests for redis).
+# run SECONDS: the load's length.
 run() {
     local size="$1" port pid requests
     port=$(free_port)
@@ -49,14 +54,14 @@ run() {
         "${cg[@]}" redis-server --port "$port" --save '' --appendonly no >/dev/null 2>&1 &
         pid=$!
         wait_port "$port"
-        redis-benchmark -p "$port" -c 64 -n "$size" -t get -q >"$out/bench.$size" 2>&1
-        requests="$size"
+        "$bench" --protocol resp --target "127.0.0.1:$port" -c 64 -d "$size" --warmup 0 >"$out/bench.$size" 2>&1
+        requests=$(grep -oE 'requests [0-9]+' "$out/bench.$size" | head -1 | awk '{print $2}')
     fi
     kill -TERM "$pid"; wait "$pid" || true
     # events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
     echo "$requests $(grep -E '^(summary|totals):' "$out/cg.$size" | head -1 | cut -d' ' -f2-)"
 }
-if [ "$server" = statebroker ]; then sizes=(4 12); else sizes=(40000 120000); fi
+sizes=(4 12)
 read -r -a a < <(run "${sizes[0]}")
 read -r -a b < <(run "${sizes[1]}")
 python3 - "$server" "$machine" "${a[@]}" "${b[@]}" <<'PY'
