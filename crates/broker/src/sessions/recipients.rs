@@ -68,14 +68,18 @@ impl Sessions {
     }
 }
 
+/// The QoS a direct delivery at `qos` goes at under a subscription that
+/// grants `granted`: the broker's own deliveries go at QoS 1 at most; a
+/// QoS 2 message handed over in flight (`kept`: under its kept packet id)
+/// keeps QoS 2 while the client's subscriptions still grant it.
+pub(super) fn granted_qos(qos: u8, granted: u8, kept: bool) -> u8 {
+    qos.min(granted).min(if kept { 2 } else { 1 })
+}
+
 /// `message` as a subscription grants it: at QoS `granted` at most, with
 /// the subscription identifiers `ids`.
 pub(super) fn grant(message: &mut Direct, granted: u8, ids: Vec<usize>) {
-    // The broker's own deliveries go at QoS 1 at most; a QoS 2 message
-    // handed over in flight keeps QoS 2 and its packet id while the
-    // client's subscriptions still grant it.
-    let most = if message.kept_pkid.is_some() { 2 } else { 1 };
-    message.qos = message.qos.min(granted).min(most);
+    message.qos = granted_qos(message.qos, granted, message.kept_pkid.is_some());
     if message.qos < 2 {
         message.kept_pkid = None;
     }

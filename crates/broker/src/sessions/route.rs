@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 
-use super::recipients::send;
+use super::recipients::{granted_qos, send};
 use super::{Answer, Direct, Mailbox, Sessions, Undelivered};
 
 /// The way to one client's live connection for answers on one topic of
@@ -106,8 +106,7 @@ impl Sessions {
         if !self.holds(route) || answer.topic != route.topic {
             return Err(answer);
         }
-        // The broker's own deliveries go at QoS 1 at most (as `grant`).
-        answer.qos = answer.qos.min(route.granted).min(1);
+        answer.qos = granted_qos(answer.qos, route.granted, false);
         answer.subscription_identifiers = route.ids.clone();
         if !route.mailbox.bound.reserve(answer.size()) {
             return Err(answer);

@@ -128,8 +128,7 @@ impl DirectWindow {
             unstamped.as_ref().unwrap_or(&message.properties),
             out,
         );
-        if out.len() - start > self.max_packet_size {
-            out.truncate(start);
+        if !self.fits(out, start, message.qos) {
             finished(&self.bound, &message);
             return false;
         }
@@ -140,7 +139,6 @@ impl DirectWindow {
         if message.retain {
             out[start] |= 0b0001;
         }
-        crate::metrics::sent(message.qos, out.len() - start);
         if pkid == 0 {
             finished(&self.bound, &message);
         } else {
@@ -183,18 +181,29 @@ impl DirectWindow {
             out,
         );
         let size = answer.size();
-        if out.len() - start > self.max_packet_size {
-            out.truncate(start);
+        if !self.fits(out, start, answer.qos) {
             self.bound.release(size);
             return false;
         }
-        crate::metrics::sent(answer.qos, out.len() - start);
         if pkid == 0 {
             self.bound.release(size);
         } else {
             let packet = kept.then(|| Bytes::copy_from_slice(&out[start..]));
             self.inflight.insert(pkid, Sent::Answer { packet, size });
         }
+        true
+    }
+
+    /// Whether the PUBLISH at `qos` just encoded into `out` (from `start`)
+    /// is within the client's Maximum Packet Size: then counted as sent;
+    /// else taken back out, for the caller to discard.
+    fn fits(&self, out: &mut BytesMut, start: usize, qos: u8) -> bool {
+        let len = out.len() - start;
+        if len > self.max_packet_size {
+            out.truncate(start);
+            return false;
+        }
+        crate::metrics::sent(qos, len);
         true
     }
 
