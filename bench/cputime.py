@@ -9,7 +9,13 @@ bench/compare.py pins them; the server's utime/stime from /proc/PID/stat
 over the load's length, divided by the requests the load generator
 counted.
 
-    python3 bench/cputime.py [--broker BINARY] [--rounds 3] [--duration 5]
+    python3 bench/cputime.py [--broker BINARY]... [--rounds 3] [--duration 5]
+
+With `--broker` given more than once (two builds to compare, say
+`bench/pgo.sh`'s with and without BOLT), each round measures every
+broker and Redis, in an order that turns by one each round, and the
+end prints each broker's medians: requests/s against Redis's of the
+same round, and user time per request against Redis's.
 """
 
 import argparse
@@ -61,35 +67,64 @@ def measure(server, load, port, count):
         proc.wait()
 
 
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[n // 2] + xs[(n - 1) // 2]) / 2
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--broker", default=os.path.join(ROOT, "target/release/statebroker"))
+    p.add_argument("--broker", action="append",
+                   help="a statebroker binary; more than once to compare builds "
+                   "(default: target/release/statebroker)")
     p.add_argument("--bench", default=os.path.join(ROOT, "target/release/statebroker-bench"))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=int, default=5)
     a = p.parse_args()
-    print("| round | statebroker req/s, user / kernel µs per request "
-          "| redis req/s, user / kernel µs per request |")
-    print("|---|---|---|")
-    for r in range(1, a.rounds + 1):
+    brokers = a.broker or [os.path.join(ROOT, "target/release/statebroker")]
+    for b in brokers:
+        if not os.access(b, os.X_OK):
+            p.error(f"{b}: not an executable")
+    names = ["statebroker"] if len(brokers) == 1 else [os.path.basename(b) for b in brokers]
+    count = lambda out: int(re.search(r"requests (\d+)", out).group(1))  # noqa: E731
+
+    def run_broker(binary):
         port = free_port()
-        sb = measure(
-            [a.broker, "--in-memory", "--no-http", "--listen", f"127.0.0.1:{port}"],
+        return measure(
+            [binary, "--in-memory", "--no-http", "--listen", f"127.0.0.1:{port}"],
             [a.bench, "--target", f"127.0.0.1:{port}", "-c", "64", "-d", str(a.duration),
              "--warmup", "0"],
-            port,
-            lambda out: int(re.search(r"requests (\d+)", out).group(1)),
-        )
+            port, count)
+
+    def run_redis():
         port = free_port()
-        rd = measure(
+        return measure(
             ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
             [a.bench, "--protocol", "resp", "--target", f"127.0.0.1:{port}", "-c", "64", "-d",
              str(a.duration), "--warmup", "0"],
-            port,
-            lambda out: int(re.search(r"requests (\d+)", out).group(1)),
-        )
-        print(f"| {r} | {sb[0]:,.0f}, {sb[1]:.2f} / {sb[2]:.2f} "
-              f"| {rd[0]:,.0f}, {rd[1]:.2f} / {rd[2]:.2f} |", flush=True)
+            port, count)
+
+    systems = [(name, lambda b=b: run_broker(b)) for name, b in zip(names, brokers)]
+    systems.append(("redis", run_redis))
+    print("| round | " + " | ".join(f"{n} req/s, user / kernel µs per request" for n, _ in systems) + " |")
+    print("|---" * (len(systems) + 1) + "|")
+    results = {n: [] for n, _ in systems}
+    for r in range(1, a.rounds + 1):
+        turn = (r - 1) % len(systems)
+        row = {}
+        for name, measure_one in systems[turn:] + systems[:turn]:
+            row[name] = measure_one()
+            results[name].append(row[name])
+        cells = [f"{row[n][0]:,.0f}, {row[n][1]:.2f} / {row[n][2]:.2f}" for n, _ in systems]
+        print(f"| {r} | " + " | ".join(cells) + " |", flush=True)
+    redis = results["redis"]
+    for name in names:
+        ours = results[name]
+        rate = median([o[0] / x[0] for o, x in zip(ours, redis)])
+        user = median([o[1] / x[1] for o, x in zip(ours, redis)])
+        print(f"{name}: median of rounds, requests/s {rate:.2f}x Redis's, "
+              f"user time per request {user:.2f}x Redis's")
 
 
 if __name__ == "__main__":
