@@ -32,7 +32,9 @@ compare_report.py makes them.
 It installs what it needs (mosquitto, redis via apt; rumqttd via cargo
 install; matplotlib via pip) and builds statebroker in release mode; with
 `--pgo` it measures the profile-guided build of `bench/pgo.sh` instead (and
-installs rustc's `llvm-NN` with apt for its llvm-profdata).
+installs rustc's `llvm-NN` with apt for its llvm-profdata); with `BOLT=1`
+in the environment as well, that build laid out by BOLT (`bolt-NN`: see
+bench/pgo.sh).
 
 CPU placement: on a machine with two or more cores, every server (each
 broker, the Redis server) runs pinned to core 0 and every load generator
@@ -431,6 +433,8 @@ def main():
     if args.pgo:
         pgo_build()
         build = "profile-guided release build (bench/pgo.sh)"
+        if os.environ.get("BOLT") == "1":
+            build = "profile-guided release build laid out by BOLT (BOLT=1 bench/pgo.sh)"
     machine = describe_machine()
     rows, extras = [], {}
     tmp = tempfile.mkdtemp(prefix="sb-compare-")
