@@ -268,9 +268,13 @@ impl<S: Stream> Driver<S> {
                 served?;
                 continue;
             }
-            match self.socket.next_packet(self.max_packet_size)? {
-                Some(incoming) => machine.on_packet(incoming)?,
-                None => break,
+            // Matched whole, not through `?`: that moved the whole result
+            // (the size of the largest packet) twice a request, to find
+            // nothing more to read.
+            match self.socket.next_packet(self.max_packet_size) {
+                Ok(Some(incoming)) => machine.on_packet(incoming)?,
+                Ok(None) => break,
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())
