@@ -46,6 +46,15 @@ pub type Args<'a> = smallvec::SmallVec<[&'a [u8]; 8]>;
 /// assert!(parse_request(b"*1\r\n$3\r\nGET\r\nextra").is_err());
 /// ```
 pub fn parse_request(payload: &[u8]) -> Result<Args<'_>, SyntaxError> {
+    let mut args = Args::new();
+    parse_request_into(payload, &mut args)?;
+    Ok(args)
+}
+
+/// [`parse_request`] into `args` (empty), where the caller keeps them: the
+/// store's path, where the arguments returned (136 bytes) were copied
+/// three times on their way.
+pub fn parse_request_into<'a>(payload: &'a [u8], args: &mut Args<'a>) -> Result<(), SyntaxError> {
     let mut cursor = Cursor::new(payload);
     let count = cursor.length_line(b'*')?;
     // Every element takes at least 6 bytes (`$0\r\n\r\n`): never trust the
@@ -53,7 +62,7 @@ pub fn parse_request(payload: &[u8]) -> Result<Args<'_>, SyntaxError> {
     if count > cursor.remaining() / 6 {
         return Err(SyntaxError);
     }
-    let mut args = Args::with_capacity(count);
+    args.reserve(count);
     for _ in 0..count {
         let len = cursor.length_line(b'$')?;
         args.push(cursor.take(len)?);
@@ -62,7 +71,7 @@ pub fn parse_request(payload: &[u8]) -> Result<Args<'_>, SyntaxError> {
     if cursor.remaining() != 0 {
         return Err(SyntaxError);
     }
-    Ok(args)
+    Ok(())
 }
 
 /// A parse position in a payload: the "parse cursor" of the request codec.

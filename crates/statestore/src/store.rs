@@ -221,7 +221,10 @@ impl Store {
         request: &Request<'a>,
         now: u64,
     ) -> Result<(Command<'a>, Option<Hlc>, Option<Hlc>), Error> {
-        let args = resp3::parse_request(request.payload).map_err(|_| Error::Syntax)?;
+        let mut args = resp3::Args::new();
+        if resp3::parse_request_into(request.payload, &mut args).is_err() {
+            return Err(Error::Syntax);
+        }
         let skew = self.state.config().max_clock_skew_ms;
         // Of the request's `__ts` only the time is used (see `State::new_version`).
         let timestamp = parse_hlc(
