@@ -51,9 +51,9 @@ pub fn parse_request(payload: &[u8]) -> Result<Args<'_>, SyntaxError> {
     Ok(args)
 }
 
-/// [`parse_request`] into `args` (empty), where the caller keeps them: the
-/// store's path, where the arguments returned (136 bytes) were copied
-/// three times on their way.
+/// [`parse_request`], appending the arguments to `args`, which the caller
+/// keeps (the store's path passes an empty one): returned, the 136 bytes
+/// of `Args` were copied three times on their way.
 pub fn parse_request_into<'a>(payload: &'a [u8], args: &mut Args<'a>) -> Result<(), SyntaxError> {
     let mut cursor = Cursor::new(payload);
     let count = cursor.length_line(b'*')?;
