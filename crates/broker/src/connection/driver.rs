@@ -112,6 +112,11 @@ impl<S: Stream> Driver<S> {
         // read (a client need not wait for the CONNACK: MQTT 5 and 3.1.1,
         // 3.1.4) is taken in before the first wait: no read may follow it.
         let mut read = self.socket.has_buffered();
+        // What the web view was last told is in flight to the client.
+        let mut shown_in_flight = self
+            .peer
+            .in_flight
+            .load(std::sync::atomic::Ordering::Relaxed);
         loop {
             let waits = Waits {
                 disk: machine.waiting_for(),
@@ -151,9 +156,13 @@ impl<S: Stream> Driver<S> {
                 }
                 self.read_packets(machine)?;
             }
-            let sent = self.link.send(&mut machine.to_router).await;
-            self.shared.qos2_sent(&mut machine.released_stamps);
-            sent?;
+            // (Most turns have nothing for the router: its hand-over is
+            // not even started.)
+            if !machine.to_router.is_empty() || !machine.released_stamps.is_empty() {
+                let sent = self.link.send(&mut machine.to_router).await;
+                self.shared.qos2_sent(&mut machine.released_stamps);
+                sent?;
+            }
             // The router answered the (UN)SUBSCRIBEs reading waited for:
             // what was read after them is served now (see
             // `Machine::awaiting_router`).
@@ -171,11 +180,16 @@ impl<S: Stream> Driver<S> {
                 }
             }
             // Counted before the write: a client that has read a delivery
-            // sees it counted (the web view's list).
-            self.peer.in_flight.store(
-                machine.out.in_flight(),
-                std::sync::atomic::Ordering::Relaxed,
-            );
+            // sees it counted (the web view's list). Stored only when it
+            // changed: the count sits on a line of its own, cold at every
+            // turn under load.
+            let in_flight = machine.out.in_flight();
+            if in_flight != shown_in_flight {
+                self.peer
+                    .in_flight
+                    .store(in_flight, std::sync::atomic::Ordering::Relaxed);
+                shown_in_flight = in_flight;
+            }
             if !machine.may_hold_output() {
                 if !self.shared.standing.serving() {
                     self.suspended().await?;
