@@ -75,11 +75,14 @@ pub(crate) struct Driver<S> {
 
 impl<S: Stream> Driver<S> {
     /// Runs `machine` until the connection ends; returns how.
-    pub async fn run(&mut self, machine: &mut Machine) -> End {
-        match self.serve(machine).await {
+    ///
+    /// (Not an `async fn` around `serve`: that would be one more future
+    /// polled, with its state on a line of its own, at every turn.)
+    pub fn run<'a>(&'a mut self, machine: &'a mut Machine) -> impl Future<Output = End> + 'a {
+        futures_util::FutureExt::map(self.serve(machine), |served| match served {
             Err(end) => end,
             Ok(never) => match never {},
-        }
+        })
     }
 
     async fn serve(&mut self, machine: &mut Machine) -> Result<std::convert::Infallible, End> {
