@@ -19,12 +19,13 @@ use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 use super::end::End;
+use super::gate::Waits;
 use super::inbox::Inbox;
 use super::link::RouterLink;
 use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use super::waiting::Quiet;
-use crate::persistence::{Batch, Position};
+use crate::persistence::Position;
 use crate::sessions::{Peer, ToConnection};
 use crate::shared::Shared;
 
@@ -121,18 +122,14 @@ impl<S: Stream> Driver<S> {
             .in_flight
             .load(std::sync::atomic::Ordering::Relaxed);
         loop {
-            let waits = Waits {
-                disk: machine.waiting_for(),
-                links: machine.waiting_for_links(),
-                outcome: machine.waiting_for_outcome(),
-            };
+            let waits = machine.waits();
             if !read {
                 // Only while something waits for the disk, the other nodes
                 // or requests' outcomes is that waited for too: each of
                 // those waits made (and dropped unpolled) at every turn
                 // cost ~150 instructions and four cold cache lines a
                 // request.
-                if waits.none() {
+                if !waits.any() {
                     read = self
                         .turn(machine, &mut last_heard, &mut keep_alive, &mut shutdown)
                         .await?;
@@ -145,7 +142,7 @@ impl<S: Stream> Driver<S> {
                         // past what something here waits for: held
                         // acknowledgements go, reading stopped at a bound
                         // goes on.
-                        () = waits.moved_on(&mut disk, &mut forwarded, &mut outcomes) => {
+                        () = moved_on(waits, &mut disk, &mut forwarded, &mut outcomes) => {
                             machine.on_disk()?;
                             self.read_packets(machine)?;
                         }
@@ -391,41 +388,25 @@ impl<S: Stream> Driver<S> {
     }
 }
 
-/// What the connection's held acknowledgements wait for, besides its
-/// client and the router: the disk to reach a batch, the other nodes to
-/// confirm forwarded publishes (a cluster node), requests' outcomes to be
-/// out (a cluster node).
-#[derive(Clone, Copy)]
-struct Waits {
-    disk: Option<Batch>,
-    links: Option<u64>,
-    outcome: Option<u64>,
-}
-
-impl Waits {
-    fn none(&self) -> bool {
-        self.disk.is_none() && self.links.is_none() && self.outcome.is_none()
-    }
-
-    /// Until one of them moved past what it waits for.
-    async fn moved_on(
-        self,
-        disk: &mut watch::Receiver<Position>,
-        forwarded: &mut watch::Receiver<u64>,
-        outcomes: &mut watch::Receiver<u64>,
-    ) {
-        let Waits {
-            disk: batch,
-            links,
-            outcome,
-        } = self;
-        tokio::select! {
-            () = until(disk, |p| p.covers_all(batch)), if batch.is_some() => {}
-            () = until(forwarded, |c| Some(*c) >= links), if links.is_some() => {}
-            () = until(outcomes, |d| Some(*d) >= outcome), if outcome.is_some() => {}
-            // (Not called with nothing to wait for.)
-            else => std::future::pending().await,
-        }
+/// Until the disk, the other nodes' confirmations or the requests'
+/// outcomes moved past what `waits` waits for (not called with nothing to
+/// wait for).
+async fn moved_on(
+    waits: Waits,
+    disk: &mut watch::Receiver<Position>,
+    forwarded: &mut watch::Receiver<u64>,
+    outcomes: &mut watch::Receiver<u64>,
+) {
+    let Waits {
+        batch,
+        links,
+        outcome,
+    } = waits;
+    tokio::select! {
+        () = until(disk, |p| p.covers_all(batch)), if batch.is_some() => {}
+        () = until(forwarded, |c| Some(*c) >= links), if links.is_some() => {}
+        () = until(outcomes, |d| Some(*d) >= outcome), if outcome.is_some() => {}
+        else => std::future::pending().await,
     }
 }
 

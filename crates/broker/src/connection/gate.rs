@@ -46,7 +46,8 @@ pub(crate) struct Waits {
 }
 
 impl Waits {
-    fn any(&self) -> bool {
+    /// Whether anything is waited for.
+    pub fn any(&self) -> bool {
         self.batch.is_some() || self.links.is_some() || self.outcome.is_some()
     }
 

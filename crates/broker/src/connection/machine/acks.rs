@@ -60,12 +60,6 @@ impl Machine {
         self.outcomes.as_ref().is_none_or(|t| t.is_done(number))
     }
 
-    /// The request ticket held acknowledgements wait for (a cluster node's;
-    /// see `store::tickets`), and the number to wait on.
-    pub fn waiting_for_outcome(&self) -> Option<u64> {
-        self.gate.waits().outcome
-    }
-
     /// The tickets' progress to wait on (a cluster node's).
     pub fn outcomes_done(&self) -> Option<watch::Receiver<u64>> {
         self.outcomes.as_ref().map(|t| t.done())
@@ -114,10 +108,16 @@ impl Machine {
             .is_none_or(|c| *c.borrow() >= ticket)
     }
 
-    /// The forwarding ticket held acknowledgements wait for (a cluster
-    /// node's; see `Shared::forwarding_confirmed`).
-    pub fn waiting_for_links(&self) -> Option<u64> {
-        self.gate.waits().links
+    /// What the connection's loop waits for besides its client and the
+    /// router: the earliest batch of the disk's ([`Machine::waiting_for`]),
+    /// and the gate's forwarding ticket (see
+    /// `Shared::forwarding_confirmed`) and request ticket (see
+    /// `store::tickets`), a cluster node's.
+    pub fn waits(&self) -> Waits {
+        Waits {
+            batch: self.waiting_for(),
+            ..self.gate.waits()
+        }
     }
 
     /// The disk (or the other nodes, or requests' outcomes) moved on: what

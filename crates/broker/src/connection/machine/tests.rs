@@ -379,7 +379,7 @@ async fn a_cluster_nodes_acknowledgements_wait_for_their_requests_outcome_in_ord
         written(&mut m).is_empty(),
         "the SET's PUBACK waits for its outcome, and the PING's behind it"
     );
-    assert_eq!(m.waiting_for_outcome(), Some(2));
+    assert_eq!(m.waits().outcome, Some(2));
     m.on_disk().unwrap();
     assert!(written(&mut m).is_empty(), "still waiting");
     // The delayed SET is dropped (its connection would have ended): its
@@ -394,7 +394,7 @@ async fn a_cluster_nodes_acknowledgements_wait_for_their_requests_outcome_in_ord
         })
         .collect();
     assert_eq!(pkids, [5, 6]);
-    assert_eq!(m.waiting_for_outcome(), None);
+    assert_eq!(m.waits().outcome, None);
 }
 
 #[test]
