@@ -47,7 +47,7 @@ fn threads_record_a_valid_history_to_memory_and_file() {
                     let out = store.lock().unwrap().execute(&request, caller, now);
                     std::thread::yield_now();
                     let answer = Answer::from_resp3(&out.payload).unwrap();
-                    recorder.ok(id, answer, Some(out.timestamp));
+                    recorder.ok(id, answer, Some(out.timestamp.into()));
                 }
             })
         })

@@ -108,7 +108,7 @@ impl Store {
         Some(KeyView {
             value: value[..value.len().min(shown)].to_vec(),
             value_len: value.len(),
-            version: entry.version().format(&state.config().node_id),
+            version: entry.version().format(&state.config().node_id).into(),
             expires_at_ms: entry.expires_at(),
             fencing_token: entry.fencing_token().map(ToString::to_string),
             persisted: entry.persisted(),

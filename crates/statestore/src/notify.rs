@@ -69,7 +69,7 @@ pub struct Notice {
     /// What happened.
     pub event: Event,
     /// The key's version, in wire form, for `__ts`.
-    pub version: String,
+    pub version: crate::hlc::Stamp,
     /// Client ids of the watchers.
     pub watchers: Vec<Arc<str>>,
 }
@@ -79,7 +79,7 @@ impl Notice {
     ///
     /// ```
     /// use statestore::notify::{Event, Notice};
-    /// let n = Notice { key: b"k".to_vec(), event: Event::Delete, version: String::new(), watchers: vec![] };
+    /// let n = Notice { key: b"k".to_vec(), event: Event::Delete, version: Default::default(), watchers: vec![] };
     /// assert_eq!(n.payload(), b"*2\r\n$6\r\nNOTIFY\r\n$6\r\nDELETE\r\n");
     /// ```
     pub fn payload(&self) -> Vec<u8> {
@@ -729,7 +729,7 @@ mod tests {
         let n = Notice {
             key: b"k".to_vec(),
             event: Event::Set(b"v\r\n".to_vec()),
-            version: String::new(),
+            version: Default::default(),
             watchers: vec![],
         };
         assert_eq!(

@@ -254,7 +254,7 @@ impl State {
         &self,
         key: &[u8],
         event: Event,
-        version: String,
+        version: crate::hlc::Stamp,
     ) -> Option<Notice> {
         let watchers = self.watchers.of_key(key);
         (!watchers.is_empty()).then(|| Notice {

@@ -54,7 +54,7 @@ pub struct Outcome {
     /// The response payload.
     pub payload: Vec<u8>,
     /// `__ts` of the response.
-    pub timestamp: String,
+    pub timestamp: crate::hlc::Stamp,
     /// Notifications to publish (from this request, and from keys that
     /// expired just before it).
     pub notices: Vec<Notice>,
@@ -273,7 +273,7 @@ impl Store {
         &self,
         key: &[u8],
         event: crate::notify::Event,
-        version: String,
+        version: crate::hlc::Stamp,
     ) -> Option<Notice> {
         self.state.changed_elsewhere(key, event, version)
     }

@@ -418,7 +418,7 @@ fn notes_of(out: &statestore::Outcome) -> Vec<Note> {
                 w.to_string(),
                 String::from_utf8(n.key.clone()).unwrap(),
                 value,
-                n.version.clone(),
+                n.version.to_string(),
             ));
         }
     }
@@ -467,7 +467,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 expected.sort();
                 let out = statestore::Outcome {
                     payload: vec![],
-                    timestamp: String::new(),
+                    timestamp: Default::default(),
                     notices: store.expire(model.now).notices,
                     writes: vec![],
                     observed: statestore::persist::Observed::Nothing,

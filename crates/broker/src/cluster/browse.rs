@@ -116,7 +116,7 @@ fn view(key: &[u8], record: &Record) -> KeyView {
         key: key.to_vec(),
         value: record.value[..record.value.len().min(VALUE_SHOWN)].to_vec(),
         value_len: record.value.len(),
-        version: record.version_text(),
+        version: record.version_text().into(),
         expires_at_ms: record.expires_at,
         fencing_token: record.fencing_token.as_ref().map(ToString::to_string),
         persisted: false,

@@ -65,7 +65,7 @@ pub struct Answer {
     /// The RESP3 answer.
     pub frame: Frame,
     /// `__ts`.
-    pub version: String,
+    pub version: statestore::hlc::Stamp,
     /// The error answered, if any (for logs and metrics).
     pub error: Option<Error>,
 }
@@ -745,7 +745,10 @@ pub(super) mod etcd_tests {
             .expect("answered");
         let mut resp = Vec::new();
         answer.frame.encode(&mut resp);
-        (String::from_utf8_lossy(&resp).into_owned(), answer.version)
+        (
+            String::from_utf8_lossy(&resp).into_owned(),
+            answer.version.into(),
+        )
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -141,7 +141,7 @@ impl Record {
     }
 
     /// The version as the wire shows it, with the node that made it.
-    pub fn version_text(&self) -> String {
+    pub fn version_text(&self) -> statestore::hlc::Stamp {
         self.version.format(&self.node)
     }
 }

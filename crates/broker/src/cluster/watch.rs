@@ -31,7 +31,7 @@ pub struct Change {
     /// SET with the value, or DELETE.
     pub event: Event,
     /// The version, as its node wrote it.
-    pub version: String,
+    pub version: statestore::hlc::Stamp,
 }
 
 /// What the reaper has to do and when: for each key, the time it expires

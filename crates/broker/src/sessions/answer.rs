@@ -28,7 +28,7 @@ pub struct Answer {
     /// The request's Correlation Data (inline when short).
     pub correlation_data: Option<Correlation>,
     /// The one User Property that varies (`__ts`), after the fixed ones.
-    pub varying: (&'static str, String),
+    pub varying: (&'static str, statestore::hlc::Stamp),
     /// QoS 1, or 0 when the requester's subscription grants only that.
     pub qos: u8,
     /// The Subscription Identifiers of the requester's subscription.
@@ -85,7 +85,7 @@ mod tests {
             payload: b"+OK\r\n".to_vec(),
             fixed: &FIXED,
             correlation_data: Some(Correlation::from_slice(b"\x01\x02")),
-            varying: ("__ts", "0000000000123:00000:n".to_owned()),
+            varying: ("__ts", "0000000000123:00000:n".into()),
             qos,
             subscription_identifiers: ids,
         }

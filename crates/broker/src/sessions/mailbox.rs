@@ -224,7 +224,7 @@ pub enum DirectProperties {
         fixed: &'static FixedProperties,
         correlation_data: Option<Bytes>,
         /// The one User Property that varies, after the fixed ones.
-        varying: (&'static str, String),
+        varying: (&'static str, statestore::hlc::Stamp),
         subscription_identifiers: Vec<usize>,
     },
 }
@@ -318,7 +318,10 @@ impl DirectProperties {
                     .iter()
                     .map(|&(k, v)| (ByteString::from_static(k), ByteString::from_static(v)))
                     .collect();
-                user_properties.push((ByteString::from_static(varying.0), varying.1.into()));
+                user_properties.push((
+                    ByteString::from_static(varying.0),
+                    ByteString::from(varying.1.as_str()),
+                ));
                 PublishProperties {
                     content_type: Some(ByteString::from_static(fixed.content_type)),
                     correlation_data,

@@ -145,7 +145,7 @@ mod tests {
             payload: Vec::new(),
             fixed: &FIXED,
             correlation_data: None,
-            varying: ("__ts", String::new()),
+            varying: ("__ts", Default::default()),
             qos: 1,
             subscription_identifiers: Vec::new(),
         }

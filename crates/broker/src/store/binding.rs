@@ -27,6 +27,7 @@
 
 use bytes::Bytes;
 use router::protocol::{self, DisconnectReasonCode};
+use statestore::hlc::Stamp;
 use statestore::{Dialect, Notice, Request};
 
 use crate::request_publish::RequestPublish;
@@ -161,13 +162,13 @@ pub fn admit<'a>(
 
 /// The response to a request: `payload` on the Response Topic, with the
 /// request's Correlation Data, `__stat` = `200` and `__ts` = `timestamp`.
-pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Direct {
+pub fn response(reply_to: ReplyTo, payload: Vec<u8>, timestamp: Stamp) -> Direct {
     answer(reply_to, payload, timestamp).into_direct()
 }
 
 /// [`response`]'s parts, for the requester's connection to encode (see
 /// [`Answer`]).
-pub fn answer(reply_to: ReplyTo, payload: Vec<u8>, timestamp: String) -> Answer {
+pub fn answer(reply_to: ReplyTo, payload: Vec<u8>, timestamp: Stamp) -> Answer {
     Answer {
         topic: reply_to.topic,
         payload,

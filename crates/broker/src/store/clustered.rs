@@ -210,7 +210,7 @@ impl StateStoreService {
             self.answer(
                 reply,
                 statestore::Error::QuotaExceeded.frame(),
-                String::new(),
+                Default::default(),
                 Some(statestore::Error::QuotaExceeded),
             );
             return;
@@ -386,9 +386,9 @@ async fn run_scan(service: Arc<StateStoreService>, job: Job) {
         .queued
         .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     match served {
-        Some(Ok(Ok(frame))) => service.answer(job.reply, frame, String::new(), None),
+        Some(Ok(Ok(frame))) => service.answer(job.reply, frame, Default::default(), None),
         Some(Ok(Err(error))) => {
-            service.answer(job.reply, error.frame(), String::new(), Some(error))
+            service.answer(job.reply, error.frame(), Default::default(), Some(error))
         }
         Some(Err(why)) => unanswered(&job.reply, &why),
         None => unanswered(&job.reply, &Unanswered::Contended(0)),

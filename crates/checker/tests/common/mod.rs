@@ -91,7 +91,10 @@ pub fn execute(store: &mut Store, op: &Op, t: u64) -> (Answer, String) {
         ..Request::default()
     };
     let out = store.execute(&request, CALLER, now);
-    (Answer::from_resp3(&out.payload).unwrap(), out.timestamp)
+    (
+        Answer::from_resp3(&out.payload).unwrap(),
+        out.timestamp.into(),
+    )
 }
 
 enum Slot {

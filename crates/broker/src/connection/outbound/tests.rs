@@ -526,7 +526,7 @@ fn answer(n: u8, qos: u8) -> Answer {
         payload: vec![n],
         fixed: &ANSWER_FIXED,
         correlation_data: Some(crate::sessions::Correlation::from_slice(&[n, 0xAA])),
-        varying: ("__ts", format!("{n:015}:00000:node")),
+        varying: ("__ts", format!("{n:015}:00000:node").as_str().into()),
         qos,
         subscription_identifiers: vec![5],
     }

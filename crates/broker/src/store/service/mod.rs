@@ -357,7 +357,7 @@ impl StateStoreService {
         &self,
         mut reply: Reply<'_>,
         frame: statestore::resp3::Frame,
-        version: String,
+        version: statestore::hlc::Stamp,
         error: Option<statestore::Error>,
     ) {
         settle(&mut reply, error);
@@ -665,7 +665,7 @@ fn quota_reached(client_id: &str, command: &str) {
 fn notices_only(notices: Vec<statestore::Notice>) -> Outcome {
     Outcome {
         payload: Vec::new(),
-        timestamp: String::new(),
+        timestamp: Default::default(),
         notices,
         writes: Vec::new(),
         observed: Observed::Nothing,
