@@ -25,6 +25,7 @@ use super::link::RouterLink;
 use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use super::waiting::Quiet;
+use crate::clock::Ticks;
 use crate::persistence::Position;
 use crate::sessions::{Peer, ToConnection};
 use crate::shared::Shared;
@@ -87,7 +88,7 @@ impl<S: Stream> Driver<S> {
     }
 
     async fn serve(&mut self, machine: &mut Machine) -> Result<std::convert::Infallible, End> {
-        let mut last_heard = Instant::now();
+        let mut last_heard = Ticks::now();
         // The keep-alive timer is set once and moved on only when it fires
         // (to the last time the client was heard, plus the limit), and the
         // shutdown signal is awaited by one future: making both anew on
@@ -95,7 +96,7 @@ impl<S: Stream> Driver<S> {
         // request (1,400 instructions, 6% of a request).
         // Both are looked at only once they woke (see `waiting::Quiet`).
         let mut keep_alive = Quiet::new(Box::pin(tokio::time::sleep_until(
-            last_heard + self.idle_limit.unwrap_or(Duration::from_secs(86_400)),
+            Instant::now() + self.idle_limit.unwrap_or(Duration::from_secs(86_400)),
         )));
         let mut shutdown = self.stop.clone();
         let mut shutdown = Quiet::new(Box::pin(shutdown.changed()));
@@ -208,7 +209,7 @@ impl<S: Stream> Driver<S> {
     async fn turn(
         &mut self,
         machine: &mut Machine,
-        last_heard: &mut Instant,
+        last_heard: &mut Ticks,
         keep_alive: &mut Quiet<Pin<Box<Sleep>>>,
         shutdown: &mut Quiet<Pin<Box<impl Future<Output = Result<(), watch::error::RecvError>>>>>,
     ) -> Result<bool, End> {
@@ -218,7 +219,7 @@ impl<S: Stream> Driver<S> {
                     Ok(0) => Err(End::Closed),
                     Err(e) => Err(End::read_failed(e)),
                     Ok(_) => {
-                        *last_heard = Instant::now();
+                        *last_heard = Ticks::now();
                         Ok(true)
                     }
                 }
@@ -246,11 +247,12 @@ impl<S: Stream> Driver<S> {
                 Ok(false)
             }
             () = &mut *keep_alive, if self.idle_limit.is_some() => {
-                let deadline = *last_heard + self.idle_limit.unwrap_or_default();
-                if Instant::now() >= deadline {
+                let limit = self.idle_limit.unwrap_or_default();
+                let silent = last_heard.elapsed();
+                if silent >= limit {
                     return Err(End::KeepAlive);
                 }
-                keep_alive.inner_mut().as_mut().reset(deadline);
+                keep_alive.inner_mut().as_mut().reset(Instant::now() + (limit - silent));
                 Ok(false)
             }
             _ = &mut *shutdown => Err(End::Shutdown),

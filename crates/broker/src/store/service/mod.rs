@@ -75,7 +75,7 @@ pub(super) struct Reply<'a> {
     /// For metrics: the command, whether it succeeded, when it arrived.
     pub(super) command: &'static str,
     ok: bool,
-    started: std::time::Instant,
+    started: crate::clock::Ticks,
     /// For the live list, when someone watches: the key and the outcome.
     shown: Option<(Option<String>, String)>,
 }
@@ -266,7 +266,7 @@ impl StateStoreService {
         reply_to: Option<ReplyTo>,
         then: impl FnOnce(Reply<'c>, Outcome, Option<Batch>) -> R,
     ) -> R {
-        let started = std::time::Instant::now();
+        let started = crate::clock::Ticks::now();
         let machine_ms = now_ms();
         // (The lock ends with `drop`, not with a block: the outcome moved
         // out of a block as a tuple was copied twice more a request.)
@@ -301,7 +301,7 @@ impl StateStoreService {
         reply_to: Option<ReplyTo>,
         command: &'static str,
     ) -> Reply<'c> {
-        let now = (std::time::Instant::now(), now_ms());
+        let now = (crate::clock::Ticks::now(), now_ms());
         self.reply_pending_at(request, caller, reply_to, command, now)
     }
 
@@ -314,7 +314,7 @@ impl StateStoreService {
         caller: Caller<'c>,
         reply_to: Option<ReplyTo>,
         command: &'static str,
-        (started, machine_ms): (std::time::Instant, u64),
+        (started, machine_ms): (crate::clock::Ticks, u64),
     ) -> Reply<'c> {
         let shown = self.activity.wanted_at(machine_ms).then(|| {
             let key = statestore::resp3::parse_request(request.payload)
