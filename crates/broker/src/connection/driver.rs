@@ -73,6 +73,9 @@ pub(crate) struct Driver<S> {
     /// see `Broker::shutdown`).
     pub stop: watch::Receiver<bool>,
     pub shared: Arc<Shared>,
+    /// Which of the client, the router and the broker [`Driver::turn`]
+    /// looks at first (0, 1, 2).
+    pub first_source: u8,
 }
 
 impl<S: Stream> Driver<S> {
@@ -206,6 +209,14 @@ impl<S: Stream> Driver<S> {
     /// Waits for the client, the router, the broker, the keep-alive timer
     /// or the broker's stop, and hands the machine what came; `Ok(true)`:
     /// bytes were read, for the caller to take in.
+    ///
+    /// Polled by hand rather than by `tokio::select!` (its random start,
+    /// branch mask and futures moved into a tuple cost ~110 instructions a
+    /// turn): the stop and the keep-alive timer first (each a flag until it
+    /// fires, see `waiting::Quiet`), then the client, the router and the
+    /// broker from a start that moves on every turn, so that none of them,
+    /// always ready, keeps the others waiting (what select!'s random
+    /// start is for).
     async fn turn(
         &mut self,
         machine: &mut Machine,
@@ -213,49 +224,88 @@ impl<S: Stream> Driver<S> {
         keep_alive: &mut Quiet<Pin<Box<Sleep>>>,
         shutdown: &mut Quiet<Pin<Box<impl Future<Output = Result<(), watch::error::RecvError>>>>>,
     ) -> Result<bool, End> {
-        tokio::select! {
-            filled = self.socket.fill(), if !machine.reading_paused() => {
-                match filled {
-                    Ok(0) => Err(End::Closed),
-                    Err(e) => Err(End::read_failed(e)),
-                    Ok(_) => {
-                        *last_heard = Ticks::now();
-                        Ok(true)
-                    }
+        let reading = !machine.reading_paused();
+        // (Without a link nothing comes: not looked at.)
+        let notifying = self.link.may_notify();
+        let keeping = self.idle_limit.is_some();
+        self.first_source = (self.first_source + 1) % 3;
+        let first = self.first_source;
+        let woke = {
+            let mut fill = std::pin::pin!(self.socket.fill());
+            let mut next = std::pin::pin!(self.link.next());
+            let mut recv = self.inbox.recv();
+            // Every sender gone: not looked at again this turn.
+            let mut inbox_open = true;
+            std::future::poll_fn(|cx| {
+                if Pin::new(&mut *shutdown).poll(cx).is_ready() {
+                    return Poll::Ready(Woke::Stop);
                 }
-            }
-            // (Without a link nothing comes: not looked at.)
-            notification = self.link.next(), if self.link.may_notify() => {
-                match notification {
-                    Ok(Some(n)) => {
-                        machine.on_router(n)?;
-                        // What else the router has ready, before writing
-                        // (up to a batch: the rest comes next turn).
-                        while machine.wbuf.len() < WRITE_BATCH
-                            && let Some(n) = self.link.next_ready()
-                        {
-                            machine.on_router(n)?;
+                if keeping && Pin::new(&mut *keep_alive).poll(cx).is_ready() {
+                    return Poll::Ready(Woke::KeepAlive);
+                }
+                for source in [first, (first + 1) % 3, (first + 2) % 3] {
+                    match source {
+                        0 if reading => {
+                            if let Poll::Ready(filled) = fill.as_mut().poll(cx) {
+                                return Poll::Ready(Woke::Client(filled));
+                            }
                         }
-                        Ok(false)
+                        1 if notifying => {
+                            if let Poll::Ready(notification) = next.as_mut().poll(cx) {
+                                return Poll::Ready(Woke::Router(notification));
+                            }
+                        }
+                        2 if inbox_open => match Pin::new(&mut recv).poll(cx) {
+                            Poll::Ready(Some(message)) => {
+                                return Poll::Ready(Woke::Broker(message));
+                            }
+                            Poll::Ready(None) => inbox_open = false,
+                            Poll::Pending => {}
+                        },
+                        _ => {}
                     }
-                    Ok(None) => Ok(false),
-                    Err(_) => Err(End::RouterClosed),
                 }
+                Poll::Pending
+            })
+            .await
+        };
+        match woke {
+            Woke::Client(Ok(0)) => Err(End::Closed),
+            Woke::Client(Err(e)) => Err(End::read_failed(e)),
+            Woke::Client(Ok(_)) => {
+                *last_heard = Ticks::now();
+                Ok(true)
             }
-            Some(message) = self.inbox.recv() => {
+            Woke::Router(Ok(Some(n))) => {
+                machine.on_router(n)?;
+                // What else the router has ready, before writing (up to a
+                // batch: the rest comes next turn).
+                while machine.wbuf.len() < WRITE_BATCH
+                    && let Some(n) = self.link.next_ready()
+                {
+                    machine.on_router(n)?;
+                }
+                Ok(false)
+            }
+            Woke::Router(Ok(None)) => Ok(false),
+            Woke::Router(Err(_)) => Err(End::RouterClosed),
+            Woke::Broker(message) => {
                 self.on_broker(machine, message)?;
                 Ok(false)
             }
-            () = &mut *keep_alive, if self.idle_limit.is_some() => {
+            Woke::KeepAlive => {
                 let limit = self.idle_limit.unwrap_or_default();
                 let silent = last_heard.elapsed();
                 if silent >= limit {
                     return Err(End::KeepAlive);
                 }
-                keep_alive.inner_mut().as_mut().reset(Instant::now() + (limit - silent));
+                keep_alive
+                    .inner_mut()
+                    .as_mut()
+                    .reset(Instant::now() + (limit - silent));
                 Ok(false)
             }
-            _ = &mut *shutdown => Err(End::Shutdown),
+            Woke::Stop => Err(End::Shutdown),
         }
     }
 
@@ -422,4 +472,16 @@ async fn moved_on(
 /// broker within a minute that way (the disk arm).
 async fn until<T>(watch: &mut watch::Receiver<T>, ready: impl FnMut(&T) -> bool) {
     let _ = watch.wait_for(ready).await;
+}
+
+/// What ended a [`Driver::turn`]'s wait. (A router notification is large,
+/// the rest small: it lives for one turn, on the stack, where boxing it
+/// would allocate for each.)
+#[allow(clippy::large_enum_variant)]
+enum Woke {
+    Client(std::io::Result<usize>),
+    Router(Result<Option<router::Notification>, router::local::LinkError>),
+    Broker(ToConnection),
+    KeepAlive,
+    Stop,
 }

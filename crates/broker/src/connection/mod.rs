@@ -213,6 +213,7 @@ pub(crate) async fn serve<S: Stream>(
             shared.shutdown.clone()
         },
         shared: Arc::clone(&shared),
+        first_source: 0,
     };
     machine.queue(handshake::connack(session_present, connack));
     if let Err(e) = driver.socket.write_all(&mut machine.wbuf).await {
