@@ -65,7 +65,10 @@ impl StateStoreService {
         observed: &Observed,
         payload: &[u8],
     ) -> Option<Batch> {
-        let persistence = self.persistence.as_ref()?;
+        let Some(persistence) = self.persistence.as_ref() else {
+            super::drop_vec(writes);
+            return None;
+        };
         let mut pending = self.pending.lock();
         // Forget only what was published: a later answer about a key must
         // not overtake an earlier one still in the waiting list.

@@ -467,6 +467,15 @@ impl StateStoreService {
         outcome: Outcome,
         here: Option<&mut Option<Answer>>,
     ) {
+        let Outcome {
+            payload,
+            timestamp,
+            notices,
+            writes,
+            ..
+        } = outcome;
+        // (Taken by `run` before: empty.)
+        drop_vec(writes);
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
             crate::metrics::store_request(reply.command, reply.ok, took);
@@ -485,7 +494,7 @@ impl StateStoreService {
                 // The acknowledgement goes once the answer is on its way.
                 let ticket = to.ticket.take();
                 let route = to.route.take();
-                let answer = binding::answer(to, outcome.payload, outcome.timestamp);
+                let answer = binding::answer(to, payload, timestamp);
                 match (here, route.as_deref()) {
                     (Some(here), Some(route)) => {
                         *here = self
@@ -500,7 +509,7 @@ impl StateStoreService {
                 drop(ticket);
             }
         }
-        for notice in &outcome.notices {
+        for notice in &notices {
             if self.activity.wanted() {
                 for watcher in &notice.watchers {
                     self.activity.record(Event::Notification {
@@ -534,6 +543,7 @@ impl StateStoreService {
                 }
             }
         }
+        drop_vec(notices);
     }
 
     /// A connection of `client_id` was accepted: the KEYNOTIFY
@@ -658,6 +668,19 @@ fn quota_reached(client_id: &str, command: &str) {
              (keys, bytes, a key's or value's size, or watches)"
         );
         last.0 = Some(now);
+    }
+}
+
+/// Drops `v`, an empty one without calling its drop glue: the glue of a
+/// `Vec` of records is a function of its own, ~17 instructions to find
+/// nothing to free, and a request's outcome has two to three empty ones.
+#[inline(always)]
+fn drop_vec<T>(v: Vec<T>) {
+    if v.capacity() == 0 {
+        // Nothing was allocated: nothing to leak.
+        std::mem::forget(v);
+    } else {
+        drop(v);
     }
 }
 
