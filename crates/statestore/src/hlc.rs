@@ -323,7 +323,6 @@ impl Version {
     /// 1,900 instructions, 7% of a request), into a [`Stamp`] (a `String`
     /// was an allocation and a free a request).
     pub fn format(self, node: &str) -> Stamp {
-        let node = node.as_bytes();
         if self.wall_ms < 1_000_000_000_000_000 && self.counter < 100_000 {
             // Every version until the year 33658: both numbers at their
             // fixed widths, two digits at a time.
@@ -333,12 +332,12 @@ impl Version {
             put_digits(&mut text[16..21], u64::from(self.counter));
             let len = 22 + node.len();
             return Stamp(if len <= Stamp::INLINE {
-                text[22..len].copy_from_slice(node);
+                text[22..len].copy_from_slice(node.as_bytes());
                 SmallVec::from_buf_and_len(text, len)
             } else {
                 let mut long = SmallVec::with_capacity(len);
                 long.extend_from_slice(&text[..22]);
-                long.extend_from_slice(node);
+                long.extend_from_slice(node.as_bytes());
                 long
             });
         }
@@ -347,7 +346,7 @@ impl Version {
         s.push(':');
         push_padded(&mut s, u64::from(self.counter), 5);
         s.push(':');
-        s.push_str(std::str::from_utf8(node).unwrap_or_default());
+        s.push_str(node);
         Stamp::from(s.as_str())
     }
 
