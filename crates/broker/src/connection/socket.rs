@@ -9,6 +9,7 @@
 use bytes::BytesMut;
 use router::protocol::Packet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use crate::codec::{self, CodecError, Incoming, Protocol};
 use crate::request_publish::{self, RequestPublish};
@@ -119,14 +120,34 @@ impl<S: Stream> Socket<S> {
     }
 
     /// Writes all of `out` and empties it.
+    ///
+    /// On plain TCP the bytes are first offered to the socket as they are
+    /// ([`TcpStream::try_write`]): nearly always all of them go, and the
+    /// write costs no future, no waker and no cooperative budget (tokio's
+    /// `write_all` took ~130 instructions a request around the `send`).
+    /// What the socket does not take then goes as on any stream. (Reading
+    /// still spends the budget, so a busy connection still gives way.)
     pub async fn write_all(&mut self, out: &mut BytesMut) -> std::io::Result<()> {
-        if !out.is_empty() {
-            self.stream.write_all(out).await?;
-            out.clear();
-            // A no-op on TCP; TLS and WebSocket streams send here.
-            self.stream.flush().await?;
+        if out.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        // A type check the compiler settles: `S` is or is not `TcpStream`.
+        if let Some(tcp) = (&mut self.stream as &mut dyn std::any::Any).downcast_mut::<TcpStream>()
+        {
+            match tcp.try_write(out) {
+                Ok(sent) if sent == out.len() => {
+                    out.clear();
+                    return Ok(());
+                }
+                Ok(sent) => bytes::Buf::advance(out, sent),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.stream.write_all(out).await?;
+        out.clear();
+        // A no-op on TCP; TLS and WebSocket streams send here.
+        self.stream.flush().await
     }
 
     /// Writes raw bytes at once (for answers that precede any codec).
@@ -219,6 +240,36 @@ mod tests {
         let mut answer = [0; 2];
         client_read.read_exact(&mut answer).await.unwrap();
         assert_eq!(answer, [0xD0, 0]);
+    }
+
+    /// On TCP, what the socket does not take at once (more than its
+    /// buffers hold, while the peer is not reading) still goes, whole and
+    /// in order, once the peer reads.
+    #[tokio::test]
+    async fn a_write_larger_than_the_socket_takes_goes_whole() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let mut socket = Socket::new(server);
+        let sent: Vec<u8> = (0..16 << 20).map(|i: u32| (i % 251) as u8).collect();
+        let mut out = BytesMut::from(&sent[..]);
+        let reader = tokio::spawn(async move {
+            let mut peer = peer;
+            // Not reading yet: the first offer fills the socket's buffers.
+            tokio::task::yield_now().await;
+            let mut got = Vec::new();
+            peer.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        socket.write_all(&mut out).await.unwrap();
+        assert!(out.is_empty(), "emptied once written");
+        socket.shutdown().await;
+        drop(socket);
+        let got = reader.await.unwrap();
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "the bytes arrive as written");
     }
 
     /// A packet that arrives whole is read whole: the read buffer's room
