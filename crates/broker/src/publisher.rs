@@ -181,17 +181,16 @@ impl Publisher {
         }
     }
 
-    /// `answer` (to `client`) for the connection `route` leads to,
-    /// handed back to be delivered by that connection's own task (see
-    /// [`Sessions::take_on`]); otherwise published as
-    /// [`Publisher::publish_for`] does, and `None`.
-    pub fn take_or_publish(&self, client: &str, route: &Route, answer: Answer) -> Option<Answer> {
-        match self.sessions.take_on(route, answer) {
-            Ok(answer) => Some(answer),
-            Err(answer) => {
-                self.publish_for(client, Some(route), answer.into_direct());
-                None
-            }
+    /// The answer in `here` (to `client`) left there for the connection
+    /// `route` leads to, to be delivered by that connection's own task
+    /// (see [`Sessions::take_on`]); otherwise taken out and published as
+    /// [`Publisher::publish_for`] does.
+    pub fn take_or_publish(&self, client: &str, route: &Route, here: &mut Option<Answer>) {
+        if let Some(answer) = here
+            && !self.sessions.take_on(route, answer)
+            && let Some(answer) = here.take()
+        {
+            self.publish_for(client, Some(route), answer.into_direct());
         }
     }
 

@@ -53,15 +53,20 @@ impl Answer {
     }
 
     /// The message it is.
-    pub fn into_direct(self) -> Direct {
+    pub fn into_direct(mut self) -> Direct {
+        self.take_direct()
+    }
+
+    /// The message it is, its parts taken out (what is left is empty).
+    pub fn take_direct(&mut self) -> Direct {
         Direct {
-            topic: self.topic,
-            payload: Bytes::from(self.payload),
+            topic: std::mem::take(&mut self.topic),
+            payload: Bytes::from(std::mem::take(&mut self.payload)),
             properties: DirectProperties::Fixed {
                 fixed: self.fixed,
                 correlation_data: self.correlation_data.as_deref().map(Bytes::copy_from_slice),
-                varying: self.varying,
-                subscription_identifiers: self.subscription_identifiers,
+                varying: (self.varying.0, std::mem::take(&mut self.varying.1)),
+                subscription_identifiers: std::mem::take(&mut self.subscription_identifiers),
             },
             qos: self.qos,
             handed_over: false,

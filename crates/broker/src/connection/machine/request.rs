@@ -123,7 +123,7 @@ impl Machine {
                             .acknowledged(before_ack, self.wbuf.len(), wait);
                         // The answer, if it went out at once, after its
                         // acknowledgement.
-                        if let Some(answer) = answer {
+                        if let Some(answer) = &mut answer {
                             self.out.answer(answer, kept, self.protocol, &mut self.wbuf);
                         }
                         if wait.is_some() || !self.awaited.is_empty() {

@@ -156,10 +156,11 @@ impl DirectWindow {
     /// ([`Self::take_unacknowledged`]). A session that ends with its
     /// connection gets nothing again (MQTT 5 3.1.2.11.2), so only the
     /// answer's size is kept. `false`: larger than the client accepts,
-    /// discarded.
+    /// discarded. (By reference, not moved in: a held answer's parts are
+    /// taken out, [`Answer::take_direct`].)
     pub fn send_answer(
         &mut self,
-        answer: Answer,
+        answer: &mut Answer,
         kept: bool,
         protocol: Protocol,
         out: &mut BytesMut,
@@ -167,7 +168,7 @@ impl DirectWindow {
     ) -> bool {
         // Only MQTT 5 has the properties to make it again from.
         if (answer.qos > 0 && !room) || protocol != Protocol::V5 {
-            return self.send(answer.into_direct(), protocol, out, room);
+            return self.send(answer.take_direct(), protocol, out, room);
         }
         let pkid = if answer.qos == 0 { 0 } else { self.next_pkid() };
         let start = out.len();

@@ -306,7 +306,14 @@ impl Outbound {
     /// while the client's Receive Maximum is reached. `kept`: the session
     /// outlives the connection (what is unacknowledged at its end is sent
     /// again later; see [`DirectWindow::send_answer`]).
-    pub fn answer(&mut self, answer: Answer, kept: bool, protocol: Protocol, out: &mut BytesMut) {
+    /// (By reference: what is held is taken out of it.)
+    pub fn answer(
+        &mut self,
+        answer: &mut Answer,
+        kept: bool,
+        protocol: Protocol,
+        out: &mut BytesMut,
+    ) {
         let room = self.held.is_empty() && !self.direct.has_pending() && self.room();
         let sent = self.direct.send_answer(answer, kept, protocol, out, room);
         self.count_discarded(u64::from(!sent));

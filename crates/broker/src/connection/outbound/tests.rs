@@ -546,10 +546,10 @@ fn answers_share_the_window_and_the_bound_with_messages() {
         a
     };
     let size = answer(0, 1).size();
-    o.answer(take(answer(1, 1)), true, Protocol::V5, &mut out);
+    o.answer(&mut take(answer(1, 1)), true, Protocol::V5, &mut out);
     o.deliver(message(2, 1), Protocol::V5, &mut out);
-    o.answer(take(answer(3, 1)), false, Protocol::V5, &mut out); // no room: waits
-    o.answer(take(answer(4, 0)), true, Protocol::V5, &mut out); // QoS 0: at once
+    o.answer(&mut take(answer(3, 1)), false, Protocol::V5, &mut out); // no room: waits
+    o.answer(&mut take(answer(4, 0)), true, Protocol::V5, &mut out); // QoS 0: at once
     assert_eq!(sent(&mut out), vec![(D, 1), (D + 1, 2), (0, 4)]);
     assert_eq!(o.in_flight(), 2);
     assert_eq!(
@@ -568,7 +568,7 @@ fn answers_share_the_window_and_the_bound_with_messages() {
     assert_eq!(bound.held(), (0, 0));
     let mut big = answer(5, 1);
     big.payload = vec![b'x'; 300];
-    o.answer(take(big), false, Protocol::V5, &mut out);
+    o.answer(&mut take(big), false, Protocol::V5, &mut out);
     assert!(out.is_empty());
     assert_eq!(o.discarded(), 1);
     assert_eq!(
@@ -586,8 +586,8 @@ fn an_unacknowledged_answer_comes_back_as_its_message() {
     let mut w = DirectWindow::new(usize::MAX, unbounded());
     let mut out = BytesMut::new();
     w.send(message(1, 1), Protocol::V5, &mut out, true);
-    assert!(w.send_answer(answer(2, 1), true, Protocol::V5, &mut out, true));
-    assert!(w.send_answer(answer(9, 1), false, Protocol::V5, &mut out, true));
+    assert!(w.send_answer(&mut answer(2, 1), true, Protocol::V5, &mut out, true));
+    assert!(w.send_answer(&mut answer(9, 1), false, Protocol::V5, &mut out, true));
     w.send(message(3, 1), Protocol::V5, &mut out, true);
     let back = w.take_unacknowledged();
     let payloads: Vec<u8> = back.iter().map(|m| m.payload[0]).collect();

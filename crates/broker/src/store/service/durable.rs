@@ -88,8 +88,8 @@ impl StateStoreService {
     /// `here`: see [`Self::serve_here`].
     pub(super) fn publish_when_durable(
         self: &Arc<Self>,
-        reply: Option<Reply<'_>>,
-        outcome: Outcome,
+        reply: Option<&mut Reply<'_>>,
+        outcome: &mut Outcome,
         wait: Option<Batch>,
         here: Option<&mut Option<Answer>>,
     ) -> Option<Batch> {
@@ -100,8 +100,8 @@ impl StateStoreService {
             if !waiting.released.covers(batch) {
                 waiting.list.push(Waiting {
                     batch,
-                    reply: reply.map(Reply::detach),
-                    outcome,
+                    reply: reply.map(Reply::take_detached),
+                    outcome: std::mem::replace(outcome, super::notices_only(Vec::new())),
                 });
                 return Some(batch);
             }
@@ -125,8 +125,8 @@ impl StateStoreService {
             (ready, durable)
         };
         ready.sort_by_key(|w| w.batch);
-        for w in ready {
-            self.publish_outcome(w.reply, w.outcome, None);
+        for mut w in ready {
+            self.publish_outcome(w.reply.as_mut(), &mut w.outcome, None);
         }
         self.published.send_replace(durable);
     }

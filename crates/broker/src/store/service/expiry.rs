@@ -24,7 +24,7 @@ impl StateStoreService {
             let wait = self.persist(&store, std::mem::take(&mut fx.writes), &Observed::All, &[]);
             (fx, wait)
         };
-        self.publish_when_durable(None, notices_only(fx.notices), wait, None);
+        self.publish_when_durable(None, &mut notices_only(fx.notices), wait, None);
         true
     }
 
@@ -48,7 +48,7 @@ impl StateStoreService {
             (fx, store.next_expiry(), wait)
         };
         if !fx.notices.is_empty() {
-            self.publish_when_durable(None, notices_only(fx.notices), wait, None);
+            self.publish_when_durable(None, &mut notices_only(fx.notices), wait, None);
         }
         next
     }
