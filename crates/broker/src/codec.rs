@@ -56,6 +56,39 @@ pub struct Incoming {
     pub dup: bool,
 }
 
+impl Incoming {
+    /// A PUBACK of `pkid` without reason code or properties (see
+    /// [`puback_at`]).
+    pub fn puback(pkid: u16) -> Incoming {
+        Incoming {
+            packet: Packet::PubAck(
+                router::protocol::PubAck {
+                    pkid,
+                    reason: router::protocol::PubAckReason::Success,
+                },
+                None,
+            ),
+            qos: 0,
+            pkid: 0,
+            dup: false,
+        }
+    }
+}
+
+/// The packet id of the PUBACK without reason code or properties at the
+/// start of `buf` (3.1.1 and 5 alike; 4 bytes), if it starts with one:
+/// the packet a state store client sends most after its requests (it
+/// acknowledges each answer), read as the decoder reads it without the
+/// decoder's round (~340 instructions).
+pub fn puback_at(buf: &[u8], max_packet_size: usize) -> Option<u16> {
+    match buf {
+        [0x40, 0x02, high, low, ..] if max_packet_size >= 2 => {
+            Some(u16::from_be_bytes([*high, *low]))
+        }
+        _ => None,
+    }
+}
+
 /// The size of the next frame in `buf`: `Ok(None)` if more bytes are needed.
 fn frame(buf: &[u8], max_packet_size: usize) -> Result<Option<(usize, usize)>, CodecError> {
     let mut remaining: usize = 0;
@@ -223,24 +256,9 @@ impl Protocol {
         buf: &mut BytesMut,
         max_packet_size: usize,
     ) -> Result<Option<Incoming>, CodecError> {
-        // A PUBACK without reason code or properties, the packet a state
-        // store client sends most after its requests (it acknowledges
-        // each answer), is read as the decoder reads it (3.1.1 and 5
-        // alike) without the decoder's round (~340 instructions).
-        if let [0x40, 0x02, high, low, ..] = buf[..]
-            && max_packet_size >= 2
-        {
+        if let Some(pkid) = puback_at(buf, max_packet_size) {
             bytes::Buf::advance(buf, 4);
-            let ack = router::protocol::PubAck {
-                pkid: u16::from_be_bytes([high, low]),
-                reason: router::protocol::PubAckReason::Success,
-            };
-            return Ok(Some(Incoming {
-                packet: Packet::PubAck(ack, None),
-                qos: 0,
-                pkid: 0,
-                dup: false,
-            }));
+            return Ok(Some(Incoming::puback(pkid)));
         }
         let Some(info) = inspect(buf, max_packet_size)? else {
             return Ok(None);

@@ -26,6 +26,7 @@ use super::machine::Machine;
 use super::socket::{Socket, Stream};
 use super::waiting::Quiet;
 use crate::clock::Ticks;
+use crate::codec::Incoming;
 use crate::persistence::Position;
 use crate::sessions::{Peer, ToConnection};
 use crate::shared::Shared;
@@ -230,6 +231,11 @@ impl<S: Stream> Driver<S> {
         let keeping = self.idle_limit.is_some();
         self.first_source = (self.first_source + 1) % 3;
         let first = self.first_source;
+        // What the router or the broker handed over, kept here rather than
+        // carried in `Woke`: a `Woke` that large was copied out of the
+        // wait, ~30 instructions a turn, the client's turns too.
+        let mut from_router = None;
+        let mut from_broker = None;
         let woke = {
             let mut fill = std::pin::pin!(self.socket.fill());
             let mut next = std::pin::pin!(self.link.next());
@@ -252,12 +258,14 @@ impl<S: Stream> Driver<S> {
                         }
                         1 if notifying => {
                             if let Poll::Ready(notification) = next.as_mut().poll(cx) {
-                                return Poll::Ready(Woke::Router(notification));
+                                from_router = Some(notification);
+                                return Poll::Ready(Woke::Router);
                             }
                         }
                         2 if inbox_open => match Pin::new(&mut recv).poll(cx) {
                             Poll::Ready(Some(message)) => {
-                                return Poll::Ready(Woke::Broker(message));
+                                from_broker = Some(message);
+                                return Poll::Ready(Woke::Broker);
                             }
                             Poll::Ready(None) => inbox_open = false,
                             Poll::Pending => {}
@@ -276,21 +284,25 @@ impl<S: Stream> Driver<S> {
                 *last_heard = Ticks::now();
                 Ok(true)
             }
-            Woke::Router(Ok(Some(n))) => {
-                machine.on_router(n)?;
-                // What else the router has ready, before writing (up to a
-                // batch: the rest comes next turn).
-                while machine.wbuf.len() < WRITE_BATCH
-                    && let Some(n) = self.link.next_ready()
-                {
+            Woke::Router => match from_router {
+                Some(Ok(Some(n))) => {
                     machine.on_router(n)?;
+                    // What else the router has ready, before writing (up to
+                    // a batch: the rest comes next turn).
+                    while machine.wbuf.len() < WRITE_BATCH
+                        && let Some(n) = self.link.next_ready()
+                    {
+                        machine.on_router(n)?;
+                    }
+                    Ok(false)
                 }
-                Ok(false)
-            }
-            Woke::Router(Ok(None)) => Ok(false),
-            Woke::Router(Err(_)) => Err(End::RouterClosed),
-            Woke::Broker(message) => {
-                self.on_broker(machine, message)?;
+                Some(Ok(None)) | None => Ok(false),
+                Some(Err(_)) => Err(End::RouterClosed),
+            },
+            Woke::Broker => {
+                if let Some(message) = from_broker {
+                    self.on_broker(machine, message)?;
+                }
                 Ok(false)
             }
             Woke::KeepAlive => {
@@ -357,6 +369,12 @@ impl<S: Stream> Driver<S> {
                 let served = machine.on_request_read(request);
                 self.socket.consume(len);
                 served?;
+                continue;
+            }
+            // The answers' acknowledgements, made where the machine takes
+            // them (decoded, each was copied out of the decoder's result).
+            if let Some(pkid) = self.socket.next_puback(self.max_packet_size) {
+                machine.on_packet(Incoming::puback(pkid))?;
                 continue;
             }
             // Matched whole, not through `?`: that moved the whole result
@@ -474,14 +492,13 @@ async fn until<T>(watch: &mut watch::Receiver<T>, ready: impl FnMut(&T) -> bool)
     let _ = watch.wait_for(ready).await;
 }
 
-/// What ended a [`Driver::turn`]'s wait. (A router notification is large,
-/// the rest small: it lives for one turn, on the stack, where boxing it
-/// would allocate for each.)
-#[allow(clippy::large_enum_variant)]
+/// What ended a [`Driver::turn`]'s wait: the client's read, or which
+/// source has something (what the router or the broker handed over waits
+/// in the turn's own slots: large, it made every `Woke` large).
 enum Woke {
     Client(std::io::Result<usize>),
-    Router(Result<Option<router::Notification>, router::local::LinkError>),
-    Broker(ToConnection),
+    Router,
+    Broker,
     KeepAlive,
     Stop,
 }

@@ -113,6 +113,14 @@ impl<S: Stream> Socket<S> {
         bytes::Buf::advance(&mut self.rbuf, len);
     }
 
+    /// The packet id of the PUBACK without reason code or properties at
+    /// the front of what was read, taken off it ([`codec::puback_at`]).
+    pub fn next_puback(&mut self, max_packet_size: usize) -> Option<u16> {
+        let pkid = codec::puback_at(&self.rbuf, max_packet_size)?;
+        bytes::Buf::advance(&mut self.rbuf, 4);
+        Some(pkid)
+    }
+
     /// Decodes the next complete packet from what was read (what a client
     /// may not send is the machine's to refuse: `codec::check_from_client`).
     pub fn next_packet(&mut self, max_packet_size: usize) -> Result<Option<Incoming>, CodecError> {
