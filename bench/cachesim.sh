@@ -11,6 +11,12 @@
 #
 #   bench/cachesim.sh statebroker|redis amd|amd1m|intel [BROKER_BINARY]
 #
+# PIN=1 runs the server on core 0 only, as bench/compare.py and
+# bench/cputime.py run it (with one core statebroker runs tokio's
+# current-thread scheduler, unpinned on two its multi-thread one: ~200
+# instructions a request fewer, 2026-12-03). Unpinned is how every
+# earlier session's numbers were taken.
+#
 # amd:   L1i 32 KiB 8-way, L1d 32 KiB 8-way, L2 512 KiB 8-way (the AMD EPYC
 #        VMs of the earlier sessions)
 # amd1m: L1i 32 KiB 8-way, L1d 32 KiB 8-way, L2 1 MiB 8-way (the AMD EPYC
@@ -43,7 +49,7 @@ wait_port() {
 run() {
     local size="$1" port pid requests
     port=$(free_port)
-    local cg=(valgrind --tool=callgrind --cache-sim=yes "${caches[@]}" --callgrind-out-file="$out/cg.$size")
+    local cg=(${PIN:+taskset -c 0} valgrind --tool=callgrind --cache-sim=yes "${caches[@]}" --callgrind-out-file="$out/cg.$size")
     if [ "$server" = statebroker ]; then
         "${cg[@]}" "$broker" --in-memory --no-http --listen "127.0.0.1:$port" >/dev/null 2>&1 &
         pid=$!

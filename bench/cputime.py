@@ -87,6 +87,10 @@ def main():
         if not os.access(b, os.X_OK):
             p.error(f"{b}: not an executable")
     names = ["statebroker"] if len(brokers) == 1 else [os.path.basename(b) for b in brokers]
+    # The same binary twice (a control: what the machine alone moves) gets
+    # a name of its own each time.
+    names = [n if names[:i].count(n) == 0 else f"{n}#{names[:i].count(n) + 1}"
+             for i, n in enumerate(names)]
     count = lambda out: int(re.search(r"requests (\d+)", out).group(1))  # noqa: E731
 
     def run_broker(binary):
@@ -121,10 +125,18 @@ def main():
     redis = results["redis"]
     for name in names:
         ours = results[name]
-        rate = median([o[0] / x[0] for o, x in zip(ours, redis)])
+        rates = [o[0] / x[0] for o, x in zip(ours, redis)]
         user = median([o[1] / x[1] for o, x in zip(ours, redis)])
-        print(f"{name}: median of rounds, requests/s {rate:.2f}x Redis's, "
+        print(f"{name}: median of rounds, requests/s {median(rates):.2f}x Redis's "
+              f"(rounds {min(rates):.2f}-{max(rates):.2f}), "
               f"user time per request {user:.2f}x Redis's")
+    # Builds against the first, round by round: the comparison the rounds
+    # alternate for (Redis's own rate moves with the machine as theirs do).
+    first = results[names[0]]
+    for name in names[1:]:
+        rates = [o[0] / f[0] for o, f in zip(results[name], first)]
+        print(f"{name} against {names[0]}: median of rounds, requests/s {median(rates):.3f}x "
+              f"(rounds {min(rates):.2f}-{max(rates):.2f})")
 
 
 if __name__ == "__main__":
