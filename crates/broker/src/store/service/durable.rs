@@ -101,7 +101,7 @@ impl StateStoreService {
                 waiting.list.push(Waiting {
                     batch,
                     reply: reply.map(Reply::take_detached),
-                    outcome: std::mem::replace(outcome, super::notices_only(Vec::new())),
+                    outcome: super::take_outcome(outcome),
                 });
                 return Some(batch);
             }
