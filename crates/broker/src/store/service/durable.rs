@@ -15,6 +15,10 @@ use super::{Reply, StateStoreService};
 use crate::persistence::{Batch, Position};
 use crate::sessions::Answer;
 
+/// How many released answers the durable task keeps room for between
+/// group commits (64 connections' worth, four times over).
+const KEEP_READY: usize = 256;
+
 /// What waits for the disk.
 #[derive(Default)]
 pub(super) struct Waiters {
@@ -112,21 +116,35 @@ impl StateStoreService {
 
     /// Publishes, in batch order, what waited for batches up to the durable
     /// position, read under the waiting lock (see `publish_when_durable`).
-    fn publish_durable(&self, durable: &mut tokio::sync::watch::Receiver<Position>) {
-        let (mut ready, durable) = {
+    /// `ready`: the durable task's own vector, empty, kept between calls
+    /// for its room (a group commit releases dozens of answers: collected
+    /// into a new vector each time, it grew by reallocating and copying
+    /// them, ~400 instructions a persisted write).
+    fn publish_durable(
+        &self,
+        durable: &mut tokio::sync::watch::Receiver<Position>,
+        ready: &mut Vec<Waiting>,
+    ) {
+        let durable = {
             let mut waiting = self.waiting.lock();
             let durable = *durable.borrow_and_update();
             // Only the ready entries move; the rest stay where they are.
-            let ready: Vec<Waiting> = waiting
-                .list
-                .extract_if(.., |w| durable.covers(w.batch))
-                .collect();
+            ready.extend(waiting.list.extract_if(.., |w| durable.covers(w.batch)));
             waiting.released = durable;
-            (ready, durable)
+            durable
         };
-        ready.sort_by_key(|w| w.batch);
-        for mut w in ready {
+        // Nearly always in order already (the sort would still take room
+        // for half of them: a stable sort, so that answers for one batch
+        // keep the order they were made in).
+        if !ready.is_sorted_by_key(|w| w.batch) {
+            ready.sort_by_key(|w| w.batch);
+        }
+        for mut w in ready.drain(..) {
             self.publish_outcome(w.reply.as_mut(), &mut w.outcome, None);
+        }
+        // Room for a burst (what a stalled disk released at once) is let go.
+        if ready.capacity() > KEEP_READY {
+            *ready = Vec::new();
         }
         self.published.send_replace(durable);
     }
@@ -138,10 +156,11 @@ pub(super) async fn durable_task(
     service: std::sync::Weak<StateStoreService>,
     mut durable: tokio::sync::watch::Receiver<Position>,
 ) {
+    let mut ready = Vec::new();
     while durable.changed().await.is_ok() {
         let Some(service) = service.upgrade() else {
             return;
         };
-        service.publish_durable(&mut durable);
+        service.publish_durable(&mut durable, &mut ready);
     }
 }
