@@ -18,9 +18,13 @@ use std::path::{Path, PathBuf};
 use statestore::persist::PersistPolicy;
 use std::time::Duration;
 
+mod clustering;
+mod http;
 mod listeners;
 mod sections;
 
+pub use clustering::ClusteringSettings;
+pub use http::HttpOptions;
 pub use listeners::{Listener, TlsFiles, Transport};
 pub use sections::{
     BrokerSection, ClusteringSection, LogSection, PersistenceSection, QuotaSection, StoreSection,
@@ -75,204 +79,6 @@ pub struct PersistenceSettings {
     /// Start even when the data directory has lost data (its journal
     /// deleted or damaged): `--accept-data-loss`, for one start.
     pub accept_data_loss: bool,
-}
-
-/// `[clustering]`, resolved: present when `etcd_endpoints` is not empty.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClusteringSettings {
-    /// This node's name; the node id of its versions.
-    pub node_id: String,
-    /// etcd's client URLs.
-    pub etcd_endpoints: Vec<String>,
-    /// The prefix of every key in etcd, ending in `/`.
-    pub etcd_prefix: String,
-    /// How long one etcd request may take.
-    pub request_timeout: Duration,
-    /// How long a deleted key's last version is kept.
-    pub tombstone_ttl: Duration,
-    /// etcd's largest request, bytes.
-    pub max_request_bytes: usize,
-    /// `cached_reads`: a GET answers from the records the watch delivered
-    /// when the node has the key's (not linearizable).
-    pub cached_reads: bool,
-    /// `cache_bytes`: how much of the records the node keeps in memory.
-    pub cache_bytes: usize,
-    /// `requests_to_leader`: keys' reads and writes go to etcd's leader
-    /// when the node knows it (see `cluster::route`).
-    pub requests_to_leader: bool,
-    /// `lease_ttl_ms`: the membership lease's TTL (whole seconds).
-    pub lease_ttl: Duration,
-    /// `peer_address`: where the other nodes' links reach this node
-    /// (`None`: the first plain TCP listener's address).
-    pub peer_address: Option<String>,
-    /// `forward_queue`: publishes waiting for one link, at most.
-    pub forward_queue: usize,
-    /// `session_reap_interval_s`: how often ownerless session records are
-    /// looked for.
-    pub session_reap_interval: Duration,
-    /// `keep_queued_in_etcd`: QoS 1 and 2 messages queued for persistent
-    /// sessions are kept in etcd too (see `cluster::queue`).
-    pub keep_queued_in_etcd: bool,
-    /// `recent_publishes_bytes`: memory for the publishes kept a few
-    /// seconds for the sessions of a node that dies (see
-    /// `cluster::recent`; 0: none kept).
-    pub recent_publishes_bytes: usize,
-}
-
-impl ClusteringSettings {
-    /// Checks and resolves `[clustering]`; `None`: a single node.
-    fn resolve(
-        section: sections::ClusteringSection,
-        max_clock_skew_ms: u64,
-    ) -> Result<Option<ClusteringSettings>, ConfigError> {
-        let endpoints: Vec<String> = section
-            .etcd_endpoints
-            .iter()
-            .map(|e| e.trim().to_owned())
-            .filter(|e| !e.is_empty())
-            .collect();
-        let node_id = section.node_id.trim().to_owned();
-        if endpoints.is_empty() {
-            if !node_id.is_empty() {
-                return Err(invalid(
-                    "clustering.node_id is set but clustering.etcd_endpoints is empty: give etcd's client URLs (--etcd-endpoints http://HOST:2379,...), or remove node_id for a single node",
-                ));
-            }
-            return Ok(None);
-        }
-        for endpoint in &endpoints {
-            let valid = endpoint
-                .strip_prefix("http://")
-                .or_else(|| endpoint.strip_prefix("https://"))
-                .is_some_and(|rest| !rest.is_empty() && !rest.contains('/'));
-            if !valid {
-                return Err(invalid(format!(
-                    "clustering.etcd_endpoints: `{endpoint}` is not an etcd client URL like http://127.0.0.1:2379"
-                )));
-            }
-        }
-        // ':' and '/' separate fields of versions and etcd keys; a line
-        // break separates the entries of a session's owner record (a node
-        // id with one passed for a marker, and a session that moved there
-        // lost its queued messages).
-        if node_id.is_empty()
-            || node_id.contains(':')
-            || node_id.contains('/')
-            || node_id.chars().any(char::is_control)
-        {
-            return Err(invalid(
-                "clustering.node_id must be set (unique per node, without ':', '/' or control characters such as line breaks) when clustering.etcd_endpoints is: --cluster-node-id NAME",
-            ));
-        }
-        let mut prefix = section.etcd_prefix.trim().to_owned();
-        if prefix.is_empty() {
-            return Err(invalid("clustering.etcd_prefix must not be empty"));
-        }
-        if !prefix.ends_with('/') {
-            prefix.push('/');
-        }
-        if section.etcd_request_timeout_ms == 0 {
-            return Err(invalid(
-                "clustering.etcd_request_timeout_ms must be at least 1",
-            ));
-        }
-        let min_ttl = max_clock_skew_ms / 1000 + 10;
-        if section.tombstone_ttl_s < min_ttl {
-            return Err(invalid(format!(
-                "clustering.tombstone_ttl_s must be at least statestore.max_clock_skew_ms / 1000 + 10 = {min_ttl}"
-            )));
-        }
-        if section.lease_ttl_ms < 1000 || !section.lease_ttl_ms.is_multiple_of(1000) {
-            return Err(invalid(
-                "clustering.lease_ttl_ms must be whole seconds (etcd's leases count seconds), at least 1000",
-            ));
-        }
-        if section.etcd_max_request_bytes < 4096 {
-            return Err(invalid(
-                "clustering.etcd_max_request_bytes must be at least 4096 (etcd's --max-request-bytes)",
-            ));
-        }
-        let peer_address = section.peer_address.trim().to_owned();
-        if !peer_address.is_empty()
-            && peer_address
-                .rsplit_once(':')
-                .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
-        {
-            return Err(invalid(format!(
-                "clustering.peer_address: `{peer_address}` is not host:port (where the other nodes reach this node's plain MQTT listener)"
-            )));
-        }
-        if section.forward_queue == 0 {
-            return Err(invalid("clustering.forward_queue must be at least 1"));
-        }
-        if section.session_reap_interval_s == 0 {
-            return Err(invalid(
-                "clustering.session_reap_interval_s must be at least 1 (seconds)",
-            ));
-        }
-        Ok(Some(ClusteringSettings {
-            peer_address: (!peer_address.is_empty()).then_some(peer_address),
-            forward_queue: section.forward_queue,
-            session_reap_interval: Duration::from_secs(section.session_reap_interval_s),
-            keep_queued_in_etcd: section.keep_queued_in_etcd,
-            recent_publishes_bytes: section.recent_publishes_bytes,
-            node_id,
-            etcd_endpoints: endpoints,
-            etcd_prefix: prefix,
-            request_timeout: Duration::from_millis(section.etcd_request_timeout_ms),
-            tombstone_ttl: Duration::from_secs(section.tombstone_ttl_s),
-            max_request_bytes: section.etcd_max_request_bytes,
-            cached_reads: section.cached_reads,
-            cache_bytes: section.cache_bytes,
-            requests_to_leader: section.requests_to_leader,
-            lease_ttl: Duration::from_millis(section.lease_ttl_ms),
-        }))
-    }
-}
-
-/// `[http]` beyond `listen` and `allow_edit`: the endpoint's bounds and
-/// names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HttpOptions {
-    /// `allowed_hosts`: names the web view answers under besides
-    /// `localhost` and IP literals; lower case, without a trailing dot.
-    pub allowed_hosts: Vec<String>,
-    /// `allow_anonymous`: on a non-loopback address the web view's reads
-    /// (GET, HEAD) need no password; changes still need a user of the
-    /// password file.
-    pub allow_anonymous: bool,
-    /// `max_connections`: HTTP connections open at once (apart from
-    /// MQTT's); more are closed at accept.
-    pub max_connections: usize,
-    /// `header_timeout_ms`: a request's headers must arrive within this
-    /// of its first byte (the first request's: of the connection).
-    pub header_timeout: Duration,
-    /// `idle_timeout_ms`: a connection with no byte either way this long
-    /// is closed.
-    pub idle_timeout: Duration,
-}
-
-/// A configured host name (`allowed_hosts`), lower case and without a
-/// trailing dot; `None` for an empty entry.
-fn host_name(entry: &str) -> Result<Option<String>, ConfigError> {
-    let trimmed = entry.trim();
-    let name = trimmed.strip_suffix('.').unwrap_or(trimmed);
-    if trimmed.is_empty() {
-        return Ok(None);
-    }
-    let valid = !name.is_empty()
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        });
-    if !valid {
-        return Err(invalid(format!(
-            "http.allowed_hosts: `{entry}` is not a host name like broker.example (the name only: no scheme, port, path or wildcard; localhost and IP addresses are always served)"
-        )));
-    }
-    Ok(Some(name.to_ascii_lowercase()))
 }
 
 /// A configuration that cannot be used.
@@ -513,7 +319,7 @@ impl Settings {
                 ))
             })?),
         };
-        let http_options = http_options(&http_section)?;
+        let http_options = HttpOptions::resolve(&http_section)?;
         let persist_policy = PersistPolicy::parse(&persistence_section.keys)
             .map_err(|e| invalid(format!("persistence.keys: {e}")))?;
         let mode = match persistence_section.mode.as_str() {
@@ -772,34 +578,6 @@ fn listeners_needing_restart(running: &[Listener], new: &[Listener]) -> Vec<Stri
         );
     }
     names
-}
-
-/// `[http]`'s bounds and names, checked.
-fn http_options(http: &sections::HttpSection) -> Result<HttpOptions, ConfigError> {
-    let mut allowed_hosts = Vec::new();
-    for entry in &http.allowed_hosts {
-        if let Some(name) = host_name(entry)? {
-            allowed_hosts.push(name);
-        }
-    }
-    if http.max_connections == 0 {
-        return Err(invalid("http.max_connections must be at least 1"));
-    }
-    for (key, ms) in [
-        ("header_timeout_ms", http.header_timeout_ms),
-        ("idle_timeout_ms", http.idle_timeout_ms),
-    ] {
-        if ms == 0 {
-            return Err(invalid(format!("http.{key} must be at least 1")));
-        }
-    }
-    Ok(HttpOptions {
-        allowed_hosts,
-        allow_anonymous: http.allow_anonymous,
-        max_connections: http.max_connections,
-        header_timeout: Duration::from_millis(http.header_timeout_ms),
-        idle_timeout: Duration::from_millis(http.idle_timeout_ms),
-    })
 }
 
 /// The fields of the embedded default's first listener that a listener of
