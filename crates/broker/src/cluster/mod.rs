@@ -66,6 +66,7 @@ pub mod record;
 pub mod registrations;
 pub mod retained;
 mod route;
+mod scan;
 pub mod sessions;
 pub mod shares;
 mod stamps;

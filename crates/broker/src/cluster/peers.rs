@@ -33,16 +33,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
-use metrics::Counter;
 use parking_lot::RwLock;
-use router::protocol::{Publish, PublishProperties, QoS};
-use rumqttc::Outgoing;
+use router::protocol::{Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS as LinkQoS;
-use rumqttc::v5::mqttbytes::v5::{Packet as LinkPacket, PublishProperties as LinkProperties};
-use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use rumqttc::v5::mqttbytes::v5::PublishProperties as LinkProperties;
 use subtle::ConstantTimeEq;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 use super::Cluster;
 use super::confirmations::Confirmations;
@@ -50,10 +46,11 @@ use super::membership::Member;
 use super::recent::Recent;
 use super::stamps::Stamps;
 
-pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
+mod hand_over;
+mod link;
 
-/// How long a hand-over waits for room on a link before it gives up.
-const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
+pub use crate::publisher::{LINK_CLIENT_PREFIX, LINK_USERNAME};
+use link::{Link, link_properties, link_qos, secret};
 
 /// How long a link's session outlives it on the other node (seconds): what
 /// was in flight when it broke is sent again within it.
@@ -86,16 +83,6 @@ pub struct Peers {
     recent: Arc<Recent>,
     /// Itself, for its links' tasks.
     me: Weak<Peers>,
-}
-
-/// One link, and the task that drives it (it ends when the link is dropped).
-struct Link {
-    node_id: String,
-    address: String,
-    client: AsyncClient,
-    forwarded: Counter,
-    dropped: Counter,
-    _stop: oneshot::Sender<()>,
 }
 
 impl Peers {
@@ -310,114 +297,7 @@ impl Peers {
         }
     }
 
-    /// Sends `node` the messages queued here for `client_id`'s session,
-    /// which moved there: each with the User Property
-    /// [`crate::publisher::HANDOVER`] naming the client, which the other
-    /// node delivers to that client alone; then, with none or all of them
-    /// sent, a publish marked [`crate::publisher::HANDOVER_DONE`], which
-    /// tells the client's connection there that what its router gives may
-    /// follow. Waits for room on the link; returns how many messages it
-    /// took (none without a link to `node`).
-    pub async fn hand_over(
-        &self,
-        node: &str,
-        client_id: &str,
-        messages: Vec<(Publish, Option<PublishProperties>)>,
-    ) -> usize {
-        let Some(client) = self
-            .links
-            .read()
-            .iter()
-            .find(|l| l.node_id == node)
-            .map(|l| l.client.clone())
-        else {
-            return 0;
-        };
-        let mut sent = 0;
-        let mut whole = true;
-        for (publish, properties) in messages {
-            let Ok(topic) = std::str::from_utf8(&publish.topic) else {
-                continue;
-            };
-            let mut properties = properties.as_ref().map(link_properties).unwrap_or_default();
-            properties
-                .user_properties
-                .push((crate::publisher::HANDOVER.to_owned(), client_id.to_owned()));
-            if publish.retain {
-                properties
-                    .user_properties
-                    .push((crate::publisher::HANDOVER_RETAIN.to_owned(), "1".to_owned()));
-            }
-            let qos = link_qos(publish.qos);
-            if !self
-                .hand_one(&client, node, topic, qos, publish.payload, properties)
-                .await
-            {
-                whole = false;
-                break;
-            }
-            sent += 1;
-        }
-        if whole {
-            let mut properties = LinkProperties::default();
-            properties.user_properties.push((
-                crate::publisher::HANDOVER_DONE.to_owned(),
-                client_id.to_owned(),
-            ));
-            let topic = crate::publisher::HANDOVER_DONE_TOPIC;
-            let payload = bytes::Bytes::new();
-            self.hand_one(
-                &client,
-                node,
-                topic,
-                LinkQoS::AtLeastOnce,
-                payload,
-                properties,
-            )
-            .await;
-        }
-        sent
-    }
-
-    /// Publishes one message of a handover on the link to `node`, in the
-    /// confirmations' order (nobody waits for them); a full queue is
-    /// waited for, [`HANDOVER_PATIENCE`] at most. `false`: not taken.
-    async fn hand_one(
-        &self,
-        client: &AsyncClient,
-        node: &str,
-        topic: &str,
-        qos: LinkQoS,
-        payload: bytes::Bytes,
-        properties: LinkProperties,
-    ) -> bool {
-        let mut full_since = None;
-        loop {
-            let taken = self.confirmations.with(|state| {
-                let published = client.try_publish_with_properties(
-                    topic,
-                    qos,
-                    false,
-                    payload.clone(),
-                    properties.clone(),
-                );
-                published
-                    .is_ok()
-                    .then(|| state.handed(node, None))
-                    .is_some()
-            });
-            if taken {
-                return true;
-            }
-            let since = *full_since.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() > HANDOVER_PATIENCE {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// The link to `node` broke (see [`drive`]): notes how far `node` had
+    /// The link to `node` broke (see `link::drive`): notes how far `node` had
     /// this node's publishes, and tells the other nodes.
     fn link_broke(&self, node: &str) {
         self.tell_had(&self.links.read(), node);
@@ -508,81 +388,6 @@ impl Peers {
                 ),
             }
         }
-    }
-
-    /// A link to `node` at `address`, driven by a task of its own.
-    fn open(&self, node: &str, address: &str) -> Result<Link, String> {
-        let (host, port) = address
-            .rsplit_once(':')
-            .and_then(|(h, p)| Some((h.trim_matches(['[', ']']), p.parse::<u16>().ok()?)))
-            .ok_or_else(|| format!("`{address}` is not host:port"))?;
-        let mut options =
-            MqttOptions::new(format!("{LINK_CLIENT_PREFIX}{}", self.node_id), host, port);
-        // Clean Start 1 at first: the other node may keep a session of an
-        // earlier link of this node's (before a restart, or before the
-        // link was closed), whose QoS 2 publishes waiting for a PUBREL this
-        // link knows nothing of: it numbers its own from 1, and the router
-        // would take a new publish on such an id for the old one (dropping
-        // it, and delivering the old one at its PUBREL). Clean Start 0
-        // once connected (see `drive`), so that what a broken connection
-        // had in flight is sent again.
-        options
-            .set_credentials(LINK_USERNAME, self.secret.clone())
-            .set_clean_start(true)
-            .set_session_expiry_interval(Some(LINK_SESSION_EXPIRY))
-            .set_keep_alive(Duration::from_secs(5))
-            .set_max_packet_size(Some(u32::MAX >> 4))
-            .set_request_channel_capacity(self.forward_queue);
-        let (client, events) = AsyncClient::new(options, self.forward_queue);
-        let (stop, stopped) = oneshot::channel();
-        tokio::spawn(drive(
-            events,
-            node.to_owned(),
-            address.to_owned(),
-            Arc::clone(&self.confirmations),
-            Arc::clone(&self.standing),
-            self.me.clone(),
-            stopped,
-        ));
-        let (forwarded, dropped) = crate::metrics::cluster_forward_counters(node);
-        tracing::info!(peer = node, address, "clustering: linking to a node");
-        Ok(Link {
-            node_id: node.to_owned(),
-            address: address.to_owned(),
-            client,
-            forwarded,
-            dropped,
-            _stop: stop,
-        })
-    }
-}
-
-/// The properties a publish keeps on its way to another node (the topic
-/// alias was resolved on the way in; subscription identifiers are the
-/// receiving subscriber's).
-/// The link client's QoS for the router's.
-fn link_qos(qos: QoS) -> LinkQoS {
-    match qos {
-        QoS::AtMostOnce => LinkQoS::AtMostOnce,
-        QoS::AtLeastOnce => LinkQoS::AtLeastOnce,
-        QoS::ExactlyOnce => LinkQoS::ExactlyOnce,
-    }
-}
-
-fn link_properties(p: &PublishProperties) -> LinkProperties {
-    LinkProperties {
-        payload_format_indicator: p.payload_format_indicator,
-        message_expiry_interval: p.message_expiry_interval,
-        topic_alias: None,
-        response_topic: p.response_topic.as_deref().map(str::to_owned),
-        correlation_data: p.correlation_data.clone(),
-        user_properties: p
-            .user_properties
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        subscription_identifiers: Vec::new(),
-        content_type: p.content_type.as_deref().map(str::to_owned),
     }
 }
 
@@ -690,176 +495,5 @@ async fn expire(confirmations: Weak<Confirmations>) {
     }
 }
 
-/// Drives one link: connects, sends, reconnects (backing off) until
-/// `stop` fires or its sender is dropped. A link that breaks while the
-/// node does not serve (its lease lost) connects again only once it
-/// serves: a node whose id another process registered meanwhile (two
-/// nodes given one `node_id`) would otherwise take that process's links
-/// over, and be taken over by them, again and again.
-async fn drive(
-    mut events: EventLoop,
-    peer: String,
-    address: String,
-    confirmations: Arc<Confirmations>,
-    standing: Arc<crate::standing::Standing>,
-    peers: Weak<Peers>,
-    mut stop: oneshot::Receiver<()>,
-) {
-    let mut connected = false;
-    let mut backoff = Duration::from_millis(100);
-    let set = |connected: &mut bool, now: bool| {
-        if std::mem::replace(connected, now) != now {
-            crate::metrics::cluster_peer_link(now);
-        }
-    };
-    loop {
-        // (Nothing else here may interrupt `poll`: it can be cut between
-        // taking a publish and writing it, which then never goes.)
-        let event = tokio::select! {
-            _ = &mut stop => break,
-            event = events.poll() => event,
-        };
-        match event {
-            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => confirmations.went_out(&peer, pkid),
-            Ok(Event::Outgoing(Outgoing::AwaitAck(_))) => confirmations.held_back(&peer),
-            Ok(Event::Incoming(LinkPacket::PubAck(ack))) => {
-                confirmations.acknowledged(&peer, ack.pkid);
-            }
-            Ok(Event::Incoming(LinkPacket::PubRec(rec))) => {
-                confirmations.acknowledged(&peer, rec.pkid);
-            }
-            Ok(Event::Incoming(LinkPacket::ConnAck(ack))) => {
-                events.options.set_clean_start(false);
-                confirmations.link_up(&peer, ack.session_present);
-                if let Some(peers) = peers.upgrade() {
-                    peers.recent.link_up(&peer);
-                }
-                tracing::info!(
-                    peer,
-                    address,
-                    session_present = ack.session_present,
-                    "clustering: link to a node up"
-                );
-                backoff = Duration::from_millis(100);
-                set(&mut connected, true);
-            }
-            Ok(Event::Incoming(LinkPacket::Disconnect(d))) => {
-                tracing::warn!(peer, address, reason = ?d.reason_code, "clustering: a node ended its link");
-            }
-            Ok(_) => {}
-            Err(e) => {
-                if connected {
-                    tracing::warn!(peer, address, error = %e, "clustering: link to a node broken: reconnecting");
-                    if let Some(peers) = peers.upgrade() {
-                        peers.link_broke(&peer);
-                    }
-                } else {
-                    tracing::debug!(peer, address, error = %e, "clustering: cannot link to a node yet");
-                }
-                set(&mut connected, false);
-                confirmations.link_down(&peer);
-                tokio::select! {
-                    _ = &mut stop => break,
-                    () = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                if !standing.serving() {
-                    tracing::debug!(
-                        peer,
-                        "clustering: not serving: the link waits until this node serves again"
-                    );
-                    tokio::select! {
-                        _ = &mut stop => break,
-                        () = standing.serves() => {}
-                    }
-                }
-            }
-        }
-    }
-    set(&mut connected, false);
-}
-
-/// The cluster's secret: the one in etcd, or a new one put there if there
-/// is none yet (only one of several nodes starting at once succeeds).
-async fn secret(cluster: &Cluster) -> Result<String, String> {
-    let key = format!("{}secret", cluster.settings.etcd_prefix);
-    let mut fresh = [0u8; 32];
-    getrandom::fill(&mut fresh).map_err(|e| e.to_string())?;
-    let fresh = hex::encode(fresh);
-    let txn = Txn::new()
-        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key.clone(), fresh.clone(), None)])
-        .or_else([TxnOp::get(key, None)]);
-    let mut client = cluster.client.clone();
-    let response = tokio::time::timeout(cluster.settings.request_timeout, client.txn(txn))
-        .await
-        .map_err(|_| "etcd did not answer in time".to_owned())?
-        .map_err(|e| e.to_string())?;
-    if response.succeeded() {
-        return Ok(fresh);
-    }
-    response
-        .op_responses()
-        .into_iter()
-        .find_map(|op| match op {
-            TxnOpResponse::Get(get) => get
-                .kvs()
-                .first()
-                .and_then(|kv| kv.value_str().ok().map(str::to_owned)),
-            _ => None,
-        })
-        .filter(|s| !s.is_empty())
-        .ok_or_else(|| "the secret's key is there but empty".to_owned())
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn peers() -> Peers {
-        Peers {
-            node_id: "sb1".into(),
-            secret: String::new(),
-            forward_queue: 1,
-            links: RwLock::new(Vec::new()),
-            inbound: parking_lot::Mutex::new(HashMap::new()),
-            linked: Arc::new(tokio::sync::Notify::new()),
-            joined: std::sync::atomic::AtomicBool::new(false),
-            confirmations: Arc::new(Confirmations::default()),
-            standing: Arc::new(crate::standing::Standing::always()),
-            stamps: Arc::new(Stamps::new("sb1", 1)),
-            recent: Arc::new(Recent::new(0, Duration::from_secs(1))),
-            me: Weak::new(),
-        }
-    }
-
-    fn member(node_id: &str) -> Member {
-        Member {
-            node_id: node_id.into(),
-            peer_address: Some("127.0.0.1:1883".into()),
-            lease: 1,
-        }
-    }
-
-    /// A link accepted before the node's last stop was sent away with it:
-    /// it does not count as linked again; one accepted since does, and a
-    /// link that ends is no longer counted.
-    #[test]
-    fn only_links_accepted_since_the_last_stop_count() {
-        let p = peers();
-        let members = [member("sb1"), member("sb2"), member("sb3")];
-        assert_eq!(p.not_linked(&members, 0), ["sb2", "sb3"]);
-        p.inbound_link("sb2", 10, 0, true);
-        p.inbound_link("sb3", 11, 0, true);
-        assert!(p.not_linked(&members, 0).is_empty());
-        // The node stopped serving (epoch 1): the old links do not count.
-        assert_eq!(p.not_linked(&members, 1), ["sb2", "sb3"]);
-        p.inbound_link("sb2", 12, 1, true);
-        assert_eq!(p.not_linked(&members, 1), ["sb3"]);
-        // The old link of sb2 ends after its new one came: still linked.
-        p.inbound_link("sb2", 10, 0, false);
-        assert_eq!(p.not_linked(&members, 1), ["sb3"]);
-        p.inbound_link("sb2", 12, 1, false);
-        assert_eq!(p.not_linked(&members, 1), ["sb2", "sb3"]);
-    }
-}
+mod tests;
