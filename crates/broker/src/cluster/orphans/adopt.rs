@@ -8,6 +8,7 @@ use super::Orphans;
 use crate::clock::now_ms;
 use crate::cluster::Cluster;
 use crate::cluster::ownership::{SessionValue, offered, owner_ids, owner_of};
+use crate::cluster::recent;
 use crate::cluster::sessions::{
     Records, read_records, record_block, replace_session, resend_in_flight, waiting_in_etcd,
 };
@@ -122,7 +123,7 @@ pub(super) async fn adopt(
     let live = |node: &str| parts.1.as_ref().is_some_and(|peers| peers.is_member(node));
     let taking = match &parts {
         (Some(recent), Some(_), Some(stamps)) if from_queue && dead != ownership.node_id() => {
-            Some(crate::cluster::recent::Taking {
+            Some(recent::Taking {
                 recent,
                 live: &live,
                 stamps,
@@ -135,7 +136,7 @@ pub(super) async fn adopt(
     };
     let mut given = None;
     if let Some(taking) = &taking {
-        given = Some(crate::cluster::recent::before_take(taking, &mut restored).await);
+        given = Some(recent::before_take(taking, &mut restored).await);
     }
     // The stopping node hands the messages over once it sees the claim
     // (or, if it dies first, the messages it wrote to etcd; see
@@ -170,7 +171,7 @@ pub(super) async fn adopt(
         resend_in_flight(&queue, &sessions, client_id, in_flight, timeout).await;
     }
     if let (Some(taking), Some(given)) = (&taking, given) {
-        crate::cluster::recent::after_take(taking, given);
+        recent::after_take(taking, given);
     }
     crate::metrics::session_adopted();
     tracing::info!(
