@@ -643,66 +643,19 @@ fn run(mut cmd: Command) -> io::Result<Output> {
     }
 }
 
-/// Standard base64 (as etcdctl's JSON prints values).
+/// Decodes a value from etcdctl's JSON output (`-w json`), which holds
+/// keys and values as standard base64 with padding (Go's `[]byte` in
+/// `encoding/json`).
 fn base64_decode(text: &str) -> io::Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(text.len() / 4 * 3);
-    let mut acc = 0u32;
-    let mut bits = 0;
-    for byte in text.bytes().filter(|&b| b != b'=') {
-        let v = match byte {
-            b'A'..=b'Z' => byte - b'A',
-            b'a'..=b'z' => byte - b'a' + 26,
-            b'0'..=b'9' => byte - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return Err(io::Error::other(format!("not base64: {text:?}"))),
-        };
-        acc = ((acc << 6) | u32::from(v)) & 0xffff;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_taken_port_is_a_clash_to_retry() {
-        let etcd = process::find_on_path("etcd", ETCD_HINT).unwrap();
-        let etcdctl = process::find_on_path("etcdctl", ETCD_HINT).unwrap();
-        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = taken.local_addr().unwrap().port();
-        let options = EtcdOptions::default();
-        let ports = [
-            (free_port(), free_port()),
-            (port, free_port()),
-            (free_port(), free_port()),
-        ];
-        let t = Instant::now();
-        match EtcdCluster::try_start(&ports, &options, &etcd, &etcdctl) {
-            Err(StartError::PortClash(e)) => {
-                assert!(e.to_string().contains("etcd member m2 exited"), "{e}");
-                println!("clash seen after {:?}: {e}", t.elapsed());
-            }
-            Err(StartError::Other(e)) => panic!("not seen as a clash: {e}"),
-            Ok(_) => panic!("started on a taken port"),
-        }
-        assert!(t.elapsed() < Duration::from_secs(20));
-    }
-
-    #[test]
-    fn base64() {
-        assert_eq!(base64_decode("").unwrap(), b"");
-        assert_eq!(base64_decode("dg==").unwrap(), b"v");
-        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
-        assert_eq!(base64_decode("aGVsbG8h").unwrap(), b"hello!");
-        assert!(base64_decode("a-b").is_err());
-    }
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("etcdctl's JSON holds a value that is not base64 ({e}): {text:?}"),
+            )
+        })
 }
 
 /// A zap log's `ts`, `2026-11-27T23:29:07.987Z` (UTC).
@@ -729,20 +682,4 @@ fn parse_ts(ts: &str) -> Option<SystemTime> {
 }
 
 #[cfg(test)]
-mod ts_tests {
-    use super::*;
-
-    #[test]
-    fn a_zap_timestamp_is_read_to_the_millisecond() {
-        let at = parse_ts("2026-11-27T23:29:07.987Z").unwrap();
-        let since = at.duration_since(SystemTime::UNIX_EPOCH).unwrap();
-        // date -u -d 2026-11-27T23:29:07Z +%s
-        assert_eq!(since.as_secs(), 1_795_822_147);
-        assert_eq!(since.subsec_millis(), 987);
-        assert_eq!(
-            parse_ts("1970-01-01T00:00:00.000Z"),
-            Some(SystemTime::UNIX_EPOCH)
-        );
-        assert_eq!(parse_ts("not a time"), None);
-    }
-}
+mod tests;
