@@ -5,14 +5,13 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use bytes::Bytes;
 use hdrhistogram::Histogram;
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Packet, Publish, PublishProperties};
 use serde::Serialize;
 use tokio::io::AsyncBufReadExt;
 use tokio::time::Instant;
 
+use crate::request::{Answer, Reply, Template};
 use crate::resp::Resp;
 use crate::wire::Wire;
 use crate::{FillArgs, LoadArgs, Protocol, Responder};
@@ -20,38 +19,21 @@ use crate::{FillArgs, LoadArgs, Protocol, Responder};
 /// The state store request topic (served in process by statebroker).
 pub const REQUEST_TOPIC: &str = "statestore/v1/FA9AE35F-2F64-47CD-9BFF-08E2B32A0FE8/command/invoke";
 
-/// A response to a request.
-struct Response {
-    correlation: u64,
-    payload: Bytes,
-}
-
 /// One benchmark connection, driven by its own task.
 struct Conn {
     wire: Wire,
     response_topic: String,
     client_id: String,
+    /// The requests' bytes that are the same each time (made for the
+    /// run's topic at the first request).
+    template: Option<Template>,
 }
 
 impl Conn {
     /// The next response (its PUBACK queued to go out with the next
     /// request); other packets (the PUBACKs of requests) are skipped.
-    async fn next(&mut self) -> Result<Response, String> {
-        loop {
-            if let Packet::Publish(p) = self.wire.next().await? {
-                self.wire.ack(&p)?;
-                let correlation = p
-                    .properties
-                    .as_ref()
-                    .and_then(|props| props.correlation_data.as_deref())
-                    .and_then(|c| <[u8; 8]>::try_from(c).ok())
-                    .map_or(0, u64::from_be_bytes);
-                return Ok(Response {
-                    correlation,
-                    payload: p.payload,
-                });
-            }
-        }
+    async fn next(&mut self) -> Result<Answer, String> {
+        self.wire.next_answer().await
     }
 
     /// Sends the PUBACKs still queued and a DISCONNECT.
@@ -73,6 +55,7 @@ async fn connect(target: SocketAddr, client_id: String) -> Result<Conn, String> 
         wire,
         response_topic,
         client_id,
+        template: None,
     })
 }
 
@@ -105,49 +88,43 @@ async fn connect_all(target: SocketAddr, n: usize, prefix: &str) -> Result<Vec<C
     Ok(conns)
 }
 
-/// `__ts` as the SDK writes it.
-fn timestamp(node: &str) -> String {
-    let ms = std::time::SystemTime::now()
+/// The wall clock in ms (`__ts` as the SDK writes it).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    format!("{ms:015}:00000:{node}")
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn key(i: u64, size: usize) -> Vec<u8> {
-    let mut key = format!("{i:0size$}").into_bytes();
-    key.truncate(size);
-    key
+/// Key number `i` as `size` characters: zero-padded decimal, its first
+/// `size` digits when longer (what `format!("{i:0size$}")` cut to `size`
+/// gave), written into `key` (kept between requests: no allocation each).
+fn key_into(key: &mut Vec<u8>, i: u64, size: usize) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = i;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let digits = &digits[at..];
+    key.clear();
+    key.resize(size.saturating_sub(digits.len()), b'0');
+    key.extend_from_slice(&digits[..digits.len().min(size)]);
 }
 
 impl Conn {
-    fn properties(&self, correlation: u64, persist: bool) -> PublishProperties {
-        let mut user_properties = vec![
-            ("__ts".into(), timestamp(&self.client_id)),
-            ("__protVer".into(), "1.0".into()),
-        ];
-        if persist {
-            user_properties.push(("aio-persistence".into(), "true".into()));
-        }
-        PublishProperties {
-            response_topic: Some(self.response_topic.clone()),
-            correlation_data: Some(Bytes::copy_from_slice(&correlation.to_be_bytes())),
-            content_type: Some("application/octet-stream".into()),
-            user_properties,
-            ..PublishProperties::default()
-        }
-    }
-
     /// Queues a request; `flush` (or `send`) writes it.
-    fn queue(
-        &mut self,
-        topic: &str,
-        payload: Vec<u8>,
-        correlation: u64,
-        persist: bool,
-    ) -> Result<(), String> {
-        let properties = self.properties(correlation, persist);
-        let publish = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties));
-        self.wire.publish(publish)
+    fn queue(&mut self, topic: &str, payload: &[u8], correlation: u64, persist: bool) {
+        let template = match &mut self.template {
+            Some(template) if template.is_for(topic) => template,
+            other => other.insert(Template::new(topic, &self.response_topic, &self.client_id)),
+        };
+        self.wire
+            .request(template, correlation, persist, now_ms(), payload);
     }
 
     /// Writes a request (with the PUBACK of the previous response, if any,
@@ -155,11 +132,11 @@ impl Conn {
     async fn send(
         &mut self,
         topic: &str,
-        payload: Vec<u8>,
+        payload: &[u8],
         correlation: u64,
         persist: bool,
     ) -> Result<(), String> {
-        self.queue(topic, payload, correlation, persist)?;
+        self.queue(topic, payload, correlation, persist);
         self.wire.flush().await
     }
 }
@@ -175,8 +152,9 @@ struct ConnStats {
 
 /// What a request came to.
 enum Outcome {
-    /// Its answer (RESP3 from the state store, RESP from Redis).
-    Answer(Bytes),
+    /// Its answer (RESP3 from the state store, RESP from Redis): what
+    /// kind.
+    Answer(Reply),
     /// No answer in time.
     Lost,
     /// The connection failed.
@@ -195,7 +173,7 @@ impl Client {
     async fn exchange(
         &mut self,
         topic: &str,
-        command: Vec<u8>,
+        command: &[u8],
         correlation: u64,
         persist: bool,
         deadline: Instant,
@@ -207,11 +185,10 @@ impl Client {
                 }
                 loop {
                     match tokio::time::timeout_at(deadline, conn.next()).await {
-                        Ok(Ok(Response {
-                            correlation: c,
-                            payload,
-                        })) if c == correlation => return Outcome::Answer(payload),
-                        Ok(Ok(Response { .. })) => continue, // a late answer to a lost request
+                        Ok(Ok(answer)) if answer.correlation == correlation => {
+                            return Outcome::Answer(answer.reply);
+                        }
+                        Ok(Ok(_)) => continue, // a late answer to a lost request
                         Ok(Err(e)) => return Outcome::Failed(e),
                         Err(_) => return Outcome::Lost,
                     }
@@ -220,8 +197,8 @@ impl Client {
             // One reply per command, in order: a reply that does not come
             // in time leaves the connection out of step, so it ends.
             Client::Resp(resp) => {
-                match tokio::time::timeout_at(deadline, resp.request(&command)).await {
-                    Ok(Ok(reply)) => Outcome::Answer(Bytes::from(reply)),
+                match tokio::time::timeout_at(deadline, resp.request(command)).await {
+                    Ok(Ok(reply)) => Outcome::Answer(Reply::of(&reply)),
                     Ok(Err(e)) => Outcome::Failed(e),
                     Err(_) => Outcome::Failed("no reply in time".into()),
                 }
@@ -253,9 +230,10 @@ async fn drive(
     let timeout = Duration::from_millis(args.timeout_ms);
     let value = vec![b'v'; args.value_size];
     let mut correlation = 0u64;
+    let mut k = Vec::with_capacity(args.key_size);
     while Instant::now() < end {
         correlation += 1;
-        let k = key(fastrand::u64(..args.keys), args.key_size);
+        key_into(&mut k, fastrand::u64(..args.keys), args.key_size);
         let is_set = fastrand::f64() < args.set_ratio;
         let command = if is_set {
             statestore::resp3::encode_request(&[&b"SET"[..], &k, &value])
@@ -266,16 +244,12 @@ async fn drive(
         let measured = started >= warm_end;
         let persist = is_set && args.persist;
         match client
-            .exchange(&topic, command, correlation, persist, started + timeout)
+            .exchange(&topic, &command, correlation, persist, started + timeout)
             .await
         {
-            Outcome::Answer(payload) => {
+            Outcome::Answer(reply) => {
                 if measured {
-                    let good = if is_set {
-                        &payload[..] == b"+OK\r\n"
-                    } else {
-                        payload.first() == Some(&b'$')
-                    };
+                    let good = reply == if is_set { Reply::Ok } else { Reply::Bulk };
                     if good {
                         stats.ok += 1;
                         let us = started.elapsed().as_micros().max(1) as u64;
@@ -538,22 +512,23 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
         let args = args.clone();
         tasks.push(tokio::spawn(async move {
             let value = vec![b'v'; 32];
+            let mut key = Vec::with_capacity(16);
             let mut next = range.start;
             let mut outstanding = 0u64;
             let mut errors = 0u64;
             while next < range.end || outstanding > 0 {
                 while next < range.end && outstanding < pipeline {
-                    let payload =
-                        statestore::resp3::encode_request(&[&b"SET"[..], &key(next, 16), &value]);
-                    conn.queue(REQUEST_TOPIC, payload, next + 1, args.persist)?;
+                    key_into(&mut key, next, 16);
+                    let payload = statestore::resp3::encode_request(&[&b"SET"[..], &key, &value]);
+                    conn.queue(REQUEST_TOPIC, &payload, next + 1, args.persist);
                     next += 1;
                     outstanding += 1;
                 }
                 conn.wire.flush().await?;
                 match tokio::time::timeout(Duration::from_secs(30), conn.next()).await {
-                    Ok(Ok(Response { payload, .. })) => {
+                    Ok(Ok(answer)) => {
                         outstanding -= 1;
-                        errors += u64::from(&payload[..] != b"+OK\r\n");
+                        errors += u64::from(answer.reply != Reply::Ok);
                     }
                     Ok(Err(e)) => return Err(e),
                     Err(_) => return Err("fill: no response".to_owned()),
@@ -579,4 +554,29 @@ pub async fn fill(args: FillArgs) -> Result<(), String> {
         return Err(format!("{errors} SETs failed"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_into;
+
+    /// The keys are what `format!("{i:0size$}")` cut to `size` made.
+    #[test]
+    fn keys_are_zero_padded_decimals_cut_to_size() {
+        let mut key = Vec::new();
+        for (i, size) in [
+            (0, 16),
+            (42, 16),
+            (9_999, 8),
+            (123_456, 3),
+            (u64::MAX, 16),
+            (7, 1),
+            (0, 0),
+        ] {
+            key_into(&mut key, i, size);
+            let mut expected = format!("{i:0size$}").into_bytes();
+            expected.truncate(size);
+            assert_eq!(key, expected, "{i} {size}");
+        }
+    }
 }

@@ -18,6 +18,7 @@
 mod idle;
 mod load;
 mod pubsub;
+mod request;
 mod resp;
 mod responder;
 mod wire;

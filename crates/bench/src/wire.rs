@@ -16,14 +16,15 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use rumqttc::v5::mqttbytes::v5::{
-    ConnAck, ConnectProperties, ConnectReturnCode, Filter, Packet, PubAck, Publish, Subscribe,
-    SubscribeReasonCode,
+    ConnAck, ConnectProperties, ConnectReturnCode, Filter, Packet, Subscribe, SubscribeReasonCode,
 };
 use rumqttc::v5::mqttbytes::{Error as CodecError, QoS};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::request::{self, Answer, Template};
 
 /// One MQTT 5 connection: what to write next, and what was read and not
 /// yet parsed.
@@ -98,21 +99,6 @@ impl Wire {
         self.next_pkid
     }
 
-    /// Queues a QoS 1 publish with the next packet identifier; `flush` sends it.
-    pub fn publish(&mut self, mut publish: Publish) -> Result<(), String> {
-        publish.qos = QoS::AtLeastOnce;
-        publish.pkid = self.pkid();
-        self.queue(&Packet::Publish(publish))
-    }
-
-    /// Queues the acknowledgement of a received QoS 1 publish.
-    pub fn ack(&mut self, publish: &Publish) -> Result<(), String> {
-        if publish.qos == QoS::AtLeastOnce {
-            self.queue(&Packet::PubAck(PubAck::new(publish.pkid, None)))?;
-        }
-        Ok(())
-    }
-
     /// Queues a DISCONNECT (normal).
     pub fn disconnect(&mut self) -> Result<(), String> {
         self.queue(&Packet::Disconnect(
@@ -120,6 +106,41 @@ impl Wire {
                 rumqttc::v5::mqttbytes::v5::DisconnectReasonCode::NormalDisconnection,
             ),
         ))
+    }
+
+    /// Queues a state store request (see [`crate::request`]) with the
+    /// next packet identifier; `flush` sends it.
+    pub fn request(
+        &mut self,
+        template: &mut Template,
+        correlation: u64,
+        persist: bool,
+        now_ms: u64,
+        payload: &[u8],
+    ) {
+        let pkid = self.pkid();
+        template.encode(&mut self.tx, pkid, correlation, persist, now_ms, payload);
+    }
+
+    /// The next PUBLISH from the server, read by hand (see
+    /// [`crate::request`]), its PUBACK queued; other packets (the PUBACKs
+    /// of requests) are passed over. Cancel-safe, as [`Wire::next`].
+    pub async fn next_answer(&mut self) -> Result<Answer, String> {
+        loop {
+            while let Some((answer, len)) = request::read_answer(&self.rx)? {
+                self.rx.advance(len);
+                if let Some(answer) = answer {
+                    if let Some(pkid) = answer.pkid {
+                        request::put_puback(&mut self.tx, pkid);
+                    }
+                    return Ok(answer);
+                }
+            }
+            if self.rx.capacity() - self.rx.len() < 1024 {
+                self.rx.reserve(4096);
+            }
+            read_more(&mut self.stream, &mut self.rx).await?;
+        }
     }
 
     fn queue(&mut self, packet: &Packet) -> Result<(), String> {
