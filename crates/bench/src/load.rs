@@ -99,18 +99,8 @@ fn now_ms() -> u64 {
 /// `size` digits when longer (what `format!("{i:0size$}")` cut to `size`
 /// gave), written into `key` (kept between requests: no allocation each).
 fn key_into(key: &mut Vec<u8>, i: u64, size: usize) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut n = i;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    let digits = &digits[at..];
+    let mut buffer = itoa::Buffer::new();
+    let digits = buffer.format(i).as_bytes();
     key.clear();
     key.resize(size.saturating_sub(digits.len()), b'0');
     key.extend_from_slice(&digits[..digits.len().min(size)]);

@@ -78,11 +78,12 @@ impl Template {
     ) {
         if now_ms != self.last_ms {
             self.last_ms = now_ms;
-            let mut n = now_ms;
-            for digit in self.digits.iter_mut().rev() {
-                *digit = b'0' + (n % 10) as u8;
-                n /= 10;
-            }
+            // Zero-padded to 15 (every time until the year 33658).
+            let mut buffer = itoa::Buffer::new();
+            let digits = buffer.format(now_ms % 1_000_000_000_000_000).as_bytes();
+            let pad = self.digits.len() - digits.len();
+            self.digits[..pad].fill(b'0');
+            self.digits[pad..].copy_from_slice(digits);
         }
         const TS: &[u8] = b"__ts";
         const COUNTER: &[u8] = b":00000:";

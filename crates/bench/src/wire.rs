@@ -136,10 +136,7 @@ impl Wire {
                     return Ok(answer);
                 }
             }
-            if self.rx.capacity() - self.rx.len() < 1024 {
-                self.rx.reserve(4096);
-            }
-            read_more(&mut self.stream, &mut self.rx).await?;
+            self.receive().await?;
         }
     }
 
@@ -171,11 +168,16 @@ impl Wire {
                 Err(CodecError::InsufficientBytes(_)) => {}
                 Err(e) => return Err(format!("bad packet from the server: {e}")),
             }
-            if self.rx.capacity() - self.rx.len() < 1024 {
-                self.rx.reserve(4096);
-            }
-            read_more(&mut self.stream, &mut self.rx).await?;
+            self.receive().await?;
         }
+    }
+
+    /// Reads what the server sent into `rx`, with room for it first.
+    async fn receive(&mut self) -> Result<(), String> {
+        if self.rx.capacity() - self.rx.len() < 1024 {
+            self.rx.reserve(4096);
+        }
+        read_more(&mut self.stream, &mut self.rx).await
     }
 
     async fn next_within(&mut self, limit: Duration) -> Result<Packet, String> {
