@@ -188,7 +188,7 @@ impl Client {
             // in time leaves the connection out of step, so it ends.
             Client::Resp(resp) => {
                 match tokio::time::timeout_at(deadline, resp.request(command)).await {
-                    Ok(Ok(reply)) => Outcome::Answer(Reply::of(&reply)),
+                    Ok(Ok(reply)) => Outcome::Answer(reply),
                     Ok(Err(e)) => Outcome::Failed(e),
                     Err(_) => Outcome::Failed("no reply in time".into()),
                 }

@@ -20,6 +20,8 @@ use bytes::{Buf, BytesMut};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
+use crate::request::Reply;
+
 /// Replies larger than this are refused (the run's values are small).
 const MAX_REPLY: usize = 1 << 20;
 
@@ -44,15 +46,16 @@ impl Resp {
     }
 
     /// Sends `command` (an array of bulk strings, as Redis takes it: the
-    /// state store's RESP3 request form) and returns the whole reply.
-    pub async fn request(&mut self, command: &[u8]) -> Result<Vec<u8>, String> {
+    /// state store's RESP3 request form) and returns what its reply is,
+    /// judged where it was read (as the MQTT side's answers are).
+    pub async fn request(&mut self, command: &[u8]) -> Result<Reply, String> {
         self.stream
             .write_all(command)
             .await
             .map_err(|e| format!("write: {e}"))?;
         loop {
             if let Some(len) = reply_len(&self.rx)? {
-                let reply = self.rx[..len].to_vec();
+                let reply = Reply::of(&self.rx[..len]);
                 self.rx.advance(len);
                 return Ok(reply);
             }
