@@ -104,6 +104,7 @@ impl Broker {
     /// Binds every listener, starts the router and the state store service,
     /// and starts accepting clients. Returns once the broker is serving.
     pub async fn start(settings: Settings) -> std::io::Result<RunningBroker> {
+        clock::warm_up();
         for advice in settings.advisories() {
             tracing::warn!("{advice}");
         }
