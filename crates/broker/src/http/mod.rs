@@ -185,6 +185,7 @@ async fn metrics_text(State(served): State<Served>) -> impl IntoResponse {
     if let Some(shared) = served.broker.get() {
         crate::stats::set_gauges(&crate::stats::sample(shared));
     }
+    crate::metrics::publish_traffic();
     (
         [(
             header::CONTENT_TYPE,

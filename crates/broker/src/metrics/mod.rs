@@ -209,7 +209,9 @@ pub fn install() -> PrometheusHandle {
 /// broker's CPU at 64 busy connections. Without the recorder (the HTTP
 /// endpoint off: nothing could read them) these are not recorded at all:
 /// building the keys for the no-op recorder cost 1,500 instructions per
-/// request, 6% of it.
+/// request, 6% of it. The counters are set from the threads' own counts
+/// when `/metrics` is read ([`publish_traffic`]); the histogram is
+/// recorded into at each request.
 struct Hot {
     received: [Counter; 3],
     bytes_received: Counter,
@@ -217,7 +219,7 @@ struct Hot {
     /// `[ok, error]` counters of each verb, in [`Command::NAMES`] order.
     ///
     /// [`Command::NAMES`]: statestore::command::Command::NAMES
-    requests: [(&'static str, [Counter; 2]); statestore::command::Command::NAMES.len()],
+    requests: [[Counter; 2]; VERBS],
     request_seconds: Histogram,
 }
 
@@ -229,7 +231,7 @@ impl Hot {
         let requests = statestore::command::Command::NAMES.map(|command| {
             let outcome =
                 |o: &'static str| counter!(STORE_REQUESTS, "command" => command, "outcome" => o);
-            (command, [outcome("ok"), outcome("error")])
+            [outcome("ok"), outcome("error")]
         });
         Hot {
             received: by_qos(MESSAGES_RECEIVED),
@@ -377,22 +379,35 @@ pub struct Totals {
     pub keys_expired: u64,
 }
 
-/// The totals counted at every PUBLISH, one set per thread (see
-/// [`count`]), summed when read.
+/// Verbs with counters of their own (the rest count under their name,
+/// looked up each time: rare).
+const VERBS: usize = statestore::command::Command::NAMES.len();
+
+/// What every PUBLISH and state store request counts, one set per thread
+/// (see [`TRAFFIC`]), added up when read: by `$SYS` ([`totals`]) and by
+/// `/metrics` ([`publish_traffic`], into the Prometheus counters).
 #[derive(Default)]
 struct Traffic {
-    messages_received: AtomicU64,
+    /// PUBLISH packets received, by QoS.
+    received: [AtomicU64; 3],
     bytes_received: AtomicU64,
-    messages_sent: AtomicU64,
+    /// PUBLISH packets sent, by QoS.
+    sent: [AtomicU64; 3],
     bytes_sent: AtomicU64,
+    /// `[ok, error]` of each verb, in [`Command::NAMES`] order.
+    ///
+    /// [`Command::NAMES`]: statestore::command::Command::NAMES
+    requests: [[AtomicU64; 2]; VERBS],
 }
 
 /// Each thread counts into its own [`Traffic`] (the thread_local crate,
 /// already in the tree through tracing-subscriber: a thread's slot is
-/// kept, with its counts, for the next thread that takes its id). Four
-/// shared counters took four locked additions a request, each waiting for
-/// the core's store buffer to drain: ~20 ns of a state store request's
-/// ~4 µs at 64 connections.
+/// kept, with its counts, for the next thread that takes its id). Shared
+/// counters took four locked additions a state store request for the
+/// `$SYS` totals, and with the HTTP endpoint on four more for the
+/// Prometheus counters (and their generations), each waiting for the
+/// core's store buffer to drain: the endpoint alone cost 3% of the
+/// requests a second at 64 connections (0.93-0.98x without it).
 static TRAFFIC: thread_local::ThreadLocal<Traffic> = thread_local::ThreadLocal::new();
 
 static ACCEPTED_N: AtomicU64 = AtomicU64::new(0);
@@ -404,27 +419,68 @@ fn count(counter: &AtomicU64, n: u64) {
     counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
 }
 
+/// Every thread's [`Traffic`] added up.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct TrafficSum {
+    received: [u64; 3],
+    bytes_received: u64,
+    sent: [u64; 3],
+    bytes_sent: u64,
+    requests: [[u64; 2]; VERBS],
+}
+
 impl Traffic {
     /// On the thread that owns it: a PUBLISH of `payload` bytes came.
-    fn received(&self, payload: u64) {
-        count(&self.messages_received, 1);
+    fn received(&self, qos: u8, payload: u64) {
+        count(&self.received[usize::from(qos.min(2))], 1);
         count(&self.bytes_received, payload);
     }
 
     /// On the thread that owns it: a PUBLISH of `bytes` went.
-    fn sent(&self, bytes: u64) {
-        count(&self.messages_sent, 1);
+    fn sent(&self, qos: u8, bytes: u64) {
+        count(&self.sent[usize::from(qos.min(2))], 1);
         count(&self.bytes_sent, bytes);
     }
 
-    /// Adds every thread's counts in `all` to `totals`.
-    fn add_up(all: &thread_local::ThreadLocal<Traffic>, totals: &mut Totals) {
+    /// On the thread that owns it: a request of the `verb`th verb was
+    /// answered.
+    fn request(&self, verb: usize, ok: bool) {
+        count(&self.requests[verb][usize::from(!ok)], 1);
+    }
+
+    /// Every thread's counts in `all`.
+    fn add_up(all: &thread_local::ThreadLocal<Traffic>) -> TrafficSum {
+        let mut sum = TrafficSum::default();
+        let add = |to: &mut u64, from: &AtomicU64| *to += from.load(Relaxed);
         for traffic in all.iter() {
-            totals.messages_received += traffic.messages_received.load(Relaxed);
-            totals.bytes_received += traffic.bytes_received.load(Relaxed);
-            totals.messages_sent += traffic.messages_sent.load(Relaxed);
-            totals.bytes_sent += traffic.bytes_sent.load(Relaxed);
+            for q in 0..3 {
+                add(&mut sum.received[q], &traffic.received[q]);
+                add(&mut sum.sent[q], &traffic.sent[q]);
+            }
+            add(&mut sum.bytes_received, &traffic.bytes_received);
+            add(&mut sum.bytes_sent, &traffic.bytes_sent);
+            for (to, from) in sum.requests.iter_mut().zip(&traffic.requests) {
+                add(&mut to[0], &from[0]);
+                add(&mut to[1], &from[1]);
+            }
         }
+        sum
+    }
+}
+
+/// Sets the Prometheus counters of PUBLISH traffic and state store
+/// requests to what the threads counted (before `/metrics` renders them).
+pub fn publish_traffic() {
+    let Some(hot) = HOT.get() else { return };
+    let sum = Traffic::add_up(&TRAFFIC);
+    for q in 0..3 {
+        hot.received[q].absolute(sum.received[q]);
+        hot.sent[q].absolute(sum.sent[q]);
+    }
+    hot.bytes_received.absolute(sum.bytes_received);
+    for (counters, counts) in hot.requests.iter().zip(&sum.requests) {
+        counters[0].absolute(counts[0]);
+        counters[1].absolute(counts[1]);
     }
 }
 
@@ -435,7 +491,11 @@ pub fn totals() -> Totals {
         keys_expired: EXPIRED_N.load(Relaxed),
         ..Totals::default()
     };
-    Traffic::add_up(&TRAFFIC, &mut totals);
+    let sum = Traffic::add_up(&TRAFFIC);
+    totals.messages_received = sum.received.iter().sum();
+    totals.bytes_received = sum.bytes_received;
+    totals.messages_sent = sum.sent.iter().sum();
+    totals.bytes_sent = sum.bytes_sent;
     totals
 }
 
@@ -459,19 +519,12 @@ pub fn connection_refused(reason: &'static str) {
 
 /// A client's PUBLISH arrived.
 pub fn received(qos: u8, payload: usize) {
-    TRAFFIC.get_or_default().received(payload as u64);
-    if let Some(hot) = HOT.get() {
-        hot.received[usize::from(qos.min(2))].increment(1);
-        hot.bytes_received.increment(payload as u64);
-    }
+    TRAFFIC.get_or_default().received(qos, payload as u64);
 }
 
 /// A PUBLISH packet of `bytes` went to a client.
 pub fn sent(qos: u8, bytes: usize) {
-    TRAFFIC.get_or_default().sent(bytes as u64);
-    if let Some(hot) = HOT.get() {
-        hot.sent[usize::from(qos.min(2))].increment(1);
-    }
+    TRAFFIC.get_or_default().sent(qos, bytes as u64);
 }
 
 /// `n` keys expired.
@@ -499,8 +552,9 @@ pub fn queued_saved(n: usize) {
 /// A state store request was answered.
 pub fn store_request(command: &'static str, ok: bool, took: Duration) {
     let Some(hot) = HOT.get() else { return };
-    match hot.requests.iter().find(|(verb, _)| *verb == command) {
-        Some((_, counters)) => counters[usize::from(!ok)].increment(1),
+    let names = statestore::command::Command::NAMES;
+    match names.iter().position(|verb| *verb == command) {
+        Some(verb) => TRAFFIC.get_or_default().request(verb, ok),
         // A name outside the known commands ("unknown"): rare.
         None => {
             let outcome = if ok { "ok" } else { "error" };
@@ -554,33 +608,32 @@ pub fn http_request_refused(reason: &'static str) {
 mod tests {
     use super::*;
 
-    /// Each thread counts into its own slot; the totals add up every
+    /// Each thread counts into its own slot; the sums add up every
     /// slot, those of threads that have ended included.
     #[test]
     fn traffic_counted_per_thread_adds_up() {
         let all = thread_local::ThreadLocal::<Traffic>::new();
         std::thread::scope(|scope| {
-            for _ in 0..4 {
-                scope.spawn(|| {
+            for qos in 0..4 {
+                let all = &all;
+                scope.spawn(move || {
                     for _ in 0..1_000 {
-                        all.get_or_default().received(3);
-                        all.get_or_default().sent(5);
+                        all.get_or_default().received(qos, 3);
+                        all.get_or_default().sent(1, 5);
+                        all.get_or_default().request(1, qos != 1);
                     }
                 });
             }
         });
-        all.get_or_default().received(7);
-        let mut totals = Totals::default();
-        Traffic::add_up(&all, &mut totals);
-        assert_eq!(
-            (
-                totals.messages_received,
-                totals.bytes_received,
-                totals.messages_sent,
-                totals.bytes_sent
-            ),
-            (4_001, 12_007, 4_000, 20_000)
-        );
+        all.get_or_default().received(0, 7);
+        let sum = Traffic::add_up(&all);
+        // QoS 3 (not one) counts as 2, as the Prometheus counters did.
+        assert_eq!(sum.received, [1_001, 1_000, 2_000]);
+        assert_eq!(sum.bytes_received, 12_007);
+        assert_eq!(sum.sent, [0, 4_000, 0]);
+        assert_eq!(sum.bytes_sent, 20_000);
+        assert_eq!(sum.requests[1], [3_000, 1_000]);
+        assert_eq!(sum.requests[0], [0, 0]);
     }
 
     /// The process-wide totals see what this thread counted.
