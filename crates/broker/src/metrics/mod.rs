@@ -24,6 +24,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 mod cluster;
 #[cfg(feature = "cluster")]
 pub use cluster::*;
+mod traffic;
 
 /// Connections open now.
 pub const CONNECTIONS: &str = "statebroker_connections";
@@ -219,7 +220,7 @@ struct Hot {
     /// `[ok, error]` counters of each verb, in [`Command::NAMES`] order.
     ///
     /// [`Command::NAMES`]: statestore::command::Command::NAMES
-    requests: [[Counter; 2]; VERBS],
+    requests: [[Counter; 2]; traffic::VERBS],
     request_seconds: Histogram,
 }
 
@@ -379,100 +380,14 @@ pub struct Totals {
     pub keys_expired: u64,
 }
 
-/// Verbs with counters of their own (the rest count under their name,
-/// looked up each time: rare).
-const VERBS: usize = statestore::command::Command::NAMES.len();
-
-/// What every PUBLISH and state store request counts, one set per thread
-/// (see [`TRAFFIC`]), added up when read: by `$SYS` ([`totals`]) and by
-/// `/metrics` ([`publish_traffic`], into the Prometheus counters).
-#[derive(Default)]
-struct Traffic {
-    /// PUBLISH packets received, by QoS.
-    received: [AtomicU64; 3],
-    bytes_received: AtomicU64,
-    /// PUBLISH packets sent, by QoS.
-    sent: [AtomicU64; 3],
-    bytes_sent: AtomicU64,
-    /// `[ok, error]` of each verb, in [`Command::NAMES`] order.
-    ///
-    /// [`Command::NAMES`]: statestore::command::Command::NAMES
-    requests: [[AtomicU64; 2]; VERBS],
-}
-
-/// Each thread counts into its own [`Traffic`] (the thread_local crate,
-/// already in the tree through tracing-subscriber: a thread's slot is
-/// kept, with its counts, for the next thread that takes its id). Shared
-/// counters took four locked additions a state store request for the
-/// `$SYS` totals, and with the HTTP endpoint on four more for the
-/// Prometheus counters (and their generations), each waiting for the
-/// core's store buffer to drain: the endpoint alone cost 3% of the
-/// requests a second at 64 connections (0.93-0.98x without it).
-static TRAFFIC: thread_local::ThreadLocal<Traffic> = thread_local::ThreadLocal::new();
-
 static ACCEPTED_N: AtomicU64 = AtomicU64::new(0);
 static EXPIRED_N: AtomicU64 = AtomicU64::new(0);
-
-/// Adds `n` to `counter`, which only this thread writes (a plain load and
-/// store: the slot is this thread's while it runs, see [`TRAFFIC`]).
-fn count(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
-}
-
-/// Every thread's [`Traffic`] added up.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct TrafficSum {
-    received: [u64; 3],
-    bytes_received: u64,
-    sent: [u64; 3],
-    bytes_sent: u64,
-    requests: [[u64; 2]; VERBS],
-}
-
-impl Traffic {
-    /// On the thread that owns it: a PUBLISH of `payload` bytes came.
-    fn received(&self, qos: u8, payload: u64) {
-        count(&self.received[usize::from(qos.min(2))], 1);
-        count(&self.bytes_received, payload);
-    }
-
-    /// On the thread that owns it: a PUBLISH of `bytes` went.
-    fn sent(&self, qos: u8, bytes: u64) {
-        count(&self.sent[usize::from(qos.min(2))], 1);
-        count(&self.bytes_sent, bytes);
-    }
-
-    /// On the thread that owns it: a request of the `verb`th verb was
-    /// answered.
-    fn request(&self, verb: usize, ok: bool) {
-        count(&self.requests[verb][usize::from(!ok)], 1);
-    }
-
-    /// Every thread's counts in `all`.
-    fn add_up(all: &thread_local::ThreadLocal<Traffic>) -> TrafficSum {
-        let mut sum = TrafficSum::default();
-        let add = |to: &mut u64, from: &AtomicU64| *to += from.load(Relaxed);
-        for traffic in all.iter() {
-            for q in 0..3 {
-                add(&mut sum.received[q], &traffic.received[q]);
-                add(&mut sum.sent[q], &traffic.sent[q]);
-            }
-            add(&mut sum.bytes_received, &traffic.bytes_received);
-            add(&mut sum.bytes_sent, &traffic.bytes_sent);
-            for (to, from) in sum.requests.iter_mut().zip(&traffic.requests) {
-                add(&mut to[0], &from[0]);
-                add(&mut to[1], &from[1]);
-            }
-        }
-        sum
-    }
-}
 
 /// Sets the Prometheus counters of PUBLISH traffic and state store
 /// requests to what the threads counted (before `/metrics` renders them).
 pub fn publish_traffic() {
     let Some(hot) = HOT.get() else { return };
-    let sum = Traffic::add_up(&TRAFFIC);
+    let sum = traffic::sum();
     for q in 0..3 {
         hot.received[q].absolute(sum.received[q]);
         hot.sent[q].absolute(sum.sent[q]);
@@ -486,17 +401,15 @@ pub fn publish_traffic() {
 
 /// The running totals now.
 pub fn totals() -> Totals {
-    let mut totals = Totals {
+    let traffic = traffic::sum();
+    Totals {
+        messages_received: traffic.received.iter().sum(),
+        bytes_received: traffic.bytes_received,
+        messages_sent: traffic.sent.iter().sum(),
+        bytes_sent: traffic.bytes_sent,
         connections_accepted: ACCEPTED_N.load(Relaxed),
         keys_expired: EXPIRED_N.load(Relaxed),
-        ..Totals::default()
-    };
-    let sum = Traffic::add_up(&TRAFFIC);
-    totals.messages_received = sum.received.iter().sum();
-    totals.bytes_received = sum.bytes_received;
-    totals.messages_sent = sum.sent.iter().sum();
-    totals.bytes_sent = sum.bytes_sent;
-    totals
+    }
 }
 
 /// A client connected.
@@ -519,12 +432,12 @@ pub fn connection_refused(reason: &'static str) {
 
 /// A client's PUBLISH arrived.
 pub fn received(qos: u8, payload: usize) {
-    TRAFFIC.get_or_default().received(qos, payload as u64);
+    traffic::here().received(qos, payload as u64);
 }
 
 /// A PUBLISH packet of `bytes` went to a client.
 pub fn sent(qos: u8, bytes: usize) {
-    TRAFFIC.get_or_default().sent(qos, bytes as u64);
+    traffic::here().sent(qos, bytes as u64);
 }
 
 /// `n` keys expired.
@@ -554,7 +467,7 @@ pub fn store_request(command: &'static str, ok: bool, took: Duration) {
     let Some(hot) = HOT.get() else { return };
     let names = statestore::command::Command::NAMES;
     match names.iter().position(|verb| *verb == command) {
-        Some(verb) => TRAFFIC.get_or_default().request(verb, ok),
+        Some(verb) => traffic::here().request(verb, ok),
         // A name outside the known commands ("unknown"): rare.
         None => {
             let outcome = if ok { "ok" } else { "error" };
@@ -607,34 +520,6 @@ pub fn http_request_refused(reason: &'static str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Each thread counts into its own slot; the sums add up every
-    /// slot, those of threads that have ended included.
-    #[test]
-    fn traffic_counted_per_thread_adds_up() {
-        let all = thread_local::ThreadLocal::<Traffic>::new();
-        std::thread::scope(|scope| {
-            for qos in 0..4 {
-                let all = &all;
-                scope.spawn(move || {
-                    for _ in 0..1_000 {
-                        all.get_or_default().received(qos, 3);
-                        all.get_or_default().sent(1, 5);
-                        all.get_or_default().request(1, qos != 1);
-                    }
-                });
-            }
-        });
-        all.get_or_default().received(0, 7);
-        let sum = Traffic::add_up(&all);
-        // QoS 3 (not one) counts as 2, as the Prometheus counters did.
-        assert_eq!(sum.received, [1_001, 1_000, 2_000]);
-        assert_eq!(sum.bytes_received, 12_007);
-        assert_eq!(sum.sent, [0, 4_000, 0]);
-        assert_eq!(sum.bytes_sent, 20_000);
-        assert_eq!(sum.requests[1], [3_000, 1_000]);
-        assert_eq!(sum.requests[0], [0, 0]);
-    }
 
     /// The process-wide totals see what this thread counted.
     #[test]
