@@ -1,34 +1,29 @@
-//! The broker's wall clock.
+//! The broker's clocks: the wall clock, and the counter that measures how
+//! long something took.
 //!
-//! One function, so that the store service, persistence and anything else
+//! One place, so that the store service, persistence and anything else
 //! that stamps time read the same clock (and nothing imports the service
 //! just to know the time).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// `clock`'s reading as seconds and nanoseconds (0, 0 if it fails, which
-/// for these two clocks it does not).
-fn read(clock: libc::clockid_t) -> (u64, u64) {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid, writable timespec for the call.
-    let failed = unsafe { libc::clock_gettime(clock, &mut now) } != 0;
-    match (u64::try_from(now.tv_sec), u64::try_from(now.tv_nsec)) {
-        (Ok(secs), Ok(nanos)) if !failed => (secs, nanos),
-        _ => (0, 0),
-    }
-}
-
-/// Milliseconds since the Unix epoch (0 if the system clock is before it).
+/// Milliseconds since the Unix epoch (0 if the system clock is before it,
+/// or cannot be read).
 ///
 /// Read with `clock_gettime` itself: every state store request reads it,
 /// and `SystemTime::now().duration_since(UNIX_EPOCH)` added ~60
 /// instructions of checked arithmetic to the call.
 pub fn now_ms() -> u64 {
-    let (secs, nanos) = read(libc::CLOCK_REALTIME);
-    secs * 1_000 + nanos / 1_000_000
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec for the call.
+    let failed = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) } != 0;
+    match (u64::try_from(now.tv_sec), u64::try_from(now.tv_nsec)) {
+        (Ok(secs), Ok(nanos)) if !failed => secs * 1_000 + nanos / 1_000_000,
+        _ => 0,
+    }
 }
 
 /// A reading of the processor's time-stamp counter, for how long something
