@@ -398,7 +398,28 @@ def describe_machine():
     caches = ", ".join(f"{level} {info[level + ' cache']}"
                        for level in ("L1d", "L2", "L3") if level + " cache" in info)
     model = info.get("Model name")
-    return ", ".join(x for x in (model, machine, caches) if x)
+    guest = info.get("Hypervisor vendor") and f"{info['Hypervisor vendor']} guest"
+    return ", ".join(x for x in (model, machine, caches, guest, describe_idle()) if x)
+
+
+def describe_idle():
+    """How an idle core waits: on a virtual machine that halts its idle
+    cores, a request to an idle server waits for the host to wake it
+    (one connection: p50 91-95 us here for either server, 11-12 us with
+    the guest polling 200 us before it halts; see docs/performance.md,
+    thirty-ninth session). None where the kernel does not say."""
+    base = "/sys/devices/system/cpu/cpuidle/"
+    try:
+        with open(base + "current_driver") as f:
+            driver = f.read().strip()
+    except OSError:
+        return None
+    try:
+        with open("/sys/module/haltpoll/parameters/guest_halt_poll_ns") as f:
+            poll = f.read().strip()
+        return f"idle {driver}, guest_halt_poll_ns {poll}"
+    except OSError:
+        return f"idle {driver}"
 
 
 def main():
