@@ -300,13 +300,23 @@ fn request_packet(
 
 /// A persisted SET is answered once it is on disk; its PUBACK waits with it
 /// and both leave in one write, so the client reads them at once
-/// (`connection/hold.rs`). A PUBACK whose answer goes to another client's
-/// topic is not kept waiting for an answer that will not come to it.
+/// (`connection/hold.rs`). A PUBACK whose answer does not go straight to
+/// its client (another client's topic, no subscriber at all, or a topic
+/// another client shares, through the router) is not kept waiting for
+/// an answer that will not come that way: the store tells the connection
+/// once the answer is out (`ToConnection::AnswersOut`).
 #[tokio::test]
 async fn a_persisted_set_is_acknowledged_with_its_answer() {
     use common::raw::v5::Packet;
     use rumqttc::v5::mqttbytes::QoS;
-    use tokio::io::AsyncReadExt;
+
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum To {
+        Requester,
+        Other,
+        Nobody,
+        Shared,
+    }
 
     let dir = tempfile::tempdir().unwrap();
     let broker = start(dir.path(), &[]).await;
@@ -314,45 +324,87 @@ async fn a_persisted_set_is_acknowledged_with_its_answer() {
     c.ensure_response_subscription().await;
     let mut other = Raw::connect(broker.local_addr(), "listener").await;
     other.subscribe("answers/elsewhere", QoS::AtLeastOnce).await;
+    let shared = "answers/shared";
+    c.subscribe(shared, QoS::AtLeastOnce).await;
+    other.subscribe(shared, QoS::AtLeastOnce).await;
 
-    for (round, elsewhere) in [(1u8, false), (2, true), (3, false)] {
+    let rounds = [
+        To::Requester,
+        To::Other,
+        To::Requester,
+        To::Nobody,
+        To::Shared,
+        To::Requester,
+    ];
+    for (round, to) in rounds.into_iter().enumerate() {
+        let round = round as u8;
         let mut publish = persisted_set(&mut c, b"held-key", &[round], &[round]);
-        if elsewhere {
+        let topic = match to {
+            To::Requester => None,
+            To::Other => Some("answers/elsewhere"),
+            To::Nobody => Some("answers/nobody"),
+            To::Shared => Some(shared),
+        };
+        if let Some(topic) = topic {
             let properties = publish.properties.as_mut().unwrap();
-            properties.response_topic = Some("answers/elsewhere".into());
+            properties.response_topic = Some(topic.into());
         }
         let pkid = publish.pkid;
         c.send(Packet::Publish(publish)).await;
 
-        let mut buf = vec![0u8; 4096];
-        let n = tokio::time::timeout(Duration::from_secs(10), c.stream.read(&mut buf))
-            .await
-            .expect("an answer within 10 s")
-            .unwrap();
-        let mut bytes = bytes::BytesMut::from(&buf[..n]);
-        let mut packets = Vec::new();
-        while let Ok(packet) = Packet::read(&mut bytes, None) {
-            packets.push(packet);
-        }
-        assert!(bytes.is_empty(), "round {round}: whole packets only");
+        let packets = read_once(&mut c, Duration::from_secs(10)).await;
         match packets.first() {
             Some(Packet::PubAck(ack)) => assert_eq!(ack.pkid, pkid, "round {round}"),
-            other => panic!("round {round}: expected the PUBACK first, got {other:?}"),
+            other => panic!("round {round} ({to:?}): expected the PUBACK first, got {other:?}"),
         }
-        if elsewhere {
-            assert_eq!(packets.len(), 1, "round {round}: the answer went elsewhere");
-            let answer = other.next_publish().await;
-            assert_eq!(&answer.payload[..], b"+OK\r\n");
-        } else {
-            // Read at once: PUBACK and answer were written together.
-            assert_eq!(packets.len(), 2, "round {round}: {packets:?}");
-            match &packets[1] {
-                Packet::Publish(answer) => assert_eq!(&answer.payload[..], b"+OK\r\n"),
-                other => panic!("round {round}: expected the answer, got {other:?}"),
+        match to {
+            To::Requester => {
+                // Read at once: PUBACK and answer were written together.
+                assert_eq!(packets.len(), 2, "round {round}: {packets:?}");
+                match &packets[1] {
+                    Packet::Publish(answer) => assert_eq!(&answer.payload[..], b"+OK\r\n"),
+                    other => panic!("round {round}: expected the answer, got {other:?}"),
+                }
             }
+            To::Other | To::Nobody => {
+                assert_eq!(packets.len(), 1, "round {round} ({to:?}): {packets:?}");
+            }
+            To::Shared => {
+                // Through the router, to both: not necessarily in the
+                // PUBACK's write.
+                let mut answers = packets[1..].to_vec();
+                if answers.is_empty() {
+                    answers = read_once(&mut c, Duration::from_secs(10)).await;
+                }
+                match answers.as_slice() {
+                    [Packet::Publish(answer)] => assert_eq!(&answer.payload[..], b"+OK\r\n"),
+                    other => panic!("round {round}: expected the answer, got {other:?}"),
+                }
+            }
+        }
+        if matches!(to, To::Other | To::Shared) {
+            let answer = other.next_publish().await;
+            assert_eq!(&answer.payload[..], b"+OK\r\n", "round {round}");
         }
     }
     broker.shutdown(Duration::from_secs(2)).await;
+}
+
+/// The whole packets of one read (within `limit`).
+async fn read_once(c: &mut Raw, limit: Duration) -> Vec<common::raw::v5::Packet> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(limit, c.stream.read(&mut buf))
+        .await
+        .expect("a packet in time")
+        .unwrap();
+    let mut bytes = bytes::BytesMut::from(&buf[..n]);
+    let mut packets = Vec::new();
+    while let Ok(packet) = common::raw::v5::Packet::read(&mut bytes, None) {
+        packets.push(packet);
+    }
+    assert!(bytes.is_empty(), "whole packets only");
+    packets
 }
 
 /// While the disk stalls (the `stall_disk` fault), a client sending
@@ -476,6 +528,65 @@ async fn a_stalled_disk_holds_only_the_answers_that_could_show_its_changes() {
     let page = String::from_utf8_lossy(&answers[1].1);
     assert!(page.contains("held") && page.contains("other"), "{page}");
     assert_eq!(store.answers_waiting(), 0);
+    broker.shutdown(Duration::from_secs(2)).await;
+}
+
+/// A GET that waits for a persisted change (the disk stalls) and whose
+/// answer is too large for its client's Maximum Packet Size: the answer is
+/// discarded where it reaches the client's connection, and the GET's
+/// PUBACK, held to leave with it, goes anyway once the change is on disk
+/// (`connection/hold.rs`; the connection that sees the discarded answer
+/// before the store's answered position moves is the machine's test
+/// `a_delivery_that_writes_nothing_ends_the_acknowledgements_hold`).
+#[tokio::test]
+async fn an_answer_too_large_for_its_client_leaves_its_acknowledgement_free() {
+    use common::raw::{Recv, v5::Packet};
+
+    let dir = tempfile::tempdir().unwrap();
+    let broker = start_with_faults(dir.path()).await;
+    let mut writer = Raw::connect(broker.local_addr(), "big-writer").await;
+    writer.ensure_response_subscription().await;
+    let (mut reader, connack) = Raw::connect_with(broker.local_addr(), "small-reader", |c| {
+        c.0.properties = Some(rumqttc::v5::mqttbytes::v5::ConnectProperties {
+            max_packet_size: Some(512),
+            ..rumqttc::v5::mqttbytes::v5::ConnectProperties::new()
+        });
+    })
+    .await;
+    assert_eq!(connack.code, common::raw::v5::ConnectReturnCode::Success);
+    reader.ensure_response_subscription().await;
+    broker.faults().stall_disk(Duration::from_secs(60)).unwrap();
+
+    let big = vec![b'x'; 2000];
+    let set_big = persisted_set(&mut writer, b"big", &big, b"w1");
+    writer.send(Packet::Publish(set_big)).await;
+    let get_big = request_packet(&mut reader, &[b"GET", b"big"], false, b"r1");
+    let pkid = get_big.pkid;
+    reader.send(Packet::Publish(get_big)).await;
+    let store = broker.store();
+    common::eventually("the SET and the GET wait", || store.answers_waiting() == 2).await;
+    assert!(
+        matches!(
+            reader.recv_within(Duration::from_millis(200)).await,
+            Recv::Timeout
+        ),
+        "the GET's PUBACK waits with its answer"
+    );
+
+    broker.faults().stall_disk(Duration::ZERO).unwrap();
+    let answer = writer.next_publish().await;
+    assert_eq!(&answer.payload[..], b"+OK\r\n");
+    match reader.recv_within(Duration::from_secs(10)).await {
+        Recv::Packet(Packet::PubAck(ack)) => assert_eq!(ack.pkid, pkid),
+        other => panic!("expected the GET's PUBACK, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            reader.recv_within(Duration::from_millis(200)).await,
+            Recv::Timeout
+        ),
+        "the answer, too large, is not sent"
+    );
     broker.shutdown(Duration::from_secs(2)).await;
 }
 

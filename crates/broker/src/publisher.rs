@@ -163,14 +163,15 @@ impl Publisher {
     /// Delivers `message` straight to `client` when it is the only subscriber
     /// of the message's topic (on `route` while it holds, see
     /// [`crate::sessions::Route`]), through the router otherwise (and when
-    /// the client's connection cannot take it).
-    pub fn publish_for(&self, client: &str, route: Option<&Route>, message: Direct) {
+    /// the client's connection cannot take it). `true`: it went straight
+    /// to the client's connection.
+    pub fn publish_for(&self, client: &str, route: Option<&Route>, message: Direct) -> bool {
         let delivered = match route {
             Some(route) => self.sessions.deliver_on(client, route, message),
             None => self.sessions.deliver_to_only_subscriber(client, message),
         };
         match delivered {
-            Ok(()) => {}
+            Ok(()) => return true,
             Err(Undelivered::NoRecipient(message)) => self.route(vec![*message]),
             Err(Undelivered::Overflow) => {
                 tracing::debug!(
@@ -179,19 +180,29 @@ impl Publisher {
                 );
             }
         }
+        false
     }
 
     /// The answer in `here` (to `client`) left there for the connection
     /// `route` leads to, to be delivered by that connection's own task
     /// (see [`Sessions::take_on`]); otherwise taken out and published as
-    /// [`Publisher::publish_for`] does.
-    pub fn take_or_publish(&self, client: &str, route: &Route, here: &mut Option<Answer>) {
+    /// [`Publisher::publish_for`] does. `true`: it is the client's
+    /// connection's, here or in its mailbox.
+    pub fn take_or_publish(&self, client: &str, route: &Route, here: &mut Option<Answer>) -> bool {
         if let Some(answer) = here
             && !self.sessions.take_on(route, answer)
             && let Some(answer) = here.take()
         {
-            self.publish_for(client, Some(route), answer.into_direct());
+            return self.publish_for(client, Some(route), answer.into_direct());
         }
+        here.is_some()
+    }
+
+    /// Tells `client`'s connection that answers it may hold
+    /// acknowledgements for went elsewhere (see
+    /// [`crate::sessions::ToConnection::AnswersOut`]).
+    pub fn answers_out(&self, client: &str) {
+        self.sessions.answers_out(client);
     }
 
     /// Publishes through the router, as the broker, at QoS 1 (QoS 0 stays 0).

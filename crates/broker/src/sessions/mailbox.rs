@@ -32,6 +32,12 @@ pub enum ToConnection {
     /// messages came before this): what the router gives the session may
     /// go out now, after them.
     HandoverDone,
+    /// Answers this connection's held acknowledgements wait for are out,
+    /// but did not come here (they went to another client's Response
+    /// Topic, through the router, or nowhere): what `connection/hold.rs`
+    /// holds for them may go. Sent after the store's answered position
+    /// moved past them, at most once a group commit per client.
+    AnswersOut,
 }
 
 /// The bound on what waits for one connection: direct deliveries queued,

@@ -173,6 +173,13 @@ impl Sessions {
         self.tell(client, ToConnection::HandoverDone);
     }
 
+    /// Tells `client`'s connection that answers it may hold
+    /// acknowledgements for are out elsewhere (see
+    /// [`ToConnection::AnswersOut`]); nothing if it is not connected.
+    pub fn answers_out(&self, client: &str) {
+        self.tell(client, ToConnection::AnswersOut);
+    }
+
     /// Tells `client`'s connection to end with DISCONNECT `reason` (a
     /// fault, see [`crate::faults`]); `false` if it is not connected.
     pub fn disconnect(&self, client: &str, reason: protocol::DisconnectReasonCode) -> bool {

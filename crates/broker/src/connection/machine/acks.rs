@@ -81,12 +81,16 @@ impl Machine {
         }
     }
 
-    /// The earliest batch something here waits for: acknowledgements held
-    /// for the disk or for their answers, and reading stopped at the bound.
+    /// The earliest batch the connection waits on the answered position
+    /// for: acknowledgements the gate holds for the disk, those held for
+    /// answers that will not come (requests sent again, see `hold.rs`),
+    /// and reading stopped at the bound. (The other acknowledgements held
+    /// for their answers are woken by the answer, or by the store's
+    /// `AnswersOut`.)
     pub fn waiting_for(&self) -> Option<Batch> {
         // Pairwise rather than an array's `flatten().min()`: asked at
         // every turn, that cost ~50 instructions a request.
-        let held = earliest(self.gate.waits().batch, self.ack_hold.waiting_for());
+        let held = earliest(self.gate.waits().batch, self.ack_hold.watched());
         earliest(held, self.awaited_full())
     }
 

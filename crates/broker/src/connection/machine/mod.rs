@@ -540,7 +540,15 @@ impl Machine {
     pub fn on_broker(&mut self, message: ToConnection) -> Result<(), End> {
         match message {
             ToConnection::Deliver(direct) => {
+                let before = self.wbuf.len();
                 self.out.deliver(*direct, self.protocol, &mut self.wbuf);
+                if self.wbuf.len() == before {
+                    // It wrote nothing (it waits for the client's Receive
+                    // Maximum, or was too large for the client), and it
+                    // may be the answer held acknowledgements wait for,
+                    // which the store will not say is out: they go now.
+                    self.ack_hold.end();
+                }
                 Ok(())
             }
             ToConnection::TakenOver => Err(End::TakenOver),
@@ -550,6 +558,9 @@ impl Machine {
             // The driver's: it ends the link's hold (see
             // `link::RouterLink::hold_until`).
             ToConnection::HandoverDone => Ok(()),
+            // Nothing to take: the driver's loop looks at what the write
+            // buffer holds back after every turn (see `hold.rs`).
+            ToConnection::AnswersOut => Ok(()),
         }
     }
 

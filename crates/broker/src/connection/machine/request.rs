@@ -74,7 +74,7 @@ impl Machine {
                 "request sent again: acknowledged, not run again"
             );
             self.ack_hold
-                .acknowledged(before_ack, self.wbuf.len(), wait);
+                .acknowledged(before_ack, self.wbuf.len(), wait, true);
             return Ok(());
         }
         let kept = self.session_expiry > 0;
@@ -120,7 +120,7 @@ impl Machine {
                         // The acknowledgement may wait for the answer, and
                         // reading stops while too many wait (see hold.rs).
                         self.ack_hold
-                            .acknowledged(before_ack, self.wbuf.len(), wait);
+                            .acknowledged(before_ack, self.wbuf.len(), wait, false);
                         // The answer, if it went out at once, after its
                         // acknowledgement.
                         if let Some(answer) = &mut answer {

@@ -482,3 +482,34 @@ async fn the_router_ids_are_the_sessions_block_to_the_client() {
     ));
     assert_eq!(m.out.in_flight(), 0);
 }
+
+/// A delivery that writes nothing (too large for the client, or waiting
+/// for its Receive Maximum) may be the answer that held acknowledgements
+/// wait for, and the store will not say it went elsewhere: they go (see
+/// `hold.rs`).
+#[tokio::test]
+async fn a_delivery_that_writes_nothing_ends_the_acknowledgements_hold() {
+    let (mut m, _disk) = machine(true).await;
+    // A persisted request's PUBACK, held to leave with its answer.
+    m.ack(1, 9, true);
+    let len = m.wbuf.len();
+    m.ack_hold.acknowledged(0, len, Batch::new(5), false);
+    assert!(m.may_hold_output(), "held for its answer");
+    // The answer, larger than the client's Maximum Packet Size (1 MiB).
+    m.on_broker(ToConnection::Deliver(Box::new(Direct {
+        topic: Bytes::from_static(b"clients/c1/response"),
+        payload: Bytes::from(vec![b'x'; 2 << 20]),
+        properties: PublishProperties::default().into(),
+        qos: 1,
+        handed_over: false,
+        retain: false,
+        kept_pkid: None,
+        on_done: None,
+    })))
+    .unwrap();
+    assert!(!m.may_hold_output(), "the answer was discarded: all goes");
+    assert!(matches!(
+        written(&mut m)[..],
+        [Packet::PubAck(PubAck { pkid: 9, .. }, _)]
+    ));
+}

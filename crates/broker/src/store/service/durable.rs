@@ -3,7 +3,11 @@
 //! the disk in the order they happened), and its answer waits until what
 //! it could show is durable (its own changes and everything queued before
 //! them, or the pending changes of the key it reads: see `pending.rs`).
-//! One task publishes what waited each time the durable position moves.
+//! One task publishes what waited each time the durable position moves,
+//! and then tells each requester whose answer went elsewhere (another
+//! client's Response Topic, the router, nowhere) that it is out: its
+//! connection holds the acknowledgement for the answer (see
+//! `connection/hold.rs`) and is woken by the answer, or by that.
 
 use std::sync::Arc;
 
@@ -115,15 +119,19 @@ impl StateStoreService {
     }
 
     /// Publishes, in batch order, what waited for batches up to the durable
-    /// position, read under the waiting lock (see `publish_when_durable`).
-    /// `ready`: the durable task's own vector, empty, kept between calls
-    /// for its room (a group commit releases dozens of answers: collected
-    /// into a new vector each time, it grew by reallocating and copying
-    /// them, ~400 instructions a persisted write).
+    /// position, read under the waiting lock (see `publish_when_durable`);
+    /// then moves the answered position on, and only then tells the
+    /// requesters whose answers did not go straight to their connection
+    /// (a connection told looks at that position). `ready`, `elsewhere`:
+    /// the durable task's own vectors, empty, kept between calls for their
+    /// room (a group commit releases dozens of answers: collected into a
+    /// new vector each time, it grew by reallocating and copying them,
+    /// ~400 instructions a persisted write).
     fn publish_durable(
         &self,
         durable: &mut tokio::sync::watch::Receiver<Position>,
         ready: &mut Vec<Waiting>,
+        elsewhere: &mut Vec<String>,
     ) {
         let durable = {
             let mut waiting = self.waiting.lock();
@@ -140,13 +148,25 @@ impl StateStoreService {
             ready.sort_by_key(|w| w.batch);
         }
         for mut w in ready.drain(..) {
-            self.publish_outcome(w.reply.as_mut(), &mut w.outcome, None);
+            let straight = self.publish_outcome(w.reply.as_mut(), &mut w.outcome, None);
+            if !straight && let Some(reply) = w.reply {
+                elsewhere.push(reply.requester.into_owned());
+            }
         }
         // Room for a burst (what a stalled disk released at once) is let go.
         if ready.capacity() > KEEP_READY {
             *ready = Vec::new();
         }
         self.published.send_replace(durable);
+        // Once each (a client with many answers elsewhere in one commit).
+        elsewhere.sort_unstable();
+        elsewhere.dedup();
+        for requester in elsewhere.drain(..) {
+            self.publisher.answers_out(&requester);
+        }
+        if elsewhere.capacity() > KEEP_READY {
+            *elsewhere = Vec::new();
+        }
     }
 }
 
@@ -156,11 +176,11 @@ pub(super) async fn durable_task(
     service: std::sync::Weak<StateStoreService>,
     mut durable: tokio::sync::watch::Receiver<Position>,
 ) {
-    let mut ready = Vec::new();
+    let (mut ready, mut elsewhere) = (Vec::new(), Vec::new());
     while durable.changed().await.is_ok() {
         let Some(service) = service.upgrade() else {
             return;
         };
-        service.publish_durable(&mut durable, &mut ready);
+        service.publish_durable(&mut durable, &mut ready, &mut elsewhere);
     }
 }

@@ -70,15 +70,18 @@ impl StateStoreService {
 
     /// Delivers the response and the notifications of an outcome (its
     /// answer and the reply's destination taken out of them).
-    /// `here`: see [`Self::serve_here`].
+    /// `here`: see [`Self::serve_here`]. `true`: the answer went straight
+    /// to its requester's connection (its mailbox, or `here`), which its
+    /// acknowledgement may be held for (see `durable.rs`).
     pub(super) fn publish_outcome(
         &self,
         reply: Option<&mut Reply<'_>>,
         outcome: &mut Outcome,
         here: Option<&mut Option<Answer>>,
-    ) {
+    ) -> bool {
         let payload = std::mem::take(&mut outcome.payload);
         let timestamp = std::mem::take(&mut outcome.timestamp);
+        let mut straight = false;
         if let Some(reply) = reply {
             let took = reply.started.elapsed();
             crate::metrics::store_request(reply.command, reply.ok, took);
@@ -101,13 +104,17 @@ impl StateStoreService {
                     (Some(here), Some(route)) => {
                         // Made where the connection finds it (not moved there).
                         *here = Some(binding::answer(to, payload, timestamp));
-                        self.publisher
+                        straight = self
+                            .publisher
                             .take_or_publish(&reply.requester, route, here);
                     }
                     (_, route) => {
                         let answer = binding::answer(to, payload, timestamp);
-                        self.publisher
-                            .publish_for(&reply.requester, route, answer.into_direct());
+                        straight = self.publisher.publish_for(
+                            &reply.requester,
+                            route,
+                            answer.into_direct(),
+                        );
                     }
                 }
                 drop(ticket);
@@ -147,5 +154,6 @@ impl StateStoreService {
                 }
             }
         }
+        straight
     }
 }
