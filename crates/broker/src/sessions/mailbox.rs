@@ -99,6 +99,21 @@ impl QueueBound {
 }
 
 impl Direct {
+    /// A plain QoS 1 message on `topic`, for tests.
+    #[cfg(test)]
+    pub(crate) fn qos1(topic: &'static [u8], payload: Bytes) -> Direct {
+        Direct {
+            topic: Bytes::from_static(topic),
+            payload,
+            properties: PublishProperties::default().into(),
+            qos: 1,
+            handed_over: false,
+            retain: false,
+            kept_pkid: None,
+            on_done: None,
+        }
+    }
+
     /// `publish`, handed over from another node for one client's session
     /// (its `handed_over` field set): at its QoS, but a QoS 2 message in
     /// flight to the client under `kept_pkid` (see [`Direct::kept_pkid`]).

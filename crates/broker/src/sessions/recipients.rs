@@ -118,7 +118,6 @@ pub(super) mod tests {
     use std::sync::Arc;
 
     use bytes::Bytes;
-    use router::protocol::PublishProperties;
     use tokio::sync::mpsc;
 
     use super::*;
@@ -127,16 +126,7 @@ pub(super) mod tests {
 
     /// A message on `resp/a`.
     pub(in crate::sessions) fn msg() -> Direct {
-        Direct {
-            topic: Bytes::from_static(b"resp/a"),
-            payload: Bytes::new(),
-            properties: PublishProperties::default().into(),
-            qos: 1,
-            handed_over: false,
-            retain: false,
-            kept_pkid: None,
-            on_done: None,
-        }
+        Direct::qos1(b"resp/a", Bytes::new())
     }
 
     /// A router whose subscriptions the tests set up through real links.

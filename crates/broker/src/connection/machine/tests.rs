@@ -252,17 +252,7 @@ async fn a_state_store_request_is_served_here_and_answers_come_straight() {
         "the store ran it"
     );
     // The broker's answer comes straight, numbered above the router's ids.
-    m.on_broker(ToConnection::Deliver(Box::new(Direct {
-        topic: Bytes::from_static(b"clients/c1/response"),
-        payload: Bytes::from_static(b"+OK\r\n"),
-        properties: PublishProperties::default().into(),
-        qos: 1,
-        handed_over: false,
-        retain: false,
-        kept_pkid: None,
-        on_done: None,
-    })))
-    .unwrap();
+    m.on_broker(answer(Bytes::from_static(b"+OK\r\n"))).unwrap();
     let Packet::Publish(answer, _) = &written(&mut m)[0] else {
         panic!("no answer")
     };
@@ -496,20 +486,16 @@ async fn a_delivery_that_writes_nothing_ends_the_acknowledgements_hold() {
     m.ack_hold.acknowledged(0, len, Batch::new(5), false);
     assert!(m.may_hold_output(), "held for its answer");
     // The answer, larger than the client's Maximum Packet Size (1 MiB).
-    m.on_broker(ToConnection::Deliver(Box::new(Direct {
-        topic: Bytes::from_static(b"clients/c1/response"),
-        payload: Bytes::from(vec![b'x'; 2 << 20]),
-        properties: PublishProperties::default().into(),
-        qos: 1,
-        handed_over: false,
-        retain: false,
-        kept_pkid: None,
-        on_done: None,
-    })))
-    .unwrap();
+    m.on_broker(answer(Bytes::from(vec![b'x'; 2 << 20])))
+        .unwrap();
     assert!(!m.may_hold_output(), "the answer was discarded: all goes");
     assert!(matches!(
         written(&mut m)[..],
         [Packet::PubAck(PubAck { pkid: 9, .. }, _)]
     ));
+}
+
+/// An answer to `c1`, as the store delivers it straight.
+fn answer(payload: Bytes) -> ToConnection {
+    ToConnection::Deliver(Box::new(Direct::qos1(b"clients/c1/response", payload)))
 }
