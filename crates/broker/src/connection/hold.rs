@@ -138,7 +138,7 @@ impl AckHold {
         {
             return true;
         }
-        *self = AckHold::default();
+        self.end();
         false
     }
 }
